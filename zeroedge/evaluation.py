@@ -1,0 +1,56 @@
+"""Perplexity under the long-document protocol (as LazyLLM evaluates): prefill the first N - C
+tokens with the mechanisms on, then score the last C tokens teacher-forced on that cache, dense."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from zeroedge.mechanisms.pad import ZeroRuntime, flops_summary
+
+
+def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                 reduction="sum"))
+
+
+@torch.inference_mode()
+def continuation_ppl(model, ids: torch.Tensor, continuation: int = 1024,
+                     runtime: ZeroRuntime | None = None) -> dict:
+    """ids: (1, N). Returns ppl of the last `continuation` tokens, prefill time and FLOP stats."""
+    N = ids.shape[1]
+    P = N - continuation
+    model.setup_cache(1, N)
+    try:
+        if runtime is not None:
+            runtime.reset_stats()
+            runtime.active, runtime.limit = True, None
+        t0 = time.perf_counter()
+        h = model.hidden_states(ids[:, :P], start=0)
+        prefill_s = time.perf_counter() - t0
+        stats = flops_summary(model, runtime) if runtime is not None else {}
+        if runtime is not None:
+            runtime.active = False
+        first = model.lm_head(h[:, -1:])
+        rest = model(ids[:, P:N - 1], start=P)
+        nll = nll_sum(torch.cat([first, rest], 1), ids[:, P:N])
+    finally:
+        model.drop_cache()
+        if runtime is not None:
+            runtime.active = False
+    return {"ppl": math.exp(nll / continuation), "prefill_s": prefill_s, **stats}
+
+
+@torch.inference_mode()
+def all_tokens_ppl(model, ids: torch.Tensor, runtime: ZeroRuntime | None = None) -> float:
+    """Every token teacher-forced in one pass, mechanisms on for every position."""
+    if runtime is not None:
+        runtime.active, runtime.limit = True, None
+    try:
+        logits = model(ids[:, :-1])
+    finally:
+        if runtime is not None:
+            runtime.active = False
+    return math.exp(nll_sum(logits, ids[:, 1:]) / (ids.shape[1] - 1))

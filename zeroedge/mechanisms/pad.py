@@ -1,0 +1,192 @@
+"""PAD in prefill: skip the FFN of low-importance tokens for real, by compaction.
+
+`ZeroMLP` wraps a block's MLP: it scores the tokens (SIH, or a peer's scorer for benchmarks),
+decides a keep mask, gathers the kept rows, runs the FFN on them only, and scatters the result back
+over the anchor's output (or zeros). The FLOPs of skipped rows are never spent.
+
+`install(model, policies, runtime)` swaps the wrappers in; `runtime.active` turns them on and off,
+so one model can prefill with the mechanisms and score a continuation dense.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, protect, smooth
+
+MIN_TOKENS = 32
+
+
+class MechanismError(RuntimeError):
+    """The mechanisms were asked to run where they must not (training mode, grad enabled)."""
+
+
+@dataclass
+class LayerPolicy:
+    """How one layer decides which tokens skip the FFN.
+
+    Deployed: scorer="sih" with a threshold from the quality gate. Benchmarks: any scorer with a
+    fixed `rate` (skip that fraction of the skippable tokens with the lowest scores)."""
+    scorer: str = "sih"                  # sih | random | norm | attn | external | all
+    threshold: Optional[float] = None
+    rate: Optional[float] = None
+    sih: Optional[SIHHead] = None
+    anchor: Optional[nn.Module] = None   # None = zero output
+    block_size: int = 0
+    block_frac: float = 0.7
+
+
+@dataclass
+class ZeroRuntime:
+    active: bool = False
+    limit: Optional[int] = None          # positions >= limit are never skipped (not prompt)
+    min_tokens: int = MIN_TOKENS
+    protect_first: int = 4
+    protect_last: int = 1
+    allow_grad: bool = False             # calibration only: grads flow, decisions stay no-grad
+    seed: int = 0
+    external: dict = field(default_factory=dict)   # layer -> (B, T) scores for scorer="external"
+    stats: dict = field(default_factory=dict)      # layer -> [kept, total, anchor_flops]
+    masks: dict = field(default_factory=dict)      # layer -> last keep mask (when record_masks)
+    record_masks: bool = False
+
+    def reset_stats(self):
+        self.stats.clear()
+        self.masks.clear()
+
+
+class ZeroMLP(nn.Module):
+    def __init__(self, mlp: nn.Module, layer: int, runtime: ZeroRuntime, policy: LayerPolicy,
+                 attn: Optional[nn.Module] = None):
+        super().__init__()
+        self.mlp, self.layer, self.rt, self.policy = mlp, layer, runtime, policy
+        self.attn = attn  # for the attention-received peer
+
+    # -- decisions --------------------------------------------------------------------------
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        p, B, T = self.policy, x.shape[0], x.shape[1]
+        if p.scorer == "sih":
+            return smooth(p.sih(x), MA_WEIGHTS)
+        if p.scorer == "random":
+            g = torch.Generator().manual_seed(self.rt.seed * 1000 + self.layer)
+            return torch.rand(B, T, generator=g).to(x.device)
+        if p.scorer == "norm":
+            return x.float().norm(dim=-1)
+        if p.scorer == "attn":
+            probs = self.attn.last_probs  # (B, H, Tq, Tk): attention each key received
+            return probs.float().sum(dim=(1, 2))[:, -T:]
+        if p.scorer == "external":
+            return self.rt.external[self.layer][:, :T].to(x.device)
+        if p.scorer == "all":
+            return torch.zeros(B, T, device=x.device)
+        raise ValueError(f"unknown scorer {p.scorer}")
+
+    def decide(self, x: torch.Tensor) -> torch.Tensor:
+        p, rt = self.policy, self.rt
+        s = self.scores(x).float()
+        T = x.shape[1]
+        end = T if rt.limit is None else min(rt.limit, T)
+        if p.rate is not None:  # skip the lowest-scoring `rate` of the skippable positions
+            keep = torch.ones_like(s, dtype=torch.bool)
+            lo, hi = rt.protect_first, end - rt.protect_last
+            n_skip = int(round(p.rate * max(hi - lo, 0)))
+            if n_skip > 0:
+                idx = s[:, lo:hi].argsort(dim=1, stable=True)[:, :n_skip] + lo
+                keep.scatter_(1, idx, False)
+            if p.block_size:
+                return keep_mask(keep.float(), 0.5, rt.protect_first, rt.protect_last,
+                                 p.block_size, p.block_frac, rt.limit)
+            return protect(keep, rt.protect_first, rt.protect_last, rt.limit)
+        return keep_mask(s, p.threshold, rt.protect_first, rt.protect_last, p.block_size,
+                         p.block_frac, rt.limit)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rt, B, T, D = self.rt, x.shape[0], x.shape[1], x.shape[2]
+        if not rt.active:
+            return self.mlp(x)
+        if T < rt.min_tokens:  # short inputs bypass the mechanisms
+            self._count(B * T, B * T, 0)
+            return self.mlp(x)
+        if self.training:
+            raise MechanismError("zeroedge mechanisms are inference-only: call model.eval() first")
+        if torch.is_grad_enabled() and not rt.allow_grad:
+            raise MechanismError("zeroedge mechanisms are inference-only: run under "
+                                 "torch.no_grad() / torch.inference_mode()")
+        with torch.no_grad():
+            keep = self.decide(x)
+        if rt.record_masks:
+            rt.masks[self.layer] = keep.cpu()
+        anchor = self.policy.anchor
+        flat = x.reshape(B * T, D)
+        out = anchor(flat) if anchor is not None else flat.new_zeros(B * T, D)
+        idx = keep.reshape(-1).nonzero().squeeze(1)
+        if idx.numel():
+            out = out.index_copy(0, idx, self.mlp(flat.index_select(0, idx)))   # compaction
+        n_skip = B * T - idx.numel()
+        self._count(idx.numel(), B * T, n_skip * (anchor.flops_per_token() if anchor is not None else 0))
+        return out.view(B, T, D)
+
+    def _count(self, kept, total, anchor_flops):
+        s = self.rt.stats.setdefault(self.layer, [0, 0, 0])
+        s[0] += kept
+        s[1] += total
+        s[2] += anchor_flops
+
+
+def install(model, policies: dict, runtime: ZeroRuntime):
+    """Wrap the MLP of every layer in `policies` (layer index -> LayerPolicy)."""
+    remove(model)
+    for i, p in policies.items():
+        blk = model.layers[i]
+        if p.scorer == "attn":
+            blk.self_attn.record_probs = True
+        blk.mlp = ZeroMLP(blk.mlp, i, runtime, p, blk.self_attn).train(model.training)
+    return runtime
+
+
+def remove(model):
+    for blk in model.layers:
+        if isinstance(blk.mlp, ZeroMLP):
+            blk.mlp = blk.mlp.mlp
+        blk.self_attn.record_probs = False
+        blk.self_attn.last_probs = None
+
+
+def ffn_flops_per_token(cfg) -> int:
+    return 2 * 3 * cfg.dim * cfg.ffn_dim
+
+
+def flops_summary(model, runtime: ZeroRuntime) -> dict:
+    """FFN FLOPs of the last prefill(s): skipped fraction, gross and net of anchors and SIH heads."""
+    cfg = model.cfg
+    per = ffn_flops_per_token(cfg)
+    total_tokens = kept = anchor_flops = sih_flops = 0
+    for blk in model.layers:
+        st = runtime.stats.get(blk.index)
+        if st is None:
+            continue
+        kept += st[0]
+        total_tokens += st[1]
+        anchor_flops += st[2]
+        if isinstance(blk.mlp, ZeroMLP) and blk.mlp.policy.sih is not None and st[0] < st[1]:
+            h = blk.mlp.policy.sih
+            sih_flops += 2 * sum(p.numel() for n, p in h.named_parameters() if "weight" in n) * st[1]
+    if not total_tokens:
+        return {"ffn_flops_skipped": 0.0, "ffn_flops_skipped_gross": 0.0}
+    # every layer's FFN runs on every prefill token when dense, wrapped or not
+    dense = per * max(s[1] for s in runtime.stats.values()) * cfg.n_layers
+    gross = (total_tokens - kept) * per
+    return {"ffn_flops_skipped": (gross - anchor_flops - sih_flops) / dense,
+            "ffn_flops_skipped_gross": gross / dense,
+            "overhead_flops_fraction": (anchor_flops + sih_flops) / dense,
+            "per_layer_skip": {i: 1 - s[0] / s[1] for i, s in sorted(runtime.stats.items()) if s[1]}}
+
+
+def check_sampling(temperature: float, force: bool = False) -> bool:
+    """Mechanisms are disabled for temperature > 1.0 unless forced: pruning removes exactly the
+    tail creative sampling wants."""
+    return force or temperature <= 1.0

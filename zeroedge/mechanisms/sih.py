@@ -1,0 +1,100 @@
+"""SIH, the semantic importance head: per layer, a tiny MLP (4 linear layers, sigmoid) that reads the
+normalised FFN input of each token and scores whether the token's FFN matters. Scores are smoothed
+over the last 3 positions and thresholded into a keep mask (the same rule the CUDA plugin runs)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MA_WEIGHTS = (0.5, 1 / 3, 1 / 6)  # weights of positions t, t-1, t-2
+SIZE_BUDGET_BYTES = 12 * 1024      # per layer, fp16
+
+
+def head_params(dim: int, width: int) -> int:
+    return dim * width + width + 2 * (width * width + width) + width + 1
+
+
+def head_width(dim: int, budget: int = SIZE_BUDGET_BYTES, cap: int = 16) -> int:
+    """The widest hidden layer (<= cap) whose head fits the fp16 byte budget."""
+    w = cap
+    while w > 1 and 2 * head_params(dim, w) > budget:
+        w -= 1
+    return w
+
+
+class SIHHead(nn.Module):
+    def __init__(self, dim: int, width: int):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(dim, width), nn.Linear(width, width)
+        self.l3, self.l4 = nn.Linear(width, width), nn.Linear(width, 1)
+
+    def logits(self, x):
+        r = torch.relu
+        return self.l4(r(self.l3(r(self.l2(r(self.l1(x))))))).squeeze(-1)
+
+    def forward(self, x):
+        """x: (..., T, D) normalised hidden -> importance in (0, 1), shape (..., T)."""
+        return torch.sigmoid(self.logits(x))
+
+    def bytes_fp16(self) -> int:
+        return 2 * sum(p.numel() for p in self.parameters())
+
+    def state(self, prefix: str) -> dict:
+        ls = (self.l1, self.l2, self.l3, self.l4)
+        out = {}
+        for i, l in enumerate(ls, 1):
+            out[f"{prefix}.w{i}"], out[f"{prefix}.b{i}"] = l.weight.data, l.bias.data
+        return out
+
+    @classmethod
+    def from_state(cls, t: dict, prefix: str) -> "SIHHead":
+        w1 = t[f"{prefix}.w1"]
+        h = cls(w1.shape[1], w1.shape[0])
+        for i, l in enumerate((h.l1, h.l2, h.l3, h.l4), 1):
+            l.weight.data.copy_(t[f"{prefix}.w{i}"])
+            l.bias.data.copy_(t[f"{prefix}.b{i}"])
+        return h.eval()
+
+
+def smooth(scores: torch.Tensor, weights=MA_WEIGHTS) -> torch.Tensor:
+    """Causal weighted moving average over the last 3 positions (renormalised at the start)."""
+    w0, w1, w2 = weights
+    s1 = torch.nn.functional.pad(scores, (1, 0))[..., :-1]
+    s2 = torch.nn.functional.pad(scores, (2, 0))[..., :-2]
+    T = scores.shape[-1]
+    norm = torch.full((T,), w0 + w1 + w2, dtype=scores.dtype, device=scores.device)
+    norm[:1] = w0
+    if T > 1:
+        norm[1:2] = w0 + w1
+    return (w0 * scores + w1 * s1 + w2 * s2) / norm
+
+
+def keep_mask(score: torch.Tensor, threshold: float, protect_first: int = 4, protect_last: int = 1,
+              block_size: int = 0, block_frac: float = 0.7, limit: int | None = None) -> torch.Tensor:
+    """Bool (B, T): True = compute the FFN. Low importance = smoothed score below threshold.
+
+    Block rule (block_size > 0): a block of N tokens skips when more than block_frac of it is low;
+    otherwise every token in it is computed. Positions >= limit (not part of the prompt being
+    prefilled) are always kept; so are the first `protect_first` (attention sinks) and the last
+    `protect_last` positions of the prompt (its logits are needed)."""
+    B, T = score.shape
+    keep = score >= threshold
+    if block_size > 0:
+        nb = (T + block_size - 1) // block_size
+        low = torch.nn.functional.pad((~keep).float(), (0, nb * block_size - T), value=0.0)
+        counts = torch.full((nb,), float(block_size), device=score.device)
+        counts[-1] = T - (nb - 1) * block_size
+        frac = low.view(B, nb, block_size).sum(-1) / counts
+        keep = (frac <= block_frac).repeat_interleave(block_size, dim=1)[:, :T]
+    return protect(keep, protect_first, protect_last, limit)
+
+
+def protect(keep: torch.Tensor, protect_first: int, protect_last: int, limit: int | None):
+    keep = keep.clone()
+    T = keep.shape[1]
+    end = T if limit is None else min(limit, T)
+    keep[:, :protect_first] = True
+    if protect_last:
+        keep[:, max(end - protect_last, 0):end] = True
+    keep[:, end:] = True
+    return keep

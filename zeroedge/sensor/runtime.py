@@ -1,0 +1,250 @@
+"""Torch-free sensor inference: the one code path shared by `zeroedge daemon` and
+`zeroedge sensor-eval`.
+
+- `load_bundle(dir)` verifies a *sensor bundle* (zeroedge.bundle manifest with "kind": "sensor")
+  and returns a `Detector` on onnxruntime; `Detector.from_checkpoint(...)` gives the torch backend
+  (development only; imports torch).
+- `Detector.probs(windows)` normalises raw 52-channel frames with the bundle's normal-operation
+  statistics and returns class probabilities at the last frame of each window.
+- `StreamState` is the bounded per-stream state: a ring of the last `window` frames plus the alarm
+  filter; `Engine` feeds readings through stream states and the detector in batches and returns
+  result records. The daemon persists and restores `StreamState` through its spool.
+
+Alarm rule: score = 1 - P(normal); s = EMA(score, alpha); the alarm is raised while s > threshold.
+Both numbers come from the bundle (chosen on validation runs for a target false-alarm rate).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from zeroedge.errors import UserError
+
+CLIP = 50.0    # normalised values are clipped to +-CLIP (a broken sensor cannot blow up the model)
+
+
+class OrtBackend:
+    name = "onnxruntime"
+
+    def __init__(self, onnx_path: Path, threads: int = 1):
+        from zeroedge.errors import require
+
+        ort = require("onnxruntime", "daemon")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.input = self.sess.get_inputs()[0].name
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.sess.run(None, {self.input: x})[0]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model):
+        import torch
+
+        self.torch = torch
+        self.model = model.eval()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        with self.torch.inference_mode():
+            return self.model(self.torch.from_numpy(x))[:, -1].softmax(-1).numpy()
+
+
+class Detector:
+    def __init__(self, meta: dict, backend, bundle: Optional[Path] = None):
+        self.meta = meta
+        self.backend = backend
+        self.bundle = bundle
+        self.window = int(meta["window"])
+        self.channels = int(meta["channels"])
+        self.class_names = list(meta["class_names"])
+        norm = meta["normalisation"]
+        self.mean = np.asarray(norm["mean"], np.float32)
+        self.inv_std = (1.0 / np.asarray(norm["std"], np.float32)).astype(np.float32)
+        alarm = meta["alarm"]
+        self.threshold = float(alarm["threshold"])
+        self.alpha = float(alarm["ema_alpha"])
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> "Detector":
+        """Torch backend from a training checkpoint (.npz weights + meta)."""
+        from zeroedge.sensor.train import load_model
+
+        model, meta = load_model(path)
+        return cls(meta, TorchBackend(model))
+
+    def normalise(self, frames: np.ndarray) -> np.ndarray:
+        z = (np.asarray(frames, np.float32) - self.mean) * self.inv_std
+        return np.clip(z, -CLIP, CLIP, out=z)
+
+    def probs(self, windows: np.ndarray) -> np.ndarray:
+        """windows: (B, T, channels) raw frames, T <= window -> (B, n_classes) probabilities."""
+        return self.backend(np.ascontiguousarray(self.normalise(windows), dtype=np.float32))
+
+
+def load_bundle(path, backend: str = "onnxruntime", threads: int = 1) -> Detector:
+    from zeroedge import bundle as zb
+
+    path = Path(path)
+    m = zb.verify(path)
+    if m.get("kind") != "sensor":
+        raise UserError(f"{path}: not a sensor bundle (kind={m.get('kind')!r})")
+    meta = m["sensor"]
+    if backend == "onnxruntime":
+        be = OrtBackend(path / meta["onnx"], threads=threads)
+    elif backend == "torch":
+        from zeroedge.sensor.train import load_model
+
+        model, _ = load_model(path / meta["weights"])
+        be = TorchBackend(model)
+    else:
+        raise UserError(f"unknown backend {backend!r} (onnxruntime or torch)")
+    return Detector(meta, be, bundle=path)
+
+
+@dataclass
+class StreamState:
+    """Bounded per-stream state: last `window` frames (ring), counters and the alarm filter."""
+    sensor: str
+    window: int
+    channels: int
+    frames: np.ndarray = None          # (window, channels) ring buffer
+    n: int = 0                         # frames pushed so far (total)
+    last_seq: int = -1
+    ema: float = 0.0
+    alarm: bool = False
+    since_infer: int = 0
+    last_infer_t: float = 0.0
+
+    def __post_init__(self):
+        if self.frames is None:
+            self.frames = np.zeros((self.window, self.channels), np.float32)
+
+    def push(self, values, seq: int):
+        self.frames[self.n % self.window] = values
+        self.n += 1
+        self.last_seq = seq
+        self.since_infer += 1
+
+    def snapshot(self) -> np.ndarray:
+        """The frames in time order, oldest first (up to `window`)."""
+        k = min(self.n, self.window)
+        if self.n <= self.window:
+            return self.frames[:k].copy()
+        i = self.n % self.window
+        return np.concatenate([self.frames[i:], self.frames[:i]])
+
+    def memory_bytes(self) -> int:
+        return self.frames.nbytes
+
+    def to_row(self) -> dict:
+        return {"n": self.n, "last_seq": self.last_seq, "ema": self.ema, "alarm": int(self.alarm)}
+
+
+class Engine:
+    """Readings in, result records out: per-stream windows, batched inference, the alarm filter."""
+
+    def __init__(self, detector: Detector, infer_every: int = 1, infer_interval_s: float = 0.0):
+        self.det = detector
+        self.infer_every = max(1, int(infer_every))
+        self.infer_interval_s = float(infer_interval_s)
+        self.streams: dict[str, StreamState] = {}
+        self.latencies: list = []          # seconds per inference call / window (bounded)
+
+    def stream(self, sensor: str) -> StreamState:
+        s = self.streams.get(sensor)
+        if s is None:
+            s = self.streams[sensor] = StreamState(sensor, self.det.window, self.det.channels)
+        return s
+
+    def process(self, readings, now: Optional[float] = None) -> list:
+        """readings: iterable of (sensor, seq, values, ts). Returns result dicts in input order
+        (one per inference; with infer_every=1 one per reading)."""
+        now = time.time() if now is None else now
+        due = []                                   # (stream, seq, ts, window snapshot)
+        for sensor, seq, values, ts in readings:
+            st = self.stream(sensor)
+            st.push(values, seq)
+            if st.since_infer >= self.infer_every or (
+                    self.infer_interval_s and now - st.last_infer_t >= self.infer_interval_s):
+                due.append((st, seq, ts, st.snapshot()))
+                st.since_infer = 0
+                st.last_infer_t = now
+        return self._infer(due)
+
+    def tick(self, now: Optional[float] = None) -> list:
+        """Time-based inference: streams with unseen readings older than infer_interval_s."""
+        if not self.infer_interval_s:
+            return []
+        now = time.time() if now is None else now
+        due = [(st, st.last_seq, None, st.snapshot()) for st in self.streams.values()
+               if st.since_infer and now - st.last_infer_t >= self.infer_interval_s]
+        for st, *_ in due:
+            st.since_infer, st.last_infer_t = 0, now
+        return self._infer(due)
+
+    def _infer(self, due) -> list:
+        if not due:
+            return []
+        probs = [None] * len(due)
+        by_len: dict = {}
+        for i, d in enumerate(due):
+            by_len.setdefault(len(d[3]), []).append(i)
+        for T, idx in by_len.items():
+            for c in range(0, len(idx), 256):
+                chunk = idx[c:c + 256]
+                t0 = time.perf_counter()
+                p = self.det.probs(np.stack([due[i][3] for i in chunk]))
+                dt = time.perf_counter() - t0
+                if len(self.latencies) < 100000:
+                    self.latencies.append(dt)
+                for j, i in enumerate(chunk):
+                    probs[i] = p[j]
+        out = []
+        names = self.det.class_names
+        for (st, seq, ts, _w), p in zip(due, probs):
+            score = float(1.0 - p[0])
+            st.ema = score if st.n <= 1 else (1 - self.det.alpha) * st.ema + self.det.alpha * score
+            raised = st.ema > self.det.threshold
+            rising = raised and not st.alarm
+            st.alarm = raised
+            k = int(np.argmax(p[1:]) + 1)
+            out.append({"sensor": st.sensor, "seq": int(seq), "ts": ts, "score": round(score, 5),
+                        "ema": round(st.ema, 5), "alarm": raised, "rising": rising,
+                        "fault": names[k] if raised else "normal", "fault_guess": names[k],
+                        "p_fault": round(float(p[k]), 5)})
+        return out
+
+
+def evaluate_frames(detector: Detector, frames: np.ndarray, onset: int, sensor: str = "eval") -> dict:
+    """Run a whole run through an Engine exactly as the daemon does (infer every reading) and score
+    it: fdr, far, delay, predicted_fault (majority class named after the first sustained alarm)."""
+    from zeroedge.sensor.metrics import detection_metrics
+
+    eng = Engine(detector, infer_every=1)
+    res = []
+    for i in range(0, len(frames), 256):
+        res += eng.process([(sensor, i + j, f, None) for j, f in enumerate(frames[i:i + 256])], now=0.0)
+    alarm = np.array([r["alarm"] for r in res], bool)
+    m = detection_metrics(alarm, onset)
+    votes = [r["fault_guess"] for r in res[onset:] if r["alarm"]]
+    if votes:
+        names, counts = np.unique(votes, return_counts=True)
+        m["predicted_fault"] = str(names[np.argmax(counts)])
+    else:
+        m["predicted_fault"] = "normal"
+    m["samples"] = len(frames)
+    m["onset"] = onset
+    m["_alarm"] = alarm
+    m["_score"] = np.array([r["ema"] for r in res])
+    return m

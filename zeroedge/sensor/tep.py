@@ -1,0 +1,162 @@
+"""Tennessee Eastman runs: the 52-column text format, and generation with tep-studio.
+
+File format (as in ../shared/data/tep-braatz): whitespace-separated text, one row per sample
+(every 3 minutes = 0.05 h), 41 XMEAS then 11 XMV columns. `d00.dat` of that set is stored
+transposed (52 rows); `load_run` transposes such files.
+
+Generated runs go to a git-ignored cache (default ~/.cache/zeroedge/tep, or $ZEROEDGE_TEP_CACHE),
+one `<split>/f<FF>_s<SEED>.dat` per run plus `<split>/index.json` with the onsets. Faults 1-20 are
+tep-studio's IDV(1)..IDV(20) (the modified TEP of Bathelt, Ricker and Jelali; 16-20 are defined
+there, unlike the original's "unknown" faults); fault 21 is the standard one, the stream-4 valve
+(XMV 4) stuck at its position at onset. The closed loop is tep-studio's Ricker decentralized
+controller (not the controller Braatz used), so generated runs differ in their operating point from
+the Braatz files: normalisation is fitted per source, on that source's normal operation.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from zeroedge.errors import UserError
+from zeroedge.sensor import N_CHANNELS
+
+SAMPLE_H = 0.05            # 3 minutes between recorded samples
+CONTROL_H = 0.01           # controller interval (5 control steps per sample)
+BRAATZ = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tep-braatz"
+
+# The fixed, reproducible plan of generated runs: split -> list of (fault, seed, hours, onset_h).
+# Seeds never repeat across splits.
+def plan(split: str):
+    if split == "train":
+        runs = [(0, 1000 + s, 30.0, 0.0) for s in range(6)]
+        runs += [(f, 100 * f + s, 30.0, 2.0) for f in range(1, 22) for s in range(3)]
+    elif split == "val":
+        runs = [(0, 5000 + s, 48.0, 8.0) for s in range(2)]
+        runs += [(f, 5100 + f, 48.0, 8.0) for f in range(1, 22)]
+    elif split == "test":
+        runs = [(0, 9000 + s, 48.0, 8.0) for s in range(2)]
+        runs += [(f, 9000 + 100 * f + s, 48.0, 8.0) for f in range(1, 22) for s in range(2)]
+    else:
+        raise ValueError(split)
+    return runs
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZEROEDGE_TEP_CACHE", Path.home() / ".cache" / "zeroedge" / "tep"))
+
+
+def load_run(path) -> np.ndarray:
+    """(T, 52) float32 from a run file; transposed files (52 rows) are transposed back."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"run file not found: {path}")
+    try:
+        a = np.loadtxt(path, dtype=np.float64, ndmin=2)
+    except ValueError as e:
+        raise UserError(f"{path}: not a whitespace-separated numeric run file ({e})") from None
+    if a.shape[1] != N_CHANNELS and a.shape[0] == N_CHANNELS:
+        a = a.T
+    if a.shape[1] != N_CHANNELS:
+        raise UserError(f"{path}: expected {N_CHANNELS} columns (41 XMEAS + 11 XMV), got {a.shape[1]}")
+    return a.astype(np.float32)
+
+
+def braatz_runs():
+    """[(fault, (T,52) array, onset_sample)] for the standard training runs (fault from sample 0)."""
+    if not (BRAATZ / "d00.dat").is_file():
+        raise UserError(f"TEP training data not found in {BRAATZ}")
+    out = [(0, load_run(BRAATZ / "d00.dat"), 0)]
+    for f in range(1, 22):
+        out.append((f, load_run(BRAATZ / f"d{f:02d}.dat"), 0))
+    return out
+
+
+def stream(fault: int = 0, seed: int = 0, hours: float = 48.0, onset_h: float = 8.0,
+           magnitude: float = 1.0) -> Iterator[np.ndarray]:
+    """Yield one 52-column frame every simulated 3 minutes from the tep-studio closed loop.
+
+    Stops early if the plant shuts down (a trip). Deterministic for a given seed.
+    """
+    try:
+        from tep_studio import RickerMultiLoopController, TennesseeEastmanProcess
+    except ImportError:
+        raise UserError("the TEP simulator needs tep-studio: pip install 'zeroedge[dev]'") from None
+    sim = TennesseeEastmanProcess()
+    ctl = RickerMultiLoopController()
+    meas, _ = sim.reset(seed=float(seed))
+    ctl.reset(meas, time=sim.time)
+    per_sample = int(round(SAMPLE_H / CONTROL_H))
+    n_samples = int(round(hours / SAMPLE_H))
+    stuck: Optional[float] = None
+    idv = np.zeros(28)
+    step = 0
+    for _ in range(n_samples):
+        for _ in range(per_sample):
+            t = sim.time
+            active = fault and t >= onset_h - 1e-9
+            action, _diag = ctl.compute_action(meas, time=t)
+            action = np.array(action, dtype=np.float64)
+            idv[:] = 0.0
+            if active and fault <= 20:
+                idv[fault - 1] = magnitude
+            if active and fault == 21:          # stream-4 (A/C feed) valve stuck at onset position
+                if stuck is None:
+                    stuck = float(action[3])
+                action[3] = stuck
+            res = sim.advance(action, control_interval=CONTROL_H, disturbances=idv)
+            meas = res.measurements
+            step += 1
+            if res.shutdown_status["terminated"]:
+                return
+        yield np.concatenate([res.measurements[:41], res.implemented_action[:11]]).astype(np.float32)
+
+
+def simulate(fault: int, seed: int, hours: float, onset_h: float) -> np.ndarray:
+    frames = list(stream(fault, seed, hours, onset_h))
+    return np.stack(frames) if frames else np.zeros((0, N_CHANNELS), np.float32)
+
+
+def save_run(path: Path, data: np.ndarray):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    np.savetxt(tmp, data, fmt="%.6g")
+    tmp.replace(path)
+
+
+def generate(split: str, root: Optional[Path] = None, log=print) -> Path:
+    """Generate (or complete) the runs of `split` in the cache; returns the split folder."""
+    root = Path(root or cache_dir()) / split
+    root.mkdir(parents=True, exist_ok=True)
+    index_path = root / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    for fault, seed, hours, onset_h in plan(split):
+        name = f"f{fault:02d}_s{seed}.dat"
+        if name in index and (root / name).is_file():
+            continue
+        data = simulate(fault, seed, hours, onset_h)
+        save_run(root / name, data)
+        index[name] = {"fault": fault, "seed": seed, "hours": hours,
+                       "onset": int(round(onset_h / SAMPLE_H)) if fault else len(data),
+                       "samples": len(data)}
+        tmp = index_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+        tmp.replace(index_path)
+        log(f"[gen_tep_runs] {split}/{name}: {len(data)} samples")
+    return root
+
+
+def split_runs(split: str, root: Optional[Path] = None):
+    """[(name, fault, (T,52) array, onset)] of a generated split (generating it if missing)."""
+    d = Path(root or cache_dir()) / split
+    if not (d / "index.json").is_file() or len(json.loads((d / "index.json").read_text())) < len(plan(split)):
+        generate(split, root)
+    index = json.loads((d / "index.json").read_text())
+    out = []
+    for name in sorted(index):
+        info = index[name]
+        out.append((name, info["fault"], load_run(d / name), info["onset"]))
+    return out

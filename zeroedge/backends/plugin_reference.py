@@ -1,0 +1,117 @@
+"""PyTorch reference for the plugin nodes of zeroedge.plugin_spec (what plugins/src/kernels.cu computes).
+
+Small, readable functions that mirror the node semantics exactly; the device tests compare the CUDA
+kernels against them, and the portable ONNX functions compute the same thing. Arithmetic is float32
+(or float64 when the inputs are float64); tensors are [T, D] (no batch dimension).
+
+    keep, base   = sih(x, w1, b1, w2, b2, w3, b3, w4, b4, anchor_a, anchor_b, anchor_c, **fields)
+    xs, idx, cnt = pad_gather(x, keep)
+    out          = pad_scatter(base, y, idx)
+"""
+from __future__ import annotations
+
+from zeroedge import plugin_spec
+
+
+def sih_fields(**overrides) -> dict:
+    """The ZeroEdgeSIH fields with plugin_spec defaults filled in (threshold is required)."""
+    spec = plugin_spec.NODES["ZeroEdgeSIH"]["fields"]
+    unknown = set(overrides) - set(spec)
+    if unknown:
+        raise TypeError(f"unknown ZeroEdgeSIH fields: {sorted(unknown)}")
+    out = {k: d for k, (_, d) in spec.items()}
+    out.update(overrides)
+    missing = [k for k, v in out.items() if v is None]
+    if missing:
+        raise TypeError(f"ZeroEdgeSIH fields without a value: {missing}")
+    return out
+
+
+def sih_scores(x, w1, b1, w2, b2, w3, b3, w4, b4):
+    """Raw importance in (0, 1) per row of x [T, D]: sigmoid(l4(relu(l3(relu(l2(relu(l1(x))))))))."""
+    import torch
+
+    h = torch.relu(x @ w1.T + b1)
+    h = torch.relu(h @ w2.T + b2)
+    h = torch.relu(h @ w3.T + b3)
+    return torch.sigmoid((h @ w4.T + b4).reshape(-1))
+
+
+def smooth(scores, ma_w0: float, ma_w1: float, ma_w2: float):
+    """Causal 3-position weighted moving average, renormalised over the positions that exist.
+
+    The weights are float32 plugin fields; the normalisers are their float64 sums rounded to float32,
+    and the sum runs w0*s[t] + w1*s[t-1] + w2*s[t-2] in that order (as the kernel does)."""
+    import torch
+
+    f32 = torch.float32
+    w0, w1, w2 = (float(torch.tensor(w, dtype=f32)) for w in (ma_w0, ma_w1, ma_w2))
+    s = scores
+    s1 = torch.nn.functional.pad(s, (1, 0))[:-1]
+    s2 = torch.nn.functional.pad(s, (2, 0))[:-2]
+    T = s.shape[0]
+    norm = torch.full((T,), w0 + w1 + w2, dtype=s.dtype, device=s.device)
+    norm[:1] = w0
+    if T > 1:
+        norm[1:2] = w0 + w1
+    return (w0 * s + w1 * s1 + w2 * s2) / norm
+
+
+def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.333333, ma_w2: float = 0.166667,
+             min_tokens: int = 32, protect_first: int = 4, protect_last: int = 1, block_size: int = 0,
+             block_frac: float = 0.7, **_ignored):
+    """int32 [T] keep mask from raw scores [T] (float32): the decision half of ZeroEdgeSIH."""
+    import torch
+
+    T = scores.shape[0]
+    dev = scores.device
+    if T < min_tokens:
+        return torch.ones(T, dtype=torch.int32, device=dev)
+    thr = torch.tensor(threshold, dtype=torch.float32).item()
+    keep = smooth(scores.float(), ma_w0, ma_w1, ma_w2) >= thr
+    if block_size > 0:
+        nb = (T + block_size - 1) // block_size
+        low = torch.nn.functional.pad((~keep).float(), (0, nb * block_size - T))
+        counts = torch.full((nb,), float(block_size), device=dev)
+        counts[-1] = T - (nb - 1) * block_size
+        frac = low.view(nb, block_size).sum(-1) / counts
+        bf = torch.tensor(block_frac, dtype=torch.float32).item()
+        keep = (frac <= bf).repeat_interleave(block_size)[:T]
+    keep = keep.clone()
+    keep[:protect_first] = True
+    if protect_last > 0:
+        keep[max(T - protect_last, 0):] = True
+    return keep.to(torch.int32)
+
+
+def sih_base(x, keep, anchor_a, anchor_b, anchor_c, anchor_rank: int):
+    """[T, D]: anchor_b @ (anchor_a @ x) + anchor_c on rows with keep == 0, zero elsewhere."""
+    import torch
+
+    if anchor_rank == 0:
+        return torch.zeros_like(x)
+    anchor = (x @ anchor_a.T) @ anchor_b.T + anchor_c
+    return torch.where(keep.bool()[:, None], torch.zeros_like(anchor), anchor)
+
+
+def sih(x, w1, b1, w2, b2, w3, b3, w4, b4, anchor_a, anchor_b, anchor_c, **fields):
+    """ZeroEdgeSIH: (keep int32 [T], base [T, D]) for x [T, D]."""
+    f = sih_fields(**fields)
+    scores = sih_scores(x, w1, b1, w2, b2, w3, b3, w4, b4).float()
+    keep = sih_keep(scores, **f)
+    return keep, sih_base(x, keep, anchor_a, anchor_b, anchor_c, f["anchor_rank"])
+
+
+def pad_gather(x, keep):
+    """ZeroEdgePADGather: (xs [K, D], idx int32 [K], count int32 [1])."""
+    import torch
+
+    idx = torch.nonzero(keep != 0).reshape(-1).to(torch.int32)
+    return x[idx.long()], idx, torch.tensor([idx.numel()], dtype=torch.int32, device=x.device)
+
+
+def pad_scatter(base, y, idx):
+    """ZeroEdgePADScatter: out = base with out[idx[k]] = y[k]."""
+    out = base.clone()
+    out[idx.long()] = y
+    return out

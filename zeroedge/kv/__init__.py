@@ -1,0 +1,19 @@
+"""Thermal KV: a tiered, paged KV cache with heat, cold-page retrieval and a bandwidth-aware
+scheduler.
+
+Torch-free bookkeeping (import freely anywhere): `pages` (8-byte page-table entries, page table,
+slot window, event log), `heat` (t^-0.7 decayed, cosine-weighted heat; migration planning),
+`policy` (release levels, circuit breaker, target-aware tiers), `scheduler` (transfer records,
+NVML / jtop utilisation, deferral with hysteresis).
+Torch parts (import lazily): `tiers` (int8 / int4 pages, pinned / file-backed cold store),
+`summaries` (low-rank quantized key sketches), `evaluate` (the `zeroedge eval --kv-budget`
+contract and the eviction peers).
+"""
+from zeroedge.kv.heat import DEFAULT_THRESHOLD, HeatTracker, plan_migration
+from zeroedge.kv.pages import (EventLog, PageTable, SlotWindow, Tier, pack_entry, unpack_entry)
+from zeroedge.kv.policy import ReleaseGate, plan_tiers
+from zeroedge.kv.scheduler import BandwidthScheduler, TransferRecord
+
+__all__ = ["DEFAULT_THRESHOLD", "HeatTracker", "plan_migration", "EventLog", "PageTable",
+           "SlotWindow", "Tier", "pack_entry", "unpack_entry", "ReleaseGate", "plan_tiers",
+           "BandwidthScheduler", "TransferRecord"]

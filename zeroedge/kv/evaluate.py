@@ -1,0 +1,312 @@
+"""The thermal-KV evaluation contract and the eviction peers it is measured against.
+
+Protocol ("compress after prefill", as the peers publish it): prefill the first N - C tokens with
+full attention, then score the last C tokens teacher-forced. The budget F applies to the prefix: a
+continuation token may read F * (N - C) prefix tokens (the continuation's own keys stay hot).
+
+Methods (all see the same prefill, all read the same number of prefix tokens a step):
+
+  full          every prefix token
+  streaming     StreamingLLM: 4 sink tokens + the most recent prefix tokens
+  h2o           H2O: half heavy hitters by attention accumulated over the whole prefill, half recent
+  snapkv        SnapKV: the last 32 prefill queries' attention, max-pooled (kernel 7), + that window
+  oracle_token  per query and query head, the exact top-F prefix tokens by score (a limit)
+  oracle_page   per query and kv head, the top pages by exact max score (the retrieval limit)
+  thermal       ours: sink page and a recent window always hot; every step each kv head ranks the
+                other pages by a low-rank quantized key sketch (the summaries that stay on device)
+                and reads the best ones through a fixed slot window (fetching the pages it lacks)
+
+Every step of a decode is simulated exactly: the continuation is scored in one batched pass per
+layer, but each query's prefix mask depends only on that query and on state from earlier steps.
+"""
+from __future__ import annotations
+
+import math
+
+from zeroedge.errors import UserError
+
+METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
+
+
+# --------------------------------------------------------------------------------------------
+# validation (before any work)
+# --------------------------------------------------------------------------------------------
+def validate(n_ids: int, budget, page_size, continuation) -> int:
+    """Check the arguments; returns the prefix length. Raises UserError with one line."""
+    try:
+        b = float(budget)
+    except (TypeError, ValueError):
+        raise UserError(f"--kv-budget must be a number in (0, 1], got {budget!r}") from None
+    if not (0.0 < b <= 1.0) or math.isnan(b):
+        raise UserError(f"--kv-budget must be in (0, 1] (the hot fraction of the prefix), got {budget}")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise UserError(f"page size must be a positive integer, got {page_size!r}")
+    if not isinstance(continuation, int) or continuation < 1:
+        raise UserError(f"continuation must be a positive integer, got {continuation!r}")
+    prefix = n_ids - continuation
+    if prefix < 4 * page_size:
+        raise UserError(f"context of {n_ids} tokens leaves a prefix of {prefix} tokens before the "
+                        f"{continuation} scored ones; need at least {4 * page_size + continuation}")
+    if prefix % page_size:
+        raise UserError(f"page size {page_size} does not divide the prefix window ({prefix} tokens); "
+                        f"use a divisor of {prefix}")
+    return prefix
+
+
+# --------------------------------------------------------------------------------------------
+# the model walked layer by layer (same arithmetic as zeroedge.model.Block.forward)
+# --------------------------------------------------------------------------------------------
+def _qkv(attn, x, cos, sin):
+    from zeroedge.model import apply_rope
+
+    B, T, _ = x.shape
+    hd, nkv = attn.cfg.head_dim, attn.cfg.n_kv_heads
+    h = attn.kept_heads.numel()
+    q = attn.q_proj(x).view(B, T, h, hd).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def prefill(model, ids, stats: bool = True, chunk: int = 512, window: int = 32):
+    """Full-attention prefill. Returns dict: k, v (per layer, (nkv, P, hd)), last_logits,
+    h2o (per layer (nkv, P) attention accumulated over all prefill queries, summed over the group),
+    snap (per layer (nkv, P) attention of the last `window` queries), qwin (per layer (H, window, hd))."""
+    import torch
+    import torch.nn.functional as F
+
+    P = len(ids)
+    cfg = model.cfg
+    hd, nkv, H = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads
+    grp = H // nkv
+    with torch.no_grad():
+        tok = torch.tensor([ids])
+        cos, sin = model.rope(0, P)
+        x = model.embed_tokens(tok)
+        out = {"k": [], "v": [], "h2o": [], "snap": [], "qwin": []}
+        for blk in model.layers:
+            a = blk.self_attn
+            q, k, v = _qkv(a, blk.input_layernorm(x), cos, sin)
+            kv_index = a.kept_heads // grp
+            kk, vv = k.index_select(1, kv_index), v.index_select(1, kv_index)
+            if stats:
+                acc = torch.zeros(H, P)
+                outs = []
+                for s in range(0, P, chunk):
+                    e = min(P, s + chunk)
+                    sc = (q[0, :, s:e] @ kk[0, :, :e].transpose(-1, -2)) / math.sqrt(hd)
+                    causal = torch.arange(e)[None, :] > torch.arange(s, e)[:, None]
+                    pr = sc.masked_fill(causal, float("-inf")).softmax(-1)
+                    acc[:, :e] += pr.sum(1)
+                    outs.append(pr @ vv[0, :, :e])
+                    if e == P:
+                        snap = pr[:, -window:].sum(1)
+                o = torch.cat(outs, 1)[None]
+                out["h2o"].append(acc.view(nkv, grp, P).sum(1))
+                out["snap"].append(snap.view(nkv, grp, P).sum(1))
+                out["qwin"].append(q[0, :, -window:].clone())
+            else:
+                o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, P, -1))
+            x = x + blk.mlp(blk.post_attention_layernorm(x))
+            out["k"].append(k[0].clone())
+            out["v"].append(v[0].clone())
+        out["last_logits"] = model.lm_head(model.norm(x[:, -1:]))[0, 0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# per-layer prefix masks
+# --------------------------------------------------------------------------------------------
+def _budget_tokens(P, budget):
+    return max(1, int(round(budget * P)))
+
+
+def static_mask(method, layer, pre, budget, P, page_size=16, sinks=4, window=32, pool=7):
+    """(nkv, P) bool for the eviction peers (same set for every continuation query)."""
+    import torch
+    import torch.nn.functional as F
+
+    nkv = pre["k"][layer].shape[0]
+    B = _budget_tokens(P, budget)
+    m = torch.zeros(nkv, P, dtype=torch.bool)
+    if method == "streaming":
+        m[:, :min(sinks, B)] = True
+        rest = B - min(sinks, B)
+        if rest:
+            m[:, P - rest:] = True
+    elif method == "h2o":
+        recent = B // 2
+        if recent:
+            m[:, P - recent:] = True
+        score = pre["h2o"][layer].clone()
+        score[:, P - recent:] = -1
+        top = score.topk(B - recent, dim=-1).indices
+        m.scatter_(1, top, True)
+    elif method == "snapkv":
+        w = min(window, B)
+        m[:, P - w:] = True
+        score = pre["snap"][layer]
+        score = F.max_pool1d(score[:, None], pool, stride=1, padding=pool // 2)[:, 0]
+        score[:, P - w:] = -1
+        if B - w:
+            m.scatter_(1, score.topk(B - w, dim=-1).indices, True)
+    else:
+        raise ValueError(method)
+    return m
+
+
+class Sketch:
+    """Per-layer, per-kv-head low-rank quantized key sketch: the summaries that stay on device.
+
+    keys are centred on their mean (a per-query constant shift does not change a softmax ranking),
+    projected onto the top `rank` principal directions of this prefix's keys, and stored as signed
+    `bits`-bit codes with one scale per (page, direction). Bytes: P*rank*bits/8 + pages*rank*2
+    (fp16 scales) + the basis (hd*rank*2) per kv head."""
+
+    def __init__(self, k, page_size: int, rank: int = 16, bits: int = 4):
+        import torch
+
+        nkv, P, hd = k.shape
+        self.page_size, self.rank, self.bits = page_size, rank, bits
+        kf = k.float()
+        self.mu = kf.mean(1, keepdim=True)                          # (nkv, 1, hd)
+        c = kf - self.mu
+        # principal directions per kv head (hd x hd covariance: cheap)
+        cov = c.transpose(1, 2) @ c
+        evals, evecs = torch.linalg.eigh(cov)                       # ascending
+        self.U = evecs[:, :, -rank:].flip(-1).contiguous()          # (nkv, hd, r)
+        coords = c @ self.U                                         # (nkv, P, r)
+        n = P // page_size
+        cp = coords.view(nkv, n, page_size, rank)
+        qmax = 2 ** (bits - 1) - 1
+        scale = cp.abs().amax(2, keepdim=True).clamp_min(1e-8) / qmax
+        scale = scale.half().float()
+        codes = torch.round(cp / scale).clamp(-qmax, qmax)
+        self.coords = (codes * scale).view(nkv, P, rank)            # dequantised view
+        self.nbytes_per_head = P * rank * bits / 8 + n * rank * 2 + hd * rank * 2 + hd * 2
+
+    def nbytes(self) -> int:
+        return int(self.nbytes_per_head * self.U.shape[0])
+
+    def scores(self, q, kv_index):
+        """Approximate q.k / sqrt(hd) (up to a per-query constant): (H, T, P)."""
+        hd = q.shape[-1]
+        Ug = self.U[kv_index]                                       # (H, hd, r)
+        return (q.float() @ Ug) @ self.coords[kv_index].transpose(1, 2) / math.sqrt(hd)
+
+
+def page_scores(tok_scores, page_size, grp, how="mass"):
+    """Token scores (H, T, P) -> per kv head page scores (nkv, T, n): max over the group's query
+    heads of the page's log attention mass (softmax over the prefix per head) or of its max score."""
+    H, T, P = tok_scores.shape
+    n = P // page_size
+    if how == "mass":
+        lp = tok_scores - tok_scores.logsumexp(-1, keepdim=True)
+        ps = lp.view(H, T, n, page_size).logsumexp(-1)
+    elif how == "max":
+        lp = tok_scores - tok_scores.logsumexp(-1, keepdim=True)
+        ps = lp.view(H, T, n, page_size).amax(-1)
+    else:
+        raise ValueError(how)
+    return ps.view(H // grp, grp, T, n).amax(1)
+
+
+def topk_page_mask(ps, k, forced, page_size):
+    """ps (nkv, T, n) page scores; forced (n,) bool always read. Returns ((nkv, T, P) token mask,
+    (nkv, T, k) chosen page ids)."""
+    import torch
+
+    nkv, T, n = ps.shape
+    ps = ps.masked_fill(forced[None, None], float("-inf"))
+    k = max(0, min(k, n - int(forced.sum())))
+    chosen = ps.topk(k, dim=-1).indices if k else torch.zeros(nkv, T, 0, dtype=torch.long)
+    pm = forced[None, None].expand(nkv, T, n).clone()
+    if k:
+        pm.scatter_(2, chosen, True)
+    return pm.repeat_interleave(page_size, dim=2), chosen
+
+
+# --------------------------------------------------------------------------------------------
+# continuation
+# --------------------------------------------------------------------------------------------
+def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk=256, opts=None,
+                       stats=None):
+    """Teacher-forced pass over the continuation with the method's prefix masks.
+    Returns the per-token NLL (tensor, len(ids_cont)) of ids_cont given everything before it."""
+    import torch
+    import torch.nn.functional as F
+
+    opts = dict(opts or {})
+    cfg = model.cfg
+    hd, nkv, H = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads
+    grp = H // nkv
+    P = pre["k"][0].shape[1]
+    T = len(ids_cont)
+    n_pages = P // page_size
+    B = _budget_tokens(P, budget)
+    if stats is None:
+        stats = {}
+    with torch.no_grad():
+        tok = torch.tensor([ids_cont])
+        cos, sin = model.rope(P, T)
+        x = model.embed_tokens(tok)
+        causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]     # (T, T)
+        for li, blk in enumerate(model.layers):
+            a = blk.self_attn
+            q, k, v = _qkv(a, blk.input_layernorm(x), cos, sin)
+            kv_index = a.kept_heads // grp
+            Kp, Vp = pre["k"][li], pre["v"][li]
+            kall = torch.cat([Kp[None], k], 2).index_select(1, kv_index)
+            vall = torch.cat([Vp[None], v], 2).index_select(1, kv_index)
+            # prefix mask per query head (H, T, P) or None for full
+            if method == "full":
+                pmask = None
+            elif method in ("streaming", "h2o", "snapkv"):
+                pmask = static_mask(method, li, pre, budget, P, page_size)
+                pmask = pmask.index_select(0, kv_index)[:, None].expand(H, T, P)
+            elif method == "oracle_token":
+                sc = q[0] @ kall[0, :, :P].transpose(-1, -2)
+                pmask = torch.zeros(H, T, P, dtype=torch.bool)
+                pmask.scatter_(2, sc.topk(B, dim=-1).indices, True)
+            elif method in ("oracle_page", "thermal"):
+                kpages = max(1, B // page_size)
+                forced = torch.zeros(n_pages, dtype=torch.bool)
+                if method == "thermal":
+                    forced[: opts.get("sink_pages", 1)] = True
+                    rp = opts.get("recent_pages", 2)
+                    if rp:
+                        forced[-rp:] = True
+                if method == "oracle_page":
+                    sc = (q[0] @ kall[0, :, :P].transpose(-1, -2)) / math.sqrt(hd)
+                    how = opts.get("oracle_how", "max")
+                else:
+                    sk = Sketch(Kp, page_size, opts.get("rank", 16), opts.get("bits", 4))
+                    stats.setdefault("summary_bytes", 0)
+                    stats["summary_bytes"] += sk.nbytes()
+                    sc = sk.scores(q[0], kv_index)
+                    how = opts.get("how", "mass")
+                ps = page_scores(sc, page_size, grp, how)
+                m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
+                if method == "thermal":
+                    stats.setdefault("chosen", []).append(chosen)
+                pmask = m.index_select(0, kv_index)
+            else:
+                raise ValueError(f"unknown method {method}")
+            outs = []
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                cm = causal[s:e][None].expand(H, e - s, T)
+                if pmask is None:
+                    mask = torch.cat([torch.ones(H, e - s, P, dtype=torch.bool), cm], 2)
+                else:
+                    mask = torch.cat([pmask[:, s:e], cm], 2)
+                outs.append(F.scaled_dot_product_attention(q[:, :, s:e], kall, vall,
+                                                           attn_mask=mask[None]))
+            o = torch.cat(outs, 2)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+            x = x + blk.mlp(blk.post_attention_layernorm(x))
+        logits = model.lm_head(model.norm(x))[0]                          # (T, V)
+        # target of prefill's last logits is ids_cont[0]; continuation logits predict the rest
+        lg = torch.cat([pre["last_logits"][None], logits[:-1]], 0).float()
+        return F.cross_entropy(lg, torch.tensor(ids_cont), reduction="none")

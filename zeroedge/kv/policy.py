@@ -1,0 +1,133 @@
+"""Release levels, the circuit breaker, and the target-aware tier policy. Torch-free.
+
+Release levels (switchable at run time):
+  L0  thermal KV off (dense cache)
+  L1  requests under 512 tokens
+  L2  requests under 4096 tokens at temperature 0
+  L3  every request
+Circuit breaker: when `trip_requests` (5) consecutive requests each migrate more than
+`trip_pages` (1200) pages, drop one level and raise an alert (a log line and a metric).
+
+Tier policy (DESIGN.md section 4): on a Jetson device, host and pinned memory are the same DRAM,
+so moving a page to pinned host memory frees nothing and costs the bandwidth decode needs. There
+the cold side must be compressed (int8 / int4) or on NVMe. On a discrete GPU pinned host memory is
+a real tier; long streams spill to a file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from zeroedge.errors import UserError
+from zeroedge.kv.pages import Tier
+
+log = logging.getLogger("zeroedge.kv")
+
+LEVELS = {0: "off", 1: "requests < 512 tokens", 2: "requests < 4096 tokens, temperature 0",
+          3: "all requests"}
+
+
+class ReleaseGate:
+    """Decides per request whether thermal KV runs, and trips down a level on migration storms."""
+
+    def __init__(self, level: int = 3, trip_pages: int = 1200, trip_requests: int = 5,
+                 on_alert: Optional[Callable[[str], None]] = None):
+        self.set_level(level)
+        self.trip_pages, self.trip_requests = trip_pages, trip_requests
+        self.streak = 0
+        self.alerts: List[str] = []
+        self.metrics: Dict[str, int] = {"thermal_kv_breaker_trips": 0, "thermal_kv_requests": 0}
+        self.on_alert = on_alert
+
+    def set_level(self, level: int):
+        if level not in LEVELS:
+            raise UserError(f"release level must be one of 0, 1, 2, 3 (got {level!r})")
+        self.level = int(level)
+
+    def allows(self, n_tokens: int, temperature: float = 0.0) -> bool:
+        if self.level == 0:
+            return False
+        if self.level == 1:
+            return n_tokens < 512
+        if self.level == 2:
+            return n_tokens < 4096 and temperature == 0
+        return True
+
+    def record(self, pages_migrated: int) -> bool:
+        """Report one finished request. Returns True when this report tripped the breaker."""
+        self.metrics["thermal_kv_requests"] += 1
+        self.streak = self.streak + 1 if pages_migrated > self.trip_pages else 0
+        if self.streak >= self.trip_requests and self.level > 0:
+            old = self.level
+            self.level -= 1
+            self.streak = 0
+            msg = (f"thermal KV circuit breaker: {self.trip_requests} consecutive requests each "
+                   f"migrated more than {self.trip_pages} pages; release level L{old} -> L{self.level}")
+            self.alerts.append(msg)
+            self.metrics["thermal_kv_breaker_trips"] += 1
+            log.warning(msg)
+            if self.on_alert:
+                self.on_alert(msg)
+            return True
+        return False
+
+
+@dataclass
+class TierPlan:
+    target: str                 # "discrete" or "jetson"
+    warm: Tier                  # compressed device tier
+    cold: Tier                  # where cold pages go
+    cold_compressed: bool       # cold pages are stored int8/int4
+    cold_path: Optional[str]    # file store for FILE
+    reason: str
+
+
+def plan_tiers(target: str, stream: bool = False, cold_path: Optional[str] = None,
+               cold_bits: int = 8) -> TierPlan:
+    """Where WARM and COLD live for a target ("discrete", "jetson", "cpu")."""
+    if cold_bits not in (4, 8):
+        raise UserError(f"cold pages are stored in int8 or int4, not {cold_bits} bits")
+    warm = Tier.WARM8 if cold_bits == 8 else Tier.WARM4
+    if target == "jetson":
+        if stream or cold_path:
+            return TierPlan(target, warm, Tier.FILE, True, check_cold_path(cold_path),
+                            "Jetson: unified DRAM; long streams spill compressed pages to NVMe")
+        return TierPlan(target, warm, warm, True, None,
+                        "Jetson: unified DRAM; pinned host memory frees nothing, so cold pages "
+                        "stay compressed in place")
+    if target in ("discrete", "cpu"):
+        if stream or cold_path:
+            return TierPlan(target, warm, Tier.FILE, False, check_cold_path(cold_path),
+                            "long stream: cold pages go to a file store")
+        return TierPlan(target, warm, Tier.COLD, False, None,
+                        "discrete GPU: cold pages in pinned host memory, fetched over PCIe")
+    raise UserError(f"unknown target {target!r} (discrete, jetson or cpu)")
+
+
+def check_cold_path(path: Optional[str], need_bytes: int = 0) -> str:
+    """A cold-store folder must exist (or be creatable), be writable and have room: checked
+    before any work so a full or read-only disk never leaves a half-written cache."""
+    import shutil
+
+    path = path or os.path.join(tempfile.gettempdir(), "zeroedge-kv")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cold store {path}: cannot create ({e.strerror})") from None
+    if not os.path.isdir(path):
+        raise UserError(f"cold store {path}: not a folder")
+    if not os.access(path, os.W_OK):
+        raise UserError(f"cold store {path}: not writable")
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cold store {path}: not writable ({e.strerror})") from None
+    free = shutil.disk_usage(path).free
+    if need_bytes and free < need_bytes:
+        raise UserError(f"cold store {path}: {free} bytes free, {need_bytes} needed")
+    return path

@@ -1,0 +1,153 @@
+"""Tier storage (torch): int8 / int4 pages with per-group scales, the cold stores (pinned host
+memory on a discrete GPU, a preallocated file on NVMe for long streams), and the transfer
+handler that moves pages on its own CUDA stream and reports bytes and seconds per transfer.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from zeroedge.errors import UserError
+
+
+# --------------------------------------------------------------------------------------------
+# quantisation: symmetric, one fp16 scale per `group` consecutive values of the last dim
+# --------------------------------------------------------------------------------------------
+def quantize(x: torch.Tensor, bits: int = 8, group: int = 32):
+    if bits not in (4, 8):
+        raise ValueError("bits must be 4 or 8")
+    *lead, d = x.shape
+    if d % group:
+        raise ValueError(f"last dim {d} is not a multiple of the group {group}")
+    g = x.float().reshape(*lead, d // group, group)
+    qmax = 2 ** (bits - 1) - 1
+    scale = (g.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-8).half()
+    q = torch.round(g / scale.float()).clamp(-qmax, qmax).to(torch.int8).reshape(*lead, d)
+    if bits == 4:
+        u = (q + 8).to(torch.uint8)                     # 1..15
+        q = (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+    return q, scale.squeeze(-1)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, group: int = 32,
+               dtype=torch.float16):
+    if bits == 4:
+        lo = (q & 0xF).to(torch.int8) - 8
+        hi = (q >> 4).to(torch.int8) - 8
+        q = torch.stack([lo, hi], -1).flatten(-2)
+    *lead, d = q.shape
+    g = q.float().reshape(*lead, d // group, group) * scale.float()[..., None]
+    return g.reshape(*lead, d).to(dtype)
+
+
+def quantized_nbytes(numel: int, bits: int, group: int) -> int:
+    return numel * bits // 8 + (numel // group) * 2
+
+
+# --------------------------------------------------------------------------------------------
+# cold stores
+# --------------------------------------------------------------------------------------------
+class HostStore:
+    """A preallocated pool of page slots in host memory (pinned when CUDA is there)."""
+
+    def __init__(self, n_slots: int, page_shape, dtype, pin: Optional[bool] = None):
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.buf = torch.empty((n_slots, *page_shape), dtype=dtype, pin_memory=pin)
+        self.n_slots = n_slots
+
+    def write(self, slot: int, page: torch.Tensor, non_blocking: bool = False):
+        self.buf[slot].copy_(page, non_blocking=non_blocking)
+
+    def read(self, slot: int) -> torch.Tensor:
+        return self.buf[slot]
+
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+
+class FileStore:
+    """A preallocated file of page slots (NVMe on a Jetson, long streams elsewhere). Space is
+    checked and reserved before any page is written; a failed write leaves the page where it was
+    (the page table entry changes only after the write returned)."""
+
+    def __init__(self, path: str, n_slots: int, page_shape, dtype=torch.float16):
+        from zeroedge.kv.policy import check_cold_path
+
+        import numpy as np
+
+        self.page_shape, self.dtype = tuple(page_shape), dtype
+        self.page_bytes = int(torch.empty(page_shape, dtype=dtype).numel()
+                              * torch.empty((), dtype=dtype).element_size())
+        need = self.page_bytes * n_slots
+        folder = check_cold_path(path, need)
+        self.path = os.path.join(folder, f"kv-{os.getpid()}-{id(self):x}.bin")
+        try:
+            with open(self.path, "wb") as f:
+                f.truncate(need)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(f.fileno(), 0, need)
+        except OSError as e:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            raise UserError(f"cold store {folder}: cannot reserve {need} bytes ({e.strerror})") from None
+        self.mm = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(n_slots, self.page_bytes))
+        self.n_slots = n_slots
+
+    def write(self, slot: int, page: torch.Tensor):
+        raw = page.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
+        self.mm[slot, :] = raw
+
+    def read(self, slot: int) -> torch.Tensor:
+        raw = torch.from_numpy(self.mm[slot].copy())
+        return raw.view(self.dtype).reshape(self.page_shape)
+
+    def close(self):
+        del self.mm
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+# --------------------------------------------------------------------------------------------
+# transfers
+# --------------------------------------------------------------------------------------------
+class TransferHandler:
+    """Copies on a dedicated CUDA stream with events (or synchronously on CPU); every transfer
+    is reported to the scheduler as (kind, bytes, seconds)."""
+
+    def __init__(self, scheduler=None, device=None):
+        self.scheduler = scheduler
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.pending = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str = "fetch"):
+        nbytes = src.numel() * src.element_size()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if self.scheduler is not None:
+                self.scheduler.record(kind, nbytes, time.perf_counter() - t0)
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+        self.pending.append((kind, nbytes, start, end))
+        return end
+
+    def wait(self):
+        """Make the compute stream wait for all copies; report their timings."""
+        if not self.cuda:
+            return
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        for kind, nbytes, s, e in self.pending:
+            e.synchronize()
+            if self.scheduler is not None:
+                self.scheduler.record(kind, nbytes, s.elapsed_time(e) / 1e3)
+        self.pending.clear()

@@ -261,7 +261,7 @@ class Device:
 
     def port_of(self, name):
         info = self.release_info(name) or {}
-        return int(info.get("metrics_port") or self.p.get("metrics_port") or 9100)
+        return int(info.get("metrics_port") or self.p.get("metrics_port") or 9108)
 
     def restart_and_check(self, name):
         self.systemctl("restart", UNIT)

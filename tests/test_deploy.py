@@ -1,0 +1,330 @@
+"""`zeroedge deploy / rollback / status` against a real OpenSSH sshd on 127.0.0.1.
+
+Each fake device is a real sshd (Debian openssh-server, temporary host key, authorized_keys) whose
+sessions get ZEROEDGE_DEVICE_ROOT=<fake root> and a PATH starting with the root's stub bin/ (the
+hardware/OS boundary): `systemctl` and `journalctl` stubs that record calls and run the unit's
+ExecStart (from the installed unit + drop-in) as a background process, and `python3` = this Python
+(which has onnxruntime, paho and prometheus-client, as a prepared Jetson would). The fake root has
+/etc/nv_tegra_release, /proc/device-tree and /proc/meminfo. The client side is a temporary HOME
+with ~/.ssh/config (aliases), known_hosts and a key: deploy reads them exactly as it would for a user.
+
+The daemon that answers /healthz is the real `zeroedge daemon` (zeroedge/daemon), on onnxruntime,
+reading MQTT from a real mosquitto started here. The bundle is a real sensor bundle built from an
+ONNX graph (onnx helper API) run by onnxruntime.
+
+Full disk: the fake device's /opt is a 2 MB tmpfs filled to the brim when the tests may mount (root
+on Linux); otherwise the same preflight check is driven by --min-free larger than the free space.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+NV_RELEASE = "# R36 (release), REVISION: {rev}, GCID: 38968081, BOARD: generic, EABI: aarch64, DATE: Wed Jan  8 01:49:37 UTC 2025\n"
+STUB_SYSTEMCTL = r'''#!{python}
+"""Stub systemctl at the device boundary: records calls; start/restart runs the unit's ExecStart
+(unit + drop-ins, last ExecStart wins, Environment=, WorkingDirectory=) in the background."""
+import json, os, shlex, signal, subprocess, sys, time
+root = os.environ["ZEROEDGE_DEVICE_ROOT"]
+state = os.path.join(root, "var/lib/stub-systemd"); os.makedirs(state, exist_ok=True)
+args = sys.argv[1:]
+with open(os.path.join(state, "calls.jsonl"), "a") as f:
+    f.write(json.dumps(args) + "\n")
+unit = args[-1] if args else ""
+if unit and not unit.endswith(".service"):
+    unit += ".service"
+pidf = os.path.join(state, unit + ".pid")
+
+def pid():
+    try:
+        p = int(open(pidf).read())
+        os.kill(p, 0)
+        with open("/proc/%d/stat" % p) as f:
+            if f.read().split()[2] == "Z":
+                return None
+        return p
+    except (OSError, ValueError):
+        return None
+
+def stop():
+    p = pid()
+    if p:
+        try:
+            os.killpg(p, signal.SIGTERM)
+        except OSError:
+            pass
+        for _ in range(100):
+            if pid() is None:
+                break
+            time.sleep(0.05)
+        else:
+            os.killpg(p, signal.SIGKILL)
+
+def start():
+    d = os.path.join(root, "etc/systemd/system")
+    files = [os.path.join(d, unit)]
+    dd = os.path.join(d, unit + ".d")
+    if os.path.isdir(dd):
+        files += [os.path.join(dd, x) for x in sorted(os.listdir(dd)) if x.endswith(".conf")]
+    execs, env, wd = [], {}, "/"
+    for path in files:
+        for line in open(path):
+            line = line.strip()
+            if line.startswith("ExecStart="):
+                v = line[len("ExecStart="):]
+                execs = [v] if v else []
+            elif line.startswith("Environment="):
+                k, _, v = line[len("Environment="):].partition("=")
+                env[k] = v
+            elif line.startswith("WorkingDirectory="):
+                wd = line[len("WorkingDirectory="):]
+    if not execs:
+        sys.exit("stub systemctl: %s has no ExecStart" % unit)
+    log = open(os.path.join(root, "var/log", unit + ".log"), "ab")
+    p = subprocess.Popen(shlex.split(execs[-1]), cwd=wd, env=dict(os.environ, **env), stdout=log,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    open(pidf, "w").write(str(p.pid))
+
+cmd = args[0] if args else ""
+if cmd in ("daemon-reload", "enable", "disable"):
+    pass
+elif cmd in ("start", "restart"):
+    if cmd == "restart" or pid() is None:
+        stop(); start()
+elif cmd == "stop":
+    stop()
+elif cmd == "is-active":
+    print("active" if pid() else "inactive"); sys.exit(0 if pid() else 3)
+elif cmd == "show":
+    print(pid() or 0)
+else:
+    sys.exit("stub systemctl: unsupported %r" % args)
+'''
+STUB_JOURNALCTL = r'''#!/bin/sh
+tail -n 15 "$ZEROEDGE_DEVICE_ROOT/var/log/zeroedge.service.log" 2>/dev/null
+'''
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, proc, what, timeout=10.0):
+    t = time.time()
+    while time.time() - t < timeout:
+        if proc.poll() is not None:
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def make_jetson(root: Path, rev="4.3", soc="tegra234", nv_release=True, mem_avail_kb=50_000_000):
+    """A fake Jetson AGX Orin root (JetPack 6.2 = L4T 36.4.3 by default)."""
+    (root / "etc").mkdir(parents=True, exist_ok=True)
+    if nv_release:
+        (root / "etc/nv_tegra_release").write_text(NV_RELEASE.format(rev=rev))
+    dt = root / "proc/device-tree"
+    dt.mkdir(parents=True, exist_ok=True)
+    (dt / "compatible").write_bytes(f"nvidia,p3737-0000+p3701-0005\0nvidia,p3701-0005\0nvidia,{soc}\0".encode())
+    (dt / "model").write_bytes(b"NVIDIA Jetson AGX Orin Developer Kit\0")
+    (root / "proc/meminfo").write_text(f"MemTotal:       64335836 kB\nMemFree:        {mem_avail_kb} kB\n"
+                                       f"MemAvailable:   {mem_avail_kb} kB\nSwapFree:              0 kB\n")
+    for d in ("opt", "var/log", "var/lib", "etc/systemd/system"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    b = root / "stub-bin"
+    b.mkdir(exist_ok=True)
+    (b / "systemctl").write_text(STUB_SYSTEMCTL.replace("{python}", sys.executable))
+    (b / "journalctl").write_text(STUB_JOURNALCTL)
+    (b / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    for n in ("systemctl", "journalctl", "python3"):
+        (b / n).chmod(0o755)
+    return root
+
+
+class FakeDevice:
+    """One sshd on 127.0.0.1 serving one fake Jetson root."""
+
+    def __init__(self, tmp: Path, name: str, client_pub: str, **jetson):
+        self.name, self.dir = name, tmp / name
+        self.root = make_jetson(self.dir / "root", **jetson)
+        self.port = free_port()
+        hk = self.dir / "ssh_host_ed25519_key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hk)], check=True)
+        self.host_pub = (self.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        (self.dir / "authorized_keys").write_text(client_pub)
+        path = f"{self.root}/stub-bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+        (self.dir / "sshd_config").write_text(textwrap.dedent(f"""\
+            Port {self.port}
+            ListenAddress 127.0.0.1
+            HostKey {hk}
+            PidFile {self.dir}/sshd.pid
+            AuthorizedKeysFile {self.dir}/authorized_keys
+            StrictModes no
+            UsePAM no
+            PasswordAuthentication no
+            KbdInteractiveAuthentication no
+            PermitRootLogin prohibit-password
+            Subsystem sftp internal-sftp
+            SetEnv ZEROEDGE_DEVICE_ROOT={self.root} PATH={path}
+            LogLevel ERROR
+            """))
+        self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.dir / "sshd.log", "wb"))
+        if not wait_port(self.port, self.proc, "sshd"):
+            self.stop()
+            raise RuntimeError((self.dir / "sshd.log").read_text()[-500:] or "sshd did not start")
+
+    def calls(self):
+        p = self.root / "var/lib/stub-systemd/calls.jsonl"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+    def daemon_pid(self):
+        p = self.root / "var/lib/stub-systemd/zeroedge.service.pid"
+        return int(p.read_text()) if p.exists() else None
+
+    def tree(self):
+        """Every path under the root with its size and mtime (to prove nothing changed)."""
+        out = {}
+        for p in sorted(self.root.rglob("*")):
+            if p.is_relative_to(self.root / "var/lib/stub-systemd"):
+                continue
+            st = p.lstat()
+            out[str(p.relative_to(self.root))] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def stop(self):
+        pid = self.daemon_pid()
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+
+# ------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """Client HOME (~/.ssh), a mosquitto broker, a sensor bundle, and a factory for fake devices."""
+    if not os.access(SSHD, os.X_OK):
+        pytest.skip(f"sshd not found at {SSHD}: apt-get install openssh-server (scripts/setup does)")
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)     # privilege separation dir
+    tmp = tmp_path_factory.mktemp("deploy")
+    home = tmp / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    key = home / ".ssh" / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    client_pub = (home / ".ssh" / "id_ed25519.pub").read_text()
+    user = os.environ.get("USER") or __import__("getpass").getuser()
+    broker_port = free_port()
+    (tmp / "mosquitto.conf").write_text(f"listener {broker_port} 127.0.0.1\nallow_anonymous true\n"
+                                        "persistence false\n")
+    mosq = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(tmp / "mosquitto.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    devices = []
+
+    class Lab:
+        pass
+
+    lab = Lab()
+    lab.tmp, lab.home, lab.user, lab.broker_port = tmp, home, user, broker_port
+    lab.env = {"HOME": str(home), "COLUMNS": "200"}
+
+    def device(name, **jetson):
+        try:
+            d = FakeDevice(tmp, name, client_pub, **jetson)
+        except RuntimeError as e:
+            pytest.skip(f"sshd cannot start here: {e}")
+        devices.append(d)
+        with open(home / ".ssh" / "known_hosts", "a") as f:
+            f.write(f"[127.0.0.1]:{d.port} {' '.join(d.host_pub)}\n")
+        with open(home / ".ssh" / "config", "a") as f:
+            f.write(f"Host {name}\n  HostName 127.0.0.1\n  Port {d.port}\n  User {user}\n\n")
+        return d
+
+    lab.device = device
+    lab.bundle = make_sensor_bundle(tmp / "bundle")
+    lab.config = tmp / "daemon.toml"
+    lab.config.write_text(textwrap.dedent(f"""\
+        [daemon]
+        bundle = "unused: deploy points it at the release"
+        state_dir = "/var/lib/zeroedge"
+        [source]
+        kind = "mqtt"
+        host = "127.0.0.1"
+        port = {broker_port}
+        topic = "zeroedge/readings/#"
+        [metrics]
+        port = 9108
+        """))
+    try:
+        yield lab
+    finally:
+        for d in devices:
+            d.stop()
+        mosq.terminate()
+
+
+def make_sensor_bundle(out: Path, seed=0) -> Path:
+    """A real sensor bundle (the daemon's format): frames (B, T, 52) -> mean over time -> linear ->
+    softmax over 22 classes, built with onnx.helper and checked with onnxruntime."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from zeroedge.bundle import write_manifest
+
+    rng = np.random.default_rng(seed)
+    C, K = 52, 22
+    w = numpy_helper.from_array(rng.normal(0, 0.1, (C, K)).astype(np.float32), "w")
+    b = numpy_helper.from_array(np.zeros(K, np.float32), "b")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    g = helper.make_graph(
+        [helper.make_node("ReduceMean", ["frames", "axes"], ["m"], keepdims=0),
+         helper.make_node("MatMul", ["m", "w"], ["z0"]), helper.make_node("Add", ["z0", "b"], ["z"]),
+         helper.make_node("Softmax", ["z"], ["probs"], axis=-1)],
+        "sensor", [helper.make_tensor_value_info("frames", TensorProto.FLOAT, ["batch", "time", C])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", K])], [w, b, axes])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    out.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(out / "model.onnx"))
+    classes = ["normal"] + [f"fault_{i:02d}" for i in range(1, K)]
+    sensor = {"window": 16, "channels": C, "class_names": classes,
+              "normalisation": {"mean": [0.0] * C, "std": [1.0] * C},
+              "alarm": {"threshold": 0.9, "ema_alpha": 0.2}, "hard_faults": [3, 9, 15], "config": {},
+              "onnx": "model.onnx", "weights": "weights.npz", "input": "frames", "output": "probs", "opset": 18}
+    np.savez(out / "weights.npz", w=np.zeros(1))
+    write_manifest(out, {"kind": "sensor", "opset": 18, "target": "jetpack-6.2", "sensor": sensor,
+                         "plan": {"memory_mb": 64}})
+    return out
+
+
+def deploy(lab, *args, rc=None):
+    return run_cli("deploy", *args, env=lab.env, check_rc=rc, timeout=180)
+
+
+def last_json(p):
+    return json.loads(p.stdout)

@@ -1,0 +1,57 @@
+"""zeroedge deploy: put a bundle on one Jetson (--host) or a fleet (--hosts), build there, start the
+service and prove it healthy."""
+import click
+
+from zeroedge.deploy.cli import finish, parse_size, target_options, targets_from
+
+
+@click.command(name="deploy")
+@click.argument("bundle", type=click.Path(file_okay=False))
+@target_options
+@click.option("--dry-run", is_flag=True, help="Say what would change on each device; change nothing.")
+@click.option("--config", "config", type=click.Path(dir_okay=False),
+              help="Daemon TOML to deploy (default: the daemon's example.toml); model and port are set by deploy.")
+@click.option("--metrics-port", type=int, help="Daemon metrics/health port on the device (default: from the config).")
+@click.option("--keep", type=int, default=3, show_default=True, help="Releases kept on the device.")
+@click.option("--min-free", default="256M", show_default=True, help="Disk kept free on the device after upload.")
+@click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
+@click.option("--no-auto-rollback", is_flag=True, help="Leave an unhealthy new release in place.")
+def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, dry_run, config,
+        metrics_port, keep, min_free, health_timeout, no_auto_rollback):
+    """Deploy BUNDLE over SSH: preflight (L4T/JetPack, TensorRT, sm_87, Python, disk, memory),
+    content-hash upload (a re-deploy moves 0 bytes), on-device build, releases/<id> with an atomic
+    `current` link, systemd service, health check through the daemon's /healthz."""
+    from pathlib import Path
+
+    from zeroedge.bundle import verify
+    from zeroedge.deploy import runner
+    from zeroedge.deploy.preflight import fmt_bytes
+
+    targets = targets_from(host, hosts_file)           # a bad inventory line: refused here
+    manifest = verify(Path(bundle))                     # an unverifiable bundle: refused here
+    opts = runner.Options(ssh_config=ssh_config, known_hosts=known_hosts, connect_timeout=connect_timeout,
+                          min_free=parse_size(min_free), keep=keep, sudo=sudo, dry_run=dry_run,
+                          health_timeout=health_timeout, auto_rollback=not no_auto_rollback,
+                          config=Path(config) if config else None, metrics_port=metrics_port, quiet=as_json)
+    results = runner.deploy(Path(bundle), manifest, targets, opts)
+
+    def lines(r):
+        if not r.ok:
+            return [f"{r.name}: FAILED ({r.phase}): {r.error}"]
+        out = [f"{r.name}: preflight ok: {runner._describe(r.facts)}"]
+        out += [f"{r.name}: note: {n}" for n in r.notes]
+        if r.phase == "dry-run":
+            return out + [f"{r.name}: would {w}" for w in r.would] + [f"{r.name}: dry run: nothing changed"]
+        h = r.health or {}
+        body = h.get("body") if isinstance(h.get("body"), dict) else {}
+        verb = "already current, unchanged" if not r.changed else f"active (was {r.previous or 'none'})"
+        for s in (r.extra.get("build") or {}).get("steps", []):
+            out.append(f"{r.name}: build {s['name']}: " + (f"skipped ({s['skipped']})" if s.get("skipped")
+                                                             else f"done in {s.get('seconds')} s"))
+        out.append(f"{r.name}: uploaded {r.files_uploaded} files, {fmt_bytes(r.bytes_uploaded)} "
+                   f"(release is {fmt_bytes(r.bytes_total)}); backend {r.backend}")
+        out.append(f"{r.name}: release {r.release} {verb}; health {body.get('status', 'ok')} "
+                   f"(daemon {body.get('version', '?')}) in {r.seconds:.1f} s")
+        return out
+
+    finish(results, as_json, "deploy", bool(hosts_file), lines, {"bundle": str(bundle), "dry_run": dry_run})

@@ -1,0 +1,28 @@
+"""zeroedge rollback: make the previous release current again and restart the service."""
+import click
+
+from zeroedge.deploy.cli import finish, target_options, targets_from
+
+
+@click.command(name="rollback")
+@target_options
+@click.option("--to", "to", metavar="RELEASE", help="Release name or id to go back to (default: the one before current).")
+@click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
+def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, to, health_timeout):
+    """Swap the device's `current` link back to the previous release (atomically), restart
+    zeroedge.service and check its health."""
+    from zeroedge.deploy import runner
+
+    targets = targets_from(host, hosts_file)
+    opts = runner.Options(ssh_config=ssh_config, known_hosts=known_hosts, connect_timeout=connect_timeout,
+                          sudo=sudo, health_timeout=health_timeout, quiet=as_json)
+    results = runner.rollback(targets, opts, to=to)
+
+    def lines(r):
+        if not r.ok:
+            return [f"{r.name}: FAILED: {r.error}"]
+        if r.extra["result"].get("unchanged"):
+            return [f"{r.name}: {r.release} is already current"]
+        return [f"{r.name}: rolled back {r.previous} -> {r.release}; health ok in {r.seconds:.1f} s"]
+
+    finish(results, as_json, "rollback", bool(hosts_file), lines)

@@ -1,0 +1,222 @@
+"""What goes into a release, decided on the workstation: the verified bundle, the device-side
+zeroedge code (so the daemon that runs is the one that was tested with the bundle, and a rollback
+restores both), the plugin sources for the on-device build, and the daemon's config. Every file is
+named by its sha256, so uploading moves only what the device's store lacks, and the release id is a
+hash of the whole content: the same bundle + code + config is the same release."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zeroedge.bundle import MANIFEST, sha256_file
+from zeroedge.errors import UserError
+
+PKG = Path(__file__).resolve().parents[1]        # .../zeroedge
+REPO = PKG.parent                                 # source checkout (plugins/, scripts/) when present
+DEFAULT_UNIT = """[Unit]
+Description=zeroedge inference daemon
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+ExecStart=/usr/bin/env zeroedge daemon --config /etc/zeroedge/daemon.toml
+Restart=on-failure
+RestartSec=2
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@dataclass
+class Entry:
+    rel: str
+    src: Path
+    sha256: str
+    bytes: int
+    mode: int = 0o644
+
+
+@dataclass
+class Release:
+    id: str
+    entries: dict = field(default_factory=dict)      # rel -> Entry
+    info: dict = field(default_factory=dict)          # release.json
+    unit: str = DEFAULT_UNIT
+
+    def files_payload(self) -> dict:
+        return {e.rel: {"sha256": e.sha256, "bytes": e.bytes, "mode": e.mode} for e in self.entries.values()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries.values())
+
+
+def _add(entries: dict, rel: str, src: Path, sha: str | None = None):
+    st = src.stat()
+    entries[rel] = Entry(rel, src, sha or sha256_file(src), st.st_size, 0o755 if st.st_mode & 0o111 else 0o644)
+
+
+def _walk(root: Path, skip=("__pycache__", "build", ".pytest_cache")):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        for fn in sorted(filenames):
+            if fn.endswith((".pyc", ".tmp", ".onnx", ".engine", ".so")) or fn.startswith("."):
+                continue
+            yield Path(dirpath) / fn
+
+
+def app_entries(entries: dict):
+    for p in _walk(PKG):
+        _add(entries, "app/zeroedge/" + p.relative_to(PKG).as_posix(), p)
+    bp = REPO / "scripts" / "build_plugins"
+    if bp.is_file() and (REPO / "plugins").is_dir():
+        _add(entries, "app/scripts/build_plugins", bp)
+        for p in _walk(REPO / "plugins"):
+            _add(entries, "app/plugins/" + p.relative_to(REPO / "plugins").as_posix(), p)
+
+
+def has_plugins() -> bool:
+    return (REPO / "scripts" / "build_plugins").is_file() and (REPO / "plugins").is_dir()
+
+
+def has_trt_backend() -> bool:
+    return (PKG / "backends" / "tensorrt.py").is_file() or (PKG / "backends" / "tensorrt").is_dir()
+
+
+# ---------------------------------------------------------------- daemon config (TOML)
+
+def _load_toml(text: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
+def dump_toml(d: dict, prefix: str = "") -> str:
+    """Small TOML writer (scalars, arrays, inline tables, nested tables)."""
+    lines, tables = [], []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            lines.append(f"{_key(k)} = {_toml_value(v)}")
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for k, v in tables:
+        name = f"{prefix}.{_key(k)}" if prefix else _key(k)
+        out += f"\n[{name}]\n" + dump_toml(v, name)
+    return out
+
+
+def daemon_template(config: Path | None) -> dict:
+    """The user's daemon TOML (--config), else the daemon's own example, else a minimal one."""
+    path = config or (PKG / "daemon" / "example.toml")
+    if config is not None and not Path(config).is_file():
+        raise UserError(f"daemon config not found: {config}")
+    if Path(path).is_file():
+        try:
+            return _load_toml(Path(path).read_text())
+        except Exception as e:
+            raise UserError(f"{path}: not valid TOML ({e})") from None
+    return {}
+
+
+def _on_device(root: str, path: str) -> str:
+    return root.rstrip("/") + "/" + path.lstrip("/") if root not in ("", "/") else path
+
+
+def daemon_config(template: dict, port: int, backend: str, root: str = "/", base: str = "/opt/zeroedge",
+                  name: str | None = None) -> dict:
+    """The release's daemon.toml (schema: zeroedge/daemon/config.py) from the template:
+    - [daemon] bundle = "bundle": the release's own bundle (relative paths resolve against the
+      config's folder, i.e. the release), backend = the one preflight chose;
+    - [daemon] state_dir and [output] jsonl live outside releases, so the spool survives deploys and
+      rollbacks (absolute paths are taken under the device root; default BASE/state);
+    - [metrics] port from --metrics-port / the inventory;
+    - an MQTT client_id left at its default gets the device name appended: two devices with one
+      persistent-session id would throw each other off the broker."""
+    cfg = json.loads(json.dumps(template))
+    d = cfg.setdefault("daemon", {})
+    d["bundle"] = "bundle"
+    d["backend"] = backend
+    sd = d.get("state_dir")
+    d["state_dir"] = _on_device(root, sd) if isinstance(sd, str) and sd.startswith("/") else \
+        _on_device(root, base.rstrip("/") + "/state")
+    out = cfg.setdefault("output", {})
+    js = out.get("jsonl")
+    out["jsonl"] = _on_device(root, js) if isinstance(js, str) and js.startswith("/") else \
+        d["state_dir"] + "/" + (js or "results.jsonl")
+    cfg.setdefault("metrics", {})["port"] = int(port)
+    cfg["metrics"].setdefault("host", "127.0.0.1")
+    src = cfg.get("source")
+    if name and isinstance(src, dict) and src.get("kind", "mqtt") == "mqtt" and \
+            src.get("client_id", "zeroedge-daemon") == "zeroedge-daemon":
+        src["client_id"] = f"zeroedge-daemon-{name}"
+    return cfg
+
+
+def metrics_port(template: dict, override: int | None) -> int:
+    if override:
+        return int(override)
+    try:
+        return int(template["metrics"]["port"])  # the daemon's default is 9108
+    except (KeyError, TypeError, ValueError):
+        return 9108
+
+
+# ---------------------------------------------------------------- the release
+
+def build_release(bundle: Path, manifest: dict, template: dict, port: int, backend: str, workdir: Path,
+                  unit_file: Path | None = None, root: str = "/", base: str = "/opt/zeroedge",
+                  name: str | None = None) -> Release:
+    bundle = Path(bundle)
+    entries: dict = {}
+    for rel, info in sorted(manifest["files"].items()):
+        _add(entries, f"bundle/{rel}", bundle / rel, info["sha256"])
+    _add(entries, f"bundle/{MANIFEST}", bundle / MANIFEST)
+    app_entries(entries)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "daemon.toml"
+    cfg.write_text("# written by zeroedge deploy\n" + dump_toml(daemon_config(template, port, backend, root, base, name)))
+    _add(entries, "daemon.toml", cfg)
+    unit_path = unit_file or PKG / "systemd" / "zeroedge.service"
+    unit = unit_path.read_text() if unit_path.is_file() else DEFAULT_UNIT
+    h = hashlib.sha256()
+    for e in sorted(entries.values(), key=lambda e: e.rel):
+        h.update(f"{e.rel}\0{e.sha256}\0{e.mode:o}\n".encode())
+    h.update(unit.encode())
+    rid = h.hexdigest()[:12]
+    from zeroedge import __version__
+
+    info = {"id": rid, "bundle": bundle.resolve().name, "bundle_manifest_sha256": entries[f"bundle/{MANIFEST}"].sha256,
+            "target": manifest.get("target"), "zeroedge_version": __version__, "metrics_port": port,
+            "backend": backend, "files": len(entries), "bytes": sum(e.bytes for e in entries.values())}
+    rj = workdir / "release.json"
+    rj.write_text(json.dumps(info, indent=2, sort_keys=True))
+    _add(entries, "release.json", rj)
+    return Release(rid, entries, info, unit)

@@ -171,13 +171,13 @@ class Engine:
         """readings: iterable of (sensor, seq, values, ts). Returns result dicts in input order
         (one per inference; with infer_every=1 one per reading)."""
         now = time.time() if now is None else now
-        due = []                                   # (stream, seq, ts, window snapshot)
+        due = []                                   # (stream, seq, ts, window snapshot, n)
         for sensor, seq, values, ts in readings:
             st = self.stream(sensor)
             st.push(values, seq)
             if st.since_infer >= self.infer_every or (
                     self.infer_interval_s and now - st.last_infer_t >= self.infer_interval_s):
-                due.append((st, seq, ts, st.snapshot()))
+                due.append((st, seq, ts, st.snapshot(), st.n))
                 st.since_infer = 0
                 st.last_infer_t = now
         return self._infer(due)
@@ -187,7 +187,7 @@ class Engine:
         if not self.infer_interval_s:
             return []
         now = time.time() if now is None else now
-        due = [(st, st.last_seq, None, st.snapshot()) for st in self.streams.values()
+        due = [(st, st.last_seq, None, st.snapshot(), st.n) for st in self.streams.values()
                if st.since_infer and now - st.last_infer_t >= self.infer_interval_s]
         for st, *_ in due:
             st.since_infer, st.last_infer_t = 0, now
@@ -212,9 +212,9 @@ class Engine:
                     probs[i] = p[j]
         out = []
         names = self.det.class_names
-        for (st, seq, ts, _w), p in zip(due, probs):
+        for (st, seq, ts, _w, n), p in zip(due, probs):
             score = float(1.0 - p[0])
-            st.ema = score if st.n <= 1 else (1 - self.det.alpha) * st.ema + self.det.alpha * score
+            st.ema = score if n <= 1 else (1 - self.det.alpha) * st.ema + self.det.alpha * score
             raised = st.ema > self.det.threshold
             rising = raised and not st.alarm
             st.alarm = raised

@@ -1,0 +1,279 @@
+"""The sensor daemon against a real mosquitto on 127.0.0.1: broker restart and kill -9 mid-stream
+(every reading processed exactly once), the bad-input suite, health/metrics, sd_notify, SIGTERM."""
+import json
+import os
+import signal
+import socket
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zeroedge.daemon import testing as T
+
+pytestmark = pytest.mark.skipif(T.mosquitto_bin() is None, reason="mosquitto is not installed")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tep-braatz"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    if os.environ.get("ZEROEDGE_SENSOR_BUNDLE"):          # development: a prebuilt bundle
+        return Path(os.environ["ZEROEDGE_SENSOR_BUNDLE"])
+    from zeroedge.sensor.train import ensure_bundle
+
+    return ensure_bundle(tmp_path_factory.mktemp("bundle") / "sensor")
+
+
+@pytest.fixture(scope="module")
+def frames():
+    from zeroedge.sensor.tep import load_run
+
+    return np.concatenate([load_run(SHARED / "d00.dat")[:200], load_run(SHARED / "d01.dat")[:200]])
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = T.Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+
+
+def mqtt_daemon(tmp_path, bundle, broker, client_id="zd-test", **daemon):
+    mport = T.free_port()
+    cfg = T.write_config(tmp_path / "daemon.toml", bundle,
+                         {"kind": "mqtt", "host": "127.0.0.1", "port": broker.port,
+                          "topic": "zeroedge/readings/#", "client_id": client_id}, mport, **daemon)
+    return T.DaemonProc(cfg, mport)
+
+
+def reference(bundle, frames):
+    """Scores of an uninterrupted in-process run, for comparison with the daemon's output."""
+    from zeroedge.sensor.runtime import Engine, load_bundle
+
+    eng = Engine(load_bundle(bundle))
+    return eng.process([("s1", i, f, None) for i, f in enumerate(frames)], now=0.0)
+
+
+def check_exactly_once(results, n, sensor="s1"):
+    keys = [(r["sensor"], r["seq"]) for r in results]
+    assert len(keys) == len(set(keys)), "a reading was processed twice"
+    assert set(keys) == {(sensor, i) for i in range(n)}, f"missing {n - len(set(keys))} readings"
+
+
+def test_broker_restart_mid_stream(tmp_path, bundle, broker, frames):
+    d = mqtt_daemon(tmp_path, bundle, broker).start()
+    pub = T.Publisher(broker.port)
+    n = len(frames)
+    try:
+        for i in range(n):
+            pub.publish("zeroedge/readings/s1", T.reading("s1", i, frames[i]))
+            if i == n // 2:
+                pub.wait_all()
+                T.wait_results(tmp_path / "results.jsonl", n // 4, timeout=30)
+                broker.stop()                                  # broker goes away mid-stream
+                time.sleep(1.0)
+                assert d.proc.poll() is None
+                h = d.health()
+                assert h["status"] == "degraded" and d.get("/healthz")[0] == 503
+                broker.start()
+                pub.wait_connected()
+        pub.wait_all(timeout=60)
+        res = T.wait_results(tmp_path / "results.jsonl", n, timeout=90, proc=d.proc)
+        check_exactly_once(res, n)
+        assert d.health()["status"] == "ok"
+        ref = {r["seq"]: r["ema"] for r in reference(bundle, frames)}
+        assert max(abs(r["ema"] - ref[r["seq"]]) for r in res) < 1e-3
+        assert d.terminate() == 0
+    finally:
+        pub.close()
+        if d.proc.poll() is None:
+            d.kill9()
+
+
+def test_kill9_mid_stream_resumes_exactly_once(tmp_path, bundle, broker, frames):
+    d = mqtt_daemon(tmp_path, bundle, broker).start()
+    pub = T.Publisher(broker.port)
+    n = len(frames)
+    out = tmp_path / "results.jsonl"
+    kills = 0
+    try:
+        for i in range(n):
+            pub.publish("zeroedge/readings/s1", T.reading("s1", i, frames[i]))
+            if i in (n // 3, 2 * n // 3):
+                pub.wait_all()
+                T.wait_results(out, i // 2, timeout=30)
+                d.kill9()                                      # no chance to drain
+                kills += 1
+                time.sleep(0.3)
+                d.start()
+        pub.wait_all(timeout=60)
+        res = T.wait_results(out, n, timeout=90, proc=d.proc)
+        check_exactly_once(res, n)
+        ref = {r["seq"]: r["ema"] for r in reference(bundle, frames)}
+        # per-stream windows and alarm filters are rebuilt from the spool: same scores as uninterrupted
+        assert max(abs(r["ema"] - ref[r["seq"]]) for r in res) < 1e-3
+        assert kills == 2
+        assert d.terminate() == 0
+    finally:
+        pub.close()
+        if d.proc.poll() is None:
+            d.kill9()
+
+
+def test_bad_input_goes_to_dead_letters(tmp_path, bundle, broker, frames):
+    d = mqtt_daemon(tmp_path, bundle, broker, max_payload_bytes=4096).start()
+    pub = T.Publisher(broker.port)
+    good = lambda i: T.reading("s1", i, frames[i])  # noqa: E731
+    try:
+        pub.publish("zeroedge/readings/s1", good(0))
+        pub.publish("zeroedge/readings/s1", good(1))
+        nan = json.dumps(good(2)).replace(str(float(frames[2][0])), "NaN", 1)
+        pub.publish("zeroedge/readings/s1", nan)
+        inf = dict(good(2)); inf["values"] = list(inf["values"]); inf["values"][5] = 1e400
+        pub.publish("zeroedge/readings/s1", json.dumps(inf))           # json.dumps writes Infinity
+        short = dict(good(2)); short["values"] = short["values"][:51]
+        pub.publish("zeroedge/readings/s1", short)
+        pub.publish("zeroedge/readings/s1", b'{"sensor": "s1", "seq": 2, "values": [1, 2,')
+        pub.publish("zeroedge/readings/s1", b"\xff\xfe not json")
+        big = dict(good(2)); big["pad"] = "x" * 10000
+        pub.publish("zeroedge/readings/s1", big)
+        pub.publish("zeroedge/readings/s1", good(2))
+        pub.publish("zeroedge/readings/s1", good(2))                    # duplicate seq
+        pub.publish("zeroedge/readings/s1", good(5))
+        pub.publish("zeroedge/readings/s1", good(4))                    # out of order
+        pub.publish("zeroedge/readings/s1", {"sensor": "s1", "values": []})  # no seq
+        pub.publish("zeroedge/readings/s1", good(6))
+        pub.wait_all()
+        res = T.wait_results(tmp_path / "results.jsonl", 5, timeout=30, proc=d.proc)
+        time.sleep(0.5)
+        assert d.proc.poll() is None, "bad input stopped the daemon"
+        assert [r["seq"] for r in res] == [0, 1, 2, 5, 6]
+        db = sqlite3.connect(tmp_path / "state" / "spool.sqlite")
+        reasons = sorted(r for (r,) in db.execute("SELECT reason FROM dead_letters"))
+        assert reasons == sorted(["non-finite", "non-finite", "wrong-channel-count", "malformed-json",
+                                  "malformed-json", "oversized", "duplicate-seq", "out-of-order-seq",
+                                  "bad-schema"]), reasons
+        metrics = d.get("/metrics")[1].decode()
+        assert 'zeroedge_dead_letters_total{reason="non-finite"} 2.0' in metrics
+        assert 'zeroedge_dead_letters_total{reason="oversized"} 1.0' in metrics
+        log = d.log.read_text()
+        for reason in ("non-finite", "wrong-channel-count", "malformed-json", "oversized",
+                       "duplicate-seq", "out-of-order-seq"):
+            assert f"dead letter: reason={reason}" in log
+        assert d.terminate() == 0
+    finally:
+        pub.close()
+        if d.proc.poll() is None:
+            d.kill9()
+
+
+def test_health_metrics_sd_notify_and_sigterm(tmp_path, bundle, frames):
+    """File source (no broker): READY / WATCHDOG / STOPPING datagrams, /healthz contract, drain."""
+    run = tmp_path / "run.dat"
+    np.savetxt(run, frames[:300], fmt="%.6g")
+    sock_path = tmp_path / "notify.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(sock_path))
+    s.settimeout(0.2)
+    mport = T.free_port()
+    cfg = T.write_config(tmp_path / "daemon.toml", bundle,
+                         {"kind": "file", "path": str(run), "sensor": "f1", "rate": 200.0}, mport)
+    d = T.DaemonProc(cfg, mport, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000",
+                                      "JOURNAL_STREAM": "8:1234"}).start()
+    msgs = []
+    try:
+        t = time.time()
+        while time.time() - t < 10 and not any("WATCHDOG=1" in m for m in msgs):
+            try:
+                msgs.append(s.recv(4096).decode())
+            except socket.timeout:
+                pass
+        assert any(m.startswith("READY=1") for m in msgs)
+        assert any("WATCHDOG=1" in m for m in msgs)
+        code, body = d.get("/healthz")
+        h = json.loads(body)
+        assert code == 200 and h["status"] == "ok"
+        for k in ("status", "version", "uptime_s", "readings", "last_inference_age_s", "bundle"):
+            assert k in h
+        assert h["bundle"] == str(bundle)
+        m = d.get("/metrics")[1].decode()
+        for name in ("zeroedge_readings_total", "zeroedge_window_latency_seconds_bucket",
+                     'zeroedge_kv_memory_bytes{tier="hot"}', "zeroedge_kv_migrations_total",
+                     "zeroedge_alerts_total"):
+            assert name in m, name
+        assert d.get("/nope")[0] == 404
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0
+        while True:
+            try:
+                msgs.append(s.recv(4096).decode())
+            except socket.timeout:
+                break
+        assert any("STOPPING=1" in m for m in msgs)
+        log = d.log.read_text()
+        assert "<6>zeroedge daemon" in log and "<6>stopped cleanly" in log     # journald priorities
+        # processed readings are all in the output, in order, each once
+        res = T.read_results(tmp_path / "results.jsonl")
+        seqs = [r["seq"] for r in res]
+        assert seqs == list(range(len(seqs))) and len(seqs) > 0
+        # a restart resumes the file after the last committed reading
+        d2 = T.DaemonProc(cfg, mport, args=["--exit-at-end"]).start(wait_healthy=False)
+        assert d2.proc.wait(60) == 0
+        res = T.read_results(tmp_path / "results.jsonl")
+        assert [r["seq"] for r in res] == list(range(300))
+    finally:
+        s.close()
+        if d.proc.poll() is None:
+            d.kill9()
+
+
+def test_daemon_config_errors(tmp_path, bundle):
+    from conftest import run_cli
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[daemon]\nbundle = "x"\nbogus = 1\n')
+    p = run_cli("daemon", "--config", bad)
+    assert p.returncode == 2 and "bogus" in p.stderr and "Traceback" not in p.stderr
+    cfg = T.write_config(tmp_path / "c.toml", tmp_path / "missing", {"kind": "stdin"}, 0)
+    p = run_cli("daemon", "--config", cfg)
+    assert p.returncode == 2 and "bundle not found" in p.stderr
+    p = run_cli("daemon", "--config", tmp_path / "nope.toml")
+    assert p.returncode == 2
+    # a tampered bundle is refused
+    import shutil
+
+    b2 = tmp_path / "b2"
+    shutil.copytree(bundle, b2)
+    with open(b2 / "model.onnx", "ab") as f:
+        f.write(b"x")
+    cfg = T.write_config(tmp_path / "c2.toml", b2, {"kind": "stdin"}, 0)
+    p = run_cli("daemon", "--config", cfg, "--check")
+    assert p.returncode == 2 and "verification failed" in p.stderr
+
+
+def test_example_config_parses():
+    from zeroedge.daemon import config
+
+    c = config.load(Path(config.__file__).with_name("example.toml"))
+    assert c.source["kind"] == "mqtt" and c.metrics["port"] == 9108
+
+
+def test_stdin_source_and_daemon_path_is_torch_free(tmp_path, bundle, frames):
+    import subprocess
+    import sys
+
+    mport = T.free_port()
+    cfg = T.write_config(tmp_path / "c.toml", bundle, {"kind": "stdin"}, mport)
+    lines = "".join(json.dumps(T.reading("x", i, frames[i])) + "\n" for i in range(50))
+    lines += "garbage\n"
+    code = ("import sys, runpy\nsys.argv=['zeroedge','daemon','--config',sys.argv[1]]\n"
+            "import zeroedge.cli as c\ntry:\n    c.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert 'torch' not in sys.modules, 'torch was imported'\n    raise\n")
+    p = subprocess.run([sys.executable, "-c", code, str(cfg)], input=lines, text=True,
+                       capture_output=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [r["seq"] for r in T.read_results(tmp_path / "results.jsonl")] == list(range(50))
+    assert "dead letter: reason=malformed-json" in p.stderr

@@ -1,0 +1,306 @@
+"""The daemon: sources -> spool writer (commit, then ack) -> inference loop (per-stream windows,
+batched model calls, alarm filter) -> JSONL + MQTT results/alerts; metrics and /healthz; sd_notify.
+
+Exactly-once output: the inference loop appends a batch's result lines to the JSONL file and fsyncs
+it, then commits "processed" for the batch's readings, the per-stream state and the JSONL byte offset
+in one SQLite transaction. On start the JSONL file is truncated back to the committed offset (a batch
+whose commit did not happen is processed again), and the per-stream windows are rebuilt from the
+spool. MQTT result/alert publishing happens after the commit (at most once across a crash).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+from zeroedge import __version__
+from zeroedge.daemon import logs, notify
+from zeroedge.daemon.config import Config
+from zeroedge.daemon.spool import DeadLetter, Reading, Spool, parse
+
+STALL_S = 30.0      # the inference loop not ticking for this long -> degraded (and no WATCHDOG=1)
+
+
+class Daemon:
+    def __init__(self, cfg: Config, exit_at_end: bool = False):
+        from zeroedge.daemon.metrics import Metrics
+        from zeroedge.sensor.runtime import Engine, load_bundle
+
+        self.cfg = cfg
+        self.exit_at_end = exit_at_end or cfg.source["kind"] == "stdin"   # stdin EOF ends the run
+        self.log = logs.setup(cfg.daemon["log_level"])
+        self.metrics = Metrics()
+        self.t_start = time.time()
+        d = cfg.daemon
+        self.detector = load_bundle(cfg.bundle, backend=d["backend"], threads=d["threads"])
+        self.engine = Engine(self.detector, d["infer_every"], d["infer_interval_s"])
+        self.spool = Spool(cfg.state_dir)
+        self.rconn = self.spool.reader()
+        Spool.restore_streams(self.rconn, self.engine)
+        self.q: queue.Queue = queue.Queue(maxsize=4 * d["batch_max"])
+        self.stop_evt = threading.Event()
+        self.writer_idle = threading.Event()
+        self.work_evt = threading.Event()
+        self.heartbeat = time.monotonic()
+        self.last_inference = None
+        self.processed_total = 0
+        self.publisher = None
+        self.source = None
+        self._open_jsonl()
+
+    # ---- output file ----------------------------------------------------------------------------
+    def _open_jsonl(self):
+        p = Path(self.cfg.output["jsonl"])
+        p.parent.mkdir(parents=True, exist_ok=True)
+        committed = Spool.jsonl_offset(self.rconn)
+        self.jsonl = open(p, "ab")
+        size = self.jsonl.seek(0, os.SEEK_END)
+        if committed is None:
+            committed = size
+        if size > committed:
+            self.log.warning(f"{p}: dropping {size - committed} bytes of uncommitted results "
+                             f"(they are processed again)")
+            self.jsonl.truncate(committed)
+            self.jsonl.seek(committed)
+        elif size < committed:
+            self.log.warning(f"{p}: shorter than the committed offset ({size} < {committed}); "
+                             f"was it rotated? appending from its end")
+        self.jsonl_offset = self.jsonl.seek(0, os.SEEK_END)
+
+    # ---- health ---------------------------------------------------------------------------------
+    def health(self) -> dict:
+        now = time.monotonic()
+        stalled = now - self.heartbeat > STALL_S
+        src_ok = self.source is None or self.source.connected
+        status = "ok" if (not stalled and src_ok) else "degraded"
+        return {"status": status, "version": __version__, "uptime_s": round(time.time() - self.t_start, 3),
+                "readings": self.processed_total,
+                "last_inference_age_s": None if self.last_inference is None
+                else round(now - self.last_inference, 3),
+                "bundle": str(self.cfg.bundle), "source": self.cfg.source["kind"],
+                "source_connected": bool(src_ok), "inference_loop_stalled": stalled,
+                "streams": len(self.engine.streams)}
+
+    # ---- spool writer ---------------------------------------------------------------------------
+    def _put(self, item):
+        while True:
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if self.stop_evt.is_set() and self.source and self.source.stopping.is_set():
+                    return
+
+    def _writer(self):
+        d = self.cfg.daemon
+        ch, maxb = self.detector.channels, d["max_payload_bytes"]
+        while True:
+            try:
+                first = self.q.get(timeout=0.1)
+            except queue.Empty:
+                self.writer_idle.set()
+                if self.stop_evt.is_set() and (self.source is None or self.source.stopping.is_set()):
+                    return
+                continue
+            self.writer_idle.clear()
+            batch = [first]
+            while len(batch) < d["batch_max"]:
+                try:
+                    batch.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            items = []
+            for inc in batch:
+                p = inc.payload
+                if isinstance(p, Reading):
+                    if len(p.values) != ch:
+                        p = DeadLetter("wrong-channel-count", f"{len(p.values)} values, expected {ch}",
+                                       b"", p.sensor, p.seq, inc.source)
+                    elif not all(map(_finite, p.values)):
+                        p = DeadLetter("non-finite", "NaN or inf in values", b"", p.sensor, p.seq, inc.source)
+                    items.append(p)
+                else:
+                    items.append(parse(p, ch, maxb, inc.source))
+            try:
+                accepted, dead = self.spool.commit(items)
+            except Exception as e:
+                self.log.error(f"spool commit failed ({e!r}); {len(batch)} readings not acked, retrying")
+                time.sleep(0.5)
+                for inc in batch:
+                    self._put(inc)
+                continue
+            for inc in batch:          # acknowledge only what is committed
+                if inc.ack is not None:
+                    try:
+                        inc.ack()
+                    except Exception as e:  # a lost ack means a redelivery, which dedup absorbs
+                        self.log.warning(f"mqtt ack failed: {e!r}")
+            self.metrics.readings.inc(len(accepted))
+            for dl in dead:
+                self.metrics.dead.labels(dl.reason).inc()
+                self.log.warning(f"dead letter: reason={dl.reason} sensor={dl.sensor} seq={dl.seq} "
+                                 f"source={dl.source} detail={dl.detail}")
+            if accepted:
+                self.work_evt.set()
+
+    # ---- inference loop -------------------------------------------------------------------------
+    def _process_pending(self) -> int:
+        import numpy as np
+
+        rows = Spool.pending(self.rconn, self.cfg.daemon["batch_max"])
+        if not rows:
+            res = self.engine.tick()
+            return 0 if not res else self._emit([], res, {})
+        readings = [(s, q, np.frombuffer(v, np.float32), ts) for _r, s, q, ts, _rec, v in rows]
+        received = {(s, q): rec for _r, s, q, _ts, rec, _v in rows}
+        t0 = time.perf_counter()
+        results = self.engine.process(readings)
+        dt = time.perf_counter() - t0
+        if results:
+            self.metrics.infer_latency.observe(dt)
+        return self._emit([r[0] for r in rows], results, received, touched={s for s, *_ in readings})
+
+    def _emit(self, rowids, results, received, touched=()):
+        now = time.time()
+        lines = []
+        for r in results:
+            r["t"] = round(now, 3)
+            lines.append(json.dumps(r, separators=(",", ":")).encode() + b"\n")
+        if lines:
+            self.jsonl.write(b"".join(lines))
+            self.jsonl.flush()
+            os.fsync(self.jsonl.fileno())
+            self.jsonl_offset = self.jsonl.tell()
+        streams = [self.engine.streams[s] for s in set(touched) | {r["sensor"] for r in results}]
+        Spool.mark_processed(self.rconn, rowids, streams, self.jsonl_offset)
+        self.processed_total += len(rowids)
+        self.metrics.processed.inc(len(rowids))
+        self.metrics.inferences.inc(len(results))
+        if results:
+            self.last_inference = time.monotonic()
+        for r in results:
+            rec = received.get((r["sensor"], r["seq"]))
+            if rec is not None:
+                self.metrics.window_latency.observe(max(0.0, now - rec))
+            if r["rising"]:
+                self.metrics.alerts.inc()
+                self.log.warning(f"ALERT sensor={r['sensor']} seq={r['seq']} fault={r['fault']} "
+                                 f"score={r['ema']}")
+        self._publish(results)
+        return len(rowids)
+
+    def _publish(self, results):
+        out = self.cfg.output
+        pub = self.publisher
+        if pub is None or not results:
+            return
+        try:
+            for r in results:
+                if out["mqtt_results_topic"]:
+                    pub.publish(out["mqtt_results_topic"], json.dumps(r).encode(), qos=1)
+                if r["rising"] and out["mqtt_alerts_topic"]:
+                    pub.publish(out["mqtt_alerts_topic"], json.dumps(r).encode(), qos=1)
+        except Exception as e:
+            self.log.warning(f"publishing results failed: {e!r}")
+
+    def _update_gauges(self):
+        from zeroedge.daemon.metrics import rss_bytes
+
+        self.metrics.pending.set(Spool.count_pending(self.rconn))
+        self.metrics.streams.set(len(self.engine.streams))
+        self.metrics.kv_bytes.labels("hot").set(sum(s.memory_bytes() for s in self.engine.streams.values()))
+        self.metrics.rss.set(rss_bytes())
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def request_stop(self, *_):
+        if not self.stop_evt.is_set():
+            self.log.info("stop requested: draining")
+            notify.notify("STOPPING=1")
+            self.stop_evt.set()
+            self.work_evt.set()
+
+    def run(self) -> int:
+        from zeroedge.daemon.metrics import serve
+        from zeroedge.daemon.sources import SOURCES, make_client
+
+        c = self.cfg
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.http = serve(c.metrics["host"], c.metrics["port"], self.metrics, self.health)
+        writer = threading.Thread(target=self._writer, name="spool-writer", daemon=True)
+        writer.start()
+        self.source = SOURCES[c.source["kind"]](c.source, self._put, self.log, self.spool)
+        if c.source["kind"] == "mqtt":
+            self.publisher = self.source
+        elif c.output.get("host") and (c.output["mqtt_results_topic"] or c.output["mqtt_alerts_topic"]):
+            self.publisher = _Publisher(make_client({**c.source, "host": c.output["host"],
+                                                     "port": c.output.get("port") or 1883},
+                                                    f"{c.source['client_id']}-pub", self.log))
+        self.source.start()
+        wd = notify.watchdog_interval_s()
+        last_wd = 0.0
+        last_gauges = 0.0
+        last_prune = time.monotonic()
+        notify.notify(f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}")
+        self.log.info(f"zeroedge daemon {__version__} ready: bundle={c.bundle} source={c.source['kind']} "
+                      f"backend={self.detector.backend.name} metrics=http://{c.metrics['host']}:"
+                      f"{self.http.server_address[1]}/metrics")
+        n_pending_at_stop = None
+        while True:
+            self.heartbeat = now = time.monotonic()
+            if wd and now - last_wd >= wd:
+                notify.notify("WATCHDOG=1")
+                last_wd = now
+            if now - last_gauges > 1.0:
+                self._update_gauges()
+                last_gauges = now
+            if now - last_prune > 30.0:
+                Spool.prune(self.rconn, max(self.cfg.daemon["keep_per_stream"], self.detector.window))
+                last_prune = now
+            n = self._process_pending()
+            if n:
+                continue
+            if self.exit_at_end and self.source.done.is_set() and self.q.empty() and self.writer_idle.is_set():
+                if Spool.count_pending(self.rconn) == 0:
+                    self.request_stop()
+            if self.stop_evt.is_set():
+                if not self.source.stopping.is_set():
+                    self.source.stop()
+                writer.join(timeout=30)
+                while self._process_pending():
+                    pass
+                break
+            self.work_evt.wait(0.05)
+            self.work_evt.clear()
+        try:
+            self.source.close()
+            if self.publisher is not None and self.publisher is not self.source:
+                self.publisher.close()
+        except Exception:
+            pass
+        self._update_gauges()
+        self.jsonl.close()
+        self.http.shutdown()
+        self.log.info(f"stopped cleanly: {self.processed_total} readings processed this run")
+        return 0
+
+
+class _Publisher:
+    def __init__(self, client):
+        self.client = client
+        client.loop_start()
+
+    def publish(self, topic, payload, qos=1):
+        self.client.publish(topic, payload, qos=qos)
+
+    def close(self):
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def _finite(v) -> bool:
+    return v == v and v not in (float("inf"), float("-inf"))

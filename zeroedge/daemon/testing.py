@@ -1,0 +1,197 @@
+"""Helpers for tests and benchmarks: a real mosquitto on 127.0.0.1, a daemon subprocess, a QoS 1
+publisher with a persistent session. (Not used by the daemon itself.)"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mosquitto_bin():
+    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto", "/usr/bin/mosquitto")
+                                              if os.path.exists(p)), None)
+
+
+class Broker:
+    """mosquitto with persistence (queued QoS 1 messages survive a restart)."""
+
+    def __init__(self, workdir: Path, port: int = None):
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.conf = self.dir / "mosquitto.conf"
+        self.conf.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            f"persistence_location {self.dir}/\nautosave_interval 1\nmax_queued_messages 1000000\n"
+            f"max_inflight_messages 1000\nlog_dest file {self.dir}/mosquitto.log\n")
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen([mosquitto_bin(), "-c", str(self.conf)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t = time.time()
+        while time.time() - t < 10:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mosquitto exited: {(self.dir / 'mosquitto.log').read_text()[-500:]}")
+                time.sleep(0.05)
+        raise RuntimeError("mosquitto did not start")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def write_config(path: Path, bundle, source: dict, metrics_port: int, **daemon) -> Path:
+    def val(v):
+        return json.dumps(str(v) if isinstance(v, Path) else v)
+
+    d = {"bundle": str(bundle), "state_dir": "state", **daemon}
+    lines = ["[daemon]"] + [f"{k} = {val(v)}" for k, v in d.items()]
+    lines += ["[source]"] + [f"{k} = {val(v)}" for k, v in source.items()]
+    lines += ["[output]", 'jsonl = "results.jsonl"', "[metrics]", f"port = {metrics_port}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DaemonProc:
+    """`zeroedge daemon --config FILE` as a subprocess; logs to daemon.log beside the config."""
+
+    def __init__(self, config: Path, metrics_port: int, env=None, args=()):
+        self.config = Path(config)
+        self.port = metrics_port
+        self.env = dict(os.environ, **(env or {}))
+        self.args = list(args)
+        self.proc = None
+        self.log = self.config.parent / "daemon.log"
+
+    def start(self, wait_healthy: bool = True, timeout: float = 60):
+        f = open(self.log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "zeroedge.cli", "daemon", "--config",
+                                      str(self.config), *self.args], stdout=f, stderr=f, env=self.env,
+                                     cwd=self.config.parent)
+        f.close()
+        if wait_healthy:
+            t = time.time()
+            while time.time() - t < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited rc={self.proc.returncode}: {self.log.read_text()[-2000:]}")
+                try:
+                    self.get("/healthz")
+                    return self
+                except OSError:
+                    time.sleep(0.1)
+            raise RuntimeError("daemon did not come up: " + self.log.read_text()[-2000:])
+        return self
+
+    def get(self, path: str):
+        """(status, body) of GET http://127.0.0.1:port/path."""
+        import urllib.error
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def health(self) -> dict:
+        return json.loads(self.get("/healthz")[1])
+
+    def kill9(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def terminate(self, timeout=60) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout)
+
+
+class Publisher:
+    """QoS 1 publisher with a persistent session; keeps every publish until the broker acks it."""
+
+    def __init__(self, port: int, client_id: str = "zeroedge-test-pub"):
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        self.c.reconnect_delay_set(0.1, 1)
+        self.c.max_queued_messages_set(0)
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 3600
+        self.c.connect("127.0.0.1", port, clean_start=False, properties=props)
+        self.c.loop_start()
+        self.infos = []
+
+    def wait_connected(self, timeout: float = 30):
+        t = time.time()
+        while not self.c.is_connected():
+            if time.time() - t > timeout:
+                raise TimeoutError("publisher did not reconnect")
+            time.sleep(0.05)
+
+    def publish(self, topic: str, payload, qos: int = 1):
+        if not isinstance(payload, (bytes, str)):
+            payload = json.dumps(payload)
+        self.infos.append(self.c.publish(topic, payload, qos=qos))
+
+    def wait_all(self, timeout: float = 60):
+        t = time.time()
+        for i in self.infos:
+            while not i.is_published():
+                if time.time() - t > timeout:
+                    raise TimeoutError("publishes not acknowledged by the broker")
+                time.sleep(0.01)
+
+    def close(self):
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+def reading(sensor: str, seq: int, values) -> dict:
+    return {"sensor": sensor, "seq": seq, "values": [float(v) for v in values]}
+
+
+def read_results(path: Path):
+    out = []
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:          # a line being written right now
+                pass
+    return out
+
+
+def wait_results(path: Path, n: int, timeout: float = 60, proc=None):
+    t = time.time()
+    while time.time() - t < timeout:
+        r = read_results(path)
+        if len(r) >= n:
+            return r
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    return read_results(path)

@@ -15,12 +15,15 @@
 namespace {
 
 constexpr int kProjRows = 16;   // rows per block of the tensor-core projection
-constexpr int kProjWarps = 4;   // the hidden dimension is split across 4 warps
+constexpr int kProjBatch = 4;   // x fragments loaded ahead of their MMAs
 constexpr int kProjMaxTiles = (ZE_MAX_SIH_WIDTH + ZE_MAX_ANCHOR_RANK + 15) / 16;
 constexpr int kBaseRows = 16;
 constexpr int kBaseThreads = 128;
 
-int g_variant = 0;  // 0: auto, 1: force the generic (CUDA-core) projection
+// Benchmark switches: bit 0 forces the generic (CUDA-core) projection for fp16; bits 8..11 = N > 0
+// stop after stage N (1 prep, 2 projection, 3 decide) to time the stages by differences.
+int g_variant = 0;
+int stop_after() { return (g_variant >> 8) & 0xF; }
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
@@ -165,24 +168,50 @@ __global__ void sih_proj_generic(const T* __restrict__ x, int64_t Tn, int64_t D,
     if (lane == 0) scores[row] = sih_tail(h, small, W);
 }
 
-// Tensor-core projection for fp16: block = 4 warps x 16 rows; warp w covers a quarter of D.
-__global__ void __launch_bounds__(kProjWarps * 32) sih_proj_wmma(const __half* __restrict__ x, int64_t Tn, int64_t D,
+// Tensor-core projection for fp16: block = WARPS warps x 16 rows; warp w covers 1/WARPS of D and
+// issues kProjBatch fragment loads of x before their MMAs (memory-level parallelism: x is streamed
+// once and the arithmetic is tiny). Per-warp partial sums meet in dynamic shared memory [WARPS][16][ncp].
+template <int WARPS, int NT>
+__global__ void __launch_bounds__(WARPS * 32) sih_proj_wmma(const __half* __restrict__ x, int64_t Tn, int64_t D,
     const __half* __restrict__ wcat, int ncp, int W, int R, const float* __restrict__ small, float* __restrict__ scores,
     float* __restrict__ ax)
 {
     using namespace nvcuda;
-    __shared__ float acc_s[kProjWarps][kProjRows][kProjMaxTiles * 16];
-    __shared__ __align__(32) __half stage[kProjWarps][16 * 16];
+    extern __shared__ __align__(32) float acc_s[]; // [WARPS][kProjRows][ncp]
+    __shared__ __align__(32) __half stage[WARPS][16 * 16];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int64_t row0 = int64_t(blockIdx.x) * kProjRows;
     int nt = ncp / 16;
     bool tail = row0 + kProjRows > Tn;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c[kProjMaxTiles];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c[NT];
 #pragma unroll
-    for (int n = 0; n < kProjMaxTiles; ++n) wmma::fill_fragment(c[n], 0.f);
-    int64_t kper = D / kProjWarps;
-    int64_t k0 = warp * kper;
-    for (int64_t k = k0; k < k0 + kper; k += 16)
+    for (int n = 0; n < NT; ++n) wmma::fill_fragment(c[n], 0.f);
+    int64_t kper = D / WARPS;
+    int64_t k = warp * kper, k1 = k + kper;
+    if (!tail)
+    {
+        for (; k + 16 * kProjBatch <= k1; k += 16 * kProjBatch)
+        {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a[kProjBatch];
+#pragma unroll
+            for (int u = 0; u < kProjBatch; ++u) wmma::load_matrix_sync(a[u], x + row0 * D + k + 16 * u, unsigned(D));
+#pragma unroll
+            for (int u = 0; u < kProjBatch; ++u)
+            {
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+                {
+                    if (n < nt)
+                    {
+                        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+                        wmma::load_matrix_sync(b, wcat + int64_t(n) * 16 * D + k + 16 * u, unsigned(D));
+                        wmma::mma_sync(c[n], a[u], b, c[n]);
+                    }
+                }
+            }
+        }
+    }
+    for (; k < k1; k += 16)
     {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
         if (!tail)
@@ -201,7 +230,7 @@ __global__ void __launch_bounds__(kProjWarps * 32) sih_proj_wmma(const __half* _
             __syncwarp();
         }
 #pragma unroll
-        for (int n = 0; n < kProjMaxTiles; ++n)
+        for (int n = 0; n < NT; ++n)
         {
             if (n < nt)
             {
@@ -211,9 +240,10 @@ __global__ void __launch_bounds__(kProjWarps * 32) sih_proj_wmma(const __half* _
             }
         }
     }
+    float* mine = acc_s + size_t(warp) * kProjRows * ncp;
 #pragma unroll
-    for (int n = 0; n < kProjMaxTiles; ++n)
-        if (n < nt) wmma::store_matrix_sync(&acc_s[warp][0][n * 16], c[n], kProjMaxTiles * 16, wmma::mem_row_major);
+    for (int n = 0; n < NT; ++n)
+        if (n < nt) wmma::store_matrix_sync(mine + n * 16, c[n], unsigned(ncp), wmma::mem_row_major);
     __syncthreads();
     int nc = W + R;
     for (int i = threadIdx.x; i < kProjRows * nc; i += blockDim.x)
@@ -221,17 +251,17 @@ __global__ void __launch_bounds__(kProjWarps * 32) sih_proj_wmma(const __half* _
         int r = i / nc, j = i % nc;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < kProjWarps; ++w) s += acc_s[w][r][j];
-        acc_s[0][r][j] = s;
+        for (int w = 0; w < WARPS; ++w) s += acc_s[(size_t(w) * kProjRows + r) * ncp + j];
+        acc_s[size_t(r) * ncp + j] = s;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kProjRows * R; i += blockDim.x)
     {
         int r = i / R, j = i % R;
-        if (row0 + r < Tn) ax[(row0 + r) * R + j] = acc_s[0][r][W + j];
+        if (row0 + r < Tn) ax[(row0 + r) * R + j] = acc_s[size_t(r) * ncp + W + j];
     }
     if (threadIdx.x < kProjRows && row0 + threadIdx.x < Tn)
-        scores[row0 + threadIdx.x] = sih_tail(&acc_s[0][threadIdx.x][0], small, W);
+        scores[row0 + threadIdx.x] = sih_tail(&acc_s[size_t(threadIdx.x) * ncp], small, W);
 }
 
 struct DecideArgs {
@@ -318,37 +348,52 @@ __global__ void __launch_bounds__(kBaseThreads) sih_base(const float* __restrict
     }
 }
 
-// One block: stream compaction of keep != 0 into idx, count = K.
-__global__ void pad_scan(const int32_t* __restrict__ keep, int64_t Tn, int32_t* __restrict__ idx,
-    int32_t* __restrict__ count)
+// One block: stream compaction of keep != 0 into idx (ascending), count = K; 4 tokens per thread.
+constexpr int kScanItems = 4;
+__global__ void __launch_bounds__(1024) pad_scan(const int32_t* __restrict__ keep, int64_t Tn,
+    int32_t* __restrict__ idx, int32_t* __restrict__ count)
 {
     __shared__ int wsum[32];
     __shared__ int carry, total;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
-    for (int64_t b = 0; b < Tn; b += blockDim.x)
+    for (int64_t b = 0; b < Tn; b += int64_t(blockDim.x) * kScanItems)
     {
-        int64_t t = b + threadIdx.x;
-        int k = t < Tn && keep[t] != 0;
-        unsigned bal = __ballot_sync(0xffffffffu, k);
-        int pre = __popc(bal & ((1u << lane) - 1u));
-        if (lane == 0) wsum[warp] = __popc(bal);
+        int64_t t0 = b + int64_t(threadIdx.x) * kScanItems;
+        int f[kScanItems], c = 0;
+#pragma unroll
+        for (int u = 0; u < kScanItems; ++u)
+        {
+            f[u] = t0 + u < Tn && keep[t0 + u] != 0;
+            c += f[u];
+        }
+        int incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1)
+        {
+            int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        if (lane == 31) wsum[warp] = incl;
         __syncthreads();
         if (warp == 0)
         {
-            int v = lane < nw ? wsum[lane] : 0, incl = v;
+            int v = lane < nw ? wsum[lane] : 0, wi = v;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1)
             {
-                int u = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += u;
+                int u = __shfl_up_sync(0xffffffffu, wi, o);
+                if (lane >= o) wi += u;
             }
-            if (lane < nw) wsum[lane] = incl - v;
-            if (lane == 31) total = incl;
+            if (lane < nw) wsum[lane] = wi - v;
+            if (lane == 31) total = wi;
         }
         __syncthreads();
-        if (k) idx[carry + wsum[warp] + pre] = int32_t(t);
+        int pos = carry + wsum[warp] + incl - c;
+#pragma unroll
+        for (int u = 0; u < kScanItems; ++u)
+            if (f[u]) idx[pos++] = int32_t(t0 + u);
         __syncthreads();
         if (threadIdx.x == 0) carry += total;
         __syncthreads();
@@ -356,17 +401,40 @@ __global__ void pad_scan(const int32_t* __restrict__ keep, int64_t Tn, int32_t* 
     if (threadIdx.x == 0) *count = carry;
 }
 
-// xs[k] = x[idx[k]] for k < *count, 16-byte vectors.
+// One warp moves one row: each lane loads up to kCopyBatch 16-byte vectors before storing them.
+constexpr int kCopyBatch = 8;
+__device__ __forceinline__ void copy_row(const int4* __restrict__ src, int4* __restrict__ dst, int64_t n, int lane)
+{
+    for (int64_t b = 0; b < n; b += 32 * kCopyBatch)
+    {
+        int4 v[kCopyBatch];
+#pragma unroll
+        for (int u = 0; u < kCopyBatch; ++u)
+        {
+            int64_t i = b + u * 32 + lane;
+            if (i < n) v[u] = src[i];
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyBatch; ++u)
+        {
+            int64_t i = b + u * 32 + lane;
+            if (i < n) dst[i] = v[u];
+        }
+    }
+}
+
+// xs[k] = x[idx[k]] for k < *count.
 __global__ void pad_gather_rows(const int4* __restrict__ x, const int32_t* __restrict__ idx,
     const int32_t* __restrict__ count, int64_t Tn, int64_t vec_per_row, int4* __restrict__ xs)
 {
     int64_t K = *count;
-    for (int64_t k = blockIdx.x; k < K; k += gridDim.x)
+    int lane = threadIdx.x & 31;
+    int64_t nwarps = int64_t(gridDim.x) * (blockDim.x >> 5);
+    for (int64_t k = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); k < K; k += nwarps)
     {
         int64_t src = idx[k];
         if (src < 0 || src >= Tn) continue;
-        for (int64_t i = threadIdx.x; i < vec_per_row; i += blockDim.x)
-            xs[k * vec_per_row + i] = x[src * vec_per_row + i];
+        copy_row(x + src * vec_per_row, xs + k * vec_per_row, vec_per_row, lane);
     }
 }
 
@@ -381,11 +449,12 @@ __global__ void pad_inverse(const int32_t* __restrict__ idx, int64_t K, int64_t 
 __global__ void pad_merge_rows(const int4* __restrict__ base, const int4* __restrict__ y, const int32_t* __restrict__ inv,
     int64_t Tn, int64_t vec_per_row, int4* __restrict__ out)
 {
-    for (int64_t t = blockIdx.x; t < Tn; t += gridDim.x)
+    int lane = threadIdx.x & 31;
+    int64_t nwarps = int64_t(gridDim.x) * (blockDim.x >> 5);
+    for (int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); t < Tn; t += nwarps)
     {
         int64_t k = inv[t];
-        const int4* src = k >= 0 ? y + k * vec_per_row : base + t * vec_per_row;
-        for (int64_t i = threadIdx.x; i < vec_per_row; i += blockDim.x) out[t * vec_per_row + i] = src[i];
+        copy_row(k >= 0 ? y + k * vec_per_row : base + t * vec_per_row, out + t * vec_per_row, vec_per_row, lane);
     }
 }
 
@@ -397,13 +466,12 @@ int last_error()
     return e == cudaSuccess ? 0 : int(e);
 }
 
-int copy_threads(int64_t vec_per_row)
+// blocks of 256 threads, one warp per row
+unsigned copy_blocks(int64_t rows)
 {
-    int64_t t = (vec_per_row + 31) / 32 * 32;
-    return int(t < 32 ? 32 : (t > 256 ? 256 : t));
+    int64_t b = (rows + 7) / 8;
+    return unsigned(b < 1 ? 1 : (b > 65535 * 16 ? 65535 * 16 : b));
 }
-
-int grid_rows(int64_t rows) { return int(rows < 1 ? 1 : (rows > 65535 * 8 ? 65535 * 8 : rows)); }
 
 } // namespace
 
@@ -464,7 +532,7 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
 
     int64_t prep_n = int64_t(l.ncp) * D + int64_t(R) * D + 2 * W * W + 4 * W + 1;
     int prep_blocks = int((prep_n + 255) / 256 < 1024 ? (prep_n + 255) / 256 : 1024);
-    bool tc = dtype == ZE_F16 && g_variant == 0 && D % (16 * kProjWarps) == 0 && aligned(x, 32);
+    bool tc = dtype == ZE_F16 && (g_variant & 1) == 0 && D % 64 == 0 && aligned(x, 32);
     if (dtype == ZE_F16)
         sih_prep<__half><<<prep_blocks, 256, 0, stream>>>(wz, D, W, R, l.ncp,
             reinterpret_cast<__half*>(ws + l.wcat), bt, small);
@@ -472,12 +540,23 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
         sih_prep<float><<<prep_blocks, 256, 0, stream>>>(wz, D, W, R, l.ncp,
             reinterpret_cast<float*>(ws + l.wcat), bt, small);
     if (int e = last_error()) return e;
+    if (stop_after() == 1) return 0;
 
     if (tc)
     {
-        sih_proj_wmma<<<unsigned((T + kProjRows - 1) / kProjRows), kProjWarps * 32, 0, stream>>>(
-            static_cast<const __half*>(x), T, D, reinterpret_cast<const __half*>(ws + l.wcat), l.ncp, W, R, small,
-            scores, ax);
+        // 8 warps split D when the partial sums fit in 32 KB of shared memory, else 4
+        unsigned blocks = unsigned((T + kProjRows - 1) / kProjRows);
+        const __half* wc = reinterpret_cast<const __half*>(ws + l.wcat);
+        const __half* xh = static_cast<const __half*>(x);
+        if (D % (16 * 8) == 0 && l.ncp <= 32)
+            sih_proj_wmma<8, 2><<<blocks, 8 * 32, size_t(8) * kProjRows * l.ncp * 4, stream>>>(
+                xh, T, D, wc, l.ncp, W, R, small, scores, ax);
+        else if (D % (16 * 8) == 0 && l.ncp <= 64)
+            sih_proj_wmma<8, 4><<<blocks, 8 * 32, size_t(8) * kProjRows * l.ncp * 4, stream>>>(
+                xh, T, D, wc, l.ncp, W, R, small, scores, ax);
+        else
+            sih_proj_wmma<4, kProjMaxTiles><<<blocks, 4 * 32, size_t(4) * kProjRows * l.ncp * 4, stream>>>(
+                xh, T, D, wc, l.ncp, W, R, small, scores, ax);
     }
     else
     {
@@ -492,6 +571,7 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
                 reinterpret_cast<const float*>(ws + l.wcat), nc, W, R, small, scores, ax);
     }
     if (int e = last_error()) return e;
+    if (stop_after() == 2) return 0;
 
     DecideArgs a;
     a.thr = p->threshold;
@@ -504,6 +584,7 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
     a.block_size = p->block_size;
     sih_decide<<<unsigned((T + 255) / 256), 256, 0, stream>>>(scores, T, a, keep);
     if (int e = last_error()) return e;
+    if (stop_after() == 3) return 0;
 
     if (R == 0)
     {
@@ -539,7 +620,7 @@ int ze_pad_gather(int dtype, const void* x, const int32_t* keep, int64_t T, int6
     pad_scan<<<1, 1024, 0, stream>>>(keep, T, idx, count);
     if (int e = last_error()) return e;
     int64_t vpr = D * (dtype == ZE_F16 ? 2 : 4) / 16;
-    pad_gather_rows<<<grid_rows(T), copy_threads(vpr), 0, stream>>>(static_cast<const int4*>(x), idx, count, T, vpr,
+    pad_gather_rows<<<copy_blocks(T), 256, 0, stream>>>(static_cast<const int4*>(x), idx, count, T, vpr,
         static_cast<int4*>(xs));
     return last_error();
 }
@@ -566,7 +647,7 @@ int ze_pad_scatter(int dtype, const void* base, const void* y, const int32_t* id
         if (int err = last_error()) return err;
     }
     int64_t vpr = D * (dtype == ZE_F16 ? 2 : 4) / 16;
-    pad_merge_rows<<<grid_rows(T), copy_threads(vpr), 0, stream>>>(static_cast<const int4*>(base),
+    pad_merge_rows<<<copy_blocks(T), 256, 0, stream>>>(static_cast<const int4*>(base),
         static_cast<const int4*>(y), inv, T, vpr, static_cast<int4*>(out));
     return last_error();
 }

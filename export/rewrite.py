@@ -1,0 +1,434 @@
+"""The SIH/PAD graph rewrite (onnx-graphsurgeon).
+
+`find_layers(graph)` finds, in any decoder graph, every RMSNorm -> gated MLP:
+
+    n = RMSNorm(h)            Pow/Mul(x,x) -> ReduceMean -> (+eps) -> Sqrt+Div / Sqrt+Reciprocal /
+                              Rsqrt -> Mul, times a weight (or one RMSNormalization-like op)
+    y = down(act(gate(n)) * up(n))      two MatMul/Gemm with constant [D, F] weights reading n,
+                                        joined through element-wise ops into one [F, D] MatMul
+    h' = h + y                          (the residual; recorded when present)
+
+It is structural (op types and constant weight shapes, never tensor names), so it works on our
+TorchScript export and on `torch.onnx.export(..., dynamo=True)` graphs of transformers'
+LlamaForCausalLM / Qwen2ForCausalLM alike. Layers are numbered in topological order.
+
+`rewrite(graph, layers, policies)` replaces each selected layer's FFN by
+
+    n2 = Reshape(n, [-1, D]);  keep, base = ZeroEdgeSIH(n2, ...);  xs, idx, cnt = ZeroEdgePADGather(n2, keep)
+    y2 = MLP(xs);  out = ZeroEdgePADScatter(base, y2, idx);  y = Reshape(out, Shape(n))
+
+(batch 1: the sequence is the flattened B*T axis). `mask_heads` applies head pruning to graphs that
+still carry the pruned heads: it zeroes the pruned heads' rows of the o_proj weight, which is exactly
+equivalent to removing them; our own export slices them out before export instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from zeroedge import plugin_spec as spec
+from zeroedge.errors import UserError
+
+ELEMENTWISE = {"Mul", "Sigmoid", "Div", "Add", "Sub", "Tanh", "Erf", "Gelu", "Relu", "Cast", "Swish",
+               "HardSigmoid", "HardSwish", "Pow", "Identity", "Softplus", "Neg", "FastGelu", "QuickGelu"}
+NORM_OPS = {"RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"}
+
+
+class NoPattern(UserError):
+    """The graph has no RMSNorm -> MLP pattern we recognise; carries a report of what was found."""
+
+    def __init__(self, report: dict):
+        self.report = report
+        super().__init__("no RMSNorm -> MLP pattern found (" + summary(report) + "); nothing written")
+
+
+@dataclass
+class LayerMatch:
+    index: int
+    norm_in: object              # gs.Variable h
+    norm_out: object             # gs.Variable n
+    gate: object                 # gs.Node
+    up: object
+    down: object
+    out: object                  # gs.Variable y
+    dim: int
+    ffn_dim: int
+    residual: Optional[object] = None   # Add node h + y
+    o_proj: Optional[object] = None     # MatMul node feeding the residual that made h
+    names: dict = field(default_factory=dict)
+
+
+# --- constants ---------------------------------------------------------------------------------
+def const_value(t):
+    """numpy value of a constant tensor (initializer, Constant node, or Transpose/Cast/Identity of
+    one), else None."""
+    import numpy as np
+    import onnx_graphsurgeon as gs
+
+    if isinstance(t, gs.Constant):
+        return t.values
+    if not t.inputs:
+        return None
+    p = t.inputs[0]
+    if p.op == "Constant":
+        v = p.attrs.get("value")
+        return v.values if isinstance(v, gs.Constant) else (np.asarray(v) if v is not None else None)
+    if p.op in ("Identity", "Cast") and len(p.inputs) == 1:
+        v = const_value(p.inputs[0])
+        return None if v is None else v
+    if p.op == "Transpose" and len(p.inputs) == 1:
+        v = const_value(p.inputs[0])
+        if v is None:
+            return None
+        perm = p.attrs.get("perm")
+        return np.transpose(v, perm) if perm is not None else v.T
+    return None
+
+
+def proj_weight(node):
+    """[in, out] weight of a MatMul / Gemm with a constant 2-D weight, else None."""
+    if node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+        return None
+    w = const_value(node.inputs[1])
+    if w is None or getattr(w, "ndim", 0) != 2:
+        return None
+    if node.op == "Gemm" and node.attrs.get("transB", 0):
+        w = w.T
+    return w
+
+
+# --- matching ----------------------------------------------------------------------------------
+def _ffn_projections(down, max_nodes=12):
+    """Walk back from `down`'s data input through element-wise ops; return the projection nodes
+    found (or None if the walk meets anything else)."""
+    found, seen, stack = [], set(), [down.inputs[0]]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or const_value(t) is not None:
+            continue
+        seen.add(id(t))
+        if not t.inputs:
+            return None
+        p = t.inputs[0]
+        if proj_weight(p) is not None:
+            found.append(p)
+            continue
+        if p.op not in ELEMENTWISE or len(seen) > max_nodes:
+            return None
+        stack.extend(p.inputs)
+    return found
+
+
+def _rmsnorm_input(n, max_depth=10):
+    """If `n` is an RMSNorm output, return its input h; else None."""
+    import onnx_graphsurgeon as gs
+
+    if not n.inputs:
+        return None
+    if n.inputs[0].op in NORM_OPS:
+        return n.inputs[0].inputs[0]
+    walk = {"Mul", "Cast", "Div", "Reciprocal", "Sqrt", "Rsqrt", "ReduceMean", "Pow", "Add", "Sub"}
+    ops, frontier, seen = {}, [n], set()
+    for _ in range(max_depth):
+        nxt = []
+        for t in frontier:
+            if not isinstance(t, gs.Variable) or not t.inputs or id(t) in seen:
+                continue
+            seen.add(id(t))
+            p = t.inputs[0]
+            ops.setdefault(p.op, []).append(p)
+            var_in = [i for i in p.inputs if const_value(i) is None]
+            # stop at the residual stream (an Add of two variables) and at anything not norm-like
+            if p.op not in walk or (p.op == "Add" and len(var_in) > 1):
+                continue
+            nxt.extend(var_in)
+        frontier = nxt
+    if "ReduceMean" not in ops or "Sub" in ops or "MatMul" in ops or "Gemm" in ops:
+        return None
+    if not ({"Sqrt", "Rsqrt", "Reciprocal"} & set(ops)):
+        return None
+    rm = ops["ReduceMean"][0]
+    sq = rm.inputs[0].inputs[0] if rm.inputs[0].inputs else None   # Pow(x, 2) or Mul(x, x)
+    if sq is None or sq.op not in ("Pow", "Mul"):
+        return None
+    x = sq.inputs[0]
+    while x.inputs and x.inputs[0].op == "Cast":                    # fp16 graphs upcast first
+        x = x.inputs[0].inputs[0]
+    return x
+
+
+def find_layers(graph):
+    """(matches, report). Raises nothing; an empty list means no pattern."""
+    graph.toposort()
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    projs = [n for n in graph.nodes if proj_weight(n) is not None]
+    report = {"nodes": len(graph.nodes), "const_projections": len(projs),
+              "rmsnorms": 0, "gated_mlps": 0, "matched_layers": 0, "rejected": []}
+    norms = sum(1 for n in graph.nodes if n.op in NORM_OPS or (
+        n.op == "ReduceMean" and n.inputs[0].inputs and n.inputs[0].inputs[0].op in ("Pow", "Mul")))
+    report["rmsnorms"] = norms
+    matches = []
+    for down in projs:
+        wd = proj_weight(down)
+        F, D = wd.shape
+        ups = _ffn_projections(down)
+        if not ups or len(ups) != 2:
+            continue
+        w1, w2 = proj_weight(ups[0]), proj_weight(ups[1])
+        if w1.shape != (D, F) or w2.shape != (D, F):
+            continue
+        n = ups[0].inputs[0]
+        if ups[1].inputs[0] is not n:
+            report["rejected"].append(f"{down.name}: gate/up read different tensors")
+            continue
+        report["gated_mlps"] += 1
+        h = _rmsnorm_input(n)
+        if h is None:
+            report["rejected"].append(f"{down.name}: MLP input {n.name} is not an RMSNorm output")
+            continue
+        # which of the two is the gate: the one whose output goes through an activation first
+        gate, up = ups
+        for c in ups[1].outputs[0].outputs:
+            if c.op in ("Sigmoid", "Swish", "Gelu", "Erf", "Tanh", "FastGelu"):
+                gate, up = ups[1], ups[0]
+        y = down.outputs[0]
+        residual = next((c for c in y.outputs if c.op == "Add" and h in c.inputs), None)
+        o_proj = None
+        if h.inputs and h.inputs[0].op == "Add":
+            for t in h.inputs[0].inputs:
+                p = t.inputs[0] if t.inputs else None
+                if p is not None and p.op == "Add" and p.inputs and p.inputs[0].inputs:
+                    p = p.inputs[0].inputs[0]            # MatMul + bias
+                if p is not None and proj_weight(p) is not None and proj_weight(p).shape[1] == D:
+                    o_proj = p
+        matches.append(LayerMatch(0, h, n, gate, up, down, y, D, F, residual, o_proj))
+    matches.sort(key=lambda m: order[id(m.down)])
+    for i, m in enumerate(matches):
+        m.index = i
+    report["matched_layers"] = len(matches)
+    return matches, report
+
+
+def summary(report: dict) -> str:
+    return (f"{report['nodes']} nodes, {report['const_projections']} MatMul/Gemm with constant "
+            f"weights, {report['rmsnorms']} RMSNorm-like reductions, {report['gated_mlps']} gated "
+            f"MLPs, {report['matched_layers']} RMSNorm -> MLP layers")
+
+
+# --- rewriting ---------------------------------------------------------------------------------
+@dataclass
+class SIHParams:
+    """Everything one layer's ZeroEdgeSIH node needs (weights as numpy, torch Linear layout)."""
+    weights: dict                 # w1..b4, anchor_a, anchor_b, anchor_c
+    threshold: float
+    ma: tuple = (0.5, 1 / 3, 1 / 6)
+    min_tokens: int = 32
+    protect_first: int = 4
+    protect_last: int = 1
+    block_size: int = 0
+    block_frac: float = 0.7
+    anchor_rank: int = 0
+
+    def attrs(self) -> dict:
+        return {"threshold": float(self.threshold), "ma_w0": float(self.ma[0]),
+                "ma_w1": float(self.ma[1]), "ma_w2": float(self.ma[2]),
+                "min_tokens": int(self.min_tokens), "protect_first": int(self.protect_first),
+                "protect_last": int(self.protect_last), "block_size": int(self.block_size),
+                "block_frac": float(self.block_frac), "anchor_rank": int(self.anchor_rank)}
+
+
+def rewrite(graph, matches, params: dict):
+    """Insert SIH / PAD nodes into the layers in `params` (layer index -> SIHParams)."""
+    import numpy as np
+    import onnx_graphsurgeon as gs
+
+    done = []
+    for m in matches:
+        p = params.get(m.index)
+        if p is None:
+            continue
+        dt = np.float32
+        pre = f"zeroedge/layer{m.index}"
+        n, D = m.norm_out, m.dim
+        n2 = gs.Variable(f"{pre}/x", dtype=n.dtype)
+        shp = gs.Constant(f"{pre}/flat_shape", np.array([-1, D], dtype=np.int64))
+        graph.nodes.append(gs.Node("Reshape", f"{pre}/flatten", inputs=[n, shp], outputs=[n2]))
+        w = p.weights
+        consts = [gs.Constant(f"{pre}/sih.{k}", np.ascontiguousarray(w[k], dtype=dt))
+                  for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4",
+                            "anchor_a", "anchor_b", "anchor_c")]
+        keep = gs.Variable(f"{pre}/keep", dtype=np.int32)
+        base = gs.Variable(f"{pre}/base", dtype=n.dtype)
+        graph.nodes.append(gs.Node("ZeroEdgeSIH", f"{pre}/ZeroEdgeSIH", attrs=p.attrs(),
+                                   inputs=[n2, *consts], outputs=[keep, base], domain=spec.DOMAIN))
+        xs = gs.Variable(f"{pre}/xs", dtype=n.dtype)
+        idx = gs.Variable(f"{pre}/idx", dtype=np.int32)
+        cnt = gs.Variable(f"{pre}/count", dtype=np.int32)
+        graph.nodes.append(gs.Node("ZeroEdgePADGather", f"{pre}/ZeroEdgePADGather",
+                                   inputs=[n2, keep], outputs=[xs, idx, cnt], domain=spec.DOMAIN))
+        for node in (m.gate, m.up):
+            node.inputs[0] = xs
+        # shapes between gate/up and down are now [K, F]: forget stale annotations
+        _clear_shapes(m)
+        y = m.out
+        y2 = gs.Variable(f"{pre}/y_kept", dtype=y.dtype)
+        m.down.outputs[0] = y2
+        out2 = gs.Variable(f"{pre}/ffn_out", dtype=y.dtype)
+        graph.nodes.append(gs.Node("ZeroEdgePADScatter", f"{pre}/ZeroEdgePADScatter",
+                                   inputs=[base, y2, idx], outputs=[out2], domain=spec.DOMAIN))
+        shape_n = gs.Variable(f"{pre}/shape", dtype=np.int64)
+        graph.nodes.append(gs.Node("Shape", f"{pre}/shape_of_x", inputs=[n], outputs=[shape_n]))
+        graph.nodes.append(gs.Node("Reshape", f"{pre}/unflatten", inputs=[out2, shape_n], outputs=[y]))
+        done.append(m.index)
+    graph.cleanup().toposort()
+    return done
+
+
+def _clear_shapes(m):
+    seen, stack = set(), [m.down.inputs[0]]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or not hasattr(t, "inputs") or not t.inputs:
+            continue
+        seen.add(id(t))
+        t.shape = None
+        p = t.inputs[0]
+        if p in (m.gate, m.up):
+            p.outputs[0].shape = None
+            continue
+        stack.extend(i for i in p.inputs if i is not m.norm_out)
+    m.down.outputs[0].shape = None
+
+
+def mask_heads(graph, matches, pruned: dict, head_dim: int, n_heads: int):
+    """Zero the o_proj rows of pruned heads (layer -> [head, ...]); returns {layer: status}."""
+    import numpy as np
+    import onnx_graphsurgeon as gs
+
+    status = {}
+    for m in matches:
+        heads = [int(h) for h in pruned.get(m.index, pruned.get(str(m.index), []))]
+        if not heads:
+            continue
+        if m.o_proj is None:
+            status[m.index] = "no o_proj found"
+            continue
+        w = proj_weight(m.o_proj)                              # [in, out]
+        if w.shape[0] != n_heads * head_dim:
+            status[m.index] = f"already sliced ({w.shape[0] // head_dim} heads)"
+            continue
+        w = np.array(w, copy=True)                            # weights may be shared: copy
+        for h in heads:
+            w[h * head_dim:(h + 1) * head_dim] = 0
+        node = m.o_proj
+        if node.op == "Gemm" and node.attrs.get("transB", 0):
+            w = w.T
+            w = np.ascontiguousarray(w)
+        node.inputs[1] = gs.Constant(f"zeroedge/layer{m.index}/o_proj_pruned", np.ascontiguousarray(w))
+        status[m.index] = f"masked {len(heads)} heads"
+    graph.cleanup()
+    return status
+
+
+# --- portable / TensorRT flavours ----------------------------------------------------------------
+def to_portable(model):
+    """Add the model-local functions and the `zeroedge` domain; IR >= 10 (attribute defaults)."""
+    from onnx import helper
+
+    from zeroedge.export.functions import all_functions
+
+    used = {n.op_type for n in model.graph.node if n.domain == spec.DOMAIN}
+    del model.functions[:]
+    model.functions.extend(f for f in all_functions() if f.name in used)
+    _set_domain(model)
+    model.ir_version = max(model.ir_version, 10)
+    return model
+
+
+def to_trt(model):
+    """No model.functions (TensorRT 10.3 would inline them instead of using the plugins); every
+    custom node carries plugin_namespace / plugin_version; INT attributes fit int32."""
+    from onnx import helper
+
+    del model.functions[:]
+    for n in model.graph.node:
+        if n.domain != spec.DOMAIN:
+            continue
+        names = {a.name for a in n.attribute}
+        fields = spec.NODES.get(n.op_type, {}).get("fields", {})
+        for k, (kind, default) in fields.items():   # write every field: the creator reads them all
+            if k not in names and default is not None:
+                n.attribute.append(helper.make_attribute(k, float(default) if kind == spec.FLOAT
+                                                         else int(default)))
+        if "plugin_namespace" not in names:
+            n.attribute.append(helper.make_attribute("plugin_namespace", spec.PLUGIN_NAMESPACE))
+        if "plugin_version" not in names:
+            n.attribute.append(helper.make_attribute("plugin_version", spec.PLUGIN_VERSION))
+    _set_domain(model)
+    model.ir_version = max(model.ir_version, 10)
+    return model
+
+
+def _set_domain(model):
+    from onnx import helper
+
+    if not any(o.domain == spec.DOMAIN for o in model.opset_import):
+        if any(n.domain == spec.DOMAIN for n in model.graph.node):
+            model.opset_import.append(helper.make_opsetid(spec.DOMAIN, 1))
+
+
+# --- calibration artifact -> per-layer params --------------------------------------------------
+def params_from_artifact(meta: dict, tensors: dict) -> dict:
+    """layer index -> SIHParams for every layer the artifact marks skip=True."""
+    import numpy as np
+
+    sih = meta.get("sih", {})
+    ma = tuple(sih.get("ma_weights", (0.5, 1 / 3, 1 / 6)))
+    out = {}
+    for L in meta["layers"]:
+        i = int(L["index"])
+        if not L.get("skip") or L.get("threshold") is None:
+            continue
+        pre = f"layers.{i}"
+        try:
+            w = {k: tensors[f"{pre}.sih.{k}"].float().numpy() for k in
+                 ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")}
+        except KeyError as e:
+            raise UserError(f"calibration artifact lacks {e.args[0]} for layer {i}") from None
+        D = w["w1"].shape[1]
+        rank = int(L.get("anchor_rank", 0) or 0)
+        if rank and f"{pre}.anchor.a" in tensors:
+            w["anchor_a"] = tensors[f"{pre}.anchor.a"].float().numpy()
+            w["anchor_b"] = tensors[f"{pre}.anchor.b"].float().numpy()
+            w["anchor_c"] = tensors[f"{pre}.anchor.c"].float().numpy()
+            rank = w["anchor_a"].shape[0]
+        else:
+            rank = 0
+            w["anchor_a"] = np.zeros((1, D), np.float32)
+            w["anchor_b"] = np.zeros((D, 1), np.float32)
+            w["anchor_c"] = np.zeros((D,), np.float32)
+        out[i] = SIHParams(w, float(L["threshold"]), ma, int(sih.get("min_tokens", 32)),
+                           int(sih.get("protect_first", 4)), int(sih.get("protect_last", 1)),
+                           int(L.get("block_size", 0) or 0), float(L.get("block_frac", 0.7)), rank)
+    return out
+
+
+def rewrite_model(model, sih_params: dict, pruned_heads: Optional[dict] = None, head_dim: int = 0,
+                  n_heads: int = 0, expect_layers: Optional[int] = None):
+    """onnx ModelProto -> (rewritten ModelProto, info). NoPattern if nothing matches."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    matches, report = find_layers(graph)
+    if not matches:
+        raise NoPattern(report)
+    if expect_layers is not None and len(matches) != expect_layers:
+        raise UserError(f"found {len(matches)} RMSNorm -> MLP layers, the model has {expect_layers} "
+                        f"({summary(report)}); nothing written")
+    heads = mask_heads(graph, matches, pruned_heads or {}, head_dim, n_heads) if pruned_heads else {}
+    done = rewrite(graph, matches, sih_params)
+    out = gs.export_onnx(graph)
+    out.ir_version = model.ir_version
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    return out, {"report": report, "rewritten_layers": done, "heads": heads}

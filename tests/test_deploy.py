@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 NV_RELEASE = "# R36 (release), REVISION: {rev}, GCID: 38968081, BOARD: generic, EABI: aarch64, DATE: Wed Jan  8 01:49:37 UTC 2025\n"
@@ -249,7 +249,12 @@ def lab(tmp_path_factory):
 
     lab = Lab()
     lab.tmp, lab.home, lab.user, lab.broker_port = tmp, home, user, broker_port
-    lab.env = {"HOME": str(home), "COLUMNS": "200"}
+    # the CLI (and the device code it ships) runs from a snapshot of the package taken now, so the
+    # release content is fixed for the whole module even while the working tree changes
+    snap = tmp / "snap"
+    shutil.copytree(REPO / "zeroedge", snap / "zeroedge", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    lab.env = {"HOME": str(home), "COLUMNS": "200", "PYTHONPATH": str(snap)}
+    lab.cwd = snap
 
     def device(name, **jetson):
         try:
@@ -322,9 +327,191 @@ def make_sensor_bundle(out: Path, seed=0) -> Path:
     return out
 
 
+def zcli(lab, *args, rc=None, timeout=180):
+    p = subprocess.run([sys.executable, "-m", "zeroedge.cli", *map(str, args)], capture_output=True, text=True,
+                       env=dict(os.environ, **lab.env), cwd=lab.cwd, timeout=timeout)
+    if rc is not None:
+        assert p.returncode == rc, f"rc={p.returncode}\nstdout:{p.stdout[-3000:]}\nstderr:{p.stderr[-3000:]}"
+    return p
+
+
 def deploy(lab, *args, rc=None):
-    return run_cli("deploy", *args, env=lab.env, check_rc=rc, timeout=180)
+    return zcli(lab, "deploy", *args, rc=rc)
 
 
 def last_json(p):
     return json.loads(p.stdout)
+
+
+def health_port(p):
+    return p
+
+
+@pytest.fixture(scope="module")
+def jetson_a(lab):
+    return lab.device("jetson-a")
+
+
+def test_deploy_status_redeploy_rollback(lab, jetson_a, tmp_path):
+    d = jetson_a
+    port = free_port()
+    common = ["--host", "jetson-a", "--config", lab.config, "--metrics-port", port, "--health-timeout", 30]
+    # 1. first deploy: real bundle, real daemon on onnxruntime, health through /healthz over SSH
+    p = deploy(lab, lab.bundle, *common, "--json", rc=0)
+    r1 = last_json(p)["hosts"][0]
+    assert r1["ok"] and r1["backend"] == "onnxruntime" and r1["changed"]
+    assert r1["bytes_uploaded"] > 100_000 and r1["bytes_uploaded"] == r1["bytes_total"]
+    assert r1["health"]["code"] == 200 and r1["health"]["body"]["status"] == "ok"
+    assert r1["device"]["jetpack"] == "6.2" and r1["device"]["gpu"] == "sm_87"
+    assert any("onnxruntime" in n for n in r1["notes"])
+    rel1 = r1["release"]
+    base = d.root / "opt/zeroedge"
+    assert os.readlink(base / "current") == f"releases/{rel1}"
+    cfg = (base / "current/daemon.toml").read_text()
+    assert 'bundle = "bundle"' in cfg and f"port = {port}" in cfg and str(d.root / "var/lib/zeroedge") in cfg
+    assert ["restart", "zeroedge.service"] in d.calls() and ["enable", "zeroedge.service"] in d.calls()
+    unit = d.root / "etc/systemd/system/zeroedge.service.d/zeroedge-deploy.conf"
+    assert f"{base}/current/daemon.toml" in unit.read_text()
+    pid1 = d.daemon_pid()
+
+    # 2. status: version, release, health, memory
+    p = zcli(lab, "status", "--host", "jetson-a", rc=0)
+    assert rel1 in p.stdout and "health ok" in p.stdout and "service active" in p.stdout
+    assert "memory 51.2 GB available" in p.stdout
+
+    # 3. idempotent: the same bundle again moves 0 bytes, restarts nothing
+    n_calls = len(d.calls())
+    p = deploy(lab, lab.bundle, *common, "--json", rc=0)
+    r2 = last_json(p)["hosts"][0]
+    assert r2["bytes_uploaded"] == 0, r2.get("uploaded")
+    assert r2["files_uploaded"] == 0 and not r2["changed"]
+    assert r2["release"] == rel1 and r2["health"]["ok"]
+    assert d.daemon_pid() == pid1 and ["restart", "zeroedge.service"] not in d.calls()[n_calls:]
+
+    # 4. a new bundle: --dry-run first changes nothing, then only the changed files move
+    b2 = make_sensor_bundle(tmp_path / "bundle2", seed=1)
+    before = d.tree()
+    p = deploy(lab, b2, *common, "--dry-run", rc=0)
+    assert "would upload 3 of" in p.stdout and "dry run: nothing changed" in p.stdout, p.stdout
+    assert d.tree() == before
+    p = deploy(lab, b2, *common, rc=0)
+    assert "uploaded 3 files" in p.stdout and "health ok" in p.stdout, p.stdout
+    rel2 = os.readlink(base / "current").split("/")[-1]
+    assert rel2 != rel1 and d.daemon_pid() != pid1
+
+    # 5. rollback: back to the first release, restarted and healthy
+    p = zcli(lab, "rollback", "--host", "jetson-a", rc=0)
+    assert f"rolled back {rel2} -> {rel1}" in p.stdout and "health ok" in p.stdout
+    assert os.readlink(base / "current") == f"releases/{rel1}"
+    h = last_json(zcli(lab, "status", "--host", "jetson-a", "--json", rc=0))["hosts"][0]
+    assert h["release"] == rel1 and h["health"]["body"]["status"] == "ok"
+    # nothing older than rel1: a clear refusal
+    p = zcli(lab, "rollback", "--host", "jetson-a", rc=2)
+    assert "no release older than" in p.stderr and "Traceback" not in p.stderr
+    # re-deploying b2 re-activates its release without uploading anything
+    r = last_json(deploy(lab, b2, *common, "--json", rc=0))["hosts"][0]
+    assert r["bytes_uploaded"] == 0 and r["changed"] and r["release"].endswith(rel2.split("-")[-1])
+
+
+def _one_line_error(p, *needles):
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    err = p.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_refusals_change_nothing(lab, jetson_a, tmp_path):
+    d = jetson_a
+    before = d.tree()
+    # wrong host key: never silently accepted
+    kh = tmp_path / "known_hosts"
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    kh.write_text(f"[127.0.0.1]:{d.port} {' '.join(Path(str(other) + '.pub').read_text().split()[:2])}\n")
+    _one_line_error(deploy(lab, lab.bundle, "--host", "jetson-a", "--known-hosts", kh),
+                    "jetson-a: host key verification failed", "ssh-keygen -R")
+    # a host not in known_hosts at all
+    kh.write_text("")
+    _one_line_error(deploy(lab, lab.bundle, "--host", "jetson-a", "--known-hosts", kh), "host key verification failed")
+    # unreachable
+    _one_line_error(deploy(lab, lab.bundle, "--host", f"127.0.0.1:{free_port()}"), "unreachable", "connection refused")
+    # a bundle that fails verification: refused before connecting anywhere
+    bad = tmp_path / "bad"
+    shutil.copytree(lab.bundle, bad)
+    with open(bad / "model.onnx", "ab") as f:
+        f.write(b"x")
+    _one_line_error(deploy(lab, bad, "--host", "jetson-a"), "bundle verification failed", "modified model.onnx")
+    assert d.tree() == before
+
+
+def test_full_disk_refused(lab, tmp_path):
+    d = lab.device("jetson-full")
+    opt = d.root / "opt"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(opt)],
+                             capture_output=True).returncode == 0 if os.geteuid() == 0 else False
+    try:
+        if mounted:   # a real full disk: fill the tmpfs to 64 KB free
+            st = os.statvfs(opt)
+            (opt / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 64 * 1024))
+            args = ["--min-free", "0"]
+        else:         # no mount allowed: the same check, driven by the reserve
+            args = ["--min-free", "1000T"]
+        before = d.tree()
+        err = _one_line_error(deploy(lab, lab.bundle, "--host", "jetson-full", *args), "jetson-full: disk full:")
+        assert "free at /opt/zeroedge" in err
+        assert d.tree() == before and d.calls() == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(opt)])
+
+
+def test_not_a_jetson_and_jetpack_60_refused(lab):
+    pc = lab.device("not-jetson", nv_release=False)
+    old = lab.device("jetpack60", rev="3.0")
+    b1, b2 = pc.tree(), old.tree()
+    _one_line_error(deploy(lab, lab.bundle, "--host", "not-jetson"), "not-jetson: not a Jetson",
+                    "/etc/nv_tegra_release")
+    _one_line_error(deploy(lab, lab.bundle, "--host", "jetpack60"), "JetPack 6.0 (L4T 36.3.0) ships TensorRT 8.6",
+                    "IPluginV3")
+    assert pc.tree() == b1 and old.tree() == b2
+
+
+def test_fleet_parallel_and_refusals(lab, tmp_path):
+    a, b = lab.device("fleet-a"), lab.device("fleet-b")
+    inv = tmp_path / "hosts"
+    pa, pb = free_port(), free_port()
+    inv.write_text(f"# two Orins\nfleet-a metrics_port={pa}\nfleet-b  {lab.user}@127.0.0.1:{b.port}  metrics_port={pb}\n")
+    # a bad line refuses the whole inventory before anything connects
+    bad = tmp_path / "bad-hosts"
+    bad.write_text(inv.read_text() + "fleet-c metrics_port=notanumber\n")
+    _one_line_error(deploy(lab, lab.bundle, "--hosts", bad, "--config", lab.config), f"{bad}:4:", "metrics_port")
+    # one host that is not a Jetson: refused before anything changes on any device
+    pc = lab.device("fleet-pc", nv_release=False)
+    mixed = tmp_path / "mixed-hosts"
+    mixed.write_text(inv.read_text() + "fleet-pc\n")
+    ta, tb, tc = a.tree(), b.tree(), pc.tree()
+    p = deploy(lab, lab.bundle, "--hosts", mixed, "--config", lab.config)
+    assert p.returncode == 2, p.stderr
+    assert "deploy: 0/3 hosts ok" in p.stdout and "fleet-pc: not a Jetson" in p.stderr
+    assert "another host failed preflight" in p.stdout
+    assert (a.tree(), b.tree(), pc.tree()) == (ta, tb, tc)
+    assert a.calls() == b.calls() == []
+    # both good devices in parallel
+    t = time.perf_counter()
+    p = deploy(lab, lab.bundle, "--hosts", inv, "--config", lab.config, "--json", rc=0)
+    wall = time.perf_counter() - t
+    doc = last_json(p)
+    assert doc["ok"] and [h["name"] for h in doc["hosts"]] == ["fleet-a", "fleet-b"]
+    for h, port in zip(doc["hosts"], (pa, pb)):
+        assert h["ok"] and h["health"]["body"]["status"] == "ok" and h["health"]["url"].endswith(f":{port}/healthz")
+    assert wall < sum(h["seconds"] for h in doc["hosts"]) + 5
+    p = zcli(lab, "status", "--hosts", inv, rc=0)
+    assert "status: 2/2 hosts ok" in p.stdout and p.stdout.count("health ok") == 2
+    # an unreachable fleet member: per-host summary and a non-zero exit
+    down = tmp_path / "down-hosts"
+    down.write_text(mixed.read_text() + f"fleet-down 127.0.0.1:{free_port()}\n")
+    p = zcli(lab, "status", "--hosts", down)
+    assert p.returncode != 0 and "status: 3/4 hosts ok, 1 failed: fleet-down" in p.stdout, p.stdout
+    assert "fleet-pc: nothing deployed" in p.stdout and "fleet-down: unreachable" in p.stderr

@@ -194,9 +194,27 @@ class Device:
         os.replace(done + ".tmp", done)
         return out
 
-    def install_unit(self):
+    def service_spec(self, name):
+        """The unit text and python a release was deployed with (kept in the release, so a rollback
+        reinstalls the unit that went with it)."""
+        path = os.path.join(self.releases, name, ".service.json")
+        if "unit" in self.p and "python" in self.p:
+            spec = {"unit": self.p["unit"], "python": self.p["python"]}
+            if not os.path.isfile(path):
+                with open(path + ".tmp", "w") as f:
+                    json.dump(spec, f)
+                os.replace(path + ".tmp", path)
+            return spec
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            raise Fail("release %s has no service spec (.service.json); redeploy it" % name)
+
+    def install_unit(self, name):
         """Install the unit file and a drop-in that points it at the current release; reload and
         enable only when something changed."""
+        spec = self.service_spec(name)
         os.makedirs(os.path.join(self.unit_dir, UNIT + ".d"), exist_ok=True)
         cur = self.current
         dropin = "\n".join([
@@ -206,10 +224,10 @@ class Device:
             "Environment=PYTHONPATH=%s/app" % cur,
             "Environment=ZEROEDGE_DEVICE_ROOT=%s" % self.root,
             "ExecStart=",
-            "ExecStart=%s -m zeroedge.cli daemon --config %s/daemon.toml" % (self.p["python"], cur),
+            "ExecStart=%s -m zeroedge.cli daemon --config %s/daemon.toml" % (spec["python"], cur),
             ""])
         changed = False
-        for path, text in ((os.path.join(self.unit_dir, UNIT), self.p["unit"]),
+        for path, text in ((os.path.join(self.unit_dir, UNIT), spec["unit"]),
                            (os.path.join(self.unit_dir, UNIT + ".d", DROPIN), dropin)):
             try:
                 with open(path) as f:
@@ -281,7 +299,7 @@ class Device:
         if name == before:
             res["unchanged"] = True
             res["build"] = self.build(name)
-            changed = self.install_unit()
+            changed = self.install_unit(name)
             if changed or not self.service_active():
                 res["restarted"] = True
                 res["health"] = self.restart_and_check(name)
@@ -290,10 +308,12 @@ class Device:
             res["gc"] = self.gc()
             return res
         res["build"] = self.build(name)
-        self.install_unit()
+        self.install_unit(name)
         self.swap_current(name)
         res["health"] = self.restart_and_check(name)
         if not res["health"]["ok"] and before and self.p.get("auto_rollback", True):
+            self.p.pop("unit", None)
+            self.install_unit(before)
             self.swap_current(before)
             res["rolled_back_to"] = before
             res["rollback_health"] = self.restart_and_check(before)
@@ -350,7 +370,7 @@ class Device:
         if target == cur:
             return {"release": cur, "previous": cur, "unchanged": True,
                     "health": self.health(self.port_of(cur), self.p.get("health_timeout", 60))}
-        self.install_unit()
+        self.install_unit(target)
         self.swap_current(target)
         return {"release": target, "previous": cur, "health": self.restart_and_check(target)}
 

@@ -133,6 +133,7 @@ class Deployer:
             if e.sha256 not in present and e.sha256 not in seen:
                 seen.add(e.sha256)
                 missing.append((e.src, e.sha256, e.bytes))
+                r.extra.setdefault("uploaded", []).append(e.rel)
         up = sum(m[2] for m in missing)
         v = pf.evaluate(facts, self.manifest, up, self.opts.min_free, self.opts.sudo, self.has_plugins, self.has_trt)
         if v.problems:

@@ -86,7 +86,24 @@ def has_plugins() -> bool:
 
 
 def has_trt_backend() -> bool:
-    return (PKG / "backends" / "tensorrt.py").is_file() or (PKG / "backends" / "tensorrt").is_dir()
+    """A TensorRT engine is built on the device only if this zeroedge has a TensorRT backend and its
+    daemon accepts `backend = "tensorrt"` (checked with the daemon's own config validator)."""
+    if not ((PKG / "backends" / "tensorrt.py").is_file() or (PKG / "backends" / "tensorrt").is_dir()):
+        return False
+    return validate_daemon_config({"daemon": {"bundle": "bundle", "backend": "tensorrt"}}) is None
+
+
+def validate_daemon_config(cfg: dict) -> str | None:
+    """None if the daemon's own validator (zeroedge.daemon.config.from_dict) accepts cfg, else why."""
+    try:
+        from zeroedge.daemon.config import from_dict
+    except ImportError:
+        return None
+    try:
+        from_dict(json.loads(json.dumps(cfg)), base=Path("/nonexistent-release"), path=Path("daemon.toml"))
+    except UserError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------- daemon config (TOML)
@@ -202,7 +219,14 @@ def build_release(bundle: Path, manifest: dict, template: dict, port: int, backe
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "daemon.toml"
-    cfg.write_text("# written by zeroedge deploy\n" + dump_toml(daemon_config(template, port, backend, root, base, name)))
+    dc = daemon_config(template, port, backend, root, base, name)
+    why = validate_daemon_config(dc)
+    if why:
+        raise UserError(f"the daemon config deploy would write is invalid: {why}")
+    text = "# written by zeroedge deploy (schema: zeroedge/daemon/config.py)\n" + dump_toml(dc)
+    if _load_toml(text) != dc:
+        raise UserError("internal error: daemon.toml does not round-trip")
+    cfg.write_text(text)
     _add(entries, "daemon.toml", cfg)
     unit_path = unit_file or PKG / "systemd" / "zeroedge.service"
     unit = unit_path.read_text() if unit_path.is_file() else DEFAULT_UNIT

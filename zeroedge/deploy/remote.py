@@ -239,6 +239,17 @@ class Device:
                     f.write(text)
                 os.replace(path + ".tmp", path)
                 changed = True
+        # /etc/zeroedge/daemon.toml -> the current release's config, so the unit's own ExecStart and
+        # `zeroedge daemon --config /etc/zeroedge/daemon.toml` by hand run the deployed config too;
+        # a regular file there is the user's and is left alone
+        etc = under(self.root, "/etc/zeroedge/daemon.toml")
+        if not os.path.exists(etc) or os.path.islink(etc):
+            os.makedirs(os.path.dirname(etc), exist_ok=True)
+            want = os.path.join(cur, "daemon.toml")
+            if not os.path.islink(etc) or os.readlink(etc) != want:
+                tmp = etc + ".tmp-%d" % os.getpid()
+                os.symlink(want, tmp)
+                os.replace(tmp, etc)
         if changed:
             self.systemctl("daemon-reload")
             self.systemctl("enable", UNIT)
@@ -307,10 +318,14 @@ class Device:
                 res["health"] = self.health(self.port_of(name), self.p.get("health_timeout", 60))
             res["gc"] = self.gc()
             return res
+        t = time.time()
         res["build"] = self.build(name)
+        res["build_s"] = round(time.time() - t, 3)
         self.install_unit(name)
         self.swap_current(name)
+        t = time.time()
         res["health"] = self.restart_and_check(name)
+        res["restart_to_healthy_s"] = round(time.time() - t, 3)
         if not res["health"]["ok"] and before and self.p.get("auto_rollback", True):
             self.p.pop("unit", None)
             self.install_unit(before)

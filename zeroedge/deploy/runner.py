@@ -110,8 +110,11 @@ class Deployer:
         from .release import build_release, metrics_port
 
         r.phase = "connect"
+        t0 = time.perf_counter()
         conn = await connect(t, self.opts.ssh_config, self.opts.known_hosts, self.opts.connect_timeout)
         r.extra["_conn"] = conn
+        _tick(r, "connect_s", t0)
+        t0 = time.perf_counter()
         r.phase = "preflight"
         want = list(pf.DAEMON_MODULES) + ["tomli"]
         facts, _ = await _run(t, self.opts, conn, "probe", modules=want)
@@ -141,6 +144,7 @@ class Deployer:
         r.backend, r.notes = v.backend, v.notes
         r.bytes_total = rel.total_bytes
         r.extra.update(_rel=rel, _missing=missing, _verdict=v)
+        _tick(r, "preflight_s", t0)
         r.phase = "ready"
 
     # ---------------- phase 2: change the device
@@ -148,6 +152,7 @@ class Deployer:
         conn, rel, missing, v = (r.extra.pop(k) for k in ("_conn", "_rel", "_missing", "_verdict"))
         base = r.facts["base"]
         r.phase = "upload"
+        t0 = time.perf_counter()
         if missing:
             task = progress.add_task(t.name, total=sum(m[2] for m in missing)) if progress else None
 
@@ -158,6 +163,8 @@ class Deployer:
             r.bytes_uploaded = await upload(conn, t, missing, f"{base}/.incoming", adv)
             r.files_uploaded = len(missing)
             await _run(t, self.opts, conn, "commit", hashes=[m[1] for m in missing])
+        _tick(r, "upload_s", t0)
+        t0 = time.perf_counter()
         r.phase = "activate"
         steps = [dict(s, argv=[a.replace("{bundle}", "bundle").replace("{build}", "build") for a in s["argv"]])
                  if s.get("argv") else s for s in v.steps]
@@ -165,9 +172,13 @@ class Deployer:
                               unit=rel.unit, python=r.facts["python"]["executable"],
                               metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,
                               build={"backend": v.backend, "steps": steps})
+        _tick(r, "activate_s", t0)
         r.release, r.previous, r.health = res["release"], res.get("previous"), res.get("health")
         r.changed = not res.get("unchanged") or bool(r.bytes_uploaded)
         r.extra["build"] = res.get("build")
+        for k in ("build_s", "restart_to_healthy_s"):
+            if k in res:
+                r.extra.setdefault("timings", {})[k] = res[k]
         r.extra["gc"] = res.get("gc")
         if res.get("rolled_back_to"):
             r.extra["rolled_back_to"] = res["rolled_back_to"]
@@ -251,6 +262,10 @@ class Deployer:
                 if c is not None:
                     c.close()
             self.tmp.cleanup()
+
+
+def _tick(r: HostResult, key: str, t0: float):
+    r.extra.setdefault("timings", {})[key] = round(time.perf_counter() - t0, 3)
 
 
 def _short(body) -> str:

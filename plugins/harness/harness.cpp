@@ -1,0 +1,745 @@
+// Host harness for libzeroedge_plugins.so, built against the TensorRT headers but not libnvinfer.
+//
+//   zeroedge_harness LIB.so          dlopen, getCreators, create every plugin from fields, check
+//                                    getOutputShapes through our own IExprBuilder, formats, data types,
+//                                    workspace, bad fields / shapes (clear errors, no crash), and the
+//                                    field round trip (serialize -> create at kRUNTIME -> same fields)
+//   zeroedge_harness LIB.so --gpu    also enqueue every plugin on a CUDA device (fp32) and compare
+//                                    with a CPU reference: proves the glue's input/output plumbing
+//
+// Prints one line per group and "harness: N checks passed"; exit code 1 on any failure.
+#include "NvInferRuntime.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace nvinfer1;
+
+static int gChecks = 0, gFail = 0;
+#define CHECK(cond, what)                                                                                             \
+    do                                                                                                                \
+    {                                                                                                                 \
+        ++gChecks;                                                                                                    \
+        if (!(cond))                                                                                                  \
+        {                                                                                                             \
+            ++gFail;                                                                                                  \
+            std::fprintf(stderr, "FAIL line %d: %s\n", __LINE__, std::string(what).c_str());                          \
+        }                                                                                                             \
+    } while (0)
+
+// ------------------------------------------------------------------------- logger capturing messages
+class CaptureLogger : public ILogger
+{
+public:
+    void log(Severity sev, AsciiChar const* msg) noexcept override
+    {
+        if (sev <= Severity::kWARNING) messages.emplace_back(msg);
+    }
+    std::vector<std::string> messages;
+    bool saw(char const* part) const
+    {
+        for (auto const& m : messages)
+            if (m.find(part) != std::string::npos) return true;
+        return false;
+    }
+    std::string last() const { return messages.empty() ? std::string("(no message)") : messages.back(); }
+};
+
+class Finder : public ILoggerFinder
+{
+public:
+    ILogger* findLogger() override { return &logger; }
+    CaptureLogger logger;
+};
+
+// ------------------------------------------------------------------------- our own expression builder
+struct Node
+{
+    enum Kind { kConst, kSym, kOp, kSize } kind{kConst};
+    Node() = default;
+    explicit Node(Kind k)
+        : kind(k)
+    {
+    }
+    int64_t value{0};
+    std::string sym;
+    DimensionOperation op{DimensionOperation::kSUM};
+    Node const* a{nullptr};
+    Node const* b{nullptr};
+    int32_t outIndex{-1};
+};
+
+class ExprImpl : public apiv::VDimensionExpr
+{
+public:
+    Node n;
+    bool isConstant() const override { return n.kind == Node::kConst; }
+    int64_t getConstantValue() const override
+    {
+        return n.kind == Node::kConst ? n.value : std::numeric_limits<int64_t>::min();
+    }
+    bool isSizeTensor() const override { return n.kind == Node::kSize; }
+};
+
+class Expr : public IDimensionExpr
+{
+public:
+    Expr() { mImpl = &impl; }
+    ~Expr() noexcept override = default;
+    ExprImpl impl;
+};
+
+static Node const& node(IDimensionExpr const& e) { return static_cast<Expr const&>(e).impl.n; }
+
+class BuilderImpl : public apiv::VExprBuilder
+{
+public:
+    Expr* make(Node n)
+    {
+        pool.emplace_back(new Expr());
+        pool.back()->impl.n = n;
+        return pool.back().get();
+    }
+    IDimensionExpr const* constant(int64_t v) override
+    {
+        Node n(Node::kConst);
+        n.value = v;
+        return make(n);
+    }
+    IDimensionExpr const* sym(std::string const& s)
+    {
+        Node n(Node::kSym);
+        n.sym = s;
+        return make(n);
+    }
+    IDimensionExpr const* operation(DimensionOperation op, IDimensionExpr const& a, IDimensionExpr const& b) override
+    {
+        Node n(Node::kOp);
+        n.op = op;
+        n.a = &node(a);
+        n.b = &node(b);
+        return make(n);
+    }
+    IDimensionExpr const* declareSizeTensor(int32_t outputIndex, IDimensionExpr const& opt, IDimensionExpr const& upper) override
+    {
+        Node n(Node::kSize);
+        n.outIndex = outputIndex;
+        n.a = &node(opt);
+        n.b = &node(upper);
+        sizeTensors.push_back(outputIndex);
+        return make(n);
+    }
+    std::deque<std::unique_ptr<Expr>> pool;
+    std::vector<int32_t> sizeTensors;
+};
+
+class Builder : public IExprBuilder
+{
+public:
+    Builder() { mImpl = &impl; }
+    ~Builder() noexcept override = default;
+    BuilderImpl impl;
+};
+
+using Env = std::map<std::string, int64_t>;
+
+static int64_t eval(Node const* n, Env const& env)
+{
+    switch (n->kind)
+    {
+    case Node::kConst: return n->value;
+    case Node::kSym: return env.at(n->sym);
+    case Node::kSize: return env.count("K") ? env.at("K") : -1;
+    case Node::kOp:
+    {
+        int64_t a = eval(n->a, env), b = eval(n->b, env);
+        switch (n->op)
+        {
+        case DimensionOperation::kSUM: return a + b;
+        case DimensionOperation::kPROD: return a * b;
+        case DimensionOperation::kMAX: return a > b ? a : b;
+        case DimensionOperation::kMIN: return a < b ? a : b;
+        case DimensionOperation::kSUB: return a - b;
+        case DimensionOperation::kEQUAL: return a == b;
+        case DimensionOperation::kLESS: return a < b;
+        case DimensionOperation::kFLOOR_DIV: return a / b;
+        case DimensionOperation::kCEIL_DIV: return (a + b - 1) / b;
+        }
+    }
+    }
+    return -999;
+}
+
+static DimsExprs dims(Builder& b, std::vector<std::string> const& ds)
+{
+    DimsExprs d{};
+    d.nbDims = int32_t(ds.size());
+    for (size_t i = 0; i < ds.size(); ++i)
+    {
+        bool num = !ds[i].empty() && (std::isdigit(static_cast<unsigned char>(ds[i][0])));
+        d.d[i] = num ? b.impl.constant(std::stoll(ds[i])) : b.impl.sym(ds[i]);
+    }
+    return d;
+}
+
+static std::vector<int64_t> evalDims(DimsExprs const& d, Env const& env)
+{
+    std::vector<int64_t> v;
+    for (int32_t i = 0; i < d.nbDims; ++i) v.push_back(eval(&node(*d.d[i]), env));
+    return v;
+}
+
+// ------------------------------------------------------------------------- fields
+struct FieldSet
+{
+    std::deque<float> f;
+    std::deque<int32_t> i;
+    std::deque<double> d;
+    std::vector<PluginField> v;
+    FieldSet& fl(char const* n, float x)
+    {
+        f.push_back(x);
+        v.emplace_back(n, &f.back(), PluginFieldType::kFLOAT32, 1);
+        return *this;
+    }
+    FieldSet& in(char const* n, int32_t x)
+    {
+        i.push_back(x);
+        v.emplace_back(n, &i.back(), PluginFieldType::kINT32, 1);
+        return *this;
+    }
+    FieldSet& f64(char const* n, double x)
+    {
+        d.push_back(x);
+        v.emplace_back(n, &d.back(), PluginFieldType::kFLOAT64, 1);
+        return *this;
+    }
+    PluginFieldCollection fc() const { return PluginFieldCollection{int32_t(v.size()), v.data()}; }
+};
+
+static std::map<std::string, std::string> fieldValues(PluginFieldCollection const* fc)
+{
+    std::map<std::string, std::string> m;
+    for (int32_t k = 0; k < fc->nbFields; ++k)
+    {
+        PluginField const& f = fc->fields[k];
+        char buf[64];
+        if (f.type == PluginFieldType::kFLOAT32) std::snprintf(buf, sizeof buf, "f:%.9g", *static_cast<float const*>(f.data));
+        else if (f.type == PluginFieldType::kINT32) std::snprintf(buf, sizeof buf, "i:%d", *static_cast<int32_t const*>(f.data));
+        else std::snprintf(buf, sizeof buf, "other");
+        m[f.name] = buf;
+    }
+    return m;
+}
+
+static DynamicPluginTensorDesc desc(DataType t, std::vector<int64_t> const& d, std::vector<int64_t> const& maxd = {})
+{
+    DynamicPluginTensorDesc x{};
+    x.desc.type = t;
+    x.desc.format = TensorFormat::kLINEAR;
+    x.desc.dims.nbDims = int32_t(d.size());
+    x.min.nbDims = x.max.nbDims = x.opt.nbDims = int32_t(d.size());
+    for (size_t i = 0; i < d.size(); ++i)
+    {
+        x.desc.dims.d[i] = d[i];
+        int64_t m = maxd.empty() ? d[i] : maxd[i];
+        x.min.d[i] = d[i] < 0 ? 1 : d[i];
+        x.max.d[i] = x.opt.d[i] = m;
+    }
+    return x;
+}
+
+template <class T>
+static T* cap(IPluginV3* p, PluginCapabilityType t)
+{
+    return p ? static_cast<T*>(p->getCapabilityInterface(t)) : nullptr;
+}
+
+// ------------------------------------------------------------------------- GPU plumbing check (fp32)
+static bool cudaOk(cudaError_t e, char const* what)
+{
+    if (e != cudaSuccess) std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(e));
+    return e == cudaSuccess;
+}
+
+struct DevBuf
+{
+    void* p{nullptr};
+    size_t n{0};
+    explicit DevBuf(size_t bytes)
+        : n(bytes)
+    {
+        cudaOk(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
+    }
+    ~DevBuf() { cudaFree(p); }
+    template <class T> void put(std::vector<T> const& v) { cudaOk(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D"); }
+    template <class T> std::vector<T> get(size_t count) const
+    {
+        std::vector<T> v(count);
+        cudaOk(cudaMemcpy(v.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost), "D2H");
+        return v;
+    }
+};
+
+static PluginTensorDesc pdesc(DataType t, std::vector<int64_t> const& d)
+{
+    PluginTensorDesc x{};
+    x.type = t;
+    x.format = TensorFormat::kLINEAR;
+    x.dims.nbDims = int32_t(d.size());
+    for (size_t i = 0; i < d.size(); ++i) x.dims.d[i] = d[i];
+    return x;
+}
+
+static void gpuChecks(IPluginCreatorV3One* sihC, IPluginCreatorV3One* gatC, IPluginCreatorV3One* scaC)
+{
+    std::mt19937 rng(1234);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    int const T = 300, D = 64, W = 4, R = 8;
+    float const thr = 0.5f;
+    auto rnd = [&](size_t n, float s, float off = 0.f) {
+        std::vector<float> v(n);
+        for (auto& x : v) x = nd(rng) * s + off;
+        return v;
+    };
+    std::vector<std::vector<float>> in = {rnd(size_t(T) * D, 1.f), rnd(size_t(W) * D, 2.f / 8), rnd(W, 0.1f, 0.5f),
+        rnd(W * W, 0.5f), rnd(W, 0.1f, 0.5f), rnd(W * W, 0.5f), rnd(W, 0.1f, 0.5f), rnd(W, 1.f), rnd(1, 0.1f),
+        rnd(size_t(R) * D, 0.125f), rnd(size_t(D) * R, 0.35f), rnd(D, 0.1f)};
+    // CPU reference (float64 accumulation)
+    std::vector<double> score(T);
+    for (int t = 0; t < T; ++t)
+    {
+        double h1[32], h2[32], h3[32];
+        for (int i = 0; i < W; ++i)
+        {
+            double s = in[2][i];
+            for (int k = 0; k < D; ++k) s += double(in[1][i * D + k]) * in[0][size_t(t) * D + k];
+            h1[i] = s > 0 ? s : 0;
+        }
+        for (int i = 0; i < W; ++i)
+        {
+            double s = in[4][i];
+            for (int j = 0; j < W; ++j) s += double(in[3][i * W + j]) * h1[j];
+            h2[i] = s > 0 ? s : 0;
+        }
+        for (int i = 0; i < W; ++i)
+        {
+            double s = in[6][i];
+            for (int j = 0; j < W; ++j) s += double(in[5][i * W + j]) * h2[j];
+            h3[i] = s > 0 ? s : 0;
+        }
+        double s = in[8][0];
+        for (int j = 0; j < W; ++j) s += double(in[7][j]) * h3[j];
+        score[t] = 1.0 / (1.0 + std::exp(-s));
+    }
+    std::vector<int32_t> keepRef(T);
+    int nearThreshold = 0;
+    for (int t = 0; t < T; ++t)
+    {
+        double w0 = 0.5, w1 = 0.333333, w2 = 0.166667, num = w0 * score[t], nrm = w0;
+        if (t >= 1) { num += w1 * score[t - 1]; nrm += w1; }
+        if (t >= 2) { num += w2 * score[t - 2]; nrm += w2; }
+        double sm = num / nrm;
+        if (std::fabs(sm - thr) < 1e-5) ++nearThreshold;
+        keepRef[t] = sm >= thr || t < 4 || t >= T - 1;
+    }
+    FieldSet fs;
+    fs.fl("threshold", thr).in("anchor_rank", R);
+    auto fc = fs.fc();
+    IPluginV3* sih = sihC->createPlugin("sih", &fc, TensorRTPhase::kRUNTIME);
+    auto* rt = cap<IPluginV3OneRuntime>(sih, PluginCapabilityType::kRUNTIME);
+    auto* bld = cap<IPluginV3OneBuild>(sih, PluginCapabilityType::kBUILD);
+    CHECK(rt && bld, "SIH runtime/build interfaces");
+    if (!rt || !bld) return;
+    std::vector<std::vector<int64_t>> shp = {{T, D}, {W, D}, {W}, {W, W}, {W}, {W, W}, {W}, {1, W}, {1}, {R, D}, {D, R}, {D}};
+    std::vector<PluginTensorDesc> ind;
+    std::vector<DynamicPluginTensorDesc> dyn;
+    std::vector<std::unique_ptr<DevBuf>> bufs;
+    std::vector<void const*> ptrs;
+    for (size_t i = 0; i < shp.size(); ++i)
+    {
+        ind.push_back(pdesc(DataType::kFLOAT, shp[i]));
+        dyn.push_back(desc(DataType::kFLOAT, shp[i]));
+        bufs.emplace_back(new DevBuf(in[i].size() * 4));
+        bufs.back()->put(in[i]);
+        ptrs.push_back(bufs.back()->p);
+    }
+    std::vector<PluginTensorDesc> outd = {pdesc(DataType::kINT32, {T}), pdesc(DataType::kFLOAT, {T, D})};
+    DevBuf keep(T * 4), base(size_t(T) * D * 4);
+    cudaMemset(keep.p, 0xff, T * 4);
+    cudaMemset(base.p, 0xff, size_t(T) * D * 4); // NaN poison
+    void* outs[2] = {keep.p, base.p};
+    size_t wsz = bld->getWorkspaceSize(dyn.data(), 12, nullptr, 2);
+    DevBuf ws(wsz);
+    CHECK(rt->enqueue(ind.data(), outd.data(), ptrs.data(), outs, ws.p, nullptr) == 0, "SIH enqueue");
+    cudaOk(cudaDeviceSynchronize(), "SIH sync");
+    auto k = keep.get<int32_t>(T);
+    auto bo = base.get<float>(size_t(T) * D);
+    int keepDiff = 0;
+    double errN = 0, refN = 0;
+    for (int t = 0; t < T; ++t)
+    {
+        keepDiff += k[t] != keepRef[t];
+        for (int d = 0; d < D; ++d)
+        {
+            double ref = 0;
+            if (!k[t])
+            {
+                ref = in[11][d];
+                for (int j = 0; j < R; ++j)
+                {
+                    double ax = 0;
+                    for (int q = 0; q < D; ++q) ax += double(in[9][j * D + q]) * in[0][size_t(t) * D + q];
+                    ref += double(in[10][d * R + j]) * ax;
+                }
+            }
+            double o = bo[size_t(t) * D + d];
+            errN += (o - ref) * (o - ref);
+            refN += ref * ref;
+        }
+    }
+    double rel = std::sqrt(errN / (refN > 0 ? refN : 1));
+    CHECK(keepDiff <= nearThreshold, "SIH keep differs from the CPU reference at " + std::to_string(keepDiff) + " tokens");
+    CHECK(rel <= 1e-5, "SIH base rel err " + std::to_string(rel));
+    std::printf("gpu: SIH enqueue fp32 T=%d D=%d: keep %d/%d kept, %d differ; base rel err %.2e\n", T, D,
+        int(std::count(k.begin(), k.end(), 1)), T, keepDiff, rel);
+
+    // gather on the SIH keep, then scatter y = xs * 2 back onto base
+    PluginFieldCollection none{0, nullptr};
+    IPluginV3* gat = gatC->createPlugin("gather", &none, TensorRTPhase::kRUNTIME);
+    IPluginV3* sca = scaC->createPlugin("scatter", &none, TensorRTPhase::kRUNTIME);
+    auto* grt = cap<IPluginV3OneRuntime>(gat, PluginCapabilityType::kRUNTIME);
+    auto* srt = cap<IPluginV3OneRuntime>(sca, PluginCapabilityType::kRUNTIME);
+    auto* sbl = cap<IPluginV3OneBuild>(sca, PluginCapabilityType::kBUILD);
+    CHECK(grt && srt && sbl, "PAD interfaces");
+    if (!grt || !srt || !sbl) return;
+    DevBuf xs(size_t(T) * D * 4), idx(T * 4), cnt(4);
+    PluginTensorDesc gin[2] = {pdesc(DataType::kFLOAT, {T, D}), pdesc(DataType::kINT32, {T})};
+    PluginTensorDesc gout[3] = {pdesc(DataType::kFLOAT, {T, D}), pdesc(DataType::kINT32, {T}), pdesc(DataType::kINT32, {})};
+    void const* gi[2] = {ptrs[0], keep.p};
+    void* go[3] = {xs.p, idx.p, cnt.p};
+    CHECK(grt->enqueue(gin, gout, gi, go, nullptr, nullptr) == 0, "gather enqueue");
+    cudaOk(cudaDeviceSynchronize(), "gather sync");
+    int K = cnt.get<int32_t>(1)[0];
+    auto ix = idx.get<int32_t>(K);
+    auto xv = xs.get<float>(size_t(K) * D);
+    int expectK = 0, bad = 0;
+    for (int t = 0; t < T; ++t)
+        if (k[t])
+        {
+            bad += expectK >= K || ix[expectK] != t;
+            for (int d = 0; d < D && expectK < K; ++d) bad += xv[size_t(expectK) * D + d] != in[0][size_t(t) * D + d];
+            ++expectK;
+        }
+    CHECK(K == expectK && bad == 0, "gather output");
+    std::vector<float> y(xv);
+    for (auto& v : y) v *= 2.f;
+    DevBuf yb(y.size() * 4 + 4), out(size_t(T) * D * 4);
+    yb.put(y);
+    cudaMemset(out.p, 0xff, size_t(T) * D * 4);
+    PluginTensorDesc sin[3] = {pdesc(DataType::kFLOAT, {T, D}), pdesc(DataType::kFLOAT, {K, D}), pdesc(DataType::kINT32, {K})};
+    PluginTensorDesc sout[1] = {pdesc(DataType::kFLOAT, {T, D})};
+    DynamicPluginTensorDesc sdyn[3] = {desc(DataType::kFLOAT, {T, D}), desc(DataType::kFLOAT, {-1, D}, {T, D}),
+        desc(DataType::kINT32, {-1}, {T})};
+    DevBuf sws(sbl->getWorkspaceSize(sdyn, 3, nullptr, 1));
+    void const* si[3] = {base.p, yb.p, idx.p};
+    void* so[1] = {out.p};
+    CHECK(srt->enqueue(sin, sout, si, so, sws.p, nullptr) == 0, "scatter enqueue");
+    cudaOk(cudaDeviceSynchronize(), "scatter sync");
+    auto ov = out.get<float>(size_t(T) * D);
+    bad = 0;
+    for (int t = 0, kk = 0; t < T; ++t)
+    {
+        for (int d = 0; d < D; ++d)
+        {
+            float want = k[t] ? y[size_t(kk) * D + d] : bo[size_t(t) * D + d];
+            bad += ov[size_t(t) * D + d] != want;
+        }
+        kk += k[t] != 0;
+    }
+    CHECK(bad == 0, "scatter output: " + std::to_string(bad) + " wrong elements");
+    std::printf("gpu: gather K=%d exact, scatter exact\n", K);
+    // a mismatching idx length is refused, not launched
+    PluginTensorDesc sin2[3] = {sin[0], sin[1], pdesc(DataType::kINT32, {K - 1})};
+    CHECK(srt->enqueue(sin2, sout, si, so, sws.p, nullptr) != 0, "scatter with |idx| != |y| refused");
+    delete sih;
+    delete gat;
+    delete sca;
+}
+
+// ------------------------------------------------------------------------- main
+int main(int argc, char** argv)
+{
+    if (argc < 2)
+    {
+        std::fprintf(stderr, "usage: %s libzeroedge_plugins.so [--gpu]\n", argv[0]);
+        return 2;
+    }
+    bool gpu = argc > 2 && std::strcmp(argv[2], "--gpu") == 0;
+    void* h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!h)
+    {
+        std::fprintf(stderr, "dlopen failed: %s\n", dlerror());
+        return 1;
+    }
+    using GetCreators = IPluginCreatorInterface* const* (*) (int32_t&);
+    using SetLoggerFinder = void (*)(ILoggerFinder*);
+    auto getCreators = reinterpret_cast<GetCreators>(dlsym(h, "getCreators"));
+    auto setLoggerFinder = reinterpret_cast<SetLoggerFinder>(dlsym(h, "setLoggerFinder"));
+    CHECK(getCreators && setLoggerFinder, "exports getCreators and setLoggerFinder");
+    if (!getCreators || !setLoggerFinder) return 1;
+    Finder finder;
+    setLoggerFinder(&finder);
+    CaptureLogger& log = finder.logger;
+
+    int32_t n = 0;
+    IPluginCreatorInterface* const* creators = getCreators(n);
+    CHECK(n == 3, "3 creators");
+    std::map<std::string, IPluginCreatorV3One*> byName;
+    for (int32_t i = 0; i < n; ++i)
+    {
+        InterfaceInfo info = creators[i]->getInterfaceInfo();
+        CHECK(std::strcmp(info.kind, "PLUGIN CREATOR_V3ONE") == 0 && info.major == 1, "creator interface V3One");
+        auto* c = static_cast<IPluginCreatorV3One*>(creators[i]);
+        CHECK(std::strcmp(c->getPluginVersion(), "1") == 0, "plugin version 1");
+        CHECK(std::strcmp(c->getPluginNamespace(), "zeroedge") == 0, "namespace zeroedge");
+        byName[c->getPluginName()] = c;
+    }
+    auto* sihC = byName["ZeroEdgeSIH"];
+    auto* gatC = byName["ZeroEdgePADGather"];
+    auto* scaC = byName["ZeroEdgePADScatter"];
+    CHECK(sihC && gatC && scaC, "creators for ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter");
+    if (!sihC || !gatC || !scaC) return 1;
+
+    // field names advertised
+    PluginFieldCollection const* names = sihC->getFieldNames();
+    std::map<std::string, PluginFieldType> adv;
+    for (int32_t i = 0; i < names->nbFields; ++i) adv[names->fields[i].name] = names->fields[i].type;
+    CHECK(adv.size() == 10 && adv["threshold"] == PluginFieldType::kFLOAT32 && adv["min_tokens"] == PluginFieldType::kINT32
+            && adv["protect_last"] == PluginFieldType::kINT32 && adv["anchor_rank"] == PluginFieldType::kINT32,
+        "SIH advertises its 10 fields with types");
+    CHECK(gatC->getFieldNames()->nbFields == 0 && scaC->getFieldNames()->nbFields == 0, "PAD nodes take no fields");
+    std::printf("creators: %d (ZeroEdgeSIH %d fields, ZeroEdgePADGather, ZeroEdgePADScatter), namespace zeroedge, version 1\n",
+        n, names->nbFields);
+
+    // bad fields: clear errors, nullptr, no crash
+    {
+        FieldSet f;
+        f.in("min_tokens", 8);
+        auto fc = f.fc();
+        CHECK(sihC->createPlugin("x", &fc, TensorRTPhase::kBUILD) == nullptr && log.saw("required field 'threshold' is missing"),
+            "missing threshold refused: " + log.last());
+        FieldSet g;
+        g.in("threshold", 1);
+        fc = g.fc();
+        CHECK(sihC->createPlugin("x", &fc, TensorRTPhase::kBUILD) == nullptr && log.saw("'threshold' must be FLOAT32"),
+            "INT threshold refused: " + log.last());
+        FieldSet d;
+        d.f64("threshold", 0.5);
+        fc = d.fc();
+        CHECK(sihC->createPlugin("x", &fc, TensorRTPhase::kBUILD) == nullptr && log.saw("got kFLOAT64"),
+            "FLOAT64 threshold refused: " + log.last());
+        FieldSet r;
+        r.fl("threshold", 0.5f).in("anchor_rank", 1000);
+        fc = r.fc();
+        CHECK(sihC->createPlugin("x", &fc, TensorRTPhase::kBUILD) == nullptr && log.saw("anchor_rank"),
+            "anchor_rank 1000 refused: " + log.last());
+        FieldSet a;
+        a.in("zeroedge_abi", 99);
+        fc = a.fc();
+        CHECK(gatC->createPlugin("x", &fc, TensorRTPhase::kRUNTIME) == nullptr && log.saw("rebuild the engine"),
+            "ABI mismatch refused: " + log.last());
+        std::printf("bad fields: missing / wrong-typed / out-of-range / ABI mismatch -> nullptr with a clear error\n");
+    }
+
+    // SIH: create, shapes, formats, types, workspace, round trip
+    FieldSet sf;
+    sf.fl("threshold", 0.37f).in("block_size", 64).fl("block_frac", 0.65f).in("protect_last", 2).in("anchor_rank", 16)
+        .in("unrelated_attribute", 5);
+    auto sfc = sf.fc();
+    IPluginV3* sih = sihC->createPlugin("layer0.sih", &sfc, TensorRTPhase::kBUILD);
+    CHECK(sih != nullptr, "SIH created: " + log.last());
+    if (!sih) return 1;
+    auto* core = cap<IPluginV3OneCore>(sih, PluginCapabilityType::kCORE);
+    auto* bld = cap<IPluginV3OneBuild>(sih, PluginCapabilityType::kBUILD);
+    auto* rt = cap<IPluginV3OneRuntime>(sih, PluginCapabilityType::kRUNTIME);
+    CHECK(core && bld && rt, "SIH capability interfaces");
+    CHECK(std::strcmp(core->getPluginName(), "ZeroEdgeSIH") == 0, "SIH name");
+    CHECK(bld->getNbOutputs() == 2, "SIH 2 outputs");
+    {
+        DataType inT[12], outT[2];
+        for (auto& t : inT) t = DataType::kHALF;
+        CHECK(bld->getOutputDataTypes(outT, 2, inT, 12) == 0 && outT[0] == DataType::kINT32 && outT[1] == DataType::kHALF,
+            "SIH output types (int32, half)");
+        Builder b;
+        std::vector<DimsExprs> in = {dims(b, {"T", "2048"}), dims(b, {"2", "2048"}), dims(b, {"2"}), dims(b, {"2", "2"}),
+            dims(b, {"2"}), dims(b, {"2", "2"}), dims(b, {"2"}), dims(b, {"1", "2"}), dims(b, {"1"}),
+            dims(b, {"16", "2048"}), dims(b, {"2048", "16"}), dims(b, {"2048"})};
+        DimsExprs out[2];
+        CHECK(bld->getOutputShapes(in.data(), 12, nullptr, 0, out, 2, b) == 0, "SIH getOutputShapes: " + log.last());
+        Env env{{"T", 4096}};
+        CHECK(out[0].nbDims == 1 && evalDims(out[0], env) == std::vector<int64_t>({4096}), "keep is [T]");
+        CHECK(out[1].nbDims == 2 && evalDims(out[1], env) == std::vector<int64_t>({4096, 2048}), "base is [T, D]");
+        std::printf("SIH: getOutputShapes keep [T], base [T, 2048] (T=4096 evaluated through our IExprBuilder)\n");
+        // unsupported shapes: clear error, non-zero
+        auto in3 = in;
+        in3[0] = dims(b, {"1", "T", "2048"});
+        CHECK(bld->getOutputShapes(in3.data(), 12, nullptr, 0, out, 2, b) != 0 && log.saw("no batch dimension"),
+            "3-D x refused: " + log.last());
+        auto inD = in;
+        inD[0] = dims(b, {"T", "100"});
+        inD[1] = dims(b, {"2", "100"});
+        CHECK(bld->getOutputShapes(inD.data(), 12, nullptr, 0, out, 2, b) != 0 && log.saw("multiple of 8"),
+            "D = 100 refused: " + log.last());
+        auto inW = in;
+        inW[1] = dims(b, {"40", "2048"});
+        CHECK(bld->getOutputShapes(inW.data(), 12, nullptr, 0, out, 2, b) != 0 && log.saw("head width W = 40"),
+            "W = 40 refused: " + log.last());
+        CHECK(bld->getOutputShapes(in.data(), 11, nullptr, 0, out, 2, b) != 0 && log.saw("expects 12 inputs"),
+            "11 inputs refused: " + log.last());
+        // formats
+        std::vector<DynamicPluginTensorDesc> io;
+        std::vector<std::vector<int64_t>> shp = {{-1, 2048}, {2, 2048}, {2}, {2, 2}, {2}, {2, 2}, {2}, {1, 2}, {1},
+            {16, 2048}, {2048, 16}, {2048}};
+        for (auto& s : shp) io.push_back(desc(DataType::kHALF, s, s[0] < 0 ? std::vector<int64_t>{4096, 2048} : s));
+        io.push_back(desc(DataType::kINT32, {-1}, {4096}));
+        io.push_back(desc(DataType::kHALF, {-1, 2048}, {4096, 2048}));
+        CHECK(bld->supportsFormatCombination(0, io.data(), 12, 2), "x half ok");
+        CHECK(bld->supportsFormatCombination(5, io.data(), 12, 2), "weights half with x half ok");
+        CHECK(bld->supportsFormatCombination(12, io.data(), 12, 2) && bld->supportsFormatCombination(13, io.data(), 12, 2),
+            "keep int32, base half ok");
+        auto io2 = io;
+        io2[5].desc.type = DataType::kFLOAT;
+        CHECK(!bld->supportsFormatCombination(5, io2.data(), 12, 2), "mixed weight type refused");
+        io2[0].desc.type = DataType::kINT8;
+        CHECK(!bld->supportsFormatCombination(0, io2.data(), 12, 2), "int8 x refused");
+        io2 = io;
+        io2[13].desc.format = TensorFormat::kCHW32;
+        CHECK(!bld->supportsFormatCombination(13, io2.data(), 12, 2), "non-linear format refused");
+        CHECK(bld->configurePlugin(io.data(), 12, io.data() + 12, 2) == 0, "SIH configurePlugin: " + log.last());
+        size_t ws = bld->getWorkspaceSize(io.data(), 12, io.data() + 12, 2);
+        CHECK(ws > size_t(4096) * 16 * 4, "SIH workspace sized from the max profile");
+        auto ioBad = io;
+        ioBad[0] = desc(DataType::kHALF, {-1, 2048}, {4096, 2048});
+        ioBad[0].max.d[1] = 2049; // max profile disagrees
+        CHECK(bld->configurePlugin(ioBad.data(), 12, io.data() + 12, 2) != 0, "configure with D=2049 refused");
+        std::printf("SIH: formats, types, configure, workspace %zu bytes at T<=4096\n", ws);
+    }
+    {
+        PluginFieldCollection const* ser = rt->getFieldsToSerialize();
+        auto before = fieldValues(ser);
+        CHECK(before["threshold"] == "f:0.370000005" && before["block_size"] == "i:64" && before["protect_last"] == "i:2"
+                && before["min_tokens"] == "i:32" && before["zeroedge_abi"] == "i:1",
+            "SIH serialized fields");
+        IPluginV3* back = sihC->createPlugin("layer0.sih", ser, TensorRTPhase::kRUNTIME);
+        CHECK(back != nullptr, "SIH re-created from serialized fields");
+        if (back)
+        {
+            auto after = fieldValues(cap<IPluginV3OneRuntime>(back, PluginCapabilityType::kRUNTIME)->getFieldsToSerialize());
+            CHECK(after == before, "SIH fields round trip");
+            delete back;
+        }
+        IPluginV3* c1 = sih->clone();
+        IPluginV3* c2 = rt->attachToContext(nullptr);
+        CHECK(c1 && c2, "clone / attachToContext");
+        if (c1 && c2)
+            CHECK(fieldValues(cap<IPluginV3OneRuntime>(c2, PluginCapabilityType::kRUNTIME)->getFieldsToSerialize()) == before,
+                "clone keeps the fields");
+        delete c1;
+        delete c2;
+        std::printf("SIH: %zu fields round-trip through getFieldsToSerialize -> createPlugin(kRUNTIME)\n", before.size());
+    }
+
+    // Gather: data-dependent K through a size tensor
+    {
+        PluginFieldCollection none{0, nullptr};
+        IPluginV3* g = gatC->createPlugin("layer0.gather", &none, TensorRTPhase::kBUILD);
+        auto* gb = cap<IPluginV3OneBuild>(g, PluginCapabilityType::kBUILD);
+        CHECK(gb && gb->getNbOutputs() == 3, "gather created with 3 outputs");
+        if (gb)
+        {
+            DataType inT[2] = {DataType::kHALF, DataType::kINT32}, outT[3];
+            CHECK(gb->getOutputDataTypes(outT, 3, inT, 2) == 0 && outT[0] == DataType::kHALF && outT[1] == DataType::kINT32
+                    && outT[2] == DataType::kINT32,
+                "gather output types");
+            Builder b;
+            std::vector<DimsExprs> in = {dims(b, {"T", "576"}), dims(b, {"T"})};
+            DimsExprs out[3];
+            CHECK(gb->getOutputShapes(in.data(), 2, nullptr, 0, out, 3, b) == 0, "gather shapes: " + log.last());
+            CHECK(b.impl.sizeTensors == std::vector<int32_t>({2}), "count (output 2) declared as the size tensor");
+            CHECK(out[2].nbDims == 0, "count is 0-D");
+            CHECK(out[0].nbDims == 2 && out[0].d[0]->isSizeTensor() && out[1].nbDims == 1 && out[1].d[0] == out[0].d[0],
+                "xs [K, D] and idx [K] share the size tensor K");
+            Node const& K = node(*out[0].d[0]);
+            Env env{{"T", 1001}};
+            CHECK(eval(K.b, env) == 1001 && eval(K.a, env) == 501, "K: upper bound T, opt ceil(T/2)");
+            CHECK(evalDims(out[0], Env{{"T", 1001}, {"K", 7}}) == std::vector<int64_t>({7, 576}), "xs = [K, 576]");
+            std::vector<DimsExprs> badc = {dims(b, {"1001", "576"}), dims(b, {"1000"})};
+            CHECK(gb->getOutputShapes(badc.data(), 2, nullptr, 0, out, 3, b) != 0 && log.saw("keep"),
+                "gather keep length mismatch refused: " + log.last());
+            std::printf("gather: xs [K, D], idx [K], count 0-D size tensor (opt ceil(T/2), upper T)\n");
+        }
+        auto* grt = cap<IPluginV3OneRuntime>(g, PluginCapabilityType::kRUNTIME);
+        if (grt)
+        {
+            auto ser = grt->getFieldsToSerialize();
+            IPluginV3* back = gatC->createPlugin("g", ser, TensorRTPhase::kRUNTIME);
+            CHECK(back && fieldValues(ser).size() == 1, "gather fields round trip");
+            delete back;
+        }
+        delete g;
+    }
+    // Scatter
+    {
+        PluginFieldCollection none{0, nullptr};
+        IPluginV3* s = scaC->createPlugin("layer0.scatter", &none, TensorRTPhase::kBUILD);
+        auto* sb = cap<IPluginV3OneBuild>(s, PluginCapabilityType::kBUILD);
+        CHECK(sb && sb->getNbOutputs() == 1, "scatter created");
+        if (sb)
+        {
+            Builder b;
+            std::vector<DimsExprs> in = {dims(b, {"T", "576"}), dims(b, {"K", "576"}), dims(b, {"K"})};
+            DimsExprs out[1];
+            CHECK(sb->getOutputShapes(in.data(), 3, nullptr, 0, out, 1, b) == 0, "scatter shapes: " + log.last());
+            CHECK(evalDims(out[0], Env{{"T", 50}, {"K", 3}}) == std::vector<int64_t>({50, 576}), "out = base's shape");
+            std::vector<DimsExprs> bad = {dims(b, {"T", "576"}), dims(b, {"K", "512"}), dims(b, {"K"})};
+            CHECK(sb->getOutputShapes(bad.data(), 3, nullptr, 0, out, 1, b) != 0 && log.saw("(y) must be [K, D]"),
+                "scatter y width mismatch refused: " + log.last());
+            std::printf("scatter: out = base's [T, D]\n");
+        }
+        delete s;
+    }
+    delete sih;
+
+    if (gpu)
+    {
+        int dev = 0;
+        if (cudaGetDeviceCount(&dev) != cudaSuccess || dev == 0)
+        {
+            std::fprintf(stderr, "--gpu: no CUDA device\n");
+            ++gFail;
+        }
+        else gpuChecks(sihC, gatC, scaC);
+    }
+    setLoggerFinder(nullptr);
+    if (gFail)
+    {
+        std::fprintf(stderr, "harness: %d of %d checks failed\n", gFail, gChecks);
+        return 1;
+    }
+    std::printf("harness: %d checks passed\n", gChecks);
+    return 0;
+}

@@ -1,0 +1,563 @@
+// TensorRT IPluginV3 glue for the zeroedge nodes (ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter).
+//
+// One shared library that exports only getCreators and setLoggerFinder (exports.map) and is linked
+// with -Wl,--no-undefined and without libnvinfer: TensorRT loads it with
+// IPluginRegistry::loadLibrary / trtexec --dynamicPlugins, and it can be serialized into a
+// version-compatible engine. Field parsing and shape rules live in fields.cpp (no TensorRT headers);
+// the kernels in kernels.cu. Errors go to TensorRT's logger (found through setLoggerFinder) and the
+// failing call returns nullptr / non-zero, never a crash or a silent wrong result.
+#include "NvInferRuntime.h"
+
+#include "zeroedge_fields.h"
+#include "zeroedge_kernels.h"
+
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+using namespace nvinfer1;
+
+namespace zeroedge
+{
+namespace
+{
+
+ILoggerFinder* gLoggerFinder{nullptr};
+
+void logMsg(ILogger::Severity sev, std::string const& msg) noexcept
+{
+    ILogger* l = gLoggerFinder ? gLoggerFinder->findLogger() : nullptr;
+    if (l) l->log(sev, msg.c_str());
+    else std::fprintf(stderr, "[zeroedge plugins] %s\n", msg.c_str());
+}
+
+void logError(std::string const& msg) noexcept { logMsg(ILogger::Severity::kERROR, msg); }
+
+char const* typeName(PluginFieldType t)
+{
+    switch (t)
+    {
+    case PluginFieldType::kFLOAT16: return "kFLOAT16";
+    case PluginFieldType::kFLOAT32: return "kFLOAT32";
+    case PluginFieldType::kFLOAT64: return "kFLOAT64";
+    case PluginFieldType::kINT8: return "kINT8";
+    case PluginFieldType::kINT16: return "kINT16";
+    case PluginFieldType::kINT32: return "kINT32";
+    case PluginFieldType::kCHAR: return "kCHAR (STRING attribute)";
+    case PluginFieldType::kDIMS: return "kDIMS";
+    case PluginFieldType::kUNKNOWN: return "kUNKNOWN";
+    case PluginFieldType::kBF16: return "kBF16";
+    case PluginFieldType::kINT64: return "kINT64";
+    case PluginFieldType::kFP8: return "kFP8";
+    case PluginFieldType::kINT4: return "kINT4";
+    }
+    return "an unknown type";
+}
+
+std::vector<RawField> toRaw(PluginFieldCollection const* fc)
+{
+    std::vector<RawField> out;
+    if (!fc) return out;
+    for (int32_t i = 0; i < fc->nbFields; ++i)
+    {
+        PluginField const& f = fc->fields[i];
+        FieldKind k = f.type == PluginFieldType::kINT32 ? FieldKind::kInt32
+            : f.type == PluginFieldType::kFLOAT32       ? FieldKind::kFloat32
+                                                        : FieldKind::kOther;
+        out.push_back({f.name, f.data, k, f.length, typeName(f.type)});
+    }
+    return out;
+}
+
+Shape toShape(Dims const& d)
+{
+    Shape s{};
+    s.nbDims = d.nbDims;
+    for (int32_t i = 0; i < d.nbDims && i < 8; ++i) s.d[i] = d.d[i];
+    return s;
+}
+
+Shape toShape(DimsExprs const& d)
+{
+    Shape s{};
+    s.nbDims = d.nbDims;
+    for (int32_t i = 0; i < d.nbDims && i < 8; ++i)
+        s.d[i] = d.d[i] && d.d[i]->isConstant() ? d.d[i]->getConstantValue() : -1;
+    return s;
+}
+
+std::vector<Shape> shapes(DimsExprs const* in, int32_t n)
+{
+    std::vector<Shape> v;
+    for (int32_t i = 0; i < n; ++i) v.push_back(toShape(in[i]));
+    return v;
+}
+
+std::vector<Shape> shapes(DynamicPluginTensorDesc const* in, int32_t n, bool useMax)
+{
+    std::vector<Shape> v;
+    for (int32_t i = 0; i < n; ++i) v.push_back(toShape(useMax ? in[i].max : in[i].desc.dims));
+    return v;
+}
+
+int dtypeCode(DataType t) { return t == DataType::kFLOAT ? ZE_F32 : t == DataType::kHALF ? ZE_F16 : -1; }
+bool isFloat(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF; }
+
+// TensorRT's workspace is aligned, but the kernels want 256 bytes: ask for slack and align here.
+constexpr size_t kSlack = 256;
+void* align256(void* p) { return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + 255) & ~uintptr_t(255)); }
+
+class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuild, public IPluginV3OneRuntime
+{
+public:
+    IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override
+    {
+        switch (type)
+        {
+        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
+        case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+        case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
+        }
+        return nullptr;
+    }
+    char const* getPluginVersion() const noexcept override { return kVersion; }
+    char const* getPluginNamespace() const noexcept override { return kNamespace; }
+    int32_t onShapeChange(PluginTensorDesc const*, int32_t, PluginTensorDesc const*, int32_t) noexcept override
+    {
+        return 0;
+    }
+    IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
+
+protected:
+    int32_t mAbi{ZE_PLUGIN_ABI};
+    std::vector<PluginField> mSer;
+    PluginFieldCollection mFC{0, nullptr};
+
+    int32_t fail(std::string const& msg) const noexcept
+    {
+        logError(msg);
+        return -1;
+    }
+    int32_t launchResult(int rc) const noexcept
+    {
+        if (rc != 0) logError(std::string(getPluginName()) + ": " + ze_strerror(rc));
+        return rc;
+    }
+};
+
+// ------------------------------------------------------------------------------------------ SIH
+
+class SihPlugin final : public PluginBase
+{
+public:
+    explicit SihPlugin(ze_sih_params const& p)
+        : mP(p)
+    {
+    }
+    SihPlugin(SihPlugin const& o)
+        : PluginBase()
+        , mP(o.mP)
+    {
+    }
+    char const* getPluginName() const noexcept override { return kSihName; }
+    IPluginV3* clone() noexcept override
+    {
+        try
+        {
+            return new SihPlugin(*this);
+        }
+        catch (std::exception const& e)
+        {
+            logError(std::string(kSihName) + ": clone failed: " + e.what());
+            return nullptr;
+        }
+    }
+    int32_t getNbOutputs() const noexcept override { return 2; }
+    int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override
+    {
+        if (nbInputs != 12 || nbOutputs != 2) return fail(std::string(kSihName) + ": expects 12 inputs and 2 outputs");
+        if (!isFloat(in[0])) return fail(std::string(kSihName) + ": x must be float32 or float16");
+        out[0] = DataType::kINT32;
+        out[1] = in[0];
+        return 0;
+    }
+    int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
+        int32_t nbOutputs, IExprBuilder&) noexcept override
+    {
+        try
+        {
+            if (nbOutputs != 2) return fail(std::string(kSihName) + ": expects 2 outputs (keep, base)");
+            auto s = shapes(in, nbInputs);
+            std::string e = checkSihShapes(s.data(), nbInputs, mP, nullptr);
+            if (!e.empty()) return fail(e);
+            out[0].nbDims = 1;
+            out[0].d[0] = in[0].d[0];
+            out[1] = in[0];
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kSihName) + ": " + e.what());
+        }
+    }
+    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs, int32_t nbOutputs) noexcept override
+    {
+        if (nbInputs != 12 || nbOutputs != 2 || pos < 0 || pos >= 14) return false;
+        PluginTensorDesc const& d = io[pos].desc;
+        if (d.format != TensorFormat::kLINEAR) return false;
+        if (pos == 0) return isFloat(d.type);
+        if (pos == 12) return d.type == DataType::kINT32;
+        return d.type == io[0].desc.type;
+    }
+    int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) noexcept override
+    {
+        try
+        {
+            for (bool useMax : {false, true})
+            {
+                auto s = shapes(in, nbInputs, useMax);
+                std::string e = checkSihShapes(s.data(), nbInputs, mP, nullptr);
+                if (!e.empty()) return fail(e);
+            }
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kSihName) + ": " + e.what());
+        }
+    }
+    size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) const noexcept override
+    {
+        if (nbInputs != 12) return 0;
+        int dt = dtypeCode(in[0].desc.type);
+        return ze_sih_workspace_size(in[0].max.d[0], in[0].max.d[1], int32_t(in[1].max.d[0]), mP.anchor_rank,
+                   dt < 0 ? ZE_F32 : dt)
+            + kSlack;
+    }
+    int32_t enqueue(PluginTensorDesc const* inDesc, PluginTensorDesc const*, void const* const* inputs,
+        void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        int dt = dtypeCode(inDesc[0].type);
+        if (dt < 0) return fail(std::string(kSihName) + ": x must be float32 or float16");
+        int64_t T = inDesc[0].dims.d[0], D = inDesc[0].dims.d[1];
+        int32_t W = int32_t(inDesc[1].dims.d[0]);
+        ze_sih_weights w{inputs[1], inputs[2], inputs[3], inputs[4], inputs[5], inputs[6], inputs[7], inputs[8],
+            inputs[9], inputs[10], inputs[11]};
+        size_t ws = ze_sih_workspace_size(T, D, W, mP.anchor_rank, dt);
+        return launchResult(ze_sih_forward(dt, inputs[0], T, D, W, &w, &mP, static_cast<int32_t*>(outputs[0]),
+            outputs[1], nullptr, align256(workspace), ws, stream));
+    }
+    PluginFieldCollection const* getFieldsToSerialize() noexcept override
+    {
+        mSer.clear();
+        mSer.emplace_back("threshold", &mP.threshold, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("ma_w0", &mP.ma_w0, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("ma_w1", &mP.ma_w1, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("ma_w2", &mP.ma_w2, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("min_tokens", &mP.min_tokens, PluginFieldType::kINT32, 1);
+        mSer.emplace_back("protect_first", &mP.protect_first, PluginFieldType::kINT32, 1);
+        mSer.emplace_back("protect_last", &mP.protect_last, PluginFieldType::kINT32, 1);
+        mSer.emplace_back("block_size", &mP.block_size, PluginFieldType::kINT32, 1);
+        mSer.emplace_back("block_frac", &mP.block_frac, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("anchor_rank", &mP.anchor_rank, PluginFieldType::kINT32, 1);
+        mSer.emplace_back(kAbiField, &mAbi, PluginFieldType::kINT32, 1);
+        mFC.nbFields = int32_t(mSer.size());
+        mFC.fields = mSer.data();
+        return &mFC;
+    }
+
+private:
+    ze_sih_params mP;
+};
+
+// ------------------------------------------------------------------------------------------ PAD
+
+class GatherPlugin final : public PluginBase
+{
+public:
+    char const* getPluginName() const noexcept override { return kGatherName; }
+    IPluginV3* clone() noexcept override
+    {
+        try
+        {
+            return new GatherPlugin();
+        }
+        catch (std::exception const&)
+        {
+            return nullptr;
+        }
+    }
+    int32_t getNbOutputs() const noexcept override { return 3; }
+    int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override
+    {
+        if (nbInputs != 2 || nbOutputs != 3) return fail(std::string(kGatherName) + ": expects 2 inputs and 3 outputs");
+        if (!isFloat(in[0])) return fail(std::string(kGatherName) + ": x must be float32 or float16");
+        out[0] = in[0];
+        out[1] = DataType::kINT32;
+        out[2] = DataType::kINT32; // size tensors are int32
+        return 0;
+    }
+    int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
+        int32_t nbOutputs, IExprBuilder& b) noexcept override
+    {
+        try
+        {
+            if (nbOutputs != 3) return fail(std::string(kGatherName) + ": expects 3 outputs (xs, idx, count)");
+            auto s = shapes(in, nbInputs);
+            std::string e = checkGatherShapes(s.data(), nbInputs);
+            if (!e.empty()) return fail(e);
+            // K = count: a size tensor (output 2) with upper bound T, tuned for half of the tokens kept
+            auto opt = b.operation(DimensionOperation::kCEIL_DIV, *in[0].d[0], *b.constant(2));
+            auto K = opt ? b.declareSizeTensor(2, *opt, *in[0].d[0]) : nullptr;
+            if (!K) return fail(std::string(kGatherName) + ": could not declare the size tensor");
+            out[0].nbDims = 2;
+            out[0].d[0] = K;
+            out[0].d[1] = in[0].d[1];
+            out[1].nbDims = 1;
+            out[1].d[0] = K;
+            out[2].nbDims = 0; // size tensors are 0-D in TensorRT
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kGatherName) + ": " + e.what());
+        }
+    }
+    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs, int32_t nbOutputs) noexcept override
+    {
+        if (nbInputs != 2 || nbOutputs != 3 || pos < 0 || pos >= 5) return false;
+        PluginTensorDesc const& d = io[pos].desc;
+        if (d.format != TensorFormat::kLINEAR) return false;
+        if (pos == 0) return isFloat(d.type);
+        if (pos == 2) return d.type == io[0].desc.type;
+        return d.type == DataType::kINT32;
+    }
+    int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) noexcept override
+    {
+        for (bool useMax : {false, true})
+        {
+            auto s = shapes(in, nbInputs, useMax);
+            std::string e = checkGatherShapes(s.data(), nbInputs);
+            if (!e.empty()) return fail(e);
+        }
+        return 0;
+    }
+    int32_t enqueue(PluginTensorDesc const* inDesc, PluginTensorDesc const*, void const* const* inputs,
+        void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        int dt = dtypeCode(inDesc[0].type);
+        if (dt < 0) return fail(std::string(kGatherName) + ": x must be float32 or float16");
+        return launchResult(ze_pad_gather(dt, inputs[0], static_cast<int32_t const*>(inputs[1]), inDesc[0].dims.d[0],
+            inDesc[0].dims.d[1], outputs[0], static_cast<int32_t*>(outputs[1]), static_cast<int32_t*>(outputs[2]),
+            workspace, 0, stream));
+    }
+    PluginFieldCollection const* getFieldsToSerialize() noexcept override
+    {
+        mSer.clear();
+        mSer.emplace_back(kAbiField, &mAbi, PluginFieldType::kINT32, 1);
+        mFC.nbFields = int32_t(mSer.size());
+        mFC.fields = mSer.data();
+        return &mFC;
+    }
+};
+
+class ScatterPlugin final : public PluginBase
+{
+public:
+    char const* getPluginName() const noexcept override { return kScatterName; }
+    IPluginV3* clone() noexcept override
+    {
+        try
+        {
+            return new ScatterPlugin();
+        }
+        catch (std::exception const&)
+        {
+            return nullptr;
+        }
+    }
+    int32_t getNbOutputs() const noexcept override { return 1; }
+    int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override
+    {
+        if (nbInputs != 3 || nbOutputs != 1) return fail(std::string(kScatterName) + ": expects 3 inputs and 1 output");
+        if (!isFloat(in[0])) return fail(std::string(kScatterName) + ": base must be float32 or float16");
+        out[0] = in[0];
+        return 0;
+    }
+    int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
+        int32_t nbOutputs, IExprBuilder&) noexcept override
+    {
+        try
+        {
+            if (nbOutputs != 1) return fail(std::string(kScatterName) + ": expects 1 output");
+            auto s = shapes(in, nbInputs);
+            std::string e = checkScatterShapes(s.data(), nbInputs);
+            if (!e.empty()) return fail(e);
+            out[0] = in[0];
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kScatterName) + ": " + e.what());
+        }
+    }
+    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs, int32_t nbOutputs) noexcept override
+    {
+        if (nbInputs != 3 || nbOutputs != 1 || pos < 0 || pos >= 4) return false;
+        PluginTensorDesc const& d = io[pos].desc;
+        if (d.format != TensorFormat::kLINEAR) return false;
+        if (pos == 0) return isFloat(d.type);
+        if (pos == 2) return d.type == DataType::kINT32;
+        return d.type == io[0].desc.type;
+    }
+    int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) noexcept override
+    {
+        for (bool useMax : {false, true})
+        {
+            auto s = shapes(in, nbInputs, useMax);
+            std::string e = checkScatterShapes(s.data(), nbInputs);
+            if (!e.empty()) return fail(e);
+        }
+        return 0;
+    }
+    size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) const noexcept override
+    {
+        return nbInputs == 3 ? ze_pad_scatter_workspace_size(in[0].max.d[0]) + kSlack : 0;
+    }
+    int32_t enqueue(PluginTensorDesc const* inDesc, PluginTensorDesc const*, void const* const* inputs,
+        void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        int dt = dtypeCode(inDesc[0].type);
+        if (dt < 0) return fail(std::string(kScatterName) + ": base must be float32 or float16");
+        int64_t T = inDesc[0].dims.d[0], D = inDesc[0].dims.d[1], K = inDesc[1].dims.d[0];
+        if (inDesc[2].dims.d[0] != K)
+            return fail(std::string(kScatterName) + ": y has " + std::to_string(K) + " rows but idx has "
+                + std::to_string(inDesc[2].dims.d[0]));
+        return launchResult(ze_pad_scatter(dt, inputs[0], inputs[1], static_cast<int32_t const*>(inputs[2]), T, K, D,
+            outputs[0], align256(workspace), ze_pad_scatter_workspace_size(T), stream));
+    }
+    PluginFieldCollection const* getFieldsToSerialize() noexcept override
+    {
+        mSer.clear();
+        mSer.emplace_back(kAbiField, &mAbi, PluginFieldType::kINT32, 1);
+        mFC.nbFields = int32_t(mSer.size());
+        mFC.fields = mSer.data();
+        return &mFC;
+    }
+};
+
+// ------------------------------------------------------------------------------------------ creators
+
+class CreatorBase : public IPluginCreatorV3One
+{
+public:
+    explicit CreatorBase(char const* name)
+        : mName(name)
+    {
+        for (FieldSpec const& s : fieldSpecs(name))
+            mFields.emplace_back(s.name, nullptr,
+                s.kind == FieldKind::kInt32 ? PluginFieldType::kINT32 : PluginFieldType::kFLOAT32, 1);
+        mFC.nbFields = int32_t(mFields.size());
+        mFC.fields = mFields.data();
+    }
+    PluginFieldCollection const* getFieldNames() noexcept override { return &mFC; }
+    char const* getPluginName() const noexcept override { return mName; }
+    char const* getPluginVersion() const noexcept override { return kVersion; }
+    char const* getPluginNamespace() const noexcept override { return kNamespace; }
+    IPluginV3* createPlugin(char const* name, PluginFieldCollection const* fc, TensorRTPhase) noexcept override
+    {
+        try
+        {
+            auto raw = toRaw(fc);
+            IPluginV3* p = make(raw);
+            if (!p) return nullptr;
+            (void) name;
+            return p;
+        }
+        catch (std::exception const& e)
+        {
+            logError(std::string(mName) + ": createPlugin failed: " + e.what());
+            return nullptr;
+        }
+    }
+
+protected:
+    virtual IPluginV3* make(std::vector<RawField> const& raw) = 0;
+    char const* mName;
+    std::vector<PluginField> mFields;
+    PluginFieldCollection mFC{0, nullptr};
+};
+
+class SihCreator final : public CreatorBase
+{
+public:
+    SihCreator()
+        : CreatorBase(kSihName)
+    {
+    }
+
+protected:
+    IPluginV3* make(std::vector<RawField> const& raw) override
+    {
+        ze_sih_params p{};
+        std::string e = parseSih(raw.data(), int32_t(raw.size()), &p);
+        if (!e.empty())
+        {
+            logError(e);
+            return nullptr;
+        }
+        return new SihPlugin(p);
+    }
+};
+
+template <class P>
+class PadCreator final : public CreatorBase
+{
+public:
+    explicit PadCreator(char const* name)
+        : CreatorBase(name)
+    {
+    }
+
+protected:
+    IPluginV3* make(std::vector<RawField> const& raw) override
+    {
+        std::string e = parsePad(mName, raw.data(), int32_t(raw.size()));
+        if (!e.empty())
+        {
+            logError(e);
+            return nullptr;
+        }
+        return new P();
+    }
+};
+
+} // namespace
+} // namespace zeroedge
+
+extern "C"
+{
+
+__attribute__((visibility("default"))) void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
+{
+    zeroedge::gLoggerFinder = finder;
+}
+
+__attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
+{
+    static zeroedge::SihCreator sih;
+    static zeroedge::PadCreator<zeroedge::GatherPlugin> gather(zeroedge::kGatherName);
+    static zeroedge::PadCreator<zeroedge::ScatterPlugin> scatter(zeroedge::kScatterName);
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&sih, &gather, &scatter};
+    nbCreators = 3;
+    return creators;
+}
+
+} // extern "C"

@@ -1,0 +1,208 @@
+"""`zeroedge export`: model (+ calibration artifact) -> bundle directory.
+
+bundle/
+  prefill.portable.onnx   custom nodes as model-local functions (runs in onnxruntime anywhere)
+  prefill.trt.onnx        same graph, plugin nodes for TensorRT (no model.functions)
+  decode.portable.onnx    decode step over the fixed-slot window (no custom nodes: T = 1 < min_tokens)
+  decode.trt.onnx
+  weights.bin             every initializer of every graph, deduplicated by content (ONNX external
+                          data with offsets): the four graphs share one copy of the weights
+  tokenizer files         when the model folder has them
+  manifest.json           hashes, versions, opset, target, plugin ABI, calibration summary, graph I/O
+
+Everything is written under BUNDLE.tmp and renamed into place at the end: a failure leaves nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from zeroedge.errors import UserError
+
+WEIGHTS = "weights.bin"
+ALIGN = 64
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+class WeightFile:
+    """Append-only external-data file shared by several ModelProtos, deduplicated by content."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.f = open(self.path, "wb")
+        self.offset = 0
+        self.index = {}
+
+    def externalize(self, model, min_bytes: int = 1024):
+        from onnx import TensorProto, numpy_helper
+
+        for t in _all_initializers(model):
+            if t.data_location == TensorProto.EXTERNAL:
+                raise UserError(f"initializer {t.name} still refers to external data; load it first")
+            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            if len(raw) < min_bytes:
+                continue
+            key = (t.data_type, tuple(t.dims), hashlib.sha1(raw).hexdigest())
+            if key not in self.index:
+                pad = (-self.offset) % ALIGN
+                self.f.write(b"\0" * pad)
+                self.offset += pad
+                self.index[key] = (self.offset, len(raw))
+                self.f.write(raw)
+                self.offset += len(raw)
+            off, n = self.index[key]
+            dims, dt, name = list(t.dims), t.data_type, t.name
+            t.Clear()
+            t.name, t.data_type = name, dt
+            t.dims.extend(dims)
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", self.path.name), ("offset", str(off)), ("length", str(n))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+        return model
+
+    def close(self):
+        self.f.close()
+
+
+def _all_initializers(model):
+    yield from model.graph.initializer
+    for n in model.graph.node:                     # Constant nodes too (TorchScript keeps some)
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value" and a.t.ByteSize() > 1024:
+                    yield a.t
+
+
+def graph_io(model) -> dict:
+    def vi(v):
+        d = v.type.tensor_type
+        return {"name": v.name, "dtype": int(d.elem_type),
+                "shape": [x.dim_param or x.dim_value for x in d.shape.dim]}
+    return {"inputs": [vi(v) for v in model.graph.input], "outputs": [vi(v) for v in model.graph.output]}
+
+
+def resolve_model(model: str):
+    """MODEL -> (Transformer, folder or None). A bundled/HF/GGUF model, or a preset name with
+    random weights (seed 0) for tests and size planning."""
+    from zeroedge import weights
+    from zeroedge.model import PRESETS, build
+
+    if model in weights.BUNDLED or Path(model).exists():
+        return weights.load(model)
+    if model in PRESETS:
+        return build(model, seed=0), None
+    raise UserError(f"model not found: {model} (a bundled name: {', '.join(weights.BUNDLED)}; a "
+                    f"preset with random weights: {', '.join(PRESETS)}; an HF folder; a .gguf; or "
+                    "an .onnx graph to rewrite)")
+
+
+def calibration_summary(meta: Optional[dict], path) -> dict:
+    if meta is None:
+        return {"artifact": None, "dense": True}
+    layers = meta.get("layers", [])
+    return {"artifact": str(path), "model": meta["model"].get("name"),
+            "skip_layers": [L["index"] for L in layers if L.get("skip")],
+            "pruned_heads": {k: len(v) for k, v in (meta.get("pruned_heads") or {}).items() if v},
+            "quality": meta.get("quality", {}), "sih": meta.get("sih", {})}
+
+
+def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", window: int = 1024,
+                  progress=None, force: bool = False) -> dict:
+    """Run the whole export; returns the manifest."""
+    import onnx
+    import torch
+
+    from zeroedge import bundle as bundle_mod
+    from zeroedge import calib_artifact, plugin_spec
+    from zeroedge.export import onnx_export, rewrite
+
+    step = progress or (lambda msg: None)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise UserError(f"{out} exists and is not empty (use --force to replace it)")
+    t_start = time.perf_counter()
+    meta = tensors = None
+    if calib is not None:
+        meta, tensors = calib_artifact.load(calib)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        graphs, info = {}, {}
+        if str(model).endswith(".onnx"):                     # a foreign graph: rewrite only
+            if not Path(model).is_file():
+                raise UserError(f"graph not found: {model}")
+            step("load graph")
+            proto = onnx.load(str(model))
+            params = rewrite.params_from_artifact(meta, tensors) if meta else {}
+            cfg_d = (meta or {}).get("model", {}).get("config", {})
+            hd = cfg_d.get("dim", 0) // max(cfg_d.get("n_heads", 1), 1)
+            step("rewrite")
+            pre, rinfo = rewrite.rewrite_model(proto, params, (meta or {}).get("pruned_heads"),
+                                               hd, cfg_d.get("n_heads", 0))
+            graphs["prefill"] = pre
+            info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"],
+                               "rewritten": rinfo["rewritten_layers"], "heads": rinfo["heads"]}
+            model_cfg, folder = cfg_d, None
+        else:
+            step("load model")
+            m, folder = resolve_model(model)
+            if meta is not None:
+                calib_artifact.check_model(meta, m.cfg, calib)
+                for li, heads in (meta.get("pruned_heads") or {}).items():
+                    if heads:
+                        m.layers[int(li)].self_attn.prune_heads(heads)
+            model_cfg = m.cfg.to_dict()
+            step("torch -> onnx")
+            pre, dec, secs = onnx_export.export_model_protos(m, tmp / "_raw")
+            info["torch_export_s"] = secs
+            del m
+            if meta is not None:
+                step("rewrite")
+                params = rewrite.params_from_artifact(meta, tensors)
+                pre, rinfo = rewrite.rewrite_model(pre, params, expect_layers=model_cfg["n_layers"])
+                info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"],
+                                   "rewritten": rinfo["rewritten_layers"]}
+            graphs["prefill"], graphs["decode"] = pre, dec
+            shutil.rmtree(tmp / "_raw")
+        step("write bundle")
+        wf = WeightFile(tmp / WEIGHTS)
+        files = {}
+        for name, proto in graphs.items():
+            io = graph_io(proto)
+            for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
+                p = onnx.ModelProto()
+                p.CopyFrom(proto)
+                conv(p)
+                wf.externalize(p)
+                fn = f"{name}.{flavour}.onnx"
+                onnx.save_model(p, str(tmp / fn))
+                files[fn] = {"graph": name, "flavour": flavour}
+            info.setdefault("graphs", {})[name] = io
+        wf.close()
+        if folder is not None:
+            for f in TOKENIZER_FILES:
+                if (Path(folder) / f).is_file():
+                    shutil.copy2(Path(folder) / f, tmp / f)
+        opset = next((o.version for o in graphs["prefill"].opset_import if o.domain in ("", "ai.onnx")), None)
+        mf = bundle_mod.write_manifest(tmp, {
+            "opset": opset, "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
+            "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
+            "model": model_cfg, "calibration": calibration_summary(meta, calib),
+            "window": int(window), "dtype": "float32", "graph_files": files,
+            "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
+                       "torch": torch.__version__, "onnx": onnx.__version__}})
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        return mf
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,263 @@
+"""Export: graphs, rewrite, portable/TensorRT flavours, bundle, portable runner parity.
+
+Tiny preset for most checks (random weights, fast); one SmolLM2 parity test at a short length."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+
+def make_calib(path, preset, thr=None, skip=None, prune=None, rank=4, block=None, seed=0, cfg=None):
+    """A calibration artifact with random SIH heads / anchors (the format zeroedge calibrate writes)."""
+    from zeroedge import calib_artifact
+    from zeroedge.mechanisms.anchors import Anchor
+    from zeroedge.mechanisms.sih import SIHHead, head_width
+    from zeroedge.model import PRESETS
+
+    cfg = cfg or PRESETS[preset]
+    g = torch.Generator().manual_seed(seed)
+    t, layers = {}, []
+    W = head_width(cfg.dim)
+    skip = range(cfg.n_layers) if skip is None else skip
+    for i in range(cfg.n_layers):
+        torch.manual_seed(seed * 100 + i)
+        h = SIHHead(cfg.dim, W)
+        t.update(h.state(f"layers.{i}.sih"))
+        a = Anchor(torch.randn(rank, cfg.dim, generator=g) * 0.05, torch.randn(cfg.dim, rank, generator=g) * 0.05,
+                   torch.randn(cfg.dim, generator=g) * 0.01)
+        t.update(a.state(f"layers.{i}.anchor"))
+        layers.append({"index": i, "skip": i in skip, "threshold": (thr or {}).get(i, 0.5),
+                       "anchor_rank": rank, "block_size": (block or {}).get(i, 0), "block_frac": 0.7,
+                       "skip_rate": 0.3})
+    meta = {"model": {"name": cfg.name, "config": cfg.to_dict()},
+            "sih": {"width": W, "ma_weights": [0.5, 1 / 3, 1 / 6], "min_tokens": 32, "protect_first": 4,
+                    "bytes_fp16": 0},
+            "layers": layers, "pruned_heads": prune or {},
+            "quality": {"budget": 0.02, "ffn_flops_skipped": 0.3}}
+    calib_artifact.save(path, meta, t)
+    return meta, t
+
+
+def reference_zero(model, meta, tensors):
+    """Install the same mechanisms on the torch reference (same heads, anchors, thresholds)."""
+    from zeroedge.mechanisms import pad
+    from zeroedge.mechanisms.anchors import Anchor
+    from zeroedge.mechanisms.sih import SIHHead
+
+    for li, heads in (meta.get("pruned_heads") or {}).items():
+        model.layers[int(li)].self_attn.prune_heads(heads)
+    pol = {}
+    for L in meta["layers"]:
+        if not L["skip"]:
+            continue
+        i = L["index"]
+        pol[i] = pad.LayerPolicy(scorer="sih", threshold=L["threshold"],
+                                 sih=SIHHead.from_state(tensors, f"layers.{i}.sih"),
+                                 anchor=Anchor.from_state(tensors, f"layers.{i}.anchor"),
+                                 block_size=L["block_size"], block_frac=L["block_frac"])
+    rt = pad.ZeroRuntime(active=True)
+    pad.install(model, pol, rt)
+    return rt
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def torch_greedy_logits(model, tokens, steps):
+    """Reference logits: prefill `tokens`, then greedy steps with the static cache."""
+    with torch.no_grad():
+        model.setup_cache(1, tokens.shape[1] + steps + 1)
+        lg = model(tokens)[0, -1]
+        out, pos, nxt = [lg], tokens.shape[1], int(lg.argmax())
+        for _ in range(steps):
+            lg = model(torch.tensor([[nxt]]), start=pos)[0, -1]
+            out.append(lg)
+            pos += 1
+            nxt = int(lg.argmax())
+        model.drop_cache()
+    return [o.numpy() for o in out]
+
+
+def ort_greedy_logits(runner, tokens, steps):
+    lg = runner.prefill(tokens.numpy())
+    out = [lg]
+    for _ in range(steps):
+        lg = runner.step(int(lg.argmax()))
+        out.append(lg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tmp_path_factory):
+    out = tmp_path_factory.mktemp("b") / "tiny_dense"
+    from zeroedge.export.bundle_writer import export_bundle
+
+    export_bundle("tiny", out, window=64)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_zero(tmp_path_factory):
+    d = tmp_path_factory.mktemp("z")
+    # thresholds near the median score of each layer's head, a block rule on layer 2, pruned heads
+    meta, t = make_calib(d / "calib", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
+                         prune={"1": [0, 3], "3": [2]})
+    from zeroedge.export.bundle_writer import export_bundle
+
+    export_bundle("tiny", d / "bundle", calib=d / "calib", window=64)
+    return d / "bundle", meta, t
+
+
+def test_dense_parity_prefill_and_decode(tiny_dense):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.model import build
+
+    m = build("tiny", seed=0)
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref = torch_greedy_logits(m, tokens, 6)
+    with OrtRunner(tiny_dense, slots=64) as r:
+        got = ort_greedy_logits(r, tokens, 6)
+    errs = [rel_err(g, e) for g, e in zip(got, ref)]
+    assert max(errs) <= 1e-4, errs
+
+
+def test_decode_slots_in_any_order(tiny_dense):
+    """Post-RoPE keys: a permuted window with holes gives the same logits."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.model import build
+
+    m = build("tiny", seed=0)
+    tokens = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = m(tokens)[0, -1].numpy()
+    r = OrtRunner(tiny_dense, slots=64)
+    r.prefill(tokens[:, :20].numpy())
+    perm = np.random.default_rng(0).permutation(64)[:20]
+    for i in range(r.L):
+        k, v = r.k[i][:, :, :20].copy(), r.v[i][:, :, :20].copy()
+        r.k[i][:] = 7.0                     # garbage in empty slots must not leak in
+        r.v[i][:] = 7.0
+        r.k[i][:, :, perm], r.v[i][:, :, perm] = k, v
+    r.slot_pos[:] = -1
+    r.slot_pos[0, perm] = np.arange(20)
+    got = r.step(int(tokens[0, 20]))
+    assert rel_err(got, ref) <= 1e-4
+    mass = r.last_mass
+    assert mass.shape == (64,) and mass[perm].sum() > 0.5 and np.allclose(np.delete(mass, perm), 0)
+
+
+def test_zero_parity_same_masks(tiny_zero):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.model import build
+
+    bundle, meta, t = tiny_zero
+    m = build("tiny", seed=0)
+    rt = reference_zero(m, meta, t)
+    tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    ref = torch_greedy_logits(m, tokens, 4)
+    st = rt.stats
+    skipped = sum(s[1] - s[0] for s in st.values())
+    assert skipped > 0, "the test must exercise skipping"          # mechanisms really on
+    with OrtRunner(bundle, slots=64) as r:
+        got = ort_greedy_logits(r, tokens, 4)
+    errs = [rel_err(g, e) for g, e in zip(got, ref)]
+    assert max(errs) <= 1e-4, errs
+    # and the result differs from dense: the mechanisms did something
+    dense = torch_greedy_logits(build("tiny", seed=0), tokens, 0)[0]
+    assert rel_err(got[0], dense) > 1e-3
+
+
+def test_portable_and_trt_flavours(tiny_zero):
+    from zeroedge import plugin_spec as spec
+
+    bundle = tiny_zero[0]
+    p = onnx.load(str(bundle / "prefill.portable.onnx"), load_external_data=False)
+    t = onnx.load(str(bundle / "prefill.trt.onnx"), load_external_data=False)
+    assert p.ir_version >= 9 and {f.name for f in p.functions} == set(spec.NODES)
+    assert any(o.domain == "zeroedge" for o in p.opset_import)
+    assert len(t.functions) == 0 and any(o.domain == "zeroedge" for o in t.opset_import)
+    custom = [n for n in t.graph.node if n.domain == "zeroedge"]
+    assert len(custom) == 3 * 4
+    for n in custom:
+        a = {x.name: x for x in n.attribute}
+        assert a["plugin_namespace"].s == b"zeroedge" and a["plugin_version"].s == b"1"
+        assert set(spec.field_names(n.op_type)) <= set(a)
+        for x in n.attribute:
+            assert x.type in (onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING)
+            if x.type == onnx.AttributeProto.INT:
+                assert -2**31 <= x.i < 2**31
+    # one shared weight file
+    mf = json.loads((bundle / "manifest.json").read_text())
+    assert {"weights.bin", "prefill.trt.onnx", "decode.portable.onnx"} <= set(mf["files"])
+    assert mf["plugin_abi"] == spec.PLUGIN_ABI and mf["calibration"]["skip_layers"] == [0, 1, 2, 3]
+
+
+def test_tampered_and_partial_bundle_refused(tiny_dense, tmp_path):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.errors import UserError
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny_dense, b)
+    with open(b / "weights.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x01\x02")
+    with pytest.raises(UserError, match="modified weights.bin"):
+        OrtRunner(b)
+    shutil.rmtree(b)
+    shutil.copytree(tiny_dense, b)
+    (b / "decode.portable.onnx").unlink()
+    with pytest.raises(UserError, match="missing decode.portable.onnx"):
+        OrtRunner(b)
+
+
+def test_export_cli_and_bad_inputs(tmp_path):
+    p = run_cli("export", "tiny", "-o", tmp_path / "b", "--json", check_rc=0)
+    s = json.loads(p.stdout)
+    assert s["files"] >= 5 and "prefill.portable.onnx" in s["graphs"]
+    # non-empty output without --force
+    p = run_cli("export", "tiny", "-o", tmp_path / "b")
+    assert p.returncode == 2 and "not empty" in p.stderr
+    # artifact for another model
+    make_calib(tmp_path / "c", "smollm2-135m", rank=2)
+    p = run_cli("export", "tiny", "--calib", tmp_path / "c", "-o", tmp_path / "b2")
+    assert p.returncode == 2 and "calibrated for" in p.stderr and not (tmp_path / "b2").exists()
+
+
+def test_no_pattern_graph_reports_and_writes_nothing(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((8, 8), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 8])], [w])
+    onnx.save(helper.make_model(g), str(tmp_path / "plain.onnx"))
+    p = run_cli("export", tmp_path / "plain.onnx", "-o", tmp_path / "out")
+    assert p.returncode == 2, p.stderr
+    assert "no RMSNorm -> MLP pattern" in p.stderr and "1 MatMul/Gemm with constant weights" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_smollm2_parity_short(smollm2, tmp_path):
+    """Real weights: dense export of SmolLM2, onnxruntime vs the PyTorch reference."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.export.bundle_writer import export_bundle
+
+    m, folder = smollm2
+    export_bundle(str(folder), tmp_path / "b", window=64)
+    tokens = torch.randint(0, m.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    ref = torch_greedy_logits(m, tokens, 2)
+    with OrtRunner(tmp_path / "b", slots=64) as r:
+        got = ort_greedy_logits(r, tokens, 2)
+    errs = [rel_err(g, e) for g, e in zip(got, ref)]
+    assert max(errs) <= 1e-4, errs
+    assert (tmp_path / "b" / "tokenizer.json").is_file()

@@ -1,0 +1,157 @@
+"""Portable runner: a bundle's *.portable.onnx graphs in onnxruntime (CPU anywhere).
+
+    with OrtRunner("bundle/") as r:
+        logits = r.prefill(tokens)             # fills the hot window, returns last-position logits
+        logits = r.step(next_token)            # one decode step over the fixed-slot window
+        ids = r.generate(tokens, 32)           # greedy
+
+The window is `slots` KV slots per layer holding keys after RoPE, so any slot can take any
+position: `slot_pos[s]` is the position a slot holds (-1 = empty), and only validity enters the
+graph. The decode graph returns the new token's K/V (written here into a free slot) and the
+attention mass every slot received: it accumulates into `heat` (decayed each step). When the window
+is full, the coldest slot outside the first `sinks` positions is refilled; `evict` can be replaced
+by the thermal KV runtime's policy.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from zeroedge.errors import UserError
+
+
+class OrtRunner:
+    def __init__(self, bundle, slots: Optional[int] = None, flavour: str = "portable",
+                 threads: Optional[int] = None, sinks: int = 4, decay: float = 0.9,
+                 evict: Optional[Callable] = None, verify: bool = True):
+        import numpy as np
+
+        from zeroedge import bundle as bundle_mod
+        from zeroedge.errors import require
+
+        ort = require("onnxruntime", "export")
+        self.np = np
+        self.dir = Path(bundle)
+        self.manifest = bundle_mod.verify(self.dir) if verify else bundle_mod.read_manifest(self.dir)
+        if "decode" not in {g["graph"] for g in self.manifest.get("graph_files", {}).values()}:
+            raise UserError(f"{bundle}: the bundle has no decode graph (a rewritten foreign graph); "
+                            "run its prefill graph directly")
+        cfg = self.manifest["model"]
+        self.L, self.nkv = cfg["n_layers"], cfg["n_kv_heads"]
+        self.hd = cfg["dim"] // cfg["n_heads"]
+        self.vocab = cfg["vocab_size"]
+        self.slots = int(slots or self.manifest.get("window", 1024))
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        prov = ["CPUExecutionProvider"]
+        try:
+            self.pre = ort.InferenceSession(str(self.dir / f"prefill.{flavour}.onnx"), so, providers=prov)
+            self.dec = ort.InferenceSession(str(self.dir / f"decode.{flavour}.onnx"), so, providers=prov)
+        except Exception as e:  # onnxruntime raises its own types for bad graphs
+            raise UserError(f"{bundle}: onnxruntime cannot load the {flavour} graphs "
+                            f"({type(e).__name__}: {str(e)[:300]})") from None
+        self.sinks, self.decay = sinks, decay
+        self.evict = evict or self._coldest
+        self.timings = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
+        self.reset()
+
+    # -- state --------------------------------------------------------------------------------
+    def reset(self):
+        np = self.np
+        shape = (1, self.nkv, self.slots, self.hd)
+        self.k = [np.zeros(shape, np.float32) for _ in range(self.L)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(self.L)]
+        self.slot_pos = np.full((1, self.slots), -1, np.int64)
+        self.heat = np.zeros(self.slots, np.float64)
+        self.pos = 0
+        self.last_mass = None
+
+    def window_bytes(self) -> int:
+        return 2 * self.L * self.nkv * self.slots * self.hd * 4
+
+    def _coldest(self, runner) -> int:
+        np = self.np
+        h = self.heat.copy()
+        h[(self.slot_pos[0] >= 0) & (self.slot_pos[0] < self.sinks)] = np.inf
+        return int(np.argmin(h))
+
+    def _free_slot(self) -> int:
+        free = self.np.flatnonzero(self.slot_pos[0] < 0)
+        return int(free[0]) if free.size else self.evict(self)
+
+    # -- inference ----------------------------------------------------------------------------
+    def prefill(self, tokens):
+        """tokens: 1-D or (1, T) ints. Returns logits (V,) of the last position."""
+        np = self.np
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        T = tokens.shape[1]
+        if T < 2:
+            raise UserError("prefill needs at least 2 tokens (use step() for one)")
+        self.reset()
+        t0 = time.perf_counter()
+        out = self.pre.run(None, {"tokens": tokens})
+        self.timings["prefill_s"] += time.perf_counter() - t0
+        self.timings["prefill_tokens"] += T
+        logits, kv, mass = out[0], out[1:-1], out[-1]
+        m = mass[0].mean(0)                                     # (T,) over layers
+        if T <= self.slots:
+            keep = np.arange(T)
+        else:                                                   # sinks + the hottest of the rest
+            rest = np.argsort(-m[self.sinks:], kind="stable")[: self.slots - self.sinks] + self.sinks
+            keep = np.concatenate([np.arange(self.sinks), np.sort(rest)])
+        n = len(keep)
+        for i in range(self.L):
+            self.k[i][:, :, :n] = kv[2 * i][:, :, keep]
+            self.v[i][:, :, :n] = kv[2 * i + 1][:, :, keep]
+        self.slot_pos[0, :n] = keep
+        self.heat[:n] = m[keep]
+        self.pos = T
+        return logits[0, 0]
+
+    def step(self, token: int):
+        """One decode step; the token is at position self.pos. Returns logits (V,)."""
+        np = self.np
+        feed = {"tokens": np.array([[int(token)]], np.int64), "pos": np.array([self.pos], np.int64),
+                "slot_pos": self.slot_pos}
+        for i in range(self.L):
+            feed[f"past_k.{i}"] = self.k[i]
+            feed[f"past_v.{i}"] = self.v[i]
+        t0 = time.perf_counter()
+        out = self.dec.run(None, feed)
+        self.timings["decode_s"] += time.perf_counter() - t0
+        self.timings["decode_tokens"] += 1
+        mass = out[-1][0].mean(0)                                # (S,) over layers
+        self.last_mass = mass
+        self.heat = self.heat * self.decay + np.where(self.slot_pos[0] >= 0, mass, 0.0)
+        s = self._free_slot()
+        for i in range(self.L):
+            self.k[i][:, :, s] = out[1 + 2 * i][:, :, 0]
+            self.v[i][:, :, s] = out[2 + 2 * i][:, :, 0]
+        self.slot_pos[0, s] = self.pos
+        self.heat[s] = 0.0
+        self.pos += 1
+        return out[0][0, 0]
+
+    def generate(self, tokens, max_new: int, eos: Optional[int] = None):
+        """Greedy decoding: prefill then max_new steps. Returns the new token ids."""
+        logits = self.prefill(tokens)
+        new = []
+        for _ in range(max_new):
+            t = int(logits.argmax())
+            new.append(t)
+            if eos is not None and t == eos:
+                break
+            logits = self.step(t)
+        return new
+
+    # -- context manager (Polygraphy-style runner) ----------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pre = self.dec = None
+        return False

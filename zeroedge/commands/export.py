@@ -1,0 +1,63 @@
+"""`zeroedge export MODEL --calib ARTIFACT -o BUNDLE/` (light module: heavy imports inside)."""
+import json
+
+import click
+
+
+@click.command("export")
+@click.argument("model")
+@click.option("--calib", "calib", type=click.Path(), default=None,
+              help="calibration artifact (zeroedge calibrate); without it the bundle is dense")
+@click.option("-o", "--out", "out", type=click.Path(), required=True, help="bundle directory")
+@click.option("--target", default="jetpack-6.2", show_default=True, help="device software target")
+@click.option("--window", default=1024, show_default=True, type=int,
+              help="hot KV slots the decode runner allocates by default")
+@click.option("--force", is_flag=True, help="replace a non-empty output directory")
+@click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
+def cmd(model, calib, out, target, window, force, as_json):
+    """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
+    bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
+
+    A graph with no recognisable RMSNorm -> MLP pattern: a report, nothing written, exit 2."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from zeroedge.errors import UserError
+    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.export.rewrite import NoPattern
+
+    if window < 1:
+        raise UserError("--window must be >= 1")
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True, disable=as_json) as prog:
+        task = prog.add_task("export", total=None)
+
+        def step(msg):
+            prog.update(task, description=f"export: {msg}")
+            if not as_json:
+                console.log(msg)
+        try:
+            mf = export_bundle(model, out, calib=calib, target=target, window=window,
+                               progress=step, force=force)
+        except NoPattern as e:
+            r = e.report
+            console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "
+                          f"MatMul/Gemm with constant weights; {r['rmsnorms']} RMSNorm-like "
+                          f"reductions; {r['gated_mlps']} gated MLPs; {r['matched_layers']} "
+                          f"RMSNorm -> MLP layers")
+            for line in r["rejected"][:10]:
+                console.print(f"  rejected: {line}")
+            raise
+    total = sum(f["bytes"] for f in mf["files"].values())
+    summary = {"bundle": str(out), "files": len(mf["files"]), "bytes": total,
+               "seconds": mf["export"]["seconds"], "rewrite": mf["export"].get("rewrite"),
+               "graphs": sorted(mf["graph_files"])}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(f"wrote {out}: {len(mf['files'])} files, {total / 1e6:.1f} MB in "
+                   f"{mf['export']['seconds']:.1f} s")
+        if summary["rewrite"]:
+            rw = summary["rewrite"]
+            click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")

@@ -412,6 +412,16 @@ def test_deploy_status_redeploy_rollback(lab, jetson_a, tmp_path):
     r = last_json(deploy(lab, b2, *common, "--json", rc=0))["hosts"][0]
     assert r["bytes_uploaded"] == 0 and r["changed"] and r["release"].endswith(rel2.split("-")[-1])
 
+    # 6. a release whose daemon is not healthy (its broker is unreachable) is rolled back on the spot
+    broken = tmp_path / "broken.toml"
+    broken.write_text(lab.config.read_text().replace(f"port = {lab.broker_port}", f"port = {free_port()}"))
+    p = deploy(lab, b2, "--host", "jetson-a", "--config", broken, "--metrics-port", port, "--health-timeout", 6)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "is not healthy" in p.stderr and f"rolled back to {r['release']}" in p.stderr, p.stderr
+    assert os.readlink(base / "current") == f"releases/{r['release']}"
+    h = last_json(zcli(lab, "status", "--host", "jetson-a", "--json", rc=0))["hosts"][0]
+    assert h["health"]["ok"] and len(h["result"]["releases"]) == 3
+
 
 def _one_line_error(p, *needles):
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)

@@ -105,10 +105,6 @@ class Device:
         os.replace(tmp, self.current)  # rename(2) over the old link: atomic
 
     # ----- operations
-    def have(self):
-        want = self.p["hashes"]
-        return {"present": [h for h in want if os.path.isfile(os.path.join(self.objects, h))]}
-
     def commit(self):
         """Verify uploaded files in .incoming/ and move them into objects/."""
         os.makedirs(self.objects, exist_ok=True)
@@ -303,6 +299,8 @@ class Device:
         """stage -> build -> install unit -> swap current -> restart -> health; on an unhealthy
         new release, put the previous one back."""
         self.lock()
+        if self.p.get("hashes"):  # uploads of this deploy: verify and move into the store
+            self.commit()
         before = self.current_name()
         st = self.stage()
         name = st["release"]
@@ -423,6 +421,8 @@ def main(payload):
     try:
         if op == "probe":
             result = probe(base=payload.get("base", "/opt/zeroedge"), want_modules=payload.get("modules", ()))
+            store = os.path.join(result["base"], "objects")  # what the content store already holds
+            result["store"] = sorted(os.listdir(store)) if os.path.isdir(store) else []
         else:
             result = getattr(Device(payload), op)()
         out = {"ok": True, "result": result}

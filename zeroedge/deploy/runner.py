@@ -128,9 +128,7 @@ class Deployer:
         rel = build_release(self.bundle, self.manifest, self.template, port, v0.backend,
                             Path(self.tmp.name) / t.name, self.opts.unit_file, root=facts["root"],
                             base=_s(t, "base", DEFAULT_BASE), name=t.name)
-        hashes = sorted({e.sha256 for e in rel.entries.values()})
-        have, _ = await _run(t, self.opts, conn, "have", hashes=hashes)
-        present = set(have["present"])
+        present = set(facts.pop("store", []))
         missing, seen = [], set()
         for e in rel.entries.values():
             if e.sha256 not in present and e.sha256 not in seen:
@@ -162,13 +160,12 @@ class Deployer:
 
             r.bytes_uploaded = await upload(conn, t, missing, f"{base}/.incoming", adv)
             r.files_uploaded = len(missing)
-            await _run(t, self.opts, conn, "commit", hashes=[m[1] for m in missing])
         _tick(r, "upload_s", t0)
         t0 = time.perf_counter()
         r.phase = "activate"
         steps = [dict(s, argv=[a.replace("{bundle}", "bundle").replace("{build}", "build") for a in s["argv"]])
                  if s.get("argv") else s for s in v.steps]
-        res, log = await _run(t, self.opts, conn, "activate", release_id=rel.id, files=rel.files_payload(),
+        res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], release_id=rel.id, files=rel.files_payload(),
                               unit=rel.unit, python=r.facts["python"]["executable"],
                               metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,
                               build={"backend": v.backend, "steps": steps})

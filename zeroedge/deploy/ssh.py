@@ -101,32 +101,40 @@ async def agent(conn, t: Target, payload: dict, python: str = "python3", sudo: b
     return res["result"], err
 
 
-async def upload(conn, t: Target, files: list[tuple[Path, str, int]], incoming: str, progress=None) -> int:
-    """SFTP each (local path, sha256, size) to INCOMING/<sha256>; returns bytes moved.
+async def upload(conn, t: Target, files: list[tuple[Path, str, int]], incoming: str, progress=None,
+                 parallel: int = 8) -> int:
+    """SFTP each (local path, sha256, size) to INCOMING/<sha256>, `parallel` files at a time (a
+    bundle is many small files: round trips, not bandwidth, bound it); returns bytes moved.
     `progress(delta_bytes)` is called as bytes go out."""
+    import asyncio
+
     import asyncssh
 
-    moved = 0
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(sftp, src, sha, size):
+        sent = [0]
+
+        def cb(_s, _d, done, _total):
+            if progress:
+                progress(done - sent[0])
+            sent[0] = done
+
+        async with sem:
+            await sftp.put(str(src), f"{incoming}/{sha}", progress_handler=cb)
+        if progress and sent[0] < size:
+            progress(size - sent[0])
+        return size
+
     try:
         async with conn.start_sftp_client() as sftp:
             await sftp.makedirs(incoming, exist_ok=True)
-            for src, sha, size in files:
-                sent = [0]
-
-                def cb(_s, _d, done, _total, sent=sent):
-                    if progress:
-                        progress(done - sent[0])
-                    sent[0] = done
-
-                await sftp.put(str(src), f"{incoming}/{sha}", progress_handler=cb)
-                if progress and sent[0] < size:
-                    progress(size - sent[0])
-                moved += size
+            done = await asyncio.gather(*(one(sftp, *f) for f in files))
     except asyncssh.SFTPError as e:
         reason = e.reason
-        if "No space" in reason or getattr(e, "code", None) == 4 and "space" in reason.lower():
+        if e.code == getattr(asyncssh, "FX_NO_SPACE_ON_FILESYSTEM", -1) or "space" in reason.lower():
             reason = "no space left on the device"
         raise HostError(t, f"upload failed: {reason}", "upload") from None
     except (asyncssh.Error, OSError) as e:
         raise HostError(t, f"upload failed: {e}", "upload") from None
-    return moved
+    return sum(done)

@@ -519,6 +519,11 @@ def test_fleet_parallel_and_refusals(lab, tmp_path):
     assert wall < sum(h["seconds"] for h in doc["hosts"]) + 5
     p = zcli(lab, "status", "--hosts", inv, rc=0)
     assert "status: 2/2 hosts ok" in p.stdout and p.stdout.count("health ok") == 2
+    # ~/.ssh/config's ProxyJump is honoured: fleet-b reached through fleet-a's sshd
+    with open(lab.home / ".ssh" / "config", "a") as f:
+        f.write(f"Host b-via-a\n  HostName 127.0.0.1\n  Port {b.port}\n  User {lab.user}\n  ProxyJump fleet-a\n\n")
+    h = last_json(zcli(lab, "status", "--host", "b-via-a", "--json", rc=0))["hosts"][0]
+    assert h["release"] == doc["hosts"][1]["release"] and h["health"]["ok"]
     # an unreachable fleet member: per-host summary and a non-zero exit
     down = tmp_path / "down-hosts"
     down.write_text(mixed.read_text() + f"fleet-down 127.0.0.1:{free_port()}\n")

@@ -216,3 +216,36 @@ def test_release_id_is_content_hash(tmp_path):
     assert {"bundle/model.onnx", "bundle/manifest.json", "daemon.toml", "release.json",
             "app/zeroedge/cli.py", "app/zeroedge/deploy/remote.py"} <= set(r1.entries)
     assert not any("__pycache__" in k for k in r1.entries)
+
+
+def test_preflight_bundle_target(tmp_path):
+    f = facts(tmp_path)
+    assert pf.evaluate(f, dict(MANIFEST, target="jetpack-6.1"), 0, 0).ok
+    v = pf.evaluate(f, dict(MANIFEST, target="jetpack-5.1"), 0, 0)
+    assert v.problems == ["the bundle targets jetpack-5.1 but the device runs JetPack 6.2 (L4T 36.4.3); "
+                          "re-export for it"]
+
+
+def test_agent_build_steps(tmp_path, monkeypatch):
+    """The device agent's build: {release} substituted, build.json written once, a failing step is a
+    one-line failure naming the step."""
+    from zeroedge.deploy import remote
+
+    monkeypatch.setenv("ZEROEDGE_DEVICE_ROOT", str(tmp_path))
+    rel = tmp_path / "opt/zeroedge/releases/r1"
+    (rel / "app").mkdir(parents=True)
+    steps = [{"name": "plugins", "argv": ["sh", "-c", "echo built > {release}/build/lib.so"]},
+             {"name": "engine", "why": "TensorRT not found on the device"}]
+    dev = remote.Device({"build": {"backend": "onnxruntime", "steps": steps}})
+    out = dev.build("r1")
+    assert (rel / "build/lib.so").read_text() == "built\n"
+    assert out["steps"][0]["name"] == "plugins" and out["steps"][1]["skipped"].startswith("TensorRT not found")
+    (rel / "build/lib.so").unlink()
+    assert dev.build("r1") == json.loads((rel / "build.json").read_text())   # done once per release
+    assert not (rel / "build/lib.so").exists()
+    (tmp_path / "opt/zeroedge/releases/r2/app").mkdir(parents=True)
+    bad = remote.Device({"build": {"backend": "tensorrt", "steps": [{"name": "plugins", "argv": [
+        "sh", "-c", "echo 'build_plugins: nvcc not found'; exit 2"]}]}})
+    with pytest.raises(remote.Fail, match=r"on-device plugins failed \(exit 2\): build_plugins: nvcc not found"):
+        bad.build("r2")
+    assert not (tmp_path / "opt/zeroedge/releases/r2/build.json").exists()

@@ -100,12 +100,15 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
     if trt_ver and _ver(trt_ver)[:1] >= (10,) and mods.get("tensorrt") and has_trt_onnx and app_has_trt_backend:
         v.backend = "tensorrt"
         if app_has_plugins and facts.get("nvcc") and facts.get("cmake"):
-            v.steps.append({"name": "plugins", "argv": ["./scripts/build_plugins"]})
+            v.steps.append({"name": "plugins", "argv": ["./scripts/build_plugins", "--build-dir",
+                                                        "{release}/build/plugins", "--arch", "87"]})
         else:
             why = "no plugin sources in this zeroedge" if not app_has_plugins else "no nvcc/cmake on the device"
             v.steps.append({"name": "plugins", "why": why})
         v.steps.append({"name": "engine", "argv": [facts["python"]["executable"], "-m", "zeroedge.backends.tensorrt",
-                                                   "build", "--bundle", "{bundle}", "--out", "{build}"]})
+                                                   "build", "--bundle", "{release}/bundle", "--plugins",
+                                                   "{release}/build/plugins/libzeroedge_plugins.so",
+                                                   "--out", "{release}/build"]})
     else:
         if not trt_ver:
             why = "TensorRT not found on the device"
@@ -117,14 +120,20 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
             why = "this zeroedge has no TensorRT backend"
         v.notes.append(f"{why}: using the portable onnxruntime backend (slower than a TensorRT engine)")
         v.steps += [{"name": "plugins", "why": why}, {"name": "engine", "why": why}]
-    # 5. memory against the bundle's plan
+    # 5. the bundle's target: a JetPack release must match the device's TensorRT generation
+    target = str(manifest.get("target") or "")
+    if target.startswith("jetpack-") and jp and not v.problems:
+        want = _ver(target[len("jetpack-"):])
+        if want[:1] != _ver(jp)[:1] or (want[:2] >= (6, 1) and lv[:2] != (36, 4)):
+            P(f"the bundle targets {target} but the device runs JetPack {jp} (L4T {l4t}); re-export for it")
+    # 6. memory against the bundle's plan
     plan = manifest.get("plan")
     need = plan_memory_bytes(plan)
     avail = (facts.get("memory") or {}).get("available")
     if need and avail is not None and need > avail:
         P(f"not enough memory: the bundle's plan needs {fmt_bytes(need)}, the device has {fmt_bytes(avail)} "
           "available")
-    # 6. disk: the upload (plus room for an engine) and the reserve kept free
+    # 7. disk: the upload (plus room for an engine) and the reserve kept free
     d = facts.get("disk") or {}
     headroom = upload_bytes + (sum(f.get("bytes", 0) for k, f in manifest.get("files", {}).items()
                                    if k.endswith(".trt.onnx")) if v.backend == "tensorrt" else 0)

@@ -176,9 +176,10 @@ class Device:
             if not step.get("argv"):
                 out["steps"].append({"name": step["name"], "skipped": step.get("why")})
                 continue
-            log("[%s] %s" % (step["name"], " ".join(step["argv"])))
+            argv = [a.replace("{release}", rdir) for a in step["argv"]]
+            log("[%s] %s" % (step["name"], " ".join(argv)))
             t = time.time()
-            r = subprocess.run(step["argv"], cwd=os.path.join(rdir, "app"), env=env, stdout=subprocess.PIPE,
+            r = subprocess.run(argv, cwd=os.path.join(rdir, "app"), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, universal_newlines=True)
             sys.stderr.write(r.stdout[-4000:])
             if r.returncode != 0:

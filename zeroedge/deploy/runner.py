@@ -163,8 +163,7 @@ class Deployer:
         _tick(r, "upload_s", t0)
         t0 = time.perf_counter()
         r.phase = "activate"
-        steps = [dict(s, argv=[a.replace("{bundle}", "bundle").replace("{build}", "build") for a in s["argv"]])
-                 if s.get("argv") else s for s in v.steps]
+        steps = v.steps
         res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], release_id=rel.id, files=rel.files_payload(),
                               unit=rel.unit, python=r.facts["python"]["executable"],
                               metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,

@@ -135,7 +135,7 @@ def main():
     thr = float(torch.quantile(ref.smooth(s_ref, 0.5, 0.333333, 0.166667), 0.5))
     sih_rows = []
     for name, variant, bs in (("SIH (tensor-core proj)", 0, 0), ("SIH block rule 64", 0, 64),
-                              ("SIH (generic proj)", 1, 0)):
+                              ("SIH (unstaged fragments, run-2 kernel)", 2, 0), ("SIH (generic proj)", 1, 0)):
         f = ref.sih_fields(threshold=thr, anchor_rank=R, block_size=bs)
         keeps = [torch.empty(T, dtype=torch.int32, device="cuda") for _ in range(NSETS)]
         bases = [torch.empty(T, D, dtype=dt, device="cuda") for _ in range(NSETS)]
@@ -285,5 +285,43 @@ def render_markdown(res) -> str:
     return "\n".join(L) + "\n"
 
 
+def plot(results_json: str, png: str):
+    """benchmarks/plugins.png from a results.json: SIH stages against the layer; compaction vs kept."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(results_json).read_text())
+    m, sih, comp = res["meta"], res["sih"][0], res["compaction"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    st = sih["stages_us"]
+    left = 0.0
+    for name, v in st.items():
+        a.barh(0, v, left=left, label=f"{name} {v:.1f} µs")
+        left += v
+    a.axvline(0.03 * m["layer_us"], color="k", ls="--", label=f"3 % of the layer = {0.03 * m['layer_us']:.1f} µs")
+    a.axvline(2 * m["T"] * m["D"] * 2 / (m["copy_bw_TBps"] * 1e12) * 1e6, color="gray", ls=":",
+              label="x read + base write at copy bandwidth")
+    a.set_yticks([])
+    a.set_xlabel("µs")
+    a.set_title(f"SIH per layer, T={m['T']}, D={m['D']} (fp16, {m['device']})")
+    a.legend(fontsize=8, loc="upper right")
+    ks = [r["kept"] for r in comp]
+    b.plot(ks, [r["us"] for r in comp], "o-", label="gather + FFN(K) + scatter")
+    b.plot(ks, [r["ffn_k_us"] for r in comp], "s--", label="FFN(K) alone")
+    b.plot(ks, [r["dense_us"] * k for r, k in zip(comp, ks)], ":", color="gray", label="dense × kept (FLOP-proportional)")
+    b.axhline(m["ffn_us"], color="k", ls="--", label=f"dense FFN {m['ffn_us']:.0f} µs")
+    b.set_xlabel("fraction of tokens kept")
+    b.set_ylabel("µs")
+    b.set_title(f"Compaction vs dense FFN ({m['D']} → {m['FF']})")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--plot":
+        plot(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -22,6 +22,10 @@
 extern "C" {
 #endif
 
+/* default visibility even when compiled with -fvisibility=hidden; the plugin library's version
+ * script (exports.map) still hides these, libzeroedge_kernels.so (kernels.map) exports them */
+#define ZE_API __attribute__((visibility("default")))
+
 #define ZE_PLUGIN_ABI 1 /* must equal zeroedge.plugin_spec.PLUGIN_ABI */
 
 #define ZE_MAX_SIH_WIDTH 32 /* W: width of the SIH head's hidden layers */
@@ -53,27 +57,32 @@ typedef struct ze_sih_weights {
     const void *w1, *b1, *w2, *b2, *w3, *b3, *w4, *b4, *anchor_a, *anchor_b, *anchor_c;
 } ze_sih_weights;
 
-const char* ze_strerror(int code);
-int ze_kernels_abi(void);
+ZE_API const char* ze_strerror(int code);
+ZE_API int ze_kernels_abi(void);
 
 /* SIH: scores every token with the head, smooths, thresholds (token or block rule, protections,
  * min_tokens bypass) into keep, and writes base = keep ? 0 : anchor_b @ (anchor_a @ x) + anchor_c.
  * scores_out (optional, may be NULL): the raw sigmoid scores, float32 [T]. */
-size_t ze_sih_workspace_size(int64_t T, int64_t D, int32_t W, int32_t R, int dtype);
-int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
+ZE_API size_t ze_sih_workspace_size(int64_t T, int64_t D, int32_t W, int32_t R, int dtype);
+ZE_API int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
     const ze_sih_params* p, int32_t* keep, void* base, float* scores_out, void* workspace, size_t workspace_bytes,
     void* stream);
 
 /* PAD gather: idx[k] = k-th position with keep != 0 (ascending), count = K, xs[k] = x[idx[k]].
  * xs and idx must have room for T rows; rows >= K are not written. */
-size_t ze_pad_gather_workspace_size(int64_t T);
-int ze_pad_gather(int dtype, const void* x, const int32_t* keep, int64_t T, int64_t D, void* xs, int32_t* idx,
+ZE_API size_t ze_pad_gather_workspace_size(int64_t T);
+ZE_API int ze_pad_gather(int dtype, const void* x, const int32_t* keep, int64_t T, int64_t D, void* xs, int32_t* idx,
     int32_t* count, void* workspace, size_t workspace_bytes, void* stream);
 
 /* PAD scatter: out = base; out[idx[k]] = y[k] for k < K. idx entries outside [0, T) are ignored. */
-size_t ze_pad_scatter_workspace_size(int64_t T);
-int ze_pad_scatter(int dtype, const void* base, const void* y, const int32_t* idx, int64_t T, int64_t K, int64_t D,
+ZE_API size_t ze_pad_scatter_workspace_size(int64_t T);
+ZE_API int ze_pad_scatter(int dtype, const void* base, const void* y, const int32_t* idx, int64_t T, int64_t K, int64_t D,
     void* out, void* workspace, size_t workspace_bytes, void* stream);
+
+/* Benchmarks only: bit 0 forces the generic (CUDA-core) SIH projection for fp16, bit 1 the
+ * unstaged tensor-core one; bits 8..11 = N > 0 stop ze_sih_forward after stage N (1 prep,
+ * 2 projection, 3 decide). 0 (the default) is what the plugins run. Not thread-safe. */
+ZE_API void ze_sih_set_variant(int variant);
 
 #ifdef __cplusplus
 }

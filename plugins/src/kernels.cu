@@ -20,7 +20,8 @@ constexpr int kProjMaxTiles = (ZE_MAX_SIH_WIDTH + ZE_MAX_ANCHOR_RANK + 15) / 16;
 constexpr int kBaseRows = 16;
 constexpr int kBaseThreads = 128;
 
-// Benchmark switches: bit 0 forces the generic (CUDA-core) projection for fp16; bits 8..11 = N > 0
+// Benchmark switches: bit 0 forces the generic (CUDA-core) projection for fp16; bit 1 loads the MMA
+// fragments of x straight from global memory (no staging); bits 8..11 = N > 0
 // stop after stage N (1 prep, 2 projection, 3 decide) to time the stages by differences.
 int g_variant = 0;
 int stop_after() { return (g_variant >> 8) & 0xF; }
@@ -171,7 +172,7 @@ __global__ void sih_proj_generic(const T* __restrict__ x, int64_t Tn, int64_t D,
 // Tensor-core projection for fp16: block = WARPS warps x 16 rows; warp w covers 1/WARPS of D and
 // issues kProjBatch fragment loads of x before their MMAs (memory-level parallelism: x is streamed
 // once and the arithmetic is tiny). Per-warp partial sums meet in dynamic shared memory [WARPS][16][ncp].
-template <int WARPS, int NT>
+template <int WARPS, int NT, bool STAGED>
 __global__ void __launch_bounds__(WARPS * 32) sih_proj_wmma(const __half* __restrict__ x, int64_t Tn, int64_t D,
     const __half* __restrict__ wcat, int ncp, int W, int R, const float* __restrict__ small, float* __restrict__ scores,
     float* __restrict__ ax)
@@ -179,6 +180,7 @@ __global__ void __launch_bounds__(WARPS * 32) sih_proj_wmma(const __half* __rest
     using namespace nvcuda;
     extern __shared__ __align__(32) float acc_s[]; // [WARPS][kProjRows][ncp]
     __shared__ __align__(32) __half stage[WARPS][16 * 16];
+    __shared__ __align__(32) __half xstage[STAGED ? WARPS * 16 * (16 * kProjBatch + 8) : 1];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int64_t row0 = int64_t(blockIdx.x) * kProjRows;
     int nt = ncp / 16;
@@ -188,7 +190,52 @@ __global__ void __launch_bounds__(WARPS * 32) sih_proj_wmma(const __half* __rest
     for (int n = 0; n < NT; ++n) wmma::fill_fragment(c[n], 0.f);
     int64_t kper = D / WARPS;
     int64_t k = warp * kper, k1 = k + kper;
-    if (!tail)
+    if (!tail && STAGED)
+    {
+        // coalesced 16-byte loads of the warp's 16 x 64 slice of x into registers (prefetched one
+        // batch ahead), then through shared memory into the MMA fragments
+        constexpr int KB = 16 * kProjBatch, LDS = KB + 8;
+        __half* xs = xstage + size_t(warp) * 16 * LDS;
+        int4 v[4];
+        auto gload = [&](int64_t kk) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+            {
+                int i = lane + 32 * q, r = i >> 3, c = i & 7;
+                v[q] = *reinterpret_cast<const int4*>(x + (row0 + r) * D + kk + c * 8);
+            }
+        };
+        if (k + KB <= k1) gload(k);
+        for (; k + KB <= k1; k += KB)
+        {
+            __syncwarp();
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+            {
+                int i = lane + 32 * q, r = i >> 3, c = i & 7;
+                *reinterpret_cast<int4*>(xs + r * LDS + c * 8) = v[q];
+            }
+            __syncwarp();
+            if (k + 2 * KB <= k1) gload(k + KB);
+#pragma unroll
+            for (int u = 0; u < kProjBatch; ++u)
+            {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+                wmma::load_matrix_sync(a, xs + 16 * u, unsigned(LDS));
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+                {
+                    if (n < nt)
+                    {
+                        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+                        wmma::load_matrix_sync(b, wcat + int64_t(n) * 16 * D + k + 16 * u, unsigned(D));
+                        wmma::mma_sync(c[n], a, b, c[n]);
+                    }
+                }
+            }
+        }
+    }
+    if (!tail && !STAGED)
     {
         for (; k + 16 * kProjBatch <= k1; k += 16 * kProjBatch)
         {
@@ -302,7 +349,7 @@ __global__ void sih_decide(const float* __restrict__ scores, int64_t Tn, DecideA
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kBaseThreads) sih_base(const float* __restrict__ ax, const int32_t* __restrict__ keep,
+__global__ void __launch_bounds__(kBaseThreads, 4) sih_base(const float* __restrict__ ax, const int32_t* __restrict__ keep,
     int64_t Tn, int64_t D, int R, const float* __restrict__ bt, const T* __restrict__ c, T* __restrict__ base)
 {
     __shared__ float axs[kBaseRows][ZE_MAX_ANCHOR_RANK];
@@ -326,7 +373,24 @@ __global__ void __launch_bounds__(kBaseThreads) sih_base(const float* __restrict
     for (int r = 0; r < kBaseRows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
     if (any_skip)
     {
-        for (int j = 0; j < R; ++j)
+        int j = 0;
+        for (; j + 4 <= R; j += 4)  // four independent loads in flight before their FMAs
+        {
+            float4 b[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) b[u] = *reinterpret_cast<const float4*>(bt + int64_t(j + u) * D + d);
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+            {
+#pragma unroll
+                for (int r = 0; r < kBaseRows; ++r)
+                {
+                    float v = axs[r][j + u];
+                    acc[r][0] += v * b[u].x; acc[r][1] += v * b[u].y; acc[r][2] += v * b[u].z; acc[r][3] += v * b[u].w;
+                }
+            }
+        }
+        for (; j < R; ++j)
         {
             float4 b = *reinterpret_cast<const float4*>(bt + int64_t(j) * D + d);
 #pragma unroll
@@ -544,18 +608,19 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
 
     if (tc)
     {
-        // 8 warps split D when the partial sums fit in 32 KB of shared memory, else 4
+        // 8 warps split D for up to 32 columns (W + R), else 4
         unsigned blocks = unsigned((T + kProjRows - 1) / kProjRows);
         const __half* wc = reinterpret_cast<const __half*>(ws + l.wcat);
         const __half* xh = static_cast<const __half*>(x);
+        size_t shm8 = size_t(8) * kProjRows * l.ncp * 4, shm4 = size_t(4) * kProjRows * l.ncp * 4;
+        bool staged = (g_variant & 2) == 0;  // bit 1: fragments straight from global memory (run-2 kernel)
         if (D % (16 * 8) == 0 && l.ncp <= 32)
-            sih_proj_wmma<8, 2><<<blocks, 8 * 32, size_t(8) * kProjRows * l.ncp * 4, stream>>>(
-                xh, T, D, wc, l.ncp, W, R, small, scores, ax);
-        else if (D % (16 * 8) == 0 && l.ncp <= 64)
-            sih_proj_wmma<8, 4><<<blocks, 8 * 32, size_t(8) * kProjRows * l.ncp * 4, stream>>>(
-                xh, T, D, wc, l.ncp, W, R, small, scores, ax);
-        else
-            sih_proj_wmma<4, kProjMaxTiles><<<blocks, 4 * 32, size_t(4) * kProjRows * l.ncp * 4, stream>>>(
+        {
+            if (staged) sih_proj_wmma<8, 2, true><<<blocks, 256, shm8, stream>>>(xh, T, D, wc, l.ncp, W, R, small, scores, ax);
+            else sih_proj_wmma<8, 2, false><<<blocks, 256, shm8, stream>>>(xh, T, D, wc, l.ncp, W, R, small, scores, ax);
+        }
+        else  // 4 warps keep static + dynamic shared memory under 48 KB for up to 96 columns
+            sih_proj_wmma<4, kProjMaxTiles, true><<<blocks, 128, shm4, stream>>>(
                 xh, T, D, wc, l.ncp, W, R, small, scores, ax);
     }
     else

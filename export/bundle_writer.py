@@ -93,6 +93,8 @@ def resolve_model(model: str):
     from zeroedge import weights
     from zeroedge.model import PRESETS, build
 
+    if not isinstance(model, str):                       # a Transformer already built
+        return model, None
     if model in weights.BUNDLED or Path(model).exists():
         return weights.load(model)
     if model in PRESETS:
@@ -136,7 +138,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     tmp.mkdir(parents=True)
     try:
         graphs, info = {}, {}
-        if str(model).endswith(".onnx"):                     # a foreign graph: rewrite only
+        if isinstance(model, str) and model.endswith(".onnx"):                     # a foreign graph: rewrite only
             if not Path(model).is_file():
                 raise UserError(f"graph not found: {model}")
             step("load graph")

@@ -1,0 +1,77 @@
+"""`zeroedge plan`: memory and roofline forecast; memory checked against what the onnxruntime runner
+really allocates here (peak RSS of a fresh process), within 15 %."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_cli
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+MEASURE = r"""
+import sys, numpy as np
+def rss(k):
+    for l in open("/proc/self/status"):
+        if l.startswith(k): return int(l.split()[1]) * 1024
+import onnxruntime
+from zeroedge.backends.onnxruntime import OrtRunner
+b, N, S = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+base = rss("VmRSS:")
+r = OrtRunner(b, slots=S)
+r.generate(np.arange(N) % 200 + 5, 3)
+print(rss("VmHWM:") - base)
+"""
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.model import ModelConfig, build
+
+    # a shape the planner's constants were not fitted on
+    cfg = ModelConfig(vocab_size=6144, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024,
+                      max_seq_len=4096, name="plan-check")
+    out = tmp_path_factory.mktemp("plan") / "b"
+    export_bundle(build(cfg, seed=0), out, window=256)
+    return out
+
+
+@pytest.mark.parametrize("context", [128, 768])
+def test_memory_matches_onnxruntime(bundle, context):
+    p = run_cli("plan", bundle, "--target", "orin-nano-8gb", "--context", context, "--dtype", "fp32",
+                "--host", "--json", check_rc=0)
+    planned = json.loads(p.stdout)["memory"]["model_total"]
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(bundle), str(context), "256"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    measured = int(out.stdout.split()[-1])
+    assert abs(planned - measured) / measured <= 0.15, (planned, measured)
+
+
+def test_plan_targets_and_verdict(bundle):
+    small = json.loads(run_cli("plan", bundle, "--target", "orin-nano-8gb", "--context", 1024, "--json",
+                               check_rc=0).stdout)
+    big = json.loads(run_cli("plan", bundle, "--target", "orin-agx-64gb", "--context", 1024, "--json",
+                             check_rc=0).stdout)
+    assert small["fits"] and small["max_context"] >= 1024
+    assert small["memory"]["total"] == big["memory"]["total"]
+    r1, r2 = small["roofline"], big["roofline"]
+    assert r1["bandwidth"] == 68e9 and r2["bandwidth"] == 204.8e9
+    assert r2["decode_tok_s"] > r1["decode_tok_s"] and r2["prefill_tok_s"] > r1["prefill_tok_s"]
+    assert abs(small["figures"]["fp16_tflops"] - 10.24) < 0.01
+    # more context than memory: does not fit, and max_context says where it stops
+    nx = json.loads(run_cli("plan", bundle, "--target", "orin-nx-16gb", "--context", 4000, "--window",
+                            4000, "--json", check_rc=0).stdout)
+    assert nx["memory"]["total"] > small["memory"]["total"]
+    text = run_cli("plan", bundle, "--target", "orin-nano-8gb", "--context", 512, check_rc=0).stdout
+    assert "verdict: FITS" in text and "hot_kv" in text
+
+
+def test_plan_bad_input(bundle, tmp_path):
+    p = run_cli("plan", bundle, "--target", "orin-tx2", "--context", 10)
+    assert p.returncode == 2 and "orin-nano-8gb, orin-nx-16gb, orin-agx-64gb" in p.stderr
+    p = run_cli("plan", tmp_path / "none", "--target", "orin-nano-8gb", "--context", 10)
+    assert p.returncode == 2 and "Traceback" not in p.stderr

@@ -1,0 +1,41 @@
+"""`zeroedge plan BUNDLE --target orin-... --context N [--json]` (light module)."""
+import json
+
+import click
+
+
+def _mb(x):
+    return f"{x / 2**20:,.0f} MiB"
+
+
+@click.command("plan")
+@click.argument("bundle", type=click.Path())
+@click.option("--target", required=True, help="orin-nano-8gb | orin-nx-16gb | orin-agx-64gb")
+@click.option("--context", required=True, type=int, help="tokens of context to plan for")
+@click.option("--window", type=int, default=None, help="hot KV slots (default: the bundle's)")
+@click.option("--dtype", default="fp16", show_default=True, help="engine precision: fp16 | fp32")
+@click.option("--host", is_flag=True, help="plan for an onnxruntime host process (no TensorRT "
+              "workspace / CUDA runtime, no OS reserve), to compare with what it allocates")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def cmd(bundle, target, context, window, dtype, host, as_json):
+    """Memory and speed forecast: weights, hot KV, compressed tier, activations, workspace, OS
+    reserve; prefill/decode roofline; verdict and the largest context that fits."""
+    from zeroedge.planner import plan
+
+    p = plan(bundle, target, context, window, dtype, device=not host)
+    if as_json:
+        click.echo(json.dumps(p, indent=2))
+        return
+    m, r, f = p["memory"], p["roofline"], p["figures"]
+    click.echo(f"{p['target']}  context {context}  window {p['window']}  {dtype}")
+    for k in ("weights", "hot_kv", "compressed_kv", "activations", "workspace", "runtime"):
+        click.echo(f"  {k:14s} {_mb(m[k]):>12s}")
+    click.echo(f"  {'total':14s} {_mb(m['total']):>12s}   available {_mb(p['available'])} "
+               f"(= {_mb(p['device_memory'])} - OS reserve {_mb(p['os_reserve'])})")
+    click.echo(f"  prefill  {r['prefill_s'] * 1e3:,.1f} ms ({r['prefill_tok_s']:,.0f} tok/s, "
+               f"{r['prefill_bound']}-bound)   decode {r['decode_ms']:.2f} ms/token "
+               f"({r['decode_tok_s']:,.1f} tok/s, {r['decode_bound']}-bound)")
+    click.echo(f"  figures: {f['fp16_tflops']:.1f} TFLOPS fp16 dense x {r['compute_eff']}, "
+               f"{f['bandwidth_gbs']:.1f} GB/s x {r['bandwidth_eff']} ({f['source']})")
+    click.echo(f"verdict: {'FITS' if p['fits'] else 'DOES NOT FIT'}; largest context that fits: "
+               f"{p['max_context']:,}")

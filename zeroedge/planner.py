@@ -1,0 +1,160 @@
+"""Memory and roofline planner for Jetson Orin targets (torch-free).
+
+Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
+  weights        every weight tensor once per engine (prefill and decode are separate engines /
+                 sessions, and each holds its own copy: measured with onnxruntime, see
+                 tests/test_plan.py), at the plan dtype
+  hot_kv         2 * L * Hkv * hd * min(context, window) * dtype bytes (post-RoPE keys + values)
+  compressed     the rest of the context in the int8 tier: 1 byte per value + an fp16 scale per 64
+  activations    the larger of prefill (context tokens at once: `score_copies` live [h, T, T] fp32
+                 score tensors (onnxruntime CPU: 9, fitted on a 8-layer d512 model and checked
+                 on another shape in tests/test_plan.py; TensorRT: 2, assumed) + presents + MLP intermediates + logits) and one decode step
+  workspace      TensorRT builder/runtime scratch (assumed 256 MiB on device; 0 on host)
+  runtime        CUDA context + TensorRT/cuDNN/cuBLAS libraries resident in DRAM (assumed 0.6 GiB)
+  os_reserve     JetPack's headless L4T + services (assumed; see TARGETS)
+
+Roofline: time = max(FLOPs / (peak * compute_eff), bytes / (bandwidth * bandwidth_eff)).
+Compute figures: dense FP16 tensor-core peak = tensor cores x 512 FLOP/clock x GPU max clock
+(Ampere 3rd-gen tensor core: 256 dense FP16 FMA per clock, NVIDIA A100/GA10x whitepapers), with the
+GPU configuration of NVIDIA's Jetson Orin module data sheets (tensor cores, max GPU clock in the
+module's top standard power mode). FP32 on CUDA cores = cores x 2 x clock. Cross-check: AGX Orin
+64GB is listed at 170 sparse INT8 TOPS for the GPU -> 85 dense INT8 -> 42.5 dense FP16 TFLOPS.
+Bandwidths are the data-sheet DRAM figures (68 / 102.4 / 204.8 GB/s).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from zeroedge.errors import UserError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    memory: int            # bytes of DRAM
+    bandwidth: float       # bytes / s
+    cuda_cores: int
+    tensor_cores: int
+    gpu_clock: float       # Hz
+    os_reserve: int        # bytes (assumption: headless JetPack 6 + services)
+
+    @property
+    def fp16_flops(self) -> float:
+        return self.tensor_cores * 512 * self.gpu_clock
+
+    @property
+    def fp32_flops(self) -> float:
+        return self.cuda_cores * 2 * self.gpu_clock
+
+
+TARGETS = {
+    "orin-nano-8gb": Target("orin-nano-8gb", 8 * GiB, 68e9, 1024, 32, 625e6, int(1.5 * GiB)),
+    "orin-nx-16gb": Target("orin-nx-16gb", 16 * GiB, 102.4e9, 1024, 32, 918e6, 2 * GiB),
+    "orin-agx-64gb": Target("orin-agx-64gb", 64 * GiB, 204.8e9, 2048, 64, 1.3e9, 3 * GiB),
+}
+COMPUTE_EFF = 0.4          # fraction of tensor-core peak a TensorRT LLM layer reaches (assumption)
+BANDWIDTH_EFF = 0.7        # fraction of DRAM bandwidth decode streams reach (assumption)
+WORKSPACE = 256 << 20
+RUNTIME = int(0.6 * GiB)
+DTYPES = {"fp16": 2, "fp32": 4}
+
+
+def target(name: str) -> Target:
+    if name not in TARGETS:
+        raise UserError(f"unknown target {name}; known targets: {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def model_numbers(manifest: dict, weight_bytes_fp32: int) -> dict:
+    c = manifest["model"]
+    hd = c["dim"] // c["n_heads"]
+    return {"L": c["n_layers"], "D": c["dim"], "F": c["ffn_dim"], "h": c["n_heads"], "hkv": c["n_kv_heads"],
+            "hd": hd, "V": c["vocab_size"], "params": weight_bytes_fp32 // 4}
+
+
+SCORE_COPIES_HOST = 9     # onnxruntime CPU: live [h, T, T] fp32 tensors at the prefill peak (measured 8.7-10.5)
+SCORE_COPIES_DEVICE = 2   # TensorRT fuses the softmax chain (assumption, not measured here)
+
+
+def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines: int = 2,
+           score_copies: Optional[int] = None) -> dict:
+    b = DTYPES[dtype]
+    if score_copies is None:
+        score_copies = SCORE_COPIES_DEVICE if device else SCORE_COPIES_HOST
+    hot = min(context, window)
+    per_tok_kv = 2 * m["L"] * m["hkv"] * m["hd"]
+    T = context
+    act_prefill = (score_copies * m["h"] * T * T * 4 + per_tok_kv * T * b + 3 * T * m["F"] * b
+                   + 4 * T * m["D"] * b + m["V"] * 4 + m["L"] * T * 4)
+    act_decode = 4 * m["h"] * hot * 4 + per_tok_kv * b + 3 * m["F"] * b + m["V"] * 4
+    out = {"weights": engines * m["params"] * b,
+           "hot_kv": per_tok_kv * hot * b,
+           "compressed_kv": per_tok_kv * max(context - window, 0) * (1 + 2 / 64),
+           "activations": max(act_prefill, act_decode),
+           "workspace": WORKSPACE if device else 0,
+           "runtime": RUNTIME if device else 0}
+    out["model_total"] = out["weights"] + out["hot_kv"] + out["compressed_kv"] + out["activations"]
+    out["total"] = out["model_total"] + out["workspace"] + out["runtime"]
+    return out
+
+
+def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip: float = 0.0) -> dict:
+    b = DTYPES[dtype]
+    peak = t.fp16_flops if dtype == "fp16" else t.fp32_flops
+    L, D, F, h, hd = m["L"], m["D"], m["F"], m["h"], m["hd"]
+    ffn = 3 * D * F * L
+    other = m["params"] - ffn - m["V"] * D            # attention projections (+ SIH, tiny)
+    T = context
+    pf_flops = 2 * T * (ffn * (1 - ffn_skip) + other + 0) + 4 * T * T * h * hd * L + 2 * m["V"] * D
+    pf_bytes = m["params"] * b + 2 * L * m["hkv"] * hd * T * b
+    pf_t = max(pf_flops / (peak * COMPUTE_EFF), pf_bytes / (t.bandwidth * BANDWIDTH_EFF))
+    S = min(context, window)
+    dec_bytes = (ffn + other + m["V"] * D) * b + 2 * L * m["hkv"] * hd * S * b
+    dec_flops = 2 * (ffn + other + m["V"] * D) + 4 * S * h * hd * L
+    dec_t = max(dec_flops / (peak * COMPUTE_EFF), dec_bytes / (t.bandwidth * BANDWIDTH_EFF))
+    return {"prefill_s": pf_t, "prefill_tok_s": T / pf_t,
+            "prefill_bound": "compute" if pf_flops / peak > pf_bytes / t.bandwidth else "bandwidth",
+            "decode_ms": dec_t * 1e3, "decode_tok_s": 1 / dec_t,
+            "decode_bound": "compute" if dec_flops / peak > dec_bytes / t.bandwidth else "bandwidth",
+            "peak_flops": peak, "compute_eff": COMPUTE_EFF, "bandwidth": t.bandwidth,
+            "bandwidth_eff": BANDWIDTH_EFF, "ffn_flops_skipped": ffn_skip}
+
+
+def plan(bundle, target_name: str, context: int, window: Optional[int] = None, dtype: str = "fp16",
+         device: bool = True) -> dict:
+    from zeroedge import bundle as bundle_mod
+
+    t = target(target_name)
+    if context < 1:
+        raise UserError("--context must be >= 1")
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype}; known: {', '.join(DTYPES)}")
+    mf = bundle_mod.verify(Path(bundle))
+    wb = mf["files"].get("weights.bin", {}).get("bytes")
+    if wb is None:
+        raise UserError(f"{bundle}: bundle has no weights.bin")
+    m = model_numbers(mf, wb)
+    window = int(window or mf.get("window", 1024))
+    skip = float((mf.get("calibration") or {}).get("quality", {}).get("ffn_flops_skipped", 0.0) or 0.0)
+    mem = memory(m, context, window, dtype, device)
+    cap = t.memory - t.os_reserve
+    lo, hi = 0, int(mf["model"].get("max_seq_len", 1 << 20))
+    while lo < hi:                                  # largest context that fits
+        mid = (lo + hi + 1) // 2
+        if memory(m, mid, window, dtype, device)["total"] <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return {"target": t.name, "context": context, "window": window, "dtype": dtype,
+            "memory": mem, "available": cap, "device_memory": t.memory, "os_reserve": t.os_reserve,
+            "fits": mem["total"] <= cap, "max_context": lo,
+            "roofline": roofline(m, t, context, window, dtype, skip),
+            "figures": {"fp16_tflops": t.fp16_flops / 1e12, "fp32_tflops": t.fp32_flops / 1e12,
+                        "tensor_cores": t.tensor_cores, "gpu_clock_mhz": t.gpu_clock / 1e6,
+                        "bandwidth_gbs": t.bandwidth / 1e9,
+                        "source": "NVIDIA Jetson Orin module data sheets (GPU config, clocks, DRAM "
+                                  "bandwidth); 512 dense FP16 FLOP/clk per Ampere tensor core"}}

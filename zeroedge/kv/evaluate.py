@@ -83,7 +83,7 @@ def prefill(model, ids, stats: bool = True, chunk: int = 512, window: int = 32):
         tok = torch.tensor([ids])
         cos, sin = model.rope(0, P)
         x = model.embed_tokens(tok)
-        out = {"k": [], "v": [], "h2o": [], "snap": [], "qwin": []}
+        out = {"k": [], "v": [], "h2o": [], "snap": [], "qwin": [], "qcov": []}
         for blk in model.layers:
             a = blk.self_attn
             q, k, v = _qkv(a, blk.input_layernorm(x), cos, sin)
@@ -109,6 +109,8 @@ def prefill(model, ids, stats: bool = True, chunk: int = 512, window: int = 32):
                 o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, P, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
+            qf = q[0].float()
+            out["qcov"].append((qf.transpose(1, 2) @ qf).view(nkv, grp, hd, hd).sum(1) / P)
             out["k"].append(k[0].clone())
             out["v"].append(v[0].clone())
         out["last_logits"] = model.lm_head(model.norm(x[:, -1:]))[0, 0]
@@ -159,41 +161,58 @@ def static_mask(method, layer, pre, budget, P, page_size=16, sinks=4, window=32,
 class Sketch:
     """Per-layer, per-kv-head low-rank quantized key sketch: the summaries that stay on device.
 
-    keys are centred on their mean (a per-query constant shift does not change a softmax ranking),
-    projected onto the top `rank` principal directions of this prefix's keys, and stored as signed
-    `bits`-bit codes with one scale per (page, direction). Bytes: P*rank*bits/8 + pages*rank*2
-    (fp16 scales) + the basis (hd*rank*2) per kv head."""
+    The score to approximate is q.k. Keys are centred on their mean (a per-query constant shift
+    does not change a softmax ranking). With a query covariance Cq (accumulated over the prefill's
+    queries of the kv head's group) the basis is query-aware: whiten the queries, q.k = (Cq^-1/2 q)
+    . (Cq^1/2 k), and keep the top `rank` principal directions of Cq^1/2 k: the rank-r sketch that
+    minimises the expected squared score error over the query distribution. Without Cq it is
+    plain key PCA. Coordinates are stored as signed `bits`-bit codes with one fp16 scale per
+    (page, direction). Bytes per kv head: P*rank*bits/8 + pages*rank*2 + two hd x rank bases."""
 
-    def __init__(self, k, page_size: int, rank: int = 16, bits: int = 4):
+    def __init__(self, k, page_size: int, rank: int = 16, bits: int = 4, qcov=None,
+                 eps: float = 1e-2):
         import torch
 
         nkv, P, hd = k.shape
+        rank = min(rank, hd)
         self.page_size, self.rank, self.bits = page_size, rank, bits
         kf = k.float()
         self.mu = kf.mean(1, keepdim=True)                          # (nkv, 1, hd)
         c = kf - self.mu
-        # principal directions per kv head (hd x hd covariance: cheap)
-        cov = c.transpose(1, 2) @ c
-        evals, evecs = torch.linalg.eigh(cov)                       # ascending
-        self.U = evecs[:, :, -rank:].flip(-1).contiguous()          # (nkv, hd, r)
-        coords = c @ self.U                                         # (nkv, P, r)
+        if qcov is not None:
+            cq = qcov.float() / qcov.float().diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
+            cq = cq + eps * torch.eye(hd)
+            e, V = torch.linalg.eigh(cq)
+            W = V @ torch.diag_embed(e.sqrt()) @ V.transpose(1, 2)       # Cq^1/2
+            Wi = V @ torch.diag_embed(e.rsqrt()) @ V.transpose(1, 2)     # Cq^-1/2
+        else:
+            W = Wi = torch.eye(hd).expand(nkv, hd, hd)
+        cw = c @ W
+        evals, evecs = torch.linalg.eigh(cw.transpose(1, 2) @ cw)   # ascending
+        U = evecs[:, :, -rank:].flip(-1)
+        self.B = (W @ U).contiguous()                               # keys -> coords
+        self.A = (Wi @ U).contiguous()                              # queries -> coords
+        coords = c @ self.B                                         # (nkv, P, r)
         n = P // page_size
         cp = coords.view(nkv, n, page_size, rank)
-        qmax = 2 ** (bits - 1) - 1
-        scale = cp.abs().amax(2, keepdim=True).clamp_min(1e-8) / qmax
-        scale = scale.half().float()
-        codes = torch.round(cp / scale).clamp(-qmax, qmax)
+        if bits == 1:                                               # sign bits, mean-abs scale
+            scale = cp.abs().mean(2, keepdim=True).clamp_min(1e-8).half().float()
+            codes = torch.where(cp >= 0, 1.0, -1.0)
+        else:
+            qmax = 2 ** (bits - 1) - 1
+            scale = cp.abs().amax(2, keepdim=True).clamp_min(1e-8) / qmax
+            scale = scale.half().float()
+            codes = torch.round(cp / scale).clamp(-qmax, qmax)
         self.coords = (codes * scale).view(nkv, P, rank)            # dequantised view
-        self.nbytes_per_head = P * rank * bits / 8 + n * rank * 2 + hd * rank * 2 + hd * 2
+        self.nbytes_per_head = P * rank * bits / 8 + n * rank * 2 + 2 * hd * rank * 2 + hd * 2
 
     def nbytes(self) -> int:
-        return int(self.nbytes_per_head * self.U.shape[0])
+        return int(self.nbytes_per_head * self.A.shape[0])
 
     def scores(self, q, kv_index):
         """Approximate q.k / sqrt(hd) (up to a per-query constant): (H, T, P)."""
         hd = q.shape[-1]
-        Ug = self.U[kv_index]                                       # (H, hd, r)
-        return (q.float() @ Ug) @ self.coords[kv_index].transpose(1, 2) / math.sqrt(hd)
+        return (q.float() @ self.A[kv_index]) @ self.coords[kv_index].transpose(1, 2) / math.sqrt(hd)
 
 
 def page_scores(tok_scores, page_size, grp, how="mass"):
@@ -231,7 +250,7 @@ def topk_page_mask(ps, k, forced, page_size):
 # continuation
 # --------------------------------------------------------------------------------------------
 def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk=256, opts=None,
-                       stats=None):
+                       stats=None, return_logits=False):
     """Teacher-forced pass over the continuation with the method's prefix masks.
     Returns the per-token NLL (tensor, len(ids_cont)) of ids_cont given everything before it."""
     import torch
@@ -281,7 +300,8 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
                     sc = (q[0] @ kall[0, :, :P].transpose(-1, -2)) / math.sqrt(hd)
                     how = opts.get("oracle_how", "max")
                 else:
-                    sk = Sketch(Kp, page_size, opts.get("rank", 16), opts.get("bits", 4))
+                    qcov = pre["qcov"][li] if opts.get("qaware", 1) else None
+                    sk = Sketch(Kp, page_size, opts.get("rank", 16), opts.get("bits", 4), qcov)
                     stats.setdefault("summary_bytes", 0)
                     stats["summary_bytes"] += sk.nbytes()
                     sc = sk.scores(q[0], kv_index)
@@ -307,6 +327,105 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
         logits = model.lm_head(model.norm(x))[0]                          # (T, V)
+        if return_logits:
+            return logits
         # target of prefill's last logits is ids_cont[0]; continuation logits predict the rest
         lg = torch.cat([pre["last_logits"][None], logits[:-1]], 0).float()
         return F.cross_entropy(lg, torch.tensor(ids_cont), reduction="none")
+
+
+# --------------------------------------------------------------------------------------------
+# traffic: how many pages a step must fetch through the fixed slot window
+# --------------------------------------------------------------------------------------------
+def fetch_stats(chosen, slots: int) -> dict:
+    """chosen: per layer (nkv, T, k) page ids read at each step (besides the pinned pages).
+    Replays every (layer, kv head) stream through a SlotWindow of `slots` slots and counts
+    fetches (misses). Returns mean / p99 pages fetched per step per stream and the total."""
+    from zeroedge.kv.pages import SlotWindow
+
+    per_step = []
+    total = 0
+    streams = 0
+    for ch in chosen:
+        nkv, T, k = ch.shape
+        rows = ch.tolist()
+        for h in range(nkv):
+            w = SlotWindow(max(slots, k))
+            streams += 1
+            for t in range(T):
+                _, fetched, _ = w.request(rows[h][t], k)
+                if t:                       # the first step fills the window
+                    per_step.append(len(fetched))
+                    total += len(fetched)
+    per_step.sort()
+    n = max(1, len(per_step))
+    return {"fetch_pages_per_step_mean": total / n,
+            "fetch_pages_per_step_p99": per_step[min(len(per_step) - 1, int(0.99 * n))] if per_step else 0,
+            "streams": streams}
+
+
+# --------------------------------------------------------------------------------------------
+# the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
+# --------------------------------------------------------------------------------------------
+DEFAULTS = {"rank": 16, "bits": 4, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1}
+
+
+def kv_bytes(model, tokens: int) -> int:
+    cfg = model.cfg
+    el = next(model.parameters()).element_size()
+    return 2 * cfg.n_layers * cfg.n_kv_heads * tokens * cfg.head_dim * el
+
+
+def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int = 1024,
+             **opts) -> dict:
+    """Prefill ids[:N-continuation] with full attention, then score the last `continuation`
+    tokens teacher-forced twice: with the full prefix KV and with thermal KV at hot fraction
+    `budget` of the prefix (the continuation's own tokens stay hot). Returns full_kv_ppl,
+    thermal_ppl, hot_kv_bytes (peak prefix KV on device while scoring: hot window of pinned +
+    slot pages, into which retrieved pages are fetched, plus the key summaries), full_kv_bytes
+    and details. Raises UserError for bad arguments before any work."""
+    import time
+
+    import torch
+
+    ids = list(ids)
+    P = validate(len(ids), budget, page_size, continuation)
+    unknown = set(opts) - set(DEFAULTS) - {"with_traffic"}
+    if unknown:
+        raise UserError(f"unknown thermal KV option(s): {', '.join(sorted(unknown))}")
+    o = dict(DEFAULTS, **{k: v for k, v in opts.items() if k in DEFAULTS})
+    if o["bits"] not in (1, 2, 3, 4, 8) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
+        raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4, 8")
+    if model.training:
+        raise UserError("thermal KV is inference-only: call model.eval() first")
+    t0 = time.perf_counter()
+    pre = prefill(model, ids[:P], stats=False)
+    cont = ids[P:]
+    nll_full = score_continuation(model, cont, pre, "full", 1.0, page_size)
+    st = {}
+    nll_th = score_continuation(model, cont, pre, "thermal", float(budget), page_size, opts=o,
+                                stats=st)
+    n_pages = P // page_size
+    pages = max(max(1, _budget_tokens(P, float(budget)) // page_size),
+                o["sink_pages"] + o["recent_pages"])
+    pages = min(pages, n_pages)
+    cfg = model.cfg
+    hot = kv_bytes(model, pages * page_size)
+    full = kv_bytes(model, P)
+    out = {
+        "full_kv_ppl": math.exp(nll_full.mean().item()),
+        "thermal_ppl": math.exp(nll_th.mean().item()),
+        "hot_kv_bytes": hot + st.get("summary_bytes", 0),
+        "full_kv_bytes": full,
+        "hot_page_bytes": hot,
+        "summary_bytes": st.get("summary_bytes", 0),
+        "page_table_bytes": 8 * cfg.n_layers * cfg.n_kv_heads * n_pages,
+        "budget": float(budget), "page_size": page_size, "prefix_tokens": P,
+        "scored_tokens": len(cont), "hot_pages_per_head": pages, "options": o,
+    }
+    out["ppl_rise"] = out["thermal_ppl"] / out["full_kv_ppl"] - 1
+    out["hot_fraction"] = out["hot_kv_bytes"] / full
+    if opts.get("with_traffic", True) and st.get("chosen"):
+        out.update(fetch_stats(st["chosen"], pages - o["sink_pages"] - o["recent_pages"]))
+    out["seconds"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,185 @@
+"""Thermal KV torch parts on the tiny model: the eval contract, peers' masks, sketches, tiers,
+the decode runtimes. Small and fast (a few seconds on 2 cores)."""
+import math
+
+import pytest
+import torch
+
+from zeroedge import model as M
+from zeroedge.errors import UserError
+from zeroedge.kv import evaluate as E
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return M.build("tiny", seed=0)
+
+
+def ids_(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("budget,page,cont,n,msg", [
+    (0, 16, 32, 160, r"\(0, 1\]"), (1.5, 16, 32, 160, r"\(0, 1\]"), (float("nan"), 16, 32, 160, r"\(0, 1\]"),
+    ("x", 16, 32, 160, "number"), (0.1, 24, 32, 160, "does not divide"), (0.1, 0, 32, 160, "positive"),
+    (0.1, 16, 32, 40, "need at least"), (0.1, 16, 0, 160, "continuation")])
+def test_bad_input_is_a_user_error_before_any_work(budget, page, cont, n, msg):
+    with pytest.raises(UserError, match=msg):
+        E.run_eval(None, list(range(n)), budget, page_size=page, continuation=cont)   # None: no work
+
+
+def test_unknown_option_and_training_mode_are_refused(tiny):
+    with pytest.raises(UserError, match="unknown thermal KV option"):
+        E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, colour="red")
+    tiny.train()
+    try:
+        with pytest.raises(UserError, match="inference-only"):
+            E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32)
+    finally:
+        tiny.eval()
+
+
+def test_run_eval_contract_on_tiny_model(tiny):
+    r = E.run_eval(tiny, ids_(288), 0.25, page_size=16, continuation=32, rank=8)
+    for k in ("full_kv_ppl", "thermal_ppl", "hot_kv_bytes", "full_kv_bytes"):
+        assert k in r and r[k] > 0
+    P = 256
+    assert r["full_kv_bytes"] == 2 * 4 * 2 * P * 16 * 4           # layers, kv heads, hd, fp32
+    assert r["hot_page_bytes"] == r["full_kv_bytes"] * 4 // 16     # 4 of 16 pages
+    assert r["hot_kv_bytes"] == r["hot_page_bytes"] + r["summary_bytes"]
+    assert r["fetch_pages_per_step_mean"] >= 0
+    # at budget 1 every page is read: thermal is exactly full attention
+    r1 = E.run_eval(tiny, ids_(288), 1.0, page_size=16, continuation=32)
+    assert r1["thermal_ppl"] == pytest.approx(r1["full_kv_ppl"], rel=1e-5)
+
+
+def test_full_method_matches_the_reference_model(tiny):
+    ids = ids_(96, 1)
+    pre = E.prefill(tiny, ids[:64], stats=True)
+    nll = E.score_continuation(tiny, ids[64:], pre, "full", 1.0, 16)
+    with torch.no_grad():
+        logits = tiny(torch.tensor([ids]))[0]
+    ref = torch.nn.functional.cross_entropy(logits[63:95], torch.tensor(ids[64:96]), reduction="none")
+    assert torch.allclose(nll, ref, atol=1e-4)
+    # the H2O accumulation is a distribution per query: sums to (queries x group) per kv head
+    assert torch.allclose(pre["h2o"][0].sum(-1), torch.full((2,), 64.0 * 2), rtol=1e-4)
+
+
+def test_peer_masks_keep_exactly_the_budget(tiny):
+    pre = E.prefill(tiny, ids_(256, 2), stats=True)
+    for meth in ("streaming", "h2o", "snapkv"):
+        m = E.static_mask(meth, 1, pre, 0.25, 256)
+        assert m.shape == (2, 256) and (m.sum(-1) == 64).all(), meth
+    s = E.static_mask("streaming", 0, pre, 0.25, 256)
+    assert s[:, :4].all() and s[:, -60:].all()
+
+
+def test_sketch_ranks_like_exact_scores_at_full_rank():
+    torch.manual_seed(0)
+    k = torch.randn(2, 128, 16) + torch.tensor([3.0] + [0.0] * 15)     # a large mean offset
+    q = torch.randn(4, 5, 16)
+    kvi = torch.tensor([0, 0, 1, 1])
+    exact = (q @ k[kvi].transpose(1, 2)) / 4
+    sk = E.Sketch(k, 16, rank=16, bits=8)
+    approx = sk.scores(q, kvi)
+    centred = exact - exact.mean(-1, keepdim=True)
+    got = approx - approx.mean(-1, keepdim=True)
+    assert torch.allclose(got, centred, atol=0.05 * centred.abs().max())
+    low = E.Sketch(k, 16, rank=4, bits=4, qcov=torch.eye(16).expand(2, 16, 16))
+    assert low.nbytes() < sk.nbytes() and low.nbytes() < k.numel() * 4 // 8
+
+
+def test_quantize_int8_int4_round_trip():
+    from zeroedge.kv.tiers import dequantize, quantize, quantized_nbytes
+
+    x = torch.randn(3, 8, 64)
+    for bits, tol in ((8, 0.01), (4, 0.2)):
+        q, s = quantize(x, bits, 32)
+        y = dequantize(q, s, bits, 32, torch.float32)
+        err = ((y - x).norm() / x.norm()).item()
+        assert err < tol, (bits, err)
+        assert q.numel() * q.element_size() + s.numel() * 2 == quantized_nbytes(x.numel(), bits, 32)
+
+
+def test_file_store_round_trip_and_refuses_bad_paths(tmp_path):
+    from zeroedge.kv.tiers import FileStore
+
+    fs = FileStore(str(tmp_path / "cold"), 4, (2, 16, 8), torch.float16)
+    page = torch.randn(2, 16, 8).half()
+    fs.write(2, page)
+    assert torch.equal(fs.read(2), page)
+    fs.close()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="cold store"):
+        FileStore(str(blocker / "sub"), 4, (2, 16, 8))
+    with pytest.raises(UserError, match="bytes free"):
+        FileStore(str(tmp_path / "big"), 1 << 40, (2, 16, 8))
+    assert not list((tmp_path / "big").glob("kv-*"))                  # nothing half-written
+
+
+def test_transfer_handler_reports_to_scheduler():
+    from zeroedge.kv.scheduler import BandwidthScheduler
+    from zeroedge.kv.tiers import TransferHandler
+
+    s = BandwidthScheduler(1e9)
+    th = TransferHandler(s, "cpu")
+    a, b = torch.randn(1000), torch.empty(1000)
+    th.copy(b, a, "fetch")
+    th.wait()
+    assert torch.equal(a, b) and s.summary()["fetch"]["bytes"] == 4000
+
+
+def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+    ids = torch.tensor([ids_(80, 3)])
+    P = 64
+    with torch.no_grad():
+        full = tiny(ids)[0]
+    pre = E.prefill(tiny, ids[0, :P].tolist(), stats=False)
+    dense = DenseDecoder(tiny, 80, graph=False)
+    dense.load_prefix(pre["k"], pre["v"])
+    exact = ThermalDecoder(tiny, P, 16, budget=1.0, page_size=8, rank=8, graph=False)
+    exact.load_prefix(pre["k"], pre["v"], pre["qcov"])
+    part = ThermalDecoder(tiny, P, 16, budget=0.5, page_size=8, rank=8, recent_pages=1, fetch=8,
+                          graph=False)
+    part.load_prefix(pre["k"], pre["v"], pre["qcov"])
+    for t in range(P, 80):
+        tok = ids[0, t].item()
+        assert torch.allclose(dense.step(tok, t), full[t], atol=1e-4)
+        assert torch.allclose(exact.step(tok, t), full[t], atol=1e-4)
+        part.step(tok, t)
+    kb = part.device_kv_bytes()
+    assert kb["hot"] == kb["prefix_full"] // 2
+    # with fetch >= slots, one refresh leaves the slot window holding exactly the wanted pages
+    q = torch.randn(tiny.cfg.n_heads, tiny.cfg.head_dim)
+    for li in range(len(tiny.layers)):
+        want = part._select(li, q)
+        part._refresh(li, want)
+        for h in range(part.nkv):
+            assert set(part.slot_page[li, h].tolist()) == set(want[h].tolist())
+            ps = part.page_slot[li, h]
+            assert (ps >= 0).sum() == part.slots
+            assert all(ps[p] == s for s, p in enumerate(part.slot_page[li, h].tolist()))
+        # and the slot contents are those pages' keys
+        K = pre["k"][li].view(part.nkv, part.n, 8, -1)
+        win = part.wk[li, :, part.fix_len:].view(part.nkv, part.slots, 8, -1)
+        for h in range(part.nkv):
+            assert torch.equal(win[h], K[h, part.slot_page[li, h]])
+
+
+def test_int4_sketch_kernel_reference_matches_unpacked_math():
+    from zeroedge.runtime.kernels import pack_int4, sketch_page_lse_ref, unpack_int4
+
+    codes = torch.randint(-7, 8, (2, 32, 8))
+    packed = pack_int4(codes)
+    assert packed.shape == (2, 32, 4) and torch.equal(unpack_int4(packed), codes.to(torch.int16))
+    scales = torch.rand(2, 4, 8).half()
+    qr = torch.randn(2, 3, 8)
+    got = sketch_page_lse_ref(qr, packed, scales, 8)
+    c = codes.float().view(2, 4, 8, 8) * scales.float()[:, :, None]
+    want = torch.einsum("hgr,hnpr->hgnp", qr, c).logsumexp(-1)
+    assert torch.allclose(got, want, atol=1e-5)

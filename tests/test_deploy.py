@@ -343,10 +343,6 @@ def last_json(p):
     return json.loads(p.stdout)
 
 
-def health_port(p):
-    return p
-
-
 @pytest.fixture(scope="module")
 def jetson_a(lab):
     return lab.device("jetson-a")
@@ -505,7 +501,7 @@ def test_fleet_parallel_and_refusals(lab, tmp_path):
     p = deploy(lab, lab.bundle, "--hosts", mixed, "--config", lab.config)
     assert p.returncode == 2, p.stderr
     assert "deploy: 0/3 hosts ok" in p.stdout and "fleet-pc: not a Jetson" in p.stderr
-    assert "another host failed preflight" in p.stdout
+    assert "fleet-a: not deployed, nothing changed (another host failed preflight)" in p.stdout
     assert (a.tree(), b.tree(), pc.tree()) == (ta, tb, tc)
     assert a.calls() == b.calls() == []
     # both good devices in parallel

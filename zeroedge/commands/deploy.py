@@ -37,6 +37,8 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
 
     def lines(r):
         if not r.ok:
+            if r.phase == "not-run":
+                return [f"{r.name}: not deployed, nothing changed ({r.error.split(': ', 1)[-1]})"]
             return [f"{r.name}: FAILED ({r.phase}): {r.error}"]
         out = [f"{r.name}: preflight ok: {runner._describe(r.facts)}"]
         out += [f"{r.name}: note: {n}" for n in r.notes]

@@ -60,7 +60,8 @@ def finish(results, as_json: bool, verb: str, fleet: bool, lines_for, extra=None
         click.echo(f"{verb}: {n_ok}/{len(results)} hosts ok" + (f", {len(failed)} failed: "
                                                                 + ", ".join(r.name for r in failed) if failed else ""))
         for r in failed:
-            click.echo(f"  {r.name}: {r.error}", err=True)
+            if r.phase != "not-run":
+                click.echo(f"{r.name}: {r.error}", err=True)
     sys.exit(code)
 
 

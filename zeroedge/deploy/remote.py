@@ -49,7 +49,7 @@ class Device:
         self.root = device_root()
         self.base = under(self.root, p.get("base", "/opt/zeroedge"))
         self.objects = os.path.join(self.base, "objects")
-        self.incoming = os.path.join(self.base, ".incoming")
+        self.incoming = p.get("incoming") or os.path.join(self.base, ".incoming")
         self.releases = os.path.join(self.base, "releases")
         self.current = os.path.join(self.base, "current")
         self.unit_dir = under(self.root, "/etc/systemd/system")

@@ -149,6 +149,10 @@ class Deployer:
     async def apply(self, t: Target, r: HostResult, progress):
         conn, rel, missing, v = (r.extra.pop(k) for k in ("_conn", "_rel", "_missing", "_verdict"))
         base = r.facts["base"]
+        # uploads land in the store's .incoming/ when this login may write there, else (--sudo as a
+        # plain user) in /tmp, from where the agent (root via sudo) verifies and moves them
+        incoming = f"{base}/.incoming" if r.facts.get("uid") == 0 or (r.facts.get("disk") or {}).get("writable") \
+            else f"/tmp/zeroedge-incoming-{r.facts.get('uid')}"
         r.phase = "upload"
         t0 = time.perf_counter()
         if missing:
@@ -158,13 +162,13 @@ class Deployer:
                 if progress:
                     progress.advance(task, n)
 
-            r.bytes_uploaded = await upload(conn, t, missing, f"{base}/.incoming", adv)
+            r.bytes_uploaded = await upload(conn, t, missing, incoming, adv)
             r.files_uploaded = len(missing)
         _tick(r, "upload_s", t0)
         t0 = time.perf_counter()
         r.phase = "activate"
         steps = v.steps
-        res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], release_id=rel.id, files=rel.files_payload(),
+        res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], incoming=incoming, release_id=rel.id, files=rel.files_payload(),
                               unit=rel.unit, python=r.facts["python"]["executable"],
                               metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,
                               build={"backend": v.backend, "steps": steps})

@@ -1,0 +1,77 @@
+"""The plugin kernels on a CUDA GPU against the PyTorch reference (every shape in
+kernels_ctypes.SIH_CASES / PAD_CASES, fresh random inputs, outputs poisoned first).
+Skips without a CUDA GPU, PyTorch with CUDA, or nvcc. Timings: run_kernels_h200.py.
+
+    python -m pytest -q device_tests/test_kernels_gpu.py
+"""
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernels_ctypes as kc  # noqa: E402  (light: ctypes and subprocess only)
+
+
+def _skip_reason():
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to PyTorch"
+    if shutil.which("nvcc") is None:
+        return "nvcc not on PATH (the kernels are compiled for this GPU)"
+    return None
+
+
+REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    so = kc.build(tmp_path_factory.mktemp("zk"), f"sm_{major}{minor}")
+    return kc.Kernels(so)
+
+
+def test_abi(kernels):
+    from zeroedge import plugin_spec
+
+    assert kernels.lib.ze_kernels_abi() == plugin_spec.PLUGIN_ABI
+
+
+@pytest.mark.parametrize("case", range(len(kc.SIH_CASES)))
+def test_sih(kernels, case):
+    import torch
+
+    T, D, W, R, dt, bs, var = kc.SIH_CASES[case]
+    kc.check_sih(kernels, T, D, W, R, getattr(torch, dt), block_size=bs, variant=var, seed=1000 + case,
+                 quantile=0.75 if bs else 0.5)
+
+
+@pytest.mark.parametrize("case", range(len(kc.PAD_CASES)))
+def test_gather_scatter(kernels, case):
+    import torch
+
+    T, D, dt, frac = kc.PAD_CASES[case]
+    kc.check_gather_scatter(kernels, T, D, getattr(torch, dt), frac, seed=2000 + case)
+
+
+def test_bad_arguments_are_refused(kernels):
+    """Unsupported sizes come back as an error code with a message, nothing launched."""
+    import ctypes
+
+    import torch
+
+    x = torch.randn(40, 100, device="cuda")  # D = 100: not a multiple of 8
+    keep = torch.zeros(40, dtype=torch.int32, device="cuda")
+    rc = kernels.lib.ze_pad_gather(kc.F32, x.data_ptr(), keep.data_ptr(), 40, 100, x.data_ptr(), keep.data_ptr(),
+                                   keep.data_ptr(), None, 0, ctypes.c_void_p(0))
+    assert rc == -3 and b"multiple of 8" in kernels.lib.ze_strerror(rc)
+    assert kernels.lib.ze_pad_gather(7, x.data_ptr(), keep.data_ptr(), 40, 96, None, None, keep.data_ptr(),
+                                     None, 0, ctypes.c_void_p(0)) == -2

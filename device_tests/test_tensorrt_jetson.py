@@ -1,0 +1,138 @@
+"""On a Jetson (JetPack 6.1 / 6.2, TensorRT 10.3): build the plugin library with scripts/build_plugins,
+build fp16 engines from a bundle's *.trt.onnx (plugin serialized into the engine), and compare the
+TensorRT engines with the portable graph in onnxruntime on the same tokens: prefill logits and a
+teacher-forced decode. Skips elsewhere and says why.
+
+    python -m pytest -q device_tests/test_tensorrt_jetson.py
+    ZEROEDGE_TEST_BUNDLE=/path/to/bundle python -m pytest -q device_tests/test_tensorrt_jetson.py
+
+Without ZEROEDGE_TEST_BUNDLE the test exports the tiny preset with a random calibration (SIH on
+every layer, a block rule on one), which needs torch and onnx on the device.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 3e-2  # fp16 engine against the fp32 portable graph
+
+
+def _skip_reason():
+    if not Path("/etc/nv_tegra_release").is_file():
+        return "not a Jetson (no /etc/nv_tegra_release): this test runs on JetPack 6.1 / 6.2"
+    from zeroedge.backends import tensorrt as be
+    from zeroedge.errors import UserError
+
+    try:
+        be.import_tensorrt()
+        be.import_cudart()
+    except UserError as e:
+        return str(e)
+    nvcc = shutil.which("nvcc") or next((c for c in ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-12.6/bin/nvcc")
+                                         if os.path.exists(c)), None)
+    if not nvcc or not shutil.which("cmake"):
+        return "nvcc or cmake missing: sudo apt install nvidia-jetpack cmake"
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed (pip install 'zeroedge[jetson]')"
+    if not os.environ.get("ZEROEDGE_TEST_BUNDLE"):
+        try:
+            import onnx  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError:
+            return "set ZEROEDGE_TEST_BUNDLE to an exported bundle (exporting one here needs torch and onnx)"
+    return None
+
+
+REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+
+
+@pytest.fixture(scope="module")
+def plugin_lib(tmp_path_factory):
+    build = tmp_path_factory.mktemp("plugins")
+    r = subprocess.run([str(REPO / "scripts" / "build_plugins"), "--build-dir", str(build), "--arch", "87", "--test"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "harness:" in r.stdout and "checks passed" in r.stdout
+    return build / "libzeroedge_plugins.so"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    if os.environ.get("ZEROEDGE_TEST_BUNDLE"):
+        return Path(os.environ["ZEROEDGE_TEST_BUNDLE"])
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_export import make_calib
+
+    from zeroedge.export.bundle_writer import export_bundle
+
+    d = tmp_path_factory.mktemp("bundle")
+    make_calib(d / "calib", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8})
+    export_bundle("tiny", d / "bundle", calib=d / "calib", window=64)
+    return d / "bundle"
+
+
+@pytest.fixture(scope="module")
+def engines(bundle, plugin_lib, tmp_path_factory):
+    from zeroedge.backends.tensorrt import build_bundle_engines
+
+    out = tmp_path_factory.mktemp("engines")
+    meta = build_bundle_engines(bundle, plugin_lib, out, max_tokens=256)
+    assert set(meta["engines"]) == {"prefill", "decode"}
+    assert (out / "timing.cache").stat().st_size > 0
+    return out
+
+
+def rel(a, b):
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def test_engine_matches_portable_graph(bundle, engines, plugin_lib):
+    import numpy as np
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.backends.tensorrt import TrtRunner
+
+    rng = np.random.default_rng(0)
+    vocab = OrtRunner(bundle, slots=64).vocab
+    tokens = rng.integers(0, vocab, size=48)  # >= min_tokens: SIH and PAD are active in prefill
+    with OrtRunner(bundle, slots=64) as o, TrtRunner(bundle, engines, plugin_lib, slots=64) as t:
+        lo, lt = o.prefill(tokens), t.prefill(tokens)
+        errs, agree = [rel(lt, lo)], [int(lo.argmax() == lt.argmax())]
+        for _ in range(8):  # teacher-forced: both get the portable graph's greedy token
+            tok = int(lo.argmax())
+            lo, lt = o.step(tok), t.step(tok)
+            errs.append(rel(lt, lo))
+            agree.append(int(lo.argmax() == lt.argmax()))
+    assert max(errs) <= TOL, errs
+    assert sum(agree) >= len(agree) - 1, agree
+
+
+def test_plugin_library_is_embedded(bundle, engines, plugin_lib):
+    """The engine carries the plugin library: a fresh process that never loads the .so runs it."""
+    code = ("import sys, numpy as np; from zeroedge.backends.tensorrt import TrtSession; "
+            "s = TrtSession(sys.argv[1], plugin_lib=None); "
+            "out = s.run(None, {'tokens': np.arange(40, dtype=np.int64)[None] % 200}); "
+            "print('ok', out[0].shape); s.close()")
+    r = subprocess.run([sys.executable, "-c", code, str(engines / "prefill.engine")], capture_output=True, text=True,
+                       cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_wrong_plugin_library_is_refused(bundle, tmp_path):
+    from zeroedge.backends.tensorrt import build_bundle_engines
+    from zeroedge.errors import UserError
+
+    fake = tmp_path / "libnot_a_plugin.so"
+    fake.write_bytes(b"\x7fELF not really")
+    with pytest.raises(UserError, match="plugin library"):
+        build_bundle_engines(bundle, fake, tmp_path / "out")

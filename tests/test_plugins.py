@@ -1,0 +1,303 @@
+"""Plugins on a CPU machine: the kernels compile for sm_87 and sm_90 (skips without nvcc), the
+TensorRT-free field/shape rules pass their host test and match zeroedge.plugin_spec, the glue links
+without libnvinfer and passes the host harness (skips with instructions without the TensorRT 10.3
+headers in third_party/), the PyTorch reference agrees with the mechanisms, and the TensorRT
+backend fails cleanly where TensorRT is missing."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGINS = REPO / "plugins"
+TRT_INCLUDE = REPO / "third_party" / "TensorRT" / "include"
+GET_HEADERS = ("TensorRT headers not found in third_party/TensorRT/include; get them with: "
+               "git clone --depth 1 -b v10.3.0 https://github.com/NVIDIA/TensorRT /tmp/trt && "
+               "mkdir -p third_party/TensorRT && cp -r /tmp/trt/include third_party/TensorRT/ (git-ignored)")
+
+
+def _nvcc():
+    for c in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def _cxx():
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _cuda_root(nvcc):
+    """The toolkit folder holding include/cuda_runtime_api.h (nvcc may be a wrapper script)."""
+    for c in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), Path(nvcc).resolve().parents[1],
+              "/usr/local/cuda", "/usr/local/cuda-12.6"):
+        if c and (Path(c) / "include" / "cuda_runtime_api.h").is_file():
+            return Path(c)
+    pytest.skip(f"CUDA headers not found next to {nvcc} (set CUDA_HOME)")
+
+
+def run(cmd, **kw):
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plugins_build")
+
+
+@pytest.fixture(scope="module")
+def kernels_obj(build_dir):
+    """kernels.cu compiled once for sm_87 and sm_90 (position-independent, hidden visibility)."""
+    nvcc = _nvcc()
+    if not nvcc:
+        pytest.skip("nvcc not found (install the CUDA toolkit or set CUDACXX): the kernels are not compiled")
+    obj = build_dir / "kernels.o"
+    r = run([nvcc, "-std=c++17", "-O3", "-gencode", "arch=compute_87,code=sm_87", "-gencode",
+             "arch=compute_90,code=sm_90", "-Xptxas", "-v", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+             "-I", PLUGINS / "include", "-c", PLUGINS / "src" / "kernels.cu", "-o", obj])
+    assert r.returncode == 0, r.stderr[-4000:]
+    return obj, r.stderr
+
+
+@pytest.fixture(scope="module")
+def test_fields_bin(build_dir):
+    cxx = _cxx()
+    if not cxx:
+        pytest.skip("no C++ compiler (g++)")
+    exe = build_dir / "test_fields"
+    r = run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", PLUGINS / "include",
+             PLUGINS / "src" / "fields.cpp", PLUGINS / "tests" / "test_fields.cpp", "-o", exe])
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+def test_kernels_and_rules_use_no_tensorrt_headers():
+    for p in ("src/kernels.cu", "include/zeroedge_kernels.h", "src/fields.cpp", "include/zeroedge_fields.h",
+              "tests/test_fields.cpp"):
+        assert "NvInfer" not in (PLUGINS / p).read_text(), p
+
+
+def test_kernels_compile_for_sm87_and_sm90(kernels_obj):
+    obj, log = kernels_obj
+    assert obj.stat().st_size > 0
+    for arch in ("sm_87", "sm_90"):
+        assert f"sih_proj_wmma" in log and f"for '{arch}'" in log, arch
+    # the kernels the plugins launch are all there, for both architectures
+    for k in ("sih_prep", "sih_proj_generic", "sih_decide", "sih_base", "pad_scan", "pad_gather_rows",
+              "pad_inverse", "pad_merge_rows"):
+        assert log.count(k) >= 2, k
+
+
+def test_field_rules_host_test(test_fields_bin):
+    r = run([test_fields_bin])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "checks passed" in r.stdout
+
+
+def test_cpp_contract_matches_plugin_spec(test_fields_bin):
+    """Names, input/output counts, field types and defaults, ABI: the C++ side and plugin_spec agree."""
+    from zeroedge import plugin_spec
+
+    r = run([test_fields_bin, "--spec-json"])
+    spec = json.loads(r.stdout)
+    assert spec["abi"] == plugin_spec.PLUGIN_ABI
+    assert spec["namespace"] == plugin_spec.PLUGIN_NAMESPACE and spec["version"] == plugin_spec.PLUGIN_VERSION
+    assert set(spec["nodes"]) == set(plugin_spec.NODES)
+    for op, node in plugin_spec.NODES.items():
+        c = spec["nodes"][op]
+        assert c["inputs"] == len(node["inputs"]) and c["outputs"] == len(node["outputs"]), op
+        assert list(c["fields"]) == list(node["fields"]), op
+        for name, (kind, default) in node["fields"].items():
+            ckind, cdefault = c["fields"][name]
+            assert ckind == kind, (op, name)
+            if default is None:
+                assert cdefault is None, (op, name)
+            else:
+                assert cdefault == pytest.approx(default, rel=1e-6), (op, name)
+
+
+def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, build_dir):
+    if not (TRT_INCLUDE / "NvInferRuntime.h").is_file():
+        pytest.skip(GET_HEADERS)
+    cxx, nvcc = _cxx(), _nvcc()
+    cuda = _cuda_root(nvcc)
+    inc = ["-I", PLUGINS / "include", "-isystem", TRT_INCLUDE, "-isystem", cuda / "include"]
+    lib = build_dir / "libzeroedge_plugins.so"
+    r = run([cxx, "-std=c++17", "-O1", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror", "-shared", *inc,
+             PLUGINS / "src" / "plugin.cpp", PLUGINS / "src" / "fields.cpp", kernels_obj[0], "-o", lib,
+             f"-Wl,--version-script={PLUGINS / 'exports.map'}", "-Wl,--no-undefined",
+             "-L", cuda / "lib64", "-L", cuda / "lib64" / "stubs", "-lcudart_static", "-ldl", "-lpthread", "-lrt"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    syms = run(["nm", "-D", "--defined-only", lib]).stdout.split("\n")
+    exported = sorted(line.split()[-1] for line in syms if line.strip() and line.split()[-2] in ("T", "W", "D"))
+    assert exported == ["getCreators", "setLoggerFinder"], exported
+    needed = run(["readelf", "-d", lib]).stdout
+    assert "libnvinfer" not in needed
+    harness = build_dir / "zeroedge_harness"
+    r = run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", *inc, PLUGINS / "harness" / "harness.cpp", "-o", harness,
+             "-L", cuda / "lib64", "-lcudart_static", "-ldl", "-lpthread", "-lrt"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run([harness, lib])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "harness:" in r.stdout and "checks passed" in r.stdout
+    assert "count 0-D size tensor" in r.stdout and "round-trip" in r.stdout
+
+
+def test_build_plugins_refuses_tensorrt_8(tmp_path):
+    (tmp_path / "NvInferRuntime.h").write_text("// stand-in\n")
+    (tmp_path / "NvInferVersion.h").write_text("#define NV_TENSORRT_MAJOR 8 //!< major\n")
+    r = run([REPO / "scripts" / "build_plugins", "--build-dir", tmp_path / "b", "--trt-include", tmp_path])
+    assert r.returncode == 2
+    if _nvcc():
+        assert "no IPluginV3" in r.stderr and "JetPack 6.1" in r.stderr
+    else:
+        assert "nvcc not found" in r.stderr
+    assert not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------------ the PyTorch reference
+
+def test_reference_keep_matches_mechanisms():
+    torch = pytest.importorskip("torch")
+    sih = pytest.importorskip("zeroedge.mechanisms.sih")
+    from zeroedge.backends import plugin_reference as ref
+
+    g = torch.Generator().manual_seed(0)
+    for T in (5, 31, 32, 33, 100, 777):
+        for bs in (0, 8, 64):
+            s = torch.rand(T, generator=g)
+            thr = float(s.median())
+            f = ref.sih_fields(threshold=thr, block_size=bs, protect_last=2)
+            mine = ref.sih_keep(s, **f)
+            if T < f["min_tokens"]:
+                assert bool(mine.all())
+                continue
+            theirs = sih.keep_mask(sih.smooth(s[None], (f["ma_w0"], f["ma_w1"], f["ma_w2"])), thr, f["protect_first"],
+                                   f["protect_last"], bs, f["block_frac"])[0]
+            assert torch.equal(mine.bool(), theirs), (T, bs)
+            assert 0 < int(mine.sum()) < T or bs == 64
+
+
+def test_reference_scores_match_sih_head_and_anchor():
+    torch = pytest.importorskip("torch")
+    sih = pytest.importorskip("zeroedge.mechanisms.sih")
+    anchors = pytest.importorskip("zeroedge.mechanisms.anchors")
+    from zeroedge.backends import plugin_reference as ref
+
+    torch.manual_seed(0)
+    D, W, R, T = 64, 6, 4, 50
+    head = sih.SIHHead(D, W)
+    st = head.state("h")
+    x = torch.randn(T, D)
+    s = ref.sih_scores(x, *(st[f"h.{k}"] for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
+    with torch.no_grad():
+        assert torch.allclose(s, head(x), atol=1e-6)
+    a = anchors.Anchor(torch.randn(R, D), torch.randn(D, R), torch.randn(D))
+    keep = (torch.rand(T) < 0.5).int()
+    base = ref.sih_base(x, keep, a.a, a.b, a.c, R)
+    with torch.no_grad():
+        want = torch.where(keep.bool()[:, None], torch.zeros(T, D), a(x))
+    assert torch.allclose(base, want, atol=1e-5)
+    assert torch.equal(ref.sih_base(x, keep, a.a, a.b, a.c, 0), torch.zeros(T, D))
+
+
+def test_reference_compaction_is_the_masked_ffn():
+    torch = pytest.importorskip("torch")
+    from zeroedge.backends import plugin_reference as ref
+
+    torch.manual_seed(1)
+    T, D = 40, 16
+    x, base = torch.randn(T, D), torch.randn(T, D)
+    keep = (torch.rand(T) < 0.4).int()
+    w = torch.randn(D, D)
+    xs, idx, cnt = ref.pad_gather(x, keep)
+    assert int(cnt) == int(keep.sum()) == xs.shape[0] == idx.numel() and idx.dtype == torch.int32
+    assert bool((idx[1:] > idx[:-1]).all())
+    out = ref.pad_scatter(base, xs @ w, idx)
+    assert torch.allclose(out, torch.where(keep.bool()[:, None], x @ w, base), atol=1e-5)
+
+
+def test_reference_fields_validation():
+    from zeroedge.backends import plugin_reference as ref
+
+    with pytest.raises(TypeError, match="threshold"):
+        ref.sih_fields()
+    with pytest.raises(TypeError, match="unknown"):
+        ref.sih_fields(threshold=0.5, nope=1)
+
+
+# ------------------------------------------------------------------------ the TensorRT backend
+
+def test_tensorrt_backend_imports_light():
+    r = run([sys.executable, "-c", "import sys, zeroedge.backends.tensorrt as t; "
+             "print(sorted(m for m in ('torch', 'tensorrt', 'onnxruntime', 'cuda', 'numpy') if m in sys.modules))"],
+            cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_profile_shapes_and_plan():
+    from zeroedge.backends import tensorrt as t
+
+    p = t.profile_shapes([("tokens", (-1, -1)), ("pos", (-1,)), ("slot_pos", (-1, -1)),
+                          ("past_k.0", (-1, 2, -1, 16)), ("fixed", (1, 4))], max_tokens=4096, window=64)
+    assert p["tokens"] == ((1, 1), (1, 512), (1, 4096))
+    assert p["pos"] == ((1,), (1,), (1,))
+    assert p["slot_pos"] == ((1, 64), (1, 64), (1, 64))
+    assert p["past_k.0"] == ((1, 2, 64, 16),) * 3
+    assert "fixed" not in p
+    assert t.workspace_from_plan({}) == t.DEFAULT_WORKSPACE
+    assert t.workspace_from_plan({"plan": {"memory": {"workspace": 123456}}}) == 123456
+    assert t.workspace_from_plan({"plan": {"workspace_mb": 64}}) == 64 << 20
+    assert t.max_tokens_from_plan({"plan": {"context": 8192}}) == 8192
+    assert t.max_tokens_from_plan({"window": 1024}) == 2048
+
+
+@pytest.fixture
+def fake_bundle(tmp_path):
+    from zeroedge import bundle, plugin_spec
+
+    b = tmp_path / "bundle"
+    b.mkdir()
+    (b / "prefill.trt.onnx").write_bytes(b"not parsed before TensorRT is found")
+    bundle.write_manifest(b, {"plugin_abi": plugin_spec.PLUGIN_ABI, "window": 64,
+                              "model": {"n_layers": 1, "n_kv_heads": 1, "dim": 8, "n_heads": 1, "vocab_size": 10}})
+    return b
+
+
+def test_tensorrt_missing_is_one_line_and_exit_2(fake_bundle, tmp_path):
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    r = run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build", "--bundle", fake_bundle, "--plugins",
+             tmp_path / "lib.so", "--out", tmp_path / "out"], cwd=REPO)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "python3-libnvinfer" in lines[0] and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+    from zeroedge.backends.tensorrt import TensorRTMissing, TrtSession
+    from zeroedge.errors import UserError
+
+    with pytest.raises(TensorRTMissing) as e:
+        TrtSession(tmp_path / "x.engine")
+    assert isinstance(e.value, UserError) and e.value.exit_code == 2
+
+
+def test_bundle_for_another_plugin_abi_is_refused(fake_bundle, tmp_path):
+    from zeroedge import bundle
+    from zeroedge.backends.tensorrt import build_bundle_engines
+    from zeroedge.errors import UserError
+
+    m = json.loads((fake_bundle / "manifest.json").read_text())
+    m.pop("files")
+    m["plugin_abi"] = 99
+    bundle.write_manifest(fake_bundle, {k: v for k, v in m.items() if k not in ("format", "format_version",
+                                                                              "zeroedge_version")})
+    with pytest.raises(UserError, match="plugin ABI 99"):
+        build_bundle_engines(fake_bundle, tmp_path / "lib.so", tmp_path / "out")

@@ -1,0 +1,403 @@
+"""TensorRT backend: build engines from a bundle's *.trt.onnx with the zeroedge plugin library, and
+run prefill and decode with cuda-python (`cuda.bindings`). For a Jetson with JetPack 6.1 / 6.2
+(TensorRT 10.3); nothing here imports tensorrt or cuda until it is used.
+
+    python -m zeroedge.backends.tensorrt build --bundle B --plugins libzeroedge_plugins.so --out DIR
+    python -m zeroedge.backends.tensorrt generate --bundle B --engines DIR --plugins LIB --tokens "1 2 3"
+
+    with TrtRunner("bundle/", "build/", "build/plugins/libzeroedge_plugins.so") as r:
+        logits = r.prefill(tokens)      # same interface and window bookkeeping as OrtRunner
+        ids = r.generate(tokens, 32)
+
+Build stages follow Polygraphy's loaders: `EngineFromOnnx(...)()` returns the serialized engine.
+fp16, the workspace from the bundle's plan (else 256 MiB, the planner's assumption), a timing cache
+kept beside the engines, one optimisation profile per graph (token length 1..max_tokens, every other
+dynamic dimension fixed at the bundle's KV window), and the plugin library serialized into the
+engine (version-compatible plan with the lean runtime excluded; `serialize_plugins=False` instead
+loads the library at run time). Where TensorRT or cuda-python is missing, TensorRTMissing (a
+UserError, exit code 2) says in one line how to get it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+from zeroedge.backends.onnxruntime import OrtRunner  # light: imports onnxruntime only when used
+from zeroedge.errors import MissingDependency, UserError
+
+GRAPHS = ("prefill", "decode")
+DEFAULT_WORKSPACE = 256 << 20
+PLUGIN_NODES = ("ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter")
+HOW_TO_GET_TRT = ("TensorRT's Python bindings are not installed: on a Jetson use JetPack 6.1 / 6.2 and run "
+                  "`sudo apt install python3-libnvinfer` (TensorRT 10.3); elsewhere this backend is not "
+                  "available, use the portable onnxruntime backend")
+HOW_TO_GET_CUDA = "cuda-python is not installed: pip install 'cuda-python>=12.2,<13' (or pip install 'zeroedge[jetson]')"
+
+
+class TensorRTMissing(MissingDependency):
+    """TensorRT (or cuda-python) is not installed; exit code 2 with the line that says how to get it."""
+
+
+def import_tensorrt():
+    try:
+        import tensorrt as trt  # noqa: F401
+    except ImportError:
+        raise TensorRTMissing(HOW_TO_GET_TRT) from None
+    major = int(str(trt.__version__).split(".")[0])
+    if major < 10:
+        raise UserError(f"TensorRT {trt.__version__} has no IPluginV3 (JetPack 6.0 ships TensorRT 8.6); "
+                        "use JetPack 6.1 / 6.2 (TensorRT 10.3)")
+    return trt
+
+
+def import_cudart():
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python 12.2 - 12.5
+        except ImportError:
+            raise TensorRTMissing(HOW_TO_GET_CUDA) from None
+    return cudart
+
+
+def _check(cudart, result, what: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        name = cudart.cudaGetErrorString(err)[1] if hasattr(cudart, "cudaGetErrorString") else err
+        raise RuntimeError(f"{what} failed: {name}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _write_atomic(path: Path, data: bytes):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------ planning
+
+def workspace_from_plan(manifest: dict) -> int:
+    """Workspace bytes from the bundle's plan (keys workspace / workspace_bytes / workspace_mb, at the
+    top level or under "memory"), else DEFAULT_WORKSPACE."""
+    plan = manifest.get("plan") if isinstance(manifest.get("plan"), dict) else {}
+    for scope in (plan, plan.get("memory") if isinstance(plan.get("memory"), dict) else {}):
+        for key, scale in (("workspace_bytes", 1), ("workspace", 1), ("workspace_mb", 1 << 20)):
+            v = scope.get(key)
+            if isinstance(v, (int, float)) and v > 0:
+                return int(v * scale)
+    return DEFAULT_WORKSPACE
+
+
+def max_tokens_from_plan(manifest: dict) -> int:
+    plan = manifest.get("plan") if isinstance(manifest.get("plan"), dict) else {}
+    for key in ("max_tokens", "context"):
+        if isinstance(plan.get(key), int) and plan[key] > 0:
+            return int(plan[key])
+    return max(int(manifest.get("window") or 0), 2048)
+
+
+def profile_shapes(inputs: Sequence[Tuple[str, Sequence[int]]], max_tokens: int, window: int,
+                   overrides: Optional[Dict[str, Tuple]] = None) -> Dict[str, Tuple[Tuple, Tuple, Tuple]]:
+    """min / opt / max per network input with a dynamic (-1) dimension: the token dimension of
+    `tokens` spans 1..max_tokens (opt: min(512, max)); any other dynamic dimension is the KV window."""
+    out = {}
+    for name, shape in inputs:
+        if overrides and name in overrides:
+            out[name] = tuple(tuple(int(v) for v in s) for s in overrides[name])
+            continue
+        if all(int(d) >= 0 for d in shape):
+            continue
+        lo, opt, hi = [], [], []
+        for i, d in enumerate(shape):
+            d = int(d)
+            if d >= 0:
+                lo.append(d), opt.append(d), hi.append(d)
+            elif name == "tokens" and i == len(shape) - 1:
+                lo.append(1), opt.append(min(512, max_tokens)), hi.append(max_tokens)
+            elif i == 0:
+                lo.append(1), opt.append(1), hi.append(1)          # batch
+            else:
+                lo.append(window), opt.append(window), hi.append(window)
+        out[name] = (tuple(lo), tuple(opt), tuple(hi))
+    return out
+
+
+# ------------------------------------------------------------------------------------ build
+
+class EngineFromOnnx:
+    """Serialized TensorRT engine (bytes) from a *.trt.onnx file and the plugin library."""
+
+    def __init__(self, onnx_path, plugin_lib, *, workspace_bytes: int = DEFAULT_WORKSPACE,
+                 timing_cache: Optional[Path] = None, max_tokens: int = 2048, window: int = 1024,
+                 shapes: Optional[Dict[str, Tuple]] = None, fp16: bool = True, serialize_plugins: bool = True,
+                 log: Callable[[str], None] = print):
+        self.onnx_path, self.plugin_lib = Path(onnx_path), Path(plugin_lib).resolve()
+        self.workspace_bytes, self.timing_cache = int(workspace_bytes), timing_cache
+        self.max_tokens, self.window, self.shapes = int(max_tokens), int(window), shapes
+        self.fp16, self.serialize_plugins, self.log = fp16, serialize_plugins, log
+        self.profiles: dict = {}
+
+    def __call__(self) -> bytes:
+        return self.call_impl()
+
+    def call_impl(self) -> bytes:
+        trt = import_tensorrt()
+        if not self.onnx_path.is_file():
+            raise UserError(f"graph not found: {self.onnx_path}")
+        if not self.plugin_lib.is_file():
+            raise UserError(f"plugin library not found: {self.plugin_lib} (build it with scripts/build_plugins)")
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        registry = builder.get_plugin_registry()
+        if registry.load_library(str(self.plugin_lib)) is None:
+            raise UserError(f"TensorRT could not load the plugin library {self.plugin_lib} (see the log above)")
+        missing = [n for n in PLUGIN_NODES if registry.get_creator(n, "1", "zeroedge") is None]
+        if missing:
+            raise UserError(f"{self.plugin_lib} does not provide {', '.join(missing)} (rebuild the plugins)")
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(str(self.onnx_path)):
+            errs = "; ".join(str(parser.get_error(i)) for i in range(min(parser.num_errors, 3)))
+            raise UserError(f"TensorRT's ONNX parser rejected {self.onnx_path.name}: {errs[:600]}")
+        config = builder.create_builder_config()
+        if self.fp16:
+            config.set_flag(trt.BuilderFlag.FP16)
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
+        blob = self.timing_cache.read_bytes() if self.timing_cache and self.timing_cache.is_file() else b""
+        cache = config.create_timing_cache(blob)
+        config.set_timing_cache(cache, ignore_mismatch=False)
+        if self.serialize_plugins:
+            config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+            config.set_flag(trt.BuilderFlag.EXCLUDE_LEAN_RUNTIME)
+            config.plugins_to_serialize = [str(self.plugin_lib)]
+        inputs = [(network.get_input(i).name, tuple(network.get_input(i).shape)) for i in range(network.num_inputs)]
+        self.profiles = profile_shapes(inputs, self.max_tokens, self.window, self.shapes)
+        if self.profiles:
+            profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in self.profiles.items():
+                profile.set_shape(name, lo, opt, hi)
+            config.add_optimization_profile(profile)
+        t0 = time.perf_counter()
+        engine = builder.build_serialized_network(network, config)
+        if engine is None:
+            raise UserError(f"TensorRT could not build an engine from {self.onnx_path.name} (see the log above)")
+        self.log(f"[tensorrt] built {self.onnx_path.name} in {time.perf_counter() - t0:.1f} s")
+        if self.timing_cache:
+            _write_atomic(Path(self.timing_cache), bytes(config.get_timing_cache().serialize()))
+        return bytes(engine)
+
+
+def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] = None,
+                         workspace_bytes: Optional[int] = None, serialize_plugins: bool = True,
+                         log: Callable[[str], None] = print) -> dict:
+    """Build prefill.engine and decode.engine from BUNDLE/*.trt.onnx into OUT (plus timing.cache and
+    engines.json). Returns the engines.json content."""
+    from zeroedge import bundle as bundle_mod
+
+    bundle, out = Path(bundle), Path(out)
+    manifest = bundle_mod.verify(bundle)
+    abi = manifest.get("plugin_abi")
+    from zeroedge import plugin_spec
+
+    if abi is not None and abi != plugin_spec.PLUGIN_ABI:
+        raise UserError(f"{bundle}: exported for plugin ABI {abi}, this zeroedge builds ABI "
+                        f"{plugin_spec.PLUGIN_ABI}; re-export the bundle")
+    graphs = [g for g in GRAPHS if (bundle / f"{g}.trt.onnx").is_file()]
+    if not graphs:
+        raise UserError(f"{bundle}: no *.trt.onnx graph to build (export with a TensorRT target)")
+    import_tensorrt()  # fail before creating anything
+    out.mkdir(parents=True, exist_ok=True)
+    ws = int(workspace_bytes or workspace_from_plan(manifest))
+    mt = int(max_tokens or max_tokens_from_plan(manifest))
+    window = int(manifest.get("window") or 1024)
+    meta = {"tensorrt": __import__("tensorrt").__version__, "plugins": str(Path(plugin_lib).resolve()),
+            "plugins_sha256": _sha256(Path(plugin_lib)), "serialize_plugins": serialize_plugins,
+            "workspace_bytes": ws, "max_tokens": mt, "window": window, "engines": {}}
+    for g in graphs:
+        stage = EngineFromOnnx(bundle / f"{g}.trt.onnx", plugin_lib, workspace_bytes=ws,
+                               timing_cache=out / "timing.cache", max_tokens=mt, window=window,
+                               serialize_plugins=serialize_plugins, log=log)
+        blob = stage()
+        _write_atomic(out / f"{g}.engine", blob)
+        meta["engines"][g] = {"file": f"{g}.engine", "bytes": len(blob),
+                              "profiles": {k: [list(s) for s in v] for k, v in stage.profiles.items()}}
+    _write_atomic(out / "engines.json", json.dumps(meta, indent=2).encode())
+    return meta
+
+
+# ------------------------------------------------------------------------------------ run
+
+class TrtSession:
+    """One engine with an onnxruntime-like `run(None, feed) -> [outputs]` (host numpy in and out)."""
+
+    def __init__(self, engine_path, plugin_lib=None, output_order: Optional[Sequence[str]] = None):
+        import numpy as np
+
+        trt = import_tensorrt()
+        self.np, self.trt = np, trt
+        self.cudart = cudart = import_cudart()
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        if plugin_lib is not None:
+            if trt.get_plugin_registry().load_library(str(Path(plugin_lib).resolve())) is None:
+                raise UserError(f"TensorRT could not load the plugin library {plugin_lib}")
+        self.runtime = trt.Runtime(self.logger)
+        self.runtime.engine_host_code_allowed = True  # the plugin library serialized in the plan
+        path = Path(engine_path)
+        if not path.is_file():
+            raise UserError(f"engine not found: {path} (build it with: python -m zeroedge.backends.tensorrt build)")
+        self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise UserError(f"TensorRT could not load {path}: built by another TensorRT version or for another "
+                            "GPU? rebuild it on this device")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        mode = trt.TensorIOMode.INPUT
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == mode]
+        outs = [n for n in names if self.engine.get_tensor_mode(n) != mode]
+        self.outputs = [n for n in (output_order or outs) if n in outs] or outs
+        self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self.buffers: Dict[str, Tuple[int, int]] = {}  # name -> (device pointer, bytes)
+
+    def _buffer(self, name: str, nbytes: int) -> int:
+        ptr, size = self.buffers.get(name, (0, 0))
+        if size < nbytes:
+            if ptr:
+                _check(self.cudart, self.cudart.cudaFree(ptr), "cudaFree")
+            ptr = int(_check(self.cudart, self.cudart.cudaMalloc(max(nbytes, 256)), "cudaMalloc"))
+            self.buffers[name] = (ptr, max(nbytes, 256))
+        return self.buffers[name][0]
+
+    def run(self, _output_names, feed: dict) -> list:
+        np, trt, cudart = self.np, self.trt, self.cudart
+        h2d, d2h = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        keep_alive = []
+        for name in self.inputs:
+            if name not in feed:
+                raise UserError(f"missing input '{name}' for the TensorRT engine")
+            a = np.ascontiguousarray(feed[name], dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
+            keep_alive.append(a)
+            if not self.context.set_input_shape(name, tuple(a.shape)):
+                raise UserError(f"input '{name}' of shape {tuple(a.shape)} is outside the engine's profile "
+                                "(rebuild with a larger --max-tokens)")
+            ptr = self._buffer(name, a.nbytes)
+            _check(cudart, cudart.cudaMemcpyAsync(ptr, a.ctypes.data, a.nbytes, h2d, self.stream), "copy in")
+            self.context.set_tensor_address(name, ptr)
+        results = []
+        for name in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(name))
+            a = np.empty(shape, dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
+            self.context.set_tensor_address(name, self._buffer(name, a.nbytes))
+            results.append(a)
+        if not self.context.execute_async_v3(int(self.stream)):
+            raise RuntimeError("TensorRT execute_async_v3 failed (see the log above)")
+        for name, a in zip(self.outputs, results):
+            _check(cudart, cudart.cudaMemcpyAsync(a.ctypes.data, self.buffers[name][0], a.nbytes, d2h, self.stream),
+                   "copy out")
+        _check(cudart, cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        del keep_alive
+        return results
+
+    def close(self):
+        for ptr, _ in self.buffers.values():
+            self.cudart.cudaFree(ptr)
+        self.buffers.clear()
+        if self.stream is not None:
+            self.cudart.cudaStreamDestroy(self.stream)
+            self.stream = None
+
+
+class TrtRunner(OrtRunner):
+    """Prefill and decode of a bundle through its TensorRT engines, with OrtRunner's window
+    bookkeeping (slots, heat, eviction): OrtRunner's prefill / step / generate run unchanged on
+    TrtSession objects, so both backends follow one protocol."""
+
+    def __init__(self, bundle, engines, plugin_lib=None, slots: Optional[int] = None, sinks: int = 4,
+                 decay: float = 0.9, evict: Optional[Callable] = None, verify: bool = True):
+        import numpy as np
+
+        from zeroedge import bundle as bundle_mod
+
+        self.np = np
+        self.dir = Path(bundle)
+        self.manifest = bundle_mod.verify(self.dir) if verify else bundle_mod.read_manifest(self.dir)
+        cfg = self.manifest["model"]
+        self.L, self.nkv = cfg["n_layers"], cfg["n_kv_heads"]
+        self.hd = cfg["dim"] // cfg["n_heads"]
+        self.vocab = cfg["vocab_size"]
+        self.slots = int(slots or self.manifest.get("window", 1024))
+        graphs = (self.manifest.get("export") or {}).get("graphs") or {}
+
+        def order(g):
+            return [o["name"] for o in (graphs.get(g) or {}).get("outputs", [])] or None
+
+        engines = Path(engines)
+        self.pre = TrtSession(engines / "prefill.engine", plugin_lib, order("prefill"))
+        self.dec = TrtSession(engines / "decode.engine", plugin_lib, order("decode"))
+        self.sinks, self.decay = sinks, decay
+        self.evict = evict or self._coldest
+        self.timings = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
+        self.reset()
+
+    def __exit__(self, *exc):
+        for s in (self.pre, self.dec):
+            if s is not None:
+                s.close()
+        self.pre = self.dec = None
+        return False
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m zeroedge.backends.tensorrt",
+                                 description="Build and run TensorRT engines of a zeroedge bundle (Jetson).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build prefill/decode engines from BUNDLE/*.trt.onnx")
+    b.add_argument("--bundle", required=True)
+    b.add_argument("--plugins", required=True, help="libzeroedge_plugins.so (scripts/build_plugins)")
+    b.add_argument("--out", required=True, help="folder for the engines, timing.cache and engines.json")
+    b.add_argument("--max-tokens", type=int, default=None, help="longest prompt (default: from the plan)")
+    b.add_argument("--workspace-mb", type=int, default=None, help="default: from the plan, else 256")
+    b.add_argument("--no-serialize-plugins", action="store_true",
+                   help="do not embed the plugin library (load it at run time instead)")
+    g = sub.add_parser("generate", help="greedy generation through the engines")
+    g.add_argument("--bundle", required=True)
+    g.add_argument("--engines", required=True)
+    g.add_argument("--plugins", default=None)
+    g.add_argument("--tokens", required=True, help="prompt token ids, space separated")
+    g.add_argument("--new", type=int, default=16)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "build":
+            meta = build_bundle_engines(args.bundle, args.plugins, args.out, max_tokens=args.max_tokens,
+                                        workspace_bytes=args.workspace_mb and args.workspace_mb << 20,
+                                        serialize_plugins=not args.no_serialize_plugins)
+            print(json.dumps({k: meta[k] for k in ("tensorrt", "workspace_bytes", "max_tokens")}))
+        else:
+            toks = [int(t) for t in args.tokens.split()]
+            with TrtRunner(args.bundle, args.engines, args.plugins) as r:
+                print(" ".join(map(str, r.generate(toks, args.new))))
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

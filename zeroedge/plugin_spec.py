@@ -14,6 +14,10 @@ The rewritten FFN of one decoder layer:
     y            = MLP(xs)                             (unchanged gate/up/down on K rows only)
     out          = ZeroEdgePADScatter(base, y, idx)    out[idx[k]] = y[k]; other rows keep base
     h'           = h + out
+
+In TensorRT (plugins/src/plugin.cpp) `count` is a 0-D int32 size tensor (TensorRT requires size
+tensors to be 0-D); it gives xs and idx their data-dependent first dimension K. Nothing downstream
+reads `count`, so the ONNX contract above is unchanged (no ABI bump).
 """
 from __future__ import annotations
 

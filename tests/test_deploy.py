@@ -242,6 +242,7 @@ def lab(tmp_path_factory):
                                         "persistence false\n")
     mosq = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(tmp / "mosquitto.conf")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_port(broker_port, mosq, "mosquitto"), "mosquitto did not start (scripts/setup installs it)"
     devices = []
 
     class Lab:
@@ -417,6 +418,13 @@ def test_deploy_status_redeploy_rollback(lab, jetson_a, tmp_path):
     assert os.readlink(base / "current") == f"releases/{r['release']}"
     h = last_json(zcli(lab, "status", "--host", "jetson-a", "--json", rc=0))["hosts"][0]
     assert h["health"]["ok"] and len(h["result"]["releases"]) == 3
+
+    # 7. --keep 1: old releases and the objects only they used leave the device's store
+    r = last_json(deploy(lab, b2, *common, "--keep", 1, "--json", rc=0))["hosts"][0]
+    assert r["bytes_uploaded"] == 0 and not r["changed"] and len(r["gc"]["removed_releases"]) == 2
+    assert os.listdir(base / "releases") == [r["release"]]
+    used = {f["sha256"] for f in json.loads((base / "current/.files.json").read_text()).values()}
+    assert set(os.listdir(base / "objects")) == used
 
 
 def _one_line_error(p, *needles):

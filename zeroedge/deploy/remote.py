@@ -256,13 +256,16 @@ class Device:
         r = self.systemctl("is-active", UNIT, check=False)
         return r.stdout.strip() == "active"
 
-    def health(self, port, timeout):
+    def health(self, port, timeout, stable=None):
+        """Poll /healthz until it has answered 200 for `stable` seconds in a row (a daemon that
+        answers once and then degrades or dies is not healthy), or `timeout` passes."""
         import urllib.error
         import urllib.request
 
+        stable = self.p.get("health_stable", 1.5) if stable is None else stable
         url = "http://127.0.0.1:%d/healthz" % port
         deadline = time.time() + timeout
-        last = {"ok": False, "error": "no answer"}
+        ok_since = None
         while True:
             try:
                 with urllib.request.urlopen(url, timeout=3) as r:
@@ -272,8 +275,14 @@ class Device:
                 last = {"ok": False, "code": e.code, "body": _json(e.read().decode("utf-8", "replace"))}
             except Exception as e:  # connection refused while the daemon starts
                 last = {"ok": False, "error": "%s: %s" % (type(e).__name__, e)}
-            if last["ok"] or time.time() >= deadline:
+            now = time.time()
+            ok_since = (ok_since or now) if last["ok"] else None
+            if timeout <= 0 or (ok_since is not None and now - ok_since >= stable) or now >= deadline:
                 last["url"] = url
+                if timeout > 0 and (ok_since is None or now - ok_since < stable):
+                    last["ok"] = False
+                    if last.get("code") == 200:
+                        last["error"] = "answered 200 but not for %.1f s in a row" % stable
                 return last
             time.sleep(0.25)
 
@@ -338,7 +347,10 @@ class Device:
         keep_n = max(1, int(self.p.get("keep", 3)))
         names = self.release_names()
         cur = self.current_name()
-        keep = set(names[-keep_n:]) | ({cur} if cur else set())
+        others = [n for n in names if n != cur]     # keep: current + the newest keep-1 others
+        n_others = keep_n - 1 if cur else keep_n
+        keep = set(others[max(0, len(others) - n_others):]) if n_others > 0 else set()
+        keep |= {cur} if cur else set()
         removed = []
         for n in names:
             if n not in keep:

@@ -185,7 +185,8 @@ class Deployer:
         if not (r.health or {}).get("ok"):
             r.phase = "health"
             h = r.health or {}
-            why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") else h.get("error", "no answer")
+            why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200) \
+                else h.get("error", "no answer")
             back = (f"; rolled back to {res['rolled_back_to']}" if res.get("rolled_back_to")
                     else "; no previous release to roll back to" if not r.previous else "")
             logs = (h.get("logs") or "").strip().splitlines()

@@ -249,3 +249,14 @@ def test_agent_build_steps(tmp_path, monkeypatch):
     with pytest.raises(remote.Fail, match=r"on-device plugins failed \(exit 2\): build_plugins: nvcc not found"):
         bad.build("r2")
     assert not (tmp_path / "opt/zeroedge/releases/r2/build.json").exists()
+
+
+def test_cli_refuses_bad_input_before_connecting(tmp_path):
+    from conftest import run_cli
+
+    p = run_cli("deploy", tmp_path, "--host", "h", "--hosts", tmp_path / "x")
+    assert p.returncode == 2 and "give exactly one of --host HOST or --hosts FILE" in p.stderr
+    p = run_cli("deploy", tmp_path / "nope", "--host", "127.0.0.1:1")
+    assert p.returncode == 2 and "bundle not found" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("status", "--hosts", tmp_path / "missing-inventory")
+    assert p.returncode == 2 and "inventory not found" in p.stderr

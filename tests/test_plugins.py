@@ -301,3 +301,68 @@ def test_bundle_for_another_plugin_abi_is_refused(fake_bundle, tmp_path):
                                                                               "zeroedge_version")})
     with pytest.raises(UserError, match="plugin ABI 99"):
         build_bundle_engines(fake_bundle, tmp_path / "lib.so", tmp_path / "out")
+
+
+# ------------------------------------------------------------------------ reference == portable graph
+
+def _run_function_node(op, inputs: dict, outputs, attrs=None):
+    """One custom node with the exporter's model-local functions, run in onnxruntime."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    functions = pytest.importorskip("zeroedge.export.functions")
+    from onnx import TensorProto, helper
+
+    from zeroedge import plugin_spec
+
+    types = {np.dtype("float32"): TensorProto.FLOAT, np.dtype("int32"): TensorProto.INT32}
+    ins = [helper.make_tensor_value_info(k, types[v.dtype], list(v.shape)) for k, v in inputs.items()]
+    otype = {"keep": TensorProto.INT32, "idx": TensorProto.INT32, "count": TensorProto.INT32}
+    outs = [helper.make_tensor_value_info(o, otype.get(o, TensorProto.FLOAT), None) for o in outputs]
+    node = helper.make_node(op, list(inputs), outputs, domain=plugin_spec.DOMAIN, **(attrs or {}))
+    model = helper.make_model(helper.make_graph([node], "g", ins, outs), functions=functions.all_functions(),
+                              opset_imports=[helper.make_opsetid("", functions.OPSET),
+                                             helper.make_opsetid(plugin_spec.DOMAIN, 1)], ir_version=9)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, inputs)
+
+
+import numpy as np  # noqa: E402
+
+
+@pytest.mark.parametrize("block_size,T,R", [(0, 100, 4), (8, 77, 4), (0, 20, 4), (16, 64, 0)])
+def test_reference_matches_portable_onnx_function(block_size, T, R):
+    """plugin_reference (what the kernels are checked against) == the exporter's portable ZeroEdgeSIH,
+    ZeroEdgePADGather and ZeroEdgePADScatter functions in onnxruntime (what the Jetson test compares
+    the engines with)."""
+    torch = pytest.importorskip("torch")
+    from zeroedge.backends import plugin_reference as ref
+
+    rng = np.random.default_rng(T + block_size)
+    D, W = 16, 3
+    f32 = np.float32
+    w = {"x": rng.standard_normal((T, D)).astype(f32), "w1": (rng.standard_normal((W, D)) / 2).astype(f32),
+         "b1": np.full(W, 0.5, f32), "w2": rng.standard_normal((W, W)).astype(f32), "b2": np.full(W, 0.5, f32),
+         "w3": rng.standard_normal((W, W)).astype(f32), "b3": np.full(W, 0.5, f32),
+         "w4": rng.standard_normal((1, W)).astype(f32), "b4": np.zeros(1, f32),
+         "anchor_a": rng.standard_normal((max(R, 1), D)).astype(f32)[:R],
+         "anchor_b": rng.standard_normal((D, max(R, 1))).astype(f32)[:, :R].copy(),
+         "anchor_c": rng.standard_normal(D).astype(f32)}
+    t = {k: torch.from_numpy(v) for k, v in w.items()}
+    scores = ref.sih_scores(t["x"], *(t[k] for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
+    sm = np.sort(ref.smooth(scores, 0.5, 0.333333, 0.166667).numpy())
+    i = int(np.argmax(np.diff(sm[T // 4: 3 * T // 4]))) + T // 4  # a threshold far from every score
+    thr = float((sm[i] + sm[i + 1]) / 2)
+    fields = ref.sih_fields(threshold=thr, block_size=block_size, anchor_rank=R)
+    keep_r, base_r = ref.sih(*(t[k] for k in w), **fields)
+    keep_o, base_o = _run_function_node("ZeroEdgeSIH", w, ["keep", "base"], fields)
+    assert np.array_equal(keep_o.reshape(-1), keep_r.numpy())
+    assert np.allclose(base_o, base_r.numpy(), rtol=1e-5, atol=1e-5)
+    xs_o, idx_o, cnt_o = _run_function_node("ZeroEdgePADGather", {"x": w["x"], "keep": keep_o.astype(np.int32)},
+                                            ["xs", "idx", "count"])
+    xs_r, idx_r, cnt_r = ref.pad_gather(t["x"], keep_r)
+    assert np.array_equal(idx_o.reshape(-1), idx_r.numpy()) and int(cnt_o.reshape(-1)[0]) == int(cnt_r)
+    assert np.array_equal(xs_o, xs_r.numpy())
+    y = (xs_o * 3).astype(f32)
+    (out_o,) = _run_function_node("ZeroEdgePADScatter", {"base": base_o.astype(f32), "y": y,
+                                                         "idx": idx_o.astype(np.int32)}, ["out"])
+    assert np.array_equal(out_o, ref.pad_scatter(torch.from_numpy(base_o), torch.from_numpy(y), idx_r).numpy())

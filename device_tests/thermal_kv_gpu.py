@@ -28,6 +28,7 @@ from zeroedge import model as M  # noqa: E402
 from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder, host_mapped  # noqa: E402
 
 RES = {"errors": []}
+T0 = 0.0
 
 
 def log(*a):
@@ -100,22 +101,32 @@ def decode_rate(dec, ctx, steps, dev):
 
 
 def fetch_latency(dec, dev, pages_per_head):
-    """Seconds to gather `pages_per_head` pages a kv head of one layer from the cold store into
-    the slot window (zero-copy reads of mapped pinned host memory on a GPU)."""
-    li = 0
-    nkv = dec.nkv
+    """Seconds to fetch `pages_per_head` pages a kv head of one layer (K and V) from the cold
+    store into the slot window, as the graphed refresh does it (zero-copy reads of mapped pinned
+    host memory, whole pages as int64 words); timed as CUDA-graph replays on a GPU."""
+    li, nkv = 0, dec.nkv
     src = torch.randint(0, dec.n, (nkv, pages_per_head), device=dev)
-    dst = torch.randint(0, dec.slots, (nkv, pages_per_head), device=dev)
+    dst = torch.randperm(dec.slots, device=dev)[:pages_per_head].expand(nkv, -1).contiguous()
     hidx = torch.arange(nkv, device=dev)[:, None].expand_as(src)
-
-    wk = dec.wk[li, :, dec.fix_len:].view(nkv, dec.slots, dec.ps, dec.hd)
-    wv = dec.wv[li, :, dec.fix_len:].view(nkv, dec.slots, dec.ps, dec.hd)
+    views = []
+    for win, host in ((dec.wk, dec.hk), (dec.wv, dec.hv)):
+        w = win[li, :, dec.fix_len:].view(nkv, dec.slots, dec.ps * dec.hd).view(torch.int64)
+        h = host[li].view(nkv, dec.n, dec.ps * dec.hd).view(torch.int64)
+        views.append((w, h))
 
     def f():
-        wk[hidx, dst] = dec.hk[li][hidx, src]
-        wv[hidx, dst] = dec.hv[li][hidx, src]
+        for w, h in views:
+            w[hidx, dst] = h[hidx, src]
 
-    t = timed(f, dev, iters=20, warm=3)
+    fn = f
+    if dev.type == "cuda":
+        f()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        fn = g.replay
+    t = timed(fn, dev, iters=50, warm=5)
     nbytes = 2 * nkv * pages_per_head * dec.ps * dec.hd * dec.wk.element_size()
     return t, nbytes
 
@@ -164,6 +175,8 @@ def main():
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--fetch", type=int, default=4, help="pages fetched per kv head per layer per step")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd layer bodies")
+    ap.add_argument("--compile-budget-s", type=float, default=150.0)
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.dry:
         print("SKIP: thermal_kv_gpu needs CUDA (use --dry for a CPU smoke run)")
@@ -174,6 +187,8 @@ def main():
     steps = args.steps if not args.dry else 4
     out_dir = Path(os.environ.get("OUT", "."))
     torch.manual_seed(0)
+    global T0
+    T0 = time.perf_counter()
     if dev.type == "cuda":
         log(torch.cuda.get_device_name(), torch.__version__)
     RES["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
@@ -246,6 +261,36 @@ def main():
         rows.append(row)
         log(json.dumps(row))
     RES["rows"] = rows
+    if args.compile:
+        # torch.compile'd layer bodies (fused norm / rope / residual / SwiGLU), compiled once and
+        # reused at every context; run last so a slow compile cannot cost the table above
+        for row in rows:
+            ctx = row["ctx"]
+            if time.perf_counter() - T0 > args.compile_budget_s:
+                RES["errors"].append(f"compiled {ctx}: skipped (time budget)")
+                continue
+            try:
+                ks, vs = random_prefix(cfg, ctx, dev, dtype)
+                d = DenseDecoder(m, ctx + steps + 8, graph=True, attn="sdpa")
+                d.compile = True
+                d.load_prefix(ks, vs)
+                row["dense_compiled_tps"] = decode_rate(d, ctx, steps, dev)
+                del d
+                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=args.fetch,
+                                   refresh_every=4, graph=True)
+                t.compile = True
+                t.load_prefix(ks, vs)
+                del ks, vs
+                row["thermal_compiled_r4_tps"] = decode_rate(t, ctx, steps, dev)
+                del t
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                log(json.dumps({"ctx": ctx, "dense_compiled_tps": row["dense_compiled_tps"],
+                                "thermal_compiled_r4_tps": row["thermal_compiled_r4_tps"],
+                                "t": time.perf_counter() - T0}))
+            except Exception as e:
+                RES["errors"].append(f"compiled {ctx}: {type(e).__name__}: {str(e)[:300]}")
+                log(RES["errors"][-1])
     try:
         page_elems = 2 * cfg.head_dim * 16          # K and V of one page of one kv head
         RES["migration"] = migration_bandwidth(dev, 65536 if dev.type == "cuda" else 256,
@@ -260,6 +305,8 @@ def main():
     log("\n== thermal KV on", RES["device"], "| weights", f"{wbytes / g:.2f} GB",
         "| copy d2d", f"{bw['d2d_Bps'] / g:.0f} GB/s", "h2d", f"{bw.get('h2d_Bps', 0) / g:.1f}",
         "d2h", f"{bw.get('d2h_Bps', 0) / g:.1f} GB/s")
+    log("compiled (dense, thermal every 4) tok/s:", {r["ctx"]: (round(r.get("dense_compiled_tps", 0)),
+        round(r.get("thermal_compiled_r4_tps", 0))) for r in rows})
     log("| ctx | dense tok/s (sdpa / bmm) | roofline | dense/roof | thermal tok/s every step / every 4 | "
         "speedup | device KV thermal/dense | fetch 1 pg/head us | fetch F pg/head us |")
     for r in rows:

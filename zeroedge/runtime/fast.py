@@ -53,7 +53,34 @@ def fused_weights(model) -> _Weights:
     return w
 
 
+def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd: int):
+    h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
+    qkv = F.linear(h, wqkv, bqkv).view(H + 2 * nkv, hd)
+    qk = qkv[: H + nkv]
+    qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
+    return qk[:H], qk[H:], qkv[H + nkv:]
+
+
+def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2):
+    x = x + F.linear(o.reshape(1, -1), wo)
+    h = F.rms_norm(x, (x.shape[-1],), ln2, eps)
+    g, u = F.linear(h, w13).chunk(2, -1)
+    return x + F.linear(F.silu(g) * u, w2)
+
+
+_COMPILED = {}
+
+
+def _compiled(fn):
+    """torch.compile'd once per process (shapes are the same for every layer and context)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[fn]
+
+
 class _Step:
+    compile = False
+
     def __init__(self, model, max_len: int, graph: bool):
         self.m = model
         cfg = model.cfg
@@ -78,17 +105,12 @@ class _Step:
         self.outs = {}
 
     def _layer_in(self, w, x, cos, sin):
-        h = F.rms_norm(x, (x.shape[-1],), w["ln1"], w["eps1"])
-        qkv = F.linear(h, w["wqkv"], w["bqkv"]).view(self.H + 2 * self.nkv, self.hd)
-        qk = qkv[: self.H + self.nkv]
-        qk = torch.addcmul(qk * cos, qk.roll(self.hd // 2, -1), sin)
-        return qk[: self.H], qk[self.H:], qkv[self.H + self.nkv:]
+        f = _compiled(_layer_in_fn) if self.compile else _layer_in_fn
+        return f(x, w["ln1"], w["eps1"], w["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
 
     def _layer_out(self, w, x, o):
-        x = x + F.linear(o.reshape(1, -1), w["wo"])
-        h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
-        g, u = F.linear(h, w["w13"]).chunk(2, -1)
-        return x + F.linear(F.silu(g) * u, w["w2"])
+        f = _compiled(_layer_out_fn) if self.compile else _layer_out_fn
+        return f(x, o, w["wo"], w["ln2"], w["eps2"], w["w13"], w["w2"])
 
     def _forward(self, flag):
         m = self.m
@@ -344,10 +366,12 @@ class ThermalDecoder(_Step):
         pslot.scatter_(1, old, torch.where(is_new, -1, dst))
         pslot.scatter_(1, src, dst)
         sp.scatter_(1, dst, src)
-        wk = self.wk[li, :, self.fix_len:].view(self.nkv, S, self.ps, self.hd)
-        wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, self.ps, self.hd)
-        wk[self.hidx, dst] = self.hk[li][self.hidx, src]
-        wv[self.hidx, dst] = self.hv[li][self.hidx, src]
+        for win, host in ((self.wk, self.hk), (self.wv, self.hv)):
+            w = win[li, :, self.fix_len:].view(self.nkv, S, self.ps * self.hd)
+            hst = host[li].view(self.nkv, self.n, self.ps * self.hd)
+            if (self.ps * self.hd * w.element_size()) % 8 == 0:      # whole pages as int64 words
+                w, hst = w.view(torch.int64), hst.view(torch.int64)
+            w[self.hidx, dst] = hst[self.hidx, src]
 
     def _attend(self, li, q, k, v, flag):
         K, V = self.wk[li], self.wv[li]

@@ -37,3 +37,40 @@ def smol_tok(smollm2):
     from zeroedge import weights
 
     return weights.tokenizer(smollm2[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory, smollm2):
+    """A tiny Llama (random weights, SmolLM2's tokenizer) saved in HF layout: fast CLI tests."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from zeroedge import model as M
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    cfg = M.PRESETS["tiny"].with_(vocab_size=49152, max_seq_len=2048, name="tiny-llama")
+    m = M.build(cfg, seed=0)
+    state = {f"model.{k}": v.contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.ffn_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": True}))
+    for f in smollm2[1].iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    from zeroedge import texts
+
+    p = tmp_path_factory.mktemp("text") / "licenses.txt"
+    p.write_text(texts.licenses())
+    return p

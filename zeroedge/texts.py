@@ -56,6 +56,12 @@ def licenses() -> str:
     return "\n\n".join(f.read_text(errors="replace") for f in files)
 
 
+def check_spec(spec: str) -> None:
+    """Cheap early check: a named corpus, or an existing file."""
+    if spec not in NAMED and not Path(spec).is_file():
+        raise UserError(f"text not found: {spec} (a file, or one of: {', '.join(NAMED)})")
+
+
 def load_text(spec: str) -> str:
     """A named corpus or a UTF-8 file; raises UserError for missing, unreadable or empty input."""
     if spec in NAMED:

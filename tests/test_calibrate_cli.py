@@ -1,0 +1,68 @@
+"""The calibrate / eval contracts end to end on a tiny Llama (fast), plus every bad-input path."""
+import json
+
+from conftest import run_cli
+
+SMALL = ["--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gate-seqs", "1",
+         "--tokens", "4000"]
+
+
+def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
+    art = tmp_path / "tiny.calib"
+    p = run_cli("calibrate", tiny_hf, "--text", text_file, "--budget", "5%", "-o", art, "--json",
+                *SMALL, check_rc=0)
+    q = json.loads(p.stdout.strip().splitlines()[-1])
+    assert q["ppl_rise"] <= 0.05 + 1e-9
+    assert 0 <= q["ffn_flops_skipped"] <= 1
+    meta = json.loads((art / "calib.json").read_text())
+    assert meta["layers"][-1]["skip"]          # the final layer's prefix FFN is never read
+    assert meta["sih"]["bytes_fp16"] <= 12 * 1024
+    p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--json",
+                check_rc=0)
+    r = json.loads(p.stdout)
+    for k in ("dense_ppl", "zero_ppl", "ffn_flops_skipped", "tokens", "zero_ppl_all_tokens"):
+        assert k in r, k
+    assert r["tokens"] == 1024 and r["ffn_flops_skipped"] > 0
+
+
+def test_calibrate_bad_inputs_exit_2_and_write_nothing(tiny_hf, text_file, tmp_path):
+    out = tmp_path / "a.calib"
+    cases = [
+        (["calibrate", tmp_path / "missing", "--text", text_file, "-o", out], "model not found"),
+        (["calibrate", tiny_hf, "--text", tmp_path / "none.txt", "-o", out], "text not found"),
+        (["calibrate", tiny_hf, "--text", text_file, "--budget", "0%", "-o", out], "out of range"),
+        (["calibrate", tiny_hf, "--text", text_file, "--budget", "2x", "-o", out], "not a number"),
+    ]
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning God created the heaven and the earth. " * 20)
+    cases.append((["calibrate", tiny_hf, "--text", short, "-o", out, *SMALL], "tokens"))
+    for args, msg in cases:
+        p = run_cli(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert not out.exists()
+
+
+def test_eval_bad_inputs(tiny_hf, text_file, tmp_path):
+    bad = tmp_path / "bad.calib"
+    bad.mkdir()
+    (bad / "calib.json").write_text("{not json")
+    for args, msg in [
+        (["eval", tiny_hf, "--calib", bad, "--text", text_file, "--ctx", "2048"], "corrupt"),
+        (["eval", tiny_hf, "--calib", tmp_path / "x", "--text", text_file, "--ctx", "2048"], "not found"),
+        (["eval", tiny_hf, "--text", text_file, "--ctx", "100", "--kv-budget", "0.1"], "--ctx"),
+        (["eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--kv-budget", "1.5"], "out of range"),
+        (["eval", tiny_hf, "--text", text_file, "--ctx", "2048"], "nothing to evaluate"),
+    ]:
+        p = run_cli(*args)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_artifact_for_another_model_is_refused(tiny_hf, text_file, tmp_path):
+    from zeroedge import calib_artifact
+
+    art = tmp_path / "other.calib"
+    calib_artifact.save(art, {"model": {"name": "other", "config": {"dim": 999, "n_layers": 4}},
+                              "layers": [], "sih": {}}, {})
+    p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200")
+    assert p.returncode == 2 and "calibrated for other" in p.stderr

@@ -1,0 +1,128 @@
+import math
+
+import pytest
+import torch
+
+from zeroedge import model as M
+from zeroedge.mechanisms.anchors import anchor_error, fit_anchor
+from zeroedge.mechanisms.pad import (LayerPolicy, MechanismError, ZeroRuntime, flops_summary,
+                                     install, remove)
+from zeroedge.mechanisms.sih import SIHHead, head_width, keep_mask, smooth
+
+
+def tiny(seed=0):
+    return M.build("tiny", seed=seed)
+
+
+def test_sih_head_fits_12kb_for_all_presets():
+    for name in ("smollm2-135m", "llama-3.2-1b", "qwen2.5-0.5b"):
+        d = M.PRESETS[name].dim
+        h = SIHHead(d, head_width(d))
+        assert h.bytes_fp16() <= 12 * 1024, (name, h.bytes_fp16())
+        assert head_width(d) >= 2
+
+
+def test_smoothing_is_a_causal_weighted_average():
+    s = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0]])
+    out = smooth(s)
+    assert out[0, 0] == 1.0
+    assert math.isclose(out[0, 1].item(), (1 / 3) / (0.5 + 1 / 3), rel_tol=1e-6)
+    assert math.isclose(out[0, 3].item(), 0.5, rel_tol=1e-6)
+    # causal: changing a later score never changes an earlier smoothed value
+    s2 = s.clone()
+    s2[0, 4] = 0
+    assert torch.equal(smooth(s2)[0, :4], out[0, :4])
+
+
+def test_block_rule_skips_blocks_over_70_percent_low():
+    score = torch.ones(1, 64)
+    score[0, 16:32] = 0          # block 1 fully low -> skipped
+    score[0, 32:42] = 0          # block 2: 10/16 = 62.5 % low -> kept whole
+    keep = keep_mask(score, 0.5, protect_first=0, protect_last=0, block_size=16)
+    assert keep[0, :16].all() and not keep[0, 16:32].any() and keep[0, 32:48].all()
+
+
+def test_protected_positions_are_always_kept():
+    keep = keep_mask(torch.zeros(1, 50), 0.5, protect_first=4, protect_last=1, limit=40)
+    assert keep[0, :4].all() and keep[0, 39] and keep[0, 40:].all() and not keep[0, 4:39].any()
+
+
+def test_compaction_equals_masked_dense_and_spends_fewer_flops():
+    m = tiny()
+    ids = torch.randint(0, 256, (1, 80))
+    rt = ZeroRuntime(record_masks=True)
+    install(m, {1: LayerPolicy(scorer="random", rate=0.5)}, rt)
+    with torch.no_grad():
+        rt.active = True
+        got = m(ids)
+        rt.active = False
+    keep = rt.masks[1][0]
+    remove(m)
+    # reference: run the dense FFN on every token, then zero the skipped rows
+    mlp = m.layers[1].mlp
+    orig = mlp.forward
+    mlp.forward = lambda x: orig(x) * keep[None, :, None].to(x.dtype)
+    with torch.no_grad():
+        want = m(ids)
+    mlp.forward = orig
+    assert torch.allclose(got, want, atol=1e-5)
+    fs = flops_summary(m, rt)
+    assert 0 < fs["per_layer_skip"][1] < 1
+    assert math.isclose(fs["ffn_flops_skipped"], fs["per_layer_skip"][1] / m.cfg.n_layers, rel_tol=1e-6)
+
+
+def test_sih_masks_are_deterministic():
+    m = tiny(3)
+    torch.manual_seed(1)
+    heads = {i: SIHHead(m.cfg.dim, 8).eval() for i in range(m.cfg.n_layers)}
+    rt = ZeroRuntime(record_masks=True)
+    install(m, {i: LayerPolicy(scorer="sih", threshold=0.5, sih=heads[i]) for i in heads}, rt)
+    ids = torch.randint(0, 256, (1, 96))
+    masks = []
+    for _ in range(3):
+        with torch.no_grad():
+            rt.active = True
+            m(ids)
+            rt.active = False
+        masks.append({k: v.clone() for k, v in rt.masks.items()})
+    remove(m)
+    for i in heads:
+        assert torch.equal(masks[0][i], masks[1][i]) and torch.equal(masks[0][i], masks[2][i])
+
+
+def test_guards_refuse_training_mode_and_grad():
+    m = tiny()
+    rt = ZeroRuntime(active=True)
+    install(m, {1: LayerPolicy(scorer="random", rate=0.5)}, rt)
+    ids = torch.randint(0, 256, (1, 64))
+    with pytest.raises(MechanismError, match="no_grad"):
+        m(ids)  # grad enabled
+    m.train()
+    with torch.no_grad(), pytest.raises(MechanismError, match="eval"):
+        m(ids)
+    m.eval()
+    with torch.no_grad():
+        m(ids[:, :31])  # short inputs bypass, even with grad off
+    assert rt.stats[1][0] == rt.stats[1][1] == 31
+    remove(m)
+
+
+def test_anchor_recovers_a_low_rank_map():
+    torch.manual_seed(0)
+    x = torch.randn(4000, 32)
+    w = torch.randn(32, 4) @ torch.randn(4, 32)
+    y = x @ w + 0.5
+    a = fit_anchor(x, y, rank=4)
+    assert anchor_error(a, x, y) < 1e-4
+    a1 = fit_anchor(x, y, rank=1)
+    assert anchor_error(a1, x, y) > 0.1  # rank 1 cannot hold a rank-4 map
+
+
+def test_budget_parsing():
+    from zeroedge.commands.common import parse_budget
+    from zeroedge.errors import UserError
+
+    assert parse_budget("1%") == 0.01 and parse_budget("0.05") == 0.05
+    for bad in ("0", "-1%", "150%", "abc"):
+        with pytest.raises(UserError):
+            parse_budget(bad)

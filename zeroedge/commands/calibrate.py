@@ -1,0 +1,76 @@
+"""zeroedge calibrate: fit SIH heads and anchors, gate thresholds on held-out text, write the artifact."""
+import click
+
+from zeroedge.commands.common import parse_budget
+
+
+@click.command("calibrate")
+@click.argument("model")
+@click.option("--text", "texts_", multiple=True, required=True,
+              help="Calibration text: a file, or kjv / essays / licenses. Repeat to mix texts.")
+@click.option("--budget", default="1%", show_default=True,
+              help="Max held-out perplexity rise, e.g. 1% or 0.01.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write.")
+@click.option("--tokens", default=24000, show_default=True, help="Tokens read from each text.")
+@click.option("--seq-len", default=2048, show_default=True)
+@click.option("--continuation", default=512, show_default=True)
+@click.option("--train-seqs", default=3, show_default=True)
+@click.option("--gate-seqs", default=2, show_default=True)
+@click.option("--anchor-rank", default=16, show_default=True, help="0 = plain skipping (zero output).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
+def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
+        anchor_rank, seed, as_json):
+    """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from zeroedge.errors import UserError
+
+    b = parse_budget(budget)
+    if continuation >= seq_len or seq_len < 64 or continuation < 1:
+        raise UserError(f"--continuation ({continuation}) must be in [1, seq-len) and --seq-len >= 64")
+    if anchor_rank < 0:
+        raise UserError("--anchor-rank must be >= 0")
+    from zeroedge.texts import check_spec
+
+    for t in texts_:
+        check_spec(t)  # fail before loading anything heavy
+    out = Path(output)
+    if out.exists() and not (out / "calib.json").is_file():
+        raise UserError(f"{out} exists and is not a calibration artifact; refusing to overwrite it")
+
+    import torch
+
+    from zeroedge import calib_artifact, texts, weights
+    from zeroedge.export.calibrate import BudgetError, CalibConfig, calibrate
+
+    m, folder = weights.load(model)
+    tok = weights.tokenizer(folder)
+    need = seq_len * 2  # at least one training and one held-out sequence
+    lists = []
+    for t in texts_:
+        raw = texts.load_text(t)
+        ids = tok.encode(raw[: 8 * tokens], add_special_tokens=False)[:tokens]
+        if len(ids) < need * 2:
+            raise UserError(f"text {t} has {len(ids)} tokens; calibration needs at least "
+                            f"{need * 2} for {seq_len}-token training and held-out sequences")
+        lists.append(ids)
+    torch.manual_seed(seed)
+    cfg = CalibConfig(budget=b, seq_len=seq_len, continuation=continuation, train_seqs=train_seqs,
+                      gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
+                      log=lambda s: print(s, file=sys.stderr))
+    try:
+        meta, tensors, _ = calibrate(m, lists, cfg)
+    except BudgetError as e:
+        raise UserError(f"{e}; nothing written") from None
+    meta["texts"] = list(texts_)
+    calib_artifact.save(out, meta, tensors)
+    q = meta["quality"]
+    if as_json:
+        click.echo(json.dumps({"artifact": str(out), **q}))
+    else:
+        click.echo(f"wrote {out}: held-out ppl {q['dense_ppl']:.3f} -> {q['zero_ppl']:.3f} "
+                   f"({q['ppl_rise']:+.2%}, budget {b:.2%}), prefill FFN FLOPs skipped "
+                   f"{q['ffn_flops_skipped']:.1%} net of anchors")

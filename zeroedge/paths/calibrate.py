@@ -1,0 +1,217 @@
+"""Calibrate the decode path predictors and choose each layer's sparsity with the quality gate.
+
+Same budget semantics as the core calibration (zeroedge.export.calibrate): `budget` is the largest
+relative rise of held-out perplexity allowed. Decode mechanisms are measured on every token, so the
+held-out perplexity is taken with every token teacher-forced with the paths on.
+
+Steps (each logged):
+ 1. dense pass with autograd on training sequences (first 70 % of each text): per layer the FFN
+    input x, output y and dL/dy (loss over every token);
+ 2. per layer, the whitened rank-r predictor (zeroedge.paths.predictor.fit_predictor);
+ 3. per layer and kept fraction, the score threshold (a quantile of the predicted scores) and the
+    first-order cost mean_t |dL/dy_t . (y_sparse - y)_t|;
+ 4. gate: for a cost-per-byte scale, each layer takes the sparsest setting whose estimated cost per
+    skipped weight fits the scale; a binary search over the scale against real held-out perplexity
+    (last 30 % of each text) keeps the most bytes skipped within the budget.
+If even the mildest sparse setting breaks the budget, `PathBudgetError` says so and nothing is
+returned (the caller writes nothing): dense is never passed off as sparse.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from zeroedge.paths.predictor import PathPredictor, fit_predictor
+from zeroedge.paths.room import read_fraction
+from zeroedge.paths.sparse import PathPolicy, PathRuntime, bytes_summary, install, remove
+
+FORMAT = "zeroedge-paths"
+VERSION = 1
+
+
+class PathBudgetError(Exception):
+    """The budget cannot be met by any sparse setting."""
+
+
+@dataclass
+class PathsConfig:
+    rank: int = 32
+    seq_len: int = 1024
+    train_seqs: int = 2
+    gate_seqs: int = 2
+    keeps: tuple = (0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4)
+    search_steps: int = 7
+    log: object = field(default=print, repr=False)
+
+
+def split(token_lists, seq_len, n_train, n_held):
+    from zeroedge.export.calibrate import CalibConfig, split_sequences
+
+    return split_sequences(token_lists, CalibConfig(seq_len=seq_len, train_seqs=n_train,
+                                                    gate_seqs=n_held))
+
+
+@torch.no_grad()
+def heldout_ppl_all(model, seqs, runtime: PathRuntime | None = None) -> float:
+    """Perplexity of every token of every sequence, teacher-forced, paths on when given."""
+    tot, n = 0.0, 0
+    for ids in seqs:
+        t = torch.tensor([ids])
+        if runtime is not None:
+            runtime.active = True
+        try:
+            logits = model(t[:, :-1])
+        finally:
+            if runtime is not None:
+                runtime.active = False
+        tot += float(F.cross_entropy(logits[0].float(), t[0, 1:], reduction="sum"))
+        n += t.shape[1] - 1
+    return math.exp(tot / n)
+
+
+def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConfig | None = None):
+    """Returns (paths_meta, tensors) for the artifact (meta section "paths", tensors
+    layers.{i}.paths.*). Raises PathBudgetError when the budget cannot be met."""
+    from zeroedge.export.importance import ffn_io_and_grads
+
+    cfg = cfg or PathsConfig()
+    log = log or cfg.log
+    if not (budget > 0):
+        raise PathBudgetError(f"budget {budget} cannot be met: it must be > 0")
+    t0 = time.time()
+    L, D, Fdim = model.cfg.n_layers, model.cfg.dim, model.cfg.ffn_dim
+    train, held = split(token_lists, cfg.seq_len, cfg.train_seqs, cfg.gate_seqs)
+    if not train or not held:
+        raise ValueError(f"calibration text too short for {cfg.seq_len}-token sequences")
+
+    # 1. FFN inputs, outputs and loss gradients on the training split (loss over every token)
+    X, Y, G = ({i: [] for i in range(L)} for _ in range(3))
+    for k, ids in enumerate(train):
+        io, loss = ffn_io_and_grads(model, torch.tensor([ids]), 1)
+        for i, (x, y, g) in io.items():
+            X[i].append(x)
+            Y[i].append(y)
+            G[i].append(g)
+        log(f"[paths] train sequence {k + 1}/{len(train)}: loss {loss:.3f}")
+    X, Y, G = ({i: torch.cat(v) for i, v in d.items()} for d in (X, Y, G))
+
+    # 2-3. predictors, thresholds and first-order costs per kept fraction
+    preds, thr, cost = {}, {}, {}
+    with torch.no_grad():
+        for i in range(L):
+            mlp = model.layers[i].mlp
+            p = fit_predictor(X[i], mlp, cfg.rank)
+            s = p.scores(X[i])
+            flat = s.flatten()
+            sample = flat[:: max(1, flat.numel() // 2_000_000)]
+            a = F.silu(mlp.gate_proj(X[i])) * mlp.up_proj(X[i])
+            preds[i], thr[i], cost[i] = p, [], []
+            for keep in cfg.keeps:
+                t = float(torch.quantile(sample, 1 - keep))
+                dy = mlp.down_proj(a * (s < t))        # the part of y the cut channels carried
+                thr[i].append(t)
+                cost[i].append(float((G[i] * dy).sum(-1).abs().mean()))
+    del X, Y, G
+    pw = preds[0].weights()
+    log(f"[paths] rank-{cfg.rank} predictors: {pw} weights each "
+        f"({pw / (3 * D * Fdim):.1%} of a layer's FFN); first-order cost at keep "
+        f"{cfg.keeps[len(cfg.keeps) // 2]}: min {min(c[len(cfg.keeps) // 2] for c in cost.values()):.4f} "
+        f"max {max(c[len(cfg.keeps) // 2] for c in cost.values()):.4f} nats/token")
+
+    def saved(k):  # fraction of a layer's FFN weights a step does not read at keep index k
+        return 1 - read_fraction("predictor", cfg.keeps[k], D, Fdim, pw)
+
+    def allocation(scale):
+        chosen = {}
+        for i in range(L):
+            best = None
+            for k in range(len(cfg.keeps)):
+                if saved(k) > 0 and cost[i][k] <= scale * saved(k):
+                    best = k
+            if best is not None:
+                chosen[i] = best
+        return chosen
+
+    def policies(chosen):
+        out = {}
+        for i, k in chosen.items():
+            p = preds[i]
+            q = PathPredictor(p.a, p.bg, p.bu, p.wd_norm, thr[i][k])
+            out[i] = PathPolicy(method="predictor", predictor=q)
+        return out
+
+    rt = PathRuntime()
+
+    def measure(chosen):
+        install(model, policies(chosen), rt)
+        rt.reset_stats()
+        try:
+            ppl = heldout_ppl_all(model, held, rt)
+        finally:
+            remove(model)
+        return ppl, bytes_summary(model, rt)
+
+    dense = heldout_ppl_all(model, held)
+    limit = dense * (1 + budget)
+    log(f"[paths] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens, every token)")
+
+    # the scales at which the allocation changes, in order; the mildest is one layer at one step
+    ratios = sorted({cost[i][k] / saved(k) for i in range(L) for k in range(len(cfg.keeps))
+                     if saved(k) > 0})
+    mild = allocation(ratios[0])
+    ppl0, b0 = measure(mild)
+    if ppl0 > limit:
+        raise PathBudgetError(
+            f"budget {budget:.2%} cannot be met: the mildest path setting "
+            f"({len(mild)} layer(s), {b0['ffn_bytes_skipped']:.1%} FFN bytes skipped) costs "
+            f"{ppl0 / dense - 1:+.2%} held-out perplexity")
+    best = (0, ppl0, b0)
+    lo, hi = 0, len(ratios) - 1
+    for step in range(cfg.search_steps):
+        if lo >= hi:
+            break
+        mid = (lo + hi + 1) // 2
+        ppl, b = measure(allocation(ratios[mid]))
+        ok = ppl <= limit
+        log(f"[paths] gate step {step + 1}: scale {ratios[mid]:.3g} -> held-out ppl {ppl:.4f} "
+            f"({ppl / dense - 1:+.2%}), FFN bytes skipped {b['ffn_bytes_skipped']:.1%} "
+            f"{'ok' if ok else 'over budget'}")
+        if ok:
+            lo = mid
+            if b["ffn_bytes_skipped"] >= best[2]["ffn_bytes_skipped"]:
+                best = (mid, ppl, b)
+        else:
+            hi = mid - 1
+    chosen = allocation(ratios[best[0]])
+    pol = policies(chosen)
+    ppl, b = best[1], best[2]
+
+    tensors, layers = {}, []
+    for i in range(L):
+        if i in pol:
+            tensors.update(pol[i].predictor.state(f"layers.{i}.paths"))
+        layers.append({"index": i, "sparse": i in pol,
+                       "keep_planned": cfg.keeps[chosen[i]] if i in chosen else 1.0,
+                       "threshold": pol[i].predictor.threshold if i in pol else None,
+                       "kept_heldout": round(b["per_layer_kept"].get(i, 1.0), 4)})
+    meta = {
+        "format": FORMAT, "version": VERSION, "budget": budget,
+        "predictor": {"kind": "whitened-lowrank-swiglu", "rank": cfg.rank, "weights": pw,
+                      "weights_fraction_of_ffn": pw / (3 * D * Fdim),
+                      "score": "|silu(x A Bg) * (x A Bu)| * ||W_down[:, j]||"},
+        "layers": layers,
+        "quality": {"budget": budget, "dense_ppl": dense, "paths_ppl": ppl,
+                    "ppl_rise": ppl / dense - 1, "ffn_bytes_skipped": b["ffn_bytes_skipped"],
+                    "channels_kept": b["channels_kept"],
+                    "heldout_tokens": len(held) * (cfg.seq_len - 1),
+                    "protocol": "every token teacher-forced with the paths on"},
+        "seconds": round(time.time() - t0, 1),
+    }
+    log(f"[paths] chosen: {len(pol)} sparse layers, held-out ppl {dense:.4f} -> {ppl:.4f} "
+        f"({ppl / dense - 1:+.2%}, budget {budget:.2%}), FFN bytes skipped "
+        f"{b['ffn_bytes_skipped']:.1%}")
+    return meta, tensors

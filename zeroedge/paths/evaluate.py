@@ -1,0 +1,92 @@
+"""`zeroedge eval ... --paths`: dense vs predicted-paths perplexity, every token teacher-forced with
+the paths on (decode mechanisms are measured on every token), and the FFN weight bytes a decode
+step would not read."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from zeroedge.errors import UserError
+from zeroedge.paths.predictor import PathPredictor
+from zeroedge.paths.sparse import PathPolicy, PathRuntime, bytes_summary, install, remove
+
+
+def policies_from_artifact(model, meta: dict, tensors: dict, where: str = "artifact") -> dict:
+    """The deployed per-layer policies; UserError naming what is missing or mismatched."""
+    from zeroedge import calib_artifact
+
+    if "model" in meta:
+        calib_artifact.check_model(meta, model.cfg, where)
+    paths = meta.get("paths")
+    if not paths:
+        raise UserError(f"{where} has no decode path predictors (meta section 'paths' is missing): "
+                        "re-run zeroedge calibrate with --paths")
+    layers = paths.get("layers")
+    if not isinstance(layers, list) or len(layers) != model.cfg.n_layers:
+        raise UserError(f"{where}: 'paths' describes {len(layers) if isinstance(layers, list) else 'no'} "
+                        f"layers, the model has {model.cfg.n_layers}")
+    pol = {}
+    for lm in layers:
+        if not lm.get("sparse"):
+            continue
+        i = int(lm["index"])
+        try:
+            p = PathPredictor.from_state(tensors, f"layers.{i}.paths")
+        except KeyError as e:
+            raise UserError(f"{where}: layer {i} path predictor tensors missing ({e})") from None
+        D, Fdim = model.cfg.dim, model.cfg.ffn_dim
+        if p.a.shape[0] != D or p.bg.shape[1] != Fdim or p.bu.shape != p.bg.shape:
+            raise UserError(f"{where}: layer {i} path predictor has shape {tuple(p.a.shape)} x "
+                            f"{tuple(p.bg.shape)}, the model needs D={D}, F={Fdim}")
+        pol[i] = PathPolicy(method="predictor", predictor=p)
+    if not pol:
+        raise UserError(f"{where}: 'paths' marks no layer sparse; nothing to run sparse")
+    return pol
+
+
+def load_paths(model, meta: dict, tensors: dict, runtime: PathRuntime | None = None,
+               where: str = "artifact") -> PathRuntime:
+    rt = runtime or PathRuntime()
+    install(model, policies_from_artifact(model, meta, tensors, where), rt)
+    return rt
+
+
+@torch.inference_mode()
+def _ppl(model, t: torch.Tensor, continuation: int, rt: PathRuntime | None):
+    N = t.shape[1]
+    if rt is not None:
+        rt.reset_stats()
+        rt.active, rt.count_from = True, N - 1 - continuation
+    try:
+        logits = model(t[:, :-1])
+    finally:
+        if rt is not None:
+            rt.active, rt.count_from = False, 0
+    tail = logits[0, -continuation:].float()
+    return math.exp(float(F.cross_entropy(tail, t[0, -continuation:])))
+
+
+def run_eval(model, ids: list, meta: dict, tensors: dict, continuation: int = 1024) -> dict:
+    """Dense vs paths perplexity of the last `continuation` tokens of ids (every position,
+    context included, runs with the paths on) and ffn_bytes_skipped averaged over them."""
+    if len(ids) < continuation + 1:
+        raise UserError(f"{len(ids)} tokens; at least {continuation + 1} are needed")
+    pol_rt = PathRuntime()
+    pol = policies_from_artifact(model, meta, tensors)
+    t = torch.tensor([list(ids)])
+    dense = _ppl(model, t, continuation, None)
+    install(model, pol, pol_rt)
+    try:
+        sparse = _ppl(model, t, continuation, pol_rt)
+        b = bytes_summary(model, pol_rt)
+    finally:
+        remove(model)
+    pw = next(iter(pol.values())).predictor.weights()
+    L, D, Fdim = model.cfg.n_layers, model.cfg.dim, model.cfg.ffn_dim
+    return {"dense_ppl": dense, "paths_ppl": sparse, "paths_ppl_rise": sparse / dense - 1,
+            "ffn_bytes_skipped": b["ffn_bytes_skipped"],
+            "ffn_bytes_skipped_gross": b["ffn_bytes_skipped"] + len(pol) * pw / (3 * D * Fdim) / L,
+            "paths_channels_kept": b["channels_kept"], "paths_sparse_layers": len(pol),
+            "paths_scored_tokens": continuation}

@@ -154,3 +154,51 @@ def test_demo_hook(tmp_path, shipped_bundle):
     for k in ("fdr", "far", "delay", "predicted_fault", "readings_per_s"):
         assert k in s
     assert s["predicted_fault"] == "fault_01" and s["fdr"] > 0.5
+
+
+class _ConstBackend:
+    name = "const"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x):
+        self.calls.append(x.shape)
+        p = np.zeros((len(x), 22), np.float32)
+        p[:, 0] = 0.2
+        p[:, 4] = 0.8
+        return p
+
+
+def _detector(window=8):
+    from zeroedge.sensor import CLASS_NAMES
+    from zeroedge.sensor.runtime import Detector
+
+    meta = {"window": window, "channels": 52, "class_names": CLASS_NAMES,
+            "normalisation": {"mean": [0.0] * 52, "std": [1.0] * 52},
+            "alarm": {"ema_alpha": 0.5, "threshold": 0.5}}
+    return Detector(meta, _ConstBackend())
+
+
+def test_engine_windows_cadence_and_bounded_state():
+    from zeroedge.sensor.runtime import Engine
+
+    det = _detector()
+    eng = Engine(det, infer_every=4)
+    frames = np.arange(30 * 52, dtype=np.float32).reshape(30, 52)
+    res = eng.process([("a", i, f, None) for i, f in enumerate(frames)], now=0.0)
+    assert [r["seq"] for r in res] == [3, 7, 11, 15, 19, 23, 27]
+    assert all(r["alarm"] and r["fault"] == "fault_04" for r in res)
+    assert res[0]["rising"] and not res[1]["rising"]
+    assert det.backend.calls[0] == (1, 4, 52) and (1, 8, 52) in det.backend.calls or \
+        any(c[1] == 8 for c in det.backend.calls)
+    st = eng.streams["a"]
+    np.testing.assert_array_equal(st.snapshot(), frames[-8:])   # ring in time order
+    assert st.memory_bytes() == 8 * 52 * 4
+    # time-based inference: a stream with unseen readings gets a result after the interval
+    eng2 = Engine(_detector(), infer_every=1000, infer_interval_s=5.0)
+    assert eng2.process([("b", 0, frames[0], None)], now=0.0)       # first reading: interval elapsed
+    assert eng2.process([("b", 1, frames[1], None)], now=1.0) == []
+    assert eng2.tick(now=2.0) == []
+    out = eng2.tick(now=6.0)
+    assert [r["seq"] for r in out] == [1]

@@ -124,7 +124,7 @@ class StreamState:
     ema: float = 0.0
     alarm: bool = False
     since_infer: int = 0
-    last_infer_t: float = 0.0
+    last_infer_t: float = float("-inf")
 
     def __post_init__(self):
         if self.frames is None:
@@ -214,7 +214,7 @@ class Engine:
         names = self.det.class_names
         for (st, seq, ts, _w, n), p in zip(due, probs):
             score = float(1.0 - p[0])
-            st.ema = score if n <= 1 else (1 - self.det.alpha) * st.ema + self.det.alpha * score
+            st.ema = score if n <= self.infer_every else (1 - self.det.alpha) * st.ema + self.det.alpha * score
             raised = st.ema > self.det.threshold
             rising = raised and not st.alarm
             st.alarm = raised

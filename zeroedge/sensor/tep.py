@@ -26,7 +26,8 @@ from zeroedge.sensor import N_CHANNELS
 
 SAMPLE_H = 0.05            # 3 minutes between recorded samples
 CONTROL_H = 0.01           # controller interval (5 control steps per sample)
-BRAATZ = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tep-braatz"
+BRAATZ = Path(os.environ.get("ZEROEDGE_TEP_BRAATZ") or
+              Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tep-braatz")
 
 # The fixed, reproducible plan of generated runs: split -> list of (fault, seed, hours, onset_h).
 # Seeds never repeat across splits.
@@ -34,6 +35,9 @@ def plan(split: str):
     if split == "train":
         runs = [(0, 1000 + s, 30.0, 0.0) for s in range(6)]
         runs += [(f, 100 * f + s, 30.0, 2.0) for f in range(1, 22) for s in range(3)]
+        # more seeds (added once the first 3 per fault over-fitted); same recipe, new seeds
+        runs += [(0, 1000 + s, 30.0, 0.0) for s in range(6, 16)]
+        runs += [(f, 100 * f + s, 30.0, 2.0) for f in range(1, 22) for s in range(3, 10)]
     elif split == "val":
         runs = [(0, 5000 + s, 48.0, 8.0) for s in range(2)]
         runs += [(f, 5100 + f, 48.0, 8.0) for f in range(1, 22)]
@@ -127,17 +131,29 @@ def save_run(path: Path, data: np.ndarray):
     tmp.replace(path)
 
 
-def generate(split: str, root: Optional[Path] = None, log=print) -> Path:
-    """Generate (or complete) the runs of `split` in the cache; returns the split folder."""
+def _sim_job(job):
+    fault, seed, hours, onset_h = job
+    return job, simulate(fault, seed, hours, onset_h)
+
+
+def generate(split: str, root: Optional[Path] = None, log=print, workers: int = 1) -> Path:
+    """Generate (or complete) the runs of `split` in the cache; returns the split folder.
+    `workers` > 1 simulates runs in parallel processes (results are identical)."""
     root = Path(root or cache_dir()) / split
     root.mkdir(parents=True, exist_ok=True)
     index_path = root / "index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    for fault, seed, hours, onset_h in plan(split):
+    todo = [job for job in plan(split)
+            if not (f"f{job[0]:02d}_s{job[1]}.dat" in index and (root / f"f{job[0]:02d}_s{job[1]}.dat").is_file())]
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing as mp
+
+        pool = mp.get_context("fork").Pool(workers)
+        results = pool.imap_unordered(_sim_job, todo)
+    else:
+        pool, results = None, map(_sim_job, todo)
+    for (fault, seed, hours, onset_h), data in results:
         name = f"f{fault:02d}_s{seed}.dat"
-        if name in index and (root / name).is_file():
-            continue
-        data = simulate(fault, seed, hours, onset_h)
         save_run(root / name, data)
         index[name] = {"fault": fault, "seed": seed, "hours": hours,
                        "onset": int(round(onset_h / SAMPLE_H)) if fault else len(data),
@@ -146,6 +162,8 @@ def generate(split: str, root: Optional[Path] = None, log=print) -> Path:
         tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
         tmp.replace(index_path)
         log(f"[gen_tep_runs] {split}/{name}: {len(data)} samples")
+    if pool is not None:
+        pool.close()
     return root
 
 

@@ -126,3 +126,25 @@ def test_budget_parsing():
     for bad in ("0", "-1%", "150%", "abc"):
         with pytest.raises(UserError):
             parse_budget(bad)
+
+
+def test_generate_disables_mechanisms_at_high_temperature_unless_forced():
+    from zeroedge.generate import generate
+
+    m = tiny(5)
+    rt = ZeroRuntime()
+    install(m, {i: LayerPolicy(scorer="random", rate=0.5) for i in range(m.cfg.n_layers)}, rt)
+    prompt = torch.randint(0, 256, (64,)).tolist()
+    dense, _ = generate(m, prompt, 8)
+    toks, info = generate(m, prompt, 8, runtime=rt)
+    assert info["mechanisms"] and rt.stats  # prefill skipped rows
+    rt.reset_stats()
+    _, info = generate(m, prompt, 4, temperature=1.5, runtime=rt)
+    assert not info["mechanisms"] and not rt.stats
+    _, info = generate(m, prompt, 4, temperature=1.5, runtime=rt, force=True)
+    assert info["mechanisms"] and rt.stats
+    remove(m)
+    # greedy decode with no runtime equals plain argmax continuation of the full forward
+    with torch.no_grad():
+        full = m(torch.tensor([prompt + dense[:-1]]))
+    assert full[0, len(prompt) - 1:].argmax(-1).tolist() == dense

@@ -175,12 +175,16 @@ class Attention(nn.Module):
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
         if self.record_probs:
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-            scores = scores.masked_fill(~mask, float("-inf")) if mask is not None else scores
+            if mask is None:
+                mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, float("-inf"))
             probs = scores.float().softmax(-1).to(q.dtype)
             self.last_probs = probs
             out = probs @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # mask None = square causal (prefill from 0): lets SDPA use its fused causal kernel
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 is_causal=mask is None and T > 1)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, h * hd))
 
 
@@ -251,7 +255,7 @@ class Transformer(nn.Module):
         if start > 0 and not self.cache_len:
             raise ValueError("start > 0 needs a KV cache (call setup_cache first)")
         cos, sin = self.rope(start, T)
-        mask = self.causal_mask(start, T)
+        mask = None if start == 0 else self.causal_mask(start, T)
         x = self.embed_tokens(tokens) if x is None else x
         inputs = []
         for b in self.layers[first_layer:]:

@@ -29,20 +29,23 @@ def detect():
     from zeroedge.sensor.runtime import evaluate_frames, load_bundle
     from zeroedge.sensor.train import ensure_bundle
 
-    det = load_bundle(ensure_bundle())
-    train = tep.split_runs("train")
-    pca = PCAMonitor().fit(np.concatenate([X for n, f, X, o in train if f == 0]))
+    det = load_bundle(ensure_bundle())                 # zero: last block computes the last token only
+    dense = load_bundle(ensure_bundle(zero=False))     # dense: every row of every block
+    normal = tep.normal_runs("train")
+    pca = PCAMonitor().fit(np.concatenate(normal))
+    print(f"PCA fitted on {len(normal)} normal runs: {pca.k} components, T2 limit {pca.t2_limit:.1f}, "
+          f"Q limit {pca.q_limit:.1f}", flush=True)
     rows = {}
     for name, f, X, onset in tep.split_runs("test"):
         t0 = time.perf_counter()
         m = evaluate_frames(det, X, onset if f else len(X), sensor=name)
-        r = {"model": m}
+        r = {"model": m, "dense": evaluate_frames(dense, X, onset if f else len(X), sensor=name)}
         for k, a in pca.alarms(X).items():
             r["pca_" + k] = detection_metrics(a, onset if f else len(X))
         rows.setdefault(f, []).append(r)
         print(f"{name}: model fdr={m['fdr']} far={m['far']} delay={m['delay']} pred={m['predicted_fault']} "
               f"| pca t2|q fdr={r['pca_t2_or_q']['fdr']} ({time.perf_counter() - t0:.1f}s)", flush=True)
-    methods = ["model", "pca_t2", "pca_q", "pca_t2_or_q"]
+    methods = ["model", "dense", "pca_t2", "pca_q", "pca_t2_or_q"]
 
     def avg(vals):
         vals = [v for v in vals if v is not None]
@@ -55,11 +58,11 @@ def detect():
             table[f][meth] = {k: avg([r[meth][k] for r in rs]) for k in ("fdr", "far", "delay")}
         votes = [r["model"]["predicted_fault"] for r in rs]
         table[f]["model"]["predicted"] = votes
-    lines = ["| fault | model FDR | model FAR | model delay | predicted | PCA T² FDR | PCA Q FDR | PCA T²∨Q FDR | PCA T²∨Q FAR | PCA T²∨Q delay |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| fault | model FDR (zero) | dense FDR | model FAR | model delay | predicted | PCA T² FDR | PCA Q FDR | PCA T²∨Q FDR | PCA T²∨Q FAR | PCA T²∨Q delay |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, d=3: "–" if v is None else (f"{v:.{d}f}" if isinstance(v, float) else str(v))  # noqa
     for f, t in table.items():
-        lines.append(f"| {f if f else 'normal'} | {fmt(t['model']['fdr'])} | {fmt(t['model']['far'])} | "
+        lines.append(f"| {f if f else 'normal'} | {fmt(t['model']['fdr'])} | {fmt(t['dense']['fdr'])} | {fmt(t['model']['far'])} | "
                      f"{fmt(t['model']['delay'], 1)} | {', '.join(t['model']['predicted'])} | "
                      f"{fmt(t['pca_t2']['fdr'])} | {fmt(t['pca_q']['fdr'])} | {fmt(t['pca_t2_or_q']['fdr'])} | "
                      f"{fmt(t['pca_t2_or_q']['far'])} | {fmt(t['pca_t2_or_q']['delay'], 1)} |")
@@ -69,11 +72,12 @@ def detect():
         summary[label] = {meth: {"fdr": avg([table[f][meth]["fdr"] for f in faults]),
                                  "delay": avg([table[f][meth]["delay"] for f in faults])} for meth in methods}
     allfar = {meth: avg([r[meth]["far"] for rs in rows.values() for r in rs]) for meth in methods}
-    lines += ["", "| average | model FDR | PCA T² FDR | PCA Q FDR | PCA T²∨Q FDR |", "|---|---|---|---|---|"]
+    lines += ["", "| average | model FDR (zero) | dense FDR | PCA T² FDR | PCA Q FDR | PCA T²∨Q FDR |",
+              "|---|---|---|---|---|---|"]
     for label, s in summary.items():
-        lines.append(f"| faults {label} | {fmt(s['model']['fdr'])} | {fmt(s['pca_t2']['fdr'])} | "
+        lines.append(f"| faults {label} | {fmt(s['model']['fdr'])} | {fmt(s['dense']['fdr'])} | {fmt(s['pca_t2']['fdr'])} | "
                      f"{fmt(s['pca_q']['fdr'])} | {fmt(s['pca_t2_or_q']['fdr'])} |")
-    lines.append(f"| FAR (all pre-onset + normal samples) | {fmt(allfar['model'])} | {fmt(allfar['pca_t2'])} | "
+    lines.append(f"| FAR (all pre-onset + normal samples) | {fmt(allfar['model'])} | {fmt(allfar['dense'])} | {fmt(allfar['pca_t2'])} | "
                  f"{fmt(allfar['pca_q'])} | {fmt(allfar['pca_t2_or_q'])} |")
     correct = [f"fault_{f:02d}" == p for f, t in table.items() if f and f not in HARD_FAULTS
                for p in t["model"]["predicted"]]
@@ -119,10 +123,11 @@ def speed():
     from zeroedge.sensor.train import ensure_bundle
 
     bundle = ensure_bundle()
+    bundles = {"zero": bundle, "dense": ensure_bundle(zero=False)}
     X = tep.load_run(sorted((tep.cache_dir() / "test").glob("f01_*.dat"))[0])
     res = {}
-    for threads in (1, 2):
-        eng = Engine(load_bundle(bundle, threads=threads))
+    for (variant, b), threads in [(vb, t) for vb in bundles.items() for t in (1, 2)]:
+        eng = Engine(load_bundle(b, threads=threads))
         lat = []
         t0 = time.perf_counter()
         for i, f in enumerate(np.concatenate([X, X])):
@@ -131,10 +136,11 @@ def speed():
             lat.append(time.perf_counter() - t)
         wall = time.perf_counter() - t0
         lat = np.array(lat[64:]) * 1000
-        res[f"engine_batch1_threads{threads}"] = {"readings_per_s": round(2 * len(X) / wall, 1),
-                                                 "p50_ms": round(float(np.percentile(lat, 50)), 3),
-                                                 "p99_ms": round(float(np.percentile(lat, 99)), 3)}
-        print(threads, res[f"engine_batch1_threads{threads}"], flush=True)
+        key = f"engine_{variant}_batch1_threads{threads}"
+        res[key] = {"readings_per_s": round(2 * len(X) / wall, 1),
+                    "p50_ms": round(float(np.percentile(lat, 50)), 3),
+                    "p99_ms": round(float(np.percentile(lat, 99)), 3)}
+        print(key, res[key], flush=True)
     # end to end: 8 streams x 2 runs through the daemon (JSONL file source, spool, JSONL out)
     import tempfile
 
@@ -148,10 +154,11 @@ def speed():
         # interleave streams as a plant would (each stream stays in order)
         order = sorted(range(len(lines)), key=lambda j: (j % (2 * len(X)), rnd.random()))
         (d / "in.jsonl").write_text("\n".join(lines[j] for j in order) + "\n")
-        for threads in (1, 2):
-            sd = d / f"t{threads}"
+        for variant, threads, rate in (("zero", 1, 0), ("zero", 2, 0), ("dense", 2, 0), ("zero", 2, 1000)):
+            sd = d / f"{variant}{threads}_{rate}"
             sd.mkdir()
-            cfg = T.write_config(sd / "c.toml", bundle, {"kind": "file", "path": str(d / "in.jsonl")},
+            cfg = T.write_config(sd / "c.toml", bundles[variant], {"kind": "file", "path": str(d / "in.jsonl"),
+                                                                   "rate": float(rate)},
                                  T.free_port(), threads=threads)
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, "-m", "zeroedge.cli", "daemon", "--config", str(cfg),
@@ -160,10 +167,12 @@ def speed():
             out = [json.loads(line) for line in (sd / "results.jsonl").read_text().splitlines()]
             ts = [r["t"] for r in out]
             n = len(out)
-            res[f"daemon_8streams_threads{threads}"] = {
-                "readings": n, "wall_s_incl_startup": round(wall, 2),
-                "readings_per_s": round(n / (max(ts) - min(ts)), 1), "rc": p.returncode}
-            print(threads, res[f"daemon_8streams_threads{threads}"], flush=True)
+            latline = next((line for line in p.stderr.splitlines() if "window latency" in line), "")
+            key = f"daemon_{variant}_8streams_threads{threads}" + (f"_paced{rate}" if rate else "")
+            res[key] = {"readings": n, "wall_s_incl_startup": round(wall, 2),
+                        "readings_per_s": round(n / (max(ts) - min(ts)), 1), "rc": p.returncode,
+                        "latency": latline.split("results: ")[-1]}
+            print(key, res[key], flush=True)
     (OUT / "sensor_speed.json").write_text(json.dumps(res, indent=1))
 
 

@@ -50,6 +50,8 @@ class Daemon:
         self.processed_total = 0
         self.publisher = None
         self.source = None
+        import collections
+        self.recent_latency = collections.deque(maxlen=100000)   # reading committed -> result, s
         self._open_jsonl()
 
     # ---- output file ----------------------------------------------------------------------------
@@ -186,6 +188,7 @@ class Daemon:
             rec = received.get((r["sensor"], r["seq"]))
             if rec is not None:
                 self.metrics.window_latency.observe(max(0.0, now - rec))
+                self.recent_latency.append(max(0.0, now - rec))
             if r["rising"]:
                 self.metrics.alerts.inc()
                 self.log.warning(f"ALERT sensor={r['sensor']} seq={r['seq']} fault={r['fault']} "
@@ -285,6 +288,13 @@ class Daemon:
         self._update_gauges()
         self.jsonl.close()
         self.http.shutdown()
+        if self.recent_latency:
+            import numpy as np
+
+            lat = np.array(self.recent_latency) * 1000
+            self.log.info(f"window latency (reading committed -> result written) over the last {len(lat)} "
+                          f"results: p50={np.percentile(lat, 50):.2f} ms p99={np.percentile(lat, 99):.2f} ms "
+                          f"max={lat.max():.2f} ms")
         self.log.info(f"stopped cleanly: {self.processed_total} readings processed this run")
         return 0
 

@@ -49,15 +49,18 @@ class OrtBackend:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model):
+    def __init__(self, model, zero: bool = True):
         import torch
 
         self.torch = torch
         self.model = model.eval()
+        self.zero = zero
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         with self.torch.inference_mode():
-            return self.model(self.torch.from_numpy(x))[:, -1].softmax(-1).numpy()
+            x = self.torch.from_numpy(x)
+            logits = self.model.forward_last(x) if self.zero else self.model(x)[:, -1]
+            return logits.softmax(-1).numpy()
 
 
 class Detector:
@@ -106,7 +109,7 @@ def load_bundle(path, backend: str = "onnxruntime", threads: int = 1) -> Detecto
         from zeroedge.sensor.train import load_model
 
         model, _ = load_model(path / meta["weights"])
-        be = TorchBackend(model)
+        be = TorchBackend(model, zero=meta.get("zero", True))
     else:
         raise UserError(f"unknown backend {backend!r} (onnxruntime or torch)")
     return Detector(meta, be, bundle=path)

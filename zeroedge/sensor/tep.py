@@ -167,6 +167,13 @@ def generate(split: str, root: Optional[Path] = None, log=print, workers: int = 
     return root
 
 
+def normal_runs(split: str = "train", root: Optional[Path] = None):
+    """The normal-operation runs of a split that are in the cache (no generation)."""
+    d = Path(root or cache_dir()) / split
+    index = json.loads((d / "index.json").read_text())
+    return [load_run(d / n) for n in sorted(index) if index[n]["fault"] == 0]
+
+
 def split_runs(split: str, root: Optional[Path] = None):
     """[(name, fault, (T,52) array, onset)] of a generated split (generating it if missing)."""
     d = Path(root or cache_dir()) / split

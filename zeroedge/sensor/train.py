@@ -216,10 +216,12 @@ def recalibrate(path: Path = SHIPPED, far_target: float = 0.02, log=print) -> di
     return meta
 
 
-def export_bundle(out_dir, weights: Optional[Path] = None, opset: int = 17) -> dict:
+def export_bundle(out_dir, weights: Optional[Path] = None, opset: int = 17, zero: bool = True) -> dict:
     """Write a sensor bundle: model.onnx (last-position probabilities, dynamic batch and time),
     weights.npz (for the torch backend), manifest.json with "kind": "sensor" and the "sensor" meta
-    (window, channels, class_names, normalisation, alarm, onnx and weights file names)."""
+    (window, channels, class_names, normalisation, alarm, onnx and weights file names).
+    zero=True (default) exports the last-token path of the last block (exact; see
+    SensorTransformer.forward_last); zero=False the dense graph, for comparison."""
     import shutil
 
     import torch
@@ -235,14 +237,14 @@ def export_bundle(out_dir, weights: Optional[Path] = None, opset: int = 17) -> d
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     x = torch.zeros(1, meta["window"], meta["channels"])
-    torch.onnx.export(LastPosition(model), (x,), str(tmp / "model.onnx"), opset_version=opset,
+    torch.onnx.export(LastPosition(model, zero=zero), (x,), str(tmp / "model.onnx"), opset_version=opset,
                       input_names=["frames"], output_names=["probs"], dynamo=False,
                       dynamic_axes={"frames": {0: "batch", 1: "time"}, "probs": {0: "batch"}})
     shutil.copyfile(weights, tmp / "weights.npz")
     sensor = {k: meta[k] for k in ("window", "channels", "class_names", "normalisation", "alarm",
                                    "hard_faults", "config")}
     sensor.update(onnx="model.onnx", weights="weights.npz", input="frames", output="probs",
-                  opset=opset)
+                  opset=opset, zero=bool(zero))
     m = zb.write_manifest(tmp, {"kind": "sensor", "opset": opset, "sensor": sensor})
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -258,18 +260,19 @@ def ensure_weights(log=print) -> Path:
     return SHIPPED
 
 
-def ensure_bundle(out_dir=None) -> Path:
+def ensure_bundle(out_dir=None, zero: bool = True) -> Path:
     """A sensor bundle built from the shipped weights, cached next to the generated data."""
     from zeroedge import bundle as zb
     from zeroedge.errors import UserError
 
-    out_dir = Path(out_dir or tep.cache_dir().parent / "sensor_bundle")
+    out_dir = Path(out_dir or tep.cache_dir().parent / ("sensor_bundle" if zero else "sensor_bundle_dense"))
     w = ensure_weights()
     try:
         m = zb.verify(out_dir)
-        if m["files"].get("weights.npz", {}).get("sha256") == zb.sha256_file(w):
+        if m["files"].get("weights.npz", {}).get("sha256") == zb.sha256_file(w) and \
+                m["sensor"].get("zero", False) == zero:
             return out_dir
     except UserError:
         pass
-    export_bundle(out_dir, w)
+    export_bundle(out_dir, w, zero=zero)
     return out_dir

@@ -3,6 +3,8 @@
   --calib ARTIFACT   SIH/PAD in prefill: dense_ppl, zero_ppl, ffn_flops_skipped, tokens,
                      zero_ppl_all_tokens (long-document protocol, see zeroedge.evaluation)
   --kv-budget F      thermal KV: full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
+  --paths            with --calib: decode paths (issue 5) instead of SIH/PAD: dense_ppl, paths_ppl,
+                     ffn_bytes_skipped (every token teacher-forced with the paths on)
 """
 import click
 
@@ -18,8 +20,10 @@ CONTINUATION = 1024
 @click.option("--kv-budget", type=float, help="Thermal KV hot fraction of the prefix KV, in (0, 1].")
 @click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
+@click.option("--paths", "paths", is_flag=True,
+              help="Evaluate the artifact's decode path predictors (needs --calib).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json):
+def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
@@ -41,6 +45,12 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json)
         from zeroedge import calib_artifact
 
         meta = calib_artifact.read_meta(calib)  # fail fast, before loading the model
+    if paths:
+        if meta is None:
+            raise UserError("--paths needs --calib ARTIFACT (an artifact with path predictors)")
+        if not meta.get("paths"):
+            raise UserError(f"{calib} has no decode path predictors (meta section 'paths' is "
+                            "missing): re-run zeroedge calibrate with --paths")
 
     import torch
 
@@ -54,7 +64,14 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json)
     tok = weights.tokenizer(folder)
     ids = texts.tokens(tok, texts.load_text(text), ctx, offset=offset, what=f"text {text}")
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
-    if meta is not None:
+    if meta is not None and paths:
+        from zeroedge import calib_artifact
+        from zeroedge.paths.evaluate import run_eval as paths_eval
+
+        calib_artifact.check_model(meta, m.cfg, calib)
+        result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
+                                 continuation=CONTINUATION))
+    elif meta is not None:
         result.update(zero_eval(m, ids, calib, meta))
     if kv_budget is not None:
         try:

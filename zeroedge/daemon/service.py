@@ -178,7 +178,7 @@ class Daemon:
             os.fsync(self.jsonl.fileno())
             self.jsonl_offset = self.jsonl.tell()
         streams = [self.engine.streams[s] for s in set(touched) | {r["sensor"] for r in results}]
-        Spool.mark_processed(self.rconn, rowids, streams, self.jsonl_offset)
+        self.spool.mark_processed(rowids, streams, self.jsonl_offset)
         self.processed_total += len(rowids)
         self.metrics.processed.inc(len(rowids))
         self.metrics.inferences.inc(len(results))
@@ -262,7 +262,7 @@ class Daemon:
                 self._update_gauges()
                 last_gauges = now
             if now - last_prune > 30.0:
-                Spool.prune(self.rconn, max(self.cfg.daemon["keep_per_stream"], self.detector.window))
+                self.spool.prune(max(self.cfg.daemon["keep_per_stream"], self.detector.window))
                 last_prune = now
             n = self._process_pending()
             if n:

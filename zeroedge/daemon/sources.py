@@ -67,10 +67,12 @@ class FileSource(Source):
 
         path = Path(self.cfg["path"])
         if path.suffix in (".jsonl", ".json", ".ndjson"):
+            t0 = time.monotonic()
             with open(path, "rb") as f:
-                for line in f:
+                for i, line in enumerate(f):
                     if self.stopping.is_set():
                         return
+                    self._pace(t0, i)
                     if line.strip():
                         self.put(Incoming(line.rstrip(b"\n"), source="file"))
             return

@@ -171,8 +171,14 @@ class Spool:
     def count_pending(conn) -> int:
         return conn.execute("SELECT COUNT(*) FROM readings WHERE processed = 0").fetchone()[0]
 
+    def mark_processed(self, rowids, streams, jsonl_offset: int):
+        """Commit a processed batch. Writes from both threads go through the one writer connection
+        under a Python lock, so they never meet SQLite's busy handler (which sleeps)."""
+        with self.lock:
+            self._mark_processed(self.w, rowids, streams, jsonl_offset)
+
     @staticmethod
-    def mark_processed(conn, rowids, streams, jsonl_offset: int):
+    def _mark_processed(conn, rowids, streams, jsonl_offset: int):
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.executemany("UPDATE readings SET processed = 1 WHERE id = ?", [(r,) for r in rowids])
@@ -208,8 +214,12 @@ class Spool:
                 st.frames[(n - k + j) % st.window] = f
             st.last_seq, st.ema, st.alarm, st.since_infer = last_seq, ema, bool(alarm), since
 
+    def prune(self, keep: int):
+        with self.lock:
+            self._prune(self.w, keep)
+
     @staticmethod
-    def prune(conn, keep: int):
+    def _prune(conn, keep: int):
         conn.execute("DELETE FROM readings WHERE processed = 1 AND seq < "
                      "(SELECT s.last_seq FROM streams s WHERE s.sensor = readings.sensor) - ?", (keep,))
         conn.execute("DELETE FROM dead_letters WHERE id < (SELECT MAX(id) FROM dead_letters) - 100000")

@@ -176,24 +176,25 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             shutil.rmtree(tmp / "_raw")
         step("write bundle")
         wf = WeightFile(tmp / WEIGHTS)
-        files = {}
-        for name, proto in graphs.items():
+        files, opsets = {}, {}
+        for name in list(graphs):
+            proto = wf.externalize(graphs.pop(name))         # weights out first: copies are cheap
             io = graph_io(proto)
             for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
                 p = onnx.ModelProto()
                 p.CopyFrom(proto)
                 conv(p)
-                wf.externalize(p)
                 fn = f"{name}.{flavour}.onnx"
                 onnx.save_model(p, str(tmp / fn))
                 files[fn] = {"graph": name, "flavour": flavour}
             info.setdefault("graphs", {})[name] = io
+            opsets[name] = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         wf.close()
         if folder is not None:
             for f in TOKENIZER_FILES:
                 if (Path(folder) / f).is_file():
                     shutil.copy2(Path(folder) / f, tmp / f)
-        opset = next((o.version for o in graphs["prefill"].opset_import if o.domain in ("", "ai.onnx")), None)
+        opset = opsets.get("prefill")
         mf = bundle_mod.write_manifest(tmp, {
             "opset": opset, "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
             "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,

@@ -198,7 +198,37 @@ def export_model_protos(model, tmp_dir, **kw):
     import onnx
 
     r = export_graphs(model, tmp_dir, **kw)
-    return onnx.load(str(r["prefill"])), onnx.load(str(r["decode"])), r["seconds"]
+    pre, dec = onnx.load(str(r["prefill"])), onnx.load(str(r["decode"]))
+    if model.cfg.tie_embeddings:
+        _tie_lm_head(pre)
+        _tie_lm_head(dec)
+    return pre, dec, r["seconds"]
+
+
+def _tie_lm_head(proto):
+    """The exporter folds the tied lm_head into a transposed copy of the embedding ([D, V]) for a
+    MatMul; use Gemm(transB=1) on the embedding itself so the bundle stores it once."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in proto.graph.initializer}
+    emb = next((i for i in proto.graph.initializer if i.name.endswith("embed_tokens.weight")), None)
+    if emb is None:
+        return False
+    V, D = emb.dims
+    for idx, n in enumerate(proto.graph.node):
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if w is None or list(w.dims) != [D, V]:
+            continue
+        if not np.array_equal(numpy_helper.to_array(w), numpy_helper.to_array(emb).T):
+            continue
+        g = helper.make_node("Gemm", [n.input[0], emb.name], list(n.output), name=n.name + "_tied", transB=1)
+        proto.graph.node.remove(n)
+        proto.graph.node.insert(idx, g)
+        if not any(w.name in m.input for m in proto.graph.node):
+            proto.graph.initializer.remove(w)
+        return True
+    return False
 
 
 def _export(module, args, path, in_names, out_names, dynamic_axes):

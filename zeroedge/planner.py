@@ -73,7 +73,8 @@ def model_numbers(manifest: dict, weight_bytes_fp32: int) -> dict:
     c = manifest["model"]
     hd = c["dim"] // c["n_heads"]
     return {"L": c["n_layers"], "D": c["dim"], "F": c["ffn_dim"], "h": c["n_heads"], "hkv": c["n_kv_heads"],
-            "hd": hd, "V": c["vocab_size"], "params": weight_bytes_fp32 // 4}
+            "hd": hd, "V": c["vocab_size"], "params": weight_bytes_fp32 // 4,
+            "tied": bool(c.get("tie_embeddings", True))}
 
 
 SCORE_COPIES_HOST = 9     # onnxruntime CPU: live [h, T, T] fp32 tensors at the prefill peak (measured 8.7-10.5)
@@ -91,7 +92,11 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     act_prefill = (score_copies * m["h"] * T * T * 4 + per_tok_kv * T * b + 3 * T * m["F"] * b
                    + 4 * T * m["D"] * b + m["V"] * 4 + m["L"] * T * 4)
     act_decode = 4 * m["h"] * hot * 4 + per_tok_kv * b + 3 * m["F"] * b + m["V"] * 4
-    out = {"weights": engines * m["params"] * b,
+    # onnxruntime CPU, tied lm_head (Gemm transB=1 on the embedding the Gather also reads): the
+    # original stays and the MatMul kernel keeps its own transposed/packed copies (measured ~2 per
+    # session). TensorRT: counted once (assumption).
+    tied = 2 * m["V"] * m["D"] * 4 if (m.get("tied") and not device) else 0
+    out = {"weights": engines * (m["params"] * b + tied),
            "hot_kv": per_tok_kv * hot * b,
            "compressed_kv": per_tok_kv * max(context - window, 0) * (1 + 2 / 64),
            "activations": max(act_prefill, act_decode),

@@ -108,7 +108,8 @@ def _plot_fdr(table):
     ax.set_xlabel("TEP fault")
     ax.set_ylabel("detection rate")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylim(0, 1.25)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
     ax.set_title("Fault detection rate on held-out tep-studio test runs (fault at sample 160 of 960)")
     fig.tight_layout()
     fig.savefig(OUT / "sensor_fdr.png", dpi=110)
@@ -280,21 +281,35 @@ def memory(streams=20, days=7.0):
            "samples": [(round(a, 3), int(b)) for a, b, _ in samples]}
     print({k: v for k, v in out.items() if k != "samples"})
     (OUT / "sensor_memory.json").write_text(json.dumps(out, indent=1))
+    _plot_memory(out)
+
+
+def _plot_memory(out):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    window = int(out["hot_state_bytes"] // out["streams"] // (52 * 4))
+    days = [a for a, b in out["samples"]]
+    rss = np.array([b for a, b in out["samples"]]) / 1e6
     fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([s[0] for s in samples], rss / 1e6)
+    ax.plot(days, rss)
     ax.set_xlabel("simulated days")
     ax.set_ylabel("daemon RSS (MB)")
-    ax.set_title(f"{streams} streams, bounded 64-frame window per stream (no thermal KV)")
-    ax.set_ylim(0, rss.max() / 1e6 * 1.2)
+    ax.set_title(f"{out['streams']} streams, bounded {window}-frame window per stream (no thermal KV)")
+    ax.set_ylim(0, rss.max() * 1.2)
     fig.tight_layout()
     fig.savefig(OUT / "sensor_memory.png", dpi=110)
 
 
+def replot():
+    d = json.loads((OUT / "sensor_detect.json").read_text())
+    _plot_fdr({int(k): v for k, v in d["table"].items()})
+    _plot_memory(json.loads((OUT / "sensor_memory.json").read_text()))
+
+
 if __name__ == "__main__":
     {"detect": detect, "speed": speed, "kill": kill, "memory": memory,
-     "paced": lambda: speed(only_paced=True), "daemon": lambda: speed(daemon_only=True)}[sys.argv[1]]()
+     "paced": lambda: speed(only_paced=True), "daemon": lambda: speed(daemon_only=True),
+     "replot": replot}[sys.argv[1]]()

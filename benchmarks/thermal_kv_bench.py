@@ -159,10 +159,14 @@ def needle_runs(args, model, tok):
 def table():
     rows = [json.loads(l) for l in RESULTS.read_text().splitlines()] if RESULTS.exists() else []
     ppl = [r for r in rows if not r.get("needle")]
+    for r in ppl:                       # tagged variants get their own rows
+        if r.get("tag") and r["method"] != "full":
+            r["method"] = f"{r['method']} [{r['tag']}]"
     needle = [r for r in rows if r.get("needle")]
     lines = []
     full = {(r["text"], r["ctx"]): r["ppl"] for r in ppl if r["method"] == "full"}
     order = ["streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal"]
+    order += sorted({r["method"] for r in ppl} - set(order) - {"full"})
     combos = sorted({(r["ctx"], r["budget"]) for r in ppl if r["method"] != "full"})
     textsz = sorted({r["text"] for r in ppl})
     lines.append("| ctx | budget | method | " + " | ".join(f"{t} ppl (rise)" for t in textsz)
@@ -222,7 +226,8 @@ def plot(ppl, full):
     keys = sorted({(r["text"], r["ctx"]) for r in ppl if r["method"] != "full" and (r["text"], r["ctx"]) in full})
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.2 * max(1, len(keys)), 3.6), squeeze=False)
     for ax, (t, N) in zip(axes[0], keys):
-        for m, mk in [("streaming", "s"), ("h2o", "^"), ("snapkv", "v"), ("oracle_page", "x"), ("thermal", "o")]:
+        for m, mk in [("streaming", "s"), ("h2o", "^"), ("snapkv", "v"), ("oracle_page", "x"), ("thermal", "o"),
+                      ("thermal [r32b3]", "D")]:
             rs = sorted([r for r in ppl if r["text"] == t and r["ctx"] == N and r["method"] == m],
                         key=lambda r: r["budget"])
             if rs:

@@ -6,7 +6,7 @@ covariance, the next 12 are scored. Every summary picks the same number of 16-to
 head (10 % budget, sink page and 2 recent pages always read); the number reported is the exact
 attention mass that lands in the pages read, averaged over layers, heads and queries.
 
-    python benchmarks/thermal_kv_sketch_proxy.py
+    python benchmarks/thermal_kv_sketch_proxy.py [kjv|essays]
 """
 import math
 import sys
@@ -19,7 +19,8 @@ from zeroedge.kv.evaluate import Sketch, page_scores  # noqa: E402
 from zeroedge.weights import cache_dir  # noqa: E402
 
 torch.set_num_threads(1)
-pre = torch.load(cache_dir() / "kvbench" / "pre_kjv_4096_stats.pt")
+TEXT = sys.argv[1] if len(sys.argv) > 1 else "kjv"
+pre = torch.load(cache_dir() / "kvbench" / f"pre_{TEXT}_4096_stats.pt")
 L = len(pre["k"])
 nkv, P, hd = pre["k"][0].shape
 H = pre["qwin"][0].shape[0]
@@ -32,6 +33,7 @@ forced[0] = True
 forced[-2:] = True
 variants = ["exact page max (oracle)", "key PCA r16 int4", "key PCA r32 int3", "key PCA r64 int4",
             "query-aware r8 int4", "query-aware r16 int4", "query-aware r32 int3",
+            "query-aware (whole-prefill cov) r16 int4", "query-aware (whole-prefill cov) r32 int3",
             "query-aware r16 int2", "query-aware r16 sign bits"]
 res = {v: [] for v in variants}
 for li in range(L):
@@ -46,7 +48,8 @@ for li in range(L):
         else:
             r = int(v.split(" r")[1].split()[0])
             bits = 1 if "sign" in v else int(v.split("int")[1])
-            sk = Sketch(K, ps, r, bits, cq if v.startswith("query") else None)
+            cov = pre["qcov"][li] if "whole-prefill" in v else cq
+            sk = Sketch(K, ps, r, bits, cov if v.startswith("query") else None)
             s, how = sk.scores(q, kvi), "mass"
         pss = page_scores(s, ps, grp, how).masked_fill(forced[None, None], float("-inf"))
         sel = pss.topk(kp - 3, -1).indices

@@ -107,6 +107,7 @@ def prefill(model, ids, stats: bool = True, chunk: int = 512, window: int = 32):
                 out["qwin"].append(q[0, :, -window:].clone())
             else:
                 o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+                out["qwin"].append(q[0, :, -window:].clone())
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, P, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
             qf = q[0].float()
@@ -301,6 +302,14 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
                     how = opts.get("oracle_how", "max")
                 else:
                     qcov = pre["qcov"][li] if opts.get("qaware", 1) else None
+                    w = float(opts.get("recent_cov", 0))
+                    if qcov is not None and w > 0 and pre.get("qwin"):
+                        # blend in the observation window's queries (the most recent prefill
+                        # queries look most like the continuation's); both normalised first
+                        qw = pre["qwin"][li].float()
+                        cw = (qw.transpose(1, 2) @ qw).view(nkv, grp, hd, hd).sum(1)
+                        nrm = lambda c: c / c.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]
+                        qcov = nrm(qcov) + w * nrm(cw)
                     sk = Sketch(Kp, page_size, opts.get("rank", 16), opts.get("bits", 4), qcov)
                     stats.setdefault("summary_bytes", 0)
                     stats["summary_bytes"] += sk.nbytes()
@@ -367,7 +376,8 @@ def fetch_stats(chosen, slots: int) -> dict:
 # --------------------------------------------------------------------------------------------
 # the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
 # --------------------------------------------------------------------------------------------
-DEFAULTS = {"rank": 16, "bits": 4, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1}
+DEFAULTS = {"rank": 16, "bits": 4, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1,
+            "recent_cov": 0.0}
 
 
 def kv_bytes(model, tokens: int) -> int:

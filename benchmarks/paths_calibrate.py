@@ -1,7 +1,7 @@
 """Calibrate decode path predictors on SmolLM2 (KJV + essays, first 24000 tokens of each, as
 `zeroedge calibrate` reads them) and write a paths-only calibration artifact.
 
-  python benchmarks/paths_calibrate.py OUT_DIR [--budget 0.02]
+  python benchmarks/paths_calibrate.py OUT_DIR [--budget 0.02] [--method predictor|magnitude]
 """
 import argparse
 import sys
@@ -15,6 +15,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--tokens", type=int, default=24000)
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--method", default="predictor", choices=("predictor", "magnitude"))
     a = ap.parse_args()
     torch.set_num_threads(2)
     from zeroedge import calib_artifact, texts, weights
@@ -26,7 +27,7 @@ def main():
              for t in ("kjv", "essays")]
     log = lambda s: print(s, file=sys.stderr, flush=True)
     try:
-        meta, tensors = calibrate_paths(m, lists, a.budget, log=log, cfg=PathsConfig(rank=a.rank))
+        meta, tensors = calibrate_paths(m, lists, a.budget, log=log, cfg=PathsConfig(rank=a.rank, method=a.method))
     except PathBudgetError as e:
         sys.exit(f"{e}; nothing written")
     full = {"model": {"name": m.cfg.name, "config": m.cfg.to_dict()}, "layers": [], "sih": {},

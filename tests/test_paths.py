@@ -164,3 +164,19 @@ def test_budget_that_cannot_be_met_raises():
         calibrate_paths(m, _lists(), 1e-6, log=lambda s: None, cfg=cfg)
     with pytest.raises(PathBudgetError, match="cannot be met"):
         calibrate_paths(m, _lists(), 0.0, log=lambda s: None, cfg=cfg)
+
+
+def test_magnitude_method_calibrates_and_evaluates():
+    m = build("tiny", seed=0)
+    cfg = PathsConfig(method="magnitude", seq_len=64, train_seqs=1, gate_seqs=1, search_steps=3,
+                      log=None)
+    meta, tens = calibrate_paths(m, _lists(), 0.05, log=lambda s: None, cfg=cfg)
+    assert meta["predictor"]["kind"] == "input-magnitude"
+    sparse = [lm["index"] for lm in meta["layers"] if lm["sparse"]]
+    assert sparse and f"layers.{sparse[0]}.paths.threshold_in" in tens
+    full = {"model": {"name": "tiny", "config": m.cfg.to_dict()}, "paths": meta}
+    r = run_eval(m, _lists()[0][:200], full, tens, continuation=128)
+    assert 0 < r["ffn_bytes_skipped"] < 1
+    gone = {k: v for k, v in tens.items() if "threshold_act" not in k}
+    with pytest.raises(UserError, match="threshold_act"):
+        run_eval(m, _lists()[0][:200], full, gone, continuation=128)

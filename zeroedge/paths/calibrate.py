@@ -39,6 +39,7 @@ class PathBudgetError(Exception):
 
 @dataclass
 class PathsConfig:
+    method: str = "predictor"       # predictor | magnitude (TEAL-style |x| and |a| thresholds)
     rank: int = 32
     seq_len: int = 1024
     train_seqs: int = 2
@@ -100,29 +101,46 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
     X, Y, G = ({i: torch.cat(v) for i, v in d.items()} for d in (X, Y, G))
 
     # 2-3. predictors, thresholds and first-order costs per kept fraction
-    preds, thr, cost = {}, {}, {}
+    if cfg.method not in ("predictor", "magnitude"):
+        raise ValueError(f"unknown paths method {cfg.method}")
+    preds, thr, thr_in, cost = {}, {}, {}, {}
+
+    def q(t, keep):
+        flat = t.abs().flatten()
+        return float(torch.quantile(flat[:: max(1, flat.numel() // 2_000_000)], 1 - keep))
+
     with torch.no_grad():
         for i in range(L):
             mlp = model.layers[i].mlp
-            p = fit_predictor(X[i], mlp, cfg.rank)
-            s = p.scores(X[i])
-            flat = s.flatten()
-            sample = flat[:: max(1, flat.numel() // 2_000_000)]
-            a = F.silu(mlp.gate_proj(X[i])) * mlp.up_proj(X[i])
-            preds[i], thr[i], cost[i] = p, [], []
+            thr[i], thr_in[i], cost[i] = [], [], []
+            if cfg.method == "predictor":
+                p = fit_predictor(X[i], mlp, cfg.rank)
+                s = p.scores(X[i])
+                a = F.silu(mlp.gate_proj(X[i])) * mlp.up_proj(X[i])
+                preds[i] = p
             for keep in cfg.keeps:
-                t = float(torch.quantile(sample, 1 - keep))
-                dy = mlp.down_proj(a * (s < t))        # the part of y the cut channels carried
+                if cfg.method == "predictor":
+                    t = q(s, keep)
+                    dy = mlp.down_proj(a * (s < t))        # the part of y the cut channels carried
+                else:
+                    ti = q(X[i], keep)
+                    xm = X[i] * (X[i].abs() >= ti)
+                    am = F.silu(mlp.gate_proj(xm)) * mlp.up_proj(xm)
+                    t = q(am, keep)
+                    dy = mlp.down_proj(am * (am.abs() >= t)) - Y[i]
+                    thr_in[i].append(ti)
                 thr[i].append(t)
                 cost[i].append(float((G[i] * dy).sum(-1).abs().mean()))
     del X, Y, G
-    pw = preds[0].weights()
-    log(f"[paths] rank-{cfg.rank} predictors: {pw} weights each "
-        f"({pw / (3 * D * Fdim):.1%} of a layer's FFN); first-order cost at keep "
-        f"{cfg.keeps[len(cfg.keeps) // 2]}: min {min(c[len(cfg.keeps) // 2] for c in cost.values()):.4f} "
-        f"max {max(c[len(cfg.keeps) // 2] for c in cost.values()):.4f} nats/token")
+    pw = preds[0].weights() if preds else 0
+    mid = len(cfg.keeps) // 2
+    log(f"[paths] {cfg.method}: {'rank-%d predictors, %d weights each (%.1f%% of a layer FFN); ' % (cfg.rank, pw, 100 * pw / (3 * D * Fdim)) if preds else ''}"
+        f"first-order cost at keep {cfg.keeps[mid]}: min {min(c[mid] for c in cost.values()):.4f} "
+        f"max {max(c[mid] for c in cost.values()):.4f}")
 
     def saved(k):  # fraction of a layer's FFN weights a step does not read at keep index k
+        if cfg.method == "magnitude":
+            return 1 - cfg.keeps[k]
         return 1 - read_fraction("predictor", cfg.keeps[k], D, Fdim, pw)
 
     def allocation(scale):
@@ -139,9 +157,12 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
     def policies(chosen):
         out = {}
         for i, k in chosen.items():
+            if cfg.method == "magnitude":
+                out[i] = PathPolicy(method="magnitude", threshold_in=thr_in[i][k], threshold=thr[i][k])
+                continue
             p = preds[i]
-            q = PathPredictor(p.a, p.bg, p.bu, p.wd_norm, thr[i][k])
-            out[i] = PathPolicy(method="predictor", predictor=q)
+            out[i] = PathPolicy(method="predictor",
+                                predictor=PathPredictor(p.a, p.bg, p.bu, p.wd_norm, thr[i][k]))
         return out
 
     rt = PathRuntime()
@@ -192,17 +213,26 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
 
     tensors, layers = {}, []
     for i in range(L):
-        if i in pol:
+        if i in pol and cfg.method == "predictor":
             tensors.update(pol[i].predictor.state(f"layers.{i}.paths"))
+        elif i in pol:
+            tensors[f"layers.{i}.paths.threshold_in"] = torch.tensor([pol[i].threshold_in])
+            tensors[f"layers.{i}.paths.threshold_act"] = torch.tensor([pol[i].threshold])
         layers.append({"index": i, "sparse": i in pol,
                        "keep_planned": cfg.keeps[chosen[i]] if i in chosen else 1.0,
-                       "threshold": pol[i].predictor.threshold if i in pol else None,
+                       "threshold": (pol[i].predictor.threshold if cfg.method == "predictor"
+                                     else pol[i].threshold) if i in pol else None,
+                       "threshold_in": pol[i].threshold_in if i in pol and cfg.method == "magnitude" else None,
                        "kept_heldout": round(b["per_layer_kept"].get(i, 1.0), 4)})
     meta = {
         "format": FORMAT, "version": VERSION, "budget": budget,
-        "predictor": {"kind": "whitened-lowrank-swiglu", "rank": cfg.rank, "weights": pw,
-                      "weights_fraction_of_ffn": pw / (3 * D * Fdim),
-                      "score": "|silu(x A Bg) * (x A Bu)| * ||W_down[:, j]||"},
+        "predictor": ({"kind": "whitened-lowrank-swiglu", "rank": cfg.rank, "weights": pw,
+                       "weights_fraction_of_ffn": pw / (3 * D * Fdim),
+                       "score": "|silu(x A Bg) * (x A Bu)| * ||W_down[:, j]||"}
+                      if cfg.method == "predictor" else
+                      {"kind": "input-magnitude", "weights": 0, "weights_fraction_of_ffn": 0.0,
+                       "rule": "read W_gate/W_up columns k with |x_k| >= threshold_in, W_down "
+                               "columns j with |a_j| >= threshold_act"}),
         "layers": layers,
         "quality": {"budget": budget, "dense_ppl": dense, "paths_ppl": ppl,
                     "ppl_rise": ppl / dense - 1, "ffn_bytes_skipped": b["ffn_bytes_skipped"],

@@ -27,11 +27,22 @@ def policies_from_artifact(model, meta: dict, tensors: dict, where: str = "artif
     if not isinstance(layers, list) or len(layers) != model.cfg.n_layers:
         raise UserError(f"{where}: 'paths' describes {len(layers) if isinstance(layers, list) else 'no'} "
                         f"layers, the model has {model.cfg.n_layers}")
+    kind = (paths.get("predictor") or {}).get("kind", "whitened-lowrank-swiglu")
+    if kind not in ("whitened-lowrank-swiglu", "input-magnitude"):
+        raise UserError(f"{where}: unknown path predictor kind {kind!r}")
     pol = {}
     for lm in layers:
         if not lm.get("sparse"):
             continue
         i = int(lm["index"])
+        if kind == "input-magnitude":
+            names = [f"layers.{i}.paths.threshold_in", f"layers.{i}.paths.threshold_act"]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise UserError(f"{where}: layer {i} path thresholds missing ({', '.join(missing)})")
+            pol[i] = PathPolicy(method="magnitude", threshold_in=float(tensors[names[0]].reshape(-1)[0]),
+                                threshold=float(tensors[names[1]].reshape(-1)[0]))
+            continue
         try:
             p = PathPredictor.from_state(tensors, f"layers.{i}.paths")
         except KeyError as e:
@@ -83,7 +94,8 @@ def run_eval(model, ids: list, meta: dict, tensors: dict, continuation: int = 10
         b = bytes_summary(model, pol_rt)
     finally:
         remove(model)
-    pw = next(iter(pol.values())).predictor.weights()
+    first = next(iter(pol.values()))
+    pw = first.predictor.weights() if first.predictor is not None else 0
     L, D, Fdim = model.cfg.n_layers, model.cfg.dim, model.cfg.ffn_dim
     return {"dense_ppl": dense, "paths_ppl": sparse, "paths_ppl_rise": sparse / dense - 1,
             "ffn_bytes_skipped": b["ffn_bytes_skipped"],

@@ -29,12 +29,16 @@ class PathPolicy:
     method="predictor_topk": the predictor's top-`keep` channels of every token (benchmarks);
     method="topk": oracle top-`keep` on |silu(g)*u|; method="cats": |silu(g)| >= threshold;
     method="input": TEAL-style, top-`keep_in` |x| input dims for gate/up, then top-`keep` |a|
-    for down (benchmarks: a different axis of sparsity, measured beside the others)."""
+    for down (benchmarks: a different axis of sparsity, measured beside the others);
+    method="magnitude": the deployable form of "input": |x_k| >= threshold_in selects the
+    gate/up input dims (columns of W_gate / W_up) to read, |a_j| >= threshold the down rows; both
+    thresholds per layer from calibration."""
     method: str = "predictor"
     predictor: Optional[PathPredictor] = None
     keep: float = 1.0
     threshold: float = 0.0
     keep_in: float = 1.0       # method="input": fraction of FFN input dims kept
+    threshold_in: float = 0.0  # method="magnitude": |x| threshold
 
 
 @dataclass
@@ -58,6 +62,8 @@ class PathMLP(nn.Module):
             return p.predictor.mask(x)
         if p.method in ("topk", "input"):
             return topk_mask(a, p.keep)
+        if p.method == "magnitude":
+            return a.abs() >= p.threshold
         if p.method == "predictor_topk":  # fixed per-token count from the predictor's scores
             return topk_mask(p.predictor.scores(x), p.keep)
         if p.method == "cats":
@@ -74,8 +80,8 @@ class PathMLP(nn.Module):
                                  "torch.no_grad() / torch.inference_mode()")
         p = self.policy
         in_keep = None
-        if p.method == "input":          # TEAL-style: magnitude sparsity of the FFN input
-            in_keep = topk_mask(x, p.keep_in)
+        if p.method in ("input", "magnitude"):   # TEAL-style: magnitude sparsity of the input
+            in_keep = topk_mask(x, p.keep_in) if p.method == "input" else x.abs() >= p.threshold_in
             x = x * in_keep.to(x.dtype)
         g, a = activation(self.mlp, x)
         keep = self.choose(x, g, a)
@@ -92,7 +98,7 @@ class PathMLP(nn.Module):
         n = keep.numel() // Fdim
         kept = float(keep.float().sum()) / Fdim           # summed over tokens, as a fraction
         p = self.policy
-        if p.method == "input":
+        if p.method in ("input", "magnitude"):
             read = (2 * float(in_keep.float().sum()) / D + kept) / 3
         else:
             pw = p.predictor.weights() if p.method.startswith("predictor") else 0

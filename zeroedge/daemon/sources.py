@@ -178,7 +178,6 @@ def make_client(cfg, client_id, log, owner=None):
             log.warning(f"mqtt connect to {cfg['host']}:{cfg['port']} refused: {reason_code}")
             return
         if owner is not None:
-            owner.connected = True
             client.subscribe(cfg["topic"], qos=int(cfg.get("qos", 1)))
             log.info(f"mqtt connected to {cfg['host']}:{cfg['port']} (session present: "
                      f"{flags.session_present}); subscribed {cfg['topic']}")
@@ -189,7 +188,14 @@ def make_client(cfg, client_id, log, owner=None):
                 log.warning(f"mqtt disconnected ({reason_code}); reconnecting")
             owner.connected = False
 
-    c.on_connect, c.on_disconnect = on_connect, on_disconnect
+    def on_subscribe(client, userdata, mid, reason_codes, properties):
+        if owner is not None:
+            if any(rc.is_failure for rc in reason_codes):
+                log.error(f"mqtt subscribe to {cfg['topic']} refused: {reason_codes}")
+            else:
+                owner.connected = True      # healthy once the subscription is in place
+
+    c.on_connect, c.on_disconnect, c.on_subscribe = on_connect, on_disconnect, on_subscribe
     if owner is not None:
         c.manual_ack_set(True)
         c.on_message = owner.on_message

@@ -87,6 +87,7 @@ class DaemonProc:
         self.log = self.config.parent / "daemon.log"
 
     def start(self, wait_healthy: bool = True, timeout: float = 60):
+        """Start; with wait_healthy, return once /healthz says "ok" (for MQTT: subscribed)."""
         f = open(self.log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "zeroedge.cli", "daemon", "--config",
                                       str(self.config), *self.args], stdout=f, stderr=f, env=self.env,
@@ -98,10 +99,11 @@ class DaemonProc:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited rc={self.proc.returncode}: {self.log.read_text()[-2000:]}")
                 try:
-                    self.get("/healthz")
-                    return self
+                    if self.get("/healthz")[0] == 200:
+                        return self
                 except OSError:
-                    time.sleep(0.1)
+                    pass
+                time.sleep(0.1)
             raise RuntimeError("daemon did not come up: " + self.log.read_text()[-2000:])
         return self
 

@@ -277,3 +277,50 @@ def test_stdin_source_and_daemon_path_is_torch_free(tmp_path, bundle, frames):
     assert p.returncode == 0, p.stderr[-2000:]
     assert [r["seq"] for r in T.read_results(tmp_path / "results.jsonl")] == list(range(50))
     assert "dead letter: reason=malformed-json" in p.stderr
+
+
+def test_results_and_alerts_published_to_mqtt(tmp_path, bundle, broker):
+    """A fault stream raises an alert: it lands on the alerts topic (and every result on the
+    results topic), besides the JSONL file."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from zeroedge.sensor import tep
+
+    normal = tep.load_run(SHARED / "d00.dat")
+    fault = tep.load_run(SHARED / "d06.dat")             # A feed loss: a large, fast fault
+    frames = np.concatenate([normal[:40], fault[:40]])
+    mport = T.free_port()
+    cfg = T.write_config(tmp_path / "daemon.toml", bundle,
+                         {"kind": "mqtt", "port": broker.port, "client_id": "zd-pub-test"}, mport,
+                         output={"mqtt_results_topic": "zeroedge/results",
+                                 "mqtt_alerts_topic": "zeroedge/alerts"})
+    d = T.DaemonProc(cfg, mport).start()
+    got = {"zeroedge/results": [], "zeroedge/alerts": []}
+    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="zd-sub", protocol=mqtt.MQTTv5)
+    sub.on_message = lambda c, u, m: got[m.topic].append(json.loads(m.payload))
+    sub.connect("127.0.0.1", broker.port)
+    sub.subscribe([("zeroedge/results", 1), ("zeroedge/alerts", 1)])
+    sub.loop_start()
+    time.sleep(0.5)
+    pub = T.Publisher(broker.port, client_id="zd-pub-test-pub")
+    try:
+        for i, f in enumerate(frames):
+            pub.publish("zeroedge/readings/p1", T.reading("p1", i, f))
+        pub.wait_all()
+        T.wait_results(tmp_path / "results.jsonl", len(frames), timeout=30, proc=d.proc)
+        t = time.time()
+        while len(got["zeroedge/results"]) < len(frames) and time.time() - t < 20:
+            time.sleep(0.1)
+        assert sorted(r["seq"] for r in got["zeroedge/results"]) == list(range(len(frames)))
+        assert got["zeroedge/alerts"] and all(a["rising"] and a["alarm"] for a in got["zeroedge/alerts"])
+        assert any(a["fault"] == "fault_06" for a in got["zeroedge/alerts"])
+        assert "ALERT sensor=p1" in d.log.read_text()
+        m = d.get("/metrics")[1].decode()
+        assert "zeroedge_alerts_total 0.0" not in m
+        assert d.terminate() == 0
+    finally:
+        sub.loop_stop()
+        pub.close()
+        if d.proc.poll() is None:
+            d.kill9()

@@ -63,14 +63,16 @@ class Broker:
         self.proc = None
 
 
-def write_config(path: Path, bundle, source: dict, metrics_port: int, **daemon) -> Path:
+def write_config(path: Path, bundle, source: dict, metrics_port: int, output: dict = None, **daemon) -> Path:
     def val(v):
         return json.dumps(str(v) if isinstance(v, Path) else v)
 
     d = {"bundle": str(bundle), "state_dir": "state", **daemon}
     lines = ["[daemon]"] + [f"{k} = {val(v)}" for k, v in d.items()]
     lines += ["[source]"] + [f"{k} = {val(v)}" for k, v in source.items()]
-    lines += ["[output]", 'jsonl = "results.jsonl"', "[metrics]", f"port = {metrics_port}"]
+    out = {"jsonl": "results.jsonl", **(output or {})}
+    lines += ["[output]"] + [f"{k} = {val(v)}" for k, v in out.items()]
+    lines += ["[metrics]", f"port = {metrics_port}"]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -324,3 +324,16 @@ def test_results_and_alerts_published_to_mqtt(tmp_path, bundle, broker):
         pub.close()
         if d.proc.poll() is None:
             d.kill9()
+
+
+def test_simulator_source_runs_to_the_end(tmp_path, bundle):
+    pytest.importorskip("tep_studio")
+    mport = T.free_port()
+    cfg = T.write_config(tmp_path / "c.toml", bundle, {"kind": "simulator", "fault": 1, "seed": 3,
+                                                       "hours": 0.6, "onset_h": 0.3}, mport,
+                         infer_every=2)
+    d = T.DaemonProc(cfg, mport, args=["--exit-at-end"]).start(wait_healthy=False)
+    assert d.proc.wait(120) == 0, d.log.read_text()[-2000:]
+    res = T.read_results(tmp_path / "results.jsonl")
+    assert [r["seq"] for r in res] == [1, 3, 5, 7, 9, 11]          # every 2nd of 12 readings
+    assert all(r["sensor"] == "tep-sim" and r["ts"] for r in res)

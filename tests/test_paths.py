@@ -180,3 +180,33 @@ def test_magnitude_method_calibrates_and_evaluates():
     gone = {k: v for k, v in tens.items() if "threshold_act" not in k}
     with pytest.raises(UserError, match="threshold_act"):
         run_eval(m, _lists()[0][:200], full, gone, continuation=128)
+
+
+def test_paths_decoder_matches_teacher_forced_paths():
+    from zeroedge.paths.decode import PathsDecoder
+
+    m = build("tiny", seed=0)
+    ids = _lists()[0][:24]
+    pol = {}
+    with torch.no_grad():
+        _, inputs = m.hidden_states(torch.tensor([ids]), return_all=True)
+    for i in (1, 3):
+        blk = m.layers[i]
+        x = blk.post_attention_layernorm(inputs[i][0])     # near enough to fit a predictor
+        p = fit_predictor(x, blk.mlp, 8)
+        p.threshold = float(p.scores(x).median())
+        pol[i] = PathPolicy(predictor=p)
+    rt = PathRuntime(active=True)
+    install(m, pol, rt)
+    try:
+        with torch.no_grad():
+            want = m(torch.tensor([ids]))[0]
+    finally:
+        remove(m)
+    dec = PathsDecoder(m, 32, pol, graph=False)
+    for pos, t in enumerate(ids):
+        got = dec.step(t, pos)
+        assert torch.allclose(got, want[pos], atol=1e-4), pos
+    assert 0 < dec.kept()[1] < 1
+    with pytest.raises(UserError, match="refusing"):
+        PathsDecoder(m, 32, {}, graph=False)

@@ -1,0 +1,87 @@
+"""The decode loop with predicted paths: `PathsDecoder` is zeroedge.runtime.fast.DenseDecoder with
+each sparse layer's FFN replaced by the gather-GEMV step (predictor score -> live rows of W_gate /
+W_up -> live rows of W_down^T). On CUDA with Triton it runs the kernels of
+zeroedge.paths.triton_gemv inside the decoder's CUDA graph; elsewhere the torch references (same
+function), so the CPU tests check the loop end to end.
+
+    rt_policies = zeroedge.paths.evaluate.policies_from_artifact(model, meta, tensors)
+    dec = PathsDecoder(model, max_len, rt_policies)
+    logits = dec.step(token, pos)
+
+Only predictor policies are supported here (the magnitude rule's kernels are the same two GEMVs
+over W^T layouts, not wired yet). Dense layers (no policy) keep the dense FFN.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zeroedge.errors import UserError
+from zeroedge.runtime.fast import DenseDecoder
+from zeroedge.paths import triton_gemv as tg
+
+
+def _use_triton(device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PathsDecoder(DenseDecoder):
+    def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa"):
+        if not policies:
+            raise UserError("PathsDecoder needs path policies (none given): refusing to run dense "
+                            "in place of sparse")
+        bad = [i for i, p in policies.items() if p.method != "predictor"]
+        if bad:
+            raise UserError(f"PathsDecoder runs predictor policies only (layers {bad} are not)")
+        super().__init__(model, max_len, graph=graph, attn=attn)
+        self.triton = _use_triton(self.device)
+        D, Fd = model.cfg.dim, model.cfg.ffn_dim
+        self.P = {}
+        for i, pol in policies.items():
+            pr, w = pol.predictor, self.W.layers[i]
+            self.P[i] = dict(
+                at=pr.a.T.contiguous().to(self.device, self.dtype),
+                bg=pr.bg.to(self.device, self.dtype).contiguous(),
+                bu=tg.fold_down_norm(pr.bu, pr.wd_norm).to(self.device, self.dtype).contiguous(),
+                thr=float(pr.threshold), wg=w["w13"][:Fd], wu=w["w13"][Fd:],
+                wdt=w["w2"].T.contiguous(),
+                act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype),
+                part=torch.zeros(tg.CONFIG["down"]["splits"], 1, D, device=self.device,
+                                 dtype=torch.float32))
+
+    def _paths_ffn(self, p, h):
+        z = F.linear(h, p["at"])
+        if self.triton:
+            act = tg.paths_gateup(h, z, p["bg"], p["bu"], p["wg"], p["wu"], p["thr"], out=p["act"])
+            return tg.paths_down(act, p["wdt"], part=p["part"])
+        act = tg.paths_gateup_ref(h, z, p["bg"], p["bu"], p["wg"], p["wu"], p["thr"])
+        p["act"].copy_(act)
+        return tg.paths_down_ref(act, p["wdt"])
+
+    def _forward(self, flag):
+        m = self.m
+        cos = self.cos.index_select(0, self.pos)
+        sin = self.sin_signed.index_select(0, self.pos)
+        x = m.embed_tokens(self.tok)
+        self._per_step()
+        for li, w in enumerate(self.W.layers):
+            q, k, v = self._layer_in(w, x, cos, sin)
+            o = self._attend(li, q, k, v, flag)
+            p = self.P.get(li)
+            if p is None:
+                x = self._layer_out(w, x, o)
+                continue
+            x = x + F.linear(o.reshape(1, -1), w["wo"])
+            h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
+            x = x + self._paths_ffn(p, h)
+        return m.lm_head(m.norm(x))[0]
+
+    def kept(self) -> dict:
+        """Fraction of channels the last step computed, per sparse layer."""
+        return {i: float((p["act"] != 0).float().mean()) for i, p in self.P.items()}

@@ -138,6 +138,7 @@ def test_bad_input_goes_to_dead_letters(tmp_path, bundle, broker, frames):
         pub.publish("zeroedge/readings/s1", short)
         pub.publish("zeroedge/readings/s1", b'{"sensor": "s1", "seq": 2, "values": [1, 2,')
         pub.publish("zeroedge/readings/s1", b"\xff\xfe not json")
+        pub.publish("zeroedge/readings/s1", b"[" * 2000 + b"]" * 2000)       # nesting bomb
         big = dict(good(2)); big["pad"] = "x" * 10000
         pub.publish("zeroedge/readings/s1", big)
         pub.publish("zeroedge/readings/s1", good(2))
@@ -147,14 +148,14 @@ def test_bad_input_goes_to_dead_letters(tmp_path, bundle, broker, frames):
         pub.publish("zeroedge/readings/s1", {"sensor": "s1", "values": []})  # no seq
         pub.publish("zeroedge/readings/s1", good(6))
         pub.wait_all()
-        res = T.wait_results(tmp_path / "results.jsonl", 5, timeout=30, proc=d.proc)
+        res = T.wait_results(tmp_path / "results.jsonl", 5, timeout=60, proc=d.proc)
         time.sleep(0.5)
         assert d.proc.poll() is None, "bad input stopped the daemon"
-        assert [r["seq"] for r in res] == [0, 1, 2, 5, 6]
+        assert [r["seq"] for r in res] == [0, 1, 2, 5, 6], d.log.read_text()[-3000:]
         db = sqlite3.connect(tmp_path / "state" / "spool.sqlite")
         reasons = sorted(r for (r,) in db.execute("SELECT reason FROM dead_letters"))
         assert reasons == sorted(["non-finite", "non-finite", "wrong-channel-count", "malformed-json",
-                                  "malformed-json", "oversized", "duplicate-seq", "out-of-order-seq",
+                                  "malformed-json", "malformed-json", "oversized", "duplicate-seq", "out-of-order-seq",
                                   "bad-schema"]), reasons
         metrics = d.get("/metrics")[1].decode()
         assert 'zeroedge_dead_letters_total{reason="non-finite"} 2.0' in metrics

@@ -126,7 +126,12 @@ class Daemon:
                         p = DeadLetter("non-finite", "NaN or inf in values", b"", p.sensor, p.seq, inc.source)
                     items.append(p)
                 else:
-                    items.append(parse(p, ch, maxb, inc.source))
+                    try:
+                        items.append(parse(p, ch, maxb, inc.source))
+                    except Exception as e:  # never let one payload stop the writer
+                        items.append(DeadLetter("malformed-json", f"unparseable: {e!r}"[:200],
+                                                bytes(p)[:4096] if isinstance(p, (bytes, bytearray)) else b"",
+                                                source=inc.source))
             try:
                 accepted, dead = self.spool.commit(items)
             except Exception as e:

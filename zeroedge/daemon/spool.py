@@ -68,8 +68,8 @@ def parse(payload: bytes, channels: int, max_bytes: int, source: str = ""):
         return DeadLetter("oversized", f"{len(payload)} bytes > {max_bytes}", payload[:1024], source=source)
     try:
         obj = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as e:
-        return DeadLetter("malformed-json", str(e)[:200], payload, source=source)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # deep nesting -> RecursionError
+        return DeadLetter("malformed-json", (str(e) or type(e).__name__)[:200], payload, source=source)
     if not isinstance(obj, dict):
         return DeadLetter("bad-schema", "payload is not a JSON object", payload, source=source)
     sensor, seq, vals, ts = obj.get("sensor"), obj.get("seq"), obj.get("values"), obj.get("ts")

@@ -77,7 +77,7 @@ class Daemon:
     def health(self) -> dict:
         now = time.monotonic()
         stalled = now - self.heartbeat > STALL_S
-        src_ok = self.source is None or self.source.connected
+        src_ok = self.source is not None and self.source.connected     # degraded while starting
         status = "ok" if (not stalled and src_ok) else "degraded"
         return {"status": status, "version": __version__, "uptime_s": round(time.time() - self.t_start, 3),
                 "readings": self.processed_total,

@@ -152,6 +152,8 @@ def needle_runs(args, model, tok):
                 found = ("dolores" in answer.lower()) or ("sandwich" in answer.lower())
                 rec = {"key": key, "needle": True, "ctx": N, "depth": depth, "method": meth,
                        "budget": b, "answer": answer, "found": found}
+                if meth == "thermal":
+                    rec["opts"] = dict(E.DEFAULTS)
                 append(rec)
                 have.add(key)
 
@@ -159,13 +161,17 @@ def needle_runs(args, model, tok):
 def table():
     rows = [json.loads(l) for l in RESULTS.read_text().splitlines()] if RESULTS.exists() else []
     ppl = [r for r in rows if not r.get("needle")]
-    for r in ppl:                       # tagged variants get their own rows
-        if r.get("tag") and r["method"] != "full":
+    for r in ppl:                       # thermal rows are labelled by their sketch
+        if r["method"] == "thermal":
+            o = r.get("opts", {})
+            r["method"] = f"thermal r{o.get('rank', 16)} int{o.get('bits', 4)}"
+        elif r.get("tag") and r["method"] != "full":
             r["method"] = f"{r['method']} [{r['tag']}]"
     needle = [r for r in rows if r.get("needle")]
     lines = []
     full = {(r["text"], r["ctx"]): r["ppl"] for r in ppl if r["method"] == "full"}
-    order = ["streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal"]
+    order = ["streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal r16 int4",
+             "thermal r32 int3"]
     order += sorted({r["method"] for r in ppl} - set(order) - {"full"})
     combos = sorted({(r["ctx"], r["budget"]) for r in ppl if r["method"] != "full"})
     textsz = sorted({r["text"] for r in ppl})
@@ -188,15 +194,15 @@ def table():
                     cells.append("-")
             if any(c != "-" for c in cells):
                 lines.append(f"| {N} | {b:.0%} | {m} | " + " | ".join(cells) + f" | {frac} |")
-    th = [r for r in ppl if r["method"] == "thermal"]
+    th = [r for r in ppl if r["method"].startswith("thermal")]
     if th:
         lines.append("")
         lines.append("Thermal traffic through the slot window (pages fetched per step per (layer, kv head) stream):")
         lines.append("")
-        lines.append("| text | ctx | budget | mean | p99 | summaries / full KV |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| text | ctx | budget | sketch | mean | p99 | summaries / full KV |")
+        lines.append("|---|---|---|---|---|---|---|")
         for r in th:
-            lines.append(f"| {r['text']} | {r['ctx']} | {r['budget']:.0%} | "
+            lines.append(f"| {r['text']} | {r['ctx']} | {r['budget']:.0%} | {r['method'][8:]} | "
                          f"{r.get('fetch_pages_per_step_mean', 0):.2f} | {r.get('fetch_pages_per_step_p99', 0)} | "
                          f"{r.get('summary_fraction', 0):.3f} |")
     if needle:
@@ -206,6 +212,9 @@ def table():
         lines.append("| ctx | depth | method | budget | found | answer |")
         lines.append("|---|---|---|---|---|---|")
         for r in needle:
+            if r["method"] == "thermal":
+                o = r.get("opts", {"rank": 16, "bits": 4})
+                r["method"] = f"thermal r{o['rank']} int{o['bits']}"
             ans = r["answer"].replace("|", "/").replace("\n", " ")
             lines.append(f"| {r['ctx']} | {r['depth']:.0%} | {r['method']} | {r['budget']:.0%} | "
                          f"{'yes' if r['found'] else 'no'} | {ans} |")
@@ -226,8 +235,8 @@ def plot(ppl, full):
     keys = sorted({(r["text"], r["ctx"]) for r in ppl if r["method"] != "full" and (r["text"], r["ctx"]) in full})
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.2 * max(1, len(keys)), 3.6), squeeze=False)
     for ax, (t, N) in zip(axes[0], keys):
-        for m, mk in [("streaming", "s"), ("h2o", "^"), ("snapkv", "v"), ("oracle_page", "x"), ("thermal", "o"),
-                      ("thermal [r32b3]", "D")]:
+        for m, mk in [("streaming", "s"), ("h2o", "^"), ("snapkv", "v"), ("oracle_page", "x"),
+                      ("thermal r16 int4", "o"), ("thermal r32 int3", "D")]:
             rs = sorted([r for r in ppl if r["text"] == t and r["ctx"] == N and r["method"] == m],
                         key=lambda r: r["budget"])
             if rs:

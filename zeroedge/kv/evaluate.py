@@ -310,7 +310,12 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
                         cw = (qw.transpose(1, 2) @ qw).view(nkv, grp, hd, hd).sum(1)
                         nrm = lambda c: c / c.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]
                         qcov = nrm(qcov) + w * nrm(cw)
-                    sk = Sketch(Kp, page_size, opts.get("rank", 16), opts.get("bits", 4), qcov)
+                    skey = ("_sketch", li, page_size, opts.get("rank", 16), opts.get("bits", 4),
+                            opts.get("qaware", 1), w)
+                    sk = pre.get(skey)                   # the prefix is frozen: build once
+                    if sk is None:
+                        sk = pre[skey] = Sketch(Kp, page_size, opts.get("rank", 16),
+                                                opts.get("bits", 4), qcov)
                     stats.setdefault("summary_bytes", 0)
                     stats["summary_bytes"] += sk.nbytes()
                     sc = sk.scores(q[0], kv_index)
@@ -376,7 +381,7 @@ def fetch_stats(chosen, slots: int) -> dict:
 # --------------------------------------------------------------------------------------------
 # the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
 # --------------------------------------------------------------------------------------------
-DEFAULTS = {"rank": 16, "bits": 4, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1,
+DEFAULTS = {"rank": 32, "bits": 3, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1,
             "recent_cov": 0.0}
 
 
@@ -404,6 +409,8 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     if unknown:
         raise UserError(f"unknown thermal KV option(s): {', '.join(sorted(unknown))}")
     o = dict(DEFAULTS, **{k: v for k, v in opts.items() if k in DEFAULTS})
+    if "rank" not in opts and model is not None:
+        o["rank"] = min(o["rank"], model.cfg.head_dim)      # small heads: full-rank sketch
     if o["bits"] not in (1, 2, 3, 4, 8) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
         raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4, 8")
     if model.training:

@@ -62,15 +62,17 @@ def _plot(png: Path, frames, res, onset, det, summary):
     ax[0].set_ylabel("normalised value")
     ax[0].legend(loc="upper left", fontsize=8)
     ax[0].axvline(onset * 0.05, color="k", ls="--", lw=1)
-    ax[1].plot(t, [r["score"] for r in res], lw=0.6, color="0.6", label="1 - P(normal)")
-    ax[1].plot(t, [r["ema"] for r in res], lw=1.2, color="C3", label="filtered score")
-    ax[1].axhline(det.threshold, color="C3", ls=":", lw=1, label="threshold")
+    lo, hi = 1e-5, 1 - 1e-6
+    ax[1].plot(t, np.clip([r["score"] for r in res], lo, hi), lw=0.6, color="0.6", label="1 - P(normal)")
+    ax[1].plot(t, np.clip([r["ema"] for r in res], lo, hi), lw=1.2, color="C3", label="filtered score")
+    ax[1].axhline(det.threshold, color="C3", ls=":", lw=1, label=f"threshold {det.threshold:.4f}")
     al = np.array([r["alarm"] for r in res])
-    ax[1].fill_between(t, 0, 1, where=al, color="C3", alpha=0.12, step="mid", label="alarm")
+    ax[1].fill_between(t, lo, hi, where=al, color="C3", alpha=0.12, step="mid", label="alarm")
     ax[1].axvline(onset * 0.05, color="k", ls="--", lw=1, label="fault onset")
-    ax[1].set_ylim(0, 1.02)
+    ax[1].set_yscale("logit")
+    ax[1].set_ylim(lo, hi)
     ax[1].set_xlabel("hours")
-    ax[1].legend(loc="center right", fontsize=8)
+    ax[1].legend(loc="upper left", fontsize=7)
     fdr = "-" if summary["fdr"] is None else f"{summary['fdr']:.2f}"
     far = "-" if summary["far"] is None else f"{summary['far']:.2f}"
     fig.suptitle(f"TEP {summary['fault']} -> predicted {summary['predicted_fault']}: FDR {fdr}, "

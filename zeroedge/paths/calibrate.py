@@ -46,6 +46,7 @@ class PathsConfig:
     gate_seqs: int = 2
     keeps: tuple = (0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4)
     search_steps: int = 7
+    cost_tokens: int = 768          # tokens (strided sample) the per-layer cost estimates use
     log: object = field(default=print, repr=False)
 
 
@@ -107,30 +108,36 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
 
     def q(t, keep):
         flat = t.abs().flatten()
-        return float(torch.quantile(flat[:: max(1, flat.numel() // 2_000_000)], 1 - keep))
+        flat = flat[:: max(1, flat.numel() // 1_000_000)].sort().values
+        return float(flat[min(flat.numel() - 1, int((1 - keep) * flat.numel()))])
+
+    n_tok = next(iter(X.values())).shape[0]
+    sub = torch.arange(0, n_tok, max(1, n_tok // cfg.cost_tokens))
 
     with torch.no_grad():
         for i in range(L):
             mlp = model.layers[i].mlp
             thr[i], thr_in[i], cost[i] = [], [], []
             if cfg.method == "predictor":
-                p = fit_predictor(X[i], mlp, cfg.rank)
-                s = p.scores(X[i])
-                a = F.silu(mlp.gate_proj(X[i])) * mlp.up_proj(X[i])
+                p = fit_predictor(X[i], mlp, cfg.rank)      # fitted on every training token
                 preds[i] = p
+            xs, ys, gs = X[i][sub], Y[i][sub], G[i][sub]     # costs on a strided sample
+            if cfg.method == "predictor":
+                s = p.scores(xs)
+                a = F.silu(mlp.gate_proj(xs)) * mlp.up_proj(xs)
             for keep in cfg.keeps:
                 if cfg.method == "predictor":
                     t = q(s, keep)
                     dy = mlp.down_proj(a * (s < t))        # the part of y the cut channels carried
                 else:
-                    ti = q(X[i], keep)
-                    xm = X[i] * (X[i].abs() >= ti)
+                    ti = q(xs, keep)
+                    xm = xs * (xs.abs() >= ti)
                     am = F.silu(mlp.gate_proj(xm)) * mlp.up_proj(xm)
                     t = q(am, keep)
-                    dy = mlp.down_proj(am * (am.abs() >= t)) - Y[i]
+                    dy = mlp.down_proj(am * (am.abs() >= t)) - ys
                     thr_in[i].append(ti)
                 thr[i].append(t)
-                cost[i].append(float((G[i] * dy).sum(-1).abs().mean()))
+                cost[i].append(float((gs * dy).sum(-1).abs().mean()))
     del X, Y, G
     pw = preds[0].weights() if preds else 0
     mid = len(cfg.keeps) // 2

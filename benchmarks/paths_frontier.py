@@ -7,6 +7,7 @@ licenses (never calibrated on). Every token teacher-forced with the mechanism on
 of KJV and the essays (the calibration region); evaluation reads KJV and essays from token 40000.
 
   python benchmarks/paths_frontier.py --out benchmarks/paths_frontier.jsonl [--artifact DIR]
+  python benchmarks/paths_frontier.py --out ... --methods "" --artifact DIR   (the artifact only)
 """
 import argparse
 import json
@@ -23,6 +24,27 @@ LEVELS = {  # method -> settings chosen so bytes skipped land near 13 % and 27 %
     "predictor_topk": [{"keep": 0.83}, {"keep": 0.69}],
     "input": [{"keep_in": 0.87, "keep": 0.87}, {"keep_in": 0.73, "keep": 0.73}],
 }
+
+
+def fit_peers(m, tok, texts, rank):
+    """Predictors and CATS gate activations fitted on the first 1024 tokens of KJV and essays."""
+    from zeroedge.paths.predictor import fit_predictor
+
+    L = m.cfg.n_layers
+    xs = {i: [] for i in range(L)}
+    hooks = [blk.mlp.register_forward_hook(lambda mod, inp, o, i=blk.index: xs[i].append(inp[0][0]))
+             for blk in m.layers]
+    with torch.inference_mode():
+        for t in ("kjv", "essays"):
+            m(torch.tensor([texts.tokens(tok, texts.load_text(t), 1024)]))
+    for h in hooks:
+        h.remove()
+    X = {i: torch.cat(v) for i, v in xs.items()}
+    with torch.no_grad():
+        preds = {i: fit_predictor(X[i], m.layers[i].mlp, rank) for i in range(L)}
+        gates = {i: m.layers[i].mlp.gate_proj(X[i]) for i in range(L)}
+
+    return preds, gates
 
 
 def main():
@@ -50,19 +72,10 @@ def main():
         out.write(json.dumps(rec) + "\n")
         out.flush()
 
-    # calibration inputs (no grad): FFN inputs of every layer
-    xs = {i: [] for i in range(L)}
-    hooks = [blk.mlp.register_forward_hook(lambda mod, inp, o, i=blk.index: xs[i].append(inp[0][0]))
-             for blk in m.layers]
-    with torch.inference_mode():
-        for t in ("kjv", "essays"):
-            m(torch.tensor([texts.tokens(tok, texts.load_text(t), 1024)]))
-    for h in hooks:
-        h.remove()
-    X = {i: torch.cat(v) for i, v in xs.items()}
-    with torch.no_grad():
-        preds = {i: fit_predictor(X[i], m.layers[i].mlp, a.rank) for i in range(L)}
-        gates = {i: m.layers[i].mlp.gate_proj(X[i]) for i in range(L)}
+    methods = [x for x in a.methods.split(",") if x]
+    preds, gates = {}, {}
+    if methods:
+        preds, gates = fit_peers(m, tok, texts, a.rank)
 
     def ppl(ids, rt=None):
         t = torch.tensor([ids])
@@ -84,7 +97,7 @@ def main():
         dense = ppl(ids)
         emit({"text": text, "method": "dense", "ppl": dense, "ffn_bytes_skipped": 0.0,
               "s": round(time.time() - t0, 1)})
-        for method in a.methods.split(","):
+        for method in methods:
             for lv in LEVELS[method]:
                 pol = {}
                 for i in range(L):
@@ -108,7 +121,8 @@ def main():
 
             meta, tens = calib_artifact.load(a.artifact)
             r = run_eval(m, ids, meta, tens, continuation=a.ctx - 1)
-            emit({"text": text, "method": "predictor_gated", "setting": {"budget": meta["paths"]["budget"]},
+            kind = "magnitude" if meta["paths"]["predictor"]["kind"] == "input-magnitude" else "predictor"
+            emit({"text": text, "method": f"{kind}_gated", "setting": {"budget": meta["paths"]["budget"]},
                   "ppl": r["paths_ppl"], "ppl_rise": r["paths_ppl_rise"],
                   "ffn_bytes_skipped": r["ffn_bytes_skipped"], "dense_check": r["dense_ppl"]})
 

@@ -18,9 +18,13 @@ from zeroedge.commands.common import parse_budget
 @click.option("--gate-seqs", default=2, show_default=True)
 @click.option("--anchor-rank", default=16, show_default=True, help="0 = plain skipping (zero output).")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--importance-samples", default=16, show_default=True,
+              help="(layer, token) pairs for the forward-perturbation check of importance (0 = off).")
+@click.option("--gate-steps", default=7, show_default=True,
+              help="Binary-search steps of the quality gate (each one held-out pass).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
-        anchor_rank, seed, as_json):
+        anchor_rank, seed, importance_samples, gate_steps, as_json):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import json
     import sys
@@ -60,6 +64,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     torch.manual_seed(seed)
     cfg = CalibConfig(budget=b, seq_len=seq_len, continuation=continuation, train_seqs=train_seqs,
                       gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
+                      importance_samples=importance_samples, gate_steps=gate_steps,
                       log=lambda s: print(s, file=sys.stderr))
     try:
         meta, tensors, _ = calibrate(m, lists, cfg)

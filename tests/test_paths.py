@@ -208,5 +208,17 @@ def test_paths_decoder_matches_teacher_forced_paths():
         got = dec.step(t, pos)
         assert torch.allclose(got, want[pos], atol=1e-4), pos
     assert 0 < dec.kept()[1] < 1
+    # the magnitude rule through the same loop
+    mpol = {i: PathPolicy(method="magnitude", threshold_in=0.5, threshold=0.001) for i in (0, 2)}
+    install(m, mpol, rt)
+    try:
+        with torch.no_grad():
+            want = m(torch.tensor([ids]))[0]
+    finally:
+        remove(m)
+    dec = PathsDecoder(m, 32, mpol, graph=False)
+    for pos, t in enumerate(ids):
+        assert torch.allclose(dec.step(t, pos), want[pos], atol=1e-4), pos
+    assert 0 < dec.kept()[2] < 1
     with pytest.raises(UserError, match="refusing"):
         PathsDecoder(m, 32, {}, graph=False)

@@ -8,8 +8,9 @@ function), so the CPU tests check the loop end to end.
     dec = PathsDecoder(model, max_len, rt_policies)
     logits = dec.step(token, pos)
 
-Only predictor policies are supported here (the magnitude rule's kernels are the same two GEMVs
-over W^T layouts, not wired yet). Dense layers (no policy) keep the dense FFN.
+Magnitude policies (|x| / |a| thresholds) run the row-gather kernel twice: over [W_gate; W_up]^T
+with the small |x_k| zeroed (their rows are never read), then over W_down^T with the small |a_j|
+zeroed. Dense layers (no policy) keep the dense FFN.
 """
 from __future__ import annotations
 
@@ -36,17 +37,27 @@ class PathsDecoder(DenseDecoder):
         if not policies:
             raise UserError("PathsDecoder needs path policies (none given): refusing to run dense "
                             "in place of sparse")
-        bad = [i for i, p in policies.items() if p.method != "predictor"]
+        bad = [i for i, p in policies.items() if p.method not in ("predictor", "magnitude")]
         if bad:
-            raise UserError(f"PathsDecoder runs predictor policies only (layers {bad} are not)")
+            raise UserError(f"PathsDecoder runs predictor or magnitude policies (layers {bad} are not)")
         super().__init__(model, max_len, graph=graph, attn=attn)
         self.triton = _use_triton(self.device)
         D, Fd = model.cfg.dim, model.cfg.ffn_dim
         self.P = {}
         for i, pol in policies.items():
             pr, w = pol.predictor, self.W.layers[i]
+            if pol.method == "magnitude":
+                self.P[i] = dict(
+                    kind="magnitude", thr_in=float(pol.threshold_in), thr=float(pol.threshold),
+                    w13t=w["w13"].T.contiguous(), wdt=w["w2"].T.contiguous(),
+                    act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype),
+                    part=torch.zeros(tg.CONFIG["down"]["splits"], 1, D, device=self.device,
+                                     dtype=torch.float32),
+                    part2=torch.zeros(tg.CONFIG["down"]["splits"], 1, 2 * Fd, device=self.device,
+                                      dtype=torch.float32))
+                continue
             self.P[i] = dict(
-                at=pr.a.T.contiguous().to(self.device, self.dtype),
+                kind="predictor", at=pr.a.T.contiguous().to(self.device, self.dtype),
                 bg=pr.bg.to(self.device, self.dtype).contiguous(),
                 bu=tg.fold_down_norm(pr.bu, pr.wd_norm).to(self.device, self.dtype).contiguous(),
                 thr=float(pr.threshold), wg=w["w13"][:Fd], wu=w["w13"][Fd:],
@@ -56,6 +67,19 @@ class PathsDecoder(DenseDecoder):
                                  dtype=torch.float32))
 
     def _paths_ffn(self, p, h):
+        if p["kind"] == "magnitude":
+            hm = h * (h.abs() >= p["thr_in"])
+            if self.triton:
+                gu = tg.paths_down(hm, p["w13t"], part=p["part2"])
+            else:
+                gu = tg.paths_down_ref(hm, p["w13t"])
+            g, u = gu.chunk(2, -1)
+            a = F.silu(g) * u
+            act = a * (a.abs() >= p["thr"])
+            p["act"].copy_(act)
+            if self.triton:
+                return tg.paths_down(p["act"], p["wdt"], part=p["part"])
+            return tg.paths_down_ref(act, p["wdt"])
         z = F.linear(h, p["at"])
         if self.triton:
             act = tg.paths_gateup(h, z, p["bg"], p["bu"], p["wg"], p["wu"], p["thr"], out=p["act"])

@@ -94,8 +94,8 @@ def language_demo(ctx, offset, calib, repeats, out):
     ffn_share = ffn_share_of_prefill(m.cfg, ctx - 1024)
     expect = 1 / (1 - z["ffn_flops_skipped"] * ffn_share)
     click.echo(f"Diagnosis: zero prefill is {speed:.2f}x dense (FFN is {ffn_share:.0%} of prefill FLOPs, "
-               f"so the skip predicts {expect:.2f}x); quality cost {rise:+.2%} on text the "
-               f"calibration never saw.")
+               f"so the skip predicts {expect:.2f}x); quality cost {rise:+.2%} on a passage the "
+               f"calibration never read (CPU timings are noisy on a loaded machine).")
     plot(out / "demo.png", d, z, times, meta)
     click.echo(f"[demo] plot: {out / 'demo.png'}")
     return {"dense_ppl": d["ppl"], "zero_ppl": z["ppl"], "speedup": speed}

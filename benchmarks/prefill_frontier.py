@@ -39,6 +39,11 @@ def one_pass_ppl(m, ids, P, rt=None):
     return math.exp(float(nll)), dt
 
 
+def prefix_skip(rt, P, L):
+    """Fraction of the prefill's FFN rows (P tokens x L layers) not computed."""
+    return sum(st[1] - st[0] for st in rt.stats.values()) / (P * L)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calib", default="zeroedge/data/smollm2-135m.calib")
@@ -87,7 +92,7 @@ def main():
         # the deployed, gated configuration
         rt = load_runtime(m, meta, tens)
         ppl, t = one_pass_ppl(m, ids, P, rt)
-        sk = sum(1 - s[0] / s[1] for s in rt.stats.values()) / L
+        sk = prefix_skip(rt, P, L)
         remove(m)
         rows.append({"text": text, "method": "sih-gated", "output": "anchor", "rate": None,
                      "ffn_skipped": sk, "ppl": ppl, "rise": ppl / dense - 1, "prefill_s": t})
@@ -106,7 +111,7 @@ def main():
                            for i in layers}
                     install(m, pol, rt)
                     ppl, t = one_pass_ppl(m, ids, P, rt)
-                    sk = sum(1 - s[0] / s[1] for s in rt.stats.values()) / L
+                    sk = prefix_skip(rt, P, L)
                     remove(m)
                     rows.append({"text": text, "method": meth, "output": output, "rate": r,
                                  "ffn_skipped": sk, "ppl": ppl, "rise": ppl / dense - 1, "prefill_s": t})

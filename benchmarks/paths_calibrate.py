@@ -15,7 +15,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--tokens", type=int, default=24000)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--method", default="predictor", choices=("predictor", "magnitude"))
+    ap.add_argument("--method", default="magnitude", choices=("predictor", "magnitude"))
     a = ap.parse_args()
     torch.set_num_threads(2)
     from zeroedge import calib_artifact, texts, weights

@@ -125,7 +125,8 @@ def test_calibrate_and_eval_roundtrip(tmp_path):
     from zeroedge import calib_artifact
 
     m = build("tiny", seed=0)
-    cfg = PathsConfig(seq_len=64, train_seqs=2, gate_seqs=2, rank=8, search_steps=4, log=None)
+    cfg = PathsConfig(method="predictor", seq_len=64, train_seqs=2, gate_seqs=2, rank=8,
+                      search_steps=4, log=None)
     meta, tens = calibrate_paths(m, _lists(), 0.05, log=lambda s: None, cfg=cfg)
     q = meta["quality"]
     assert q["ppl_rise"] <= 0.05 and q["ffn_bytes_skipped"] > 0

@@ -7,8 +7,9 @@
               are never read (gate row, up row, down column)
   sparse      `PathMLP` wraps `block.mlp` (inference only), `PathRuntime`, `install` / `remove`,
               and `sparse_mlp_gather`: the decode step that gathers only the chosen weights
-  calibrate   `calibrate_paths(model, token_lists, budget)`: fit predictors, choose per-layer
-              thresholds with the held-out perplexity gate
+  calibrate   `calibrate_paths(model, token_lists, budget)`: per-layer thresholds (magnitude
+              rule, default) or predictors, sparsity chosen with the held-out perplexity gate
+  decode      `PathsDecoder`: the CUDA-graph decode loop with gather-GEMV FFNs
   evaluate    `run_eval(model, ids, meta, tensors)`: dense vs paths perplexity, every token
   triton_gemv the fused gather-GEMV for CUDA (imported lazily)
 

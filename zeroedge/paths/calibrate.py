@@ -1,4 +1,10 @@
-"""Calibrate the decode path predictors and choose each layer's sparsity with the quality gate.
+"""Calibrate the decode path rules and choose each layer's sparsity with the quality gate.
+
+Two rules (PathsConfig.method): "magnitude" (default: read only the gate/up input dims with
+|x_k| >= threshold_in and the down channels with |a_j| >= threshold_act; no extra weights) and
+"predictor" (the rank-r path predictor of zeroedge.paths.predictor). On SmolLM2 the magnitude rule
+skips ~5x more FFN bytes at the same perplexity (benchmarks/paths.md), so it is the default; the
+predictor stays selectable and measured.
 
 Same budget semantics as the core calibration (zeroedge.export.calibrate): `budget` is the largest
 relative rise of held-out perplexity allowed. Decode mechanisms are measured on every token, so the
@@ -39,7 +45,7 @@ class PathBudgetError(Exception):
 
 @dataclass
 class PathsConfig:
-    method: str = "predictor"       # predictor | magnitude (TEAL-style |x| and |a| thresholds)
+    method: str = "magnitude"       # magnitude (|x| and |a| thresholds, TEAL-style) | predictor
     rank: int = 32
     seq_len: int = 1024
     train_seqs: int = 2

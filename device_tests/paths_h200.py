@@ -74,6 +74,9 @@ def main():
     ap.add_argument("--layers", default=str(ROOT / "benchmarks" / "paths_gate_layers.json"))
     ap.add_argument("--rank", type=int, default=32)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("paths_h200: skipped, no CUDA GPU here (this script needs one, e.g. the H200)")
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from zeroedge.model import PRESETS, build

@@ -143,8 +143,9 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     # importance (a) vs (b) agreement on a sample
     if cfg.importance_samples:
         # on a short window (fp64 is slow): 512 tokens, the loss on the last 128
-        short = torch.tensor([train[0][:512]])
-        Ps = 384
+        n_short = min(512, len(train[0]))
+        short = torch.tensor([train[0][:n_short]])
+        Ps = n_short * 3 // 4
         io_s, _ = ffn_io_and_grads(model, short, Ps)
         gen = torch.Generator().manual_seed(cfg.seed)
         pairs = [(int(torch.randint(cfg.first_layer, L - 1, (1,), generator=gen)),

@@ -10,7 +10,7 @@ SMALL = ["--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gat
 def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
     art = tmp_path / "tiny.calib"
     p = run_cli("calibrate", tiny_hf, "--text", text_file, "--budget", "5%", "-o", art, "--json",
-                *SMALL, check_rc=0)
+                "--paths", *SMALL, check_rc=0)
     q = json.loads(p.stdout.strip().splitlines()[-1])
     assert q["ppl_rise"] <= 0.05 + 1e-9
     assert 0 <= q["ffn_flops_skipped"] <= 1
@@ -23,6 +23,11 @@ def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
     for k in ("dense_ppl", "zero_ppl", "ffn_flops_skipped", "tokens", "zero_ppl_all_tokens"):
         assert k in r, k
     assert r["tokens"] == 1024 and r["ffn_flops_skipped"] > 0
+    assert meta.get("paths"), "calibrate --paths wrote no path section"
+    p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--paths",
+                "--json", check_rc=0)
+    r = json.loads(p.stdout)
+    assert {"dense_ppl", "paths_ppl", "ffn_bytes_skipped"} <= set(r)
 
 
 def test_calibrate_bad_inputs_exit_2_and_write_nothing(tiny_hf, text_file, tmp_path):

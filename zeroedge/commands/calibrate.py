@@ -22,9 +22,11 @@ from zeroedge.commands.common import parse_budget
               help="(layer, token) pairs for the forward-perturbation check of importance (0 = off).")
 @click.option("--gate-steps", default=7, show_default=True,
               help="Binary-search steps of the quality gate (each one held-out pass).")
+@click.option("--paths", "with_paths", is_flag=True,
+              help="Also calibrate decode FFN paths (issue 5) within the same budget.")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
-        anchor_rank, seed, importance_samples, gate_steps, as_json):
+        anchor_rank, seed, importance_samples, gate_steps, with_paths, as_json):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import json
     import sys
@@ -70,6 +72,16 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
         meta, tensors, _ = calibrate(m, lists, cfg)
     except BudgetError as e:
         raise UserError(f"{e}; nothing written") from None
+    if with_paths:
+        from zeroedge.paths.calibrate import PathBudgetError, PathsConfig, calibrate_paths
+
+        pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
+                           gate_seqs=min(2, gate_seqs))
+        try:
+            meta["paths"], ptensors = calibrate_paths(m, lists, b, log=cfg.log, cfg=pcfg)
+        except PathBudgetError as e:
+            raise UserError(f"decode paths: {e}; nothing written") from None
+        tensors.update(ptensors)
     meta["texts"] = list(texts_)
     calib_artifact.save(out, meta, tensors)
     q = meta["quality"]

@@ -51,10 +51,13 @@ def main():
     ap.add_argument("--texts", nargs="+", default=["kjv", "essays", "licenses"])
     ap.add_argument("--offsets", nargs="+", type=int, default=None,
                     help="token offset per text (default: past what calibration read)")
-    ap.add_argument("--rates", nargs="+", type=float, default=[0.15, 0.3])
+    ap.add_argument("--rates", nargs="*", type=float, default=[0.15, 0.3])
     ap.add_argument("--layers", default="2-28")
-    ap.add_argument("--methods", nargs="+",
+    ap.add_argument("--methods", nargs="*",
                     default=["sih", "random", "norm", "attn", "grad"])
+    ap.add_argument("--alloc-methods", nargs="*", default=["random", "norm"],
+                    help="peers given the artifact's own per-layer skip rates (isolates the token "
+                         "ranking from the layer allocation)")
     ap.add_argument("--out", default="benchmarks/prefill_frontier")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -97,6 +100,19 @@ def main():
         rows.append({"text": text, "method": "sih-gated", "output": "anchor", "rate": None,
                      "ffn_skipped": sk, "ppl": ppl, "rise": ppl / dense - 1, "prefill_s": t})
         print(f"  sih-gated: skipped {sk:.1%} ppl {ppl:.4f} ({ppl / dense - 1:+.2%})", flush=True)
+        for meth in a.alloc_methods:
+            rt = ZeroRuntime()
+            pol = {lm["index"]: LayerPolicy(scorer=meth, rate=min(1.0, lm["skip_rate"]),
+                                            anchor=anchors.get(lm["index"]))
+                   for lm in meta["layers"] if lm["skip"] and lm["skip_rate"] > 0}
+            install(m, pol, rt)
+            ppl, t = one_pass_ppl(m, ids, P, rt)
+            sk = prefix_skip(rt, P, L)
+            remove(m)
+            rows.append({"text": text, "method": f"{meth} @ gated layer rates", "output": "anchor",
+                         "rate": None, "ffn_skipped": sk, "ppl": ppl, "rise": ppl / dense - 1,
+                         "prefill_s": t})
+            print(f"  alloc-{meth}: skipped {sk:.1%} ppl {ppl:.4f} ({ppl / dense - 1:+.2%})", flush=True)
         for r in a.rates:
             for meth in a.methods:
                 for output in ("anchor", "zero"):

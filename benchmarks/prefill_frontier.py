@@ -141,7 +141,7 @@ def main():
 
 
 def write_md(path, rows, a):
-    lines = [f"# Prefill FFN skipping: continuation perplexity vs FLOPs skipped (SmolLM2-135M, CPU fp32)",
+    lines = ["# Prefill FFN skipping: continuation perplexity vs FLOPs skipped (SmolLM2-135M, CPU fp32)",
              "", "Command:", "", "```", "python benchmarks/prefill_frontier.py --calib " + a.calib +
              f" --ctx {a.ctx} --texts {' '.join(a.texts)} --rates {' '.join(map(str, a.rates))}", "```", "",
              f"Protocol: prefill {a.ctx - 1024} tokens with skipping (layers {a.layers} for the "

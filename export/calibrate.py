@@ -184,7 +184,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     del X, Y, G
 
     # 4. gate on held-out sequences
-    Xh, Yh, Gh, Sh = {i: [] for i in range(L)}, {i: [] for i in range(L)}, {i: [] for i in range(L)}, {i: [] for i in range(L)}
+    Xh, Yh, Gh, Sh = ({i: [] for i in range(L)} for _ in range(4))
     for ids in held:
         io, _ = ffn_io_and_grads(model, torch.tensor([ids]), P)
         for i, (x, y, g) in io.items():
@@ -215,7 +215,6 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     dense = heldout_ppl(model, held, P)
     report["heldout_dense_ppl"] = dense
     log(f"[calibrate] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens)")
-    limit_nats = math.log1p(cfg.budget)
 
     def prefix_skip(st):
         """Skipped fraction of the prefill (prefix) rows: the continuation is never skipped."""

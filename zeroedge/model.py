@@ -6,7 +6,7 @@ block's `mlp` or change its `kept_heads`, so this file stays the plain dense ref
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch

@@ -42,7 +42,6 @@ def shipped_artifact():
 
 def language_demo(ctx, offset, calib, repeats, out):
     import statistics
-    import time
 
     import torch
 
@@ -52,7 +51,7 @@ def language_demo(ctx, offset, calib, repeats, out):
 
     calib = calib or shipped_artifact()
     meta, tensors = calib_artifact.load(calib)
-    click.echo(f"[demo] loading SmolLM2-135M (bundled GGUF, dequantised once to fp32)")
+    click.echo("[demo] loading SmolLM2-135M (bundled GGUF, dequantised once to fp32)")
     m, folder = weights.load("smollm2-135m")
     calib_artifact.check_model(meta, m.cfg, calib)
     tok = weights.tokenizer(folder)

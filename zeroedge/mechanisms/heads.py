@@ -5,8 +5,6 @@ We measure both readings (and random as a control) and keep what the numbers sup
 Entropy is normalised by log(number of visible keys), so 1.0 = uniform at any position."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 

@@ -10,7 +10,7 @@ so one model can prefill with the mechanisms and score a continuation dense.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn

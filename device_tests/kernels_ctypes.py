@@ -167,7 +167,7 @@ def check_sih(K: Kernels, T, D, W, R, dtype, block_size=0, quantile=0.5, seed=0,
     e_base = rel_err(base, base_ref)
     flips = int((keep_from_ref_scores != keep).sum())
     res = {"T": T, "D": D, "W": W, "R": R, "dtype": str(dtype).split(".")[-1], "block_size": block_size,
-           "variant": {0: "auto", 1: "generic", 2: "unstaged"}[variant], "scores_rel_err": e_scores, "base_rel_err": e_base,
+           "variant": VARIANTS[variant], "scores_rel_err": e_scores, "base_rel_err": e_base,
            "kept": int(keep.clamp(min=0).sum()), "flips_vs_ref_scores": flips, "tol": tol}
     assert ((keep == 0) | (keep == 1)).all(), f"keep not fully written / not 0-1: {res}"
     assert torch.equal(keep, keep_from_kernel_scores), f"keep differs from the reference decision: {res}"
@@ -209,10 +209,16 @@ def check_gather_scatter(K: Kernels, T, D, dtype, frac, seed=0):
             "gather": "exact", "scatter": "exact"}
 
 
+VARIANTS = {0: "auto", 1: "generic proj", 2: "no PDL", 4: "CUDA-core base", 5: "generic proj + CUDA-core base"}
 SIH_CASES = [  # T, D, W, R, dtype, block_size, variant
     (4096, 2048, 2, 16, "float16", 0, 0),
     (4096, 2048, 2, 16, "float16", 0, 1),
     (4096, 2048, 2, 16, "float16", 0, 2),
+    (4096, 2048, 2, 16, "float16", 0, 4),
+    (4133, 2048, 10, 64, "float16", 0, 0),
+    (4133, 2048, 10, 64, "float16", 0, 5),
+    (4096, 576, 10, 16, "float16", 64, 0),
+    (31, 4096, 2, 16, "float16", 0, 0),
     (4096, 2048, 2, 16, "float32", 0, 0),
     (1000, 576, 10, 16, "float16", 64, 0),
     (1000, 576, 10, 16, "float32", 64, 0),

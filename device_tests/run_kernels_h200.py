@@ -134,8 +134,9 @@ def main():
     s_ref = ref.sih_scores(xs_in[0].float(), *(wts[k].float() for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
     thr = float(torch.quantile(ref.smooth(s_ref, 0.5, 0.333333, 0.166667), 0.5))
     sih_rows = []
-    for name, variant, bs in (("SIH (tensor-core proj)", 0, 0), ("SIH block rule 64", 0, 64),
-                              ("SIH (unstaged fragments, run-2 kernel)", 2, 0), ("SIH (generic proj)", 1, 0)):
+    for name, variant, bs in (("SIH (tensor cores, PDL)", 0, 0), ("SIH block rule 64", 0, 64),
+                              ("SIH without PDL", 2, 0), ("SIH with the CUDA-core base", 4, 0),
+                              ("SIH (generic proj + CUDA-core base)", 5, 0)):
         f = ref.sih_fields(threshold=thr, anchor_rank=R, block_size=bs)
         keeps = [torch.empty(T, dtype=torch.int32, device="cuda") for _ in range(NSETS)]
         bases = [torch.empty(T, D, dtype=dt, device="cuda") for _ in range(NSETS)]
@@ -147,15 +148,15 @@ def main():
         stages = {}
         if variant == 0 and bs == 0:  # stage times by differences: stop after prep / projection / decide
             prev = 0.0
-            for stop, sname in ((1, "prep"), (2, "projection"), (3, "decide")):
+            for stop, sname in ((1, "prep"), (2, "projection")):
                 K.lib.ze_sih_set_variant(stop << 8)
                 ts, _ = graph_time(lambda i: K.sih(xs_in[i], wts, f, keeps[i], bases[i], ws=wss[i]))
                 stages[sname] = (ts - prev) * 1e6
                 prev = ts
             K.lib.ze_sih_set_variant(0)
-            stages["base"] = (t_sih - prev) * 1e6
+            stages["decide + base"] = (t_sih - prev) * 1e6
             print("  stages (us): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()), flush=True)
-        nbytes = 2 * T * D * 2 + T * 4 + (W + R + 15) // 16 * 16 * D * 2 + R * D * 2 * 2
+        nbytes = 2 * T * D * 2 + T * 4 + (W + R + 15) // 16 * 16 * D * 2 + R * D * 2
         sih_rows.append({"name": name, "us": t_sih * 1e6, "spread_us": [s * 1e6 for s in spread],
                          "pct_layer": 100 * t_sih / t_layer, "pct_ffn": 100 * t_sih / t_ffn, "bytes": nbytes,
                          "bw_TBps": nbytes / t_sih / 1e12, "bw_frac_copy": nbytes / t_sih / bw_copy,
@@ -215,11 +216,44 @@ def main():
               f"saving {wall_saving:.3f} of {flop_saving:.3f} FLOP ({wall_saving / flop_saving:.2f}); "
               f"gather {t_g * 1e6:.1f} us, scatter {t_s * 1e6:.1f} us, FFN(K) {t_fk * 1e6:.1f} us", flush=True)
 
+    # the same at 70 % with gate and up fused into one GEMM (both sides), and FFN time against M
+    w13 = torch.cat([wg, wu], 0)
+
+    def ffn_fused(x):
+        g, u = (x @ w13.T).chunk(2, -1)
+        return (F.silu(g) * u) @ wd.T
+
+    t_ffn_fused, _ = graph_time(lambda i: ffn_fused(xs_in[i]))
+    fused_rows = []
+    for frac in (0.5, 0.7):
+        k = int(round(frac * T))
+        keeps = []
+        for i in range(NSETS):
+            kp = torch.zeros(T, dtype=torch.int32, device="cuda")
+            kp[torch.randperm(T, generator=gen, device="cuda")[:k]] = 1
+            keeps.append(kp)
+
+        def compact_fused(i, k=k, keeps=keeps):
+            K.gather(xs_in[i], keeps[i], xsb[i], idxb[i], cnts[i])
+            K.scatter(bases[i], ffn_fused(xsb[i][:k]), idxb[i], k, outs[i], wsc[i])
+
+        t_c, _ = graph_time(compact_fused)
+        ws_ = 1 - t_c / t_ffn_fused
+        fused_rows.append({"kept": frac, "K": k, "us": t_c * 1e6, "dense_us": t_ffn_fused * 1e6,
+                           "speedup": t_ffn_fused / t_c, "wall_saving": ws_, "saving_ratio": ws_ / (1 - k / T)})
+        print(f"fused FFN, kept {frac:.0%}: {t_c * 1e6:.1f} us vs dense {t_ffn_fused * 1e6:.1f} us, "
+              f"wall/FLOP {ws_ / (1 - k / T):.2f}", flush=True)
+    ffn_m = {}
+    for m_ in (1229, 2048, 2867, 2880, 2944, 3072, 4096):
+        ffn_m[m_] = graph_time(lambda i, m_=m_: ffn(xs_in[i][:m_]))[0] * 1e6
+    print("FFN us by rows: " + ", ".join(f"{m_}: {v:.1f}" for m_, v in ffn_m.items()), flush=True)
+
     meta = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda, "arch": args.arch,
             "python": platform.python_version(), "copy_bw_TBps": bw_copy / 1e12, "layer_us": t_layer * 1e6,
             "ffn_us": t_ffn * 1e6, "T": T, "D": D, "FF": FF, "heads": H, "W": W, "R": R,
             "timing": f"CUDA graph of {NSETS} rotating input sets, {WARM} warm-up replays, median of {REPS}"}
-    res = {"meta": meta, "checks": checks, "sih": sih_rows, "compaction": comp_rows}
+    res = {"meta": meta, "checks": checks, "sih": sih_rows, "compaction": comp_rows,
+           "compaction_fused_ffn": fused_rows, "ffn_us_by_rows": ffn_m}
     (out / "results.json").write_text(json.dumps(res, indent=2))
     md = render_markdown(res)
     (out / "plugins.md").write_text(md)
@@ -259,7 +293,7 @@ def render_markdown(res) -> str:
             L += ["", f"Stages of '{r['name']}' (µs, by differences of runs stopped after each stage): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["stages_us"].items()) + "."]
     L += ["", "Bytes counted: x read once, base written once, keep, the concatenated head/anchor weights and "
-          "the transposed anchor up-projection.", "",
+          "the anchor up-projection.", "",
           "## Compaction: gather + FFN(K rows) + scatter vs the dense FFN "
           "(targets: ≥ 1.6× at 50 %; wall-time saving ≥ 80 % of the FLOP saving)", "",
           "| kept | K | compaction µs | dense FFN µs | speedup | FLOP saving | wall saving | wall / FLOP | "
@@ -271,6 +305,15 @@ def render_markdown(res) -> str:
                  f"{r['gather_us']:.1f} | {r['ffn_k_us']:.1f} | {r['scatter_us']:.1f} | {r['rel_err']:.1e} |")
     L += ["", "K is known on the host here (the FFN runs on `xs[:K]`); inside TensorRT the size tensor gives "
           "it. The FFN is torch's matmul on the kept rows; gather and scatter are the plugin kernels.", "",
+          "Same with gate and up fused into one GEMM on both sides:", "",
+          "| kept | K | compaction µs | dense FFN µs | speedup | wall / FLOP |", "|---|---|---|---|---|---|"]
+    for r in res.get("compaction_fused_ffn", []):
+        L.append(f"| {r['kept']:.0%} | {r['K']} | {r['us']:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}× | "
+                 f"{r['saving_ratio']:.2f} |")
+    if res.get("ffn_us_by_rows"):
+        L += ["", "Dense FFN time against the number of rows M (cuBLAS through torch): "
+              + ", ".join(f"M={m_}: {v:.1f} µs" for m_, v in res["ffn_us_by_rows"].items()) + "."]
+    L += ["",
           "## Kernel checks (fresh random inputs, outputs poisoned first)", "",
           "| kernel | shape | dtype | details | result |", "|---|---|---|---|---|"]
     for c in res["checks"]:

@@ -85,10 +85,10 @@ def test_kernels_compile_for_sm87_and_sm90(kernels_obj):
     obj, log = kernels_obj
     assert obj.stat().st_size > 0
     for arch in ("sm_87", "sm_90"):
-        assert f"sih_proj_wmma" in log and f"for '{arch}'" in log, arch
+        assert "sih_proj_tc" in log and f"for '{arch}'" in log, arch
     # the kernels the plugins launch are all there, for both architectures
-    for k in ("sih_prep", "sih_proj_generic", "sih_decide", "sih_base", "pad_scan", "pad_gather_rows",
-              "pad_inverse", "pad_merge_rows"):
+    for k in ("sih_prep", "sih_proj_tc", "sih_proj_generic", "sih_decide_base_tc", "sih_decide_base_cc",
+              "pad_scan", "pad_gather_rows", "pad_fill", "pad_inverse", "pad_merge_rows"):
         assert log.count(k) >= 2, k
 
 

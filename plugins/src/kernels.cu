@@ -1,11 +1,13 @@
 // zeroedge CUDA kernels for SIH and PAD (no TensorRT headers). See include/zeroedge_kernels.h.
 //
-// SIH runs as 4 launches: prep (weights -> fp32 / concatenated layouts in the workspace), proj (one
-// pass over x: the head's first layer and the anchor projection a @ x as one small GEMM, tensor cores
-// for fp16, then the rest of the head per row), decide (moving average, threshold, block rule,
-// protections) and base (the anchor's up-projection b @ (a @ x) + c for skipped rows, zeros for kept).
-// PAD gather is a one-block ballot scan plus a row copy; PAD scatter builds the inverse of idx and
-// writes every output row once (from y where kept, from base elsewhere).
+// SIH runs as 3 launches: prep (the concatenated [w1; anchor a] operand), proj (one pass over x:
+// the head's first layer and the anchor projection a @ x as one small GEMM on tensor cores for
+// fp16, the whole [32, D] tile of x staged with cp.async, then the rest of the head per row), and
+// decide + base (moving average, threshold, block rule, protections; then the anchor's
+// up-projection b @ (a @ x) + c for skipped rows, zeros for kept, on tensor cores for fp16). On
+// sm_90 the second and third launch with programmatic dependent launch, so each starts while its
+// predecessor drains. PAD gather is a one-block ballot scan plus a row copy; PAD scatter builds the
+// inverse of idx and writes every output row once (from y where kept, from base elsewhere).
 #include "zeroedge_kernels.h"
 
 #include <cuda_fp16.h>
@@ -14,15 +16,18 @@
 
 namespace {
 
-constexpr int kProjRows = 16;   // rows per block of the tensor-core projection
-constexpr int kProjBatch = 4;   // x fragments loaded ahead of their MMAs
+constexpr int kProjRows = 32;   // rows per block of the tensor-core projection (two MMA row tiles)
+constexpr int kProjWarps = 8;   // warps of that block; they split the hidden dimension
 constexpr int kProjMaxTiles = (ZE_MAX_SIH_WIDTH + ZE_MAX_ANCHOR_RANK + 15) / 16;
-constexpr int kBaseRows = 16;
-constexpr int kBaseThreads = 128;
+constexpr int kBaseRows = 32;   // rows per block of decide + base
+constexpr int kBaseWarps = 4;   // each warp writes 128 columns, 64 at a time
+constexpr int kBaseCols = kBaseWarps * 128;
+constexpr int kCcRows = 16;     // rows per block of the CUDA-core base (fp32, or R not a multiple of 16)
+constexpr int kCcThreads = 128;
 
-// Benchmark switches: bit 0 forces the generic (CUDA-core) projection for fp16; bit 1 loads the MMA
-// fragments of x straight from global memory (no staging); bits 8..11 = N > 0
-// stop after stage N (1 prep, 2 projection, 3 decide) to time the stages by differences.
+// Benchmark switches: bit 0 forces the generic (CUDA-core) projection for fp16; bit 1 launches
+// without programmatic dependent launch; bit 2 forces the CUDA-core base for fp16; bits 8..11 = N > 0
+// stop after stage N (1 prep, 2 projection) to time the stages by differences.
 int g_variant = 0;
 int stop_after() { return (g_variant >> 8) & 0xF; }
 
@@ -51,10 +56,42 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
-size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
+__device__ __forceinline__ int warp_sum_int(int v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// cp.async (sm_80+): 16 bytes global -> shared without registers; src_bytes 0 writes zeros.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes)
+{
+    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start while its
+// predecessor runs; pdl_wait() returns once the predecessor has finished and its writes are
+// visible. Without the attribute (or below sm_90) both are no-ops.
+__device__ __forceinline__ void pdl_wait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
+__host__ __device__ inline size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
 struct SihLayout {
-    size_t scores, ax, wcat, bt, small, total;
+    size_t scores, ax, wcat, total;
     int ncp;
 };
 
@@ -67,51 +104,48 @@ SihLayout sih_layout(int64_t T, int64_t D, int32_t W, int32_t R, int dtype)
     l.scores = off; off += align256(size_t(T) * 4);
     l.ax = off; off += align256(size_t(T) * (R > 0 ? R : 1) * 4);
     l.wcat = off; off += align256(size_t(l.ncp) * D * esz);
-    l.bt = off; off += align256(size_t(R) * D * 4);
-    l.small = off; off += align256(size_t(2 * W * W + 4 * W + 1) * 4);
     l.total = off;
     return l;
 }
 
+int small_count(int W) { return 2 * W * W + 4 * W + 1; }
+
 // wcat [ncp, D] (T): rows [0, W) = w1, [W, W+R) = anchor a, the rest zero.
-// bt [R, D] fp32 = anchor b transposed. small fp32 = b1[W] w2[W*W] b2[W] w3[W*W] b3[W] w4[W] b4[1].
 template <typename T>
-__global__ void sih_prep(ze_sih_weights w, int64_t D, int W, int R, int ncp, T* wcat, float* bt, float* small)
+__global__ void sih_prep(ze_sih_weights w, int64_t D, int W, int R, int ncp, T* wcat)
 {
+    pdl_launch();
     const T* w1 = static_cast<const T*>(w.w1);
     const T* a = static_cast<const T*>(w.anchor_a);
-    const T* bm = static_cast<const T*>(w.anchor_b);
-    int64_t n_wcat = int64_t(ncp) * D, n_bt = int64_t(R) * D, n_small = 2 * W * W + 4 * W + 1;
-    int64_t total = n_wcat + n_bt + n_small;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    int64_t n = int64_t(ncp) * D;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     {
-        if (i < n_wcat)
-        {
-            int64_t j = i / D, k = i % D;
-            T v = from_f<T>(0.f);
-            if (j < W) v = w1[j * D + k];
-            else if (j < W + R) v = a[(j - W) * D + k];
-            wcat[i] = v;
-        }
-        else if (i < n_wcat + n_bt)
-        {
-            int64_t q = i - n_wcat, j = q / D, d = q % D;
-            bt[q] = to_f(bm[d * R + j]);
-        }
-        else
-        {
-            int64_t q = i - n_wcat - n_bt;
-            const T* src;
-            int64_t o;
-            if (q < W) { src = static_cast<const T*>(w.b1); o = q; }
-            else if (q < W + W * W) { src = static_cast<const T*>(w.w2); o = q - W; }
-            else if (q < 2 * W + W * W) { src = static_cast<const T*>(w.b2); o = q - W - W * W; }
-            else if (q < 2 * W + 2 * W * W) { src = static_cast<const T*>(w.w3); o = q - 2 * W - W * W; }
-            else if (q < 3 * W + 2 * W * W) { src = static_cast<const T*>(w.b3); o = q - 2 * W - 2 * W * W; }
-            else if (q < 4 * W + 2 * W * W) { src = static_cast<const T*>(w.w4); o = q - 3 * W - 2 * W * W; }
-            else { src = static_cast<const T*>(w.b4); o = 0; }
-            small[q] = to_f(src[o]);
-        }
+        int64_t j = i / D, k = i % D;
+        T v = from_f<T>(0.f);
+        if (j < W) v = w1[j * D + k];
+        else if (j < W + R) v = a[(j - W) * D + k];
+        wcat[i] = v;
+    }
+}
+
+// The head's small weights as fp32 in shared memory: b1[W] w2[W*W] b2[W] w3[W*W] b3[W] w4[W] b4[1].
+// Every thread of the block takes part; the caller synchronises.
+template <typename T>
+__device__ void load_small(const ze_sih_weights& w, int W, float* small)
+{
+    int n = 2 * W * W + 4 * W + 1;
+    for (int q = threadIdx.x; q < n; q += blockDim.x)
+    {
+        const T* src;
+        int o;
+        if (q < W) { src = static_cast<const T*>(w.b1); o = q; }
+        else if (q < W + W * W) { src = static_cast<const T*>(w.w2); o = q - W; }
+        else if (q < 2 * W + W * W) { src = static_cast<const T*>(w.b2); o = q - W - W * W; }
+        else if (q < 2 * W + 2 * W * W) { src = static_cast<const T*>(w.w3); o = q - 2 * W - W * W; }
+        else if (q < 3 * W + 2 * W * W) { src = static_cast<const T*>(w.b3); o = q - 2 * W - 2 * W * W; }
+        else if (q < 4 * W + 2 * W * W) { src = static_cast<const T*>(w.w4); o = q - 3 * W - 2 * W * W; }
+        else { src = static_cast<const T*>(w.b4); o = 0; }
+        small[q] = to_f(src[o]);
     }
 }
 
@@ -146,13 +180,19 @@ __device__ float sih_tail(const float* h1pre, const float* small, int W)
 }
 
 // Generic projection (fp32, or fp16 when the tensor-core path does not apply): one warp per row.
+// Dynamic shared memory: [warps][nc] sums, then the head's small weights.
 template <typename T>
 __global__ void sih_proj_generic(const T* __restrict__ x, int64_t Tn, int64_t D, const T* __restrict__ wcat, int nc,
-    int W, int R, const float* __restrict__ small, float* __restrict__ scores, float* __restrict__ ax)
+    int W, int R, ze_sih_weights hw, float* __restrict__ scores, float* __restrict__ ax)
 {
     extern __shared__ float hs[];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float* small = hs + nw * nc;
+    pdl_launch();
+    load_small<T>(hw, W, small);
+    __syncthreads();
+    pdl_wait();  // wcat comes from sih_prep
+    int64_t row = int64_t(blockIdx.x) * nw + warp;
     if (row >= Tn) return;
     const T* xr = x + row * D;
     float* h = hs + warp * nc;
@@ -169,128 +209,97 @@ __global__ void sih_proj_generic(const T* __restrict__ x, int64_t Tn, int64_t D,
     if (lane == 0) scores[row] = sih_tail(h, small, W);
 }
 
-// Tensor-core projection for fp16: block = WARPS warps x 16 rows; warp w covers 1/WARPS of D and
-// issues kProjBatch fragment loads of x before their MMAs (memory-level parallelism: x is streamed
-// once and the arithmetic is tiny). Per-warp partial sums meet in dynamic shared memory [WARPS][16][ncp].
-template <int WARPS, int NT, bool STAGED>
-__global__ void __launch_bounds__(WARPS * 32) sih_proj_wmma(const __half* __restrict__ x, int64_t Tn, int64_t D,
-    const __half* __restrict__ wcat, int ncp, int W, int R, const float* __restrict__ small, float* __restrict__ scores,
+// Bytes of dynamic shared memory of sih_proj_tc: the x tile (later reused for the per-warp partial
+// sums), then the head's small weights.
+__host__ __device__ inline size_t proj_tc_region(int64_t D, int ncp)
+{
+    size_t xt = size_t(kProjRows) * size_t(D + 8) * 2, part = size_t(kProjWarps) * kProjRows * ncp * 4;
+    return align256(xt > part ? xt : part);
+}
+size_t proj_tc_smem(int64_t D, int ncp, int W) { return proj_tc_region(D, ncp) + size_t(small_count(W)) * 4; }
+
+// Tensor-core projection for fp16. A block owns 32 rows: the whole [32, D] tile of x goes into
+// shared memory with cp.async at once (in two groups per warp, so the MMAs on the first half of a
+// warp's k range overlap the arrival of the second), then 8 warps each multiply their 1/8 of D
+// against the [ncp, D] weights (B fragments from L2, each used for both row tiles); partial sums
+// meet in shared memory, then the head's tail runs per row.
+template <int NT>
+__global__ void __launch_bounds__(kProjWarps * 32, 1) sih_proj_tc(const __half* __restrict__ x, int64_t Tn, int64_t D,
+    const __half* __restrict__ wcat, int ncp, int W, int R, ze_sih_weights hw, float* __restrict__ scores,
     float* __restrict__ ax)
 {
     using namespace nvcuda;
-    extern __shared__ __align__(32) float acc_s[]; // [WARPS][kProjRows][ncp]
-    __shared__ __align__(32) __half stage[WARPS][16 * 16];
-    __shared__ __align__(32) __half xstage[STAGED ? WARPS * 16 * (16 * kProjBatch + 8) : 1];
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int64_t ldx = D + 8;  // +16 bytes a row: consecutive rows start in different banks
+    __half* xs = reinterpret_cast<__half*>(smem);
+    float* small = reinterpret_cast<float*>(smem + proj_tc_region(D, ncp));
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int64_t row0 = int64_t(blockIdx.x) * kProjRows;
+    int64_t ks = D / 16;
+    int64_t s0 = warp * ks / kProjWarps, s1 = (warp + 1) * ks / kProjWarps, sm = (s0 + s1) / 2;
+    auto issue = [&](int64_t a, int64_t b) {
+        int64_t nv = 2 * (b - a);  // 16-byte vectors a row in k-steps [a, b)
+        for (int64_t i = lane; i < kProjRows * nv; i += 32)
+        {
+            int64_t r = i / nv, col = 16 * a + 8 * (i % nv);
+            bool ok = row0 + r < Tn;
+            cp_async16(xs + r * ldx + col, ok ? static_cast<const void*>(x + (row0 + r) * D + col) : x, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    issue(s0, sm);
+    issue(sm, s1);
+    pdl_launch();
+    load_small<__half>(hw, W, small);
+    pdl_wait();  // wcat comes from sih_prep
+
     int nt = ncp / 16;
-    bool tail = row0 + kProjRows > Tn;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) wmma::fill_fragment(c[n], 0.f);
-    int64_t kper = D / WARPS;
-    int64_t k = warp * kper, k1 = k + kper;
-    if (!tail && STAGED)
-    {
-        // coalesced 16-byte loads of the warp's 16 x 64 slice of x into registers (prefetched one
-        // batch ahead), then through shared memory into the MMA fragments
-        constexpr int KB = 16 * kProjBatch, LDS = KB + 8;
-        __half* xs = xstage + size_t(warp) * 16 * LDS;
-        int4 v[4];
-        auto gload = [&](int64_t kk) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-            {
-                int i = lane + 32 * q, r = i >> 3, c = i & 7;
-                v[q] = *reinterpret_cast<const int4*>(x + (row0 + r) * D + kk + c * 8);
-            }
-        };
-        if (k + KB <= k1) gload(k);
-        for (; k + KB <= k1; k += KB)
-        {
-            __syncwarp();
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-            {
-                int i = lane + 32 * q, r = i >> 3, c = i & 7;
-                *reinterpret_cast<int4*>(xs + r * LDS + c * 8) = v[q];
-            }
-            __syncwarp();
-            if (k + 2 * KB <= k1) gload(k + KB);
-#pragma unroll
-            for (int u = 0; u < kProjBatch; ++u)
-            {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
-                wmma::load_matrix_sync(a, xs + 16 * u, unsigned(LDS));
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-                {
-                    if (n < nt)
-                    {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
-                        wmma::load_matrix_sync(b, wcat + int64_t(n) * 16 * D + k + 16 * u, unsigned(D));
-                        wmma::mma_sync(c[n], a, b, c[n]);
-                    }
-                }
-            }
-        }
-    }
-    if (!tail && !STAGED)
-    {
-        for (; k + 16 * kProjBatch <= k1; k += 16 * kProjBatch)
-        {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a[kProjBatch];
-#pragma unroll
-            for (int u = 0; u < kProjBatch; ++u) wmma::load_matrix_sync(a[u], x + row0 * D + k + 16 * u, unsigned(D));
-#pragma unroll
-            for (int u = 0; u < kProjBatch; ++u)
-            {
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-                {
-                    if (n < nt)
-                    {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
-                        wmma::load_matrix_sync(b, wcat + int64_t(n) * 16 * D + k + 16 * u, unsigned(D));
-                        wmma::mma_sync(c[n], a[u], b, c[n]);
-                    }
-                }
-            }
-        }
-    }
-    for (; k < k1; k += 16)
-    {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
-        if (!tail)
-        {
-            wmma::load_matrix_sync(a, x + row0 * D + k, unsigned(D));
-        }
-        else
-        {
-            for (int i = lane; i < 256; i += 32)
-            {
-                int r = i >> 4, kk = i & 15;
-                stage[warp][i] = row0 + r < Tn ? x[(row0 + r) * D + k + kk] : __float2half(0.f);
-            }
-            __syncwarp();
-            wmma::load_matrix_sync(a, stage[warp], 16);
-            __syncwarp();
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-        {
-            if (n < nt)
-            {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
-                wmma::load_matrix_sync(b, wcat + int64_t(n) * 16 * D + k, unsigned(D));
-                wmma::mma_sync(c[n], a, b, c[n]);
-            }
-        }
-    }
-    float* mine = acc_s + size_t(warp) * kProjRows * ncp;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c[2][NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n)
-        if (n < nt) wmma::store_matrix_sync(mine + n * 16, c[n], unsigned(ncp), wmma::mem_row_major);
+    {
+        wmma::fill_fragment(c[0][n], 0.f);
+        wmma::fill_fragment(c[1][n], 0.f);
+    }
+    auto mma_steps = [&](int64_t a, int64_t b) {
+#pragma unroll 2
+        for (int64_t s = a; s < b; ++s)
+        {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> f0, f1;
+            wmma::load_matrix_sync(f0, xs + 16 * s, unsigned(ldx));
+            wmma::load_matrix_sync(f1, xs + 16 * ldx + 16 * s, unsigned(ldx));
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+            {
+                if (n < nt)
+                {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+                    wmma::load_matrix_sync(b, wcat + int64_t(n) * 16 * D + 16 * s, unsigned(D));
+                    wmma::mma_sync(c[0][n], f0, b, c[0][n]);
+                    wmma::mma_sync(c[1][n], f1, b, c[1][n]);
+                }
+            }
+        }
+    };
+    cp_async_wait<1>();
+    __syncwarp();
+    mma_steps(s0, sm);
+    cp_async_wait<0>();
+    __syncwarp();
+    mma_steps(sm, s1);
+    __syncthreads();  // every warp is done with the x tile: its space takes the partial sums
+
+    float* part = reinterpret_cast<float*>(smem);  // [warps][kProjRows][ncp]
+    float* mine = part + size_t(warp) * kProjRows * ncp;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+    {
+        if (n < nt)
+        {
+            wmma::store_matrix_sync(mine + n * 16, c[0][n], unsigned(ncp), wmma::mem_row_major);
+            wmma::store_matrix_sync(mine + 16 * ncp + n * 16, c[1][n], unsigned(ncp), wmma::mem_row_major);
+        }
+    }
     __syncthreads();
     int nc = W + R;
     for (int i = threadIdx.x; i < kProjRows * nc; i += blockDim.x)
@@ -298,17 +307,17 @@ __global__ void __launch_bounds__(WARPS * 32) sih_proj_wmma(const __half* __rest
         int r = i / nc, j = i % nc;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) s += acc_s[(size_t(w) * kProjRows + r) * ncp + j];
-        acc_s[size_t(r) * ncp + j] = s;
+        for (int w = 0; w < kProjWarps; ++w) s += part[(size_t(w) * kProjRows + r) * ncp + j];
+        part[size_t(r) * ncp + j] = s;  // row r of warp 0's area: only this thread reads or writes it now
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kProjRows * R; i += blockDim.x)
     {
         int r = i / R, j = i % R;
-        if (row0 + r < Tn) ax[(row0 + r) * R + j] = acc_s[size_t(r) * ncp + W + j];
+        if (row0 + r < Tn) ax[(row0 + r) * R + j] = part[size_t(r) * ncp + W + j];
     }
     if (threadIdx.x < kProjRows && row0 + threadIdx.x < Tn)
-        scores[row0 + threadIdx.x] = sih_tail(&acc_s[size_t(threadIdx.x) * ncp], small, W);
+        scores[row0 + threadIdx.x] = sih_tail(&part[size_t(threadIdx.x) * ncp], small, W);
 }
 
 struct DecideArgs {
@@ -327,87 +336,211 @@ __device__ __forceinline__ float smoothed(const float* s, int64_t t, const Decid
     return __fdiv_rn(num, norm);
 }
 
-__global__ void sih_decide(const float* __restrict__ scores, int64_t Tn, DecideArgs a, int32_t* __restrict__ keep)
+__device__ __forceinline__ int protect(int k, int64_t t, int64_t Tn, const DecideArgs& a)
 {
-    int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (t >= Tn) return;
-    int k;
-    if (Tn < a.min_tokens) k = 1;
-    else if (a.block_size > 0)
-    {
-        int64_t b0 = t / a.block_size * a.block_size;
-        int64_t b1 = b0 + a.block_size < Tn ? b0 + a.block_size : Tn;
-        int low = 0;
-        for (int64_t j = b0; j < b1; ++j) low += !(smoothed(scores, j, a) >= a.thr);
-        float frac = __fdiv_rn(float(low), float(b1 - b0));
-        k = frac <= a.block_frac;
-    }
-    else k = smoothed(scores, t, a) >= a.thr;
     if (t < a.protect_first) k = 1;
     if (a.protect_last > 0 && t >= Tn - a.protect_last) k = 1;
-    keep[t] = k;
+    return k;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kBaseThreads, 4) sih_base(const float* __restrict__ ax, const int32_t* __restrict__ keep,
-    int64_t Tn, int64_t D, int R, const float* __restrict__ bt, const T* __restrict__ c, T* __restrict__ base)
+// keep for rows [r0, r0 + nrows) into ks (shared; 1 past Tn), and into keep_out when given.
+// Token rule: a thread a row. Block rule: warp 0 counts each block's low tokens once.
+__device__ void decide_rows(const float* __restrict__ scores, int64_t Tn, int64_t r0, int nrows, const DecideArgs& a,
+    int* ks, int32_t* __restrict__ keep_out)
 {
-    __shared__ float axs[kBaseRows][ZE_MAX_ANCHOR_RANK];
+    if (a.block_size <= 0 || Tn < a.min_tokens)
+    {
+        for (int r = threadIdx.x; r < nrows; r += blockDim.x)
+        {
+            int64_t t = r0 + r;
+            int k = 1;
+            if (t < Tn)
+            {
+                k = Tn < a.min_tokens ? 1 : int(smoothed(scores, t, a) >= a.thr);
+                k = protect(k, t, Tn, a);
+                if (keep_out) keep_out[t] = k;
+            }
+            ks[r] = k;
+        }
+        return;
+    }
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x;
+    int64_t prev = -1;
+    int low = 0;
+    for (int r = 0; r < nrows; ++r)
+    {
+        int64_t t = r0 + r;
+        if (t >= Tn)
+        {
+            if (lane == 0) ks[r] = 1;
+            continue;
+        }
+        int64_t b0 = t / a.block_size * a.block_size;
+        int64_t b1 = b0 + a.block_size < Tn ? b0 + a.block_size : Tn;
+        if (b0 != prev)
+        {
+            int c = 0;
+            for (int64_t j = b0 + lane; j < b1; j += 32) c += !(smoothed(scores, j, a) >= a.thr);
+            low = warp_sum_int(c);
+            prev = b0;
+        }
+        float frac = __fdiv_rn(float(low), float(b1 - b0));
+        int k = protect(int(frac <= a.block_frac), t, Tn, a);
+        if (lane == 0)
+        {
+            ks[r] = k;
+            if (keep_out) keep_out[t] = k;
+        }
+    }
+}
+
+// Decide + base on tensor cores (fp16, R a multiple of 16): block = 32 rows x 512 columns.
+// base = keep ? 0 : b @ ax + c. ax (fp32) is split into fp16 hi + lo parts, two MMAs each, so the
+// product keeps ~fp32 accuracy; anchor b [D, R] is the col-major B operand (ld = R).
+__global__ void __launch_bounds__(kBaseWarps * 32) sih_decide_base_tc(const float* __restrict__ scores,
+    const float* __restrict__ ax, int64_t Tn, int64_t D, int R, DecideArgs a, const __half* __restrict__ bmat,
+    const __half* __restrict__ cvec, int32_t* __restrict__ keep, __half* __restrict__ base)
+{
+    using namespace nvcuda;
+    constexpr int LDA = ZE_MAX_ANCHOR_RANK + 8, LDS = 64 + 4;
+    __shared__ __align__(32) __half ahi[kBaseRows * LDA];
+    __shared__ __align__(32) __half alo[kBaseRows * LDA];
+    __shared__ __align__(32) float stg[kBaseWarps][kBaseRows * LDS];
     __shared__ int ks[kBaseRows];
     __shared__ int any_skip;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int64_t r0 = int64_t(blockIdx.x) * kBaseRows;
-    if (threadIdx.x == 0) any_skip = 0;
+    pdl_launch();
+    pdl_wait();  // scores and ax come from the projection
+    decide_rows(scores, Tn, r0, kBaseRows, a, ks, blockIdx.y == 0 ? keep : nullptr);
     for (int i = threadIdx.x; i < kBaseRows * R; i += blockDim.x)
+    {
+        int r = i / R, j = i % R;
+        float v = r0 + r < Tn ? ax[(r0 + r) * R + j] : 0.f;
+        __half h = __float2half_rn(v);
+        ahi[r * LDA + j] = h;
+        alo[r * LDA + j] = __float2half_rn(v - __half2float(h));
+    }
+    if (threadIdx.x == 0) any_skip = 0;
+    __syncthreads();
+    if (threadIdx.x < kBaseRows && ks[threadIdx.x] == 0) any_skip = 1;
+    __syncthreads();
+    float* st = stg[warp];
+    for (int g = 0; g < 2; ++g)
+    {
+        int64_t cg = int64_t(blockIdx.y) * kBaseCols + warp * 128 + g * 64;
+        if (cg >= D) break;
+        if (any_skip)
+        {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+            {
+                wmma::fill_fragment(acc[0][n], 0.f);
+                wmma::fill_fragment(acc[1][n], 0.f);
+            }
+            for (int kk = 0; kk < R; kk += 16)
+            {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> h0, h1, l0, l1;
+                wmma::load_matrix_sync(h0, ahi + kk, LDA);
+                wmma::load_matrix_sync(h1, ahi + 16 * LDA + kk, LDA);
+                wmma::load_matrix_sync(l0, alo + kk, LDA);
+                wmma::load_matrix_sync(l1, alo + 16 * LDA + kk, LDA);
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+                {
+                    if (cg + 16 * n < D)
+                    {
+                        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+                        wmma::load_matrix_sync(b, bmat + (cg + 16 * n) * R + kk, unsigned(R));
+                        wmma::mma_sync(acc[0][n], h0, b, acc[0][n]);
+                        wmma::mma_sync(acc[0][n], l0, b, acc[0][n]);
+                        wmma::mma_sync(acc[1][n], h1, b, acc[1][n]);
+                        wmma::mma_sync(acc[1][n], l1, b, acc[1][n]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+            {
+                wmma::store_matrix_sync(st + n * 16, acc[0][n], LDS, wmma::mem_row_major);
+                wmma::store_matrix_sync(st + 16 * LDS + n * 16, acc[1][n], LDS, wmma::mem_row_major);
+            }
+            __syncwarp();
+        }
+        // 32 rows x 64 columns as 8-column (16-byte) pieces, a row's 8 pieces from 8 neighbouring lanes
+        for (int i = lane; i < kBaseRows * 8; i += 32)
+        {
+            int r = i >> 3, cc = (i & 7) * 8;
+            int64_t t = r0 + r, d = cg + cc;
+            if (t >= Tn || d >= D) continue;
+            union { __half2 h[4]; int4 v; } o;
+            if (!any_skip || ks[r])
+                o.v = make_int4(0, 0, 0, 0);
+            else
+            {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    o.h[e] = __floats2half2_rn(st[r * LDS + cc + 2 * e] + __half2float(cvec[d + 2 * e]),
+                                               st[r * LDS + cc + 2 * e + 1] + __half2float(cvec[d + 2 * e + 1]));
+            }
+            *reinterpret_cast<int4*>(base + t * D + d) = o.v;
+        }
+        __syncwarp();
+    }
+}
+
+// Decide + base on CUDA cores (fp32, or fp16 shapes the tensor-core kernel does not take):
+// block = kCcRows rows x 4 * kCcThreads columns; a thread 4 columns of every row.
+template <typename T>
+__global__ void __launch_bounds__(kCcThreads) sih_decide_base_cc(const float* __restrict__ scores,
+    const float* __restrict__ ax, int64_t Tn, int64_t D, int R, DecideArgs a, const T* __restrict__ bmat,
+    const T* __restrict__ cvec, int32_t* __restrict__ keep, T* __restrict__ base)
+{
+    __shared__ float axs[kCcRows][ZE_MAX_ANCHOR_RANK];
+    __shared__ int ks[kCcRows];
+    __shared__ int any_skip;
+    int64_t r0 = int64_t(blockIdx.x) * kCcRows;
+    pdl_launch();
+    pdl_wait();
+    decide_rows(scores, Tn, r0, kCcRows, a, ks, blockIdx.y == 0 ? keep : nullptr);
+    for (int i = threadIdx.x; i < kCcRows * R; i += blockDim.x)
     {
         int r = i / R, j = i % R;
         axs[r][j] = r0 + r < Tn ? ax[(r0 + r) * R + j] : 0.f;
     }
-    if (threadIdx.x < kBaseRows) ks[threadIdx.x] = r0 + threadIdx.x < Tn ? keep[r0 + threadIdx.x] : 1;
+    if (threadIdx.x == 0) any_skip = 0;
     __syncthreads();
-    if (threadIdx.x < kBaseRows && ks[threadIdx.x] == 0) any_skip = 1;
+    if (threadIdx.x < kCcRows && ks[threadIdx.x] == 0) any_skip = 1;
     __syncthreads();
     int64_t d = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * 4;
     if (d >= D) return;
-    float acc[kBaseRows][4];
+    float acc[kCcRows][4];
 #pragma unroll
-    for (int r = 0; r < kBaseRows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
-    if (any_skip)
+    for (int r = 0; r < kCcRows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+    if (any_skip && R > 0)
     {
-        int j = 0;
-        for (; j + 4 <= R; j += 4)  // four independent loads in flight before their FMAs
+        for (int j = 0; j < R; ++j)
         {
-            float4 b[4];
+            float b0 = to_f(bmat[d * R + j]), b1 = to_f(bmat[(d + 1) * R + j]);
+            float b2 = to_f(bmat[(d + 2) * R + j]), b3 = to_f(bmat[(d + 3) * R + j]);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) b[u] = *reinterpret_cast<const float4*>(bt + int64_t(j + u) * D + d);
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-            {
-#pragma unroll
-                for (int r = 0; r < kBaseRows; ++r)
-                {
-                    float v = axs[r][j + u];
-                    acc[r][0] += v * b[u].x; acc[r][1] += v * b[u].y; acc[r][2] += v * b[u].z; acc[r][3] += v * b[u].w;
-                }
-            }
-        }
-        for (; j < R; ++j)
-        {
-            float4 b = *reinterpret_cast<const float4*>(bt + int64_t(j) * D + d);
-#pragma unroll
-            for (int r = 0; r < kBaseRows; ++r)
+            for (int r = 0; r < kCcRows; ++r)
             {
                 float v = axs[r][j];
-                acc[r][0] += v * b.x; acc[r][1] += v * b.y; acc[r][2] += v * b.z; acc[r][3] += v * b.w;
+                acc[r][0] += v * b0; acc[r][1] += v * b1; acc[r][2] += v * b2; acc[r][3] += v * b3;
             }
         }
     }
-    float c0 = to_f(c[d]), c1 = to_f(c[d + 1]), c2 = to_f(c[d + 2]), c3 = to_f(c[d + 3]);
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    if (R > 0) { c0 = to_f(cvec[d]); c1 = to_f(cvec[d + 1]); c2 = to_f(cvec[d + 2]); c3 = to_f(cvec[d + 3]); }
 #pragma unroll
-    for (int r = 0; r < kBaseRows; ++r)
+    for (int r = 0; r < kCcRows; ++r)
     {
         if (r0 + r >= Tn) break;
         T* o = base + (r0 + r) * D + d;
-        if (ks[r]) store4(o, 0.f, 0.f, 0.f, 0.f);
+        if (ks[r] || R == 0) store4(o, 0.f, 0.f, 0.f, 0.f);
         else store4(o, acc[r][0] + c0, acc[r][1] + c1, acc[r][2] + c2, acc[r][3] + c3);
     }
 }
@@ -419,6 +552,7 @@ __global__ void __launch_bounds__(1024) pad_scan(const int32_t* __restrict__ kee
 {
     __shared__ int wsum[32];
     __shared__ int carry, total;
+    pdl_launch();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
@@ -491,6 +625,7 @@ __device__ __forceinline__ void copy_row(const int4* __restrict__ src, int4* __r
 __global__ void pad_gather_rows(const int4* __restrict__ x, const int32_t* __restrict__ idx,
     const int32_t* __restrict__ count, int64_t Tn, int64_t vec_per_row, int4* __restrict__ xs)
 {
+    pdl_wait();  // idx and count come from pad_scan
     int64_t K = *count;
     int lane = threadIdx.x & 31;
     int64_t nwarps = int64_t(gridDim.x) * (blockDim.x >> 5);
@@ -502,8 +637,17 @@ __global__ void pad_gather_rows(const int4* __restrict__ x, const int32_t* __res
     }
 }
 
+__global__ void pad_fill(int32_t* __restrict__ inv, int64_t Tn, int32_t v)
+{
+    pdl_launch();
+    for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < Tn; t += int64_t(gridDim.x) * blockDim.x)
+        inv[t] = v;
+}
+
 __global__ void pad_inverse(const int32_t* __restrict__ idx, int64_t K, int64_t Tn, int32_t* __restrict__ inv)
 {
+    pdl_launch();
+    pdl_wait();  // inv is filled with -1 first
     int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (k >= K) return;
     int64_t t = idx[k];
@@ -513,6 +657,7 @@ __global__ void pad_inverse(const int32_t* __restrict__ idx, int64_t K, int64_t 
 __global__ void pad_merge_rows(const int4* __restrict__ base, const int4* __restrict__ y, const int32_t* __restrict__ inv,
     int64_t Tn, int64_t vec_per_row, int4* __restrict__ out)
 {
+    pdl_wait();  // inv is complete
     int lane = threadIdx.x & 31;
     int64_t nwarps = int64_t(gridDim.x) * (blockDim.x >> 5);
     for (int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); t < Tn; t += nwarps)
@@ -524,10 +669,38 @@ __global__ void pad_merge_rows(const int4* __restrict__ base, const int4* __rest
 
 bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
-int last_error()
+// Launch with or without programmatic dependent launch (the kernel's pdl_wait guards its inputs).
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t shm, cudaStream_t s, bool pdl, Args... args)
 {
-    cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? 0 : int(e);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = shm;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+    return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+int device_major()
+{
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    return major;
+}
+
+size_t max_smem_optin()
+{
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return size_t(v);
 }
 
 // blocks of 256 threads, one warp per row
@@ -558,7 +731,8 @@ const char* ze_strerror(int code)
 
 int ze_kernels_abi(void) { return ZE_PLUGIN_ABI; }
 
-// For benchmarks: 1 forces the generic projection kernel for fp16 too; 0 restores automatic choice.
+// For benchmarks: bit 0 generic projection for fp16 too, bit 1 no programmatic dependent launch,
+// bit 2 CUDA-core base for fp16, bits 8..11 stop after stage N; 0 restores the automatic choice.
 void ze_sih_set_variant(int v) { g_variant = v; }
 
 size_t ze_sih_workspace_size(int64_t T, int64_t D, int32_t W, int32_t R, int dtype)
@@ -588,56 +762,63 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
     char* ws = static_cast<char*>(workspace);
     float* scores = scores_out ? scores_out : reinterpret_cast<float*>(ws + l.scores);
     float* ax = reinterpret_cast<float*>(ws + l.ax);
-    float* bt = reinterpret_cast<float*>(ws + l.bt);
-    float* small = reinterpret_cast<float*>(ws + l.small);
-    size_t esz = dtype == ZE_F16 ? 2 : 4;
     ze_sih_weights wz = *w;
     if (R == 0) wz.anchor_a = wz.anchor_b = wz.anchor_c = nullptr;
+    bool pdl = (g_variant & 2) == 0 && device_major() >= 9;
 
-    int64_t prep_n = int64_t(l.ncp) * D + int64_t(R) * D + 2 * W * W + 4 * W + 1;
-    int prep_blocks = int((prep_n + 255) / 256 < 1024 ? (prep_n + 255) / 256 : 1024);
-    bool tc = dtype == ZE_F16 && (g_variant & 1) == 0 && D % 64 == 0 && aligned(x, 32);
+    // 1. prep: the concatenated [w1; a] operand of the projection
+    int64_t prep_n = int64_t(l.ncp) * D;
+    unsigned prep_blocks = unsigned((prep_n + 255) / 256 < 1024 ? (prep_n + 255) / 256 : 1024);
+    cudaError_t e;
     if (dtype == ZE_F16)
-        sih_prep<__half><<<prep_blocks, 256, 0, stream>>>(wz, D, W, R, l.ncp,
-            reinterpret_cast<__half*>(ws + l.wcat), bt, small);
+        e = launch(sih_prep<__half>, dim3(prep_blocks), dim3(256), 0, stream, false, wz, D, W, R, l.ncp,
+                   reinterpret_cast<__half*>(ws + l.wcat));
     else
-        sih_prep<float><<<prep_blocks, 256, 0, stream>>>(wz, D, W, R, l.ncp,
-            reinterpret_cast<float*>(ws + l.wcat), bt, small);
-    if (int e = last_error()) return e;
+        e = launch(sih_prep<float>, dim3(prep_blocks), dim3(256), 0, stream, false, wz, D, W, R, l.ncp,
+                   reinterpret_cast<float*>(ws + l.wcat));
+    if (e != cudaSuccess) return int(e);
     if (stop_after() == 1) return 0;
 
+    // 2. projection and the head: scores [T], ax [T, R]
+    size_t tc_smem = proj_tc_smem(D, l.ncp, W);
+    bool tc = dtype == ZE_F16 && (g_variant & 1) == 0 && D % 16 == 0 && D / 16 >= 2 * kProjWarps
+        && tc_smem <= max_smem_optin();
     if (tc)
     {
-        // 8 warps split D for up to 32 columns (W + R), else 4
-        unsigned blocks = unsigned((T + kProjRows - 1) / kProjRows);
+        dim3 grid(unsigned((T + kProjRows - 1) / kProjRows));
         const __half* wc = reinterpret_cast<const __half*>(ws + l.wcat);
         const __half* xh = static_cast<const __half*>(x);
-        size_t shm8 = size_t(8) * kProjRows * l.ncp * 4, shm4 = size_t(4) * kProjRows * l.ncp * 4;
-        bool staged = (g_variant & 2) == 0;  // bit 1: fragments straight from global memory (run-2 kernel)
-        if (D % (16 * 8) == 0 && l.ncp <= 32)
+        if (l.ncp <= 32)
         {
-            if (staged) sih_proj_wmma<8, 2, true><<<blocks, 256, shm8, stream>>>(xh, T, D, wc, l.ncp, W, R, small, scores, ax);
-            else sih_proj_wmma<8, 2, false><<<blocks, 256, shm8, stream>>>(xh, T, D, wc, l.ncp, W, R, small, scores, ax);
+            cudaFuncSetAttribute(sih_proj_tc<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tc_smem));
+            e = launch(sih_proj_tc<2>, grid, dim3(kProjWarps * 32), tc_smem, stream, pdl, xh, T, D, wc, l.ncp, W, R,
+                       wz, scores, ax);
         }
-        else  // 4 warps keep static + dynamic shared memory under 48 KB for up to 96 columns
-            sih_proj_wmma<4, kProjMaxTiles, true><<<blocks, 128, shm4, stream>>>(
-                xh, T, D, wc, l.ncp, W, R, small, scores, ax);
+        else
+        {
+            cudaFuncSetAttribute(sih_proj_tc<kProjMaxTiles>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tc_smem));
+            e = launch(sih_proj_tc<kProjMaxTiles>, grid, dim3(kProjWarps * 32), tc_smem, stream, pdl, xh, T, D, wc,
+                       l.ncp, W, R, wz, scores, ax);
+        }
     }
     else
     {
         int warps = 8, nc = W + R;
-        unsigned blocks = unsigned((T + warps - 1) / warps);
-        size_t shm = size_t(warps) * nc * sizeof(float);
+        dim3 grid(unsigned((T + warps - 1) / warps));
+        size_t shm = size_t(warps) * nc * 4 + size_t(small_count(W)) * 4;
         if (dtype == ZE_F16)
-            sih_proj_generic<__half><<<blocks, warps * 32, shm, stream>>>(static_cast<const __half*>(x), T, D,
-                reinterpret_cast<const __half*>(ws + l.wcat), nc, W, R, small, scores, ax);
+            e = launch(sih_proj_generic<__half>, grid, dim3(warps * 32), shm, stream, pdl,
+                       static_cast<const __half*>(x), T, D, reinterpret_cast<const __half*>(ws + l.wcat), nc, W, R,
+                       wz, scores, ax);
         else
-            sih_proj_generic<float><<<blocks, warps * 32, shm, stream>>>(static_cast<const float*>(x), T, D,
-                reinterpret_cast<const float*>(ws + l.wcat), nc, W, R, small, scores, ax);
+            e = launch(sih_proj_generic<float>, grid, dim3(warps * 32), shm, stream, pdl,
+                       static_cast<const float*>(x), T, D, reinterpret_cast<const float*>(ws + l.wcat), nc, W, R,
+                       wz, scores, ax);
     }
-    if (int e = last_error()) return e;
+    if (e != cudaSuccess) return int(e);
     if (stop_after() == 2) return 0;
 
+    // 3. decide (keep) and base
     DecideArgs a;
     a.thr = p->threshold;
     a.w0 = p->ma_w0; a.w1 = p->ma_w1; a.w2 = p->ma_w2;
@@ -647,23 +828,30 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
     a.block_frac = p->block_frac;
     a.min_tokens = p->min_tokens; a.protect_first = p->protect_first; a.protect_last = p->protect_last;
     a.block_size = p->block_size;
-    sih_decide<<<unsigned((T + 255) / 256), 256, 0, stream>>>(scores, T, a, keep);
-    if (int e = last_error()) return e;
-    if (stop_after() == 3) return 0;
-
-    if (R == 0)
+    bool tc_base = dtype == ZE_F16 && (g_variant & 4) == 0 && R > 0 && R % 16 == 0 && D % 16 == 0
+        && aligned(w->anchor_b, 32);
+    if (tc_base)
     {
-        cudaError_t e = cudaMemsetAsync(base, 0, size_t(T) * D * esz, stream);
-        return e == cudaSuccess ? 0 : int(e);
+        dim3 grid(unsigned((T + kBaseRows - 1) / kBaseRows), unsigned((D + kBaseCols - 1) / kBaseCols));
+        e = launch(sih_decide_base_tc, grid, dim3(kBaseWarps * 32), 0, stream, pdl, static_cast<const float*>(scores),
+                   static_cast<const float*>(ax), T, D, R, a, static_cast<const __half*>(wz.anchor_b),
+                   static_cast<const __half*>(wz.anchor_c), keep, static_cast<__half*>(base));
     }
-    dim3 grid(unsigned((T + kBaseRows - 1) / kBaseRows), unsigned((D / 4 + kBaseThreads - 1) / kBaseThreads));
-    if (dtype == ZE_F16)
-        sih_base<__half><<<grid, kBaseThreads, 0, stream>>>(ax, keep, T, D, R, bt,
-            static_cast<const __half*>(w->anchor_c), static_cast<__half*>(base));
     else
-        sih_base<float><<<grid, kBaseThreads, 0, stream>>>(ax, keep, T, D, R, bt,
-            static_cast<const float*>(w->anchor_c), static_cast<float*>(base));
-    return last_error();
+    {
+        dim3 grid(unsigned((T + kCcRows - 1) / kCcRows), unsigned((D / 4 + kCcThreads - 1) / kCcThreads));
+        if (dtype == ZE_F16)
+            e = launch(sih_decide_base_cc<__half>, grid, dim3(kCcThreads), 0, stream, pdl,
+                       static_cast<const float*>(scores), static_cast<const float*>(ax), T, D, R, a,
+                       static_cast<const __half*>(wz.anchor_b), static_cast<const __half*>(wz.anchor_c), keep,
+                       static_cast<__half*>(base));
+        else
+            e = launch(sih_decide_base_cc<float>, grid, dim3(kCcThreads), 0, stream, pdl,
+                       static_cast<const float*>(scores), static_cast<const float*>(ax), T, D, R, a,
+                       static_cast<const float*>(wz.anchor_b), static_cast<const float*>(wz.anchor_c), keep,
+                       static_cast<float*>(base));
+    }
+    return e == cudaSuccess ? 0 : int(e);
 }
 
 size_t ze_pad_gather_workspace_size(int64_t) { return 0; }
@@ -682,12 +870,13 @@ int ze_pad_gather(int dtype, const void* x, const int32_t* keep, int64_t T, int6
     }
     if (!x || !keep || !xs || !idx) return ZE_ERR_ARG;
     if (!aligned(x, 16) || !aligned(xs, 16)) return ZE_ERR_ALIGN;
-    pad_scan<<<1, 1024, 0, stream>>>(keep, T, idx, count);
-    if (int e = last_error()) return e;
+    bool pdl = (g_variant & 2) == 0 && device_major() >= 9;
+    cudaError_t e = launch(pad_scan, dim3(1), dim3(1024), 0, stream, false, keep, T, idx, count);
+    if (e != cudaSuccess) return int(e);
     int64_t vpr = D * (dtype == ZE_F16 ? 2 : 4) / 16;
-    pad_gather_rows<<<copy_blocks(T), 256, 0, stream>>>(static_cast<const int4*>(x), idx, count, T, vpr,
-        static_cast<int4*>(xs));
-    return last_error();
+    e = launch(pad_gather_rows, dim3(copy_blocks(T)), dim3(256), 0, stream, pdl, static_cast<const int4*>(x),
+               static_cast<const int32_t*>(idx), static_cast<const int32_t*>(count), T, vpr, static_cast<int4*>(xs));
+    return e == cudaSuccess ? 0 : int(e);
 }
 
 size_t ze_pad_scatter_workspace_size(int64_t T) { return T > 0 ? align256(size_t(T) * 4) : 0; }
@@ -704,17 +893,20 @@ int ze_pad_scatter(int dtype, const void* base, const void* y, const int32_t* id
     if (!aligned(base, 16) || !aligned(out, 16) || (K > 0 && !aligned(y, 16))) return ZE_ERR_ALIGN;
     cudaStream_t stream = static_cast<cudaStream_t>(stream_);
     int32_t* inv = static_cast<int32_t*>(workspace);
-    cudaError_t e = cudaMemsetAsync(inv, 0xff, size_t(T) * 4, stream);  // -1 everywhere
+    bool pdl = (g_variant & 2) == 0 && device_major() >= 9;
+    int64_t fb = (T + 255) / 256;
+    cudaError_t e = launch(pad_fill, dim3(unsigned(fb < 1024 ? fb : 1024)), dim3(256), 0, stream, false, inv, T,
+                           int32_t(-1));
     if (e != cudaSuccess) return int(e);
     if (K > 0)
     {
-        pad_inverse<<<unsigned((K + 255) / 256), 256, 0, stream>>>(idx, K, T, inv);
-        if (int err = last_error()) return err;
+        e = launch(pad_inverse, dim3(unsigned((K + 255) / 256)), dim3(256), 0, stream, pdl, idx, K, T, inv);
+        if (e != cudaSuccess) return int(e);
     }
     int64_t vpr = D * (dtype == ZE_F16 ? 2 : 4) / 16;
-    pad_merge_rows<<<copy_blocks(T), 256, 0, stream>>>(static_cast<const int4*>(base),
-        static_cast<const int4*>(y), inv, T, vpr, static_cast<int4*>(out));
-    return last_error();
+    e = launch(pad_merge_rows, dim3(copy_blocks(T)), dim3(256), 0, stream, pdl, static_cast<const int4*>(base),
+               static_cast<const int4*>(y), static_cast<const int32_t*>(inv), T, vpr, static_cast<int4*>(out));
+    return e == cudaSuccess ? 0 : int(e);
 }
 
 } // extern "C"

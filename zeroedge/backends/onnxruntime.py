@@ -10,7 +10,10 @@ position: `slot_pos[s]` is the position a slot holds (-1 = empty), and only vali
 graph. The decode graph returns the new token's K/V (written here into a free slot) and the
 attention mass every slot received: it accumulates into `heat` (decayed each step). When the window
 is full, the coldest slot outside the first `sinks` positions is refilled; `evict` can be replaced
-by the thermal KV runtime's policy.
+by the thermal KV runtime's policy, or a whole policy object given as `policy` takes over the
+window (zeroedge.kv.ort_policy.OrtThermalPolicy: pages, heat, a WARM/COLD store): it fills the
+window at prefill (`policy.prefill`), picks each new token's slot (`policy.slot_for`) and moves
+pages after the step (`policy.after_step`). Without one, the behaviour above is unchanged.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from zeroedge.errors import UserError
 class OrtRunner:
     def __init__(self, bundle, slots: Optional[int] = None, flavour: str = "portable",
                  threads: Optional[int] = None, sinks: int = 4, decay: float = 0.9,
-                 evict: Optional[Callable] = None, verify: bool = True):
+                 evict: Optional[Callable] = None, verify: bool = True, policy=None):
         import numpy as np
 
         from zeroedge import bundle as bundle_mod
@@ -56,6 +59,7 @@ class OrtRunner:
                             f"({type(e).__name__}: {str(e)[:300]})") from None
         self.sinks, self.decay = sinks, decay
         self.evict = evict or self._coldest
+        self.policy = policy
         self.timings = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
         self.reset()
 
@@ -69,6 +73,8 @@ class OrtRunner:
         self.heat = np.zeros(self.slots, np.float64)
         self.pos = 0
         self.last_mass = None
+        if getattr(self, "policy", None) is not None:
+            self.policy.reset(self)
 
     def window_bytes(self) -> int:
         return 2 * self.L * self.nkv * self.slots * self.hd * 4
@@ -98,6 +104,10 @@ class OrtRunner:
         self.timings["prefill_tokens"] += T
         logits, kv, mass = out[0], out[1:-1], out[-1]
         m = mass[0].mean(0)                                     # (T,) over layers
+        if self.policy is not None:
+            self.policy.prefill(self, kv, mass, T)
+            self.pos = T
+            return logits[0, 0]
         if T <= self.slots:
             keep = np.arange(T)
         else:                                                   # sinks + the hottest of the rest
@@ -127,13 +137,15 @@ class OrtRunner:
         mass = out[-1][0].mean(0)                                # (S,) over layers
         self.last_mass = mass
         self.heat = self.heat * self.decay + np.where(self.slot_pos[0] >= 0, mass, 0.0)
-        s = self._free_slot()
+        s = self.policy.slot_for(self, out) if self.policy is not None else self._free_slot()
         for i in range(self.L):
             self.k[i][:, :, s] = out[1 + 2 * i][:, :, 0]
             self.v[i][:, :, s] = out[2 + 2 * i][:, :, 0]
         self.slot_pos[0, s] = self.pos
         self.heat[s] = 0.0
         self.pos += 1
+        if self.policy is not None:
+            self.policy.after_step(self)
         return out[0][0, 0]
 
     def generate(self, tokens, max_new: int, eos: Optional[int] = None):

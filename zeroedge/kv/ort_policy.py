@@ -1,0 +1,294 @@
+"""Thermal KV for the onnxruntime runner: pages of P positions over the runner's fixed-slot window.
+
+The exported decode graph reads `slots` KV slots (keys are stored after RoPE, so any slot can hold
+any position) and reports the attention mass every slot received. `OrtThermalPolicy` plugs into
+`OrtRunner(policy=...)` and decides what the window holds, with zeroedge.kv's torch-free
+bookkeeping (numpy only):
+
+- the window is cut into `slots // P` blocks of P slots; a HOT page lives in one block (its
+  PageTable entry's slot is the block index). The pages covering the runner's `sinks` positions
+  are pinned; the page being written and the `recent` pages before it are never victims.
+- heat (HeatTracker, t^-0.7) of a page = the decode graph's mass on its slots (mean over layers),
+  weighted by the cosine of the page's mean key to the mean of the last `cos_window` new keys. The
+  graph outputs no queries, so the new tokens' keys stand in for them (a proxy; per layer and kv
+  head, averaged). Prefill mass is divided by the prompt length so it is on the scale of a step.
+- a new page that finds no free block demotes the coldest unprotected HOT page to the store;
+  after each step `plan_migration` swaps stored pages back when their heat beats the coldest HOT
+  page's by more than `threshold`, at most `fetch` swaps a step (the fetch budget).
+- the store keeps pages int8 with one fp16 scale per group of the head dim (Tier.WARM8; the
+  scheme of zeroedge.kv.tiers, in numpy), or exact fp32 copies (`store="fp32"`, Tier.COLD).
+  Every move goes through PageTable.prepare / complete, so its event log counts each page
+  migrated; `migrated` is per request (reset at prefill).
+
+A page here is P positions of every layer and kv head together: the runner's window is shared by
+all of them (the torch ThermalDecoder pages one (layer, kv head) stream at a time).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Dict, List
+
+import numpy as np
+
+from zeroedge.errors import UserError
+from zeroedge.kv.heat import DEFAULT_THRESHOLD, HeatTracker, plan_migration
+from zeroedge.kv.pages import PINNED, PageTable, Tier
+
+
+def quantize(x: np.ndarray, group: int):
+    """Symmetric int8, one fp16 scale per `group` values of the last dim."""
+    *lead, d = x.shape
+    g = x.reshape(*lead, d // group, group).astype(np.float32)
+    scale = (np.abs(g).max(-1, keepdims=True) / 127.0).astype(np.float16)
+    s32 = scale.astype(np.float32)
+    q = np.clip(np.round(g / np.where(s32 > 0, s32, 1.0)), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), scale[..., 0]
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
+    *lead, d = q.shape
+    g = q.reshape(*lead, d // group, group).astype(np.float32) * scale.astype(np.float32)[..., None]
+    return g.reshape(q.shape)
+
+
+class OrtThermalPolicy:
+    def __init__(self, page_size: int = 16, store: str = "int8", threshold: float = DEFAULT_THRESHOLD,
+                 recent_pages: int = 1, fetch: int = 2, cos_window: int = 8, max_pages: int = 1 << 20):
+        if not isinstance(page_size, int) or page_size < 1:
+            raise UserError(f"page size must be a positive integer (got {page_size!r})")
+        if store not in ("int8", "fp32"):
+            raise UserError(f"store must be int8 or fp32 (got {store!r})")
+        if threshold < 0 or fetch < 0 or recent_pages < 0 or cos_window < 1:
+            raise UserError("threshold, fetch and recent_pages must be >= 0, cos_window >= 1")
+        self.P, self.store_kind, self.threshold = page_size, store, float(threshold)
+        self.recent, self.fetch, self.cos_window, self.max_pages = recent_pages, fetch, cos_window, max_pages
+        self.store_tier = Tier.WARM8 if store == "int8" else Tier.COLD
+        self.table = None
+
+    # -- request lifetime ----------------------------------------------------------------------
+    def reset(self, runner):
+        """Called by OrtRunner.reset (construction and every prefill): checks the window shape
+        before any work and starts a fresh page table, heat and store."""
+        P, S = self.P, runner.slots
+        if S % P:
+            raise UserError(f"page size {P} does not divide the window ({S} slots)")
+        self.blocks = S // P
+        self.n_sink = -(-runner.sinks // P) if runner.sinks > 0 else 0
+        need = self.n_sink + self.recent + 2
+        if self.blocks < need:
+            raise UserError(f"a window of {S} slots holds {self.blocks} pages of {P}: thermal KV needs "
+                            f"at least {need} (sink pages, the page being written, {self.recent} "
+                            "recent, one more)")
+        self.L, self.nkv, self.hd = runner.L, runner.nkv, runner.hd
+        self.group = 32 if self.hd % 32 == 0 else self.hd
+        self.table = PageTable(P, {Tier.HOT: self.blocks, self.store_tier: self.max_pages})
+        self.heat = HeatTracker()
+        self.store: Dict[int, tuple] = {}
+        self.ksum = np.zeros((64, self.L * self.nkv, self.hd), np.float32)   # per-page key sums
+        self.kcount = np.zeros(64, np.int64)
+        self.recent_keys = deque(maxlen=self.cos_window)
+        self.migrated = self.promoted = self.demoted = self.steps = 0
+        self.stored_at_prefill = 0
+        self._new_key = None
+
+    def _grow(self, n):
+        if n > len(self.kcount):
+            m = max(n, 2 * len(self.kcount))
+            ks = np.zeros((m, *self.ksum.shape[1:]), np.float32)
+            ks[: len(self.ksum)] = self.ksum
+            kc = np.zeros(m, np.int64)
+            kc[: len(self.kcount)] = self.kcount
+            self.ksum, self.kcount = ks, kc
+
+    # -- store -------------------------------------------------------------------------------
+    def page_bytes(self) -> int:
+        n = 2 * self.L * self.nkv * self.P * self.hd
+        return n + (n // self.group) * 2 if self.store_kind == "int8" else 4 * n
+
+    def _pack(self, k, v):
+        if self.store_kind == "fp32":
+            return (k.copy(), v.copy())
+        return quantize(k, self.group) + quantize(v, self.group)
+
+    def _unpack(self, item):
+        if self.store_kind == "fp32":
+            return item
+        kq, ks, vq, vs = item
+        return dequantize(kq, ks, self.group), dequantize(vq, vs, self.group)
+
+    def _block_kv(self, runner, block):
+        sl = slice(block * self.P, (block + 1) * self.P)
+        return (np.stack([runner.k[i][0, :, sl] for i in range(self.L)]),
+                np.stack([runner.v[i][0, :, sl] for i in range(self.L)]))
+
+    # -- hooks called by OrtRunner -------------------------------------------------------------
+    def prefill(self, runner, kv, mass, T: int):
+        """Fill the window from the prefill graph's K/V (all T positions): sink pages, the last
+        (partial) page and its recent pages, then the pages that received the most mass; the
+        rest go straight to the store."""
+        P = self.P
+        m = np.asarray(mass)[0].mean(0) / T                      # (T,) per query, over layers
+        n = -(-T // P)
+        pm = [float(m[p * P:(p + 1) * P].sum()) for p in range(n)]
+        tail = n - 1
+        keep = set(range(min(self.n_sink, n))) | set(range(max(0, tail - self.recent), n))
+        rest = sorted((p for p in range(n) if p not in keep), key=lambda p: (-pm[p], p))
+        keep |= set(rest[: self.blocks - len(keep)])
+        self._grow(n)
+        K = np.stack([kv[2 * i][0] for i in range(self.L)])       # (L, nkv, T, hd)
+        V = np.stack([kv[2 * i + 1][0] for i in range(self.L)])
+        for p in range(n):
+            lo, hi = p * P, min(T, (p + 1) * P)
+            self.ksum[p] = K[:, :, lo:hi].sum(2).reshape(-1, self.hd)
+            self.kcount[p] = hi - lo
+            if p in keep:
+                self.table.alloc(Tier.HOT, pinned=p < self.n_sink)
+                b = self.table.lookup(p)[1]
+                for i in range(self.L):
+                    runner.k[i][0, :, b * P:b * P + hi - lo] = K[i, :, lo:hi]
+                    runner.v[i][0, :, b * P:b * P + hi - lo] = V[i, :, lo:hi]
+                runner.slot_pos[0, b * P:b * P + hi - lo] = np.arange(lo, hi)
+                runner.heat[b * P:b * P + hi - lo] = m[lo:hi]
+            else:
+                self.table.alloc(self.store_tier)
+                self.store[self.table.lookup(p)[1]] = self._pack(K[:, :, lo:hi], V[:, :, lo:hi])
+                self.stored_at_prefill += 1
+        self.heat.step({p: pm[p] for p in range(n)})
+
+    def slot_for(self, runner, out) -> int:
+        """After a decode graph run: record heat, then the slot the new token goes to."""
+        self.steps += 1
+        self.table.step = self.steps
+        mass = np.asarray(out[-1])[0].mean(0)                     # (S,)
+        P = self.P
+        hot = self.table.pages_in(Tier.HOT)
+        masses = {p: float(mass[self.table.lookup(p)[1] * P:(self.table.lookup(p)[1] + 1) * P].sum())
+                  for p in hot}
+        new_k = np.stack([out[1 + 2 * i][0, :, 0] for i in range(self.L)]).reshape(-1, self.hd)
+        self._new_key = new_k
+        self.recent_keys.append(new_k)
+        self.heat.step(masses, self._cosines())
+        pos = runner.pos
+        page, off = divmod(pos, P)
+        if off == 0 or page == len(self.table):
+            if page != len(self.table):
+                raise RuntimeError(f"position {pos} starts page {page}, the table has {len(self.table)}")
+            if self.table.pools[Tier.HOT].free == 0:
+                self._demote(runner, self._victim(page))
+            self.table.alloc(Tier.HOT)
+            self._grow(page + 1)
+        tier, block, _, _ = self.table.lookup(page)
+        if tier != Tier.HOT:
+            raise RuntimeError(f"page {page} being written is not HOT")
+        return block * P + off
+
+    def after_step(self, runner):
+        """The new token is in its slot: update its page's key summary, then migrate."""
+        page = (runner.pos - 1) // self.P
+        self.ksum[page] += self._new_key
+        self.kcount[page] += 1
+        self._migrate(runner, page)
+
+    # -- decisions ---------------------------------------------------------------------------
+    def _cosines(self) -> Dict[int, float]:
+        n = len(self.table)
+        if n == 0:
+            return {}
+        q = np.mean(np.stack(self.recent_keys), 0)                                # (LH, hd)
+        km = self.ksum[:n] / np.maximum(self.kcount[:n], 1)[:, None, None]          # (n, LH, hd)
+        num = (km * q[None]).sum(-1)
+        den = np.linalg.norm(km, axis=-1) * np.linalg.norm(q, axis=-1)[None] + 1e-12
+        c = (num / den).mean(1)
+        return {p: float(c[p]) for p in range(n)}
+
+    def _movable(self, tail: int) -> List[int]:
+        """HOT pages that may leave: not pinned, not the page being written nor its recent ones."""
+        out = []
+        for p in self.table.pages_in(Tier.HOT):
+            if self.table.lookup(p)[3] & PINNED or p >= tail - self.recent:
+                continue
+            out.append(p)
+        return out
+
+    def _victim(self, new_page: int) -> int:
+        cands = self._movable(new_page)
+        if not cands:
+            raise RuntimeError("no HOT page may leave the window")
+        return min(cands, key=lambda p: (self.heat.heat(p), p))
+
+    def _demote(self, runner, page: int):
+        _, block, _, _ = self.table.lookup(page)
+        k, v = self._block_kv(runner, block)
+        _, dslot = self.table.prepare(page, self.store_tier)
+        try:
+            self.store[dslot] = self._pack(k, v)
+        except BaseException:
+            self.table.complete(page, ok=False)
+            raise
+        self.table.complete(page, self.page_bytes())
+        runner.slot_pos[0, block * self.P:(block + 1) * self.P] = -1
+        runner.heat[block * self.P:(block + 1) * self.P] = 0.0
+        self.migrated += 1
+        self.demoted += 1
+
+    def _promote(self, runner, page: int):
+        _, sslot, _, _ = self.table.lookup(page)
+        _, block = self.table.prepare(page, Tier.HOT)
+        k, v = self._unpack(self.store[sslot])
+        sl = slice(block * self.P, (block + 1) * self.P)
+        for i in range(self.L):
+            runner.k[i][0, :, sl] = k[i]
+            runner.v[i][0, :, sl] = v[i]
+        runner.slot_pos[0, sl] = np.arange(page * self.P, (page + 1) * self.P)
+        del self.store[sslot]
+        self.table.complete(page, self.page_bytes())
+        self.migrated += 1
+        self.promoted += 1
+
+    def _migrate(self, runner, tail: int):
+        cold = self.table.pages_in(self.store_tier)
+        if not cold or not self.fetch:
+            return []
+        hot = self._movable(tail)
+        swaps = plan_migration(self.heat.heats(hot), self.heat.heats(cold), self.threshold,
+                               max_moves=self.fetch)
+        for up, down in swaps:
+            self._demote(runner, down)
+            self._promote(runner, up)
+        return swaps
+
+    # -- reporting / checks ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        t = self.table
+        return {"pages": len(t), "hot_pages": len(t.pages_in(Tier.HOT)),
+                "stored_pages": len(t.pages_in(self.store_tier)), "store": self.store_kind,
+                "pages_migrated": self.migrated, "promoted": self.promoted, "demoted": self.demoted,
+                "stored_at_prefill": self.stored_at_prefill,
+                "store_bytes": len(self.store) * self.page_bytes(),
+                "summary_bytes": len(t) * self.L * self.nkv * self.hd * 4, "page_table_bytes": t.nbytes()}
+
+    def check(self, runner):
+        """Invariants (tests): HOT pages <-> window blocks, stored pages <-> store slots, sinks
+        resident, the event log's migrations equal the count."""
+        P, t = self.P, self.table
+        seen = set()
+        for p in range(len(t)):
+            tier, slot, off, flags = t.lookup(p)
+            assert off == p * P, (p, off)
+            if tier == Tier.HOT:
+                assert slot not in seen, f"block {slot} holds two pages"
+                seen.add(slot)
+                pos = runner.slot_pos[0, slot * P:(slot + 1) * P]
+                valid = pos[pos >= 0]
+                assert valid.size and (valid == p * P + np.arange(valid.size)).all(), (p, pos)
+            else:
+                assert tier == self.store_tier and slot in self.store, (p, tier, slot)
+                assert not flags & PINNED
+            if p < self.n_sink:
+                assert tier == Tier.HOT and flags & PINNED
+        free = [b for b in range(self.blocks) if b not in seen]
+        for b in free:
+            assert (runner.slot_pos[0, b * P:(b + 1) * P] < 0).all(), f"free block {b} holds positions"
+        assert t.pools[Tier.HOT].free == len(free)
+        assert len(self.store) == len(t.pages_in(self.store_tier))
+        assert t.log.counts.get("migrate", 0) == self.migrated

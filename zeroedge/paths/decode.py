@@ -42,6 +42,11 @@ class PathsDecoder(DenseDecoder):
             raise UserError(f"PathsDecoder runs predictor or magnitude policies (layers {bad} are not)")
         super().__init__(model, max_len, graph=graph, attn=attn)
         self.triton = _use_triton(self.device)
+        self._build_paths(model, policies)
+
+    def _build_paths(self, model, policies: dict):
+        """Per sparse layer: the predictor / thresholds and the transposed weights the gather
+        kernels read (a method so other decode loops, e.g. the thermal one, can reuse it)."""
         D, Fd = model.cfg.dim, model.cfg.ffn_dim
         self.P = {}
         for i, pol in policies.items():

@@ -23,6 +23,7 @@ COMMANDS = {
     "deploy": "deploy",
     "rollback": "rollback",
     "status": "status",
+    "run": "run",
 }
 
 

@@ -1,0 +1,368 @@
+"""Serving path (issues 4 and 5): thermal KV driving the onnxruntime runner's slot window, the
+request-level session (release levels, circuit breaker, decoder choice, paths refusals) and
+`zeroedge run`. A "lively" tiny model (random weights scaled so greedy tokens vary) and a real
+exported tiny bundle in onnxruntime."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+from zeroedge.errors import UserError  # noqa: E402
+from zeroedge.kv.pages import Tier  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def lively(seed=0):
+    from zeroedge.model import build
+
+    m = build("tiny", seed=seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.mul_(8)
+    return m
+
+
+def ids_(n, seed=0):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively()
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    from zeroedge.export.bundle_writer import export_bundle
+
+    out = tmp_path_factory.mktemp("serving") / "bundle"
+    export_bundle(lively(), out, window=64)              # its own copy: export changes the module
+    return out
+
+
+def magnitude_artifact(path, cfg, layers=(0, 2), **over):
+    """A calibration artifact with decode paths of the input-magnitude kind (what zeroedge
+    calibrate --paths --method magnitude writes), made by hand so the test is fast."""
+    from zeroedge import calib_artifact
+
+    meta = {"model": {"name": cfg.name, "config": cfg.to_dict()}, "layers": [], "sih": {},
+            "paths": {"predictor": {"kind": "input-magnitude"},
+                      "layers": [{"index": i, "sparse": i in layers} for i in range(cfg.n_layers)]}}
+    meta.update(over)
+    t = {}
+    for i in layers:
+        t[f"layers.{i}.paths.threshold_in"] = torch.tensor([0.5])
+        t[f"layers.{i}.paths.threshold_act"] = torch.tensor([0.01])
+    calib_artifact.save(path, meta, t)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# OrtThermalPolicy in a real onnxruntime runner
+# ----------------------------------------------------------------------------------------------
+def _greedy(r, prompt, steps, each=None):
+    lg = r.prefill(np.array(prompt))
+    out = []
+    for _ in range(steps):
+        out.append(int(lg.argmax()))
+        lg = r.step(out[-1])
+        if each:
+            each(r)
+    return out
+
+
+def test_ort_policy_equals_dense_when_the_window_holds_everything(bundle, model):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.generate import generate
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    prompt = ids_(45, 1)
+    ref, _ = generate(model, prompt, 20)
+    assert len(set(ref)) > 5                                  # a model whose tokens move
+    with OrtRunner(bundle, slots=72) as r:
+        dense = _greedy(r, prompt, 20)
+    pol = OrtThermalPolicy(page_size=8)
+    with OrtRunner(bundle, slots=72, policy=pol) as r:
+        got = _greedy(r, prompt, 20, pol.check)
+    assert dense == ref and got == ref
+    st = pol.stats()
+    assert st["pages_migrated"] == 0 and st["stored_pages"] == 0 and st["pages"] == 9   # 65 positions / 8
+
+
+@pytest.mark.parametrize("store", ["fp32", "int8"])
+def test_ort_policy_under_pressure_keeps_window_table_and_log_consistent(bundle, store):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    prompt, S, P = ids_(70, 2), 32, 4
+    pol = OrtThermalPolicy(page_size=P, store=store)
+    r = OrtRunner(bundle, slots=S, policy=pol)
+    prefill_kv = r.pre.run(None, {"tokens": np.array([prompt])})[1:-1]
+
+    def each(r):
+        pol.check(r)
+        pos = r.slot_pos[0]
+        valid = pos[pos >= 0]
+        assert valid.size <= S and len(set(valid.tolist())) == valid.size
+        assert set(range(r.sinks)) <= set(valid.tolist())               # sinks never leave
+    new = _greedy(r, prompt, 40, each)
+    st = pol.stats()
+    assert st["demoted"] > 0 and st["pages_migrated"] == pol.table.log.counts["migrate"]
+    assert st["stored_pages"] + st["hot_pages"] == st["pages"] == -(-(70 + 40) // P)
+    assert st["hot_pages"] <= S // P
+    for e in pol.table.log.of("migrate"):
+        assert {e.src, e.dst} == {int(Tier.HOT), int(pol.store_tier)}
+    # every slot holds the K/V of the position it claims: prompt positions exactly as prefill
+    # computed them (all layers); generated ones at layer 0 (later layers saw a partial window)
+    full = r.pre.run(None, {"tokens": np.array([prompt + new])})[1:-1]
+    for s, p in enumerate(r.slot_pos[0]):
+        if p < 0:
+            continue
+        layers = range(r.L) if p < 70 else [0]
+        for i in layers:
+            ref = (prefill_kv if p < 70 else full)[2 * i][0, :, p]
+            np.testing.assert_allclose(r.k[i][0, :, s], ref, atol=1e-4)
+    # the pages in the store round-trip (int8 within its quantisation error)
+    for p in pol.table.pages_in(pol.store_tier):
+        k, _ = pol._unpack(pol.store[pol.table.lookup(p)[1]])
+        want = np.stack([prefill_kv[2 * i][0, :, p * P:(p + 1) * P] for i in range(r.L)]) \
+            if (p + 1) * P <= 70 else None
+        if want is not None:
+            tol = 0 if store == "fp32" else 0.01 * np.abs(want).max()
+            assert np.abs(k - want).max() <= tol + 1e-6
+
+
+def test_ort_policy_brings_a_stored_page_back_when_heat_says_so(bundle):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    prompt, P = ids_(70, 3), 4
+    pol = OrtThermalPolicy(page_size=P, store="fp32", fetch=1)
+    r = OrtRunner(bundle, slots=32, policy=pol)
+    kv = r.pre.run(None, {"tokens": np.array([prompt])})[1:-1]
+    _greedy(r, prompt, 3)
+    stored = pol.table.pages_in(pol.store_tier)
+    page = stored[len(stored) // 2]
+    before = pol.migrated
+    pol.heat.step({page: 50.0})                         # this page just became hot
+    swaps = pol._migrate(r, (r.pos - 1) // P)
+    assert [u for u, _ in swaps] == [page] and pol.migrated == before + 2
+    assert pol.table.tier(page) == Tier.HOT and pol.table.tier(swaps[0][1]) == pol.store_tier
+    block = pol.table.lookup(page)[1]
+    assert (r.slot_pos[0, block * P:(block + 1) * P] == np.arange(page * P, (page + 1) * P)).all()
+    for i in range(r.L):
+        np.testing.assert_array_equal(r.k[i][0, :, block * P:(block + 1) * P],
+                                      kv[2 * i][0, :, page * P:(page + 1) * P])
+    pol.check(r)
+    # no swap without a heat difference above the threshold (hysteresis)
+    assert pol._migrate(r, (r.pos - 1) // P) == []
+    _greedy(r, prompt, 2, pol.check)
+
+
+def test_ort_policy_bad_window_is_refused_before_any_work(bundle):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    with pytest.raises(UserError, match="does not divide the window"):
+        OrtRunner(bundle, slots=30, policy=OrtThermalPolicy(page_size=8))
+    with pytest.raises(UserError, match="needs at least"):
+        OrtRunner(bundle, slots=16, policy=OrtThermalPolicy(page_size=8))
+    with pytest.raises(UserError, match="int8 or fp32"):
+        OrtThermalPolicy(store="fp16")
+
+
+# ----------------------------------------------------------------------------------------------
+# ServingSession
+# ----------------------------------------------------------------------------------------------
+def test_session_torch_dense_thermal_and_run_time_levels(model):
+    from zeroedge.generate import generate
+    from zeroedge.runtime.session import ServingSession
+
+    prompt = ids_(100, 4)
+    ref, _ = generate(model, prompt, 16)
+    s = ServingSession(model, kv_budget=1.0, page_size=8, release_level=0)
+    r0 = s.generate(prompt, 16)
+    assert r0.tokens == ref and r0.detail["decoder"] == "DenseDecoder"
+    assert not r0.mechanisms["thermal_kv"] and "L0" in r0.mechanisms["thermal_kv_reason"]
+    s.set_level(3)                                      # switched at run time
+    r1 = s.generate(prompt, 16)
+    assert r1.detail["decoder"] == "ThermalDecoder" and r1.mechanisms["thermal_kv"]
+    assert r1.tokens == ref                             # budget 1: every page is read
+    s2 = ServingSession(model, kv_budget=0.25, page_size=8)
+    r2 = s2.generate(prompt, 16)
+    assert r2.mechanisms["thermal_kv"] and r2.device_kv_bytes < r2.full_kv_bytes
+    assert r2.detail["hot_kv_bytes"] < r2.full_kv_bytes * 0.4
+    assert len(r2.tokens) == 16 and r2.tokens_per_s > 0
+    # gate semantics per request
+    s2.set_level(1)
+    assert s2.decide(500, 10)["thermal_kv"] and not s2.decide(600, 10)["thermal_kv"]
+    s2.set_level(2)
+    assert s2.decide(600, 10)["thermal_kv"] and not s2.decide(600, 10, temperature=0.7)["thermal_kv"]
+    assert not s2.decide(10, 10)["thermal_kv"]         # short prompts bypass
+    with pytest.raises(UserError, match="release level"):
+        s2.set_level(4)
+    for bad in (0, 1.5, float("nan"), "x"):
+        with pytest.raises(UserError, match=r"\(0, 1\]"):
+            ServingSession(model, kv_budget=bad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, backend):
+    from zeroedge.runtime.session import ServingSession
+
+    alerts = []
+    s = ServingSession(model if backend == "torch" else None, backend=backend,
+                       bundle=bundle if backend == "onnxruntime" else None, kv_budget=0.25,
+                       page_size=4, trip_pages=1, on_alert=alerts.append, model_cfg=model.cfg)
+    prompt = ids_(64, 5)
+    for i in range(5):
+        r = s.generate(prompt, 20)
+        assert r.mechanisms["thermal_kv"] and r.pages_migrated > 1, r.pages_migrated
+        assert s.thermal_gate.level == (3 if i < 4 else 2)
+    assert r.mechanisms["release_level_after"] == 2
+    assert len(alerts) == 1 and "L3 -> L2" in alerts[0] and s.alerts == alerts
+    assert s.metrics["thermal_kv_breaker_trips"] == 1 and s.metrics["thermal_kv_requests"] == 5
+    # the default trip point: 1200 pages; these requests stay far below it
+    s = ServingSession(model, kv_budget=0.25, page_size=4)
+    for _ in range(5):
+        s.generate(prompt, 8)
+    assert s.thermal_gate.level == 3 and not s.alerts
+
+
+def test_session_onnxruntime_dense_equals_reference(model, bundle):
+    from zeroedge.generate import generate
+    from zeroedge.runtime.session import ServingSession
+
+    prompt = ids_(90, 6)
+    ref, _ = generate(model, prompt, 12)
+    s = ServingSession(backend="onnxruntime", bundle=bundle, kv_budget=0.2, page_size=4, release_level=0,
+                       model_cfg=model.cfg)
+    r = s.generate(prompt, 12)
+    assert r.tokens == ref and r.detail["window_slots"] == 102 and r.pages_migrated == 0
+    s.set_level(3)
+    r = s.generate(prompt, 12)
+    assert r.mechanisms["thermal_kv"] and r.detail["window_slots"] == 24
+    assert r.detail["thermal"]["stored_at_prefill"] > 0 and r.device_kv_bytes < r.full_kv_bytes
+    other = model.cfg.with_(dim=32, name="other")
+    with pytest.raises(UserError, match="dim=64"):
+        ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=other)
+    with pytest.raises(UserError, match="bundle not found"):
+        ServingSession(backend="onnxruntime", bundle=REPO / "no-such-bundle")
+
+
+def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
+    from zeroedge.paths.decode import PathsDecoder
+    from zeroedge.runtime.session import ServingSession, path_policies
+
+    art = magnitude_artifact(tmp_path / "a", model.cfg)
+    prompt = ids_(96, 7)
+    s = ServingSession(model, paths=art, kv_budget=1.0, page_size=8, release_level=3)
+    r = s.generate(prompt, 12, paths=True)
+    assert r.mechanisms["paths"] and r.mechanisms["thermal_kv"]
+    assert r.detail["decoder"] == "ThermalPathsDecoder"
+    kept = r.detail["paths_channels_kept_last_step"]
+    assert set(kept) == {0, 2} and all(0 < v < 1 for v in kept.values())
+    # the same tokens as the paths decode loop over a dense cache (budget 1 reads every page):
+    # the prompt prefilled dense up to its last whole page (88), the rest through the loop
+    from zeroedge.kv.evaluate import prefill
+
+    pre = prefill(model, prompt[:88], stats=False)
+    dec = PathsDecoder(model, 96 + 12, path_policies(model, art), graph=False)
+    dec.load_prefix(pre["k"], pre["v"])
+    lg, got = None, []
+    for pos in range(88, 96):
+        lg = dec.step(prompt[pos], pos)
+    for i in range(12):
+        got.append(int(lg.argmax()))
+        lg = dec.step(got[-1], 96 + i)
+    assert r.tokens == got
+    s.set_level(0, which="thermal")
+    r = s.generate(prompt, 12)                          # paths on by default at their level
+    assert r.detail["decoder"] == "PathsDecoder" and r.tokens == got
+
+
+def test_paths_are_never_silently_dense(model, tmp_path):
+    from zeroedge.runtime.session import ServingSession
+
+    shipped = REPO / "zeroedge" / "data" / "smollm2-135m.calib"          # SIH only: no 'paths'
+    with pytest.raises(UserError, match="no decode path predictors"):
+        ServingSession(model, paths=shipped)
+    other = model.cfg.with_(dim=32, name="other")
+    art = magnitude_artifact(tmp_path / "other", other)
+    with pytest.raises(UserError, match=r"calibrated for other \(dim=32"):
+        ServingSession(model, paths=art)
+    from zeroedge import calib_artifact
+
+    good = magnitude_artifact(tmp_path / "good", model.cfg)
+    meta, t = calib_artifact.load(good)
+    with pytest.raises(UserError, match="threshold_act"):
+        ServingSession(model, paths=(meta, {k: v for k, v in t.items() if "threshold_act" not in k}))
+    # asked for, but no predictors / a level that excludes the request: refused
+    with pytest.raises(UserError, match="no path predictors"):
+        ServingSession(model).generate(ids_(40), 4, paths=True)
+    s = ServingSession(model, paths=good, release_level=1)
+    with pytest.raises(UserError, match="refusing to run dense"):
+        s.decide(600, 10, paths=True)                   # 610 tokens: L1 excludes them
+    r = s.generate(ids_(40), 4, paths=True)             # 44 tokens < 512: allowed at L1
+    assert r.mechanisms["paths"] and r.detail["decoder"] == "PathsDecoder"
+    s.set_level(0, which="paths")
+    r = s.generate(ids_(40), 4)                          # not asked: off below its level, said so
+    assert not r.mechanisms["paths"] and "L0" in r.mechanisms["paths_reason"]
+    with pytest.raises(UserError, match="refusing"):
+        s.generate(ids_(40), 4, paths=True)
+    with pytest.raises(UserError, match="torch backend only"):
+        ServingSession(backend="onnxruntime", bundle=tmp_path, paths=good)
+
+
+# ----------------------------------------------------------------------------------------------
+# zeroedge run
+# ----------------------------------------------------------------------------------------------
+PROMPT = "In the beginning God created the heaven and the earth. " * 2
+
+
+def test_run_cli_torch_and_onnxruntime(bundle, tmp_path):
+    p = run_cli("run", "tiny", "--prompt", PROMPT, "--max-new", "6", "--kv-budget", "25%",
+                "--page-size", "8", "--json", "--threads", "1", check_rc=0)
+    out = json.loads(p.stdout)
+    assert out["new_tokens"] == 6 and out["prompt_tokens"] == len(PROMPT.encode())
+    assert out["mechanisms"]["thermal_kv"] and out["decoder"] == "ThermalDecoder"
+    assert 0 < out["device_kv_bytes"] < out["full_kv_bytes"] and out["tokens_per_s"] > 0
+    art = magnitude_artifact(tmp_path / "a", __import__("zeroedge.model").model.PRESETS["tiny"])
+    pf = tmp_path / "prompt.txt"
+    pf.write_text(PROMPT)
+    p = run_cli("run", "tiny", "--prompt-file", pf, "--max-new", "4", "--paths", "--calib", art,
+                "--backend", "onnxruntime", "--bundle", bundle)
+    assert p.returncode == 2 and "torch backend only" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("run", "tiny", "--prompt-file", pf, "--max-new", "4", "--paths", "--calib", art,
+                "--json", check_rc=0)
+    assert json.loads(p.stdout)["mechanisms"]["paths"]
+    # onnxruntime: the bundle was exported from the lively model, which has tiny's shape
+    p = run_cli("run", "tiny", "--prompt", PROMPT, "--max-new", "5", "--kv-budget", "0.3",
+                "--page-size", "4", "--backend", "onnxruntime", "--bundle", bundle, check_rc=0)
+    assert "[run] 5 tokens" in p.stderr and "thermal_kv" in p.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["tiny", "--prompt", "x", "--kv-budget", "0"], "out of range"),
+    (["tiny", "--prompt", "x", "--kv-budget", "1.5"], "out of range"),
+    (["tiny", "--prompt", "x", "--backend", "onnxruntime"], "needs --bundle"),
+    (["tiny", "--prompt", "x", "--backend", "onnxruntime", "--bundle", "/no/such/bundle"], "bundle not found"),
+    (["no-such-model", "--prompt", "x"], "unknown model"),
+    (["tiny", "--prompt", "x", "--paths"], "--paths needs --calib"),
+    (["tiny", "--prompt", "x", "--paths", "--calib", str(REPO / "zeroedge/data/smollm2-135m.calib")],
+     "no decode path predictors"),
+    (["tiny", "--prompt", "x", "--release-level", "7"], "release-level"),
+    (["tiny"], "exactly one of --prompt"),
+    (["tiny", "--prompt-file", "/no/such/file"], "prompt file not found"),
+])
+def test_run_cli_bad_input_is_a_one_line_error(args, msg):
+    p = run_cli("run", *args)
+    assert p.returncode == 2, p.stderr
+    assert msg in p.stderr and "Traceback" not in p.stderr and p.stdout == ""

@@ -1,0 +1,174 @@
+"""zeroedge run: generate from a prompt through the serving session (zeroedge.runtime.session).
+
+    zeroedge run smollm2-135m --prompt "In the beginning" --max-new 32
+    zeroedge run smollm2-135m --prompt-file doc.txt --max-new 64 --kv-budget 0.1 --json
+    zeroedge run smollm2-135m --prompt-file doc.txt --paths --calib art/ --release-level 3
+    zeroedge run smollm2-135m --prompt "..." --backend onnxruntime --bundle bundle/
+
+Greedy decoding. The release level gates thermal KV and decode paths per request (L0 off, L1 < 512
+tokens, L2 < 4096 tokens at temperature 0, L3 all). --paths asks for the artifact's decode paths:
+if they cannot run (no path predictors, another model, a level that excludes the request, the
+onnxruntime backend) the command fails instead of decoding dense.
+"""
+import click
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: for preset models with random weights (vocab >= 256)."""
+
+    eos_token_id = None
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def resolve(model: str, need_weights: bool):
+    """MODEL -> (Transformer or None, config, tokenizer folder or None)."""
+    from pathlib import Path
+
+    from zeroedge import weights
+    from zeroedge.errors import UserError
+    from zeroedge.model import PRESETS
+
+    if model in weights.BUNDLED or Path(model).exists():
+        if need_weights:
+            m, folder = weights.load(model)
+            return m, m.cfg, folder
+        folder = weights.resolve(model)
+        return None, weights.config_from_hf(folder), folder
+    if model in PRESETS:
+        if need_weights:
+            from zeroedge.model import build
+
+            m = build(model, seed=0)
+            return m, m.cfg, None
+        return None, PRESETS[model], None
+    raise UserError(f"unknown model: {model} (a bundled name: {', '.join(weights.BUNDLED)}; a preset "
+                    f"with random weights: {', '.join(PRESETS)}; an HF folder; or a .gguf file)")
+
+
+def tokenizer_for(cfg, *folders):
+    from pathlib import Path
+
+    from zeroedge import weights
+    from zeroedge.errors import UserError
+
+    for f in folders:
+        if f is not None and any((Path(f) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            return weights.tokenizer(Path(f))
+    if cfg.vocab_size >= 256:
+        return ByteTokenizer()
+    raise UserError(f"{cfg.name}: no tokenizer files and a vocabulary of {cfg.vocab_size} (< 256 bytes)")
+
+
+@click.command("run")
+@click.argument("model")
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(), help="Read the prompt from a file.")
+@click.option("--max-new", type=int, default=32, show_default=True, help="New tokens to generate.")
+@click.option("--kv-budget", help="Thermal KV hot fraction, in (0, 1] (e.g. 0.1 or 10%).")
+@click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
+@click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
+@click.option("--calib", type=click.Path(), help="Calibration artifact with path predictors.")
+@click.option("--release-level", type=int, default=3, show_default=True,
+              help="0 off, 1 < 512 tokens, 2 < 4096 tokens at temperature 0, 3 all.")
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime"]), default="torch",
+              show_default=True)
+@click.option("--bundle", type=click.Path(), help="Exported bundle (onnxruntime backend).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="torch backend device.")
+@click.option("--threads", type=int, default=0, help="CPU threads (0 = default).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib, release_level,
+        backend, bundle, device, threads, as_json):
+    """Generate greedily from MODEL with the mechanisms the release level allows."""
+    import json
+    from pathlib import Path
+
+    from zeroedge.commands.common import parse_budget
+    from zeroedge.errors import UserError
+    from zeroedge.kv.policy import LEVELS
+
+    # -- every check that needs no model, before any work --------------------------------------
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        p = Path(prompt_file)
+        if not p.is_file():
+            raise UserError(f"prompt file not found: {prompt_file}")
+        try:
+            prompt = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{prompt_file}: unreadable ({e})") from None
+    if not prompt:
+        raise UserError("the prompt is empty")
+    if max_new < 1:
+        raise UserError(f"--max-new must be >= 1 (got {max_new})")
+    budget = parse_budget(kv_budget) if kv_budget is not None else None
+    if page_size < 1:
+        raise UserError(f"--page-size must be >= 1 (got {page_size})")
+    if release_level not in LEVELS:
+        raise UserError(f"--release-level must be 0, 1, 2 or 3 (got {release_level})")
+    if paths and calib is None:
+        raise UserError("--paths needs --calib ARTIFACT (made by zeroedge calibrate --paths)")
+    if paths and release_level == 0:
+        raise UserError("--paths asked for but --release-level 0 turns every mechanism off")
+    if calib is not None:
+        from zeroedge import calib_artifact
+
+        meta = calib_artifact.read_meta(calib)
+        if not meta.get("paths"):
+            raise UserError(f"{calib} has no decode path predictors (meta section 'paths' is "
+                            "missing): re-run zeroedge calibrate with --paths")
+        if backend != "torch":
+            raise UserError("decode paths run in the torch backend only (the onnxruntime paths "
+                            "graph comes with the plugins issue); refusing to decode dense")
+    if backend == "onnxruntime":
+        if bundle is None:
+            raise UserError("--backend onnxruntime needs --bundle DIR (made by zeroedge export)")
+        if not Path(bundle).is_dir():
+            raise UserError(f"bundle not found: {bundle}")
+    elif bundle is not None:
+        raise UserError("--bundle is for --backend onnxruntime")
+    if threads < 0:
+        raise UserError("--threads must be >= 0")
+
+    # -- model, session, request -----------------------------------------------------------------
+    m, cfg, folder = resolve(model, need_weights=backend == "torch")
+    tok = tokenizer_for(cfg, bundle if backend == "onnxruntime" else None, folder)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    if not ids:
+        raise UserError("the prompt encodes to no tokens")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UserError(f"the tokenizer gives ids outside the model's vocabulary ({cfg.vocab_size})")
+    from zeroedge.runtime.session import ServingSession
+
+    if backend == "torch":
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        dev = "cuda" if device == "auto" and torch.cuda.is_available() else device
+        dev = "cpu" if dev == "auto" else dev
+        if dev == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device here")
+        m = m.to(dev)
+    sess = ServingSession(m, backend=backend, bundle=bundle, kv_budget=budget, page_size=page_size,
+                          paths=calib, release_level=release_level, threads=threads or None,
+                          model_cfg=cfg, on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
+    res = sess.generate(ids, max_new, paths=True if paths else None,
+                        eos=getattr(tok, "eos_token_id", None))
+    text = tok.decode(res.tokens, skip_special_tokens=True)
+    if as_json:
+        click.echo(json.dumps({"model": model, "backend": backend, "text": text, **res.to_dict(),
+                               "metrics": sess.metrics}))
+        return
+    click.echo(text)
+    used = [k for k in ("thermal_kv", "paths") if res.mechanisms[k]] or ["dense"]
+    click.echo(f"[run] {len(res.tokens)} tokens, {res.tokens_per_s:.1f} tok/s, mechanisms: "
+               f"{'+'.join(used)}, device KV {res.device_kv_bytes} of {res.full_kv_bytes} bytes",
+               err=True)

@@ -1,0 +1,390 @@
+"""A request-level serving session: per request, which decode loop runs and with what mechanisms.
+
+    s = ServingSession(model, kv_budget=0.1, paths=(meta, tensors), release_level=3)
+    r = s.generate(prompt_ids, max_new=64)      # Result: tokens, mechanisms, tokens/s, KV bytes
+    s.set_level(1)                              # at run time (both gates, or which="thermal")
+
+Two ReleaseGates (zeroedge.kv.policy, levels L0 off / L1 < 512 tokens / L2 < 4096 tokens at
+temperature 0 / L3 all) decide per request, from (prompt + new tokens, temperature):
+- thermal KV runs when the session has a KV budget and its gate allows; otherwise the cache is
+  dense (exact), and the reason is reported. Prompts under MIN_THERMAL_TOKENS bypass it
+  (DESIGN.md: very short inputs bypass the mechanisms).
+- decode paths run when the session holds path policies (checked against the model when the
+  session starts: a missing 'paths' section, another model or missing tensors is a UserError) and
+  their gate allows. They are off by default below that level. A request that asks for paths
+  (`paths=True`) and cannot have them is refused with a UserError naming why: dense decode is
+  never used silently in place of sparse.
+The pages a thermal request migrated go to the thermal gate's circuit breaker (5 requests in a row
+over `trip_pages` -> one level down, an alert).
+
+Backends: "torch" runs zeroedge.runtime.fast's DenseDecoder / ThermalDecoder, PathsDecoder, or
+ThermalPathsDecoder (both); on CUDA with CUDA graphs. "onnxruntime" runs OrtRunner over a bundle's
+fixed-slot window, dense (a window of every position) or with OrtThermalPolicy (pages, heat, an
+int8 store); decode paths there need the plugins issue's graph and are refused.
+
+Units of `pages_migrated`: torch counts (layer, kv head) page fetches into the slot window (the
+PageTable's unit); onnxruntime counts pages of P positions across all layers (its window is shared).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from zeroedge.errors import UserError
+from zeroedge.kv.policy import LEVELS, ReleaseGate
+
+MIN_THERMAL_TOKENS = 32
+
+
+@dataclass
+class Result:
+    tokens: List[int]
+    mechanisms: dict
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    device_kv_bytes: int
+    full_kv_bytes: int
+    pages_migrated: int = 0
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "mechanisms": self.mechanisms,
+                "prompt_tokens": self.prompt_tokens, "new_tokens": len(self.tokens),
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "tokens_per_s": self.tokens_per_s, "device_kv_bytes": self.device_kv_bytes,
+                "full_kv_bytes": self.full_kv_bytes, "pages_migrated": self.pages_migrated,
+                **self.detail}
+
+
+def _why_not(gate: ReleaseGate, n: int, temperature: float) -> str:
+    return f"release level L{gate.level} ({LEVELS[gate.level]}) excludes {n} tokens at temperature {temperature:g}"
+
+
+def path_policies(model, paths, where="artifact") -> dict:
+    """paths: an artifact folder, or (meta, tensors). Returns the per-layer policies for `model`,
+    or UserError naming what is missing / which model the artifact was made for."""
+    from zeroedge import calib_artifact
+    from zeroedge.paths.evaluate import policies_from_artifact
+
+    if isinstance(paths, (tuple, list)):
+        meta, tensors = paths
+    else:
+        where = str(paths)
+        meta = calib_artifact.read_meta(paths)
+        if not meta.get("paths"):
+            raise UserError(f"{where} has no decode path predictors (meta section 'paths' is missing): "
+                            "re-run zeroedge calibrate with --paths")
+        tensors = calib_artifact.load_tensors(paths)
+    if "model" not in meta:
+        raise UserError(f"{where} does not say which model it was made for (meta section 'model' is "
+                        "missing)")
+    calib_artifact.check_model(meta, model.cfg, where)
+    return policies_from_artifact(model, meta, tensors, where)
+
+
+def thermal_paths_decoder(model, prefix_len, gen_len, policies, **kw):
+    """ThermalDecoder whose sparse layers run the predicted-paths FFN of PathsDecoder."""
+    from zeroedge.paths.decode import PathsDecoder, _use_triton
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    class ThermalPathsDecoder(ThermalDecoder):
+        _forward = PathsDecoder._forward
+        _paths_ffn = PathsDecoder._paths_ffn
+        _build_paths = PathsDecoder._build_paths
+        kept = PathsDecoder.kept
+
+        def __init__(self):
+            super().__init__(model, prefix_len, gen_len, **kw)
+            self.triton = _use_triton(self.device)
+            self._build_paths(model, policies)
+
+    if not policies:
+        raise UserError("thermal paths decode needs path policies (none given): refusing to run dense")
+    return ThermalPathsDecoder()
+
+
+class ServingSession:
+    def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
+                 page_size: int = 16, paths=None, release_level: int = 3,
+                 paths_level: Optional[int] = None, trip_pages: int = 1200, trip_requests: int = 5,
+                 on_alert: Optional[Callable[[str], None]] = None, graph: bool = True,
+                 threads: Optional[int] = None, thermal_opts: Optional[dict] = None,
+                 model_cfg=None):
+        if backend not in ("torch", "onnxruntime"):
+            raise UserError(f"backend must be torch or onnxruntime (got {backend!r})")
+        if kv_budget is not None:
+            try:
+                ok = 0 < float(kv_budget) <= 1
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise UserError(f"KV budget {kv_budget!r} is out of range: it must be in (0, 1]")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise UserError(f"page size must be a positive integer (got {page_size!r})")
+        if paths is not None and backend != "torch":
+            raise UserError("decode paths run in the torch backend only (the onnxruntime / "
+                            "TensorRT paths graph comes with the plugins issue); refusing to "
+                            "run dense in place of sparse")
+        self.backend, self.kv_budget, self.page_size = backend, kv_budget, page_size
+        self.alerts: List[str] = []
+        self._on_alert = on_alert
+        self.thermal_gate = ReleaseGate(release_level, trip_pages, trip_requests, on_alert=self._alert)
+        self.paths_gate = ReleaseGate(release_level if paths_level is None else paths_level)
+        self.graph, self.thermal_opts = graph, dict(thermal_opts or {})
+        self.model, self.runner, self.policies = model, None, None
+        if backend == "torch":
+            if model is None:
+                raise UserError("the torch backend needs a model")
+            if model.training:
+                raise UserError("the serving session is inference-only: call model.eval() first")
+        else:
+            if bundle is None:
+                raise UserError("the onnxruntime backend needs --bundle DIR (an exported bundle)")
+            self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg)
+        if paths is not None:
+            self.policies = path_policies(model, paths)
+
+    # -- control -------------------------------------------------------------------------------
+    def set_level(self, level: int, which: str = "both"):
+        """Switch release levels at run time: which = "thermal", "paths" or "both"."""
+        if which not in ("thermal", "paths", "both"):
+            raise UserError(f"which must be thermal, paths or both (got {which!r})")
+        if which in ("thermal", "both"):
+            self.thermal_gate.set_level(level)
+        if which in ("paths", "both"):
+            self.paths_gate.set_level(level)
+
+    def _alert(self, msg: str):
+        self.alerts.append(msg)
+        if self._on_alert:
+            self._on_alert(msg)
+
+    @property
+    def metrics(self) -> dict:
+        return dict(self.thermal_gate.metrics, thermal_kv_level=self.thermal_gate.level,
+                    paths_level=self.paths_gate.level)
+
+    # -- requests ------------------------------------------------------------------------------
+    def decide(self, n_prompt: int, max_new: int, temperature: float = 0.0, paths: Optional[bool] = None):
+        """Which mechanisms a request gets: dict with thermal_kv, paths and the reasons."""
+        n = n_prompt + max_new
+        out = {"thermal_kv": False, "paths": False, "release_level": self.thermal_gate.level,
+               "paths_level": self.paths_gate.level}
+        if self.kv_budget is None:
+            out["thermal_kv_reason"] = "no KV budget given"
+        elif not self.thermal_gate.allows(n, temperature):
+            out["thermal_kv_reason"] = _why_not(self.thermal_gate, n, temperature)
+        elif n_prompt < MIN_THERMAL_TOKENS:
+            out["thermal_kv_reason"] = f"prompt under {MIN_THERMAL_TOKENS} tokens bypasses thermal KV"
+        else:
+            out["thermal_kv"] = True
+        if paths is False:
+            out["paths_reason"] = "not asked for"
+            return out
+        if self.policies is None:
+            if paths:
+                raise UserError("paths asked for but the session has no path predictors (give "
+                                "--calib ARTIFACT made by zeroedge calibrate --paths)")
+            out["paths_reason"] = "no path predictors loaded"
+        elif not self.paths_gate.allows(n, temperature):
+            if paths:
+                raise UserError(f"paths asked for but {_why_not(self.paths_gate, n, temperature)}; "
+                                "refusing to run dense in place of sparse (raise the release level)")
+            out["paths_reason"] = _why_not(self.paths_gate, n, temperature)
+        else:
+            out["paths"] = True
+        return out
+
+    def generate(self, prompt: List[int], max_new: int, temperature: float = 0.0,
+                 paths: Optional[bool] = None, eos: Optional[int] = None, seed: int = 0) -> Result:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise UserError("the prompt is empty")
+        if max_new < 1:
+            raise UserError(f"max new tokens must be >= 1 (got {max_new})")
+        if temperature < 0 or temperature != temperature:
+            raise UserError(f"temperature must be >= 0 (got {temperature})")
+        mech = self.decide(len(prompt), max_new, temperature, paths)
+        if self.backend == "torch":
+            res = self._torch(prompt, max_new, temperature, mech, eos, seed)
+        else:
+            res = self._ort(prompt, max_new, temperature, mech, eos, seed)
+        if mech["thermal_kv"]:
+            self.thermal_gate.record(res.pages_migrated)
+        mech["release_level_after"] = self.thermal_gate.level
+        return res
+
+    # -- shared --------------------------------------------------------------------------------
+    @staticmethod
+    def _sampler(temperature, seed):
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+
+        def pick(logits) -> int:
+            x = np.asarray(logits, np.float64)
+            if temperature <= 0:
+                return int(x.argmax())
+            z = (x - x.max()) / temperature
+            p = np.exp(z)
+            return int(rng.choice(len(p), p=p / p.sum()))
+        return pick
+
+    # -- torch ---------------------------------------------------------------------------------
+    def _prefill(self, ids):
+        """K/V (rope applied) of ids per layer, and the query covariances on CPU."""
+        import torch
+
+        m = self.model
+        dev = next(m.parameters()).device
+        if dev.type == "cpu":
+            from zeroedge.kv.evaluate import prefill
+
+            pre = prefill(m, ids, stats=False)
+            return pre["k"], pre["v"], pre["qcov"]
+        m.setup_cache(1, len(ids))
+        try:
+            with torch.inference_mode():
+                m.hidden_states(torch.tensor([ids], device=dev))
+            ks = [b.self_attn.kv_cache.k[0].clone() for b in m.layers]
+            vs = [b.self_attn.kv_cache.v[0].clone() for b in m.layers]
+        finally:
+            m.drop_cache()
+        return ks, vs, None
+
+    def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
+        import torch
+
+        from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+        m, T, ps = self.model, len(prompt), self.page_size
+        if T + max_new > m.cfg.max_seq_len:
+            raise UserError(f"{T} prompt + {max_new} new tokens exceed the model's context "
+                            f"({m.cfg.max_seq_len})")
+        thermal = mech["thermal_kv"]
+        # the prompt is prefilled dense up to its last whole page; the rest of it runs through the
+        # decode loop (with the decode mechanisms), whichever mechanisms the gates chose
+        P = ((T - 1) // ps) * ps
+        if thermal and P // ps < 4:
+            mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under 4 pages of {ps}")
+            thermal = False
+        t0 = time.perf_counter()
+        ks, vs, qcov = self._prefill(prompt[:P]) if P > 0 else (None, None, None)
+        if thermal:
+            kw = dict(budget=self.kv_budget, page_size=ps, graph=self.graph, **self.thermal_opts)
+            if mech["paths"]:
+                dec = thermal_paths_decoder(m, P, T - P + max_new, self.policies, **kw)
+            else:
+                dec = ThermalDecoder(m, P, T - P + max_new, **kw)
+            dec.load_prefix(ks, vs, qcov)
+        else:
+            if mech["paths"]:
+                from zeroedge.paths.decode import PathsDecoder
+
+                dec = PathsDecoder(m, T + max_new, self.policies, graph=self.graph)
+            else:
+                dec = DenseDecoder(m, T + max_new, graph=self.graph)
+            if P > 0:
+                dec.load_prefix(ks, vs)
+        pick = self._sampler(temperature, seed)
+        moved = torch.zeros((), dtype=torch.long, device=dec.device)
+        prev = dec.slot_page.clone() if thermal else None
+
+        def step(tok, pos):
+            out = dec.step(tok, pos)
+            if thermal:
+                moved.add_((dec.slot_page != prev).sum())
+                prev.copy_(dec.slot_page)
+            return out
+
+        for pos in range(P, T):                                   # the prompt's tail, teacher-forced
+            logits = step(prompt[pos], pos)
+        nxt = pick(logits.float().cpu().numpy())
+        sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+        sync()
+        t1 = time.perf_counter()
+        out = [nxt]
+        for i in range(max_new - 1):
+            if eos is not None and nxt == eos:
+                break
+            logits = step(nxt, T + i)
+            nxt = pick(logits.float().cpu().numpy())
+            out.append(nxt)
+        sync()
+        t2 = time.perf_counter()
+        el = dec.k.element_size() if not thermal else dec.wk.element_size()
+        full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + max_new) * m.cfg.head_dim * el
+        detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
+        if thermal:
+            kb = dec.device_kv_bytes()
+            device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"]
+            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps)
+        else:
+            device_kv = dec.kv_bytes()
+        if mech["paths"]:
+            detail["paths_channels_kept_last_step"] = dec.kept()
+        steps = len(out) - 1
+        return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
+                      device_kv, full, int(moved) if thermal else 0, detail)
+
+    # -- onnxruntime ---------------------------------------------------------------------------
+    def _open_bundle(self, bundle, threads, want_cfg=None):
+        from pathlib import Path
+
+        from zeroedge.backends.onnxruntime import OrtRunner
+
+        if not Path(bundle).is_dir():
+            raise UserError(f"bundle not found: {bundle}")
+        self.runner = OrtRunner(bundle, threads=threads)
+        cfg = self.runner.manifest["model"]
+        if want_cfg is not None:
+            mine = want_cfg.to_dict()
+            diff = [k for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+                    if cfg.get(k) != mine.get(k)]
+            if diff:
+                raise UserError(f"{bundle} was exported from {cfg.get('name')} "
+                                f"({', '.join(f'{k}={cfg.get(k)}' for k in diff)}), not from "
+                                f"{mine.get('name')} ({', '.join(f'{k}={mine.get(k)}' for k in diff)})")
+
+    def _ort(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
+        from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+        r, T, ps = self.runner, len(prompt), self.page_size
+        if T < 2:
+            raise UserError("the onnxruntime backend needs a prompt of at least 2 tokens")
+        n = T + max_new
+        if mech["thermal_kv"]:
+            pol = OrtThermalPolicy(page_size=ps, **self.thermal_opts)
+            n_sink = -(-r.sinks // ps) if r.sinks > 0 else 0
+            pages = max(math.ceil(self.kv_budget * n / ps), n_sink + pol.recent + 2)
+            r.slots, r.policy = pages * ps, pol
+        else:
+            pol = None
+            r.slots, r.policy = n, None                      # a window of every position: exact
+        pick = self._sampler(temperature, seed)
+        d0 = r.timings["decode_s"]
+        t0 = time.perf_counter()
+        nxt = pick(r.prefill(prompt))
+        t1 = time.perf_counter()
+        out = [nxt]
+        for _ in range(max_new - 1):
+            if eos is not None and nxt == eos:
+                break
+            nxt = pick(r.step(nxt))
+            out.append(nxt)
+        t2 = time.perf_counter()
+        full = 2 * r.L * r.nkv * n * r.hd * 4
+        device_kv = r.window_bytes()
+        detail = {"decoder": "OrtRunner", "backend": "onnxruntime", "window_slots": r.slots,
+                  "graph_decode_s": r.timings["decode_s"] - d0}
+        if pol is not None:
+            st = pol.stats()
+            device_kv += st["summary_bytes"] + st["page_table_bytes"]
+            detail.update(hot_kv_bytes=r.window_bytes(), page_size=ps, thermal=st)
+        steps = len(out) - 1
+        return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
+                      device_kv, full, pol.migrated if pol is not None else 0, detail)

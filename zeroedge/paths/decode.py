@@ -48,11 +48,11 @@ class PathsDecoder(DenseDecoder):
         """Per sparse layer: the predictor / thresholds and the transposed weights the gather
         kernels read (a method so other decode loops, e.g. the thermal one, can reuse it)."""
         D, Fd = model.cfg.dim, model.cfg.ffn_dim
-        self.P = {}
+        self.paths = {}
         for i, pol in policies.items():
             pr, w = pol.predictor, self.W.layers[i]
             if pol.method == "magnitude":
-                self.P[i] = dict(
+                self.paths[i] = dict(
                     kind="magnitude", thr_in=float(pol.threshold_in), thr=float(pol.threshold),
                     w13t=w["w13"].T.contiguous(), wdt=w["w2"].T.contiguous(),
                     act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype),
@@ -61,7 +61,7 @@ class PathsDecoder(DenseDecoder):
                     part2=torch.zeros(tg.CONFIG["down"]["splits"], 1, 2 * Fd, device=self.device,
                                       dtype=torch.float32))
                 continue
-            self.P[i] = dict(
+            self.paths[i] = dict(
                 kind="predictor", at=pr.a.T.contiguous().to(self.device, self.dtype),
                 bg=pr.bg.to(self.device, self.dtype).contiguous(),
                 bu=tg.fold_down_norm(pr.bu, pr.wd_norm).to(self.device, self.dtype).contiguous(),
@@ -102,7 +102,7 @@ class PathsDecoder(DenseDecoder):
         for li, w in enumerate(self.W.layers):
             q, k, v = self._layer_in(w, x, cos, sin)
             o = self._attend(li, q, k, v, flag)
-            p = self.P.get(li)
+            p = self.paths.get(li)
             if p is None:
                 x = self._layer_out(w, x, o)
                 continue
@@ -113,4 +113,4 @@ class PathsDecoder(DenseDecoder):
 
     def kept(self) -> dict:
         """Fraction of channels the last step computed, per sparse layer."""
-        return {i: float((p["act"] != 0).float().mean()) for i, p in self.P.items()}
+        return {i: float((p["act"] != 0).float().mean()) for i, p in self.paths.items()}

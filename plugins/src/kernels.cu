@@ -17,7 +17,7 @@
 namespace {
 
 constexpr int kProjRows = 32;   // rows per block of the tensor-core projection (two MMA row tiles)
-constexpr int kProjWarps = 8;   // warps of that block; they split the hidden dimension
+constexpr int kProjWarps = 16;  // warps of that block; they split the hidden dimension
 constexpr int kProjMaxTiles = (ZE_MAX_SIH_WIDTH + ZE_MAX_ANCHOR_RANK + 15) / 16;
 constexpr int kBaseRows = 32;   // rows per block of decide + base
 constexpr int kBaseWarps = 4;   // each warp writes 128 columns, 64 at a time
@@ -235,15 +235,20 @@ __global__ void __launch_bounds__(kProjWarps * 32, 1) sih_proj_tc(const __half* 
     float* small = reinterpret_cast<float*>(smem + proj_tc_region(D, ncp));
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int64_t row0 = int64_t(blockIdx.x) * kProjRows;
-    int64_t ks = D / 16;
-    int64_t s0 = warp * ks / kProjWarps, s1 = (warp + 1) * ks / kProjWarps, sm = (s0 + s1) / 2;
-    auto issue = [&](int64_t a, int64_t b) {
-        int64_t nv = 2 * (b - a);  // 16-byte vectors a row in k-steps [a, b)
-        for (int64_t i = lane; i < kProjRows * nv; i += 32)
+    int ks = int(D / 16);
+    int s0 = warp * ks / kProjWarps, s1 = (warp + 1) * ks / kProjWarps, sm = (s0 + s1) / 2;
+    auto issue = [&](int a, int b) {
+        // the warp's [32, 16 * (b - a)] slice as 16-byte vectors; (r, c) stepped without divisions
+        int nv = 2 * (b - a), r = lane / nv, c = lane % nv, dr = 32 / nv, dc = 32 % nv;
+        const __half* src = x + row0 * D + 16 * a;
+        while (r < kProjRows)
         {
-            int64_t r = i / nv, col = 16 * a + 8 * (i % nv);
             bool ok = row0 + r < Tn;
-            cp_async16(xs + r * ldx + col, ok ? static_cast<const void*>(x + (row0 + r) * D + col) : x, ok ? 16 : 0);
+            cp_async16(xs + r * ldx + 16 * a + 8 * c, ok ? static_cast<const void*>(src + int64_t(r) * D + 8 * c) : x,
+                       ok ? 16 : 0);
+            c += dc;
+            r += dr;
+            if (c >= nv) { c -= nv; ++r; }
         }
         cp_async_commit();
     };
@@ -261,9 +266,9 @@ __global__ void __launch_bounds__(kProjWarps * 32, 1) sih_proj_tc(const __half* 
         wmma::fill_fragment(c[0][n], 0.f);
         wmma::fill_fragment(c[1][n], 0.f);
     }
-    auto mma_steps = [&](int64_t a, int64_t b) {
+    auto mma_steps = [&](int a, int b) {
 #pragma unroll 2
-        for (int64_t s = a; s < b; ++s)
+        for (int s = a; s < b; ++s)
         {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> f0, f1;
             wmma::load_matrix_sync(f0, xs + 16 * s, unsigned(ldx));
@@ -480,10 +485,16 @@ __global__ void __launch_bounds__(kBaseWarps * 32) sih_decide_base_tc(const floa
                 o.v = make_int4(0, 0, 0, 0);
             else
             {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    o.h[e] = __floats2half2_rn(st[r * LDS + cc + 2 * e] + __half2float(cvec[d + 2 * e]),
-                                               st[r * LDS + cc + 2 * e + 1] + __half2float(cvec[d + 2 * e + 1]));
+                union { __half2 h[4]; int4 v; } cv;
+                cv.v = *reinterpret_cast<const int4*>(cvec + d);
+                float4 s0 = *reinterpret_cast<const float4*>(st + r * LDS + cc);
+                float4 s1 = *reinterpret_cast<const float4*>(st + r * LDS + cc + 4);
+                float2 c0 = __half22float2(cv.h[0]), c1 = __half22float2(cv.h[1]);
+                float2 c2 = __half22float2(cv.h[2]), c3 = __half22float2(cv.h[3]);
+                o.h[0] = __floats2half2_rn(s0.x + c0.x, s0.y + c0.y);
+                o.h[1] = __floats2half2_rn(s0.z + c1.x, s0.w + c1.y);
+                o.h[2] = __floats2half2_rn(s1.x + c2.x, s1.y + c2.y);
+                o.h[3] = __floats2half2_rn(s1.z + c3.x, s1.w + c3.y);
             }
             *reinterpret_cast<int4*>(base + t * D + d) = o.v;
         }
@@ -829,7 +840,7 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
     a.min_tokens = p->min_tokens; a.protect_first = p->protect_first; a.protect_last = p->protect_last;
     a.block_size = p->block_size;
     bool tc_base = dtype == ZE_F16 && (g_variant & 4) == 0 && R > 0 && R % 16 == 0 && D % 16 == 0
-        && aligned(w->anchor_b, 32);
+        && aligned(w->anchor_b, 32) && aligned(w->anchor_c, 16);
     if (tc_base)
     {
         dim3 grid(unsigned((T + kBaseRows - 1) / kBaseRows), unsigned((D + kBaseCols - 1) / kBaseCols));

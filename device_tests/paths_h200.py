@@ -197,7 +197,7 @@ def main():
     zs = [F.linear(x, w["at"]) for w in Ws]
     sweep = {}
     best_g = None
-    for BF, BK, nw in ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8), (32, 128, 4), (8, 256, 2)):
+    for BF, BK, nw in ((4, 1024, 4), (2, 1024, 2), (2, 2048, 2), (4, 1024, 2), (2, 512, 1), (2, 1024, 1)):
         def gu():
             for w, b, t, z in zip(Ws, bufs, t5, zs):
                 tg.paths_gateup(x, z, w["bg"], w["bu"], w["w13"][:Fd], w["w13"][Fd:], t, out=b["act"],
@@ -208,16 +208,23 @@ def main():
         if best_g is None or ms < best_g[0]:
             best_g = (ms, dict(BF=BF, BK=BK, num_warps=nw))
     best_d = None
-    for sp, BF, BD, nw in ((64, 32, 512, 4), (32, 32, 256, 4), (128, 16, 512, 4), (64, 64, 256, 8), (32, 64, 512, 8), (128, 32, 256, 4)):
+    for kind, sp, BF, BD, nw in (("tile", 128, 16, 512, 4), ("rows", 256, 8, 2048, 8), ("rows", 128, 16, 2048, 8),
+                                 ("rows_part", 256, 8, 2048, 8), ("rows_part", 512, 8, 2048, 8),
+                                 ("rows_part", 128, 16, 2048, 8), ("rows_part", 256, 8, 1024, 4),
+                                 ("rows_part", 512, 4, 1024, 4)):
         parts = [torch.empty(sp, 1, D, device="cuda", dtype=torch.float32) for _ in Ws]
         def dn():
             for w, b, pt in zip(Ws, bufs, parts):
-                tg.paths_down(b["act"], w["wdt"], part=pt, splits=sp, BF=BF, BD=BD, num_warps=nw)
+                tg.paths_down(b["act"], w["wdt"], part=pt, splits=sp, BF=BF, BD=BD, num_warps=nw, kind=kind)
         ms = graph_ms(dn) / L
         bw = (0.5 * D * Fd) * 2 / (ms * 1e-3) / 1e9
-        sweep[f"down S{sp} BF{BF} BD{BD} w{nw}"] = {"us": ms * 1e3, "GBs": bw}
+        y_ = tg.paths_down(bufs[0]["act"], Ws[0]["wdt"], part=parts[0], splits=sp, BF=BF, BD=BD, num_warps=nw,
+                           kind=kind)
+        err = rel(y_, tg.paths_down_ref(bufs[0]["act"], Ws[0]["wdt"]))
+        assert err < 1e-2, f"down {kind} S{sp} BF{BF} BD{BD}: rel err {err}"
+        sweep[f"down {kind} S{sp} BF{BF} BD{BD} w{nw}"] = {"us": ms * 1e3, "GBs": bw, "rel_err": err}
         if best_d is None or ms < best_d[0]:
-            best_d = (ms, dict(splits=sp, BF=BF, BD=BD, num_warps=nw))
+            best_d = (ms, dict(splits=sp, BF=BF, BD=BD, num_warps=nw, kind=kind))
     tg.CONFIG["gateup"], tg.CONFIG["down"] = best_g[1], best_d[1]
     micro["sweep_keep0.5"] = sweep
     micro["chosen"] = dict(tg.CONFIG)

@@ -134,7 +134,29 @@ def _build():
             tl.store(part_ptr + pid_s * (B * D) + offs_b[:, None] * D + offs_d[None, :], acc,
                      mask=bmask[:, None])
 
-    return gateup_kernel, down_kernel
+    @triton.jit
+    def down_rows_kernel(act_ptr, wd_ptr, out_ptr, D, FS, BF: tl.constexpr, BD: tl.constexpr,
+                         ATOMIC: tl.constexpr):
+        # batch 1 as a plain GEMV: a thread owns columns, rows are walked BF at a time (their loads
+        # all in flight, predicated off for dead channels); partial sums meet by atomic adds
+        # (ATOMIC) or go to out[pid_s] for a sum afterwards
+        pid_d = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_d = pid_d * BD + tl.arange(0, BD)
+        dmask = offs_d < D
+        acc = tl.zeros([BD], dtype=tl.float32)
+        f0 = pid_s * FS
+        for f in range(f0, f0 + FS, BF):
+            for r in tl.static_range(BF):
+                a = tl.load(act_ptr + f + r).to(tl.float32)
+                w = tl.load(wd_ptr + (f + r) * D + offs_d, mask=dmask & (a != 0.0), other=0.0)
+                acc += a * w.to(tl.float32)
+        if ATOMIC:
+            tl.atomic_add(out_ptr + offs_d, acc, mask=dmask)
+        else:
+            tl.store(out_ptr + pid_s * D + offs_d, acc, mask=dmask)
+
+    return gateup_kernel, down_kernel, down_rows_kernel
 
 
 def _kernels():
@@ -151,7 +173,18 @@ def _pow2(n):
     return p
 
 
-CONFIG = {"gateup": dict(BF=8, BK=512, num_warps=4), "down": dict(splits=64, BF=32, BD=512, num_warps=4)}
+# Best of the H200 sweeps at llama-3.2-1b shapes (benchmarks/paths.md); other shapes shrink the
+# tiles to powers of two that divide them (_fit).
+CONFIG = {"gateup": dict(BF=2, BK=512, num_warps=1),
+          "down": dict(splits=256, BF=8, BD=2048, num_warps=8, kind="rows")}
+
+
+def _fit(n: int, want: int) -> int:
+    """The largest power of two <= want that divides n (1 at worst)."""
+    p = 1
+    while p * 2 <= want and n % (p * 2) == 0:
+        p *= 2
+    return p
 
 
 def paths_gateup(x, z, bg, bu, wg, wu, threshold: float, out=None, BF=None, BK=None,
@@ -160,29 +193,49 @@ def paths_gateup(x, z, bg, bu, wg, wu, threshold: float, out=None, BF=None, BK=N
     BF, BK, num_warps = BF or c["BF"], BK or c["BK"], num_warps or c["num_warps"]
     B, D = x.shape
     Fd, R = wg.shape[0], bg.shape[0]
+    BK = _fit(D, BK)
     if R != _pow2(R) or D % BK or B > 8:
         raise ValueError(f"paths_gateup needs R a power of 2 (got {R}), D % {BK} == 0, B <= 8")
     act = out if out is not None else torch.empty(B, Fd, device=x.device, dtype=x.dtype)
-    gk, _ = _kernels()
+    gk = _kernels()[0]
     gk[(triton_cdiv(Fd, BF),)](x, z, bg, bu, wg, wu, act, float(threshold), D, Fd, B=B,
                                BB=max(_pow2(B), 1), R=R, BF=BF, BK=BK, num_warps=num_warps)
     return act
 
 
-def paths_down(act, wd_t, part=None, splits=None, BF=None, BD=None, num_warps=None):
+def paths_down(act, wd_t, part=None, splits=None, BF=None, BD=None, num_warps=None, kind=None):
+    """kind "tile": (splits, B, D) fp32 partial sums of [BF, BD] tiles, then a sum; kind "rows"
+    (batch 1): a column-per-thread GEMV with atomic adds into part[0] (zeroed here); kind
+    "rows_part" (batch 1): the same GEMV writing (splits, 1, D) partial sums, then a sum."""
     c = CONFIG["down"]
     splits, BF = splits or c["splits"], BF or c["BF"]
     BD, num_warps = BD or c["BD"], num_warps or c["num_warps"]
+    kind = kind or c.get("kind", "tile")
     B, Fd = act.shape
     D = wd_t.shape[1]
+    BD, BF = _fit(D, BD), _fit(Fd, BF)
+    while splits > 1 and Fd % (splits * BF):
+        splits //= 2
+    if part is not None and part.shape[0] < splits:
+        raise ValueError(f"paths_down: part has {part.shape[0]} splits, needs {splits}")
     if D % BD or Fd % (splits * BF):
         raise ValueError(f"paths_down needs D % {BD} == 0 and F % ({splits} * {BF}) == 0")
     part = part if part is not None else torch.empty(splits, B, D, device=act.device,
                                                      dtype=torch.float32)
-    _, dk = _kernels()
+    _, dk, rk = _kernels()
+    if kind == "rows" and B == 1:
+        acc = part[0]
+        acc.zero_()
+        rk[(D // BD, splits)](act, wd_t, acc, D, Fd // splits, BF=BF, BD=BD, ATOMIC=True,
+                              num_warps=num_warps)
+        return acc.to(act.dtype)
+    if kind == "rows_part" and B == 1:
+        rk[(D // BD, splits)](act, wd_t, part, D, Fd // splits, BF=BF, BD=BD, ATOMIC=False,
+                              num_warps=num_warps)
+        return part[:splits].sum(0).to(act.dtype)
     dk[(D // BD, splits)](act, wd_t, part, D, Fd, Fd // splits, B=B, BB=max(_pow2(B), 1),
                           BF=BF, BD=BD, num_warps=num_warps)
-    return part.sum(0).to(act.dtype)
+    return part[:splits].sum(0).to(act.dtype)
 
 
 def triton_cdiv(a, b):

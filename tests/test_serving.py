@@ -115,6 +115,7 @@ def test_ort_policy_under_pressure_keeps_window_table_and_log_consistent(bundle,
     new = _greedy(r, prompt, 40, each)
     st = pol.stats()
     assert st["demoted"] > 0 and st["pages_migrated"] == pol.table.log.counts["migrate"]
+    assert st["migrated_bytes"] == st["pages_migrated"] * pol.page_bytes()
     assert st["stored_pages"] + st["hot_pages"] == st["pages"] == -(-(70 + 40) // P)
     assert st["hot_pages"] <= S // P
     for e in pol.table.log.of("migrate"):

@@ -53,7 +53,7 @@ def dequantize(q: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
 
 class OrtThermalPolicy:
     def __init__(self, page_size: int = 16, store: str = "int8", threshold: float = DEFAULT_THRESHOLD,
-                 recent_pages: int = 1, fetch: int = 2, cos_window: int = 8, max_pages: int = 1 << 20):
+                 recent_pages: int = 1, fetch: int = 2, cos_window: int = 8, max_pages: int = 1 << 16):
         if not isinstance(page_size, int) or page_size < 1:
             raise UserError(f"page size must be a positive integer (got {page_size!r})")
         if store not in ("int8", "fp32"):
@@ -263,6 +263,7 @@ class OrtThermalPolicy:
         return {"pages": len(t), "hot_pages": len(t.pages_in(Tier.HOT)),
                 "stored_pages": len(t.pages_in(self.store_tier)), "store": self.store_kind,
                 "pages_migrated": self.migrated, "promoted": self.promoted, "demoted": self.demoted,
+                "migrated_bytes": t.log.bytes.get("migrate", 0),
                 "stored_at_prefill": self.stored_at_prefill,
                 "store_bytes": len(self.store) * self.page_bytes(),
                 "summary_bytes": len(t) * self.L * self.nkv * self.hd * 4, "page_table_bytes": t.nbytes()}

@@ -322,7 +322,8 @@ class ServingSession:
         if thermal:
             kb = dec.device_kv_bytes()
             device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"]
-            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps)
+            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
+                          migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
         else:
             device_kv = dec.kv_bytes()
         if mech["paths"]:
@@ -384,7 +385,8 @@ class ServingSession:
         if pol is not None:
             st = pol.stats()
             device_kv += st["summary_bytes"] + st["page_table_bytes"]
-            detail.update(hot_kv_bytes=r.window_bytes(), page_size=ps, thermal=st)
+            detail.update(hot_kv_bytes=r.window_bytes(), page_size=ps, thermal=st,
+                          migrated_bytes=st["migrated_bytes"])
         steps = len(out) - 1
         return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
                       device_kv, full, pol.migrated if pol is not None else 0, detail)

@@ -209,6 +209,8 @@ def test_session_torch_dense_thermal_and_run_time_levels(model):
     assert not s2.decide(10, 10)["thermal_kv"]         # short prompts bypass
     with pytest.raises(UserError, match="release level"):
         s2.set_level(4)
+    with pytest.raises(UserError, match="unknown thermal KV option.*colour"):
+        ServingSession(model, kv_budget=0.1, thermal_opts={"colour": "red"})
     for bad in (0, 1.5, float("nan"), "x"):
         with pytest.raises(UserError, match=r"\(0, 1\]"):
             ServingSession(model, kv_budget=bad)

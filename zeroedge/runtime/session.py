@@ -135,6 +135,7 @@ class ServingSession:
         self.thermal_gate = ReleaseGate(release_level, trip_pages, trip_requests, on_alert=self._alert)
         self.paths_gate = ReleaseGate(release_level if paths_level is None else paths_level)
         self.graph, self.thermal_opts = graph, dict(thermal_opts or {})
+        self._check_thermal_opts()
         self.model, self.runner, self.policies = model, None, None
         if backend == "torch":
             if model is None:
@@ -147,6 +148,20 @@ class ServingSession:
             self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg)
         if paths is not None:
             self.policies = path_policies(model, paths)
+
+    def _check_thermal_opts(self):
+        import inspect
+
+        if self.backend == "torch":
+            from zeroedge.runtime.fast import ThermalDecoder as target
+        else:
+            from zeroedge.kv.ort_policy import OrtThermalPolicy as target
+        known = set(inspect.signature(target.__init__).parameters) - {
+            "self", "model", "prefix_len", "gen_len", "budget", "page_size", "graph"}
+        bad = sorted(set(self.thermal_opts) - known)
+        if bad:
+            raise UserError(f"unknown thermal KV option(s) for the {self.backend} backend: "
+                            f"{', '.join(bad)} (known: {', '.join(sorted(known))})")
 
     # -- control -------------------------------------------------------------------------------
     def set_level(self, level: int, which: str = "both"):

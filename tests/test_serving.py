@@ -229,6 +229,10 @@ def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, 
         r = s.generate(prompt, 20)
         assert r.mechanisms["thermal_kv"] and r.pages_migrated > 1, r.pages_migrated
         assert s.thermal_gate.level == (3 if i < 4 else 2)
+    # the breaker counts whole-model pages: torch's (layer, kv head) fetches / (layers x kv heads)
+    per = len(model.layers) * model.cfg.n_kv_heads if backend == "torch" else 1
+    assert s.model_pages(r.pages_migrated) == -(-r.pages_migrated // per)
+    assert s.model_pages(per) == 1 and s.model_pages(per + 1) == (2 if per > 1 else per + 1)
     assert r.mechanisms["release_level_after"] == 2
     assert len(alerts) == 1 and "L3 -> L2" in alerts[0] and s.alerts == alerts
     assert s.metrics["thermal_kv_breaker_trips"] == 1 and s.metrics["thermal_kv_requests"] == 5

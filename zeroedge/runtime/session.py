@@ -24,6 +24,8 @@ int8 store); decode paths there need the plugins issue's graph and are refused.
 
 Units of `pages_migrated`: torch counts (layer, kv head) page fetches into the slot window (the
 PageTable's unit); onnxruntime counts pages of P positions across all layers (its window is shared).
+The breaker counts whole-model pages on both backends: torch fetches divided by layers x kv heads
+(rounded up), so one trip point means the same traffic everywhere.
 """
 from __future__ import annotations
 
@@ -229,9 +231,16 @@ class ServingSession:
         else:
             res = self._ort(prompt, max_new, temperature, mech, eos, seed)
         if mech["thermal_kv"]:
-            self.thermal_gate.record(res.pages_migrated)
+            self.thermal_gate.record(self.model_pages(res.pages_migrated))
         mech["release_level_after"] = self.thermal_gate.level
         return res
+
+    def model_pages(self, pages: int) -> int:
+        """Pages migrated in whole-model pages of P positions (the breaker's unit)."""
+        if self.backend != "torch":
+            return int(pages)
+        per = len(self.model.layers) * self.model.cfg.n_kv_heads
+        return -(-int(pages) // per)
 
     # -- shared --------------------------------------------------------------------------------
     @staticmethod

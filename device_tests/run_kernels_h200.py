@@ -174,13 +174,18 @@ def main():
     cnts = [torch.empty(1, dtype=torch.int32, device="cuda") for _ in range(NSETS)]
     wsc = [torch.empty(K.lib.ze_pad_scatter_workspace_size(T), dtype=torch.uint8, device="cuda")
            for _ in range(NSETS)]
-    for frac in (0.3, 0.5, 0.7):
-        k = int(round(frac * T))
+    def random_keeps(k):
+        """NSETS keep masks of exactly k random tokens."""
         keeps = []
-        for i in range(NSETS):
+        for _ in range(NSETS):
             kp = torch.zeros(T, dtype=torch.int32, device="cuda")
             kp[torch.randperm(T, generator=gen, device="cuda")[:k]] = 1
             keeps.append(kp)
+        return keeps
+
+    for frac in (0.3, 0.5, 0.7):
+        k = int(round(frac * T))
+        keeps = random_keeps(k)
 
         def compact(i, k=k, keeps=keeps):
             K.gather(xs_in[i], keeps[i], xsb[i], idxb[i], cnts[i])
@@ -227,11 +232,7 @@ def main():
     fused_rows = []
     for frac in (0.5, 0.7):
         k = int(round(frac * T))
-        keeps = []
-        for i in range(NSETS):
-            kp = torch.zeros(T, dtype=torch.int32, device="cuda")
-            kp[torch.randperm(T, generator=gen, device="cuda")[:k]] = 1
-            keeps.append(kp)
+        keeps = random_keeps(k)
 
         def compact_fused(i, k=k, keeps=keeps):
             K.gather(xs_in[i], keeps[i], xsb[i], idxb[i], cnts[i])

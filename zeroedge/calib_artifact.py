@@ -71,16 +71,23 @@ def load(path):
     return meta, load_tensors(path)
 
 
+SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+
+
+def shape_mismatch(theirs: dict, mine: dict):
+    """None when two model configs (dicts) have the same shape, else (theirs, mine) as 'k=v, ...'."""
+    diff = [k for k in SHAPE_KEYS if theirs.get(k) != mine.get(k)]
+    if not diff:
+        return None
+    return (", ".join(f"{k}={theirs.get(k)}" for k in diff), ", ".join(f"{k}={mine.get(k)}" for k in diff))
+
+
 def check_model(meta: dict, cfg, path="artifact") -> None:
     """UserError unless the artifact was made for a model of exactly this shape."""
-    want = meta["model"].get("config", {})
-    mine = cfg.to_dict()
-    diff = [k for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-            if want.get(k) != mine.get(k)]
-    if diff:
-        raise UserError(f"{path} was calibrated for {meta['model'].get('name')} "
-                        f"({', '.join(f'{k}={want.get(k)}' for k in diff)}), not for "
-                        f"{cfg.name} ({', '.join(f'{k}={mine.get(k)}' for k in diff)})")
+    bad = shape_mismatch(meta["model"].get("config", {}), cfg.to_dict())
+    if bad:
+        raise UserError(f"{path} was calibrated for {meta['model'].get('name')} ({bad[0]}), not for "
+                        f"{cfg.name} ({bad[1]})")
 
 
 def save(path, meta: dict, tensors: dict) -> None:

@@ -367,13 +367,13 @@ class ServingSession:
         self.runner = OrtRunner(bundle, threads=threads)
         cfg = self.runner.manifest["model"]
         if want_cfg is not None:
+            from zeroedge.calib_artifact import shape_mismatch
+
             mine = want_cfg.to_dict()
-            diff = [k for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-                    if cfg.get(k) != mine.get(k)]
-            if diff:
-                raise UserError(f"{bundle} was exported from {cfg.get('name')} "
-                                f"({', '.join(f'{k}={cfg.get(k)}' for k in diff)}), not from "
-                                f"{mine.get('name')} ({', '.join(f'{k}={mine.get(k)}' for k in diff)})")
+            bad = shape_mismatch(cfg, mine)
+            if bad:
+                raise UserError(f"{bundle} was exported from {cfg.get('name')} ({bad[0]}), not from "
+                                f"{mine.get('name')} ({bad[1]})")
 
     def _ort(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
         from zeroedge.kv.ort_policy import OrtThermalPolicy

@@ -131,6 +131,24 @@ def fetch_latency(dec, dev, pages_per_head):
     return t, nbytes
 
 
+def refresh_latency(dec, dev):
+    """Seconds of one layer's refresh (sketch scores, swap decisions, page copies), graph-timed."""
+    q = torch.randn(dec.H, dec.hd, device=dev, dtype=dec.dtype)
+
+    def f():
+        dec._swap(0, q)
+
+    fn = f
+    if dev.type == "cuda":
+        f()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        fn = g.replay
+    return timed(fn, dev, iters=50, warm=5)
+
+
 def migration_bandwidth(dev, n_pages, page_elems, copy_bw):
     """Demote n random pages device -> pinned host and promote them back, through the transfer
     handler (own stream, events): gather on device + one bulk copy (+ scatter)."""
@@ -168,6 +186,35 @@ def migration_bandwidth(dev, n_pages, page_elems, copy_bw):
     return res
 
 
+def check_swap_kernel(dev):
+    """The fused Triton page swap against the torch reference on random tables (raises if not equal)."""
+    from zeroedge.runtime import kernels as K
+
+    out = []
+    g = torch.Generator().manual_seed(5)
+    for nkv, grp, n, S, PE, F in ((8, 4, 2048, 196, 1024, 4), (8, 4, 8192, 812, 1024, 4), (3, 2, 100, 10, 64, 16)):
+        pl = torch.randn(nkv, grp, n, generator=g)
+        bias = torch.zeros(n)
+        bias[:1] = float("-inf")
+        bias[-2:] = float("-inf")
+        sp = torch.stack([torch.randperm(n - 3, generator=g)[:S] + 1 for _ in range(nkv)])
+        ps = torch.full((nkv, n), -1, dtype=torch.long)
+        for h in range(nkv):
+            ps[h, sp[h]] = torch.arange(S)
+        hk, hv = torch.randn(nkv, n, PE, generator=g), torch.randn(nkv, n, PE, generator=g)
+        wk, wv = torch.randn(nkv, S, PE, generator=g), torch.randn(nkv, S, PE, generator=g)
+        ref = [t.clone() for t in (ps, sp, wk, wv)]
+        K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, hk, hv, F)
+        gpu = [t.to(dev) for t in (ps, sp, wk, wv)]
+        K.swap_pages(pl.to(dev), bias.to(dev), *gpu, hk.to(dev), hv.to(dev), F)
+        same = all(torch.equal(a, b.cpu()) for a, b in zip(ref, gpu))
+        moved = int((ref[1] != sp).sum())
+        if not same:
+            raise RuntimeError(f"swap kernel differs from the reference at n={n} S={S} F={F}")
+        out.append({"n": n, "S": S, "F": F, "moved": moved, "equal": same})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry", action="store_true", help="tiny model on CPU")
@@ -193,6 +240,9 @@ def main():
         log(torch.cuda.get_device_name(), torch.__version__)
     RES["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
 
+    if dev.type == "cuda":
+        RES["swap_kernel_check"] = check_swap_kernel(dev)
+        log("swap kernel vs reference:", RES["swap_kernel_check"])
     bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (64 << 20))
     RES["copy"] = bw
     log("copy bandwidth", {k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()})
@@ -248,6 +298,7 @@ def main():
             row["thermal_kv_frac"] = row["thermal_device_kv_bytes"] / kb["prefix_full"]
             row["speedup"] = row["thermal_tps"] / max(dense_best, 1e-9)
             row["speedup_r4"] = row["thermal_r4_tps"] / max(dense_best, 1e-9)
+            row["refresh_layer_us"] = refresh_latency(t, dev) * 1e6
             for f in (1, args.fetch):
                 lat, nb = fetch_latency(t, dev, f)
                 row[f"fetch_{f}_us"] = lat * 1e6
@@ -307,6 +358,7 @@ def main():
         "d2h", f"{bw.get('d2h_Bps', 0) / g:.1f} GB/s")
     log("compiled (dense, thermal every 4) tok/s:", {r["ctx"]: (round(r.get("dense_compiled_tps", 0)),
         round(r.get("thermal_compiled_r4_tps", 0))) for r in rows})
+    log("refresh of one layer (us):", {r["ctx"]: round(r.get("refresh_layer_us", 0), 1) for r in rows})
     log("| ctx | dense tok/s (sdpa / bmm) | roofline | dense/roof | thermal tok/s every step / every 4 | "
         "speedup | device KV thermal/dense | fetch 1 pg/head us | fetch F pg/head us |")
     for r in rows:

@@ -154,11 +154,11 @@ def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
         part.step(tok, t)
     kb = part.device_kv_bytes()
     assert kb["hot"] == kb["prefix_full"] // 2
-    # with fetch >= slots, one refresh leaves the slot window holding exactly the wanted pages
+    # with fetch >= slots, one refresh leaves the slot window holding exactly the best pages
     q = torch.randn(tiny.cfg.n_heads, tiny.cfg.head_dim)
     for li in range(len(tiny.layers)):
-        want = part._select(li, q)
-        part._refresh(li, want)
+        want = part._score(li, q).topk(part.slots, dim=-1).indices
+        part._swap(li, q)
         for h in range(part.nkv):
             assert set(part.slot_page[li, h].tolist()) == set(want[h].tolist())
             ps = part.page_slot[li, h]

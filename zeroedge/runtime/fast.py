@@ -10,10 +10,11 @@
                  contiguous window = [sink page | recent window | generated tokens | `slots` pages],
                  the low-rank int4 key sketch of every prefix page and its bases; every prefix page
                  also lives in the cold store (host memory, pinned and mapped on a discrete GPU).
-                 Every `refresh_every` steps each kv head ranks all pages by the sketch (a fused
-                 Triton kernel) and fetches up to `fetch` wanted-but-missing pages straight from
-                 host memory into the slots of unwanted pages, inside the graph (no host round
-                 trip); attention reads only the window.
+                 Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
+                 Triton kernel) and swaps up to `fetch` pages (best missing in, worst resident
+                 out while the new one scores higher), copying them straight from host memory
+                 into the window in the same kernel, inside the graph (no host round trip);
+                 attention reads only the window.
 
 Both take a `zeroedge.model.Transformer` (cast it with `.to(device, dtype)` first) and read its
 weights; on CPU they run eagerly (tests), on CUDA `graph=True` captures.
@@ -278,7 +279,6 @@ class ThermalDecoder(_Step):
         self.widx = torch.zeros(1, dtype=torch.long, device=dev)
         self.use_triton = dev.type == "cuda"
         self.ar_slots = torch.arange(self.slots, device=dev)
-        self.hidx = torch.arange(nkv, device=dev)[:, None].expand(nkv, self.fetch)
 
     def device_kv_bytes(self) -> dict:
         el = self.wk.element_size()
@@ -341,44 +341,39 @@ class ThermalDecoder(_Step):
     def _per_step(self):
         self.mask = ((self.wpos >= 0) & (self.wpos <= self.pos)).view(1, 1, 1, -1)
 
-    def _select(self, li, q):
+    def _page_lse(self, li, q):
+        """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page."""
         from zeroedge.runtime.kernels import sketch_page_lse, sketch_page_lse_ref
 
         qr = torch.bmm(q.view(self.nkv, self.grp, self.hd).float(), self.A[li]) / math.sqrt(self.hd)
         f = sketch_page_lse if self.use_triton else sketch_page_lse_ref
-        pl = f(qr, self.codes[li], self.scales[li], self.ps)                  # (nkv, grp, n)
-        score = (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + self.page_bias  # (nkv, n)
-        return score.topk(self.slots, dim=-1).indices                         # best first
+        return f(qr, self.codes[li], self.scales[li], self.ps)
 
-    def _refresh(self, li, want):
-        """Fetch up to `fetch` wanted-but-missing pages a head into slots of unwanted pages."""
-        S, F_ = self.slots, self.fetch
-        sp, pslot = self.slot_page[li], self.page_slot[li]
-        ws = pslot.gather(1, want)                                   # slot of each wanted page
-        missing = ws < 0
-        used = torch.zeros_like(sp).scatter_add_(1, ws.clamp_min(0), (~missing).long())  # add: ties
-        pick = ((~missing).long() * S + self.ar_slots).topk(F_, largest=False).indices
-        src_new = want.gather(1, pick)
-        is_new = missing.gather(1, pick)
-        dst = (used * S + self.ar_slots).topk(F_, largest=False).indices  # unused slots first
-        old = sp.gather(1, dst)
-        src = torch.where(is_new, src_new, old)                      # no-op rewrites otherwise
-        pslot.scatter_(1, old, torch.where(is_new, -1, dst))
-        pslot.scatter_(1, src, dst)
-        sp.scatter_(1, dst, src)
-        for win, host in ((self.wk, self.hk), (self.wv, self.hv)):
-            w = win[li, :, self.fix_len:].view(self.nkv, S, self.ps * self.hd)
-            hst = host[li].view(self.nkv, self.n, self.ps * self.hd)
-            if (self.ps * self.hd * w.element_size()) % 8 == 0:      # whole pages as int64 words
-                w, hst = w.view(torch.int64), hst.view(torch.int64)
-            w[self.hidx, dst] = hst[self.hidx, src]
+    def _score(self, li, q):
+        """(nkv, n) page scores (-inf for sink and recent pages, which are always in the window)."""
+        from zeroedge.runtime.kernels import page_scores_ref
+
+        return page_scores_ref(self._page_lse(li, q), self.page_bias)
+
+    def _swap(self, li, q):
+        """Up to `fetch` swaps a kv head: best missing page in, worst resident page out while the
+        new one scores higher; the fetched pages' K and V go from the cold store into the slots."""
+        from zeroedge.runtime.kernels import swap_pages
+
+        S, pe = self.slots, self.ps * self.hd
+        wk = self.wk[li, :, self.fix_len:].view(self.nkv, S, pe)
+        wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, pe)
+        hk = self.hk[li].view(self.nkv, self.n, pe)
+        hv = self.hv[li].view(self.nkv, self.n, pe)
+        swap_pages(self._page_lse(li, q), self.page_bias, self.page_slot[li], self.slot_page[li],
+                   wk, wv, hk, hv, self.fetch)
 
     def _attend(self, li, q, k, v, flag):
         K, V = self.wk[li], self.wv[li]
         K.index_copy_(1, self.widx, k[:, None])
         V.index_copy_(1, self.widx, v[:, None])
         if flag:
-            self._refresh(li, self._select(li, q))
+            self._swap(li, q)
         o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
                                            attn_mask=self.mask, enable_gqa=True)
         return o.view(self.H, self.hd)

@@ -83,3 +83,101 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
     _kernel[grid](qr.contiguous(), codes.contiguous(), scales.contiguous(), out, P, n,
                   GRP=grp, R2=r2, PS=page_size, PB=pages_per_block)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Page swap for the thermal decoder: one program per kv head turns the sketch's page scores into
+# at most `fetch` swaps (best missing page in, worst resident page out, while the new one scores
+# higher) and copies the fetched pages' K and V from the cold store straight into the freed slots.
+# Replaces a top-k over every page plus ~25 small bookkeeping kernels a layer.
+
+_swap_kernel = None
+
+
+def page_scores_ref(pl, page_bias):
+    """pl (nkv, grp, n) page log-sum-exps -> (nkv, n): per query head normalised over pages, the
+    best query head of the group, plus the bias (-inf: never fetched)."""
+    return (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + page_bias
+
+
+def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
+    """In place. score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S);
+    wk / wv (nkv, S, PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store."""
+    inf = float("inf")
+    for h in range(score.shape[0]):
+        sl = page_slot[h]
+        ms = torch.where(sl < 0, score[h], -inf)
+        rs = torch.where(sl >= 0, score[h], inf)
+        for _ in range(fetch):
+            bm, wr = int(ms.argmax()), int(rs.argmin())
+            vm, vr = float(ms[bm]), float(rs[wr])
+            ms[bm], rs[wr] = -inf, inf
+            if vm > vr:
+                s = int(sl[wr])
+                sl[wr], sl[bm] = -1, s
+                slot_page[h, s] = bm
+                wk[h, s] = hk[h, bm]
+                wv[h, s] = hv[h, bm]
+
+
+def _build_swap():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, n, S,
+          w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, PE: tl.constexpr,
+          PEB: tl.constexpr):
+        h = tl.program_id(0)
+        offs = tl.arange(0, NP)
+        m = offs < n
+        sc = tl.full([NP], float("-inf"), tl.float32)
+        for g in tl.static_range(GRP):
+            v = tl.load(pl_ptr + (h * GRP + g) * n + offs, mask=m, other=float("-inf"))
+            mx = tl.max(v, 0)
+            lse = mx + tl.log(tl.sum(tl.exp(v - mx), 0))
+            sc = tl.maximum(sc, v - lse)
+        sc = sc + tl.load(bias_ptr + offs, mask=m, other=float("-inf"))
+        slot = tl.load(pslot_ptr + h * n + offs, mask=m, other=-1)
+        ms = tl.where(m & (slot < 0), sc, float("-inf"))
+        rs = tl.where(m & (slot >= 0), sc, float("inf"))
+        e = tl.arange(0, PEB)
+        em = e < PE
+        for i in tl.static_range(F):
+            bm = tl.argmax(ms, 0)
+            vm = tl.max(ms, 0)
+            wr = tl.argmin(rs, 0)
+            vr = tl.min(rs, 0)
+            ms = tl.where(offs == bm, float("-inf"), ms)
+            rs = tl.where(offs == wr, float("inf"), rs)
+            if vm > vr:
+                s = tl.sum(tl.where(offs == wr, slot, 0), 0)
+                tl.store(pslot_ptr + h * n + wr, -1)
+                tl.store(pslot_ptr + h * n + bm, s)
+                tl.store(spage_ptr + h * S + s, bm)
+                src = (h * n + bm) * PE
+                dst = h * w_head + s * PE
+                tl.store(wk_ptr + dst + e, tl.load(hk_ptr + src + e, mask=em), mask=em)
+                tl.store(wv_ptr + dst + e, tl.load(hv_ptr + src + e, mask=em), mask=em)
+
+    return k
+
+
+def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
+    """pl (nkv, grp, n) from sketch_page_lse; the rest as in swap_pages_ref, except wk / wv are the
+    slot part of the window as (nkv, S, PE) views with any head stride (contiguous within a head).
+    CUDA: one fused Triton kernel; elsewhere the torch reference."""
+    global _swap_kernel
+    if not pl.is_cuda:
+        swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch)
+        return
+    if _swap_kernel is None:
+        _swap_kernel = _build_swap()
+    nkv, grp, n = pl.shape
+    S, PE = slot_page.shape[1], wk.shape[2]
+    if wk.stride(1) != PE or wk.stride(2) != 1 or wk.stride() != wv.stride():
+        raise ValueError("swap_pages: window slot pages must be contiguous within a head")
+    NP = 1 << max(0, (n - 1).bit_length())
+    _swap_kernel[(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
+                         GRP=grp, NP=NP, F=int(fetch), PE=PE, PEB=1 << max(0, (PE - 1).bit_length()),
+                         num_warps=min(16, max(4, NP // 512)))

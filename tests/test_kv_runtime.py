@@ -183,3 +183,23 @@ def test_int4_sketch_kernel_reference_matches_unpacked_math():
     c = codes.float().view(2, 4, 8, 8) * scales.float()[:, :, None]
     want = torch.einsum("hgr,hnpr->hgnp", qr, c).logsumexp(-1)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_window_policy_equals_topk_uncapped_and_respects_the_fetch_cap():
+    from zeroedge.kv.evaluate import topk_page_mask, window_page_mask
+
+    g = torch.Generator().manual_seed(3)
+    ps = torch.randn(2, 40, 30, generator=g)
+    forced = torch.zeros(30, dtype=torch.bool)
+    forced[0] = True
+    forced[-2:] = True
+    m_top, c_top = topk_page_mask(ps, 6, forced, 4)
+    m_win, c_win = window_page_mask(ps, 6, forced, 4, refresh_every=1, fetch=0)
+    assert torch.equal(m_top, m_win) and torch.equal(c_top.sort(-1).values, c_win)
+    # capped: at most 2 pages change at a refresh (every 3 steps), none in between
+    _, c = window_page_mask(ps, 6, forced, 4, refresh_every=3, fetch=2)
+    for t in range(1, 40):
+        changed = [len(set(c[h, t].tolist()) - set(c[h, t - 1].tolist())) for h in range(2)]
+        assert all(x <= (2 if t % 3 == 0 else 0) for x in changed), (t, changed)
+    assert any(len(set(c[h, 39].tolist()) ^ set(c[h, 0].tolist())) for h in range(2))
+    assert not forced[c].any()

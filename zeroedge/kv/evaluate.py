@@ -247,6 +247,44 @@ def topk_page_mask(ps, k, forced, page_size):
     return pm.repeat_interleave(page_size, dim=2), chosen
 
 
+def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0):
+    """The GPU decoder's policy, step by step: a window of k slot pages per kv head (starting with
+    the k pages before the forced recent ones), and every `refresh_every` steps up to `fetch`
+    swaps (best missing page in, worst resident out while the new one scores higher; fetch 0 =
+    no cap). ps (nkv, T, n). Returns ((nkv, T, P) token mask, (nkv, T, k) resident page ids)."""
+    import torch
+
+    nkv, T, n = ps.shape
+    ps = ps.masked_fill(forced[None, None], float("-inf"))
+    k = max(0, min(k, n - int(forced.sum())))
+    free = torch.nonzero(~forced).view(-1)
+    resident = torch.zeros(nkv, n, dtype=torch.bool)
+    resident[:, free[len(free) - k:]] = True
+    F_ = fetch if fetch > 0 else k
+    r = max(1, int(refresh_every))
+    chosen = torch.zeros(nkv, T, k, dtype=torch.long)
+    pm = torch.zeros(nkv, T, n, dtype=torch.bool)
+    rows = torch.arange(nkv)
+    inf = float("inf")
+    for t in range(T):
+        if t % r == 0 and k:
+            ms = torch.where(resident | forced[None], -inf, ps[:, t])
+            rs = torch.where(resident, ps[:, t], inf)
+            for _ in range(F_):
+                bm, wr = ms.argmax(-1), rs.argmin(-1)
+                do = ms[rows, bm] > rs[rows, wr]
+                if not bool(do.any()):
+                    break
+                resident[rows[do], bm[do]] = True
+                resident[rows[do], wr[do]] = False
+                ms[rows, bm] = -inf
+                rs[rows, wr] = inf
+        pm[:, t] = resident | forced[None]
+        if k:
+            chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
+    return pm.repeat_interleave(page_size, dim=2), chosen
+
+
 # --------------------------------------------------------------------------------------------
 # continuation
 # --------------------------------------------------------------------------------------------
@@ -321,7 +359,11 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
                     sc = sk.scores(q[0], kv_index)
                     how = opts.get("how", "mass")
                 ps = page_scores(sc, page_size, grp, how)
-                m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
+                if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0):
+                    m, chosen = window_page_mask(ps, kpages - int(forced.sum()), forced, page_size,
+                                                 int(opts.get("refresh_every", 1)), int(opts.get("fetch", 0)))
+                else:
+                    m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
                 if method == "thermal":
                     stats.setdefault("chosen", []).append(chosen)
                 pmask = m.index_select(0, kv_index)
@@ -382,7 +424,7 @@ def fetch_stats(chosen, slots: int) -> dict:
 # the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
 # --------------------------------------------------------------------------------------------
 DEFAULTS = {"rank": 32, "bits": 3, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1,
-            "recent_cov": 0.0}
+            "recent_cov": 0.0, "refresh_every": 1, "fetch": 0}
 
 
 def kv_bytes(model, tokens: int) -> int:

@@ -126,8 +126,8 @@ def _build_swap():
 
     @triton.jit
     def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, n, S,
-          w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, PE: tl.constexpr,
-          PEB: tl.constexpr):
+          w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
+          PE: tl.constexpr, PEB: tl.constexpr):
         h = tl.program_id(0)
         offs = tl.arange(0, NP)
         m = offs < n
@@ -141,8 +141,10 @@ def _build_swap():
         slot = tl.load(pslot_ptr + h * n + offs, mask=m, other=-1)
         ms = tl.where(m & (slot < 0), sc, float("-inf"))
         rs = tl.where(m & (slot >= 0), sc, float("inf"))
-        e = tl.arange(0, PEB)
-        em = e < PE
+        # decisions first (a swap's page pair into slot i of src / dst), then every copy at once
+        fi = tl.arange(0, FP)
+        src = tl.full([FP], -1, tl.int64)
+        dst = tl.full([FP], -1, tl.int64)
         for i in tl.static_range(F):
             bm = tl.argmax(ms, 0)
             vm = tl.max(ms, 0)
@@ -155,10 +157,16 @@ def _build_swap():
                 tl.store(pslot_ptr + h * n + wr, -1)
                 tl.store(pslot_ptr + h * n + bm, s)
                 tl.store(spage_ptr + h * S + s, bm)
-                src = (h * n + bm) * PE
-                dst = h * w_head + s * PE
-                tl.store(wk_ptr + dst + e, tl.load(hk_ptr + src + e, mask=em), mask=em)
-                tl.store(wv_ptr + dst + e, tl.load(hv_ptr + src + e, mask=em), mask=em)
+                src = tl.where(fi == i, bm, src)
+                dst = tl.where(fi == i, s, dst)
+        e = tl.arange(0, PEB)
+        ok = (src >= 0)[:, None] & (e < PE)[None, :]
+        so = (h * n + src)[:, None] * PE + e[None, :]
+        do = (h * w_head + dst * PE)[:, None] + e[None, :]
+        kv = tl.load(hk_ptr + so, mask=ok)
+        vv = tl.load(hv_ptr + so, mask=ok)
+        tl.store(wk_ptr + do, kv, mask=ok)
+        tl.store(wv_ptr + do, vv, mask=ok)
 
     return k
 
@@ -179,5 +187,6 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
         raise ValueError("swap_pages: window slot pages must be contiguous within a head")
     NP = 1 << max(0, (n - 1).bit_length())
     _swap_kernel[(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
-                         GRP=grp, NP=NP, F=int(fetch), PE=PE, PEB=1 << max(0, (PE - 1).bit_length()),
+                         GRP=grp, NP=NP, F=int(fetch), FP=1 << max(0, (int(fetch) - 1).bit_length()), PE=PE,
+                         PEB=1 << max(0, (PE - 1).bit_length()),
                          num_warps=min(16, max(4, NP // 512)))

@@ -349,6 +349,7 @@ class TrtRunner(OrtRunner):
         self.dec = TrtSession(engines / "decode.engine", plugin_lib, order("decode"))
         self.sinks, self.decay = sinks, decay
         self.evict = evict or self._coldest
+        self.policy = None  # OrtRunner's optional thermal window policy; not wired for engines yet
         self.timings = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
         self.reset()
 

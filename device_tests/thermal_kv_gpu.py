@@ -212,6 +212,18 @@ def check_swap_kernel(dev):
         if not same:
             raise RuntimeError(f"swap kernel differs from the reference at n={n} S={S} F={F}")
         out.append({"n": n, "S": S, "F": F, "moved": moved, "equal": same})
+    # the fused query-projection sketch kernel against the two-step path
+    nkv, grp, hd, r, P, ps = 8, 4, 64, 16, 32768, 16
+    q = torch.randn(nkv * grp, hd, generator=g).to(dev, torch.bfloat16)
+    A = torch.randn(nkv, hd, r, generator=g).to(dev)
+    codes = K.pack_int4(torch.randint(-7, 8, (nkv, P, r), generator=g)).to(dev)
+    scales = torch.rand(nkv, P // ps, r, generator=g).half().to(dev)
+    two = K.sketch_page_lse(torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5, codes, scales, ps)
+    one = K.sketch_page_lse_q(q, A, codes, scales, ps)
+    err = float((one - two).abs().max())
+    if err > 1e-3:
+        raise RuntimeError(f"fused sketch kernel differs from the two-step path: {err}")
+    out.append({"sketch_q_max_abs_diff": err})
     return out
 
 

@@ -343,11 +343,9 @@ class ThermalDecoder(_Step):
 
     def _page_lse(self, li, q):
         """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page."""
-        from zeroedge.runtime.kernels import sketch_page_lse, sketch_page_lse_ref
+        from zeroedge.runtime.kernels import sketch_page_lse_q
 
-        qr = torch.bmm(q.view(self.nkv, self.grp, self.hd).float(), self.A[li]) / math.sqrt(self.hd)
-        f = sketch_page_lse if self.use_triton else sketch_page_lse_ref
-        return f(qr, self.codes[li], self.scales[li], self.ps)
+        return sketch_page_lse_q(q, self.A[li], self.codes[li], self.scales[li], self.ps)
 
     def _score(self, li, q):
         """(nkv, n) page scores (-inf for sink and recent pages, which are always in the window)."""

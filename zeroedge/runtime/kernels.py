@@ -65,7 +65,60 @@ def _build():
             l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
             tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
 
-    return k
+    @triton.jit
+    def kq(q_ptr, a_ptr, inv_sqrt, codes_ptr, scales_ptr, out_ptr, P, n,
+           GRP: tl.constexpr, HD: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr):
+        # the same, with qr = q @ A / sqrt(hd) computed here (no separate cast / bmm / scale kernels)
+        h = tl.program_id(0)
+        pb = tl.program_id(1)
+        pages = pb * PB + tl.arange(0, PB)
+        pmask = pages < n
+        rr = tl.arange(0, R2)
+        dd = tl.arange(0, HD)
+        toks = pages[:, None] * PS + tl.arange(0, PS)[None, :]
+        b = tl.load(codes_ptr + h * P * R2 + toks[:, :, None] * R2 + rr[None, None, :],
+                    mask=pmask[:, None, None], other=136)
+        lo = (b & 15).to(tl.float32) - 8.0
+        hi = (b >> 4).to(tl.float32) - 8.0
+        sbase = scales_ptr + h * n * 2 * R2 + pages[:, None] * 2 * R2
+        se = tl.load(sbase + 2 * rr[None, :], mask=pmask[:, None], other=0).to(tl.float32)
+        so = tl.load(sbase + 2 * rr[None, :] + 1, mask=pmask[:, None], other=0).to(tl.float32)
+        lo = lo * se[:, None, :]
+        hi = hi * so[:, None, :]
+        abase = a_ptr + h * HD * 2 * R2 + dd[:, None] * 2 * R2
+        ae = tl.load(abase + 2 * rr[None, :])                          # [HD, R2] fp32
+        ao = tl.load(abase + 2 * rr[None, :] + 1)
+        for g in tl.static_range(GRP):
+            qv = tl.load(q_ptr + (h * GRP + g) * HD + dd).to(tl.float32)
+            qe = tl.sum(qv[:, None] * ae, axis=0) * inv_sqrt
+            qo = tl.sum(qv[:, None] * ao, axis=0) * inv_sqrt
+            s = tl.sum(lo * qe[None, None, :] + hi * qo[None, None, :], axis=2)
+            m = tl.max(s, axis=1)
+            l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
+            tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
+
+    return k, kq
+
+
+def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block: int = 16):
+    """q (H, hd) queries of one step, A (nkv, hd, r) fp32 query bases -> (nkv, grp, n): the same as
+    sketch_page_lse(q @ A / sqrt(hd), ...), one kernel on CUDA."""
+    global _kernel
+    nkv, P, r2 = codes.shape
+    hd = A.shape[1]
+    grp = q.shape[0] // nkv
+    if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1):
+        qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
+        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block)
+    if _kernel is None:
+        _kernel = _build()
+    n = P // page_size
+    if out is None:
+        out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
+    grid = (nkv, (n + pages_per_block - 1) // pages_per_block)
+    _kernel[1][grid](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, codes.contiguous(), scales.contiguous(),
+                     out, P, n, GRP=grp, HD=hd, R2=r2, PS=page_size, PB=pages_per_block)
+    return out
 
 
 def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int = 16):
@@ -80,8 +133,8 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
     if out is None:
         out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
     grid = (nkv, (n + pages_per_block - 1) // pages_per_block)
-    _kernel[grid](qr.contiguous(), codes.contiguous(), scales.contiguous(), out, P, n,
-                  GRP=grp, R2=r2, PS=page_size, PB=pages_per_block)
+    _kernel[0][grid](qr.contiguous(), codes.contiguous(), scales.contiguous(), out, P, n,
+                     GRP=grp, R2=r2, PS=page_size, PB=pages_per_block)
     return out
 
 

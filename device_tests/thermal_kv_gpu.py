@@ -294,12 +294,13 @@ def main():
             row["dense_frac_roofline"] = dense_best / row["roofline_tps"]
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            for every in (4, 1):
-                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=args.fetch,
+            for every, fetch in ((4, args.fetch), (2, 2 * args.fetch), (1, args.fetch)):
+                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=fetch,
                                    refresh_every=every, graph=True)
                 t.load_prefix(ks, vs)
-                row[f"thermal_r{every}_tps"] = decode_rate(t, ctx, steps, dev)
-                if every == 4:
+                key = f"thermal_r{every}_tps" if fetch == args.fetch else f"thermal_r{every}f{fetch}_tps"
+                row[key] = decode_rate(t, ctx, steps, dev)
+                if every != 1:
                     del t
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
@@ -371,6 +372,9 @@ def main():
     log("compiled (dense, thermal every 4) tok/s:", {r["ctx"]: (round(r.get("dense_compiled_tps", 0)),
         round(r.get("thermal_compiled_r4_tps", 0))) for r in rows})
     log("refresh of one layer (us):", {r["ctx"]: round(r.get("refresh_layer_us", 0), 1) for r in rows})
+    log(f"thermal every 2 steps, fetch {2 * args.fetch} (tok/s, x dense):",
+        {r["ctx"]: (round(r.get(f"thermal_r2f{2 * args.fetch}_tps", 0)),
+                    round(r.get(f"thermal_r2f{2 * args.fetch}_tps", 0) / max(r.get("dense_tps", 1), 1), 2)) for r in rows})
     log("| ctx | dense tok/s (sdpa / bmm) | roofline | dense/roof | thermal tok/s every step / every 4 | "
         "speedup | device KV thermal/dense | fetch 1 pg/head us | fetch F pg/head us |")
     for r in rows:

@@ -107,7 +107,10 @@ def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block:
     nkv, P, r2 = codes.shape
     hd = A.shape[1]
     grp = q.shape[0] // nkv
-    if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1):
+    # fused only for up to 1024 pages: every program reloads A, which costs more than the two
+    # extra kernels beyond that (H200: 17 vs 23 us a layer at 512 pages, 35 vs 32 at 2048, 75 vs
+    # 56 at 8192; benchmarks/thermal_kv.md)
+    if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1) or P // page_size > 1024:
         qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
         return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block)
     if _kernel is None:

@@ -44,6 +44,7 @@ def profile(dec, pos, label, top=14):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", default="8192,32768")
+    ap.add_argument("--compiled", action="store_true", help="dense only, torch.compile'd layer bodies")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ctxs = [int(c) for c in args.ctx.split(",")]
@@ -55,6 +56,13 @@ def main():
         ks = [torch.randn(cfg.n_kv_heads, ctx, cfg.head_dim, device=dev, dtype=torch.bfloat16, generator=g)
               for _ in range(cfg.n_layers)]
         vs = [torch.randn_like(k) for k in ks]
+        if args.compiled:
+            d = DenseDecoder(m, ctx + 16, graph=False)
+            d.compile = True
+            d.load_prefix(ks, vs)
+            profile(d, ctx, f"dense compiled ctx {ctx}", top=40)
+            del d
+            continue
         for attn in ("sdpa", "bmm"):
             d = DenseDecoder(m, ctx + 16, graph=False, attn=attn)
             d.load_prefix(ks, vs)

@@ -55,11 +55,13 @@ def fused_weights(model) -> _Weights:
 
 
 def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd: int):
+    """-> q (H, hd) after RoPE, kv (2, nkv, hd): the new token's key (after RoPE) and value stacked,
+    so the cache takes them in one write (and compiled, the stack fuses into the RoPE kernel)."""
     h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
     qkv = F.linear(h, wqkv, bqkv).view(H + 2 * nkv, hd)
     qk = qkv[: H + nkv]
     qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
-    return qk[:H], qk[H:], qkv[H + nkv:]
+    return qk[:H], torch.stack((qk[H:], qkv[H + nkv:]))
 
 
 def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2):
@@ -106,8 +108,10 @@ class _Step:
         self.outs = {}
 
     def _layer_in(self, w, x, cos, sin):
+        """-> q, k, v; the stacked (2, nkv, hd) k / v stays in self._kv for a single cache write."""
         f = _compiled(_layer_in_fn) if self.compile else _layer_in_fn
-        return f(x, w["ln1"], w["eps1"], w["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
+        q, self._kv = f(x, w["ln1"], w["eps1"], w["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
+        return q, self._kv[0], self._kv[1]
 
     def _layer_out(self, w, x, o):
         f = _compiled(_layer_out_fn) if self.compile else _layer_out_fn
@@ -165,9 +169,9 @@ class DenseDecoder(_Step):
             raise ValueError("attn must be 'bmm' or 'sdpa'")
         self.attn = attn
         L = len(model.layers)
-        shape = (L, self.nkv, max_len, self.hd)
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # K and V of a layer side by side, so one index_copy writes the new token's pair
+        self.kv = torch.zeros((L, 2, self.nkv, max_len, self.hd), device=self.device, dtype=self.dtype)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.kpos = torch.arange(max_len, device=self.device)
 
     def kv_bytes(self, n_tokens: Optional[int] = None) -> int:
@@ -182,19 +186,29 @@ class DenseDecoder(_Step):
 
     def _per_step(self):
         self.mask = (self.kpos <= self.pos)
+        if self.attn == "sdpa":  # additive, built once a step (SDPA would convert a bool mask per layer)
+            self.amask = _additive(self.mask, self.dtype).view(1, 1, 1, -1)
 
     def _attend(self, li, q, k, v, flag):
         K, V = self.k[li], self.v[li]
-        K.index_copy_(1, self.pos, k[:, None])
-        V.index_copy_(1, self.pos, v[:, None])
+        if getattr(self, "_kv", None) is not None and self._kv[0].data_ptr() == k.data_ptr():
+            self.kv[li].index_copy_(2, self.pos, self._kv[:, :, None])
+        else:
+            K.index_copy_(1, self.pos, k[:, None])
+            V.index_copy_(1, self.pos, v[:, None])
         if self.attn == "sdpa":
             o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
-                                               attn_mask=self.mask.view(1, 1, 1, -1), enable_gqa=True)
+                                               attn_mask=self.amask, enable_gqa=True)
             return o.view(self.H, self.hd)
         qg = q.view(self.nkv, self.grp, self.hd)
         s = torch.bmm(qg, K.transpose(1, 2)).float() / math.sqrt(self.hd)
         s = s.masked_fill(~self.mask, float("-inf"))
         return torch.bmm(s.softmax(-1).to(self.dtype), V).view(self.H, self.hd)
+
+
+def _additive(valid: torch.Tensor, dtype) -> torch.Tensor:
+    """0 where valid, -inf elsewhere, in the attention's dtype."""
+    return torch.zeros((), dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
 
 
 def host_mapped(t: torch.Tensor) -> torch.Tensor:
@@ -339,7 +353,7 @@ class ThermalDecoder(_Step):
         return 1 if (self.gen - 1) % self.refresh_every == 0 else 0
 
     def _per_step(self):
-        self.mask = ((self.wpos >= 0) & (self.wpos <= self.pos)).view(1, 1, 1, -1)
+        self.mask = _additive((self.wpos >= 0) & (self.wpos <= self.pos), self.dtype).view(1, 1, 1, -1)
 
     def _page_lse(self, li, q):
         """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page."""

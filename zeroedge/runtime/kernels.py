@@ -246,3 +246,114 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
                          GRP=grp, NP=NP, F=int(fetch), FP=1 << max(0, (int(fetch) - 1).bit_length()), PE=PE,
                          PEB=1 << max(0, (PE - 1).bit_length()),
                          num_warps=min(16, max(4, NP // 512)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention over a prefix cache (flash-decoding): the keys of every kv head are split into
+# chunks, one program a (kv head, chunk) computes the group's partial softmax statistics and
+# weighted values with an online softmax, a second kernel merges the chunks. The valid length is
+# read from the device position (pos + 1), so no mask is built and a CUDA graph replays it as is.
+
+_attn_kernels = None
+
+
+def decode_attention_ref(q, K, V, pos: int):
+    """q (H, hd), K / V (nkv, S, hd) -> (H, hd): softmax(q k^T / sqrt(hd)) v over keys [0, pos]."""
+    nkv, S, hd = K.shape
+    grp = q.shape[0] // nkv
+    qf = q.float().view(nkv, grp, hd)
+    s = torch.einsum("hgd,htd->hgt", qf, K[:, : pos + 1].float()) / hd ** 0.5
+    return torch.einsum("hgt,htd->hgd", s.softmax(-1), V[:, : pos + 1].float()).reshape(nkv * grp, hd).to(q.dtype)
+
+
+def _build_attn():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, sk_h, scale, NS,
+                GRP: tl.constexpr, HD: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+        h = tl.program_id(0)
+        sp = tl.program_id(1)
+        n_valid = tl.load(pos_ptr) + 1
+        g = tl.arange(0, GRP)
+        d = tl.arange(0, HD)
+        q = tl.load(q_ptr + (h * GRP + g)[:, None] * HD + d[None, :]).to(tl.float32) * scale
+        m = tl.full([GRP], float("-inf"), tl.float32)
+        l = tl.zeros([GRP], tl.float32)
+        acc = tl.zeros([GRP, HD], tl.float32)
+        for i in range(0, CHUNK, BN):
+            t = sp * CHUNK + i + tl.arange(0, BN)
+            tm = t < n_valid
+            k = tl.load(k_ptr + h * sk_h + t[:, None] * HD + d[None, :], mask=tm[:, None], other=0.0)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)          # [GRP, BN]
+            s = tl.where(tm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            v = tl.load(v_ptr + h * sk_h + t[:, None] * HD + d[None, :], mask=tm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        base = (h * NS + sp) * GRP + g
+        tl.store(po_ptr + base[:, None] * HD + d[None, :], acc)
+        tl.store(pm_ptr + base, m)
+        tl.store(pl_ptr + base, l)
+
+    @triton.jit
+    def combine(po_ptr, pm_ptr, pl_ptr, out_ptr, NS, GRP: tl.constexpr, HD: tl.constexpr,
+                NSP: tl.constexpr):
+        hg = tl.program_id(0)                     # kv head * GRP + g
+        h = hg // GRP
+        g = hg % GRP
+        s = tl.arange(0, NSP)
+        sm = s < NS
+        idx = (h * NS + s) * GRP + g
+        m = tl.load(pm_ptr + idx, mask=sm, other=float("-inf"))
+        l = tl.load(pl_ptr + idx, mask=sm, other=0.0)
+        mx = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
+        d = tl.arange(0, HD)
+        acc = tl.load(po_ptr + idx[:, None] * HD + d[None, :], mask=sm[:, None], other=0.0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+        tl.store(out_ptr + hg * HD + d, o.to(out_ptr.dtype.element_ty))
+
+    return partial, combine
+
+
+class DecodeAttention:
+    """Preallocated flash-decoding for one cache shape: __call__(q, K, V, pos) -> (H, hd), where
+    K / V are (nkv, S, hd) with contiguous (S, hd) per head and pos a 1-element device tensor.
+    CUDA with Triton and power-of-two head_dim / group; elsewhere `decode_attention_ref`."""
+
+    def __init__(self, H: int, nkv: int, hd: int, max_len: int, device, dtype, block: int = 32,
+                 splits: int = 64):
+        self.H, self.nkv, self.hd, self.grp = H, nkv, hd, H // nkv
+        self.BN = block
+        ns = max(1, min(splits, -(-max_len // block)))
+        self.chunk = -(-max_len // (ns * block)) * block
+        self.ns = -(-max_len // self.chunk)
+        self.nsp = 1 << max(0, (self.ns - 1).bit_length())
+        f32 = dict(device=device, dtype=torch.float32)
+        self.po = torch.empty(nkv * self.ns * self.grp, hd, **f32)
+        self.pm = torch.empty(nkv * self.ns * self.grp, **f32)
+        self.pl = torch.empty(nkv * self.ns * self.grp, **f32)
+        self.out = torch.empty(H, hd, device=device, dtype=dtype)
+        pow2 = lambda x: x & (x - 1) == 0
+        self.fast = torch.device(device).type == "cuda" and pow2(hd) and pow2(self.grp)
+
+    def __call__(self, q, K, V, pos):
+        global _attn_kernels
+        if not self.fast:
+            return decode_attention_ref(q, K, V, int(pos))
+        if K.stride(2) != 1 or K.stride(1) != self.hd or V.stride() != K.stride():
+            raise ValueError("DecodeAttention: K / V must be (nkv, S, hd) with contiguous rows per head")
+        if _attn_kernels is None:
+            _attn_kernels = _build_attn()
+        partial, combine = _attn_kernels
+        partial[(self.nkv, self.ns)](q, K, V, pos, self.po, self.pm, self.pl, K.stride(0), self.hd ** -0.5,
+                                     self.ns, GRP=self.grp, HD=self.hd, BN=self.BN, CHUNK=self.chunk)
+        combine[(self.H,)](self.po, self.pm, self.pl, self.out, self.ns, GRP=self.grp, HD=self.hd,
+                           NSP=self.nsp)
+        return self.out

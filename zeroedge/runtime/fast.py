@@ -4,9 +4,8 @@
                  positions; q/k/v and gate/up weights fused into one matrix each (one GEMV
                  instead of three / two); RMSNorm through F.rms_norm; RoPE for q and k in one
                  roll + multiply-add from a table indexed by a device position; GQA attention by
-                 SDPA (enable_gqa), two batched matmuls, or a split-K Triton kernel ("flash",
-                 reading the valid length from the device position); the whole step captured
-                 in one CUDA graph and replayed.
+                 SDPA (enable_gqa, an additive mask built once a step) or two batched matmuls;
+                 the whole step captured in one CUDA graph and replayed.
 `ThermalDecoder` the same step with a thermal cache: per layer and kv head the device keeps one
                  contiguous window = [sink page | recent window | generated tokens | `slots` pages],
                  the low-rank int4 key sketch of every prefix page and its bases; every prefix page
@@ -166,18 +165,14 @@ class _Step:
 class DenseDecoder(_Step):
     def __init__(self, model, max_len: int, graph: bool = True, attn: str = "sdpa"):
         super().__init__(model, max_len, graph)
-        if attn not in ("bmm", "sdpa", "flash"):
-            raise ValueError("attn must be 'bmm', 'sdpa' or 'flash'")
+        if attn not in ("bmm", "sdpa"):
+            raise ValueError("attn must be 'bmm' or 'sdpa'")
         self.attn = attn
         L = len(model.layers)
         # K and V of a layer side by side, so one index_copy writes the new token's pair
         self.kv = torch.zeros((L, 2, self.nkv, max_len, self.hd), device=self.device, dtype=self.dtype)
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.kpos = torch.arange(max_len, device=self.device)
-        if attn == "flash":  # split-K decode attention (zeroedge.runtime.kernels.DecodeAttention)
-            from zeroedge.runtime.kernels import DecodeAttention
-
-            self.fa = DecodeAttention(self.H, self.nkv, self.hd, max_len, self.device, self.dtype)
 
     def kv_bytes(self, n_tokens: Optional[int] = None) -> int:
         n = self.max_len if n_tokens is None else n_tokens
@@ -201,8 +196,6 @@ class DenseDecoder(_Step):
         else:
             K.index_copy_(1, self.pos, k[:, None])
             V.index_copy_(1, self.pos, v[:, None])
-        if self.attn == "flash":
-            return self.fa(q, K, V, self.pos)
         if self.attn == "sdpa":
             o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
                                                attn_mask=self.amask, enable_gqa=True)

@@ -347,6 +347,43 @@ def main():
         print(name, dec[name], flush=True)
         del sd
         torch.cuda.empty_cache()
+    # the magnitude rule (calibration's default) through zeroedge.paths.decode.PathsDecoder:
+    # gate / up rows of the small |h_k| and down rows of the small |a_j| are never read
+    from zeroedge.paths.decode import PathsDecoder
+    from zeroedge.paths.sparse import PathPolicy
+
+    class MagDecoder(PathsDecoder):
+        record = None
+
+        def _paths_ffn(self, p, h):
+            if self.record is not None:
+                g, u = F.linear(h, self.W.layers[p["li"]]["w13"]).float().chunk(2, -1)
+                self.record[p["li"]].append((h.float().abs()[0], (F.silu(g) * u).abs()[0]))
+            return super()._paths_ffn(p, h)
+
+    for keep in (0.87, 0.73, 0.5):
+        md = MagDecoder(m, max_len, {i: PathPolicy(method="magnitude", threshold_in=0.0, threshold=0.0)
+                                     for i in range(L)})
+        for i, p in md.paths.items():
+            p["li"] = i
+        md.k.normal_()
+        md.v.normal_()
+        md.record = {i: [] for i in range(L)}
+        gw, md.graph_wanted = md.graph_wanted, False
+        for st in range(8):
+            md.step(1 + st, 1024 + st)
+        md.graph_wanted, rec = gw, md.record
+        md.record = None
+        for i, p in md.paths.items():
+            p["thr_in"] = float(torch.cat([r[0] for r in rec[i]]).quantile(1 - keep))
+            p["thr"] = float(torch.cat([r[1] for r in rec[i]]).quantile(1 - keep))
+        ms = decode_ms(md)
+        name = f"magnitude_keep{keep}"
+        dec[name] = {"ms": ms, "tok_s": 1e3 / ms, "speedup": dec["dense_ms"] / ms, "kept_last_step": keep,
+                     "ffn_bytes_skipped": 1 - keep, "keeps_planned_mean": keep}
+        print(name, dec[name], flush=True)
+        del md
+        torch.cuda.empty_cache()
     res["decode"] = dec
     (out / "paths_h200.json").write_text(json.dumps(res, indent=1))
     print("\nSUMMARY")

@@ -91,14 +91,15 @@ def ppl_runs(args, model, tok):
                 st = {}
                 t = time.time()
                 opts = dict(E.DEFAULTS, **json.loads(args.opts)) if meth == "thermal" else {}
-                nll = E.score_continuation(model, ids[P:], pre, meth, b, 16, opts=opts, stats=st)
-                rec = {"key": key, "text": text, "ctx": N, "method": meth, "budget": b,
+                ps_ = args.page_size
+                nll = E.score_continuation(model, ids[P:], pre, meth, b, ps_, opts=opts, stats=st)
+                rec = {"key": key, "text": text, "ctx": N, "method": meth, "budget": b, "page_size": ps_,
                        "ppl": math.exp(nll.mean().item()), "seconds": round(time.time() - t),
                        "tag": args.tag}
                 full_b = E.kv_bytes(model, P)
                 if meth == "thermal":
-                    pages = max(1, E._budget_tokens(P, b) // 16)
-                    rec["hot_fraction"] = (E.kv_bytes(model, pages * 16) + st["summary_bytes"]) / full_b
+                    pages = max(1, E._budget_tokens(P, b) // ps_)
+                    rec["hot_fraction"] = (E.kv_bytes(model, pages * ps_) + st["summary_bytes"]) / full_b
                     rec["summary_fraction"] = st["summary_bytes"] / full_b
                     rec["opts"] = opts
                     rec.update(E.fetch_stats(st["chosen"], pages - opts["sink_pages"] - opts["recent_pages"]))
@@ -259,6 +260,7 @@ def main():
     ap.add_argument("--methods", default="streaming,h2o,snapkv,oracle_page,thermal")
     ap.add_argument("--opts", default="{}", help="thermal options as JSON")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--page-size", type=int, default=16, help="page size of thermal / oracle_page")
     ap.add_argument("--all-oracles", action="store_true")
     ap.add_argument("--needle", action="store_true")
     ap.add_argument("--depths", default="0.2,0.5,0.8")

@@ -100,6 +100,19 @@ def decode_rate(dec, ctx, steps, dev):
     return (steps - 1) / dt
 
 
+def graph_timed(f, dev):
+    """Median seconds of f() as CUDA-graph replays on a GPU (eager elsewhere)."""
+    fn = f
+    if dev.type == "cuda":
+        f()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        fn = g.replay
+    return timed(fn, dev, iters=50, warm=5)
+
+
 def fetch_latency(dec, dev, pages_per_head):
     """Seconds to fetch `pages_per_head` pages a kv head of one layer (K and V) from the cold
     store into the slot window, as the graphed refresh does it (zero-copy reads of mapped pinned
@@ -118,15 +131,7 @@ def fetch_latency(dec, dev, pages_per_head):
         for w, h in views:
             w[hidx, dst] = h[hidx, src]
 
-    fn = f
-    if dev.type == "cuda":
-        f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
-        fn = g.replay
-    t = timed(fn, dev, iters=50, warm=5)
+    t = graph_timed(f, dev)
     nbytes = 2 * nkv * pages_per_head * dec.ps * dec.hd * dec.wk.element_size()
     return t, nbytes
 
@@ -135,18 +140,7 @@ def refresh_latency(dec, dev):
     """Seconds of one layer's refresh (sketch scores, swap decisions, page copies), graph-timed."""
     q = torch.randn(dec.H, dec.hd, device=dev, dtype=dec.dtype)
 
-    def f():
-        dec._swap(0, q)
-
-    fn = f
-    if dev.type == "cuda":
-        f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
-        fn = g.replay
-    return timed(fn, dev, iters=50, warm=5)
+    return graph_timed(lambda: dec._swap(0, q), dev)
 
 
 def migration_bandwidth(dev, n_pages, page_elems, copy_bw):

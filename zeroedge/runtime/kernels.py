@@ -68,7 +68,9 @@ def _build():
     @triton.jit
     def kq(q_ptr, a_ptr, inv_sqrt, codes_ptr, scales_ptr, out_ptr, P, n,
            GRP: tl.constexpr, HD: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr):
-        # the same, with qr = q @ A / sqrt(hd) computed here (no separate cast / bmm / scale kernels)
+        # the same, with qr = q @ A / sqrt(hd) computed here (no separate cast / bmm / scale kernels);
+        # the code loads repeat k's: a shared @triton.jit helper would have to live at module level,
+        # and this module imports triton lazily
         h = tl.program_id(0)
         pb = tl.program_id(1)
         pages = pb * PB + tl.arange(0, PB)

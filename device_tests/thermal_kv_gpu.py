@@ -118,6 +118,7 @@ def fetch_latency(dec, dev, pages_per_head):
     store into the slot window, as the graphed refresh does it (zero-copy reads of mapped pinned
     host memory, whole pages as int64 words); timed as CUDA-graph replays on a GPU."""
     li, nkv = 0, dec.nkv
+    pages_per_head = min(pages_per_head, dec.slots)
     src = torch.randint(0, dec.n, (nkv, pages_per_head), device=dev)
     dst = torch.randperm(dec.slots, device=dev)[:pages_per_head].expand(nkv, -1).contiguous()
     hidx = torch.arange(nkv, device=dev)[:, None].expand_as(src)
@@ -228,6 +229,7 @@ def main():
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--fetch", type=int, default=4, help="pages fetched per kv head per layer per step")
+    ap.add_argument("--page-size", type=int, default=16, help="thermal page size (tokens)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd layer bodies")
     ap.add_argument("--compile-budget-s", type=float, default=150.0)
     args = ap.parse_args()
@@ -289,7 +291,7 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             for every, fetch in ((4, args.fetch), (2, 2 * args.fetch), (1, args.fetch)):
-                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=fetch,
+                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=fetch, page_size=args.page_size,
                                    refresh_every=every, graph=True)
                 t.load_prefix(ks, vs)
                 key = f"thermal_r{every}_tps" if fetch == args.fetch else f"thermal_r{every}f{fetch}_tps"
@@ -335,7 +337,7 @@ def main():
                 row["dense_compiled_tps"] = decode_rate(d, ctx, steps, dev)
                 del d
                 row["dense_compiled_frac_roofline"] = row["dense_compiled_tps"] / row["roofline_tps"]
-                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=args.fetch,
+                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=args.fetch, page_size=args.page_size,
                                    refresh_every=4, graph=True)
                 t.compile = True
                 t.load_prefix(ks, vs)

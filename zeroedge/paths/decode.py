@@ -74,8 +74,8 @@ class PathsDecoder(DenseDecoder):
     def _paths_ffn(self, p, h):
         if p["kind"] == "magnitude":
             hm = h * (h.abs() >= p["thr_in"])
-            if self.triton:
-                gu = tg.paths_down(hm, p["w13t"], part=p["part2"])
+            if self.triton:  # D rows -> 2F outputs: fewer splits keep the atomic adds down
+                gu = tg.paths_down(hm, p["w13t"], part=p["part2"], splits=max(1, min(256, hm.shape[-1] // 64)))
             else:
                 gu = tg.paths_down_ref(hm, p["w13t"])
             g, u = gu.chunk(2, -1)

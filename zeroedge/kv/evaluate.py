@@ -443,8 +443,6 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     and details. Raises UserError for bad arguments before any work."""
     import time
 
-    import torch
-
     ids = list(ids)
     P = validate(len(ids), budget, page_size, continuation)
     unknown = set(opts) - set(DEFAULTS) - {"with_traffic"}

@@ -14,9 +14,8 @@ A page holds P consecutive token positions of one (layer, kv head) stream. Its e
 from __future__ import annotations
 
 import struct
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Deque, Dict, Iterable, List, Optional, Tuple
 

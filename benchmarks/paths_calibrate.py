@@ -2,6 +2,7 @@
 `zeroedge calibrate` reads them) and write a paths-only calibration artifact.
 
   python benchmarks/paths_calibrate.py OUT_DIR [--budget 0.02] [--method predictor|magnitude]
+                                       [--costs first_order|measured]
 """
 import argparse
 import sys
@@ -16,6 +17,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=24000)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--method", default="magnitude", choices=("predictor", "magnitude"))
+    ap.add_argument("--costs", default="first_order", choices=("first_order", "measured"))
     a = ap.parse_args()
     torch.set_num_threads(2)
     from zeroedge import calib_artifact, texts, weights
@@ -27,7 +29,8 @@ def main():
              for t in ("kjv", "essays")]
     log = lambda s: print(s, file=sys.stderr, flush=True)
     try:
-        meta, tensors = calibrate_paths(m, lists, a.budget, log=log, cfg=PathsConfig(rank=a.rank, method=a.method))
+        meta, tensors = calibrate_paths(m, lists, a.budget, log=log, cfg=PathsConfig(rank=a.rank, method=a.method,
+                                                                                     costs=a.costs))
     except PathBudgetError as e:
         sys.exit(f"{e}; nothing written")
     full = {"model": {"name": m.cfg.name, "config": m.cfg.to_dict()}, "layers": [], "sih": {},

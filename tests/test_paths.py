@@ -183,6 +183,23 @@ def test_magnitude_method_calibrates_and_evaluates():
         run_eval(m, _lists()[0][:200], full, gone, continuation=128)
 
 
+def test_measured_costs_are_monotone_and_the_gate_holds():
+    m = build("tiny", seed=0)
+    logs = []
+    cfg = PathsConfig(method="magnitude", seq_len=64, train_seqs=1, gate_seqs=1, search_steps=3,
+                      keeps=(0.9, 0.7, 0.5), costs="measured", log=None)
+    meta, _ = calibrate_paths(m, _lists(), 0.05, log=logs.append, cfg=cfg)
+    rows = [[float(c) for c in line.split("measured cost ")[1].split()] for line in logs
+            if "measured cost" in line]
+    assert len(rows) == m.cfg.n_layers
+    assert all(r[0] >= 0 and all(b >= a for a, b in zip(r, r[1:])) for r in rows)
+    assert meta["quality"]["ppl_rise"] <= 0.05
+    with pytest.raises(ValueError, match="cost kind"):
+        calibrate_paths(m, _lists(), 0.05, log=lambda s: None,
+                        cfg=PathsConfig(method="magnitude", seq_len=64, train_seqs=1, gate_seqs=1,
+                                        costs="guess", log=None))
+
+
 def test_paths_decoder_matches_teacher_forced_paths():
     from zeroedge.paths.decode import PathsDecoder
 

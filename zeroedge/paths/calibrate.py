@@ -15,7 +15,8 @@ Steps (each logged):
     input x, output y and dL/dy (loss over every token);
  2. per layer, the whitened rank-r predictor (zeroedge.paths.predictor.fit_predictor);
  3. per layer and kept fraction, the score threshold (a quantile of the predicted scores) and the
-    first-order cost mean_t |dL/dy_t . (y_sparse - y)_t|;
+    first-order cost mean_t |dL/dy_t . (y_sparse - y)_t| (or, with costs="measured", the real
+    log-perplexity rise of each layer alone at each setting on training sequences);
  4. gate: for a cost-per-byte scale, each layer takes the sparsest setting whose estimated cost per
     skipped weight fits the scale; a binary search over the scale against real held-out perplexity
     (last 30 % of each text) keeps the most bytes skipped within the budget.
@@ -53,6 +54,8 @@ class PathsConfig:
     keeps: tuple = (0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4)
     search_steps: int = 7
     cost_tokens: int = 768          # tokens (strided sample) the per-layer cost estimates use
+    costs: str = "first_order"      # first_order | measured (each layer alone at each setting)
+    measured_seqs: int = 1          # training sequences a measured cost reads
     log: object = field(default=print, repr=False)
 
 
@@ -179,6 +182,26 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
         return out
 
     rt = PathRuntime()
+
+    if cfg.costs == "measured":
+        # each layer alone at each setting: the real log-perplexity rise on training sequences
+        # (made monotone in sparsity and >= 0, so noise cannot buy a layer a deeper cut)
+        seqs = train[: max(1, cfg.measured_seqs)]
+        base = math.log(heldout_ppl_all(model, seqs))
+        for i in range(L):
+            row = []
+            for k in range(len(cfg.keeps)):
+                install(model, policies({i: k}), rt)
+                try:
+                    row.append(max(0.0, math.log(heldout_ppl_all(model, seqs, rt)) - base))
+                finally:
+                    remove(model)
+            for k in range(1, len(row)):
+                row[k] = max(row[k], row[k - 1])
+            cost[i] = row
+            log(f"[paths] layer {i}: measured cost " + " ".join(f"{c:.4f}" for c in row))
+    elif cfg.costs != "first_order":
+        raise ValueError(f"unknown cost kind {cfg.costs}")
 
     def measure(chosen):
         install(model, policies(chosen), rt)

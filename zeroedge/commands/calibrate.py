@@ -24,9 +24,13 @@ from zeroedge.commands.common import parse_budget
               help="Binary-search steps of the quality gate (each one held-out pass).")
 @click.option("--paths", "with_paths", is_flag=True,
               help="Also calibrate decode FFN paths (issue 5) within the same budget.")
+@click.option("--paths-costs", type=click.Choice(["first_order", "measured"]), default="first_order",
+              show_default=True,
+              help="Per-layer path costs: first-order estimates, or each layer measured alone "
+                   "(slower; better allocation, benchmarks/paths.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
-        anchor_rank, seed, importance_samples, gate_steps, with_paths, as_json):
+        anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import json
     import sys
@@ -76,7 +80,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
         from zeroedge.paths.calibrate import PathBudgetError, PathsConfig, calibrate_paths
 
         pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
-                           gate_seqs=min(2, gate_seqs))
+                           gate_seqs=min(2, gate_seqs), costs=paths_costs)
         try:
             meta["paths"], ptensors = calibrate_paths(m, lists, b, log=cfg.log, cfg=pcfg)
         except PathBudgetError as e:

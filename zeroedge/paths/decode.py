@@ -11,6 +11,10 @@ function), so the CPU tests check the loop end to end.
 Magnitude policies (|x| / |a| thresholds) run the row-gather kernel twice: over [W_gate; W_up]^T
 with the small |x_k| zeroed (their rows are never read), then over W_down^T with the small |a_j|
 zeroed. Dense layers (no policy) keep the dense FFN.
+
+kernels="cuda" runs the plugin library's CUDA C kernels instead (zeroedge.paths.cuda_gemv: one
+launch a predictor FFN, two a magnitude FFN, the same code the TensorRT plugin runs); "auto" picks
+Triton on CUDA and the torch references elsewhere.
 """
 from __future__ import annotations
 
@@ -33,15 +37,26 @@ def _use_triton(device) -> bool:
 
 
 class PathsDecoder(DenseDecoder):
-    def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa"):
+    def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa",
+                 kernels: str = "auto", kernels_lib=None):
         if not policies:
             raise UserError("PathsDecoder needs path policies (none given): refusing to run dense "
                             "in place of sparse")
         bad = [i for i, p in policies.items() if p.method not in ("predictor", "magnitude")]
         if bad:
             raise UserError(f"PathsDecoder runs predictor or magnitude policies (layers {bad} are not)")
+        if kernels not in ("auto", "triton", "cuda", "torch"):
+            raise UserError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
         super().__init__(model, max_len, graph=graph, attn=attn)
-        self.triton = _use_triton(self.device)
+        self.triton = kernels in ("auto", "triton") and _use_triton(self.device)
+        if kernels == "triton" and not self.triton:
+            raise UserError("kernels='triton' needs a CUDA device and Triton")
+        self.cuda_lib = None
+        if kernels == "cuda":
+            if self.device.type != "cuda":
+                raise UserError("kernels='cuda' needs a CUDA device")
+            from zeroedge.paths import cuda_gemv
+            self.cuda_lib = cuda_gemv.load(kernels_lib)
         self._build_paths(model, policies)
 
     def _build_paths(self, model, policies: dict):
@@ -49,6 +64,10 @@ class PathsDecoder(DenseDecoder):
         kernels read (a method so other decode loops, e.g. the thermal one, can reuse it)."""
         D, Fd = model.cfg.dim, model.cfg.ffn_dim
         self.paths = {}
+        if self.cuda_lib is not None:  # one scratch for every layer: the kernels leave it zeroed
+            from zeroedge.paths import cuda_gemv
+            self.cuda_work = cuda_gemv.work_buffer(self.cuda_lib, 1, D, Fd, self.device)
+            self.cuda_out = torch.zeros(1, D, device=self.device, dtype=self.dtype)
         for i, pol in policies.items():
             pr, w = pol.predictor, self.W.layers[i]
             if pol.method == "magnitude":
@@ -65,6 +84,8 @@ class PathsDecoder(DenseDecoder):
                 kind="predictor", at=pr.a.T.contiguous().to(self.device, self.dtype),
                 bg=pr.bg.to(self.device, self.dtype).contiguous(),
                 bu=tg.fold_down_norm(pr.bu, pr.wd_norm).to(self.device, self.dtype).contiguous(),
+                bg_t=pr.bg.T.to(self.device, self.dtype).contiguous(),
+                bu_t=tg.fold_down_norm(pr.bu, pr.wd_norm).T.to(self.device, self.dtype).contiguous(),
                 thr=float(pr.threshold), wg=w["w13"][:Fd], wu=w["w13"][Fd:],
                 wdt=w["w2"].T.contiguous(),
                 act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype),
@@ -72,6 +93,14 @@ class PathsDecoder(DenseDecoder):
                                  dtype=torch.float32))
 
     def _paths_ffn(self, p, h):
+        if self.cuda_lib is not None:
+            from zeroedge.paths import cuda_gemv
+            if p["kind"] == "magnitude":
+                return cuda_gemv.ffn_magnitude(self.cuda_lib, h, p["w13t"], p["wdt"], p["thr_in"],
+                                               p["thr"], self.cuda_work, self.cuda_out)
+            z = F.linear(h, p["at"])
+            return cuda_gemv.ffn_predictor(self.cuda_lib, h, z, p["bg_t"], p["bu_t"], p["wg"], p["wu"],
+                                           p["wdt"], p["thr"], self.cuda_work, self.cuda_out)
         if p["kind"] == "magnitude":
             hm = h * (h.abs() >= p["thr_in"])
             if self.triton:  # D rows -> 2F outputs: fewer splits keep the atomic adds down

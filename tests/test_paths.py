@@ -1,6 +1,8 @@
 """Decode paths (issue 5): mechanics on the tiny preset — the sparse MLP equals the dense MLP
 restricted to the chosen channels, the predictor is deterministic, guards, byte accounting, the
 calibration gate and the artifact errors."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -240,3 +242,33 @@ def test_paths_decoder_matches_teacher_forced_paths():
     assert 0 < dec.kept()[2] < 1
     with pytest.raises(UserError, match="refusing"):
         PathsDecoder(m, 32, {}, graph=False)
+
+
+def test_paths_decoder_kernel_choice_is_checked(tmp_path, monkeypatch):
+    """kernels='cuda' needs a CUDA device and the plugin library; a bad choice or a missing library
+    is a UserError naming what is wrong, never a silent dense or torch fallback."""
+    from zeroedge.paths import cuda_gemv
+    from zeroedge.paths.decode import PathsDecoder
+
+    m = build("tiny", seed=0)
+    pol = {0: PathPolicy(method="magnitude", threshold_in=0.5, threshold=0.001)}
+    with pytest.raises(UserError, match="auto, triton, cuda or torch"):
+        PathsDecoder(m, 16, pol, graph=False, kernels="cublas")
+    with pytest.raises(UserError, match="needs a CUDA device"):
+        PathsDecoder(m, 16, pol, graph=False, kernels="cuda")
+    with pytest.raises(UserError, match="needs a CUDA device and Triton"):
+        PathsDecoder(m, 16, pol, graph=False, kernels="triton")
+    assert PathsDecoder(m, 16, pol, graph=False, kernels="torch").step(1, 0).shape[-1] == m.cfg.vocab_size
+    missing = tmp_path / "nowhere" / "libzeroedge_kernels.so"
+    with pytest.raises(UserError, match="not found at .*nowhere.*build_plugins"):
+        cuda_gemv.load(missing)
+    monkeypatch.setenv("ZEROEDGE_KERNELS_LIB", str(missing))
+    assert cuda_gemv.default_path() == missing
+    junk = tmp_path / "libjunk.so"
+    junk.write_text("not a library")
+    with pytest.raises(UserError, match="cannot load"):
+        cuda_gemv.load(junk)
+    libm = next((q for q in Path("/").glob("*lib*/**/libm.so.6")), None)
+    if libm is not None:   # a real shared library that is not ours
+        with pytest.raises(UserError, match="has no decode-path kernels"):
+            cuda_gemv.load(libm)

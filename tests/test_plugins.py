@@ -92,6 +92,28 @@ def test_kernels_compile_for_sm87_and_sm90(kernels_obj):
         assert log.count(k) >= 2, k
 
 
+def test_paths_kernels_compile_for_sm87_and_sm90(build_dir):
+    """The decode-path kernels (issue 5) build for Orin and H200 with no TensorRT header, spill no
+    registers, and export only their ze_paths_* C API."""
+    nvcc = _nvcc()
+    if not nvcc:
+        pytest.skip("nvcc not found (install the CUDA toolkit or set CUDACXX): the kernels are not compiled")
+    src = PLUGINS / "kernels" / "paths_gemv.cu"
+    assert "NvInfer" not in src.read_text()
+    so = build_dir / "libpaths.so"
+    r = run([nvcc, "-std=c++17", "-O3", "-gencode", "arch=compute_87,code=sm_87", "-gencode",
+             "arch=compute_90,code=sm_90", "-Xptxas", "-v", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared",
+             "-I", PLUGINS / "include", src, "-o", so, f"-Xlinker=--version-script={PLUGINS / 'kernels.map'}"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    for arch in ("sm_87", "sm_90"):
+        assert f"for '{arch}'" in r.stderr, arch
+    for k in ("pred_gateup_kernel", "mag_gateup_kernel", "down_kernel"):
+        assert r.stderr.count(k) >= 2, k
+    assert " 0 bytes spill stores" in r.stderr and "bytes spill stores" not in r.stderr.replace(" 0 bytes spill stores", "")
+    syms = run(["nm", "-D", "--defined-only", so]).stdout.split()
+    assert {"ze_paths_ffn", "ze_paths_ffn_magnitude", "ze_paths_work_bytes", "ze_paths_set_config"} <= set(syms)
+
+
 def test_field_rules_host_test(test_fields_bin):
     r = run([test_fields_bin])
     assert r.returncode == 0, r.stdout + r.stderr

@@ -75,3 +75,23 @@ def test_plan_bad_input(bundle, tmp_path):
     assert p.returncode == 2 and "orin-nano-8gb, orin-nx-16gb, orin-agx-64gb" in p.stderr
     p = run_cli("plan", tmp_path / "none", "--target", "orin-nano-8gb", "--context", 10)
     assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_roofline_decode_paths_saving():
+    """Skipping FFN bytes in decode speeds the bandwidth-bound step by exactly the bytes saved;
+    a less efficient sparse kernel gives part of it back; nonsense fractions are refused."""
+    from zeroedge import planner
+    from zeroedge.errors import UserError
+
+    m = {"L": 16, "D": 2048, "F": 8192, "h": 32, "hkv": 8, "hd": 64, "V": 128256, "params": 1_235_814_400}
+    t = planner.target("orin-nx-16gb")
+    dense = planner.roofline(m, t, 2048, 2048, "fp16")
+    ffn = 3 * 2048 * 8192 * 16 * 2
+    full = dense["decode_ms"] * 1e-3 * t.bandwidth * planner.BANDWIDTH_EFF      # bytes a dense step reads
+    ideal = planner.roofline(m, t, 2048, 2048, "fp16", decode_ffn_bytes_skip=0.5)
+    assert ideal["decode_ms"] * 1e-3 * t.bandwidth * planner.BANDWIDTH_EFF == pytest.approx(full - ffn / 2)
+    real = planner.roofline(m, t, 2048, 2048, "fp16", decode_ffn_bytes_skip=0.5, sparse_eff=0.7)
+    assert dense["decode_tok_s"] < real["decode_tok_s"] < ideal["decode_tok_s"]
+    for bad in ({"decode_ffn_bytes_skip": 1.0}, {"decode_ffn_bytes_skip": -0.1}, {"sparse_eff": 0.0}):
+        with pytest.raises(UserError):
+            planner.roofline(m, t, 2048, 2048, "fp16", **bad)

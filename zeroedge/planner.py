@@ -107,7 +107,14 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     return out
 
 
-def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip: float = 0.0) -> dict:
+def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip: float = 0.0,
+             decode_ffn_bytes_skip: float = 0.0, sparse_eff: float = 1.0) -> dict:
+    """ffn_skip: fraction of prefill FFN FLOPs skipped (SIH/PAD). decode_ffn_bytes_skip: fraction
+    of FFN weight bytes a decode step does not read (decode paths); sparse_eff: the bandwidth the
+    sparse FFN kernels reach relative to the dense GEMV (measured on the H200: 0.70-0.91,
+    benchmarks/paths.md), applied to the FFN bytes still read."""
+    if not (0 <= decode_ffn_bytes_skip < 1) or not (0 < sparse_eff <= 1):
+        raise UserError("decode_ffn_bytes_skip must be in [0, 1) and sparse_eff in (0, 1]")
     b = DTYPES[dtype]
     peak = t.fp16_flops if dtype == "fp16" else t.fp32_flops
     L, D, F, h, hd = m["L"], m["D"], m["F"], m["h"], m["hd"]
@@ -118,7 +125,8 @@ def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip
     pf_bytes = m["params"] * b + 2 * L * m["hkv"] * hd * T * b
     pf_t = max(pf_flops / (peak * COMPUTE_EFF), pf_bytes / (t.bandwidth * BANDWIDTH_EFF))
     S = min(context, window)
-    dec_bytes = (ffn + other + m["V"] * D) * b + 2 * L * m["hkv"] * hd * S * b
+    ffn_read = ffn if decode_ffn_bytes_skip == 0 else ffn * (1 - decode_ffn_bytes_skip) / sparse_eff
+    dec_bytes = (ffn_read + other + m["V"] * D) * b + 2 * L * m["hkv"] * hd * S * b
     dec_flops = 2 * (ffn + other + m["V"] * D) + 4 * S * h * hd * L
     dec_t = max(dec_flops / (peak * COMPUTE_EFF), dec_bytes / (t.bandwidth * BANDWIDTH_EFF))
     return {"prefill_s": pf_t, "prefill_tok_s": T / pf_t,
@@ -126,7 +134,8 @@ def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip
             "decode_ms": dec_t * 1e3, "decode_tok_s": 1 / dec_t,
             "decode_bound": "compute" if dec_flops / peak > dec_bytes / t.bandwidth else "bandwidth",
             "peak_flops": peak, "compute_eff": COMPUTE_EFF, "bandwidth": t.bandwidth,
-            "bandwidth_eff": BANDWIDTH_EFF, "ffn_flops_skipped": ffn_skip}
+            "bandwidth_eff": BANDWIDTH_EFF, "ffn_flops_skipped": ffn_skip,
+            "decode_ffn_bytes_skipped": decode_ffn_bytes_skip, "sparse_eff": sparse_eff}
 
 
 def plan(bundle, target_name: str, context: int, window: Optional[int] = None, dtype: str = "fp16",

@@ -10,6 +10,9 @@ ZeroEdgeSIH(x [T, D], w1..b4, anchor_a [r, D], anchor_b [D, r], anchor_c [D]) ->
     base  = keep ? 0 : anchor_b @ (anchor_a @ x) + anchor_c
 ZeroEdgePADGather(x [T, D], keep int32 [T]) -> xs [K, D], idx int32 [K], count int32 [1]
 ZeroEdgePADScatter(base [T, D], y [K, D], idx int32 [K]) -> out [T, D]
+ZeroEdgePathsFFN(x [B, D], w13_t [D, 2F], wd_t [F, D]) -> y [B, D]     (float32 arithmetic, per token)
+    x' = x where |x| >= threshold_in else 0; g | u = x' w13_t; a = silu(g) * u
+    y  = (a where |a| >= threshold else 0) wd_t
 
 Attribute defaults are carried by the function (`attribute_proto`), which needs IR version >= 9.
 """
@@ -30,11 +33,11 @@ def _attr_ref(name: str, ref: str, kind: str):
     return a
 
 
-def _const_ref(out: str, field: str):
+def _const_ref(out: str, field: str, op: str = "ZeroEdgeSIH"):
     """Constant node whose value comes from the function's attribute `field`."""
     from onnx import helper
 
-    kind = spec.NODES["ZeroEdgeSIH"]["fields"][field][0]
+    kind = spec.NODES[op]["fields"][field][0]
     n = helper.make_node("Constant", [], [out])
     n.attribute.append(_attr_ref("value_float" if kind == spec.FLOAT else "value_int", field, kind))
     return n
@@ -161,5 +164,26 @@ def scatter_function():
     return _fn("ZeroEdgePADScatter", ["base", "y", "idx"], ["out"], nodes)
 
 
+def paths_function():
+    from onnx import TensorProto, helper
+
+    N = helper.make_node
+    f32 = TensorProto.FLOAT
+    nodes = [
+        N("Constant", [], ["zf"], value=helper.make_tensor("zf", f32, [], [0.0])),
+        _const_ref("tin", "threshold_in", "ZeroEdgePathsFFN"), _const_ref("thr", "threshold", "ZeroEdgePathsFFN"),
+        N("Cast", ["x"], ["xf"], to=f32), N("Abs", ["xf"], ["axf"]), N("GreaterOrEqual", ["axf", "tin"], ["kin"]),
+        N("Where", ["kin", "xf", "zf"], ["xk"]),
+        N("Cast", ["w13_t"], ["w13f"], to=f32), N("MatMul", ["xk", "w13f"], ["gu"]),
+        N("Split", ["gu"], ["g", "u"], axis=1, num_outputs=2),
+        N("Sigmoid", ["g"], ["sg"]), N("Mul", ["g", "sg"], ["sil"]), N("Mul", ["sil", "u"], ["a"]),
+        N("Abs", ["a"], ["aa"]), N("GreaterOrEqual", ["aa", "thr"], ["kch"]), N("Where", ["kch", "a", "zf"], ["ak"]),
+        N("Cast", ["wd_t"], ["wdf"], to=f32), N("MatMul", ["ak", "wdf"], ["yf"]),
+        N("CastLike", ["yf", "x"], ["y"]),
+    ]
+    return _fn("ZeroEdgePathsFFN", spec.NODES["ZeroEdgePathsFFN"]["inputs"], spec.NODES["ZeroEdgePathsFFN"]["outputs"],
+               nodes)
+
+
 def all_functions():
-    return [sih_function(), gather_function(), scatter_function()]
+    return [sih_function(), gather_function(), scatter_function(), paths_function()]

@@ -49,18 +49,29 @@ def build_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("plugins_build")
 
 
-@pytest.fixture(scope="module")
-def kernels_obj(build_dir):
-    """kernels.cu compiled once for sm_87 and sm_90 (position-independent, hidden visibility)."""
+def _compile_cu(build_dir, src, name):
+    """src compiled for sm_87 and sm_90 (position-independent, hidden visibility): (object, ptxas log)."""
     nvcc = _nvcc()
     if not nvcc:
         pytest.skip("nvcc not found (install the CUDA toolkit or set CUDACXX): the kernels are not compiled")
-    obj = build_dir / "kernels.o"
+    obj = build_dir / name
     r = run([nvcc, "-std=c++17", "-O3", "-gencode", "arch=compute_87,code=sm_87", "-gencode",
              "arch=compute_90,code=sm_90", "-Xptxas", "-v", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-             "-I", PLUGINS / "include", "-c", PLUGINS / "src" / "kernels.cu", "-o", obj])
+             "-I", PLUGINS / "include", "-c", src, "-o", obj])
     assert r.returncode == 0, r.stderr[-4000:]
     return obj, r.stderr
+
+
+@pytest.fixture(scope="module")
+def kernels_obj(build_dir):
+    """kernels.cu compiled once for sm_87 and sm_90."""
+    return _compile_cu(build_dir, PLUGINS / "src" / "kernels.cu", "kernels.o")
+
+
+@pytest.fixture(scope="module")
+def paths_obj(build_dir):
+    """kernels/paths_gemv.cu (ZeroEdgePathsFFN's launcher) compiled the same way."""
+    return _compile_cu(build_dir, PLUGINS / "kernels" / "paths_gemv.cu", "paths_gemv.o")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +87,8 @@ def test_fields_bin(build_dir):
 
 
 def test_kernels_and_rules_use_no_tensorrt_headers():
-    for p in ("src/kernels.cu", "include/zeroedge_kernels.h", "src/fields.cpp", "include/zeroedge_fields.h",
-              "tests/test_fields.cpp"):
+    for p in ("src/kernels.cu", "include/zeroedge_kernels.h", "include/zeroedge_paths.h", "src/fields.cpp",
+              "include/zeroedge_fields.h", "tests/test_fields.cpp"):
         assert "NvInfer" not in (PLUGINS / p).read_text(), p
 
 
@@ -142,7 +153,7 @@ def test_cpp_contract_matches_plugin_spec(test_fields_bin):
                 assert cdefault == pytest.approx(default, rel=1e-6), (op, name)
 
 
-def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, build_dir):
+def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, paths_obj, build_dir):
     if not (TRT_INCLUDE / "NvInferRuntime.h").is_file():
         pytest.skip(GET_HEADERS)
     cxx, nvcc = _cxx(), _nvcc()
@@ -150,7 +161,8 @@ def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, build_dir
     inc = ["-I", PLUGINS / "include", "-isystem", TRT_INCLUDE, "-isystem", cuda / "include"]
     lib = build_dir / "libzeroedge_plugins.so"
     r = run([cxx, "-std=c++17", "-O1", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror", "-shared", *inc,
-             PLUGINS / "src" / "plugin.cpp", PLUGINS / "src" / "fields.cpp", kernels_obj[0], "-o", lib,
+             PLUGINS / "src" / "plugin.cpp", PLUGINS / "src" / "fields.cpp", kernels_obj[0], paths_obj[0],
+             "-o", lib,
              f"-Wl,--version-script={PLUGINS / 'exports.map'}", "-Wl,--no-undefined",
              "-L", cuda / "lib64", "-L", cuda / "lib64" / "stubs", "-lcudart_static", "-ldl", "-lpthread", "-lrt"])
     assert r.returncode == 0, r.stderr[-4000:]
@@ -167,6 +179,7 @@ def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, build_dir
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "harness:" in r.stdout and "checks passed" in r.stdout
     assert "count 0-D size tensor" in r.stdout and "round-trip" in r.stdout
+    assert "creators: 4" in r.stdout and "ZeroEdgePathsFFN: 3 fields round-trip" in r.stdout
 
 
 def test_build_plugins_refuses_tensorrt_8(tmp_path):
@@ -241,6 +254,50 @@ def test_reference_compaction_is_the_masked_ffn():
     assert bool((idx[1:] > idx[:-1]).all())
     out = ref.pad_scatter(base, xs @ w, idx)
     assert torch.allclose(out, torch.where(keep.bool()[:, None], x @ w, base), atol=1e-5)
+
+
+def test_reference_paths_ffn_matches_direct_computation():
+    """paths_ffn == the FFN computed token by token from W_gate, W_up, W_down with the header's masks."""
+    torch = pytest.importorskip("torch")
+    from zeroedge.backends import plugin_reference as ref
+
+    g = torch.Generator().manual_seed(3)
+    B, D, F = 4, 64, 48
+    wg, wu = torch.randn(F, D, generator=g) / 8, torch.randn(F, D, generator=g) / 8
+    wdown = torch.randn(D, F, generator=g) / 7
+    x = torch.randn(B, D, generator=g)
+    w13_t, wd_t = torch.cat([wg, wu]).T.contiguous(), wdown.T.contiguous()
+    # zero thresholds: the dense FFN
+    dense = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wdown.T
+    assert torch.allclose(ref.paths_ffn(x, w13_t, wd_t, 0.0, 0.0), dense, atol=1e-5)
+    thr_in, thr = 0.6, 0.08
+    t_in, t = (float(torch.tensor(v, dtype=torch.float32)) for v in (thr_in, thr))  # float32 fields
+    y = ref.paths_ffn(x.double(), w13_t.double(), wd_t.double(), thr_in, thr)
+    assert y.dtype == torch.float64
+    kept_ch = []
+    for b in range(B):
+        xb = x[b].double()
+        xb = torch.where(xb.abs() >= t_in, xb, torch.zeros_like(xb))
+        a = torch.nn.functional.silu(wg.double() @ xb) * (wu.double() @ xb)
+        keep = a.abs() >= t
+        kept_ch.append(keep)
+        assert 0 < int(keep.sum()) < F
+        assert torch.allclose(y[b], wdown.double()[:, keep] @ a[keep], atol=1e-10), b
+        # per-token masks: a token alone gives the same row
+        assert torch.allclose(ref.paths_ffn(x[b:b + 1].double(), w13_t.double(), wd_t.double(), thr_in, thr)[0],
+                              y[b], atol=1e-12)
+    assert any(not torch.equal(kept_ch[0], k) for k in kept_ch[1:])  # the tokens keep different channels
+    assert 0 < int((x.abs() >= t_in).sum()) < B * D
+    assert not torch.allclose(y.float(), dense, atol=1e-3)
+    y32 = ref.paths_ffn(x, w13_t, wd_t, thr_in, thr)
+    assert y32.dtype == torch.float32 and torch.allclose(y32.double(), y, atol=1e-5)
+    y16 = ref.paths_ffn(x.half(), w13_t.half(), wd_t.half(), thr_in, thr)
+    assert y16.dtype == torch.float16 and y16.shape == (B, D)
+    with pytest.raises(ValueError, match="w13_t"):
+        ref.paths_ffn(x, w13_t[:, :-1], wd_t, thr_in, thr)
+    assert ref.paths_fields(threshold_in=0.1, threshold=0.2) == {"threshold_in": 0.1, "threshold": 0.2}
+    with pytest.raises(TypeError, match="threshold_in"):
+        ref.paths_fields(threshold=0.2)
 
 
 def test_reference_fields_validation():

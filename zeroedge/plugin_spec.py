@@ -15,6 +15,15 @@ The rewritten FFN of one decoder layer:
     out          = ZeroEdgePADScatter(base, y, idx)    out[idx[k]] = y[k]; other rows keep base
     h'           = h + out
 
+The decode paths FFN of one decode step (magnitude rule of plugins/include/zeroedge_paths.h; a new
+node, the others are unchanged, so no ABI bump):
+
+    y            = ZeroEdgePathsFFN(x, w13_t, wd_t)    x, y: [B, D] (B = 1..8 tokens), w13_t = [W_gate; W_up]^T
+                                                       [D, 2F], wd_t = W_down^T [F, D]; per token:
+                                                       x' = x where |x| >= threshold_in else 0,
+                                                       a = silu(x' w13_t[:, :F]) * (x' w13_t[:, F:]),
+                                                       y = (a where |a| >= threshold else 0) wd_t
+
 In TensorRT (plugins/src/plugin.cpp) `count` is a 0-D int32 size tensor (TensorRT requires size
 tensors to be 0-D); it gives xs and idx their data-dependent first dimension K. Nothing downstream
 reads `count`, so the ONNX contract above is unchanged (no ABI bump).
@@ -55,6 +64,14 @@ NODES = {
         "inputs": ["base", "y", "idx"],
         "outputs": ["out"],
         "fields": {},
+    },
+    "ZeroEdgePathsFFN": {
+        "inputs": ["x", "w13_t", "wd_t"],
+        "outputs": ["y"],
+        "fields": {
+            "threshold_in": (FLOAT, None),   # a token reads input row k when |x[k]| >= threshold_in
+            "threshold": (FLOAT, None),      # ... and channel j when |silu(g_j) * u_j| >= threshold
+        },
     },
 }
 

@@ -4,8 +4,9 @@
 //                                    getOutputShapes through our own IExprBuilder, formats, data types,
 //                                    workspace, bad fields / shapes (clear errors, no crash), and the
 //                                    field round trip (serialize -> create at kRUNTIME -> same fields)
-//   zeroedge_harness LIB.so --gpu    also enqueue every plugin on a CUDA device (fp32) and compare
-//                                    with a CPU reference: proves the glue's input/output plumbing
+//   zeroedge_harness LIB.so --gpu    also enqueue every plugin on a CUDA device (SIH / PAD fp32,
+//                                    ZeroEdgePathsFFN fp16 / bf16) and compare with a CPU reference:
+//                                    proves the glue's input/output plumbing
 //
 // Prints one line per group and "harness: N checks passed"; exit code 1 on any failure.
 #include "NvInferRuntime.h"
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -480,6 +482,164 @@ static void gpuChecks(IPluginCreatorV3One* sihC, IPluginCreatorV3One* gatC, IPlu
     delete sca;
 }
 
+// ------------------------------------------------------------------------- GPU check of ZeroEdgePathsFFN
+// fp16 / bf16 <-> float on the host (the data are small normal numbers)
+static float fromHalf(uint16_t h)
+{
+    int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float v = e == 0 ? std::ldexp(float(m), -24)
+        : e == 31    ? (m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity())
+                     : std::ldexp(float(m | 0x400), e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
+static uint16_t toHalf(float f)
+{
+    uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+    float a = std::fabs(f);
+    if (a < 6.1035156e-05f) return uint16_t(sign | uint16_t(std::nearbyint(a * 16777216.f))); // subnormal
+    int e = 0;
+    int m = int(std::nearbyint(std::frexp(a, &e) * 2048.f)) - 1024; // a = (1 + m / 1024) * 2^(e - 1)
+    if (m == 1024) m = 0, ++e;
+    if (e + 14 >= 31) return uint16_t(sign | 0x7c00);
+    return uint16_t(sign | ((e + 14) << 10) | m);
+}
+
+static float fromBf16(uint16_t h)
+{
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t toBf16(float f)
+{
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); // round to nearest even
+}
+
+// y = ZeroEdgePathsFFN(x, w13_t, wd_t) at B tokens against a double reference on the same rounded
+// data; y and the workspace are poisoned first (the plugin passes work_is_zero = 0).
+static void pathsGpuCheck(IPluginCreatorV3One* pc, DataType dt, int B)
+{
+    int const D = 256, F = 64;
+    bool const bf = dt == DataType::kBF16;
+    char const* tn = bf ? "bf16" : "fp16";
+    std::mt19937 rng(777 + B + (bf ? 10 : 0));
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto make = [&](size_t n, float scale, std::vector<uint16_t>& h, std::vector<float>& f) {
+        h.resize(n);
+        f.resize(n);
+        for (size_t i = 0; i < n; ++i)
+        {
+            h[i] = bf ? toBf16(nd(rng) * scale) : toHalf(nd(rng) * scale);
+            f[i] = bf ? fromBf16(h[i]) : fromHalf(h[i]);
+        }
+    };
+    std::vector<uint16_t> xh, w13h, wdh;
+    std::vector<float> x, w13, wd;
+    make(size_t(B) * D, 1.f, xh, x);
+    make(size_t(D) * 2 * F, 1.f / 16, w13h, w13); // g, u ~ N(0, 1)
+    make(size_t(F) * D, 1.f / 8, wdh, wd);
+    float const thrIn = 0.5f;
+    // reference: per-token input mask, a = silu(g) * u
+    std::vector<double> a(size_t(B) * F);
+    int keptIn = 0;
+    for (int b = 0; b < B; ++b)
+    {
+        for (int k = 0; k < D; ++k) keptIn += std::fabs(x[size_t(b) * D + k]) >= thrIn;
+        for (int j = 0; j < F; ++j)
+        {
+            double g = 0, u = 0;
+            for (int k = 0; k < D; ++k)
+            {
+                float v = x[size_t(b) * D + k];
+                if (!(std::fabs(v) >= thrIn)) continue;
+                g += double(v) * w13[size_t(k) * 2 * F + j];
+                u += double(v) * w13[size_t(k) * 2 * F + F + j];
+            }
+            a[size_t(b) * F + j] = g / (1.0 + std::exp(-g)) * u;
+        }
+    }
+    // channel threshold in the widest gap of the middle half of |a| (robust to summation order)
+    std::vector<double> mags;
+    for (double v : a) mags.push_back(std::fabs(v));
+    std::sort(mags.begin(), mags.end());
+    size_t const n = mags.size();
+    size_t best = n / 4;
+    for (size_t i = n / 4; i + 1 < 3 * n / 4; ++i)
+        if (mags[i + 1] - mags[i] > mags[best + 1] - mags[best]) best = i;
+    float const thr = float((mags[best] + mags[best + 1]) / 2);
+    CHECK(mags[best + 1] - mags[best] > 1e-4, "paths: no clear gap for the channel threshold");
+    std::vector<double> ref(size_t(B) * D, 0.0);
+    int keptCh = 0;
+    for (int b = 0; b < B; ++b)
+        for (int j = 0; j < F; ++j)
+        {
+            double v = a[size_t(b) * F + j];
+            if (!(std::fabs(v) >= thr)) continue;
+            ++keptCh;
+            for (int d = 0; d < D; ++d) ref[size_t(b) * D + d] += v * wd[size_t(j) * D + d];
+        }
+
+    FieldSet fs;
+    fs.fl("threshold_in", thrIn).fl("threshold", thr);
+    auto fc = fs.fc();
+    IPluginV3* p = pc->createPlugin("paths", &fc, TensorRTPhase::kRUNTIME);
+    auto* rt = cap<IPluginV3OneRuntime>(p, PluginCapabilityType::kRUNTIME);
+    auto* bld = cap<IPluginV3OneBuild>(p, PluginCapabilityType::kBUILD);
+    CHECK(rt && bld, "paths runtime/build interfaces");
+    if (!rt || !bld)
+    {
+        delete p;
+        return;
+    }
+    std::vector<std::vector<int64_t>> shp = {{B, D}, {D, 2 * F}, {F, D}};
+    PluginTensorDesc ind[3], outd = pdesc(dt, {B, D});
+    DynamicPluginTensorDesc dyn[3], outDyn = desc(dt, {B, D});
+    for (int i = 0; i < 3; ++i)
+    {
+        ind[i] = pdesc(dt, shp[i]);
+        dyn[i] = desc(dt, shp[i]);
+    }
+    CHECK(bld->configurePlugin(dyn, 3, &outDyn, 1) == 0, "paths configurePlugin");
+    size_t wsz = bld->getWorkspaceSize(dyn, 3, &outDyn, 1);
+    DevBuf xb(xh.size() * 2), wb(w13h.size() * 2), db(wdh.size() * 2), yb(size_t(B) * D * 2), ws(wsz);
+    xb.put(xh);
+    wb.put(w13h);
+    db.put(wdh);
+    cudaMemset(yb.p, 0xff, size_t(B) * D * 2); // NaN poison
+    cudaMemset(ws.p, 0xff, wsz);               // garbage: the launcher must clear its work buffer
+    void const* ins[3] = {xb.p, wb.p, db.p};
+    void* outs[1] = {yb.p};
+    CHECK(rt->enqueue(ind, &outd, ins, outs, ws.p, nullptr) == 0, std::string("paths enqueue ") + tn);
+    cudaOk(cudaDeviceSynchronize(), "paths sync");
+    auto yh = yb.get<uint16_t>(size_t(B) * D);
+    double errN = 0, refN = 0;
+    for (size_t i = 0; i < yh.size(); ++i)
+    {
+        double o = bf ? fromBf16(yh[i]) : fromHalf(yh[i]);
+        errN += (o - ref[i]) * (o - ref[i]);
+        refN += ref[i] * ref[i];
+    }
+    double rel = std::sqrt(errN / (refN > 0 ? refN : 1));
+    CHECK(rel < 1e-2, std::string("paths ") + tn + " B=" + std::to_string(B) + " rel err " + std::to_string(rel));
+    CHECK(keptIn > 0 && keptIn < B * D && keptCh > 0 && keptCh < B * F, "paths: the masks keep some, not all");
+    std::printf("gpu: ZeroEdgePathsFFN enqueue %s B=%d D=%d F=%d: inputs kept %d/%d, channels kept %d/%d; "
+                "rel err %.2e\n",
+        tn, B, D, F, keptIn, B * D, keptCh, B * F, rel);
+    delete p;
+}
+
+static void pathsGpuChecks(IPluginCreatorV3One* pc)
+{
+    pathsGpuCheck(pc, DataType::kHALF, 2);
+    pathsGpuCheck(pc, DataType::kBF16, 2);
+    pathsGpuCheck(pc, DataType::kHALF, 1); // the batch-1 kernels
+}
+
 // ------------------------------------------------------------------------- main
 int main(int argc, char** argv)
 {
@@ -507,7 +667,7 @@ int main(int argc, char** argv)
 
     int32_t n = 0;
     IPluginCreatorInterface* const* creators = getCreators(n);
-    CHECK(n == 3, "3 creators");
+    CHECK(n == 4, "4 creators");
     std::map<std::string, IPluginCreatorV3One*> byName;
     for (int32_t i = 0; i < n; ++i)
     {
@@ -521,8 +681,10 @@ int main(int argc, char** argv)
     auto* sihC = byName["ZeroEdgeSIH"];
     auto* gatC = byName["ZeroEdgePADGather"];
     auto* scaC = byName["ZeroEdgePADScatter"];
-    CHECK(sihC && gatC && scaC, "creators for ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter");
-    if (!sihC || !gatC || !scaC) return 1;
+    auto* pathsC = byName["ZeroEdgePathsFFN"];
+    CHECK(sihC && gatC && scaC && pathsC,
+        "creators for ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter, ZeroEdgePathsFFN");
+    if (!sihC || !gatC || !scaC || !pathsC) return 1;
 
     // field names advertised
     PluginFieldCollection const* names = sihC->getFieldNames();
@@ -532,8 +694,14 @@ int main(int argc, char** argv)
             && adv["protect_last"] == PluginFieldType::kINT32 && adv["anchor_rank"] == PluginFieldType::kINT32,
         "SIH advertises its 10 fields with types");
     CHECK(gatC->getFieldNames()->nbFields == 0 && scaC->getFieldNames()->nbFields == 0, "PAD nodes take no fields");
-    std::printf("creators: %d (ZeroEdgeSIH %d fields, ZeroEdgePADGather, ZeroEdgePADScatter), namespace zeroedge, version 1\n",
-        n, names->nbFields);
+    PluginFieldCollection const* pnames = pathsC->getFieldNames();
+    CHECK(pnames->nbFields == 2 && std::strcmp(pnames->fields[0].name, "threshold_in") == 0
+            && std::strcmp(pnames->fields[1].name, "threshold") == 0 && pnames->fields[0].type == PluginFieldType::kFLOAT32
+            && pnames->fields[1].type == PluginFieldType::kFLOAT32,
+        "ZeroEdgePathsFFN advertises threshold_in, threshold (FLOAT32)");
+    std::printf("creators: %d (ZeroEdgeSIH %d fields, ZeroEdgePADGather, ZeroEdgePADScatter, ZeroEdgePathsFFN %d fields), "
+                "namespace zeroedge, version 1\n",
+        n, names->nbFields, pnames->nbFields);
 
     // bad fields: clear errors, nullptr, no crash
     {
@@ -722,6 +890,176 @@ int main(int argc, char** argv)
         }
         delete s;
     }
+
+    // ZeroEdgePathsFFN: fields, shapes, formats, types, workspace, launcher errors, round trip
+    {
+        FieldSet m;
+        m.fl("threshold", 0.1f);
+        auto fc = m.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kBUILD) == nullptr
+                && log.saw("ZeroEdgePathsFFN: required field 'threshold_in' is missing"),
+            "paths missing threshold_in refused: " + log.last());
+        FieldSet t;
+        t.fl("threshold_in", 0.1f).in("threshold", 1);
+        fc = t.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kBUILD) == nullptr
+                && log.saw("ZeroEdgePathsFFN: field 'threshold' must be FLOAT32"),
+            "paths INT threshold refused: " + log.last());
+        FieldSet d;
+        d.f64("threshold_in", 0.1).fl("threshold", 0.1f);
+        fc = d.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kBUILD) == nullptr && log.saw("'threshold_in' must be FLOAT32"),
+            "paths FLOAT64 threshold_in refused: " + log.last());
+        FieldSet g;
+        g.fl("threshold_in", 0.1f).fl("threshold", -1.f);
+        fc = g.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kBUILD) == nullptr
+                && log.saw("ZeroEdgePathsFFN: field 'threshold' must be a finite number >= 0"),
+            "paths negative threshold refused: " + log.last());
+        FieldSet nn;
+        nn.fl("threshold_in", std::numeric_limits<float>::quiet_NaN()).fl("threshold", 0.1f);
+        fc = nn.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kBUILD) == nullptr
+                && log.saw("'threshold_in' must be a finite number >= 0"),
+            "paths NaN threshold_in refused: " + log.last());
+        float two[2] = {0.1f, 0.2f};
+        FieldSet l;
+        l.fl("threshold", 0.1f);
+        l.v.emplace_back("threshold_in", two, PluginFieldType::kFLOAT32, 2);
+        fc = l.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kBUILD) == nullptr && log.saw("must hold exactly one value, got 2"),
+            "paths two-valued threshold_in refused: " + log.last());
+        FieldSet a;
+        a.fl("threshold_in", 0.1f).fl("threshold", 0.1f).in("zeroedge_abi", 99);
+        fc = a.fc();
+        CHECK(pathsC->createPlugin("p", &fc, TensorRTPhase::kRUNTIME) == nullptr
+                && log.saw("ZeroEdgePathsFFN: engine was built with plugin ABI 99"),
+            "paths ABI mismatch refused: " + log.last());
+    }
+    {
+        FieldSet pf;
+        pf.fl("threshold_in", 0.25f).fl("threshold", 0.0625f).in("unrelated_attribute", 5);
+        auto pfc = pf.fc();
+        IPluginV3* paths = pathsC->createPlugin("layer0.paths", &pfc, TensorRTPhase::kBUILD);
+        CHECK(paths != nullptr, "paths created: " + log.last());
+        if (!paths) return 1;
+        auto* pcore = cap<IPluginV3OneCore>(paths, PluginCapabilityType::kCORE);
+        auto* pb = cap<IPluginV3OneBuild>(paths, PluginCapabilityType::kBUILD);
+        auto* prt = cap<IPluginV3OneRuntime>(paths, PluginCapabilityType::kRUNTIME);
+        CHECK(pcore && pb && prt, "paths capability interfaces");
+        if (!pcore || !pb || !prt) return 1;
+        CHECK(std::strcmp(pcore->getPluginName(), "ZeroEdgePathsFFN") == 0 && pb->getNbOutputs() == 1, "paths name, 1 output");
+        DataType outT[1];
+        for (DataType t : {DataType::kHALF, DataType::kBF16})
+        {
+            DataType inT[3] = {t, t, t};
+            CHECK(pb->getOutputDataTypes(outT, 1, inT, 3) == 0 && outT[0] == t, "paths y has x's type");
+        }
+        DataType f32[3] = {DataType::kFLOAT, DataType::kFLOAT, DataType::kFLOAT};
+        CHECK(pb->getOutputDataTypes(outT, 1, f32, 3) != 0 && log.saw("x must be float16 or bfloat16"),
+            "paths fp32 x refused: " + log.last());
+        // shapes (SmolLM2-1.7B-like D = 2048, F = 8192)
+        Builder b;
+        std::vector<DimsExprs> in = {dims(b, {"B", "2048"}), dims(b, {"2048", "16384"}), dims(b, {"8192", "2048"})};
+        DimsExprs out[1];
+        CHECK(pb->getOutputShapes(in.data(), 3, nullptr, 0, out, 1, b) == 0, "paths getOutputShapes: " + log.last());
+        CHECK(out[0].nbDims == 2 && evalDims(out[0], Env{{"B", 4}}) == std::vector<int64_t>({4, 2048}), "y is [B, D]");
+        auto bad = [&](std::vector<DimsExprs> const& v, int32_t nb, char const* part, char const* what) {
+            CHECK(pb->getOutputShapes(v.data(), nb, nullptr, 0, out, 1, b) != 0 && log.saw(part),
+                std::string(what) + ": " + log.last());
+        };
+        bad({dims(b, {"9", "2048"}), in[1], in[2]}, 3, "B (decode tokens) in 1..8, got [9, 2048]", "B = 9 refused");
+        bad({dims(b, {"B", "2000"}), dims(b, {"2000", "16384"}), dims(b, {"8192", "2000"})}, 3,
+            "hidden size D = 2000 is not supported", "D = 2000 refused");
+        bad({in[0], dims(b, {"2048", "16000"}), in[2]}, 3, "input 1 (w13_t) must be [D, 2F] = [2048, 16384]",
+            "w13_t != [D, 2F] refused");
+        bad({in[0], in[1], dims(b, {"8192", "1024"})}, 3, "input 2 (wd_t) must be [F, D] = [8192, 2048]",
+            "wd_t != [F, D] refused");
+        bad({in[0], dims(b, {"2048", "200"}), dims(b, {"100", "2048"})}, 3, "FFN width F = 100", "F = 100 refused");
+        bad({dims(b, {"1", "B", "2048"}), in[1], in[2]}, 3, "input 0 (x) must be 2-D [B, D]", "3-D x refused");
+        bad(in, 2, "expects 3 inputs (x, w13_t, wd_t)", "2 inputs refused");
+        std::printf("ZeroEdgePathsFFN: getOutputShapes y [B, 2048] (B=4 evaluated); B > 8, D %% 256, [D, 2F] / [F, D] "
+                    "mismatches refused\n");
+        // formats: linear, all four fp16 or all bf16
+        std::vector<DynamicPluginTensorDesc> io = {desc(DataType::kHALF, {-1, 2048}, {8, 2048}),
+            desc(DataType::kHALF, {2048, 16384}), desc(DataType::kHALF, {8192, 2048}),
+            desc(DataType::kHALF, {-1, 2048}, {8, 2048})};
+        bool all = true;
+        for (int pos = 0; pos < 4; ++pos) all = all && pb->supportsFormatCombination(pos, io.data(), 3, 1);
+        CHECK(all, "paths all fp16 ok");
+        auto io2 = io;
+        for (auto& d : io2) d.desc.type = DataType::kBF16;
+        all = true;
+        for (int pos = 0; pos < 4; ++pos) all = all && pb->supportsFormatCombination(pos, io2.data(), 3, 1);
+        CHECK(all, "paths all bf16 ok");
+        io2 = io;
+        for (auto& d : io2) d.desc.type = DataType::kFLOAT;
+        CHECK(!pb->supportsFormatCombination(0, io2.data(), 3, 1), "paths fp32 refused (the kernels take fp16 / bf16)");
+        io2 = io;
+        io2[1].desc.type = DataType::kBF16;
+        CHECK(!pb->supportsFormatCombination(1, io2.data(), 3, 1), "paths mixed w13_t type refused");
+        io2 = io;
+        io2[3].desc.type = DataType::kFLOAT;
+        CHECK(!pb->supportsFormatCombination(3, io2.data(), 3, 1), "paths y of another type refused");
+        io2 = io;
+        io2[2].desc.format = TensorFormat::kCHW32;
+        CHECK(!pb->supportsFormatCombination(2, io2.data(), 3, 1), "paths non-linear format refused");
+        CHECK(!pb->supportsFormatCombination(4, io.data(), 3, 1), "paths position 4 refused");
+        // configure: the max profile must fit too; workspace from the max batch
+        CHECK(pb->configurePlugin(io.data(), 3, io.data() + 3, 1) == 0, "paths configurePlugin: " + log.last());
+        auto ioBad = io;
+        ioBad[0] = desc(DataType::kHALF, {-1, 2048}, {16, 2048});
+        CHECK(pb->configurePlugin(ioBad.data(), 3, io.data() + 3, 1) != 0 && log.saw("got [16, 2048]"),
+            "paths configure with max B = 16 refused: " + log.last());
+        ioBad = io;
+        ioBad[2] = desc(DataType::kHALF, {8192, 1024});
+        CHECK(pb->configurePlugin(ioBad.data(), 3, io.data() + 3, 1) != 0, "paths configure with wd_t [8192, 1024] refused");
+        size_t ws = pb->getWorkspaceSize(io.data(), 3, io.data() + 3, 1);
+        size_t want = (size_t(8) * 2048 + size_t(8) * 2 * 8192) * 4; // fp32 sums of y and of gate/up at B = 8
+        CHECK(ws >= want + 256 && ws <= want + 1024, "paths workspace " + std::to_string(ws) + " from the max batch");
+        std::printf("ZeroEdgePathsFFN: formats (fp16 / bf16, linear), configure, workspace %zu bytes at B<=8\n", ws);
+        // enqueue refuses before any launch (no CUDA call): wrong dtype, bad shapes, launcher argument errors
+        PluginTensorDesc pin[3] = {pdesc(DataType::kHALF, {2, 2048}), pdesc(DataType::kHALF, {2048, 16384}),
+            pdesc(DataType::kHALF, {8192, 2048})};
+        PluginTensorDesc pout[1] = {pdesc(DataType::kHALF, {2, 2048})};
+        void const* nulls[3] = {nullptr, nullptr, nullptr};
+        void* nout[1] = {nullptr};
+        PluginTensorDesc fin[3] = {pdesc(DataType::kFLOAT, {2, 2048}), pin[1], pin[2]};
+        CHECK(prt->enqueue(fin, pout, nulls, nout, nullptr, nullptr) != 0 && log.saw("must all be float16 or all bfloat16"),
+            "paths enqueue fp32 refused: " + log.last());
+        PluginTensorDesc bin[3] = {pdesc(DataType::kHALF, {9, 2048}), pin[1], pin[2]};
+        CHECK(prt->enqueue(bin, pout, nulls, nout, nullptr, nullptr) != 0 && log.saw("got [9, 2048]"),
+            "paths enqueue B = 9 refused: " + log.last());
+        CHECK(prt->enqueue(pin, pout, nulls, nout, nullptr, nullptr) == -1 /* ZE_PATHS_ERR_ARG */
+                && log.saw("ZeroEdgePathsFFN: zeroedge paths kernels: null pointer"),
+            "paths launcher null pointers reported: " + log.last());
+        void const* odd[3] = {reinterpret_cast<void const*>(uintptr_t(0x1000)), reinterpret_cast<void const*>(uintptr_t(0x1008)),
+            reinterpret_cast<void const*>(uintptr_t(0x2000))};
+        void* oout[1] = {reinterpret_cast<void*>(uintptr_t(0x3000))};
+        CHECK(prt->enqueue(pin, pout, odd, oout, reinterpret_cast<void*>(uintptr_t(0x4000)), nullptr) == -4 /* ZE_PATHS_ERR_ALIGN */
+                && log.saw("16-byte aligned"),
+            "paths launcher misaligned w13_t reported: " + log.last());
+        std::printf("ZeroEdgePathsFFN: enqueue refuses fp32 / B = 9 and reports launcher errors, nothing launched\n");
+        // round trip
+        PluginFieldCollection const* ser = prt->getFieldsToSerialize();
+        auto before = fieldValues(ser);
+        CHECK(before.size() == 3 && before["threshold_in"] == "f:0.25" && before["threshold"] == "f:0.0625"
+                && before["zeroedge_abi"] == "i:1",
+            "paths serialized fields");
+        IPluginV3* back = pathsC->createPlugin("layer0.paths", ser, TensorRTPhase::kRUNTIME);
+        CHECK(back != nullptr, "paths re-created from serialized fields: " + log.last());
+        if (back)
+            CHECK(fieldValues(cap<IPluginV3OneRuntime>(back, PluginCapabilityType::kRUNTIME)->getFieldsToSerialize()) == before,
+                "paths fields round trip");
+        delete back;
+        IPluginV3* c1 = prt->attachToContext(nullptr);
+        CHECK(c1 && fieldValues(cap<IPluginV3OneRuntime>(c1, PluginCapabilityType::kRUNTIME)->getFieldsToSerialize()) == before,
+            "paths clone keeps the fields");
+        delete c1;
+        std::printf("ZeroEdgePathsFFN: %zu fields round-trip through getFieldsToSerialize -> createPlugin(kRUNTIME)\n",
+            before.size());
+        delete paths;
+    }
     delete sih;
 
     if (gpu)
@@ -732,7 +1070,11 @@ int main(int argc, char** argv)
             std::fprintf(stderr, "--gpu: no CUDA device\n");
             ++gFail;
         }
-        else gpuChecks(sihC, gatC, scaC);
+        else
+        {
+            gpuChecks(sihC, gatC, scaC);
+            pathsGpuChecks(pathsC);
+        }
     }
     setLoggerFinder(nullptr);
     if (gFail)

@@ -6,6 +6,7 @@
 #define ZEROEDGE_FIELDS_H
 
 #include "zeroedge_kernels.h"
+#include "zeroedge_paths.h"
 
 #include <cstdint>
 #include <string>
@@ -17,6 +18,7 @@ namespace zeroedge
 extern char const* const kSihName;     // "ZeroEdgeSIH"
 extern char const* const kGatherName;  // "ZeroEdgePADGather"
 extern char const* const kScatterName; // "ZeroEdgePADScatter"
+extern char const* const kPathsName;   // "ZeroEdgePathsFFN"
 extern char const* const kVersion;     // "1"
 extern char const* const kNamespace;   // "zeroedge"
 extern char const* const kAbiField;    // "zeroedge_abi": written when serialized, checked when present
@@ -58,6 +60,16 @@ std::string parseSih(RawField const* fields, int32_t nbFields, ze_sih_params* ou
 std::string parsePad(char const* op, RawField const* fields, int32_t nbFields);
 std::string checkSihParams(ze_sih_params const& p);
 
+//! ZeroEdgePathsFFN (magnitude rule, include/zeroedge_paths.h): both thresholds required.
+struct PathsParams
+{
+    float threshold_in; // keep input k of a token when |x[b, k]| >= threshold_in
+    float threshold;    // keep channel j of a token when |silu(g) * u| >= threshold
+};
+std::string parsePaths(RawField const* fields, int32_t nbFields, PathsParams* out);
+//! Both thresholds finite and >= 0.
+std::string checkPathsParams(PathsParams const& p);
+
 struct Shape
 {
     int32_t nbDims;
@@ -68,6 +80,9 @@ struct Shape
 std::string checkSihShapes(Shape const* in, int32_t nbInputs, ze_sih_params const& p, int32_t* width);
 std::string checkGatherShapes(Shape const* in, int32_t nbInputs);
 std::string checkScatterShapes(Shape const* in, int32_t nbInputs);
+//! x [B, D], w13_t [D, 2F], wd_t [F, D]: B in 1..ZE_PATHS_MAX_BATCH, D % 256 == 0 and D <= 8192,
+//! F % 8 == 0; unknown (-1) dims are not checked. On success stores D and F (-1 if unknown) if given.
+std::string checkPathsShapes(Shape const* in, int32_t nbInputs, int64_t* hidden, int64_t* ffn);
 
 //! {"abi": 1, "namespace": ..., "version": ..., "nodes": {"ZeroEdgeSIH": {"inputs": n, "outputs": n,
 //! "fields": {"threshold": ["float", null], ...}}, ...}} for the Python cross-check with plugin_spec.

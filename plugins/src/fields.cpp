@@ -12,6 +12,7 @@ namespace zeroedge
 char const* const kSihName = "ZeroEdgeSIH";
 char const* const kGatherName = "ZeroEdgePADGather";
 char const* const kScatterName = "ZeroEdgePADScatter";
+char const* const kPathsName = "ZeroEdgePathsFFN";
 char const* const kVersion = "1";
 char const* const kNamespace = "zeroedge";
 char const* const kAbiField = "zeroedge_abi";
@@ -33,7 +34,15 @@ std::vector<FieldSpec> const kSihSpecs = {
     {"block_frac", FieldKind::kFloat32, false, 0.7},
     {"anchor_rank", FieldKind::kInt32, false, 16},
 };
+std::vector<FieldSpec> const kPathsSpecs = {
+    {"threshold_in", FieldKind::kFloat32, true, kNoDefault},
+    {"threshold", FieldKind::kFloat32, true, kNoDefault},
+};
 std::vector<FieldSpec> const kNoSpecs;
+
+int64_t const kPathsHiddenMultiple = 256; // the kernels' limits (include/zeroedge_paths.h)
+int64_t const kPathsMaxHidden = 8192;
+int64_t const kPathsFfnMultiple = 8;
 
 char const* kindName(FieldKind k)
 {
@@ -64,11 +73,57 @@ std::string checkAbi(char const* op, RawField const& f)
     return "";
 }
 
+// The fields of spec found in fields (nullptr where absent, last one wins): zeroedge_abi checked,
+// unknown names ignored; wrong type, wrong length and a missing required field are errors.
+std::string readFields(char const* op, std::vector<FieldSpec> const& spec, RawField const* fields, int32_t nbFields,
+    std::vector<RawField const*>* found)
+{
+    found->assign(spec.size(), nullptr);
+    if (nbFields < 0 || (nbFields > 0 && !fields)) return std::string(op) + ": no field collection";
+    for (int32_t i = 0; i < nbFields; ++i)
+    {
+        RawField const& f = fields[i];
+        if (!f.name) return std::string(op) + ": a field without a name";
+        if (std::strcmp(f.name, kAbiField) == 0)
+        {
+            std::string e = checkAbi(op, f);
+            if (!e.empty()) return e;
+            continue;
+        }
+        size_t j = 0;
+        for (; j < spec.size(); ++j)
+            if (std::strcmp(f.name, spec[j].name) == 0) break;
+        if (j == spec.size()) continue; // unknown: ignored
+        FieldSpec const& s = spec[j];
+        if (f.kind != s.kind)
+            return std::string(op) + ": field '" + s.name + "' must be " + kindName(s.kind) + ", got "
+                + (f.type_name ? f.type_name : "another type");
+        if (f.length != 1 || !f.data)
+            return std::string(op) + ": field '" + s.name + "' must hold exactly one value, got "
+                + std::to_string(f.length);
+        (*found)[j] = &f;
+    }
+    for (size_t j = 0; j < spec.size(); ++j)
+        if (spec[j].required && !(*found)[j])
+            return std::string(op) + ": required field '" + spec[j].name + "' is missing (" + kindName(spec[j].kind)
+                + ")";
+    return "";
+}
+
+std::string dimStr(int64_t v) { return v < 0 ? std::string("?") : std::to_string(v); }
+
+std::string num(float v)
+{
+    std::ostringstream o;
+    o << v;
+    return o.str();
+}
+
 } // namespace
 
 std::vector<FieldSpec> const& fieldSpecs(std::string const& op)
 {
-    return op == kSihName ? kSihSpecs : kNoSpecs;
+    return op == kSihName ? kSihSpecs : op == kPathsName ? kPathsSpecs : kNoSpecs;
 }
 
 ze_sih_params sihDefaults()
@@ -89,34 +144,16 @@ ze_sih_params sihDefaults()
 
 std::string parseSih(RawField const* fields, int32_t nbFields, ze_sih_params* out)
 {
-    if (nbFields < 0 || (nbFields > 0 && !fields)) return std::string(kSihName) + ": no field collection";
+    std::vector<RawField const*> found;
+    std::string e = readFields(kSihName, kSihSpecs, fields, nbFields, &found);
+    if (!e.empty()) return e;
     ze_sih_params p = sihDefaults();
-    bool seen[16] = {};
-    for (int32_t i = 0; i < nbFields; ++i)
+    for (size_t j = 0; j < kSihSpecs.size(); ++j)
     {
-        RawField const& f = fields[i];
-        if (!f.name) return std::string(kSihName) + ": a field without a name";
-        if (std::strcmp(f.name, kAbiField) == 0)
-        {
-            std::string e = checkAbi(kSihName, f);
-            if (!e.empty()) return e;
-            continue;
-        }
-        size_t j = 0;
-        for (; j < kSihSpecs.size(); ++j)
-            if (std::strcmp(f.name, kSihSpecs[j].name) == 0) break;
-        if (j == kSihSpecs.size()) continue; // unknown: ignored
-        FieldSpec const& s = kSihSpecs[j];
-        if (f.kind != s.kind)
-            return std::string(kSihName) + ": field '" + s.name + "' must be " + kindName(s.kind) + ", got "
-                + (f.type_name ? f.type_name : "another type");
-        if (f.length != 1 || !f.data)
-            return std::string(kSihName) + ": field '" + s.name + "' must hold exactly one value, got "
-                + std::to_string(f.length);
-        seen[j] = true;
-        float fv = s.kind == FieldKind::kFloat32 ? *static_cast<float const*>(f.data) : 0.f;
-        int32_t iv = s.kind == FieldKind::kInt32 ? *static_cast<int32_t const*>(f.data) : 0;
-        std::string n = s.name;
+        if (!found[j]) continue;
+        float fv = kSihSpecs[j].kind == FieldKind::kFloat32 ? *static_cast<float const*>(found[j]->data) : 0.f;
+        int32_t iv = kSihSpecs[j].kind == FieldKind::kInt32 ? *static_cast<int32_t const*>(found[j]->data) : 0;
+        std::string n = kSihSpecs[j].name;
         if (n == "threshold") p.threshold = fv;
         else if (n == "ma_w0") p.ma_w0 = fv;
         else if (n == "ma_w1") p.ma_w1 = fv;
@@ -128,11 +165,20 @@ std::string parseSih(RawField const* fields, int32_t nbFields, ze_sih_params* ou
         else if (n == "block_frac") p.block_frac = fv;
         else if (n == "anchor_rank") p.anchor_rank = iv;
     }
-    for (size_t j = 0; j < kSihSpecs.size(); ++j)
-        if (kSihSpecs[j].required && !seen[j])
-            return std::string(kSihName) + ": required field '" + kSihSpecs[j].name + "' is missing ("
-                + kindName(kSihSpecs[j].kind) + ")";
-    std::string e = checkSihParams(p);
+    e = checkSihParams(p);
+    if (!e.empty()) return e;
+    *out = p;
+    return "";
+}
+
+std::string parsePaths(RawField const* fields, int32_t nbFields, PathsParams* out)
+{
+    std::vector<RawField const*> found;
+    std::string e = readFields(kPathsName, kPathsSpecs, fields, nbFields, &found);
+    if (!e.empty()) return e;
+    // both fields are required, so readFields found them (kPathsSpecs order)
+    PathsParams p{*static_cast<float const*>(found[0]->data), *static_cast<float const*>(found[1]->data)};
+    e = checkPathsParams(p);
     if (!e.empty()) return e;
     *out = p;
     return "";
@@ -234,14 +280,63 @@ std::string checkScatterShapes(Shape const* in, int32_t nbInputs)
     return "";
 }
 
+std::string checkPathsParams(PathsParams const& p)
+{
+    std::string n = std::string(kPathsName) + ": ";
+    if (!std::isfinite(p.threshold_in) || p.threshold_in < 0.f)
+        return n + "field 'threshold_in' must be a finite number >= 0, got " + num(p.threshold_in);
+    if (!std::isfinite(p.threshold) || p.threshold < 0.f)
+        return n + "field 'threshold' must be a finite number >= 0, got " + num(p.threshold);
+    return "";
+}
+
+std::string checkPathsShapes(Shape const* in, int32_t nbInputs, int64_t* hidden, int64_t* ffn)
+{
+    static char const* names[] = {"x", "w13_t", "wd_t"};
+    static char const* forms[] = {"[B, D]", "[D, 2F]", "[F, D]"};
+    std::string n = std::string(kPathsName) + ": ";
+    if (nbInputs != 3) return n + "expects 3 inputs (x, w13_t, wd_t), got " + std::to_string(nbInputs);
+    for (int i = 0; i < 3; ++i)
+        if (in[i].nbDims != 2)
+            return n + "input " + std::to_string(i) + " (" + names[i] + ") must be 2-D " + forms[i] + ", got "
+                + shapeStr(in[i]);
+    Shape const &x = in[0], &w13 = in[1], &wd = in[2];
+    int64_t B = x.d[0];
+    if (B >= 0 && (B < 1 || B > ZE_PATHS_MAX_BATCH))
+        return n + "input 0 (x) must be [B, D] with B (decode tokens) in 1.." + std::to_string(ZE_PATHS_MAX_BATCH)
+            + ", got " + shapeStr(x);
+    // D and F from the first input that knows them, then every input must agree
+    int64_t D = x.d[1] >= 0 ? x.d[1] : w13.d[0] >= 0 ? w13.d[0] : wd.d[1];
+    if (w13.d[1] >= 0 && w13.d[1] % 2 != 0)
+        return n + "input 1 (w13_t) must be [D, 2F] (gate columns, then up columns), got an odd width: "
+            + shapeStr(w13);
+    int64_t F = wd.d[0] >= 0 ? wd.d[0] : w13.d[1] >= 0 ? w13.d[1] / 2 : -1;
+    auto bad = [&](int i, std::string const& want) {
+        return n + "input " + std::to_string(i) + " (" + names[i] + ") must be " + forms[i] + " = " + want + ", got "
+            + shapeStr(in[i]);
+    };
+    if (!same(w13.d[0], D) || !same(w13.d[1], F < 0 ? -1 : 2 * F))
+        return bad(1, "[" + dimStr(D) + ", " + dimStr(F < 0 ? -1 : 2 * F) + "]");
+    if (!same(wd.d[0], F) || !same(wd.d[1], D)) return bad(2, "[" + dimStr(F) + ", " + dimStr(D) + "]");
+    if (D >= 0 && (D % kPathsHiddenMultiple != 0 || D < kPathsHiddenMultiple || D > kPathsMaxHidden))
+        return n + "hidden size D = " + std::to_string(D) + " is not supported: it must be a positive multiple of "
+            + std::to_string(kPathsHiddenMultiple) + ", at most " + std::to_string(kPathsMaxHidden);
+    if (F >= 0 && (F % kPathsFfnMultiple != 0 || F < kPathsFfnMultiple))
+        return n + "FFN width F = " + std::to_string(F) + " is not supported: it must be a positive multiple of "
+            + std::to_string(kPathsFfnMultiple);
+    if (hidden) *hidden = D;
+    if (ffn) *ffn = F;
+    return "";
+}
+
 std::string specJson()
 {
     std::ostringstream o;
     o << "{\"abi\": " << ZE_PLUGIN_ABI << ", \"namespace\": \"" << kNamespace << "\", \"version\": \"" << kVersion
       << "\", \"nodes\": {";
     struct N { char const* name; int ni, no; };
-    N nodes[] = {{kSihName, 12, 2}, {kGatherName, 2, 3}, {kScatterName, 3, 1}};
-    for (int k = 0; k < 3; ++k)
+    N nodes[] = {{kSihName, 12, 2}, {kGatherName, 2, 3}, {kScatterName, 3, 1}, {kPathsName, 3, 1}};
+    for (int k = 0; k < 4; ++k)
     {
         o << (k ? ", " : "") << "\"" << nodes[k].name << "\": {\"inputs\": " << nodes[k].ni << ", \"outputs\": "
           << nodes[k].no << ", \"fields\": {";

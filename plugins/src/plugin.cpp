@@ -1,15 +1,17 @@
-// TensorRT IPluginV3 glue for the zeroedge nodes (ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter).
+// TensorRT IPluginV3 glue for the zeroedge nodes (ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter,
+// ZeroEdgePathsFFN).
 //
 // One shared library that exports only getCreators and setLoggerFinder (exports.map) and is linked
 // with -Wl,--no-undefined and without libnvinfer: TensorRT loads it with
 // IPluginRegistry::loadLibrary / trtexec --dynamicPlugins, and it can be serialized into a
 // version-compatible engine. Field parsing and shape rules live in fields.cpp (no TensorRT headers);
-// the kernels in kernels.cu. Errors go to TensorRT's logger (found through setLoggerFinder) and the
-// failing call returns nullptr / non-zero, never a crash or a silent wrong result.
+// the kernels in kernels.cu and kernels/paths_gemv.cu. Errors go to TensorRT's logger (found through
+// setLoggerFinder) and the failing call returns nullptr / non-zero, never a crash or a silent wrong result.
 #include "NvInferRuntime.h"
 
 #include "zeroedge_fields.h"
 #include "zeroedge_kernels.h"
+#include "zeroedge_paths.h"
 
 #include <cstdio>
 #include <cstring>
@@ -104,6 +106,22 @@ std::vector<Shape> shapes(DynamicPluginTensorDesc const* in, int32_t n, bool use
 
 int dtypeCode(DataType t) { return t == DataType::kFLOAT ? ZE_F32 : t == DataType::kHALF ? ZE_F16 : -1; }
 bool isFloat(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF; }
+// the decode-path kernels take fp16 / bf16 only
+int pathsDtypeCode(DataType t) { return t == DataType::kHALF ? ZE_PATHS_F16 : t == DataType::kBF16 ? ZE_PATHS_BF16 : -1; }
+
+// ze_strerror's texts for -1..-4 describe the SIH / PAD limits; the paths codes mean the same kinds
+char const* pathsStrerror(int code)
+{
+    switch (code)
+    {
+    case ZE_PATHS_ERR_ARG: return "zeroedge paths kernels: null pointer";
+    case ZE_PATHS_ERR_DTYPE: return "zeroedge paths kernels: dtype must be float16 or bfloat16";
+    case ZE_PATHS_ERR_SHAPE:
+        return "zeroedge paths kernels: unsupported shape (B 1..8, D a multiple of 256 up to 8192, F a multiple of 8)";
+    case ZE_PATHS_ERR_ALIGN: return "zeroedge paths kernels: tensors must be 16-byte aligned";
+    default: return ze_strerror(code);
+    }
+}
 
 // TensorRT's workspace is aligned, but the kernels want 256 bytes: ask for slack and align here.
 constexpr size_t kSlack = 256;
@@ -140,9 +158,9 @@ protected:
         logError(msg);
         return -1;
     }
-    int32_t launchResult(int rc) const noexcept
+    int32_t launchResult(int rc, char const* (*strerror)(int) = ze_strerror) const noexcept
     {
-        if (rc != 0) logError(std::string(getPluginName()) + ": " + ze_strerror(rc));
+        if (rc != 0) logError(std::string(getPluginName()) + ": " + strerror(rc));
         return rc;
     }
 };
@@ -453,6 +471,128 @@ public:
     }
 };
 
+// ------------------------------------------------------------------------------------------ paths
+
+// One FFN of a decode step under the magnitude rule: y = ze_paths_ffn_magnitude(x, w13_t, wd_t).
+class PathsPlugin final : public PluginBase
+{
+public:
+    explicit PathsPlugin(PathsParams const& p)
+        : mP(p)
+    {
+    }
+    PathsPlugin(PathsPlugin const& o)
+        : PluginBase()
+        , mP(o.mP)
+    {
+    }
+    char const* getPluginName() const noexcept override { return kPathsName; }
+    IPluginV3* clone() noexcept override
+    {
+        try
+        {
+            return new PathsPlugin(*this);
+        }
+        catch (std::exception const& e)
+        {
+            logError(std::string(kPathsName) + ": clone failed: " + e.what());
+            return nullptr;
+        }
+    }
+    int32_t getNbOutputs() const noexcept override { return 1; }
+    int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override
+    {
+        if (nbInputs != 3 || nbOutputs != 1) return fail(std::string(kPathsName) + ": expects 3 inputs and 1 output");
+        if (pathsDtypeCode(in[0]) < 0) return fail(std::string(kPathsName) + ": x must be float16 or bfloat16");
+        out[0] = in[0];
+        return 0;
+    }
+    int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
+        int32_t nbOutputs, IExprBuilder&) noexcept override
+    {
+        try
+        {
+            if (nbOutputs != 1) return fail(std::string(kPathsName) + ": expects 1 output (y)");
+            auto s = shapes(in, nbInputs);
+            std::string e = checkPathsShapes(s.data(), nbInputs, nullptr, nullptr);
+            if (!e.empty()) return fail(e);
+            out[0] = in[0];
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kPathsName) + ": " + e.what());
+        }
+    }
+    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs, int32_t nbOutputs) noexcept override
+    {
+        if (nbInputs != 3 || nbOutputs != 1 || pos < 0 || pos >= 4) return false;
+        PluginTensorDesc const& d = io[pos].desc;
+        if (d.format != TensorFormat::kLINEAR) return false;
+        if (pos == 0) return pathsDtypeCode(d.type) >= 0;
+        return d.type == io[0].desc.type;
+    }
+    int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) noexcept override
+    {
+        try
+        {
+            for (bool useMax : {false, true})
+            {
+                auto s = shapes(in, nbInputs, useMax);
+                std::string e = checkPathsShapes(s.data(), nbInputs, nullptr, nullptr);
+                if (!e.empty()) return fail(e);
+            }
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kPathsName) + ": " + e.what());
+        }
+    }
+    size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
+        int32_t) const noexcept override
+    {
+        if (nbInputs != 3) return 0;
+        return ze_paths_work_bytes(int(in[0].max.d[0]), int(in[0].max.d[1]), int(in[2].max.d[0])) + kSlack;
+    }
+    int32_t enqueue(PluginTensorDesc const* inDesc, PluginTensorDesc const*, void const* const* inputs,
+        void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        try
+        {
+            int dt = pathsDtypeCode(inDesc[0].type);
+            if (dt < 0 || inDesc[1].type != inDesc[0].type || inDesc[2].type != inDesc[0].type)
+                return fail(std::string(kPathsName) + ": x, w13_t and wd_t must all be float16 or all bfloat16");
+            Shape s[3] = {toShape(inDesc[0].dims), toShape(inDesc[1].dims), toShape(inDesc[2].dims)};
+            std::string e = checkPathsShapes(s, 3, nullptr, nullptr);
+            if (!e.empty()) return fail(e);
+            int B = int(inDesc[0].dims.d[0]), D = int(inDesc[0].dims.d[1]), F = int(inDesc[2].dims.d[0]);
+            // TensorRT's workspace is not kept between enqueues: work_is_zero = 0 (the launcher clears it)
+            return launchResult(ze_paths_ffn_magnitude(dt, inputs[0], inputs[1], inputs[2], outputs[0], mP.threshold_in,
+                                    mP.threshold, B, D, F, align256(workspace), 0, stream),
+                pathsStrerror);
+        }
+        catch (std::exception const& e)
+        {
+            return fail(std::string(kPathsName) + ": " + e.what());
+        }
+    }
+    PluginFieldCollection const* getFieldsToSerialize() noexcept override
+    {
+        mSer.clear();
+        mSer.emplace_back("threshold_in", &mP.threshold_in, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("threshold", &mP.threshold, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back(kAbiField, &mAbi, PluginFieldType::kINT32, 1);
+        mFC.nbFields = int32_t(mSer.size());
+        mFC.fields = mSer.data();
+        return &mFC;
+    }
+
+private:
+    PathsParams mP;
+};
+
 // ------------------------------------------------------------------------------------------ creators
 
 class CreatorBase : public IPluginCreatorV3One
@@ -539,6 +679,28 @@ protected:
     }
 };
 
+class PathsCreator final : public CreatorBase
+{
+public:
+    PathsCreator()
+        : CreatorBase(kPathsName)
+    {
+    }
+
+protected:
+    IPluginV3* make(std::vector<RawField> const& raw) override
+    {
+        PathsParams p{};
+        std::string e = parsePaths(raw.data(), int32_t(raw.size()), &p);
+        if (!e.empty())
+        {
+            logError(e);
+            return nullptr;
+        }
+        return new PathsPlugin(p);
+    }
+};
+
 } // namespace
 } // namespace zeroedge
 
@@ -555,8 +717,9 @@ __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const*
     static zeroedge::SihCreator sih;
     static zeroedge::PadCreator<zeroedge::GatherPlugin> gather(zeroedge::kGatherName);
     static zeroedge::PadCreator<zeroedge::ScatterPlugin> scatter(zeroedge::kScatterName);
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&sih, &gather, &scatter};
-    nbCreators = 3;
+    static zeroedge::PathsCreator paths;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&sih, &gather, &scatter, &paths};
+    nbCreators = 4;
     return creators;
 }
 

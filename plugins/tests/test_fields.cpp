@@ -185,6 +185,109 @@ int main(int argc, char** argv)
         CHECK(contains(checkScatterShapes(c.data(), 3), "(y) must be [K, D]"), "scatter y mismatch");
         CHECK(contains(checkScatterShapes(c.data(), 2), "expects 3 inputs"), "scatter 2 inputs");
     }
+    // ZeroEdgePathsFFN fields
+    {
+        PathsParams q{};
+        Fields f;
+        f.fl("threshold_in", 0.05f).fl("threshold", 0.01f).in("unknown_extra", 3).in(kAbiField, ZE_PLUGIN_ABI);
+        std::string e = parsePaths(f.f.data(), int32_t(f.f.size()), &q);
+        CHECK(e.empty() && q.threshold_in == 0.05f && q.threshold == 0.01f, "paths fields: " + e);
+        Fields z;
+        z.fl("threshold", 0.f).fl("threshold_in", 0.f);
+        CHECK(parsePaths(z.f.data(), 2, &q).empty() && q.threshold_in == 0.f && q.threshold == 0.f, "zero thresholds");
+        Fields m;
+        m.fl("threshold", 0.1f);
+        e = parsePaths(m.f.data(), 1, &q);
+        CHECK(contains(e, "ZeroEdgePathsFFN: required field 'threshold_in' is missing"), "missing threshold_in: " + e);
+        Fields m2;
+        m2.fl("threshold_in", 0.1f);
+        CHECK(contains(parsePaths(m2.f.data(), 1, &q), "'threshold' is missing"), "missing threshold");
+        Fields t;
+        t.fl("threshold_in", 0.1f).in("threshold", 1);
+        e = parsePaths(t.f.data(), 2, &q);
+        CHECK(contains(e, "ZeroEdgePathsFFN: field 'threshold' must be FLOAT32"), "int threshold: " + e);
+        double d = 0.5;
+        RawField r[2] = {{"threshold_in", &d, FieldKind::kOther, 1, "kFLOAT64"}, {"threshold", &d, FieldKind::kOther, 1, "kFLOAT64"}};
+        CHECK(contains(parsePaths(r, 2, &q), "'threshold_in' must be FLOAT32 (ONNX FLOAT attribute), got kFLOAT64"),
+            "float64 threshold_in");
+        float v[2] = {0.1f, 0.2f};
+        RawField two[2] = {{"threshold_in", v, FieldKind::kFloat32, 2, "kFLOAT32"}, {"threshold", v, FieldKind::kFloat32, 1, "kFLOAT32"}};
+        CHECK(contains(parsePaths(two, 2, &q), "'threshold_in' must hold exactly one value, got 2"), "two threshold_in");
+        Fields n;
+        n.fl("threshold_in", std::nanf("")).fl("threshold", 0.1f);
+        CHECK(contains(parsePaths(n.f.data(), 2, &q), "'threshold_in' must be a finite number >= 0"), "nan threshold_in");
+        Fields i;
+        i.fl("threshold_in", 0.1f).fl("threshold", INFINITY);
+        CHECK(contains(parsePaths(i.f.data(), 2, &q), "'threshold' must be a finite number >= 0"), "inf threshold");
+        Fields g;
+        g.fl("threshold_in", 0.1f).fl("threshold", -0.5f);
+        e = parsePaths(g.f.data(), 2, &q);
+        CHECK(e == "ZeroEdgePathsFFN: field 'threshold' must be a finite number >= 0, got -0.5", "negative: " + e);
+        Fields a;
+        a.fl("threshold_in", 0.1f).fl("threshold", 0.1f).in(kAbiField, ZE_PLUGIN_ABI + 1);
+        CHECK(contains(parsePaths(a.f.data(), 3, &q), "ZeroEdgePathsFFN: engine was built with plugin ABI 2"), "paths abi");
+        CHECK(contains(parsePaths(nullptr, 2, &q), "no field collection"), "paths null fields");
+        CHECK(fieldSpecs(kPathsName).size() == 2 && fieldSpecs(kPathsName)[0].required, "paths field specs");
+    }
+    // ZeroEdgePathsFFN shapes: x [B, D], w13_t [D, 2F], wd_t [F, D]
+    {
+        auto ps = [](int64_t B, int64_t D, int64_t F) {
+            return std::vector<Shape>{sh({B, D}), sh({D, F < 0 ? -1 : 2 * F}), sh({F, D})};
+        };
+        int64_t D = 0, F = 0;
+        auto s = ps(4, 2048, 5632);
+        CHECK(checkPathsShapes(s.data(), 3, &D, &F).empty() && D == 2048 && F == 5632, "good paths shapes");
+        s = ps(-1, 768, 1536);
+        CHECK(checkPathsShapes(s.data(), 3, &D, &F).empty() && D == 768 && F == 1536, "dynamic B");
+        s = ps(1, 256, 8);
+        CHECK(checkPathsShapes(s.data(), 3, nullptr, nullptr).empty(), "smallest sizes");
+        s = ps(8, 8192, 64);
+        CHECK(checkPathsShapes(s.data(), 3, nullptr, nullptr).empty(), "B = 8, D = 8192");
+        s = {sh({2, -1}), sh({-1, -1}), sh({-1, 512})};
+        CHECK(checkPathsShapes(s.data(), 3, &D, &F).empty() && D == 512 && F == -1, "D from wd_t, F unknown");
+        s = {sh({2, 512}), sh({512, 128}), sh({-1, 512})};
+        CHECK(checkPathsShapes(s.data(), 3, &D, &F).empty() && F == 64, "F from w13_t");
+        std::string e;
+        s = ps(9, 2048, 64);
+        e = checkPathsShapes(s.data(), 3, nullptr, nullptr);
+        CHECK(contains(e, "input 0 (x) must be [B, D] with B (decode tokens) in 1..8, got [9, 2048]"), "B = 9: " + e);
+        s = ps(0, 2048, 64);
+        CHECK(contains(checkPathsShapes(s.data(), 3, nullptr, nullptr), "1..8"), "B = 0");
+        s = ps(2, 576, 1536);
+        e = checkPathsShapes(s.data(), 3, nullptr, nullptr);
+        CHECK(contains(e, "hidden size D = 576 is not supported: it must be a positive multiple of 256, at most 8192"),
+            "D = 576: " + e);
+        s = ps(2, 8448, 64);
+        CHECK(contains(checkPathsShapes(s.data(), 3, nullptr, nullptr), "D = 8448"), "D = 8448");
+        s = ps(2, 512, 100);
+        e = checkPathsShapes(s.data(), 3, nullptr, nullptr);
+        CHECK(contains(e, "FFN width F = 100 is not supported: it must be a positive multiple of 8"), "F = 100: " + e);
+        s = ps(2, 512, 64);
+        s[1] = sh({512, 130});
+        e = checkPathsShapes(s.data(), 3, nullptr, nullptr);
+        CHECK(contains(e, "input 1 (w13_t) must be [D, 2F] = [512, 128], got [512, 130]"), "w13_t width: " + e);
+        s[1] = sh({512, 129});
+        CHECK(contains(checkPathsShapes(s.data(), 3, nullptr, nullptr), "odd width"), "odd w13_t width");
+        s = ps(2, 512, 64);
+        s[1] = sh({256, 128});
+        CHECK(contains(checkPathsShapes(s.data(), 3, nullptr, nullptr), "(w13_t) must be [D, 2F] = [512, 128]"),
+            "w13_t rows");
+        s = ps(2, 512, 64);
+        s[2] = sh({64, 256});
+        e = checkPathsShapes(s.data(), 3, nullptr, nullptr);
+        CHECK(contains(e, "input 2 (wd_t) must be [F, D] = [64, 512], got [64, 256]"), "wd_t width: " + e);
+        s = ps(2, 512, 64);
+        s[0] = sh({1, 2, 512});
+        CHECK(contains(checkPathsShapes(s.data(), 3, nullptr, nullptr), "input 0 (x) must be 2-D [B, D]"), "3-D x");
+        s = ps(2, 512, 64);
+        s[2] = sh({64 * 512});
+        CHECK(contains(checkPathsShapes(s.data(), 3, nullptr, nullptr), "input 2 (wd_t) must be 2-D [F, D]"), "1-D wd_t");
+        CHECK(contains(checkPathsShapes(s.data(), 2, nullptr, nullptr), "expects 3 inputs (x, w13_t, wd_t), got 2"),
+            "paths 2 inputs");
+    }
+    CHECK(contains(specJson(), "\"ZeroEdgePathsFFN\": {\"inputs\": 3, \"outputs\": 1, \"fields\": {\"threshold_in\": "
+                               "[\"float\", null], \"threshold\": [\"float\", null]}}"),
+        "paths spec json");
     CHECK(contains(specJson(), "\"threshold\": [\"float\", null]"), "spec json");
     if (g_fail)
     {

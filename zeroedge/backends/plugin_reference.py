@@ -1,30 +1,42 @@
-"""PyTorch reference for the plugin nodes of zeroedge.plugin_spec (what plugins/src/kernels.cu computes).
+"""PyTorch reference for the plugin nodes of zeroedge.plugin_spec (what plugins/src/kernels.cu and
+plugins/kernels/paths_gemv.cu compute).
 
 Small, readable functions that mirror the node semantics exactly; the device tests compare the CUDA
 kernels against them, and the portable ONNX functions compute the same thing. Arithmetic is float32
-(or float64 when the inputs are float64); tensors are [T, D] (no batch dimension).
+(or float64 when the inputs are float64); tensors are [T, D] (no batch dimension), or [B, D] decode
+tokens for paths_ffn.
 
     keep, base   = sih(x, w1, b1, w2, b2, w3, b3, w4, b4, anchor_a, anchor_b, anchor_c, **fields)
     xs, idx, cnt = pad_gather(x, keep)
     out          = pad_scatter(base, y, idx)
+    y            = paths_ffn(x, w13_t, wd_t, threshold_in, threshold)
 """
 from __future__ import annotations
 
 from zeroedge import plugin_spec
 
 
-def sih_fields(**overrides) -> dict:
-    """The ZeroEdgeSIH fields with plugin_spec defaults filled in (threshold is required)."""
-    spec = plugin_spec.NODES["ZeroEdgeSIH"]["fields"]
+def _fields(op: str, overrides: dict) -> dict:
+    spec = plugin_spec.NODES[op]["fields"]
     unknown = set(overrides) - set(spec)
     if unknown:
-        raise TypeError(f"unknown ZeroEdgeSIH fields: {sorted(unknown)}")
+        raise TypeError(f"unknown {op} fields: {sorted(unknown)}")
     out = {k: d for k, (_, d) in spec.items()}
     out.update(overrides)
     missing = [k for k, v in out.items() if v is None]
     if missing:
-        raise TypeError(f"ZeroEdgeSIH fields without a value: {missing}")
+        raise TypeError(f"{op} fields without a value: {missing}")
     return out
+
+
+def sih_fields(**overrides) -> dict:
+    """The ZeroEdgeSIH fields with plugin_spec defaults filled in (threshold is required)."""
+    return _fields("ZeroEdgeSIH", overrides)
+
+
+def paths_fields(**overrides) -> dict:
+    """The ZeroEdgePathsFFN fields (threshold_in and threshold are both required)."""
+    return _fields("ZeroEdgePathsFFN", overrides)
 
 
 def sih_scores(x, w1, b1, w2, b2, w3, b3, w4, b4):
@@ -115,3 +127,26 @@ def pad_scatter(base, y, idx):
     out = base.clone()
     out[idx.long()] = y
     return out
+
+
+def paths_ffn(x, w13_t, wd_t, threshold_in: float, threshold: float):
+    """ZeroEdgePathsFFN: y [B, D] (x's dtype) for x [B, D], w13_t [D, 2F] (gate columns, then up), wd_t [F, D].
+
+    Per token b (masks are per token, never shared across the batch):
+    x'[b, k] = x[b, k] where |x[b, k]| >= threshold_in, else 0; g | u = x' w13_t;
+    a = silu(g) * u; a'[b, j] = a[b, j] where |a[b, j]| >= threshold, else 0; y = a' wd_t.
+    The thresholds are float32 fields; arithmetic float32 (float64 for float64 inputs)."""
+    import torch
+
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    thr_in, thr = (float(torch.tensor(t, dtype=torch.float32)) for t in (threshold_in, threshold))
+    F = wd_t.shape[0]
+    if x.dim() != 2 or tuple(w13_t.shape) != (x.shape[1], 2 * F) or tuple(wd_t.shape) != (F, x.shape[1]):
+        raise ValueError(f"ZeroEdgePathsFFN: want x [B, D], w13_t [D, 2F], wd_t [F, D]; got {tuple(x.shape)}, "
+                         f"{tuple(w13_t.shape)}, {tuple(wd_t.shape)}")
+    xf = x.to(ct)
+    xk = torch.where(xf.abs() >= thr_in, xf, torch.zeros_like(xf))
+    gu = xk @ w13_t.to(ct)
+    a = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]
+    a = torch.where(a.abs() >= thr, a, torch.zeros_like(a))
+    return (a @ wd_t.to(ct)).to(x.dtype)

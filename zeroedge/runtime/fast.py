@@ -293,6 +293,12 @@ class ThermalDecoder(_Step):
         self.widx = torch.zeros(1, dtype=torch.long, device=dev)
         self.use_triton = dev.type == "cuda"
         self.ar_slots = torch.arange(self.slots, device=dev)
+        # per-block shares of each query head's log-sum-exp over pages, written by the sketch
+        # kernel for the two-stage swap (CUDA)
+        from zeroedge.runtime.kernels import part_blocks
+        nb = part_blocks(self.n, rank)
+        self.lse_part = (torch.empty(self.nkv, self.H // self.nkv, nb, device=dev),
+                         torch.empty(self.nkv, self.H // self.nkv, nb, device=dev)) if pin else None
 
     def device_kv_bytes(self) -> dict:
         el = self.wk.element_size()
@@ -355,11 +361,11 @@ class ThermalDecoder(_Step):
     def _per_step(self):
         self.mask = _additive((self.wpos >= 0) & (self.wpos <= self.pos), self.dtype).view(1, 1, 1, -1)
 
-    def _page_lse(self, li, q):
+    def _page_lse(self, li, q, part=None):
         """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page."""
         from zeroedge.runtime.kernels import sketch_page_lse_q
 
-        return sketch_page_lse_q(q, self.A[li], self.codes[li], self.scales[li], self.ps)
+        return sketch_page_lse_q(q, self.A[li], self.codes[li], self.scales[li], self.ps, part=part)
 
     def _score(self, li, q):
         """(nkv, n) page scores (-inf for sink and recent pages, which are always in the window)."""
@@ -377,8 +383,8 @@ class ThermalDecoder(_Step):
         wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, pe)
         hk = self.hk[li].view(self.nkv, self.n, pe)
         hv = self.hv[li].view(self.nkv, self.n, pe)
-        swap_pages(self._page_lse(li, q), self.page_bias, self.page_slot[li], self.slot_page[li],
-                   wk, wv, hk, hv, self.fetch)
+        swap_pages(self._page_lse(li, q, self.lse_part), self.page_bias, self.page_slot[li],
+                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part)
 
     def _attend(self, li, q, k, v, flag):
         K, V = self.wk[li], self.wv[li]

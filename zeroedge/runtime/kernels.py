@@ -11,6 +11,16 @@ from __future__ import annotations
 import torch
 
 _kernel = None
+SKETCH_PB = 32        # pages a sketch program scores at a time
+SKETCH_PROGRAMS = 64  # programs a kv head at most: each loops over its share of the pages
+
+
+def sketch_blocks(n: int, pages_per_block: int | None = None) -> tuple:
+    """(programs a kv head, page blocks each program loops over) for n pages; the sketch kernel
+    writes one log-sum-exp share per program, so `part` buffers are (nkv, grp, programs)."""
+    blocks = -(-n // (pages_per_block or SKETCH_PB))
+    it = -(-blocks // min(blocks, SKETCH_PROGRAMS))
+    return -(-blocks // it), it
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -40,8 +50,8 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def k(qr_ptr, codes_ptr, scales_ptr, out_ptr, P, n,
-          GRP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr):
+    def k(qr_ptr, codes_ptr, scales_ptr, out_ptr, pm_ptr, psum_ptr, P, n, NB,
+          GRP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr, PART: tl.constexpr):
         h = tl.program_id(0)
         pb = tl.program_id(1)
         pages = pb * PB + tl.arange(0, PB)
@@ -64,10 +74,16 @@ def _build():
             m = tl.max(s, axis=1)
             l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
             tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
+            if PART:   # this block's share of the query head's log-sum-exp over pages
+                lv = tl.where(pmask, l, float("-inf"))
+                bm = tl.max(lv, 0)
+                tl.store(pm_ptr + (h * GRP + g) * NB + pb, bm)
+                tl.store(psum_ptr + (h * GRP + g) * NB + pb, tl.sum(tl.exp(lv - bm), 0))
 
     @triton.jit
-    def kq(q_ptr, a_ptr, inv_sqrt, codes_ptr, scales_ptr, out_ptr, P, n,
-           GRP: tl.constexpr, HD: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr):
+    def kq(q_ptr, a_ptr, inv_sqrt, codes_ptr, scales_ptr, out_ptr, pm_ptr, psum_ptr, P, n, NB,
+           GRP: tl.constexpr, HD: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr,
+           PART: tl.constexpr):
         # the same, with qr = q @ A / sqrt(hd) computed here (no separate cast / bmm / scale kernels);
         # the code loads repeat k's: a shared @triton.jit helper would have to live at module level,
         # and this module imports triton lazily
@@ -98,36 +114,120 @@ def _build():
             m = tl.max(s, axis=1)
             l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
             tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
+            if PART:
+                lv = tl.where(pmask, l, float("-inf"))
+                bm = tl.max(lv, 0)
+                tl.store(pm_ptr + (h * GRP + g) * NB + pb, bm)
+                tl.store(psum_ptr + (h * GRP + g) * NB + pb, tl.sum(tl.exp(lv - bm), 0))
 
-    return k, kq
+    @triton.jit
+    def qp(q_ptr, a_ptr, inv_sqrt, qr_ptr, GRP, GP: tl.constexpr, HD: tl.constexpr, R: tl.constexpr):
+        # qr = q A / sqrt(hd) for every query head of a kv head
+        h = tl.program_id(0)
+        gi = tl.arange(0, GP)
+        dd = tl.arange(0, HD)
+        ri = tl.arange(0, R)
+        qt = tl.load(q_ptr + (h * GRP + gi[:, None]) * HD + dd[None, :], mask=gi[:, None] < GRP,
+                     other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + h * HD * R + dd[:, None] * R + ri[None, :])
+        qr = tl.sum(qt[:, :, None] * a[None, :, :], axis=1) * inv_sqrt
+        tl.store(qr_ptr + (h * GRP + gi[:, None]) * R + ri[None, :], qr, mask=gi[:, None] < GRP)
+
+    @triton.jit
+    def kl(qr_ptr, codes_ptr, scales_ptr, out_ptr, pm_ptr, psum_ptr, P, n, NB, ITER: tl.constexpr,
+           GRP: tl.constexpr, GP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr,
+           PART: tl.constexpr):
+        # k's scores, a program looping over ITER blocks of PB pages (loads pipelined across
+        # iterations, few programs); its log-sum-exp share per query head is kept running. (A
+        # tensor-core form, scaled codes [PB * PS, r] times qr^T, measured 2.5-3x slower.)
+        h = tl.program_id(0)
+        c = tl.program_id(1)
+        rr = tl.arange(0, R2)
+        gi = tl.arange(0, GP)
+        run_m = tl.full([GP], float("-inf"), tl.float32)
+        run_s = tl.zeros([GP], tl.float32)
+        for it in range(ITER):
+            pages = (c * ITER + it) * PB + tl.arange(0, PB)
+            pmask = pages < n
+            toks = pages[:, None] * PS + tl.arange(0, PS)[None, :]
+            b = tl.load(codes_ptr + h * P * R2 + toks[:, :, None] * R2 + rr[None, None, :],
+                        mask=pmask[:, None, None], other=136)
+            sbase = scales_ptr + h * n * 2 * R2 + pages[:, None] * 2 * R2
+            se = tl.load(sbase + 2 * rr[None, :], mask=pmask[:, None], other=0).to(tl.float32)
+            so = tl.load(sbase + 2 * rr[None, :] + 1, mask=pmask[:, None], other=0).to(tl.float32)
+            lo = ((b & 15).to(tl.float32) - 8.0) * se[:, None, :]
+            hi = ((b >> 4).to(tl.float32) - 8.0) * so[:, None, :]
+            for g in tl.static_range(GRP):
+                qe = tl.load(qr_ptr + (h * GRP + g) * 2 * R2 + 2 * rr)
+                qo = tl.load(qr_ptr + (h * GRP + g) * 2 * R2 + 2 * rr + 1)
+                s = tl.sum(lo * qe[None, None, :] + hi * qo[None, None, :], axis=2)
+                m = tl.max(s, axis=1)
+                l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
+                tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
+                if PART:
+                    lv = tl.where(pmask, l, float("-inf"))
+                    bm = tl.max(lv, 0)
+                    bs = tl.sum(tl.exp(lv - bm), 0)
+                    om = tl.sum(tl.where(gi == g, run_m, 0.0), 0)
+                    os_ = tl.sum(tl.where(gi == g, run_s, 0.0), 0)
+                    nm = tl.maximum(om, bm)
+                    sh = tl.where(nm == float("-inf"), 0.0, nm)
+                    ns = os_ * tl.exp(om - sh) + tl.where(bm == float("-inf"), 0.0, bs * tl.exp(bm - sh))
+                    run_m = tl.where(gi == g, nm, run_m)
+                    run_s = tl.where(gi == g, ns, run_s)
+        if PART:
+            tl.store(pm_ptr + (h * GRP + gi) * NB + c, run_m, mask=gi < GRP)
+            tl.store(psum_ptr + (h * GRP + gi) * NB + c, run_s, mask=gi < GRP)
+
+    return k, kq, qp, kl
 
 
-def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block: int = 16):
+SKETCH_LOOP = True   # qp + kl (programs loop over pages); False: the one-block kernels k / kq
+
+
+def part_blocks(n: int, rank: int, pages_per_block: int | None = None) -> int:
+    """Length of the last axis of the `part` buffers for n pages at this sketch rank."""
+    pb = pages_per_block or SKETCH_PB
+    return sketch_blocks(n, pb)[0] if SKETCH_LOOP else -(-n // pb)
+
+
+def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
     """q (H, hd) queries of one step, A (nkv, hd, r) fp32 query bases -> (nkv, grp, n): the same as
-    sketch_page_lse(q @ A / sqrt(hd), ...), one kernel on CUDA."""
+    sketch_page_lse(q @ A / sqrt(hd), ...). part: optional (max, sum) fp32 tensors
+    (nkv, grp, sketch_blocks(n)[0]) that receive each program's share of every query head's
+    log-sum-exp over pages (CUDA only; swap_pages' two-stage path reads them)."""
     global _kernel
+    pages_per_block = pages_per_block or SKETCH_PB
     nkv, P, r2 = codes.shape
     hd = A.shape[1]
     grp = q.shape[0] // nkv
-    # fused only for up to 1024 pages: every program reloads A, which costs more than the two
-    # extra kernels beyond that (H200: 17 vs 23 us a layer at 512 pages, 35 vs 32 at 2048, 75 vs
-    # 56 at 8192; benchmarks/thermal_kv.md)
-    if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1) or P // page_size > 1024:
+    gp = 1 << max(0, (grp - 1).bit_length())
+    if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1):
         qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
-        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block)
+        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
     if _kernel is None:
         _kernel = _build()
+    if SKETCH_LOOP:
+        qr = torch.empty(nkv, grp, 2 * r2, device=codes.device, dtype=torch.float32)
+        _kernel[2][(nkv,)](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, qr, grp, GP=gp, HD=hd, R=2 * r2)
+        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
     n = P // page_size
+    if n > 1024:  # kq reloads A in every program: beyond 1024 pages the separate projection wins
+        qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
+        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
     if out is None:
         out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
-    grid = (nkv, (n + pages_per_block - 1) // pages_per_block)
-    _kernel[1][grid](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, codes.contiguous(), scales.contiguous(),
-                     out, P, n, GRP=grp, HD=hd, R2=r2, PS=page_size, PB=pages_per_block)
+    nb = (n + pages_per_block - 1) // pages_per_block
+    pm, psum = part if part is not None else (out, out)
+    _kernel[1][(nkv, nb)](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, codes.contiguous(), scales.contiguous(),
+                          out, pm, psum, P, n, nb, GRP=grp, HD=hd, R2=r2, PS=page_size, PB=pages_per_block,
+                          PART=part is not None)
     return out
 
 
-def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int = 16):
+def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
     global _kernel
+    pages_per_block = pages_per_block or SKETCH_PB
     if not codes.is_cuda:
         return sketch_page_lse_ref(qr, codes, scales, page_size)
     if _kernel is None:
@@ -137,9 +237,17 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
     n = P // page_size
     if out is None:
         out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
-    grid = (nkv, (n + pages_per_block - 1) // pages_per_block)
-    _kernel[0][grid](qr.contiguous(), codes.contiguous(), scales.contiguous(), out, P, n,
-                     GRP=grp, R2=r2, PS=page_size, PB=pages_per_block)
+    if SKETCH_LOOP:
+        nb, it = sketch_blocks(n, pages_per_block)
+        pm, psum = part if part is not None else (out, out)
+        _kernel[3][(nkv, nb)](qr.float().contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n,
+                              nb, ITER=it, GRP=grp, GP=1 << max(0, (grp - 1).bit_length()), R2=r2, PS=page_size,
+                              PB=pages_per_block, PART=part is not None)
+        return out
+    nb = (n + pages_per_block - 1) // pages_per_block
+    pm, psum = part if part is not None else (out, out)
+    _kernel[0][(nkv, nb)](qr.contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n, nb,
+                          GRP=grp, R2=r2, PS=page_size, PB=pages_per_block, PART=part is not None)
     return out
 
 
@@ -226,13 +334,104 @@ def _build_swap():
         tl.store(wk_ptr + do, kv, mask=ok)
         tl.store(wv_ptr + do, vv, mask=ok)
 
-    return k
+    # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
+    # chunk, normalising with the per-block log-sum-exp shares the sketch kernel wrote, and keeps
+    # its F best missing and F worst resident pages; `dec` (a program per kv head) runs the same
+    # greedy on those candidates and copies. The global F best are among the chunks' F best, and
+    # ties fall to the lowest page as in the one-program kernel, so the decisions are the same.
+    @triton.jit
+    def sel(pl_ptr, pm_ptr, psum_ptr, bias_ptr, pslot_ptr, cm_ptr, cmi_ptr, cr_ptr, cri_ptr, n, NB,
+            GRP: tl.constexpr, NBP: tl.constexpr, C: tl.constexpr, F: tl.constexpr, FP: tl.constexpr):
+        h = tl.program_id(0)
+        c = tl.program_id(1)
+        nc = tl.num_programs(1)
+        loc = tl.arange(0, C)
+        offs = c * C + loc
+        m = offs < n
+        bo = tl.arange(0, NBP)
+        sc = tl.full([C], float("-inf"), tl.float32)
+        for g in tl.static_range(GRP):
+            pm = tl.load(pm_ptr + (h * GRP + g) * NB + bo, mask=bo < NB, other=float("-inf"))
+            ps = tl.load(psum_ptr + (h * GRP + g) * NB + bo, mask=bo < NB, other=0.0)
+            mx = tl.max(pm, 0)
+            lse = mx + tl.log(tl.sum(ps * tl.exp(pm - mx), 0))
+            v = tl.load(pl_ptr + (h * GRP + g) * n + offs, mask=m, other=float("-inf"))
+            sc = tl.maximum(sc, v - lse)
+        sc = sc + tl.load(bias_ptr + offs, mask=m, other=float("-inf"))
+        slot = tl.load(pslot_ptr + h * n + offs, mask=m, other=-1)
+        ms = tl.where(m & (slot < 0), sc, float("-inf"))
+        rs = tl.where(m & (slot >= 0), sc, float("inf"))
+        fi = tl.arange(0, FP)
+        vms = tl.full([FP], float("-inf"), tl.float32)
+        vrs = tl.full([FP], float("inf"), tl.float32)
+        ims = tl.zeros([FP], tl.int64)
+        irs = tl.zeros([FP], tl.int64)
+        for i in tl.static_range(F):
+            a = tl.argmax(ms, 0)
+            b = tl.argmin(rs, 0)
+            vms = tl.where(fi == i, tl.max(ms, 0), vms)
+            vrs = tl.where(fi == i, tl.min(rs, 0), vrs)
+            ims = tl.where(fi == i, c * C + a, ims)
+            irs = tl.where(fi == i, c * C + b, irs)
+            ms = tl.where(loc == a, float("-inf"), ms)
+            rs = tl.where(loc == b, float("inf"), rs)
+        base = (h * nc + c) * FP + fi
+        tl.store(cm_ptr + base, vms)
+        tl.store(cmi_ptr + base, ims)
+        tl.store(cr_ptr + base, vrs)
+        tl.store(cri_ptr + base, irs)
+
+    @triton.jit
+    def dec(cm_ptr, cmi_ptr, cr_ptr, cri_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, n, S,
+            w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr, PE: tl.constexpr,
+            PEB: tl.constexpr):
+        h = tl.program_id(0)
+        offs = tl.arange(0, NCP)
+        m = offs < NCAND
+        ms = tl.load(cm_ptr + h * NCAND + offs, mask=m, other=float("-inf"))
+        mi = tl.load(cmi_ptr + h * NCAND + offs, mask=m, other=0)
+        rs = tl.load(cr_ptr + h * NCAND + offs, mask=m, other=float("inf"))
+        ri = tl.load(cri_ptr + h * NCAND + offs, mask=m, other=0)
+        fi = tl.arange(0, FP)
+        src = tl.full([FP], -1, tl.int64)
+        dst = tl.full([FP], -1, tl.int64)
+        for i in tl.static_range(F):
+            a = tl.argmax(ms, 0)
+            b = tl.argmin(rs, 0)
+            vm = tl.max(ms, 0)
+            vr = tl.min(rs, 0)
+            bm = tl.sum(tl.where(offs == a, mi, 0), 0)
+            wr = tl.sum(tl.where(offs == b, ri, 0), 0)
+            ms = tl.where(offs == a, float("-inf"), ms)
+            rs = tl.where(offs == b, float("inf"), rs)
+            if vm > vr:
+                s = tl.load(pslot_ptr + h * n + wr)
+                tl.store(pslot_ptr + h * n + wr, -1)
+                tl.store(pslot_ptr + h * n + bm, s)
+                tl.store(spage_ptr + h * S + s, bm)
+                src = tl.where(fi == i, bm, src)
+                dst = tl.where(fi == i, s, dst)
+        e = tl.arange(0, PEB)
+        ok = (src >= 0)[:, None] & (e < PE)[None, :]
+        so = (h * n + src)[:, None] * PE + e[None, :]
+        do = (h * w_head + dst * PE)[:, None] + e[None, :]
+        kv = tl.load(hk_ptr + so, mask=ok)
+        vv = tl.load(hv_ptr + so, mask=ok)
+        tl.store(wk_ptr + do, kv, mask=ok)
+        tl.store(wv_ptr + do, vv, mask=ok)
+
+    return k, sel, dec
 
 
-def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
+SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
+
+
+def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, part=None,
+               chunk: int | None = None):
     """pl (nkv, grp, n) from sketch_page_lse; the rest as in swap_pages_ref, except wk / wv are the
     slot part of the window as (nkv, S, PE) views with any head stride (contiguous within a head).
-    CUDA: one fused Triton kernel; elsewhere the torch reference."""
+    CUDA: one fused Triton kernel, or with `part` (the sketch kernel's per-block log-sum-exp
+    shares) and more than `chunk` pages the two-stage kernels; elsewhere the torch reference."""
     global _swap_kernel
     if not pl.is_cuda:
         swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch)
@@ -243,8 +442,25 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
     S, PE = slot_page.shape[1], wk.shape[2]
     if wk.stride(1) != PE or wk.stride(2) != 1 or wk.stride() != wv.stride():
         raise ValueError("swap_pages: window slot pages must be contiguous within a head")
+    chunk = SWAP_CHUNK if chunk is None else chunk
+    F, FP = int(fetch), 1 << max(0, (int(fetch) - 1).bit_length())
+    PEB = 1 << max(0, (PE - 1).bit_length())
+    if part is not None and n > chunk:
+        pm, psum = part
+        nc = (n + chunk - 1) // chunk
+        NB = pm.shape[-1]
+        cm = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.float32)
+        cr = torch.empty_like(cm)
+        cmi = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.int64)
+        cri = torch.empty_like(cmi)
+        _swap_kernel[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cmi, cr, cri, n, NB, GRP=grp,
+                                   NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP,
+                                   num_warps=4)
+        ncand = nc * FP
+        _swap_kernel[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
+                                ncand, NCP=1 << max(0, (ncand - 1).bit_length()), F=F, FP=FP, PE=PE, PEB=PEB,
+                                num_warps=4)
+        return
     NP = 1 << max(0, (n - 1).bit_length())
-    _swap_kernel[(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
-                         GRP=grp, NP=NP, F=int(fetch), FP=1 << max(0, (int(fetch) - 1).bit_length()), PE=PE,
-                         PEB=1 << max(0, (PE - 1).bit_length()),
-                         num_warps=min(16, max(4, NP // 512)))
+    _swap_kernel[0][(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
+                            GRP=grp, NP=NP, F=F, FP=FP, PE=PE, PEB=PEB, num_warps=min(16, max(4, NP // 512)))

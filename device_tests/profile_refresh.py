@@ -1,0 +1,92 @@
+"""Where a thermal-KV refresh spends its time, per layer, on a CUDA GPU (llama-3.2-1b shape,
+random prefix): the sketch scores alone, the swap decisions with no page moving (every page
+barred), the whole refresh, and a copy of the same pages from device memory instead of mapped
+host memory. CUDA-graph replays, medians.
+
+    PYTHONUNBUFFERED=1 python3 device_tests/profile_refresh.py [--ctx 8192,32768,131072]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from thermal_kv_gpu import graph_timed, random_prefix  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", default="8192,32768,131072")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("SKIP: needs CUDA")
+        return
+    from zeroedge import model as M
+    from zeroedge.runtime import kernels as K
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    ctxs = [int(c) for c in a.ctx.split(",")]
+    with torch.device(dev):
+        m = M.build(M.PRESETS["llama-3.2-1b"].with_(max_seq_len=max(ctxs) + 128), dtype=dt, seed=0)
+    out = {}
+    L = m.cfg.n_layers
+    defaults = (K.SKETCH_LOOP, K.SKETCH_PROGRAMS)
+    for ctx in ctxs:
+        ks, vs = random_prefix(m.cfg, ctx, dev, dt)
+        t = ThermalDecoder(m, ctx, 64, budget=0.1, fetch=4, graph=True)
+        t.load_prefix(ks, vs)
+        ks = vs = None
+        q = torch.randn(t.H, t.hd, device=dev, dtype=dt)
+        z = torch.zeros(1, device=dev)
+        r = {"pages": t.n}
+        per = lambda f: graph_timed(f, dev) * 1e6 / L        # µs per layer, all layers in one graph
+        r["floor"] = graph_timed(lambda: z.add_(1), dev) * 1e6 / L
+        r["sketch"] = per(lambda: [t._page_lse(li, q) for li in range(L)])
+        r["sketch_part"] = per(lambda: [t._page_lse(li, q, t.lse_part) for li in range(L)])
+        pls = [t._page_lse(li, q, t.lse_part).clone() for li in range(L)]
+        S, pe = t.slots, t.ps * t.hd
+        views = [(t.wk[li, :, t.fix_len:].view(t.nkv, S, pe), t.wv[li, :, t.fix_len:].view(t.nkv, S, pe),
+                  t.hk[li].view(t.nkv, t.n, pe), t.hv[li].view(t.nkv, t.n, pe)) for li in range(L)]
+        barred = torch.full_like(t.page_bias, float("-inf"))
+
+        def swaps(bias, chunk):
+            for li in range(L):
+                wk, wv, hk, hv = views[li]
+                K.swap_pages(pls[li], bias, t.page_slot[li], t.slot_page[li], wk, wv, hk, hv, t.fetch,
+                             part=t.lse_part, chunk=chunk)
+
+        for name, chunk in (("one", 1 << 30), ("two256", 256)):
+            r[f"swap_{name}_no_moves"] = per(lambda: swaps(barred, chunk))
+            r[f"swap_{name}"] = per(lambda: swaps(t.page_bias, chunk))
+        r["refresh"] = per(lambda: [t._swap(li, q) for li in range(L)])
+        for loop, pb, progs in ((False, 16, 0), (True, 8, 64), (True, 16, 64), (True, 16, 128), (True, 32, 64),
+                                (True, 32, 128), (True, 64, 64)):
+            K.SKETCH_LOOP, K.SKETCH_PROGRAMS = loop, progs or K.SKETCH_PROGRAMS
+            nb = K.part_blocks(t.n, t.rank, pb)
+            part = (torch.empty(t.nkv, t.grp, nb, device=dev), torch.empty(t.nkv, t.grp, nb, device=dev))
+            r[f"sketch_{'loop' if loop else 'block'}_pb{pb}_p{progs}"] = per(
+                lambda: [K.sketch_page_lse_q(q, t.A[li], t.codes[li], t.scales[li], t.ps, pages_per_block=pb,
+                                             part=part) for li in range(L)])
+        K.SKETCH_LOOP, K.SKETCH_PROGRAMS = defaults
+        out[ctx] = r
+        print(ctx, json.dumps({k: round(v, 2) for k, v in r.items()}), flush=True)
+        t = pls = views = None
+        torch.cuda.empty_cache()
+    print("sketch variants (µs / layer):", {c: {k[7:]: round(v, 1) for k, v in r.items() if k.startswith("sketch_")}
+                                            for c, r in out.items()})
+    print("\nper layer, µs (16 layers in one CUDA graph):")
+    print("| ctx | pages | sketch | sketch + lse shares | swap, no page moves (one program / two-stage) | swap (one / two-stage) | refresh |")
+    for ctx, r in out.items():
+        print(f"| {ctx} | {r['pages']} | {r['sketch']:.1f} | {r['sketch_part']:.1f} | "
+              f"{r['swap_one_no_moves']:.1f} / {r['swap_two256_no_moves']:.1f} | "
+              f"{r['swap_one']:.1f} / {r['swap_two256']:.1f} | {r['refresh']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

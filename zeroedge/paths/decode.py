@@ -50,9 +50,15 @@ class PathsDecoder(DenseDecoder):
         if kernels not in ("auto", "triton", "cuda", "torch"):
             raise UserError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
         super().__init__(model, max_len, graph=graph, attn=attn)
+        self._pick_kernels(kernels, kernels_lib)
+        self._build_paths(model, policies)
+
+    def _pick_kernels(self, kernels: str = "auto", kernels_lib=None):
+        """Sets self.kernels / self.triton / self.cuda_lib (a method so other decode loops, e.g.
+        the thermal one, pick the same way)."""
         if kernels == "auto" and self.device.type == "cuda":
             from zeroedge.paths import cuda_gemv
-            if cuda_gemv.default_path().is_file():
+            if kernels_lib or cuda_gemv.default_path().is_file():
                 kernels = "cuda"
         self.kernels = kernels
         self.triton = kernels in ("auto", "triton") and _use_triton(self.device)
@@ -64,7 +70,6 @@ class PathsDecoder(DenseDecoder):
                 raise UserError("kernels='cuda' needs a CUDA device")
             from zeroedge.paths import cuda_gemv
             self.cuda_lib = cuda_gemv.load(kernels_lib)
-        self._build_paths(model, policies)
 
     def _build_paths(self, model, policies: dict):
         """Per sparse layer: the predictor / thresholds and the transposed weights the gather

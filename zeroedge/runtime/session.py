@@ -90,18 +90,19 @@ def path_policies(model, paths, where="artifact") -> dict:
 
 def thermal_paths_decoder(model, prefix_len, gen_len, policies, **kw):
     """ThermalDecoder whose sparse layers run the predicted-paths FFN of PathsDecoder."""
-    from zeroedge.paths.decode import PathsDecoder, _use_triton
+    from zeroedge.paths.decode import PathsDecoder
     from zeroedge.runtime.fast import ThermalDecoder
 
     class ThermalPathsDecoder(ThermalDecoder):
         _forward = PathsDecoder._forward
         _paths_ffn = PathsDecoder._paths_ffn
         _build_paths = PathsDecoder._build_paths
+        _pick_kernels = PathsDecoder._pick_kernels
         kept = PathsDecoder.kept
 
         def __init__(self):
             super().__init__(model, prefix_len, gen_len, **kw)
-            self.triton = _use_triton(self.device)
+            self._pick_kernels("auto")
             self._build_paths(model, policies)
 
     if not policies:

@@ -324,3 +324,30 @@ def test_runner_uses_ort_bookkeeping(fake, bundle, tmp_path):
         assert np.array_equal(r.k[0][0, 0, :4, 0], [2, 7, 1, 8])
         sessions = (r.pre, r.dec)
     assert r.pre is None and all(not s.buffers for s in sessions)
+
+
+@pytest.mark.parametrize("store", ["fp32", "int8"])
+def test_runner_drives_the_thermal_window_policy(fake, bundle, tmp_path, store):
+    """TrtRunner takes OrtRunner's thermal policy: a prompt longer than the window leaves the hot
+    pages in the engine's slots (K = the token ids, the fake engine's cache) and the rest in the
+    policy's store, with the page table and the window consistent."""
+    from zeroedge.backends.tensorrt import TrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    b, lib = bundle
+    eng = tmp_path / "engines"
+    eng.mkdir()
+    for g in ("prefill", "decode"):
+        (eng / f"{g}.engine").write_bytes(b"ENGINE")
+    pol = OrtThermalPolicy(page_size=2, store=store)
+    toks = np.arange(3, 43)                                   # 40 tokens, 20 pages, 16 slots
+    with TrtRunner(b, eng, lib, slots=16, policy=pol) as r:
+        r.prefill(toks)
+        pol.check(r)
+        pos = r.slot_pos[0]
+        live = np.flatnonzero(pos >= 0)
+        assert live.size == 16 and r.pos == 40
+        assert np.array_equal(r.k[0][0, 0, live, 0], toks[pos[live]].astype(np.float32))
+        assert np.array_equal(r.v[0][0, 0, live, 0], -toks[pos[live]].astype(np.float32))
+        st = pol.stats()
+        assert st["pages"] == 20 and st["hot_pages"] == 8 and st["stored_pages"] == 12

@@ -325,7 +325,7 @@ class TrtRunner(OrtRunner):
     TrtSession objects, so both backends follow one protocol."""
 
     def __init__(self, bundle, engines, plugin_lib=None, slots: Optional[int] = None, sinks: int = 4,
-                 decay: float = 0.9, evict: Optional[Callable] = None, verify: bool = True):
+                 decay: float = 0.9, evict: Optional[Callable] = None, verify: bool = True, policy=None):
         import numpy as np
 
         from zeroedge import bundle as bundle_mod
@@ -348,7 +348,7 @@ class TrtRunner(OrtRunner):
         self.dec = TrtSession(engines / "decode.engine", plugin_lib, order("decode"))
         self.sinks, self.decay = sinks, decay
         self.evict = evict or self._coldest
-        self.policy = None  # OrtRunner's optional thermal window policy; not wired for engines yet
+        self.policy = policy  # the thermal window policy (zeroedge.kv.ort_policy), as for OrtRunner
         self.timings = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
         self.reset()
 

@@ -36,7 +36,7 @@ def main():
         m = M.build(M.PRESETS["llama-3.2-1b"].with_(max_seq_len=max(ctxs) + 128), dtype=dt, seed=0)
     out = {}
     L = m.cfg.n_layers
-    defaults = (K.SKETCH_LOOP, K.SKETCH_PROGRAMS)
+    default_programs = K.SKETCH_PROGRAMS
     for ctx in ctxs:
         ks, vs = random_prefix(m.cfg, ctx, dev, dt)
         t = ThermalDecoder(m, ctx, 64, budget=0.1, fetch=4, graph=True)
@@ -65,15 +65,14 @@ def main():
             r[f"swap_{name}_no_moves"] = per(lambda: swaps(barred, chunk))
             r[f"swap_{name}"] = per(lambda: swaps(t.page_bias, chunk))
         r["refresh"] = per(lambda: [t._swap(li, q) for li in range(L)])
-        for loop, pb, progs in ((False, 16, 0), (True, 8, 64), (True, 16, 64), (True, 16, 128), (True, 32, 64),
-                                (True, 32, 128), (True, 64, 64)):
-            K.SKETCH_LOOP, K.SKETCH_PROGRAMS = loop, progs or K.SKETCH_PROGRAMS
-            nb = K.part_blocks(t.n, t.rank, pb)
+        for pb, progs in ((16, 64), (32, 32), (32, 64), (32, 128), (64, 64)):   # sketch blocks / programs
+            K.SKETCH_PROGRAMS = progs
+            nb = K.part_blocks(t.n, pages_per_block=pb)
             part = (torch.empty(t.nkv, t.grp, nb, device=dev), torch.empty(t.nkv, t.grp, nb, device=dev))
-            r[f"sketch_{'loop' if loop else 'block'}_pb{pb}_p{progs}"] = per(
+            r[f"sketch_pb{pb}_p{progs}"] = per(
                 lambda: [K.sketch_page_lse_q(q, t.A[li], t.codes[li], t.scales[li], t.ps, pages_per_block=pb,
                                              part=part) for li in range(L)])
-        K.SKETCH_LOOP, K.SKETCH_PROGRAMS = defaults
+        K.SKETCH_PROGRAMS = default_programs
         out[ctx] = r
         print(ctx, json.dumps({k: round(v, 2) for k, v in r.items()}), flush=True)
         t = pls = views = None

@@ -296,7 +296,7 @@ class ThermalDecoder(_Step):
         # per-block shares of each query head's log-sum-exp over pages, written by the sketch
         # kernel for the two-stage swap (CUDA)
         from zeroedge.runtime.kernels import part_blocks
-        nb = part_blocks(self.n, rank)
+        nb = part_blocks(self.n)
         self.lse_part = (torch.empty(self.nkv, self.H // self.nkv, nb, device=dev),
                          torch.empty(self.nkv, self.H // self.nkv, nb, device=dev)) if pin else None
 

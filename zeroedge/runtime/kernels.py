@@ -50,77 +50,6 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def k(qr_ptr, codes_ptr, scales_ptr, out_ptr, pm_ptr, psum_ptr, P, n, NB,
-          GRP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr, PART: tl.constexpr):
-        h = tl.program_id(0)
-        pb = tl.program_id(1)
-        pages = pb * PB + tl.arange(0, PB)
-        pmask = pages < n
-        rr = tl.arange(0, R2)
-        toks = pages[:, None] * PS + tl.arange(0, PS)[None, :]
-        b = tl.load(codes_ptr + h * P * R2 + toks[:, :, None] * R2 + rr[None, None, :],
-                    mask=pmask[:, None, None], other=136)          # 0x88 = codes 0, 0
-        lo = (b & 15).to(tl.float32) - 8.0
-        hi = (b >> 4).to(tl.float32) - 8.0
-        sbase = scales_ptr + h * n * 2 * R2 + pages[:, None] * 2 * R2
-        se = tl.load(sbase + 2 * rr[None, :], mask=pmask[:, None], other=0).to(tl.float32)
-        so = tl.load(sbase + 2 * rr[None, :] + 1, mask=pmask[:, None], other=0).to(tl.float32)
-        lo = lo * se[:, None, :]
-        hi = hi * so[:, None, :]
-        for g in tl.static_range(GRP):
-            qe = tl.load(qr_ptr + (h * GRP + g) * 2 * R2 + 2 * rr).to(tl.float32)
-            qo = tl.load(qr_ptr + (h * GRP + g) * 2 * R2 + 2 * rr + 1).to(tl.float32)
-            s = tl.sum(lo * qe[None, None, :] + hi * qo[None, None, :], axis=2)
-            m = tl.max(s, axis=1)
-            l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
-            tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
-            if PART:   # this block's share of the query head's log-sum-exp over pages
-                lv = tl.where(pmask, l, float("-inf"))
-                bm = tl.max(lv, 0)
-                tl.store(pm_ptr + (h * GRP + g) * NB + pb, bm)
-                tl.store(psum_ptr + (h * GRP + g) * NB + pb, tl.sum(tl.exp(lv - bm), 0))
-
-    @triton.jit
-    def kq(q_ptr, a_ptr, inv_sqrt, codes_ptr, scales_ptr, out_ptr, pm_ptr, psum_ptr, P, n, NB,
-           GRP: tl.constexpr, HD: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr,
-           PART: tl.constexpr):
-        # the same, with qr = q @ A / sqrt(hd) computed here (no separate cast / bmm / scale kernels);
-        # the code loads repeat k's: a shared @triton.jit helper would have to live at module level,
-        # and this module imports triton lazily
-        h = tl.program_id(0)
-        pb = tl.program_id(1)
-        pages = pb * PB + tl.arange(0, PB)
-        pmask = pages < n
-        rr = tl.arange(0, R2)
-        dd = tl.arange(0, HD)
-        toks = pages[:, None] * PS + tl.arange(0, PS)[None, :]
-        b = tl.load(codes_ptr + h * P * R2 + toks[:, :, None] * R2 + rr[None, None, :],
-                    mask=pmask[:, None, None], other=136)
-        lo = (b & 15).to(tl.float32) - 8.0
-        hi = (b >> 4).to(tl.float32) - 8.0
-        sbase = scales_ptr + h * n * 2 * R2 + pages[:, None] * 2 * R2
-        se = tl.load(sbase + 2 * rr[None, :], mask=pmask[:, None], other=0).to(tl.float32)
-        so = tl.load(sbase + 2 * rr[None, :] + 1, mask=pmask[:, None], other=0).to(tl.float32)
-        lo = lo * se[:, None, :]
-        hi = hi * so[:, None, :]
-        abase = a_ptr + h * HD * 2 * R2 + dd[:, None] * 2 * R2
-        ae = tl.load(abase + 2 * rr[None, :])                          # [HD, R2] fp32
-        ao = tl.load(abase + 2 * rr[None, :] + 1)
-        for g in tl.static_range(GRP):
-            qv = tl.load(q_ptr + (h * GRP + g) * HD + dd).to(tl.float32)
-            qe = tl.sum(qv[:, None] * ae, axis=0) * inv_sqrt
-            qo = tl.sum(qv[:, None] * ao, axis=0) * inv_sqrt
-            s = tl.sum(lo * qe[None, None, :] + hi * qo[None, None, :], axis=2)
-            m = tl.max(s, axis=1)
-            l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
-            tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
-            if PART:
-                lv = tl.where(pmask, l, float("-inf"))
-                bm = tl.max(lv, 0)
-                tl.store(pm_ptr + (h * GRP + g) * NB + pb, bm)
-                tl.store(psum_ptr + (h * GRP + g) * NB + pb, tl.sum(tl.exp(lv - bm), 0))
-
-    @triton.jit
     def qp(q_ptr, a_ptr, inv_sqrt, qr_ptr, GRP, GP: tl.constexpr, HD: tl.constexpr, R: tl.constexpr):
         # qr = q A / sqrt(hd) for every query head of a kv head
         h = tl.program_id(0)
@@ -137,9 +66,12 @@ def _build():
     def kl(qr_ptr, codes_ptr, scales_ptr, out_ptr, pm_ptr, psum_ptr, P, n, NB, ITER: tl.constexpr,
            GRP: tl.constexpr, GP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr, PB: tl.constexpr,
            PART: tl.constexpr):
-        # k's scores, a program looping over ITER blocks of PB pages (loads pipelined across
-        # iterations, few programs); its log-sum-exp share per query head is kept running. (A
-        # tensor-core form, scaled codes [PB * PS, r] times qr^T, measured 2.5-3x slower.)
+        # for kv head h, query head g of its group and page p: the log-sum-exp over the page's
+        # tokens of qr[h, g] . (code[h, t] * scale[h, p]). A program loops over ITER blocks of PB
+        # pages (loads pipelined across iterations, few programs) and keeps its share of each
+        # query head's log-sum-exp over pages running. (Measured slower on the H200: one program
+        # per 16 pages, 1.0-1.7x; int32-word code loads, 2.5-3x; a tensor-core product of the
+        # scaled codes with qr, 2.5-3.5x.)
         h = tl.program_id(0)
         c = tl.program_id(1)
         rr = tl.arange(0, R2)
@@ -179,53 +111,36 @@ def _build():
             tl.store(pm_ptr + (h * GRP + gi) * NB + c, run_m, mask=gi < GRP)
             tl.store(psum_ptr + (h * GRP + gi) * NB + c, run_s, mask=gi < GRP)
 
-    return k, kq, qp, kl
+    return qp, kl
 
 
-SKETCH_LOOP = True   # qp + kl (programs loop over pages); False: the one-block kernels k / kq
-
-
-def part_blocks(n: int, rank: int, pages_per_block: int | None = None) -> int:
-    """Length of the last axis of the `part` buffers for n pages at this sketch rank."""
-    pb = pages_per_block or SKETCH_PB
-    return sketch_blocks(n, pb)[0] if SKETCH_LOOP else -(-n // pb)
+def part_blocks(n: int, rank: int = 0, pages_per_block: int | None = None) -> int:
+    """Length of the last axis of the `part` buffers for n pages (one share per sketch program)."""
+    return sketch_blocks(n, pages_per_block)[0]
 
 
 def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
     """q (H, hd) queries of one step, A (nkv, hd, r) fp32 query bases -> (nkv, grp, n): the same as
     sketch_page_lse(q @ A / sqrt(hd), ...). part: optional (max, sum) fp32 tensors
-    (nkv, grp, sketch_blocks(n)[0]) that receive each program's share of every query head's
+    (nkv, grp, part_blocks(n)) that receive each program's share of every query head's
     log-sum-exp over pages (CUDA only; swap_pages' two-stage path reads them)."""
     global _kernel
-    pages_per_block = pages_per_block or SKETCH_PB
     nkv, P, r2 = codes.shape
     hd = A.shape[1]
     grp = q.shape[0] // nkv
-    gp = 1 << max(0, (grp - 1).bit_length())
     if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1):
         qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
         return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
     if _kernel is None:
         _kernel = _build()
-    if SKETCH_LOOP:
-        qr = torch.empty(nkv, grp, 2 * r2, device=codes.device, dtype=torch.float32)
-        _kernel[2][(nkv,)](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, qr, grp, GP=gp, HD=hd, R=2 * r2)
-        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
-    n = P // page_size
-    if n > 1024:  # kq reloads A in every program: beyond 1024 pages the separate projection wins
-        qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
-        return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
-    if out is None:
-        out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
-    nb = (n + pages_per_block - 1) // pages_per_block
-    pm, psum = part if part is not None else (out, out)
-    _kernel[1][(nkv, nb)](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, codes.contiguous(), scales.contiguous(),
-                          out, pm, psum, P, n, nb, GRP=grp, HD=hd, R2=r2, PS=page_size, PB=pages_per_block,
-                          PART=part is not None)
-    return out
+    qr = torch.empty(nkv, grp, 2 * r2, device=codes.device, dtype=torch.float32)
+    _kernel[0][(nkv,)](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, qr, grp,
+                       GP=1 << max(0, (grp - 1).bit_length()), HD=hd, R=2 * r2)
+    return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
 
 
 def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
+    """qr (nkv, grp, r) -> (nkv, grp, n) sketch log-sum-exp of every page; part as above."""
     global _kernel
     pages_per_block = pages_per_block or SKETCH_PB
     if not codes.is_cuda:
@@ -237,17 +152,11 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
     n = P // page_size
     if out is None:
         out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
-    if SKETCH_LOOP:
-        nb, it = sketch_blocks(n, pages_per_block)
-        pm, psum = part if part is not None else (out, out)
-        _kernel[3][(nkv, nb)](qr.float().contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n,
-                              nb, ITER=it, GRP=grp, GP=1 << max(0, (grp - 1).bit_length()), R2=r2, PS=page_size,
-                              PB=pages_per_block, PART=part is not None)
-        return out
-    nb = (n + pages_per_block - 1) // pages_per_block
+    nb, it = sketch_blocks(n, pages_per_block)
     pm, psum = part if part is not None else (out, out)
-    _kernel[0][(nkv, nb)](qr.contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n, nb,
-                          GRP=grp, R2=r2, PS=page_size, PB=pages_per_block, PART=part is not None)
+    _kernel[1][(nkv, nb)](qr.float().contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n,
+                          nb, ITER=it, GRP=grp, GP=1 << max(0, (grp - 1).bit_length()), R2=r2, PS=page_size,
+                          PB=pages_per_block, PART=part is not None)
     return out
 
 

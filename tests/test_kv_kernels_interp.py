@@ -1,0 +1,77 @@
+"""The thermal decoder's Triton kernels (zeroedge/runtime/kernels.py) run in Triton's CPU
+interpreter against the torch references: the sketch scores and their per-program log-sum-exp
+shares, and the two-stage page swap against the one-program kernel's decisions. Skips where Triton
+is not installed (CI's CPU torch has none; `pip install --no-deps triton` to run it). The same
+checks run on the GPU in device_tests/thermal_kv_gpu.py (check_swap_kernel)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from zeroedge.runtime import kernels as K
+
+    g = torch.Generator().manual_seed(1)
+    qp, kl = K._build()
+    for nkv, grp, hd, r, n, psz, PB, progs in ((2, 4, 64, 16, 37, 16, 4, 3), (2, 3, 32, 32, 20, 8, 8, 64)):
+        K.SKETCH_PROGRAMS = progs
+        P = n * psz
+        q, A = torch.randn(nkv * grp, hd, generator=g), torch.randn(nkv, hd, r, generator=g)
+        codes = K.pack_int4(torch.randint(-7, 8, (nkv, P, r), generator=g))
+        scales = torch.rand(nkv, n, r, generator=g).half()
+        nb, it = K.sketch_blocks(n, PB)
+        GP = 1 << max(0, (grp - 1).bit_length())
+        qr = torch.empty(nkv, grp, r)
+        qp[(nkv,)](q, A, 1.0 / hd ** 0.5, qr, grp, GP=GP, HD=hd, R=r)
+        out, pm, ps = torch.empty(nkv, grp, n), torch.empty(nkv, grp, nb), torch.empty(nkv, grp, nb)
+        kl[(nkv, nb)](qr, codes, scales, out, pm, ps, P, n, nb, ITER=it, GRP=grp, GP=GP, R2=r // 2, PS=psz,
+                      PB=PB, PART=True)
+        want = K.sketch_page_lse_ref(torch.bmm(q.view(nkv, grp, hd), A) / hd ** 0.5, codes, scales, psz)
+        lse = pm.amax(-1) + torch.log((ps * (pm - pm.amax(-1, keepdim=True)).exp()).sum(-1))
+        assert float((out - want).abs().max()) < 1e-3
+        assert float((lse - want.logsumexp(-1)).abs().max()) < 1e-3
+    swk = K._build_swap()
+    for nkv, grp, n, S, PE, F, C in ((2, 4, 700, 96, 16, 4, 128), (3, 2, 300, 40, 8, 8, 64)):
+        pl = torch.randn(nkv, grp, n, generator=g)
+        bias = torch.zeros(n)
+        bias[:1] = float("-inf")
+        bias[-2:] = float("-inf")
+        sp = torch.stack([torch.randperm(n - 3, generator=g)[:S] + 1 for _ in range(nkv)])
+        ps0 = torch.full((nkv, n), -1, dtype=torch.long)
+        for h in range(nkv):
+            ps0[h, sp[h]] = torch.arange(S)
+        hk, hv = torch.randn(nkv, n, PE, generator=g), torch.randn(nkv, n, PE, generator=g)
+        wk, wv = torch.randn(nkv, S, PE, generator=g), torch.randn(nkv, S, PE, generator=g)
+        ref = [t.clone() for t in (ps0, sp, wk, wv)]
+        K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, hk, hv, F)
+        nb = -(-n // 16)
+        pad = torch.full((nkv, grp, nb * 16), float("-inf"))
+        pad[..., :n] = pl
+        blk = pad.view(nkv, grp, nb, 16)
+        pm = blk.amax(-1)
+        psum = (blk - pm[..., None]).exp().sum(-1)
+        got = [t.clone() for t in (ps0, sp, wk, wv)]
+        FP = 1 << max(0, (F - 1).bit_length())
+        nc = -(-n // C)
+        cm, cmi = torch.empty(nkv, nc * FP), torch.empty(nkv, nc * FP, dtype=torch.int64)
+        cr, cri = torch.empty_like(cm), torch.empty_like(cmi)
+        swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cmi, cr, cri, n, nb, GRP=grp,
+                          NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
+        swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], hk, hv, n, S, got[2].stride(0),
+                       nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP, PE=PE,
+                       PEB=1 << max(0, (PE - 1).bit_length()))
+        assert int((ref[1] != sp).sum()) > 0                   # something moved
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    print("OK")
+''')
+
+
+def test_sketch_and_two_stage_swap_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

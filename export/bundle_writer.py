@@ -3,19 +3,24 @@
 bundle/
   prefill.portable.onnx   custom nodes as model-local functions (runs in onnxruntime anywhere)
   prefill.trt.onnx        same graph, plugin nodes for TensorRT (no model.functions)
-  decode.portable.onnx    decode step over the fixed-slot window (no custom nodes: T = 1 < min_tokens)
-  decode.trt.onnx
+  decode.portable.onnx    decode step over the fixed-slot window: no SIH/PAD (T = 1 < min_tokens); with
+                          a magnitude "paths" artifact each sparse layer's FFN is one ZeroEdgePathsFFN
+                          node (thresholds from the artifact, weights w13_t [D, 2F] / wd_t [F, D])
+  decode.trt.onnx         same graph, plugin nodes; ZeroEdgePathsFFN runs in fp16 there (the plugin takes
+                          fp16 / bf16 only): Cast(x) -> node with fp16 w13_t / wd_t -> Cast(y)
   weights.bin             every initializer of every graph, deduplicated by content (ONNX external
-                          data with offsets): the four graphs share one copy of the weights
+                          data with offsets): the four graphs share one copy of the weights, except
+                          the decode paths' w13_t (fp32 and fp16: no byte-equal tensor elsewhere)
+                          and fp16 wd_t (the fp32 wd_t is the prefill's W_down^T, shared)
   tokenizer files         when the model folder has them
-  manifest.json           hashes, versions, opset, target, plugin ABI, calibration summary, graph I/O
+  manifest.json           hashes, versions, opset, target, plugin ABI, calibration summary (incl. the
+                          decode path layers and thresholds), graph I/O
 
 Everything is written under BUNDLE.tmp and renamed into place at the end: a failure leaves nothing.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
@@ -104,14 +109,27 @@ def resolve_model(model: str):
                     "an .onnx graph to rewrite)")
 
 
-def calibration_summary(meta: Optional[dict], path) -> dict:
+def calibration_summary(meta: Optional[dict], path, paths: Optional[dict] = None,
+                        paths_graphs: Optional[list] = None) -> dict:
+    """`paths`: layer -> PathsParams that went into the graphs `paths_graphs` (the keys appear only
+    when the artifact has a "paths" section, so other manifests are unchanged)."""
     if meta is None:
         return {"artifact": None, "dense": True}
     layers = meta.get("layers", [])
-    return {"artifact": str(path), "model": meta["model"].get("name"),
-            "skip_layers": [L["index"] for L in layers if L.get("skip")],
-            "pruned_heads": {k: len(v) for k, v in (meta.get("pruned_heads") or {}).items() if v},
-            "quality": meta.get("quality", {}), "sih": meta.get("sih", {})}
+    out = {"artifact": str(path), "model": meta["model"].get("name"),
+           "skip_layers": [L["index"] for L in layers if L.get("skip")],
+           "pruned_heads": {k: len(v) for k, v in (meta.get("pruned_heads") or {}).items() if v},
+           "quality": meta.get("quality", {}), "sih": meta.get("sih", {})}
+    if meta.get("paths"):
+        pm, paths, graphs = meta["paths"], paths or {}, list(paths_graphs or [])
+        out["paths_layers"] = sorted(paths) if graphs else []
+        out["paths"] = {"kind": (pm.get("predictor") or {}).get("kind"), "node": "ZeroEdgePathsFFN",
+                        "graphs": graphs, "trt_dtype": "float16" if graphs else None,
+                        "layers": {str(i): paths[i].attrs() for i in sorted(paths)} if graphs else {},
+                        "budget": pm.get("budget"), "quality": pm.get("quality", {})}
+        if not graphs:
+            out["paths"]["not_applied"] = "a rewritten foreign graph has no decode graph"
+    return out
 
 
 def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", window: int = 1024,
@@ -132,6 +150,9 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     meta = tensors = None
     if calib is not None:
         meta, tensors = calib_artifact.load(calib)
+    # decode paths: refused (predictor) or read before anything is written
+    paths = rewrite.paths_from_artifact(meta, tensors) if meta else {}
+    paths_graphs = []
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -152,6 +173,8 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             graphs["prefill"] = pre
             info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"],
                                "rewritten": rinfo["rewritten_layers"], "heads": rinfo["heads"]}
+            if paths:
+                step("decode paths: not applied (a foreign graph has no decode graph)")
             model_cfg, folder = cfg_d, None
         else:
             step("load model")
@@ -172,17 +195,39 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
                 pre, rinfo = rewrite.rewrite_model(pre, params, expect_layers=model_cfg["n_layers"])
                 info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"],
                                    "rewritten": rinfo["rewritten_layers"]}
+            if paths:
+                step("decode paths")
+                n_l = model_cfg["n_layers"]
+                dec_p, pinfo = rewrite.rewrite_decode_paths(dec, paths, expect_layers=n_l)
+                # the TensorRT plugin takes fp16 / bf16 only: its flavour casts x / y, fp16 weights
+                dec_t, _ = rewrite.rewrite_decode_paths(dec, paths, expect_layers=n_l,
+                                                        plugin_dtype=rewrite.PATHS_TRT_DTYPE)
+                dec = {"portable": dec_p, "trt": dec_t}
+                limits = rewrite.paths_plugin_limits(model_cfg["dim"], model_cfg["ffn_dim"])
+                info["paths"] = {"layers_found": pinfo["report"]["matched_layers"],
+                                 "rewritten": pinfo["rewritten_layers"],
+                                 "trt_dtype": rewrite.PATHS_TRT_DTYPE, "trt_plugin_limits": limits or "ok"}
+                if limits:
+                    step(f"warning: decode.trt.onnx will not build with the ZeroEdgePathsFFN plugin ({limits}); "
+                         "decode.portable.onnx is unaffected")
+                paths_graphs = ["decode"]
             graphs["prefill"], graphs["decode"] = pre, dec
             shutil.rmtree(tmp / "_raw")
         step("write bundle")
         wf = WeightFile(tmp / WEIGHTS)
         files, opsets = {}, {}
         for name in list(graphs):
-            proto = wf.externalize(graphs.pop(name))         # weights out first: copies are cheap
+            g = graphs.pop(name)                             # one proto, or one per flavour
+            per = g if isinstance(g, dict) else {"portable": g, "trt": g}
+            done = {}
+            for src in per.values():                         # weights out first: copies are cheap
+                if id(src) not in done:
+                    done[id(src)] = wf.externalize(src)
+            proto = done[id(per["portable"])]
             io = graph_io(proto)
             for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
                 p = onnx.ModelProto()
-                p.CopyFrom(proto)
+                p.CopyFrom(done[id(per[flavour])])
                 conv(p)
                 fn = f"{name}.{flavour}.onnx"
                 onnx.save_model(p, str(tmp / fn))
@@ -198,7 +243,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
         mf = bundle_mod.write_manifest(tmp, {
             "opset": opset, "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
             "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
-            "model": model_cfg, "calibration": calibration_summary(meta, calib),
+            "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
             "window": int(window), "dtype": "float32", "graph_files": files,
             "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
                        "torch": torch.__version__, "onnx": onnx.__version__}})

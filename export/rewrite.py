@@ -17,9 +17,22 @@ LlamaForCausalLM / Qwen2ForCausalLM alike. Layers are numbered in topological or
     n2 = Reshape(n, [-1, D]);  keep, base = ZeroEdgeSIH(n2, ...);  xs, idx, cnt = ZeroEdgePADGather(n2, keep)
     y2 = MLP(xs);  out = ZeroEdgePADScatter(base, y2, idx);  y = Reshape(out, Shape(n))
 
-(batch 1: the sequence is the flattened B*T axis). `mask_heads` applies head pruning to graphs that
-still carry the pruned heads: it zeroes the pruned heads' rows of the o_proj weight, which is exactly
-equivalent to removing them; our own export slices them out before export instead.
+(batch 1: the sequence is the flattened B*T axis).
+
+`rewrite_decode_paths(model, params)` (magnitude decode paths, issue 5; `paths_from_artifact` reads
+the artifact's "paths" section and refuses predictor paths) replaces each selected layer's FFN in
+the *decode* graph by one node on the same normalised input:
+
+    x = Reshape(n, [-1, D]);  y2 = ZeroEdgePathsFFN(x, w13_t, wd_t);  y = Reshape(y2, Shape(n))
+
+with new initializers w13_t = [W_gate; W_up]^T [D, 2F], wd_t = W_down^T [F, D]; the dense gate /
+up / SiLU * mul / down nodes and their weights leave the graph. The TensorRT flavour is rewritten
+with plugin_dtype="float16" (the plugin takes fp16 / bf16 only): Cast(x) -> node with fp16 weights
+-> Cast(y).
+
+`mask_heads` applies head pruning to graphs that still carry the pruned heads: it zeroes the pruned
+heads' rows of the o_proj weight, which is exactly equivalent to removing them; our own export
+slices them out before export instead.
 """
 from __future__ import annotations
 
@@ -330,11 +343,193 @@ def mask_heads(graph, matches, pruned: dict, head_dim: int, n_heads: int):
     return status
 
 
+# --- decode paths (ZeroEdgePathsFFN) -------------------------------------------------------------
+@dataclass
+class PathsParams:
+    """One layer's magnitude-rule decode path (zeroedge.paths.sparse.PathPolicy(method="magnitude"))."""
+    threshold_in: float           # |x_k| >= threshold_in: input dim k is read (rows of w13_t)
+    threshold: float              # |a_j| >= threshold: channel j is read (rows of wd_t)
+
+    def attrs(self) -> dict:
+        return {"threshold_in": float(self.threshold_in), "threshold": float(self.threshold)}
+
+
+PREDICTOR_REFUSED = "predictor paths are not exported: recalibrate with the magnitude method"
+PATHS_TRT_DTYPE = "float16"   # the TensorRT plugin's x / w13_t / wd_t dtype (it refuses float32)
+# the plugin's shape limits (plugins/include/zeroedge_paths.h, plugins/src/fields.cpp)
+PATHS_HIDDEN_MULTIPLE, PATHS_MAX_HIDDEN, PATHS_FFN_MULTIPLE = 8, 8192, 8
+
+
+def paths_plugin_limits(dim: int, ffn_dim: int) -> str:
+    """'' when the ZeroEdgePathsFFN plugin takes D = dim, F = ffn_dim, else what it refuses."""
+    bad = []
+    if dim % PATHS_HIDDEN_MULTIPLE or not 0 < dim <= PATHS_MAX_HIDDEN:
+        bad.append(f"hidden size D = {dim} is not a multiple of {PATHS_HIDDEN_MULTIPLE} up to {PATHS_MAX_HIDDEN}")
+    if ffn_dim % PATHS_FFN_MULTIPLE or ffn_dim <= 0:
+        bad.append(f"FFN width F = {ffn_dim} is not a multiple of {PATHS_FFN_MULTIPLE}")
+    return "; ".join(bad)
+
+
+def paths_from_artifact(meta: dict, tensors: dict, n_layers: Optional[int] = None) -> dict:
+    """layer index -> PathsParams for every layer the artifact's "paths" section marks sparse; {}
+    when there is no paths section. Reads the artifact the way zeroedge.paths.evaluate.
+    policies_from_artifact does (thresholds from layers.{i}.paths.threshold_in / threshold_act).
+    Predictor paths have no graph node: UserError naming the layers, never a silent dense export."""
+    import math
+
+    paths = (meta or {}).get("paths")
+    if not paths:
+        return {}
+    layers = paths.get("layers")
+    n_layers = n_layers if n_layers is not None else (meta.get("model") or {}).get("config", {}).get("n_layers")
+    if not isinstance(layers, list) or (n_layers is not None and len(layers) != n_layers):
+        raise UserError(f"calibration artifact: 'paths' describes "
+                        f"{len(layers) if isinstance(layers, list) else 'no'} layers, the model has {n_layers}")
+    sparse = sorted(int(lm["index"]) for lm in layers if lm.get("sparse"))
+    if not sparse:
+        raise UserError("calibration artifact: 'paths' marks no layer sparse; nothing to export sparse "
+                        "(use an artifact without a paths section for a dense decode graph)")
+    bad = [i for i in sparse if not 0 <= i < (n_layers if n_layers is not None else len(layers))]
+    if bad:
+        raise UserError(f"calibration artifact: 'paths' marks layers {bad} sparse, which the model lacks")
+    kind = (paths.get("predictor") or {}).get("kind", "whitened-lowrank-swiglu")
+    if kind == "whitened-lowrank-swiglu":
+        raise UserError(f"{PREDICTOR_REFUSED} (layers {', '.join(map(str, sparse))} use the low-rank "
+                        "path predictor, which no graph node runs; the magnitude rule exports as "
+                        "ZeroEdgePathsFFN)")
+    if kind != "input-magnitude":
+        raise UserError(f"calibration artifact: unknown path predictor kind {kind!r}")
+    out = {}
+    for i in sparse:
+        names = [f"layers.{i}.paths.threshold_in", f"layers.{i}.paths.threshold_act"]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise UserError(f"calibration artifact: layer {i} path thresholds missing ({', '.join(missing)})")
+        t_in, t_act = (float(tensors[n].reshape(-1)[0]) for n in names)
+        if not (math.isfinite(t_in) and math.isfinite(t_act) and t_in >= 0 and t_act >= 0):
+            raise UserError(f"calibration artifact: layer {i} path thresholds must be finite and >= 0 "
+                            f"(threshold_in {t_in}, threshold_act {t_act})")
+        out[i] = PathsParams(t_in, t_act)
+    return out
+
+
+def _plain_projection(node) -> bool:
+    """MatMul, or a Gemm that is a plain product (no bias, alpha 1, no transA)."""
+    if node.op == "MatMul":
+        return len(node.inputs) == 2
+    return (node.op == "Gemm" and len(node.inputs) == 2 and float(node.attrs.get("alpha", 1.0)) == 1.0
+            and not node.attrs.get("transA", 0))
+
+
+def _swiglu_ops(m):
+    """Op types between gate/up and down when they compute silu(gate) * up, else None."""
+    g_out, u_out = m.gate.outputs[0], m.up.outputs[0]
+    ops, seen, stack, sig = [], set(), [m.down.inputs[0]], False
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or t is g_out or t is u_out:
+            continue
+        seen.add(id(t))
+        if not t.inputs:
+            return None
+        p = t.inputs[0]
+        ops.append(p.op)
+        if p.op == "Sigmoid" and p.inputs[0] is g_out:
+            sig = True
+        if p.op not in ("Mul", "Sigmoid", "Cast", "Identity"):
+            return None
+        stack.extend(p.inputs)
+    return ops if sig and ops.count("Mul") == 2 else None
+
+
+def rewrite_paths(graph, matches, params: dict, plugin_dtype=None):
+    """Replace the FFN (gate, up, SiLU * mul, down) of the layers in `params` (layer -> PathsParams)
+    by one ZeroEdgePathsFFN node on the same normalised input:
+
+        x = Reshape(n, [-1, D]);  y2 = ZeroEdgePathsFFN(x, w13_t, wd_t);  y = Reshape(y2, Shape(n))
+
+    w13_t [D, 2F] = [W_gate; W_up]^T and wd_t [F, D] = W_down^T are new initializers; the old
+    projection weights leave the graph with the dead nodes when nothing else reads them.
+
+    plugin_dtype (e.g. numpy.float16, for the TensorRT flavour: the plugin takes fp16 / bf16 only)
+    stores w13_t / wd_t in that dtype and casts x to it and y back:
+    x16 = Cast(x);  y16 = ZeroEdgePathsFFN(x16, w13_t, wd_t);  y2 = Cast(y16)."""
+    import numpy as np
+    import onnx_graphsurgeon as gs
+    from onnx import helper
+
+    by_index = {m.index: m for m in matches}
+    missing = sorted(set(params) - set(by_index))
+    if missing:
+        raise UserError(f"decode graph: no RMSNorm -> MLP found for path layers {missing}; nothing written")
+    for i in sorted(params):
+        m = by_index[i]
+        if not all(_plain_projection(x) for x in (m.gate, m.up, m.down)) or _swiglu_ops(m) is None:
+            raise UserError(f"decode graph layer {i}: the FFN is not down(silu(gate(x)) * up(x)) with plain "
+                            "weight products, which is all ZeroEdgePathsFFN computes; nothing written")
+    done = []
+    for i in sorted(params):
+        m, p = by_index[i], params[i]
+        pre = f"zeroedge/layer{i}/paths"
+        n, D = m.norm_out, m.dim
+        wg, wu, wd = proj_weight(m.gate), proj_weight(m.up), proj_weight(m.down)   # [D,F] [D,F] [F,D]
+        wdt0 = np.result_type(wg.dtype, wu.dtype, wd.dtype)       # the FFN's (MatMul's) dtype
+        dt = np.dtype(plugin_dtype) if plugin_dtype is not None else wdt0
+        w13 = gs.Constant(f"{pre}.w13_t" + ("" if plugin_dtype is None else f".{dt.name}"),
+                          np.ascontiguousarray(np.concatenate([wg, wu], axis=1), dtype=dt))
+        wdt = gs.Constant(f"{pre}.wd_t" + ("" if plugin_dtype is None else f".{dt.name}"),
+                          np.ascontiguousarray(wd, dtype=dt))
+        x = gs.Variable(f"{pre}/x", dtype=n.dtype)
+        shp = gs.Constant(f"{pre}/flat_shape", np.array([-1, D], dtype=np.int64))
+        graph.nodes.append(gs.Node("Reshape", f"{pre}/flatten", inputs=[n, shp], outputs=[x]))
+        y2 = gs.Variable(f"{pre}/y", dtype=m.out.dtype)
+        xin, yout = x, y2
+        if plugin_dtype is not None:
+            to = helper.np_dtype_to_tensor_dtype(dt)
+            xin = gs.Variable(f"{pre}/x_{dt.name}", dtype=dt)
+            yout = gs.Variable(f"{pre}/y_{dt.name}", dtype=dt)
+            graph.nodes.append(gs.Node("Cast", f"{pre}/cast_in", attrs={"to": to}, inputs=[x], outputs=[xin]))
+            graph.nodes.append(gs.Node("Cast", f"{pre}/cast_out",
+                                       attrs={"to": helper.np_dtype_to_tensor_dtype(wdt0)},
+                                       inputs=[yout], outputs=[y2]))
+        graph.nodes.append(gs.Node("ZeroEdgePathsFFN", f"{pre}/ZeroEdgePathsFFN", attrs=p.attrs(),
+                                   inputs=[xin, w13, wdt], outputs=[yout], domain=spec.DOMAIN))
+        shape_n = gs.Variable(f"{pre}/shape", dtype=np.int64)
+        graph.nodes.append(gs.Node("Shape", f"{pre}/shape_of_x", inputs=[n], outputs=[shape_n]))
+        y = m.out
+        m.down.outputs.clear()                     # gate, up, the activation and down go dead
+        graph.nodes.append(gs.Node("Reshape", f"{pre}/unflatten", inputs=[y2, shape_n], outputs=[y]))
+        done.append(i)
+    graph.cleanup().toposort()
+    return done
+
+
+def rewrite_decode_paths(model, params: dict, expect_layers: Optional[int] = None, plugin_dtype=None):
+    """onnx decode ModelProto -> (rewritten ModelProto, info) with ZeroEdgePathsFFN in the layers
+    of `params` (`model` itself is not modified); the model is returned as is when params is empty.
+    plugin_dtype: see rewrite_paths (numpy.float16 for the TensorRT flavour)."""
+    import onnx_graphsurgeon as gs
+
+    if not params:
+        return model, {"rewritten_layers": []}
+    graph = gs.import_onnx(model)
+    matches, report = find_layers(graph)
+    if not matches:
+        raise NoPattern(report)
+    if expect_layers is not None and len(matches) != expect_layers:
+        raise UserError(f"decode graph: found {len(matches)} RMSNorm -> MLP layers, the model has "
+                        f"{expect_layers} ({summary(report)}); nothing written")
+    done = rewrite_paths(graph, matches, params, plugin_dtype)
+    out = gs.export_onnx(graph)
+    out.ir_version = model.ir_version
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    return out, {"report": report, "rewritten_layers": done}
+
+
 # --- portable / TensorRT flavours ----------------------------------------------------------------
 def to_portable(model):
     """Add the model-local functions and the `zeroedge` domain; IR >= 10 (attribute defaults)."""
-    from onnx import helper
-
     from zeroedge.export.functions import all_functions
 
     used = {n.op_type for n in model.graph.node if n.domain == spec.DOMAIN}

@@ -21,7 +21,7 @@
  * that keeps one buffer (zeroed once, e.g. with cudaMemset) passes work_is_zero = 1 and saves a
  * memset node; TensorRT's per-enqueue workspace passes 0 and the launcher clears it first.
  * Results are reduced with fp32 atomic adds: equal to the reference up to summation order.
- * Limits: 1 <= B <= ZE_PATHS_MAX_BATCH, R <= ZE_PATHS_MAX_RANK, D % 256 == 0, D <= 8192,
+ * Limits: 1 <= B <= ZE_PATHS_MAX_BATCH, R <= ZE_PATHS_MAX_RANK, D % 8 == 0, D <= 8192,
  * F % 8 == 0.
  */
 #ifndef ZEROEDGE_PATHS_H

@@ -343,7 +343,7 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 int check_common(int dtype, int B, int D, int F) {
     if (dtype != ZE_PATHS_F16 && dtype != ZE_PATHS_BF16) return ZE_PATHS_ERR_DTYPE;
-    if (B < 1 || B > kMaxB || D < 256 || D % 256 || D > 8192 || F < 8 || F % 8)
+    if (B < 1 || B > kMaxB || D < 8 || D % 8 || D > 8192 || F < 8 || F % 8)
         return ZE_PATHS_ERR_SHAPE;
     return ZE_PATHS_OK;
 }

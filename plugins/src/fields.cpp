@@ -40,7 +40,7 @@ std::vector<FieldSpec> const kPathsSpecs = {
 };
 std::vector<FieldSpec> const kNoSpecs;
 
-int64_t const kPathsHiddenMultiple = 256; // the kernels' limits (include/zeroedge_paths.h)
+int64_t const kPathsHiddenMultiple = 8; // the kernels' limits (include/zeroedge_paths.h)
 int64_t const kPathsMaxHidden = 8192;
 int64_t const kPathsFfnMultiple = 8;
 

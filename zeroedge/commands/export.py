@@ -18,6 +18,9 @@ def cmd(model, calib, out, target, window, force, as_json):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
+    An artifact with magnitude decode paths (calibrate --paths) also puts one ZeroEdgePathsFFN node
+    per sparse layer into the decode graphs; predictor paths are refused (exit 2).
+
     A graph with no recognisable RMSNorm -> MLP pattern: a report, nothing written, exit 2."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -53,6 +56,8 @@ def cmd(model, calib, out, target, window, force, as_json):
     summary = {"bundle": str(out), "files": len(mf["files"]), "bytes": total,
                "seconds": mf["export"]["seconds"], "rewrite": mf["export"].get("rewrite"),
                "graphs": sorted(mf["graph_files"])}
+    if mf["export"].get("paths"):
+        summary["paths"] = mf["export"]["paths"]
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -61,3 +66,9 @@ def cmd(model, calib, out, target, window, force, as_json):
         if summary["rewrite"]:
             rw = summary["rewrite"]
             click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")
+        if summary.get("paths"):
+            click.echo(f"decode paths: {len(summary['paths']['rewritten'])} layers with ZeroEdgePathsFFN nodes "
+                       f"({', '.join(map(str, summary['paths']['rewritten']))})")
+            if summary["paths"].get("trt_plugin_limits", "ok") != "ok":
+                click.echo(f"warning: decode.trt.onnx will not build with the ZeroEdgePathsFFN plugin "
+                           f"({summary['paths']['trt_plugin_limits']}); decode.portable.onnx runs")

@@ -16,7 +16,7 @@ from zeroedge.errors import UserError
 
 F16, BF16 = 1, 2
 ERRORS = {-1: "null pointer", -2: "dtype must be fp16 or bf16", -3: "shape outside the limits "
-          "(B 1..8, D % 256 == 0 and D <= 8192, F % 8 == 0, R 1..128)", -4: "tensor not 16-byte aligned"}
+          "(B 1..8, D % 8 == 0 and D <= 8192, F % 8 == 0, R 1..128)", -4: "tensor not 16-byte aligned"}
 _LIB = {}
 
 

@@ -354,3 +354,21 @@ def test_foreign_graph_records_paths_not_applied(tmp_path):
     with pytest.raises(UserError, match="predictor paths are not exported"):
         export_bundle(str(r["prefill"]), tmp_path / "b2", calib=tmp_path / "p")
     assert not (tmp_path / "b2").exists() and not (tmp_path / "b2.tmp").exists()
+
+
+def test_serving_session_runs_the_bundle_paths(tiny_paths):
+    """onnxruntime serving of a bundle exported with paths: the decode graph runs them on every
+    request the release level allows, says so, and refuses the requests it cannot serve sparse."""
+    from zeroedge.errors import UserError
+    from zeroedge.runtime.session import ServingSession
+
+    s = ServingSession(backend="onnxruntime", bundle=tiny_paths, release_level=1, threads=1)
+    prompt = list(range(3, 23))
+    r = s.generate(prompt, 4)
+    assert r.mechanisms["paths"] and r.detail["paths_layers"] == sorted(PATHS) and len(r.tokens) == 4
+    assert r.tokens == ServingSession(backend="onnxruntime", bundle=tiny_paths, paths=True,
+                                      threads=1).generate(prompt, 4).tokens
+    with pytest.raises(UserError, match="runs decode paths on every request"):
+        s.generate(prompt, 4, paths=False)
+    with pytest.raises(UserError, match="raise the release level"):
+        s.decide(600, 10)                                  # L1 excludes 610 tokens

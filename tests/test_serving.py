@@ -295,7 +295,7 @@ def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
     assert r.detail["decoder"] == "PathsDecoder" and r.tokens == got
 
 
-def test_paths_are_never_silently_dense(model, tmp_path):
+def test_paths_are_never_silently_dense(model, bundle, tmp_path):
     from zeroedge.runtime.session import ServingSession
 
     shipped = REPO / "zeroedge" / "data" / "smollm2-135m.calib"          # SIH only: no 'paths'
@@ -324,8 +324,10 @@ def test_paths_are_never_silently_dense(model, tmp_path):
     assert not r.mechanisms["paths"] and "L0" in r.mechanisms["paths_reason"]
     with pytest.raises(UserError, match="refusing"):
         s.generate(ids_(40), 4, paths=True)
-    with pytest.raises(UserError, match="torch backend only"):
-        ServingSession(backend="onnxruntime", bundle=tmp_path, paths=good)
+    with pytest.raises(UserError, match="runs the decode paths its bundle was exported with"):
+        ServingSession(backend="onnxruntime", bundle=bundle, paths=good)
+    with pytest.raises(UserError, match="has no decode paths"):           # a dense bundle
+        ServingSession(backend="onnxruntime", bundle=bundle, paths=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +348,10 @@ def test_run_cli_torch_and_onnxruntime(bundle, tmp_path):
     pf.write_text(PROMPT)
     p = run_cli("run", "tiny", "--prompt-file", pf, "--max-new", "4", "--paths", "--calib", art,
                 "--backend", "onnxruntime", "--bundle", bundle)
-    assert p.returncode == 2 and "torch backend only" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "--calib is for the torch backend" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("run", "tiny", "--prompt-file", pf, "--max-new", "4", "--paths", "--backend", "onnxruntime",
+                "--bundle", bundle)
+    assert p.returncode == 2 and "has no decode paths" in p.stderr and "Traceback" not in p.stderr
     p = run_cli("run", "tiny", "--prompt-file", pf, "--max-new", "4", "--paths", "--calib", art,
                 "--json", check_rc=0)
     assert json.loads(p.stdout)["mechanisms"]["paths"]

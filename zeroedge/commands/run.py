@@ -7,8 +7,10 @@
 
 Greedy decoding. The release level gates thermal KV and decode paths per request (L0 off, L1 < 512
 tokens, L2 < 4096 tokens at temperature 0, L3 all). --paths asks for the artifact's decode paths:
-if they cannot run (no path predictors, another model, a level that excludes the request, the
-onnxruntime backend) the command fails instead of decoding dense.
+if they cannot run (no path predictors, another model, a level that excludes the request) the
+command fails instead of decoding dense. With --backend onnxruntime the paths are nodes of the
+bundle's decode graph (zeroedge export MODEL --calib PATHS_ARTIFACT): such a bundle runs them on
+every request, so a request its level excludes is refused.
 """
 import click
 
@@ -112,20 +114,20 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         raise UserError(f"--page-size must be >= 1 (got {page_size})")
     if release_level not in LEVELS:
         raise UserError(f"--release-level must be 0, 1, 2 or 3 (got {release_level})")
-    if paths and calib is None:
+    if paths and calib is None and backend == "torch":
         raise UserError("--paths needs --calib ARTIFACT (made by zeroedge calibrate --paths)")
     if paths and release_level == 0:
         raise UserError("--paths asked for but --release-level 0 turns every mechanism off")
     if calib is not None:
+        if backend != "torch":
+            raise UserError("--calib is for the torch backend: --backend onnxruntime runs the decode "
+                            "paths its bundle was exported with (zeroedge export MODEL --calib ARTIFACT)")
         from zeroedge import calib_artifact
 
         meta = calib_artifact.read_meta(calib)
         if not meta.get("paths"):
             raise UserError(f"{calib} has no decode path predictors (meta section 'paths' is "
                             "missing): re-run zeroedge calibrate with --paths")
-        if backend != "torch":
-            raise UserError("decode paths run in the torch backend only (the onnxruntime paths "
-                            "graph comes with the plugins issue); refusing to decode dense")
     if backend == "onnxruntime":
         if bundle is None:
             raise UserError("--backend onnxruntime needs --bundle DIR (made by zeroedge export)")
@@ -158,7 +160,8 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
             raise UserError("--device cuda: no CUDA device here")
         m = m.to(dev)
     sess = ServingSession(m, backend=backend, bundle=bundle, kv_budget=budget, page_size=page_size,
-                          paths=calib, release_level=release_level, threads=threads or None,
+                          paths=calib if backend == "torch" else (True if paths else None),
+                          release_level=release_level, threads=threads or None,
                           model_cfg=cfg, on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
     res = sess.generate(ids, max_new, paths=True if paths else None,
                         eos=getattr(tok, "eos_token_id", None))

@@ -128,10 +128,6 @@ class ServingSession:
                 raise UserError(f"KV budget {kv_budget!r} is out of range: it must be in (0, 1]")
         if not isinstance(page_size, int) or page_size < 1:
             raise UserError(f"page size must be a positive integer (got {page_size!r})")
-        if paths is not None and backend != "torch":
-            raise UserError("decode paths run in the torch backend only (the onnxruntime / "
-                            "TensorRT paths graph comes with the plugins issue); refusing to "
-                            "run dense in place of sparse")
         self.backend, self.kv_budget, self.page_size = backend, kv_budget, page_size
         self.alerts: List[str] = []
         self._on_alert = on_alert
@@ -149,8 +145,23 @@ class ServingSession:
             if bundle is None:
                 raise UserError("the onnxruntime backend needs --bundle DIR (an exported bundle)")
             self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg)
-        if paths is not None:
-            self.policies = path_policies(model, paths)
+        self.bundle_paths = []
+        if backend == "torch":
+            if paths is not None:
+                self.policies = path_policies(model, paths)
+        else:
+            # onnxruntime: decode paths are nodes of the bundle's decode graph (zeroedge export with a
+            # paths artifact), on for every request; a paths artifact here would be a second source
+            cal = self.runner.manifest.get("calibration") or {}
+            self.bundle_paths = list(cal.get("paths_layers") or [])
+            if paths is not None and not isinstance(paths, bool):
+                raise UserError("the onnxruntime backend runs the decode paths its bundle was exported "
+                                "with: give --bundle only (zeroedge export MODEL --calib PATHS_ARTIFACT)")
+            if paths and not self.bundle_paths:
+                raise UserError(f"{bundle} has no decode paths (its decode graph is dense): export it with "
+                                "a paths artifact; refusing to run dense in place of sparse")
+            if self.bundle_paths:
+                self.policies = {"bundle": self.bundle_paths}
 
     def _check_thermal_opts(self):
         import inspect
@@ -200,6 +211,17 @@ class ServingSession:
             out["thermal_kv_reason"] = f"prompt under {MIN_THERMAL_TOKENS} tokens bypasses thermal KV"
         else:
             out["thermal_kv"] = True
+        if self.bundle_paths:             # onnxruntime: the graph always runs them
+            if paths is False:
+                raise UserError("this bundle's decode graph runs decode paths on every request: "
+                                "use a bundle exported without them to decode dense")
+            if not self.paths_gate.allows(n, temperature):
+                raise UserError(f"this bundle's decode graph runs decode paths, but "
+                                f"{_why_not(self.paths_gate, n, temperature)}: raise the release level "
+                                "or use a bundle exported without paths")
+            out["paths"] = True
+            out["paths_reason"] = f"the bundle's decode graph (layers {self.bundle_paths})"
+            return out
         if paths is False:
             out["paths_reason"] = "not asked for"
             return out
@@ -407,6 +429,8 @@ class ServingSession:
         device_kv = r.window_bytes()
         detail = {"decoder": "OrtRunner", "backend": "onnxruntime", "window_slots": r.slots,
                   "graph_decode_s": r.timings["decode_s"] - d0}
+        if self.bundle_paths:
+            detail["paths_layers"] = self.bundle_paths
         if pol is not None:
             st = pol.stats()
             device_kv += st["summary_bytes"] + st["page_table_bytes"]

@@ -7,7 +7,6 @@ Timings: paths_cuda_h200.py.
     python -m pytest -q device_tests/test_paths_gpu.py
 """
 import ctypes
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,21 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "device_tests"))
 
 
-def _skip_reason():
-    try:
-        import torch
-    except ImportError:
-        return "PyTorch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to PyTorch"
-    if shutil.which("nvcc") is None:
-        return "nvcc not on PATH"
-    return None
-
-
-REASON = _skip_reason()
+from test_kernels_gpu import REASON  # noqa: E402  (same needs: torch with CUDA, a GPU, nvcc)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
 

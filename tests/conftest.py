@@ -74,3 +74,38 @@ def text_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("text") / "licenses.txt"
     p.write_text(texts.licenses())
     return p
+
+
+# ---- the sensor daemon's tests (test_daemon*.py)
+
+@pytest.fixture(scope="session")
+def sensor_bundle(tmp_path_factory):
+    """The shipped sensor detector as a bundle ($ZEROEDGE_SENSOR_BUNDLE: a prebuilt one)."""
+    if os.environ.get("ZEROEDGE_SENSOR_BUNDLE"):
+        return Path(os.environ["ZEROEDGE_SENSOR_BUNDLE"])
+    from zeroedge.sensor.train import ensure_bundle
+
+    return ensure_bundle(tmp_path_factory.mktemp("sensor-bundle") / "sensor")
+
+
+@pytest.fixture(scope="session")
+def tep_frames():
+    """400 real TEP readings: 200 normal (d00), then 200 of fault 1 (d01)."""
+    import numpy as np
+
+    from zeroedge.sensor.tep import load_run
+
+    data = SHARED / "data" / "tep-braatz"
+    return np.concatenate([load_run(data / "d00.dat")[:200], load_run(data / "d01.dat")[:200]])
+
+
+@pytest.fixture
+def mqtt_broker(tmp_path):
+    """A real mosquitto on 127.0.0.1 with persistence."""
+    from zeroedge.daemon import testing as T
+
+    if T.mosquitto_bin() is None:
+        pytest.fail("mosquitto is not installed (scripts/setup installs it)")
+    b = T.Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()

@@ -13,32 +13,22 @@ import pytest
 
 from zeroedge.daemon import testing as T
 
-pytestmark = pytest.mark.skipif(T.mosquitto_bin() is None, reason="mosquitto is not installed")
-
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tep-braatz"
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    if os.environ.get("ZEROEDGE_SENSOR_BUNDLE"):          # development: a prebuilt bundle
-        return Path(os.environ["ZEROEDGE_SENSOR_BUNDLE"])
-    from zeroedge.sensor.train import ensure_bundle
-
-    return ensure_bundle(tmp_path_factory.mktemp("bundle") / "sensor")
-
-
-@pytest.fixture(scope="module")
-def frames():
-    from zeroedge.sensor.tep import load_run
-
-    return np.concatenate([load_run(SHARED / "d00.dat")[:200], load_run(SHARED / "d01.dat")[:200]])
+@pytest.fixture
+def bundle(sensor_bundle):
+    return sensor_bundle
 
 
 @pytest.fixture
-def broker(tmp_path):
-    b = T.Broker(tmp_path / "broker").start()
-    yield b
-    b.stop()
+def frames(tep_frames):
+    return tep_frames
+
+
+@pytest.fixture
+def broker(mqtt_broker):
+    return mqtt_broker
 
 
 def mqtt_daemon(tmp_path, bundle, broker, client_id="zd-test", **daemon):
@@ -78,12 +68,15 @@ def test_broker_restart_mid_stream(tmp_path, bundle, broker, frames):
                 assert d.proc.poll() is None
                 h = d.health()
                 assert h["status"] == "degraded" and d.get("/healthz")[0] == 503
+                assert not h["source_connected"]
+                assert metric(d.get("/metrics")[1].decode(), "zeroedge_source_connected") == 0
                 broker.start()
                 pub.wait_connected()
         pub.wait_all(timeout=60)
         res = T.wait_results(tmp_path / "results.jsonl", n, timeout=90, proc=d.proc)
         check_exactly_once(res, n)
         assert d.health()["status"] == "ok"
+        assert metric(d.get("/metrics")[1].decode(), "zeroedge_source_connected") == 1
         ref = {r["seq"]: r["ema"] for r in reference(bundle, frames)}
         assert max(abs(r["ema"] - ref[r["seq"]]) for r in res) < 1e-3
         assert d.terminate() == 0
@@ -123,47 +116,73 @@ def test_kill9_mid_stream_resumes_exactly_once(tmp_path, bundle, broker, frames)
             d.kill9()
 
 
+def metric(text: str, name: str) -> float:
+    """The value of one sample line of a /metrics page (0.0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_bad_input_goes_to_dead_letters(tmp_path, bundle, broker, frames):
+    """Every bad payload becomes a dead letter holding its exact bytes and a reason, while valid
+    readings (late ones included) keep flowing; /metrics counts what the spool holds."""
     d = mqtt_daemon(tmp_path, bundle, broker, max_payload_bytes=4096).start()
     pub = T.Publisher(broker.port)
     good = lambda i: T.reading("s1", i, frames[i])  # noqa: E731
+    sent = {}                                         # payload bytes -> expected reason
+
+    def bad(payload, reason):
+        payload = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        sent[payload] = reason
+        pub.publish("zeroedge/readings/s1", payload)
+
     try:
         pub.publish("zeroedge/readings/s1", good(0))
         pub.publish("zeroedge/readings/s1", good(1))
-        nan = json.dumps(good(2)).replace(str(float(frames[2][0])), "NaN", 1)
-        pub.publish("zeroedge/readings/s1", nan)
-        inf = dict(good(2)); inf["values"] = list(inf["values"]); inf["values"][5] = 1e400
-        pub.publish("zeroedge/readings/s1", json.dumps(inf))           # json.dumps writes Infinity
-        short = dict(good(2)); short["values"] = short["values"][:51]
-        pub.publish("zeroedge/readings/s1", short)
-        pub.publish("zeroedge/readings/s1", b'{"sensor": "s1", "seq": 2, "values": [1, 2,')
-        pub.publish("zeroedge/readings/s1", b"\xff\xfe not json")
-        pub.publish("zeroedge/readings/s1", b"[" * 2000 + b"]" * 2000)       # nesting bomb
-        big = dict(good(2)); big["pad"] = "x" * 10000
-        pub.publish("zeroedge/readings/s1", big)
+        bad(json.dumps(good(2)).replace(str(float(frames[2][0])), "NaN", 1).encode(), "non-finite")
+        inf = good(2); inf["values"][5] = 1e400
+        bad(inf, "non-finite")                                                # json.dumps writes Infinity
+        f32 = good(2); f32["values"][7] = 1e39
+        bad(f32, "non-finite")                                                # finite float64, inf float32
+        huge = json.dumps(good(2)).replace(str(float(frames[2][3])), "1" + "0" * 400, 1).encode()
+        bad(huge, "non-finite")                                               # an integer beyond float64
+        short = good(2); short["values"] = short["values"][:51]
+        bad(short, "wrong-channel-count")
+        bad(b'{"sensor": "s1", "seq": 2, "values": [1, 2,', "malformed-json")
+        bad(b"\xff\xfe not json", "malformed-json")
+        bad(b"[" * 2000 + b"]" * 2000, "malformed-json")                     # nesting bomb
+        big = good(2); big["pad"] = "x" * 10000
+        bad(big, "oversized")
+        bad({**good(3), "seq": 2 ** 63}, "bad-schema")                       # beyond SQLite's INTEGER
+        bad({**good(3), "seq": -1}, "bad-schema")
+        bad({**good(3), "sensor": "s1\nwarning: forged log line"}, "bad-schema")
+        bad({"sensor": "s1", "values": []}, "bad-schema")                   # no seq
         pub.publish("zeroedge/readings/s1", good(2))
-        pub.publish("zeroedge/readings/s1", good(2))                    # duplicate seq
+        bad(good(2), "duplicate-seq")                                         # a redelivery
         pub.publish("zeroedge/readings/s1", good(5))
-        pub.publish("zeroedge/readings/s1", good(4))                    # out of order
-        pub.publish("zeroedge/readings/s1", {"sensor": "s1", "values": []})  # no seq
-        pub.publish("zeroedge/readings/s1", good(6))
+        pub.publish("zeroedge/readings/s1", good(4))                        # late, never seen: kept
+        bad(good(4), "duplicate-seq")
+        top = good(6); top["seq"] = 2 ** 63 - 1
+        pub.publish("zeroedge/readings/s1", top)                            # the largest seq ...
+        pub.publish("zeroedge/readings/s1", good(7))                        # ... blocks nothing after it
         pub.wait_all()
-        res = T.wait_results(tmp_path / "results.jsonl", 5, timeout=60, proc=d.proc)
+        res = T.wait_results(tmp_path / "results.jsonl", 7, timeout=60, proc=d.proc)
         time.sleep(0.5)
         assert d.proc.poll() is None, "bad input stopped the daemon"
-        assert [r["seq"] for r in res] == [0, 1, 2, 5, 6], d.log.read_text()[-3000:]
+        assert [r["seq"] for r in res] == [0, 1, 2, 5, 4, 2 ** 63 - 1, 7], d.log.read_text()[-3000:]
         db = sqlite3.connect(tmp_path / "state" / "spool.sqlite")
-        reasons = sorted(r for (r,) in db.execute("SELECT reason FROM dead_letters"))
-        assert reasons == sorted(["non-finite", "non-finite", "wrong-channel-count", "malformed-json",
-                                  "malformed-json", "malformed-json", "oversized", "duplicate-seq", "out-of-order-seq",
-                                  "bad-schema"]), reasons
-        metrics = d.get("/metrics")[1].decode()
-        assert 'zeroedge_dead_letters_total{reason="non-finite"} 2.0' in metrics
-        assert 'zeroedge_dead_letters_total{reason="oversized"} 1.0' in metrics
+        stored = {bytes(p): r for r, p in db.execute("SELECT reason, payload FROM dead_letters")}
+        assert stored == sent                                 # every payload whole, each with its reason
+        m = d.get("/metrics")[1].decode()
+        for reason, n in db.execute("SELECT reason, COUNT(*) FROM dead_letters GROUP BY reason"):
+            assert metric(m, f'zeroedge_dead_letters_total{{reason="{reason}"}}') == n, reason
+        assert metric(m, "zeroedge_readings_total") == 7 and metric(m, "zeroedge_readings_late_total") == 2     # 4 after 5, 7 after 2**63-1
+        assert metric(m, "zeroedge_readings_processed_total") == 7
         log = d.log.read_text()
-        for reason in ("non-finite", "wrong-channel-count", "malformed-json", "oversized",
-                       "duplicate-seq", "out-of-order-seq"):
+        for reason in set(sent.values()):
             assert f"dead letter: reason={reason}" in log
+        assert "\nwarning: forged log line" not in log         # a hostile id cannot write a log line
         assert d.terminate() == 0
     finally:
         pub.close()
@@ -202,9 +221,9 @@ def test_health_metrics_sd_notify_and_sigterm(tmp_path, bundle, frames):
         assert h["bundle"] == str(bundle)
         m = d.get("/metrics")[1].decode()
         for name in ("zeroedge_readings_total", "zeroedge_window_latency_seconds_bucket",
-                     'zeroedge_kv_memory_bytes{tier="hot"}', "zeroedge_kv_migrations_total",
-                     "zeroedge_alerts_total"):
+                     'zeroedge_kv_memory_bytes{tier="hot"}', "zeroedge_alerts_total"):
             assert name in m, name
+        assert metric(m, "zeroedge_source_connected") == 1 and metric(m, "zeroedge_spool_writable") == 1
         assert d.get("/nope")[0] == 404
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(30) == 0

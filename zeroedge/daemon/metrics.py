@@ -1,13 +1,19 @@
-"""Prometheus metrics and the /healthz endpoint, served on 127.0.0.1:<[metrics] port>.
+"""Prometheus metrics and the /healthz endpoint, served on <[metrics] host>:<port> (127.0.0.1).
 
 /healthz -> {"status": "ok"|"degraded", "version", "uptime_s", "readings", "last_inference_age_s",
-             "bundle", ...}; HTTP 200 when ok, 503 otherwise.
+             "bundle", "source_connected", "spool", ...}; HTTP 200 when ok, 503 otherwise.
+
+Every series is driven by what the daemon does: counters where it counts, gauges set from its live
+state just before each scrape (`refresh`).
 """
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from zeroedge.errors import UserError
 
 
 class Metrics:
@@ -26,14 +32,19 @@ class Metrics:
                                         "Reading committed -> its result written", buckets=buckets, registry=r)
         self.infer_latency = Histogram("zeroedge_inference_latency_seconds",
                                        "One model call (a batch of windows)", buckets=buckets, registry=r)
+        self.late = Counter("zeroedge_readings_late", "Readings accepted below their sensor's highest seq "
+                            "(reordered delivery; processed in arrival order)", registry=r)
+        self.spool_failures = Counter("zeroedge_spool_write_failures", "Spool writes that failed and were "
+                                      "retried (locked, disk full, I/O error)", registry=r)
+        self.spool_ok = Gauge("zeroedge_spool_writable", "1 while spool writes succeed", registry=r)
         self.pending = Gauge("zeroedge_spool_pending", "Readings in the spool not yet processed", registry=r)
         self.streams = Gauge("zeroedge_streams", "Streams with state", registry=r)
-        self.kv_bytes = Gauge("zeroedge_kv_memory_bytes", "Per-stream state memory by KV tier", ["tier"], registry=r)
-        self.migrations = Counter("zeroedge_kv_migrations", "KV page migrations between tiers", registry=r)
+        self.kv_bytes = Gauge("zeroedge_kv_memory_bytes", "Per-stream state memory by KV tier (the sensor "
+                              "daemon keeps every window hot)", ["tier"], registry=r)
         self.rss = Gauge("zeroedge_resident_memory_bytes", "Resident set size of the daemon", registry=r)
         self.connected = Gauge("zeroedge_source_connected", "1 when the source is connected", registry=r)
-        for t in ("hot", "compressed", "cold"):
-            self.kv_bytes.labels(t).set(0)
+        self.spool_ok.set(1)
+        self.kv_bytes.labels("hot")
         from zeroedge.daemon.spool import REASONS
         for reason in REASONS:
             self.dead.labels(reason)
@@ -53,8 +64,9 @@ def rss_bytes() -> int:
         return 0
 
 
-def serve(host: str, port: int, metrics: Metrics, health) -> ThreadingHTTPServer:
-    """Start the HTTP server in a daemon thread. `health()` returns the /healthz dict."""
+def serve(host: str, port: int, metrics: Metrics, health, refresh=lambda: None) -> ThreadingHTTPServer:
+    """Start the HTTP server in a daemon thread. `health()` returns the /healthz dict; `refresh()`
+    sets the live gauges before each /metrics answer. A port that cannot be bound -> UserError."""
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code, body: bytes, ctype):
@@ -67,7 +79,7 @@ def serve(host: str, port: int, metrics: Metrics, health) -> ThreadingHTTPServer
         def do_GET(self):  # noqa: N802
             path = self.path.split("?")[0]
             if path == "/metrics":
-                metrics.rss.set(rss_bytes())
+                refresh()
                 self._send(200, metrics.text(), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/healthz":
                 h = health()
@@ -78,8 +90,14 @@ def serve(host: str, port: int, metrics: Metrics, health) -> ThreadingHTTPServer
         def log_message(self, *a):
             pass
 
-    ThreadingHTTPServer.allow_reuse_address = True
-    srv = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        allow_reuse_address = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    try:
+        srv = Server((host, port), Handler)
+    except OSError as e:
+        raise UserError(f"[metrics] cannot listen on {host}:{port}: {e.strerror or e}") from None
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, name="http", daemon=True).start()
     return srv

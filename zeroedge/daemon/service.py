@@ -6,9 +6,16 @@ it, then commits "processed" for the batch's readings, the per-stream state and 
 in one SQLite transaction. On start the JSONL file is truncated back to the committed offset (a batch
 whose commit did not happen is processed again), and the per-stream windows are rebuilt from the
 spool. MQTT result/alert publishing happens after the commit (at most once across a crash).
+
+A spool that cannot be written (locked by another process, disk full, I/O error) is retried in place
+with backoff, the same batch and nothing behind it: /healthz says "degraded" with the error and
+zeroedge_spool_writable reads 0. Unwritable for [daemon] spool_give_up_s, the daemon logs one line
+and exits 1 (systemd restarts it); readings not yet committed were not acknowledged, so the broker
+redelivers them, and a processed batch whose commit never happened is processed again.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -20,9 +27,58 @@ from pathlib import Path
 from zeroedge import __version__
 from zeroedge.daemon import logs, notify
 from zeroedge.daemon.config import Config
-from zeroedge.daemon.spool import DeadLetter, Reading, Spool, parse
+from zeroedge.daemon.spool import DeadLetter, Reading, Spool, SpoolUnavailable, finite_float32, parse, raw_payload
 
 STALL_S = 30.0      # the inference loop not ticking for this long -> degraded (and no WATCHDOG=1)
+DEAD_LETTER_LOG_PER_MIN = 60    # dead letters logged one by one per minute; the rest are summed up
+
+
+class SpoolGaveUp(Exception):
+    """The spool stayed unwritable for spool_give_up_s: the daemon exits 1."""
+
+
+class SpoolRetry:
+    """Failure state of spool writes, shared by the writer and the inference thread: backoff between
+    retries of the same work, the error for /healthz, and the give-up deadline."""
+
+    def __init__(self, give_up_s: float, metrics, log):
+        self.give_up_s, self.metrics, self.log = give_up_s, metrics, log
+        self.error = None
+        self.since = None
+        self.attempts = 0
+        self.lock = threading.Lock()
+
+    def failed(self, what: str, e: Exception) -> float:
+        """Record a failure; returns the seconds to wait before retrying, or raises SpoolGaveUp."""
+        now = time.monotonic()
+        with self.lock:
+            self.since = self.since or now
+            self.attempts += 1
+            self.error = f"{what}: {e}"
+            failing = now - self.since
+        self.metrics.spool_failures.inc()
+        self.metrics.spool_ok.set(0)
+        if failing >= self.give_up_s:
+            raise SpoolGaveUp(f"the spool has not been writable for {failing:.0f} s ({self.error}); exiting so "
+                              "that the service manager restarts the daemon; nothing acknowledged is lost")
+        if self.attempts == 1 or self.attempts % 10 == 0:
+            self.log.warning(f"spool write failed ({self.error}); retrying the same batch "
+                             f"(failing for {failing:.1f} s, giving up after {self.give_up_s:g} s)")
+        return min(2.0, 0.05 * 2 ** min(self.attempts, 6))
+
+    def ok(self):
+        if self.since is None:
+            return
+        with self.lock:
+            failing = time.monotonic() - self.since
+            self.error, self.since, self.attempts = None, None, 0
+        self.metrics.spool_ok.set(1)
+        self.log.info(f"spool writable again after {failing:.1f} s")
+
+    def state(self) -> dict:
+        with self.lock:
+            return {"writable": self.since is None, "error": self.error,
+                    "failing_s": None if self.since is None else round(time.monotonic() - self.since, 3)}
 
 
 class Daemon:
@@ -38,7 +94,12 @@ class Daemon:
         d = cfg.daemon
         self.detector = load_bundle(cfg.bundle, backend=d["backend"], threads=d["threads"])
         self.engine = Engine(self.detector, d["infer_every"], d["infer_interval_s"])
-        self.spool = Spool(cfg.state_dir)
+        self.spool = Spool(cfg.state_dir, keep=max(d["keep_per_stream"], self.detector.window),
+                           sensors=d["sensors"], max_sensors=d["max_sensors"])
+        self.retry = SpoolRetry(float(d["spool_give_up_s"]), self.metrics, self.log)
+        self.fatal = None               # why the daemon gave up (exit 1)
+        self.dl_logged = collections.deque()      # times of dead letters logged one by one
+        self.dl_quiet = 0                         # dead letters not logged one by one since the last summary
         self.rconn = self.spool.reader()
         Spool.restore_streams(self.rconn, self.engine)
         self.q: queue.Queue = queue.Queue(maxsize=4 * d["batch_max"])
@@ -46,12 +107,14 @@ class Daemon:
         self.writer_idle = threading.Event()
         self.work_evt = threading.Event()
         self.heartbeat = time.monotonic()
+        self.watchdog_s, self.last_watchdog = notify.watchdog_interval_s(), 0.0
         self.last_inference = None
         self.processed_total = 0
         self.publisher = None
         self.source = None
-        import collections
         self.recent_latency = collections.deque(maxlen=100000)   # reading committed -> result, s
+        for w in cfg.warnings:
+            self.log.warning(w)
         self._open_jsonl()
 
     # ---- output file ----------------------------------------------------------------------------
@@ -78,14 +141,15 @@ class Daemon:
         now = time.monotonic()
         stalled = now - self.heartbeat > STALL_S
         src_ok = self.source is not None and self.source.connected     # degraded while starting
-        status = "ok" if (not stalled and src_ok) else "degraded"
+        spool = self.retry.state()
+        status = "ok" if (not stalled and src_ok and spool["writable"]) else "degraded"
         return {"status": status, "version": __version__, "uptime_s": round(time.time() - self.t_start, 3),
                 "readings": self.processed_total,
                 "last_inference_age_s": None if self.last_inference is None
                 else round(now - self.last_inference, 3),
                 "bundle": str(self.cfg.bundle), "source": self.cfg.source["kind"],
                 "source_connected": bool(src_ok), "inference_loop_stalled": stalled,
-                "streams": len(self.engine.streams)}
+                "spool": spool, "streams": len(self.engine.streams)}
 
     # ---- spool writer ---------------------------------------------------------------------------
     def _put(self, item):
@@ -99,7 +163,6 @@ class Daemon:
 
     def _writer(self):
         d = self.cfg.daemon
-        ch, maxb = self.detector.channels, d["max_payload_bytes"]
         while True:
             try:
                 first = self.q.get(timeout=0.1)
@@ -115,31 +178,11 @@ class Daemon:
                     batch.append(self.q.get_nowait())
                 except queue.Empty:
                     break
-            items = []
-            for inc in batch:
-                p = inc.payload
-                if isinstance(p, Reading):
-                    if len(p.values) != ch:
-                        p = DeadLetter("wrong-channel-count", f"{len(p.values)} values, expected {ch}",
-                                       b"", p.sensor, p.seq, inc.source)
-                    elif not all(map(_finite, p.values)):
-                        p = DeadLetter("non-finite", "NaN or inf in values", b"", p.sensor, p.seq, inc.source)
-                    items.append(p)
-                else:
-                    try:
-                        items.append(parse(p, ch, maxb, inc.source))
-                    except Exception as e:  # never let one payload stop the writer
-                        items.append(DeadLetter("malformed-json", f"unparseable: {e!r}"[:200],
-                                                bytes(p)[:4096] if isinstance(p, (bytes, bytearray)) else b"",
-                                                source=inc.source))
-            try:
-                accepted, dead = self.spool.commit(items)
-            except Exception as e:
-                self.log.error(f"spool commit failed ({e!r}); {len(batch)} readings not acked, retrying")
-                time.sleep(0.5)
-                for inc in batch:
-                    self._put(inc)
-                continue
+            items = [self._validate(inc) for inc in batch]
+            done = self._commit(items)
+            if done is None:             # stopping or giving up: nothing of this batch is acked
+                return
+            accepted, dead, late = done
             for inc in batch:          # acknowledge only what is committed
                 if inc.ack is not None:
                     try:
@@ -147,12 +190,70 @@ class Daemon:
                     except Exception as e:  # a lost ack means a redelivery, which dedup absorbs
                         self.log.warning(f"mqtt ack failed: {e!r}")
             self.metrics.readings.inc(len(accepted))
+            self.metrics.late.inc(late)
             for dl in dead:
                 self.metrics.dead.labels(dl.reason).inc()
-                self.log.warning(f"dead letter: reason={dl.reason} sensor={dl.sensor} seq={dl.seq} "
-                                 f"source={dl.source} detail={dl.detail}")
+                self._log_dead_letter(dl)
             if accepted:
                 self.work_evt.set()
+
+    def _validate(self, inc):
+        """A source's item -> Reading or DeadLetter (never raises: one payload cannot stop the writer)."""
+        ch, maxb = self.detector.channels, self.cfg.daemon["max_payload_bytes"]
+        p = inc.payload
+        if isinstance(p, Reading):
+            if len(p.values) != ch:
+                return DeadLetter("wrong-channel-count", f"{len(p.values)} values, expected {ch}", raw_payload(p),
+                                  p.sensor, p.seq, inc.source)
+            values = finite_float32(p.values)
+            if values is None:
+                return DeadLetter("non-finite", "NaN, inf or beyond float32 range in values", raw_payload(p),
+                                  p.sensor, p.seq, inc.source)
+            p.values = values
+            return p
+        try:
+            return parse(p, ch, maxb, inc.source)
+        except Exception as e:
+            return DeadLetter("malformed-json", f"unparseable: {e!r}"[:200],
+                              bytes(p) if isinstance(p, (bytes, bytearray)) else repr(p).encode(), source=inc.source)
+
+    def _commit(self, items):
+        """spool.commit, retried in place while the spool is unwritable; None when the daemon is
+        stopping (or gives up) before it went through."""
+        while True:
+            try:
+                done = self.spool.commit(items)
+                self.retry.ok()
+                return done
+            except SpoolUnavailable as e:
+                try:
+                    delay = self.retry.failed("commit readings", e)
+                except SpoolGaveUp as g:
+                    self._give_up(g)
+                    return None
+            if self.stop_evt.wait(delay):
+                return None
+
+    def _give_up(self, e: SpoolGaveUp):
+        if self.fatal is None:
+            self.fatal = str(e)
+            self.log.error(self.fatal)
+        self.request_stop()
+
+    def _log_dead_letter(self, dl):
+        now = time.monotonic()
+        while self.dl_logged and now - self.dl_logged[0] > 60:
+            self.dl_logged.popleft()
+        if len(self.dl_logged) >= DEAD_LETTER_LOG_PER_MIN:
+            self.dl_quiet += 1
+            return
+        if self.dl_quiet:
+            self.log.warning(f"{self.dl_quiet} more dead letters were not logged one by one "
+                             "(zeroedge_dead_letters_total counts them; the spool keeps them all)")
+            self.dl_quiet = 0
+        self.dl_logged.append(now)
+        self.log.warning(f"dead letter: reason={dl.reason} sensor={_printable(dl.sensor)} seq={dl.seq} "
+                         f"source={_printable(dl.source)} detail={_printable(dl.detail)}")
 
     # ---- inference loop -------------------------------------------------------------------------
     def _process_pending(self) -> int:
@@ -183,7 +284,14 @@ class Daemon:
             os.fsync(self.jsonl.fileno())
             self.jsonl_offset = self.jsonl.tell()
         streams = [self.engine.streams[s] for s in set(touched) | {r["sensor"] for r in results}]
-        self.spool.mark_processed(rowids, streams, self.jsonl_offset)
+        while True:        # the engine has moved on: this commit must happen before anything else
+            try:
+                self.spool.mark_processed(rowids, streams, self.jsonl_offset)
+                self.retry.ok()
+                break
+            except SpoolUnavailable as e:
+                time.sleep(self.retry.failed("commit processed results", e))    # SpoolGaveUp -> run()
+                self._beat()         # alive and retrying on purpose: the watchdog keeps quiet
         self.processed_total += len(rowids)
         self.metrics.processed.inc(len(rowids))
         self.metrics.inferences.inc(len(results))
@@ -216,14 +324,29 @@ class Daemon:
             self.log.warning(f"publishing results failed: {e!r}")
 
     def _update_gauges(self):
-        from zeroedge.daemon.metrics import rss_bytes
-
+        """Gauges that need the inference thread's state (the spool reader, the streams)."""
         self.metrics.pending.set(Spool.count_pending(self.rconn))
         self.metrics.streams.set(len(self.engine.streams))
-        self.metrics.kv_bytes.labels("hot").set(sum(s.memory_bytes() for s in self.engine.streams.values()))
+        self.metrics.kv_bytes.labels("hot").set(sum(s.memory_bytes() for s in list(self.engine.streams.values())))
+        self._refresh_live()
+
+    def _refresh_live(self):
+        """Gauges read from live state at every scrape."""
+        from zeroedge.daemon.metrics import rss_bytes
+
+        self.metrics.connected.set(1 if self.source is not None and self.source.connected else 0)
+        self.metrics.spool_ok.set(1 if self.retry.state()["writable"] else 0)
         self.metrics.rss.set(rss_bytes())
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    def _beat(self) -> float:
+        """The inference loop is alive: heartbeat for /healthz, WATCHDOG=1 when one is due."""
+        self.heartbeat = now = time.monotonic()
+        if self.watchdog_s and now - self.last_watchdog >= self.watchdog_s:
+            notify.notify("WATCHDOG=1")
+            self.last_watchdog = now
+        return now
+
     def request_stop(self, *_):
         if not self.stop_evt.is_set():
             self.log.info("stop requested: draining")
@@ -238,38 +361,42 @@ class Daemon:
         c = self.cfg
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self.http = serve(c.metrics["host"], c.metrics["port"], self.metrics, self.health)
+        self.http = serve(c.metrics["host"], c.metrics["port"], self.metrics, self.health, self._refresh_live)
         writer = threading.Thread(target=self._writer, name="spool-writer", daemon=True)
         writer.start()
         self.source = SOURCES[c.source["kind"]](c.source, self._put, self.log, self.spool)
         if c.source["kind"] == "mqtt":
             self.publisher = self.source
         elif c.output.get("host") and (c.output["mqtt_results_topic"] or c.output["mqtt_alerts_topic"]):
-            self.publisher = _Publisher(make_client({**c.source, "host": c.output["host"],
+            broker = {k: c.output[k] for k in ("username", "password", "tls_ca", "tls_cert", "tls_key")}
+            self.publisher = _Publisher(make_client({**c.source, **broker, "host": c.output["host"],
                                                      "port": c.output.get("port") or 1883},
                                                     f"{c.source['client_id']}-pub", self.log))
         self.source.start()
-        wd = notify.watchdog_interval_s()
-        last_wd = 0.0
         last_gauges = 0.0
         last_prune = time.monotonic()
         notify.notify(f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}")
         self.log.info(f"zeroedge daemon {__version__} ready: bundle={c.bundle} source={c.source['kind']} "
                       f"backend={self.detector.backend.name} metrics=http://{c.metrics['host']}:"
                       f"{self.http.server_address[1]}/metrics")
-        n_pending_at_stop = None
         while True:
-            self.heartbeat = now = time.monotonic()
-            if wd and now - last_wd >= wd:
-                notify.notify("WATCHDOG=1")
-                last_wd = now
+            now = self._beat()
             if now - last_gauges > 1.0:
                 self._update_gauges()
                 last_gauges = now
             if now - last_prune > 30.0:
-                self.spool.prune(max(self.cfg.daemon["keep_per_stream"], self.detector.window))
+                try:
+                    self.spool.prune()
+                except SpoolUnavailable as e:       # pruning waits for the next round
+                    self.log.warning(f"spool prune skipped: {e}")
                 last_prune = now
-            n = self._process_pending()
+            try:
+                n = self._process_pending()
+            except SpoolGaveUp as e:
+                self._give_up(e)
+                break
+            if self.fatal:
+                break
             if n:
                 continue
             if self.exit_at_end and self.source.done.is_set() and self.q.empty() and self.writer_idle.is_set():
@@ -279,8 +406,11 @@ class Daemon:
                 if not self.source.stopping.is_set():
                     self.source.stop()
                 writer.join(timeout=30)
-                while self._process_pending():
-                    pass
+                try:
+                    while self._process_pending():
+                        pass
+                except SpoolGaveUp as e:
+                    self._give_up(e)
                 break
             self.work_evt.wait(0.05)
             self.work_evt.clear()
@@ -290,9 +420,12 @@ class Daemon:
                 self.publisher.close()
         except Exception:
             pass
-        self._update_gauges()
         self.jsonl.close()
         self.http.shutdown()
+        if self.fatal:
+            self.log.error("stopped with exit status 1 (see the error above)")
+            return 1
+        self._update_gauges()
         if self.recent_latency:
             import numpy as np
 
@@ -317,5 +450,7 @@ class _Publisher:
         self.client.loop_stop()
 
 
-def _finite(v) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
+def _printable(text) -> str:
+    """Hostile input (sensor ids, topics, details) as one log line: control characters escaped."""
+    text = str(text)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")

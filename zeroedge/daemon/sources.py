@@ -88,7 +88,7 @@ class FileSource(Source):
             if self.stopping.is_set():
                 return
             self._pace(t0, i - start)
-            self.put(Incoming(Reading(sensor, i, data[i], None), source="file"))
+            self.put(Incoming(Reading(sensor, i, data[i], None, source="file"), source="file"))
 
 
 class StdinSource(Source):
@@ -121,7 +121,7 @@ class SimulatorSource(Source):
             if i < start:
                 continue
             self._pace(t0, i - start)
-            self.put(Incoming(Reading(sensor, i, frame, time.time()), source="simulator"))
+            self.put(Incoming(Reading(sensor, i, frame, time.time(), source="simulator"), source="simulator"))
 
 
 class MqttSource(Source):
@@ -167,6 +167,12 @@ def make_client(cfg, client_id, log, owner=None):
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     if cfg.get("username"):
         c.username_pw_set(cfg["username"], cfg.get("password"))
+    if cfg.get("tls_ca") or cfg.get("tls_cert"):
+        import ssl
+
+        # the broker's certificate must chain to tls_ca (else the system CAs) and name the host
+        c.tls_set(ca_certs=_str(cfg.get("tls_ca")), certfile=_str(cfg.get("tls_cert")),
+                  keyfile=_str(cfg.get("tls_key")), cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
     c.reconnect_delay_set(min_delay=0.2, max_delay=5)
     c.max_inflight_messages_set(1000)
     props = Properties(PacketTypes.CONNECT)
@@ -177,6 +183,7 @@ def make_client(cfg, client_id, log, owner=None):
         if reason_code.is_failure:
             log.warning(f"mqtt connect to {cfg['host']}:{cfg['port']} refused: {reason_code}")
             return
+        failures[0] = 0
         if owner is not None:
             client.subscribe(cfg["topic"], qos=int(cfg.get("qos", 1)))
             log.info(f"mqtt connected to {cfg['host']}:{cfg['port']} (session present: "
@@ -195,13 +202,26 @@ def make_client(cfg, client_id, log, owner=None):
             else:
                 owner.connected = True      # healthy once the subscription is in place
 
+    failures = [0]
+
+    def on_connect_fail(client, userdata):
+        failures[0] += 1
+        if failures[0] in (1, 10) or failures[0] % 100 == 0:     # a broker down for hours: a few lines
+            log.warning(f"mqtt connection to {cfg['host']}:{cfg['port']} failed ({failures[0]} attempts"
+                        f"{'; TLS: check tls_ca / the broker certificate' if cfg.get('tls_ca') else ''}); retrying")
+
     c.on_connect, c.on_disconnect, c.on_subscribe = on_connect, on_disconnect, on_subscribe
+    c.on_connect_fail = on_connect_fail
     if owner is not None:
         c.manual_ack_set(True)
         c.on_message = owner.on_message
     c.connect_async(cfg["host"], int(cfg["port"]), keepalive=int(cfg.get("keepalive_s", 30)),
                     clean_start=False, properties=props)
     return c
+
+
+def _str(path):
+    return None if path is None else str(path)
 
 
 SOURCES = {"mqtt": MqttSource, "file": FileSource, "stdin": StdinSource, "simulator": SimulatorSource}

@@ -1,7 +1,13 @@
 """The local SQLite spool (WAL, synchronous=FULL): every reading is committed here before its MQTT
 message is acknowledged, deduplicated on (sensor, seq); bad input lands in `dead_letters` with its
-reason; per-stream alarm state and the JSONL output offset are committed together with the
-readings they cover, so a restart resumes exactly where the last commit left off.
+reason and its whole payload (nothing is unrecoverable); per-stream alarm state and the JSONL output
+offset are committed together with the readings they cover, so a restart resumes exactly where the
+last commit left off.
+
+Dedup: a reading is a duplicate when its (sensor, seq) is in `readings`. The spool keeps the last
+`keep` readings of each sensor in arrival order (`prune`), so a redelivery is recognised while its
+original is among its sensor's last `keep` arrivals, whatever the seq values. Late readings (seq below
+the sensor's highest) that were never seen are accepted and processed in arrival order.
 
 Tables:
   readings(id = arrival order, sensor, seq, ts, received, vals BLOB float32[channels], processed 0|1),
@@ -12,6 +18,7 @@ Tables:
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import sqlite3
@@ -28,6 +35,7 @@ CREATE TABLE IF NOT EXISTS readings (
   id INTEGER PRIMARY KEY, sensor TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL, received REAL NOT NULL,
   vals BLOB NOT NULL, processed INTEGER NOT NULL DEFAULT 0, UNIQUE (sensor, seq));
 CREATE INDEX IF NOT EXISTS readings_pending ON readings(processed, id);
+CREATE INDEX IF NOT EXISTS readings_arrival ON readings(sensor, id);
 CREATE TABLE IF NOT EXISTS streams (
   sensor TEXT PRIMARY KEY, last_seq INTEGER NOT NULL, n INTEGER NOT NULL, ema REAL NOT NULL,
   alarm INTEGER NOT NULL, since_infer INTEGER NOT NULL DEFAULT 0);
@@ -38,7 +46,15 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
 
 REASONS = ("oversized", "malformed-json", "bad-schema", "wrong-channel-count", "non-finite",
-           "duplicate-seq", "out-of-order-seq")
+           "duplicate-seq", "unknown-sensor", "too-many-sensors", "spool-refused")
+SEQ_MAX = 2 ** 63 - 1                  # SQLite's INTEGER range
+SENSOR_MAX_CHARS = 200
+DEAD_LETTER_MAX_BYTES = 1 << 20        # an oversized payload is kept up to this many bytes
+BUSY_TIMEOUT_S = 5.0                   # a locked spool fails a commit after this; the daemon retries
+
+
+class SpoolUnavailable(Exception):
+    """The spool cannot be written right now (locked, disk full, I/O error): retry the same batch."""
 
 
 @dataclass
@@ -47,6 +63,8 @@ class Reading:
     seq: int
     values: np.ndarray          # float32 (channels,)
     ts: Optional[float] = None
+    payload: bytes = b""        # the raw message, kept for a dead letter
+    source: str = ""
 
 
 @dataclass
@@ -59,13 +77,35 @@ class DeadLetter:
     source: str = ""
 
 
+def raw_payload(r: Reading) -> bytes:
+    """The reading as it came in, or its JSON form for readings a source built itself."""
+    if r.payload:
+        return r.payload
+    return json.dumps({"sensor": r.sensor, "seq": r.seq, "values": [float(v) for v in r.values],
+                       "ts": r.ts}).encode()
+
+
+def finite_float32(vals) -> Optional[np.ndarray]:
+    """vals as float32, or None when a value is NaN, infinite, or beyond float32's range."""
+    try:
+        arr = np.asarray([float(v) for v in vals], np.float64)
+    except OverflowError:                  # an integer beyond float64
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = arr.astype(np.float32)
+    return out if bool(np.isfinite(out).all()) else None
+
+
 def parse(payload: bytes, channels: int, max_bytes: int, source: str = ""):
-    """Validate one JSON reading {"sensor": str, "seq": int >= 0, "values": [channels numbers],
+    """Validate one JSON reading {"sensor": str, "seq": int in [0, 2**63), "values": [channels numbers],
     "ts": number (optional)} -> Reading, or DeadLetter with the reason."""
     if isinstance(payload, str):
         payload = payload.encode("utf-8", "replace")
+    payload = bytes(payload)
     if len(payload) > max_bytes:
-        return DeadLetter("oversized", f"{len(payload)} bytes > {max_bytes}", payload[:1024], source=source)
+        kept = payload[:DEAD_LETTER_MAX_BYTES]
+        more = f" (first {len(kept)} bytes kept)" if len(kept) < len(payload) else ""
+        return DeadLetter("oversized", f"{len(payload)} bytes > {max_bytes}{more}", kept, source=source)
     try:
         obj = json.loads(payload)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:   # deep nesting -> RecursionError
@@ -73,10 +113,11 @@ def parse(payload: bytes, channels: int, max_bytes: int, source: str = ""):
     if not isinstance(obj, dict):
         return DeadLetter("bad-schema", "payload is not a JSON object", payload, source=source)
     sensor, seq, vals, ts = obj.get("sensor"), obj.get("seq"), obj.get("values"), obj.get("ts")
-    if not isinstance(sensor, str) or not sensor or len(sensor) > 200:
-        return DeadLetter("bad-schema", "missing or invalid 'sensor'", payload, source=source)
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        return DeadLetter("bad-schema", "missing or invalid 'seq' (non-negative integer)", payload,
+    if not isinstance(sensor, str) or not sensor or len(sensor) > SENSOR_MAX_CHARS or not sensor.isprintable():
+        return DeadLetter("bad-schema", f"missing or invalid 'sensor' (1-{SENSOR_MAX_CHARS} printable "
+                          "characters)", payload, source=source)
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= SEQ_MAX:
+        return DeadLetter("bad-schema", "missing or invalid 'seq' (an integer from 0 to 2**63-1)", payload,
                           sensor=sensor, source=source)
     if not isinstance(vals, list):
         return DeadLetter("bad-schema", "missing 'values' list", payload, sensor, seq, source)
@@ -85,30 +126,46 @@ def parse(payload: bytes, channels: int, max_bytes: int, source: str = ""):
                           sensor, seq, source)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
         return DeadLetter("bad-schema", "values must be numbers", payload, sensor, seq, source)
-    if not all(math.isfinite(v) for v in vals):
-        return DeadLetter("non-finite", "NaN or inf in values", payload, sensor, seq, source)
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
-        ts = None
-    return Reading(sensor, seq, np.asarray(vals, np.float32), None if ts is None else float(ts))
+    values = finite_float32(vals)
+    if values is None:
+        return DeadLetter("non-finite", "NaN, inf or beyond float32 range in values", payload, sensor, seq,
+                          source)
+    return Reading(sensor, seq, values, _timestamp(ts), payload, source)
+
+
+def _timestamp(ts) -> Optional[float]:
+    """An optional finite number; anything else is dropped (the reading itself is fine)."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return None
+    try:
+        ts = float(ts)
+    except OverflowError:
+        return None
+    return ts if math.isfinite(ts) else None
 
 
 def connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(str(path), timeout=30.0, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
     return conn
 
 
 class Spool:
-    def __init__(self, state_dir: Path):
+    """The writer side. `keep`: readings of each sensor kept (the dedup memory, >= the model window).
+    `sensors`: allowed sensor ids (fnmatch patterns; empty = any); `max_sensors`: distinct sensors
+    accepted; readings beyond either are dead-lettered."""
+
+    def __init__(self, state_dir: Path, keep: int = 4096, sensors=(), max_sensors: int = 1000):
         state_dir = Path(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "spool.sqlite"
         self.w = connect(self.path)              # the ingest (writer) connection
         self.w.executescript(SCHEMA)
+        self.keep, self.allowed, self.max_sensors = keep, tuple(sensors), max_sensors
         self.lock = threading.Lock()
-        self.last_seq = {}
+        self.last_seq = {}                       # sensor -> highest seq seen
         for sensor, seq in self.w.execute("SELECT sensor, MAX(seq) FROM readings GROUP BY sensor"):
             self.last_seq[sensor] = seq
         for sensor, seq in self.w.execute("SELECT sensor, last_seq FROM streams"):
@@ -119,44 +176,87 @@ class Spool:
 
     # ---- ingest ---------------------------------------------------------------------------------
     def commit(self, items) -> tuple:
-        """Commit readings and dead letters in one transaction. Returns (accepted readings,
-        dead letters including duplicates / out-of-order found here)."""
+        """Commit readings and dead letters in one transaction. Returns (accepted readings, dead
+        letters including those found here, late readings accepted). Raises SpoolUnavailable when
+        SQLite cannot write (the caller retries the same items); a row SQLite refuses for its own
+        content is dead-lettered alone, never its batch."""
         now = time.time()
-        accepted, dead = [], []
         with self.lock:
             last = dict(self.last_seq)
-            rows, dl = [], []
+            accepted, dead, late, batch_keys = [], [], 0, set()
             for it in items:
                 if isinstance(it, DeadLetter):
                     dead.append(it)
                     continue
-                prev = last.get(it.sensor, -1)
-                if it.seq <= prev:
-                    exists = self.w.execute("SELECT 1 FROM readings WHERE sensor=? AND seq=?",
-                                            (it.sensor, it.seq)).fetchone()
-                    dup = exists is not None or any(r[0] == it.sensor and r[1] == it.seq for r in rows)
-                    dead.append(DeadLetter("duplicate-seq" if dup else "out-of-order-seq",
-                                           f"seq {it.seq} <= last {prev}", b"", it.sensor, it.seq))
+                why = self._refuse_sensor(it.sensor, last)
+                if why:
+                    dead.append(DeadLetter(why[0], why[1], raw_payload(it), it.sensor, it.seq, it.source))
                     continue
-                last[it.sensor] = it.seq
-                rows.append((it.sensor, it.seq, it.ts, now, it.values.astype(np.float32).tobytes()))
+                key = (it.sensor, it.seq)
+                prev = last.get(it.sensor, -1)
+                if it.seq <= prev and (key in batch_keys or self.w.execute(
+                        "SELECT 1 FROM readings WHERE sensor=? AND seq=?", key).fetchone() is not None):
+                    dead.append(DeadLetter("duplicate-seq", f"seq {it.seq} of {it.sensor!r} is already in the "
+                                           "spool", raw_payload(it), it.sensor, it.seq, it.source))
+                    continue
+                late += it.seq < prev
+                last[it.sensor] = max(prev, it.seq)
+                batch_keys.add(key)
                 accepted.append(it)
-            for d in dead:
-                dl.append((now, d.source, d.sensor, d.seq, d.reason, d.detail, d.payload[:4096]))
-            self.w.execute("BEGIN IMMEDIATE")
             try:
-                if rows:
-                    self.w.executemany("INSERT INTO readings(sensor, seq, ts, received, vals) "
-                                       "VALUES (?,?,?,?,?)", rows)
-                if dl:
-                    self.w.executemany("INSERT INTO dead_letters(at, source, sensor, seq, reason, "
-                                       "detail, payload) VALUES (?,?,?,?,?,?,?)", dl)
-                self.w.execute("COMMIT")
-            except BaseException:
-                self.w.execute("ROLLBACK")
-                raise
+                self._write(accepted, dead, now)
+            except sqlite3.OperationalError as e:       # locked, busy, disk full, I/O error
+                raise SpoolUnavailable(str(e)) from None
+            except (sqlite3.Error, OverflowError, ValueError, TypeError):
+                accepted = self._write_one_by_one(accepted, dead, now)
             self.last_seq = last
-        return accepted, dead
+        return accepted, dead, late
+
+    def _refuse_sensor(self, sensor: str, known: dict):
+        if sensor in known:
+            return None
+        if self.allowed and not any(fnmatch.fnmatchcase(sensor, pat) for pat in self.allowed):
+            return "unknown-sensor", f"sensor {sensor!r} is not in [daemon] sensors"
+        if len(known) >= self.max_sensors:
+            return "too-many-sensors", f"already {len(known)} sensors ([daemon] max_sensors)"
+        known[sensor] = -1                     # counts against the cap from now on
+        return None
+
+    def _write(self, readings, dead, now):
+        rows = [(r.sensor, r.seq, r.ts, now, r.values.astype(np.float32).tobytes()) for r in readings]
+        dl = [(now, d.source, d.sensor, d.seq, d.reason, d.detail, bytes(d.payload)) for d in dead]
+        self.w.execute("BEGIN IMMEDIATE")
+        try:
+            if rows:
+                self.w.executemany("INSERT INTO readings(sensor, seq, ts, received, vals) VALUES (?,?,?,?,?)",
+                                   rows)
+            if dl:
+                self.w.executemany("INSERT INTO dead_letters(at, source, sensor, seq, reason, detail, payload) "
+                                   "VALUES (?,?,?,?,?,?,?)", dl)
+            self.w.execute("COMMIT")
+        except BaseException:
+            if self.w.in_transaction:
+                self.w.execute("ROLLBACK")
+            raise
+
+    def _write_one_by_one(self, readings, dead, now) -> list:
+        """A batch SQLite refused for its content: each reading alone; the ones refused again become
+        dead letters (with their payload) so the rest of the batch goes through."""
+        ok = []
+        for r in readings:
+            try:
+                self._write([r], [], now)
+                ok.append(r)
+            except sqlite3.OperationalError as e:
+                raise SpoolUnavailable(str(e)) from None
+            except (sqlite3.Error, OverflowError, ValueError, TypeError) as e:
+                dead.append(DeadLetter("spool-refused", f"{type(e).__name__}: {e}"[:200], raw_payload(r),
+                                       r.sensor, r.seq, r.source))
+        try:
+            self._write([], dead, now)
+        except sqlite3.OperationalError as e:
+            raise SpoolUnavailable(str(e)) from None
+        return ok
 
     def last_seq_of(self, sensor: str) -> int:
         return self.last_seq.get(sensor, -1)
@@ -172,10 +272,13 @@ class Spool:
         return conn.execute("SELECT COUNT(*) FROM readings WHERE processed = 0").fetchone()[0]
 
     def mark_processed(self, rowids, streams, jsonl_offset: int):
-        """Commit a processed batch. Writes from both threads go through the one writer connection
-        under a Python lock, so they never meet SQLite's busy handler (which sleeps)."""
+        """Commit a processed batch (SpoolUnavailable: retry it). Writes from both threads go through
+        the one writer connection under a Python lock, so they never wait on each other in SQLite."""
         with self.lock:
-            self._mark_processed(self.w, rowids, streams, jsonl_offset)
+            try:
+                self._mark_processed(self.w, rowids, streams, jsonl_offset)
+            except sqlite3.OperationalError as e:
+                raise SpoolUnavailable(str(e)) from None
 
     @staticmethod
     def _mark_processed(conn, rowids, streams, jsonl_offset: int):
@@ -191,7 +294,8 @@ class Spool:
                          "ON CONFLICT(key) DO UPDATE SET value=excluded.value", (str(jsonl_offset),))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
 
     @staticmethod
@@ -205,8 +309,8 @@ class Spool:
         for sensor, last_seq, n, ema, alarm, since in conn.execute(
                 "SELECT sensor, last_seq, n, ema, alarm, since_infer FROM streams").fetchall():
             st = engine.stream(sensor)
-            rows = conn.execute("SELECT vals FROM readings WHERE sensor=? AND processed=1 AND seq<=? "
-                                "ORDER BY seq DESC LIMIT ?", (sensor, last_seq, st.window)).fetchall()
+            rows = conn.execute("SELECT vals FROM readings WHERE sensor=? AND processed=1 "
+                                "ORDER BY id DESC LIMIT ?", (sensor, st.window)).fetchall()
             frames = [np.frombuffer(r[0], np.float32) for r in reversed(rows)]
             k = len(frames)
             st.n = n
@@ -214,15 +318,23 @@ class Spool:
                 st.frames[(n - k + j) % st.window] = f
             st.last_seq, st.ema, st.alarm, st.since_infer = last_seq, ema, bool(alarm), since
 
-    def prune(self, keep: int):
+    def prune(self):
+        """Keep the last `keep` processed readings of each sensor (arrival order) and the newest
+        100,000 dead letters."""
         with self.lock:
-            self._prune(self.w, keep)
+            try:
+                self._prune()
+            except sqlite3.OperationalError as e:
+                raise SpoolUnavailable(str(e)) from None
 
-    @staticmethod
-    def _prune(conn, keep: int):
-        conn.execute("DELETE FROM readings WHERE processed = 1 AND seq < "
-                     "(SELECT s.last_seq FROM streams s WHERE s.sensor = readings.sensor) - ?", (keep,))
-        conn.execute("DELETE FROM dead_letters WHERE id < (SELECT MAX(id) FROM dead_letters) - 100000")
+    def _prune(self):
+        for (sensor,) in self.w.execute("SELECT sensor FROM streams").fetchall():
+            cut = self.w.execute("SELECT id FROM readings WHERE sensor=? ORDER BY id DESC LIMIT 1 OFFSET ?",
+                                 (sensor, self.keep)).fetchone()
+            if cut:
+                self.w.execute("DELETE FROM readings WHERE sensor=? AND id<=? AND processed=1",
+                               (sensor, cut[0]))
+        self.w.execute("DELETE FROM dead_letters WHERE id < (SELECT MAX(id) FROM dead_letters) - 100000")
 
     @staticmethod
     def dead_letter_counts(conn) -> dict:

@@ -24,18 +24,88 @@ def mosquitto_bin():
                                               if os.path.exists(p)), None)
 
 
-class Broker:
-    """mosquitto with persistence (queued QoS 1 messages survive a restart)."""
+def make_pki(out: Path, host: str = "127.0.0.1") -> dict:
+    """A test CA, a server certificate for `host` (IP SAN), a client certificate, and a second CA
+    that signed nothing here (for "wrong CA" tests). Returns {name: path}; keys are 0600."""
+    import datetime
+    import ipaddress
 
-    def __init__(self, workdir: Path, port: int = None):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject, key, issuer, issuer_key, ca=False, san=None, usage=None):
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        if usage:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if ca:
+            b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                              content_commitment=False, key_encipherment=False,
+                                              data_encipherment=False, key_agreement=False,
+                                              encipher_only=False, decipher_only=False), critical=True)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def save(stem, key, crt):
+        kp, cp = out / f"{stem}.key", out / f"{stem}.pem"
+        kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+        kp.chmod(0o600)
+        cp.write_bytes(crt.public_bytes(serialization.Encoding.PEM))
+        return cp, kp
+
+    paths = {}
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("zeroedge test CA", ca_key, "zeroedge test CA", ca_key, ca=True)
+    paths["ca"], _ = save("ca", ca_key, ca)
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    paths["other_ca"], _ = save("other-ca", other_key, cert("another CA", other_key, "another CA", other_key, ca=True))
+    for stem, san, usage in (("server", [x509.IPAddress(ipaddress.ip_address(host))], ExtendedKeyUsageOID.SERVER_AUTH),
+                             ("client", None, ExtendedKeyUsageOID.CLIENT_AUTH)):
+        k = ec.generate_private_key(ec.SECP256R1())
+        paths[stem], paths[stem + "_key"] = save(stem, k, cert(f"zeroedge {stem}", k, "zeroedge test CA", ca_key,
+                                                               san=san, usage=usage))
+    return paths
+
+
+class Broker:
+    """mosquitto with persistence (queued QoS 1 messages survive a restart). With `pki`
+    (make_pki's dict) the listener speaks TLS only and requires a client certificate; with
+    `users` ({name: password}) anonymous clients are refused."""
+
+    def __init__(self, workdir: Path, port: int = None, pki: dict = None, users: dict = None):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.conf = self.dir / "mosquitto.conf"
-        self.conf.write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
-            f"persistence_location {self.dir}/\nautosave_interval 1\nmax_queued_messages 1000000\n"
-            f"max_inflight_messages 1000\nlog_dest file {self.dir}/mosquitto.log\n")
+        conf = (f"listener {self.port} 127.0.0.1\nallow_anonymous {'false' if users else 'true'}\n"
+                f"persistence true\npersistence_location {self.dir}/\nautosave_interval 1\n"
+                f"max_queued_messages 1000000\nmax_inflight_messages 1000\n"
+                f"log_dest file {self.dir}/mosquitto.log\n")
+        if pki:
+            conf += (f"cafile {pki['ca']}\ncertfile {pki['server']}\nkeyfile {pki['server_key']}\n"
+                     "require_certificate true\n")
+        if users:
+            pw = self.dir / "passwd"
+            pw.write_text("")
+            for user, password in users.items():
+                subprocess.run([shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd", "-b", str(pw),
+                                user, password], check=True, capture_output=True)
+            pw.chmod(0o600)
+            conf += f"password_file {pw}\n"
+        self.conf.write_text(conf)
         self.proc = None
 
     def start(self):
@@ -134,13 +204,17 @@ class DaemonProc:
 class Publisher:
     """QoS 1 publisher with a persistent session; keeps every publish until the broker acks it."""
 
-    def __init__(self, port: int, client_id: str = "zeroedge-test-pub"):
+    def __init__(self, port: int, client_id: str = "zeroedge-test-pub", pki: dict = None, user=None):
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
 
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        if pki:
+            self.c.tls_set(ca_certs=str(pki["ca"]), certfile=str(pki["client"]), keyfile=str(pki["client_key"]))
+        if user:
+            self.c.username_pw_set(*user)
         self.c.reconnect_delay_set(0.1, 1)
         self.c.max_queued_messages_set(0)
         props = Properties(PacketTypes.CONNECT)

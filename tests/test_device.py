@@ -105,7 +105,7 @@ def test_probe_module_runs_standalone_with_injected_root(tmp_path):
 
 def facts(tmp_path, **over):
     f = P.probe(root=str(fake_root(tmp_path)), want_modules=list(pf.DAEMON_MODULES) + ["tomli"])
-    f["modules"].update({m: True for m in pf.DAEMON_MODULES})
+    f["modules"].update({m: True for m in pf.DAEMON_MODULES}, tomli=True)   # not the host's python3
     f["python"]["version"] = "3.10.12"
     f.update(over)
     return f

@@ -336,8 +336,17 @@ def test_results_and_alerts_published_to_mqtt(tmp_path, bundle, broker):
         assert got["zeroedge/alerts"] and all(a["rising"] and a["alarm"] for a in got["zeroedge/alerts"])
         assert any(a["fault"] == "fault_06" for a in got["zeroedge/alerts"])
         assert "ALERT sensor=p1" in d.log.read_text()
+        time.sleep(1.2)                                   # gauges refresh every second
         m = d.get("/metrics")[1].decode()
-        assert "zeroedge_alerts_total 0.0" not in m
+        # every series reads back what the daemon did
+        assert metric(m, "zeroedge_alerts_total") == len(got["zeroedge/alerts"]) > 0
+        assert metric(m, "zeroedge_inferences_total") == metric(m, "zeroedge_readings_processed_total") == len(frames)
+        assert metric(m, "zeroedge_readings_total") == len(frames)
+        assert metric(m, "zeroedge_window_latency_seconds_count") == len(frames)
+        assert metric(m, "zeroedge_inference_latency_seconds_count") >= 1
+        assert metric(m, "zeroedge_streams") == 1 and metric(m, "zeroedge_spool_pending") == 0
+        assert metric(m, 'zeroedge_kv_memory_bytes{tier="hot"}') > 0 and metric(m, "zeroedge_resident_memory_bytes") > 0
+        assert metric(m, "zeroedge_source_connected") == 1 and metric(m, "zeroedge_spool_writable") == 1
         assert d.terminate() == 0
     finally:
         sub.loop_stop()

@@ -16,6 +16,8 @@ def cmd(config_path, exit_at_end, check):
     from zeroedge.daemon import config
 
     cfg = config.load(config_path)
+    for w in cfg.warnings if check else ():
+        click.echo(f"zeroedge: warning: {w}", err=True)
     if check:
         from zeroedge.sensor.runtime import load_bundle
 

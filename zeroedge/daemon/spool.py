@@ -144,6 +144,10 @@ def _timestamp(ts) -> Optional[float]:
     return ts if math.isfinite(ts) else None
 
 
+def _storable(seq) -> bool:
+    return isinstance(seq, int) and -SEQ_MAX - 1 <= seq <= SEQ_MAX
+
+
 def connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -224,7 +228,8 @@ class Spool:
 
     def _write(self, readings, dead, now):
         rows = [(r.sensor, r.seq, r.ts, now, r.values.astype(np.float32).tobytes()) for r in readings]
-        dl = [(now, d.source, d.sensor, d.seq, d.reason, d.detail, bytes(d.payload)) for d in dead]
+        dl = [(now, d.source, d.sensor, d.seq if _storable(d.seq) else None, d.reason, d.detail, bytes(d.payload))
+              for d in dead]
         self.w.execute("BEGIN IMMEDIATE")
         try:
             if rows:

@@ -15,11 +15,13 @@ ONNX graph (onnx helper API) run by onnxruntime.
 Full disk: the fake device's /opt is a 2 MB tmpfs filled to the brim when the tests may mount (root
 on Linux); otherwise the same preflight check is driven by --min-free larger than the free space.
 """
+import hashlib
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -158,6 +160,17 @@ def make_jetson(root: Path, rev="4.3", soc="tegra234", nv_release=True, mem_avai
     return root
 
 
+def tree(root: Path) -> dict:
+    """Every path under a fake device root with its size, mtime and mode (to prove nothing changed)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_relative_to(root / "var/lib/stub-systemd"):
+            continue
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
+
+
 class FakeDevice:
     """One sshd on 127.0.0.1 serving one fake Jetson root."""
 
@@ -200,14 +213,7 @@ class FakeDevice:
         return int(p.read_text()) if p.exists() else None
 
     def tree(self):
-        """Every path under the root with its size and mtime (to prove nothing changed)."""
-        out = {}
-        for p in sorted(self.root.rglob("*")):
-            if p.is_relative_to(self.root / "var/lib/stub-systemd"):
-                continue
-            st = p.lstat()
-            out[str(p.relative_to(self.root))] = (st.st_size, st.st_mtime_ns)
-        return out
+        return tree(self.root)
 
     def stop(self):
         pid = self.daemon_pid()
@@ -328,9 +334,9 @@ def make_sensor_bundle(out: Path, seed=0) -> Path:
     return out
 
 
-def zcli(lab, *args, rc=None, timeout=180):
+def zcli(lab, *args, rc=None, timeout=180, env=None):
     p = subprocess.run([sys.executable, "-m", "zeroedge.cli", *map(str, args)], capture_output=True, text=True,
-                       env=dict(os.environ, **lab.env), cwd=lab.cwd, timeout=timeout)
+                       env={**os.environ, **lab.env, **(env or {})}, cwd=lab.cwd, timeout=timeout)
     if rc is not None:
         assert p.returncode == rc, f"rc={p.returncode}\nstdout:{p.stdout[-3000:]}\nstderr:{p.stderr[-3000:]}"
     return p
@@ -342,6 +348,25 @@ def deploy(lab, *args, rc=None):
 
 def last_json(p):
     return json.loads(p.stdout)
+
+
+def add_entry(bundle: Path, rel: str, data: bytes = b"evil"):
+    """Add a files{} entry to a bundle's manifest.json by hand, as an attacker would."""
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+def run_agent(root: Path, payload: dict) -> dict:
+    """One device-agent operation on a fake root, run exactly as ssh runs it (`python3 -` reading
+    agent_source() + the payload), for payloads the workstation would never send."""
+    from zeroedge.deploy.ssh import agent_result, agent_script
+
+    env = dict(os.environ, ZEROEDGE_DEVICE_ROOT=str(root), PATH=f"{root}/stub-bin:{os.environ['PATH']}")
+    p = subprocess.run([sys.executable, "-"], input=agent_script(payload), capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert "Traceback" not in p.stderr, p.stderr
+    return agent_result(p.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -534,3 +559,157 @@ def test_fleet_parallel_and_refusals(lab, tmp_path):
     p = zcli(lab, "status", "--hosts", down)
     assert p.returncode != 0 and "status: 3/4 hosts ok, 1 failed: fleet-down" in p.stdout, p.stdout
     assert "fleet-pc: nothing deployed" in p.stdout and "fleet-down: unreachable" in p.stderr
+
+
+# ------------------------------------------------------------------ hardening (issue 13)
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_hostile_bundles_refused_by_deploy(lab, jetson_a, tmp_path):
+    """Manifest entries that would write outside the release, and links in the bundle: refused on
+    the workstation (exit 2, one line) before anything connects; the device is unchanged."""
+    d = jetson_a
+    ws = tmp_path / "ws"                       # the old code resolved these paths on the workstation too
+    (ws / "etc").mkdir(parents=True)
+    (ws / "etc/passwd").write_bytes(b"evil")
+    (ws / "outside/deep").mkdir(parents=True)
+    (ws / "outside/deep/x").write_bytes(b"x")
+    (ws / "outside/x").write_bytes(b"x")
+    before = d.tree()
+    n = iter(range(100))
+
+    def hostile(setup, *needles):
+        b = ws / "a/b/c/d" / f"bundle{next(n)}"
+        shutil.copytree(lab.bundle, b)
+        setup(b)
+        _one_line_error(deploy(lab, b, "--host", "jetson-a"), *needles)
+
+    hostile(lambda b: add_entry(b, "../../../../../etc/passwd"), "unsafe file name '../../../../../etc/passwd'",
+            "'..', '.' or empty path component")
+    hostile(lambda b: add_entry(b, str(ws / "etc/passwd")), "(absolute path)")
+    hostile(lambda b: ((b / "sub").symlink_to(ws / "outside/deep"), add_entry(b, "sub/../../x", b"x")),
+            "unsafe file name 'sub/../../x'")
+    hostile(lambda b: ((b / "sub").symlink_to(ws / "outside"), add_entry(b, "sub/x", b"x")),
+            "bundle verification failed (sub is a link (a bundle holds regular files only))")
+    hostile(lambda b: ((b / "model2.onnx").symlink_to(ws / "outside/x"), add_entry(b, "model2.onnx", b"x")),
+            "model2.onnx is a link")
+    assert d.tree() == before and (ws / "etc/passwd").read_bytes() == b"evil"
+
+
+def test_host_keys_checked_whatever_the_ssh_config_says(lab, jetson_a, tmp_path):
+    """`UserKnownHostsFile none` + `StrictHostKeyChecking no` in ~/.ssh/config does not turn host-key
+    checking off, and a ProxyJump hop is checked against the same known_hosts as the target."""
+    d = jetson_a
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    wrong = " ".join((tmp_path / "other.pub").read_text().split()[:2])
+    right = " ".join(d.host_pub)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    for f in ("id_ed25519", "id_ed25519.pub"):
+        shutil.copy2(lab.home / ".ssh" / f, home / ".ssh" / f)
+    (home / ".ssh/known_hosts").write_text(f"[127.0.0.1]:{d.port} {wrong}\n")
+    cfg = f"Host dev\n  HostName 127.0.0.1\n  Port {d.port}\n  User {lab.user}\n  StrictHostKeyChecking no\n"
+    (home / ".ssh/config").write_text(cfg + "  UserKnownHostsFile none\n")
+    env = {"HOME": str(home)}
+    before = d.tree()
+    _one_line_error(zcli(lab, "status", "--host", "dev", env=env), "dev: host key verification failed for")
+    _one_line_error(zcli(lab, "deploy", lab.bundle, "--host", "dev", "--dry-run", env=env),
+                    "dev: host key verification failed for")
+    # no known_hosts at all: refused, never "nothing to check against"
+    (home / ".ssh/known_hosts").unlink()
+    _one_line_error(zcli(lab, "status", "--host", "dev", env=env), "host key verification failed", "no known_hosts file")
+    # the config's own UserKnownHostsFile is honoured
+    good = tmp_path / "good_known_hosts"
+    good.write_text(f"[127.0.0.1]:{d.port} {right}\n")
+    (home / ".ssh/config").write_text(cfg + f"  UserKnownHostsFile {good}\n")
+    zcli(lab, "status", "--host", "dev", env=env, rc=0)
+    # a jump host whose key does not match --known-hosts: refused, though the target's key is right
+    jump = lab.device("jump")
+    with open(lab.home / ".ssh" / "config", "a") as f:
+        f.write(f"Host a-via-jump\n  HostName 127.0.0.1\n  Port {d.port}\n  User {lab.user}\n  ProxyJump jump\n\n")
+    kh = tmp_path / "kh"
+    kh.write_text(f"[127.0.0.1]:{d.port} {right}\n[127.0.0.1]:{jump.port} {wrong}\n")
+    _one_line_error(zcli(lab, "status", "--host", "a-via-jump", "--known-hosts", kh),
+                    f"a-via-jump: host key verification failed for jump host jump (on the way to a-via-jump)")
+    _one_line_error(zcli(lab, "deploy", lab.bundle, "--host", "a-via-jump", "--known-hosts", kh, "--dry-run"),
+                    "host key verification failed for jump host jump")
+    kh.write_text(f"[127.0.0.1]:{d.port} {right}\n[127.0.0.1]:{jump.port} {' '.join(jump.host_pub)}\n")
+    zcli(lab, "status", "--host", "a-via-jump", "--known-hosts", kh, rc=0)
+    assert d.tree() == before
+
+
+def test_signed_bundles_pinned_keys_and_a_private_config(lab, tmp_path):
+    """A device that pins a signing key takes only bundles that key signed (refusals: before
+    anything changes, on the workstation and again in the device agent), and the deployed
+    daemon.toml holding the MQTT password is 0600, never a link into the store."""
+    from zeroedge.bundle import signer
+
+    d = lab.device("jetson-signed")
+    key, other = tmp_path / "key", tmp_path / "other"
+    zcli(lab, "keygen", "-o", key, rc=0)
+    zcli(lab, "keygen", "-o", other, rc=0)
+    signed = tmp_path / "signed"
+    shutil.copytree(lab.bundle, signed)
+    zcli(lab, "sign", signed, "--key", key, rc=0)
+    kid = signer(signed)
+    secret = tmp_path / "secret.toml"
+    secret.write_text(lab.config.read_text().replace('topic = "zeroedge/readings/#"\n',
+                                                     'topic = "zeroedge/readings/#"\nusername = "plant"\n'
+                                                     'password = "hunter2"\n'))
+    common = ["--host", "jetson-signed", "--config", secret, "--metrics-port", free_port(), "--health-timeout", 30]
+    # an unsigned bundle with --pin-key: refused in preflight, nothing pinned
+    before = d.tree()
+    _one_line_error(deploy(lab, lab.bundle, *common, "--pin-key", f"{key}.pub"),
+                    f"jetson-signed: the bundle is unsigned and the device pins signing keys ({kid})")
+    assert d.tree() == before
+    # a link planted in the uploads dir is replaced, never written through
+    outside = d.root / "etc/outside.conf"
+    outside.write_bytes(b"keep")
+    outside.chmod(0o640)
+    inc = d.root / "opt/zeroedge/.incoming"
+    inc.mkdir(parents=True, mode=0o700)
+    (inc / hashlib.sha256((signed / "manifest.json").read_bytes()).hexdigest()).symlink_to(outside)
+    # signed, with --pin-key: deployed; the key pinned; the signature checked on the device
+    p = deploy(lab, signed, *common, "--pin-key", f"{key}.pub", rc=0)
+    assert f"pinned signing key {kid}" in p.stdout and f"signature checked by the device (key {kid})" in p.stdout
+    assert outside.read_bytes() == b"keep" and _mode(outside) == 0o640
+    tk = d.root / "etc/zeroedge/trusted-keys"
+    assert _mode(tk) == 0o755 and _mode(tk / f"{kid}.pub") == 0o644
+    assert (tk / f"{kid}.pub").read_text() == Path(f"{key}.pub").read_text()
+    base = d.root / "opt/zeroedge"
+    cfg = base / "current/daemon.toml"
+    assert 'password = "hunter2"' in cfg.read_text()
+    assert _mode(cfg) == 0o600 and cfg.stat().st_nlink == 1 and cfg.stat().st_uid == 0
+    files = json.loads((base / "current/.files.json").read_text())
+    assert _mode(base / "objects" / files["daemon.toml"]["sha256"]) == 0o400
+    assert _mode(base / "objects") == 0o700 and not inc.exists()
+    assert os.readlink(d.root / "etc/zeroedge/daemon.toml") == str(base / "current/daemon.toml")
+    assert (base / "current/bundle/manifest.sig").read_bytes() == (signed / "manifest.sig").read_bytes()
+    # now pinned: unsigned, signed by another key, or edited after signing: refused, nothing changes
+    before = d.tree()
+    _one_line_error(deploy(lab, lab.bundle, *common), "the bundle is unsigned and the device pins signing keys")
+    wrong = tmp_path / "wrong"
+    shutil.copytree(lab.bundle, wrong)
+    zcli(lab, "sign", wrong, "--key", other, rc=0)
+    _one_line_error(deploy(lab, wrong, *common),
+                    f"the bundle is signed by key {signer(wrong)}, which the device does not pin (it pins {kid})")
+    tampered = tmp_path / "tampered"
+    shutil.copytree(signed, tampered)
+    m = json.loads((tampered / "manifest.json").read_text())
+    m["sensor"]["alarm"]["threshold"] = 0.01           # outside files{}: the hashes still match
+    (tampered / "manifest.json").write_text(json.dumps(m))
+    _one_line_error(deploy(lab, tampered, *common), "manifest.sig does not verify against manifest.json")
+    assert d.tree() == before
+    # the device decides for itself: the same kinds of release sent straight to its agent are refused
+    good = {"op": "activate", "base": "/opt/zeroedge", "release_id": "0123456789ab", "hashes": [],
+            "unit": "[Service]\n", "python": sys.executable, "build": {"backend": "onnxruntime", "steps": []}}
+    unsigned = {k: v for k, v in files.items() if k != "bundle/manifest.sig"}
+    edited = dict(files, **{"bundle/manifest.json": files["bundle/model.onnx"]})
+    extra = dict(files, **{"bundle/extra.onnx": files["bundle/model.onnx"]})
+    for f, needle in [(unsigned, "the bundle is unsigned"), (edited, "manifest.sig does not verify"),
+                      (extra, "bundle files are not the ones its signed manifest lists")]:
+        res = run_agent(d.root, dict(good, files=f))
+        assert not res["ok"] and needle in res["error"] and "nothing was changed" in res["error"], res
+    assert d.tree() == before

@@ -23,6 +23,8 @@ COMMANDS = {
     "deploy": "deploy",
     "rollback": "rollback",
     "status": "status",
+    "keygen": "keygen",
+    "sign": "sign",
     "run": "run",
 }
 

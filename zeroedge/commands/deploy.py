@@ -16,23 +16,37 @@ from zeroedge.deploy.cli import finish, parse_size, target_options, targets_from
 @click.option("--min-free", default="256M", show_default=True, help="Disk kept free on the device after upload.")
 @click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
 @click.option("--no-auto-rollback", is_flag=True, help="Leave an unhealthy new release in place.")
+@click.option("--pin-key", "pin_keys", multiple=True, type=click.Path(dir_okay=False), metavar="KEY.pub",
+              help="Pin this bundle signing key on the devices (zeroedge keygen): from then on they refuse "
+                   "bundles it (or another pinned key) did not sign. Repeatable.")
 def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, dry_run, config,
-        metrics_port, keep, min_free, health_timeout, no_auto_rollback):
-    """Deploy BUNDLE over SSH: preflight (L4T/JetPack, TensorRT, sm_87, Python, disk, memory),
-    content-hash upload (a re-deploy moves 0 bytes), on-device build, releases/<id> with an atomic
-    `current` link, systemd service, health check through the daemon's /healthz."""
+        metrics_port, keep, min_free, health_timeout, no_auto_rollback, pin_keys):
+    """Deploy BUNDLE over SSH: preflight (L4T/JetPack, TensorRT, sm_87, Python, disk, memory, the
+    bundle's signature where the device pins signing keys), content-hash upload (a re-deploy moves
+    0 bytes), on-device build, releases/<id> with an atomic `current` link, systemd service, health
+    check through the daemon's /healthz."""
     from pathlib import Path
 
     from zeroedge.bundle import verify
     from zeroedge.deploy import runner
     from zeroedge.deploy.preflight import fmt_bytes
+    from zeroedge.deploy.trust import public_key_raw
+    from zeroedge.errors import UserError
 
     targets = targets_from(host, hosts_file)           # a bad inventory line: refused here
     manifest = verify(Path(bundle))                     # an unverifiable bundle: refused here
+    pems = []
+    for k in pin_keys:
+        try:
+            pems.append(Path(k).read_text())
+            public_key_raw(pems[-1])
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"--pin-key {k}: not an Ed25519 public key ({getattr(e, 'strerror', None) or e})") from None
     opts = runner.Options(ssh_config=ssh_config, known_hosts=known_hosts, connect_timeout=connect_timeout,
                           min_free=parse_size(min_free), keep=keep, sudo=sudo, dry_run=dry_run,
                           health_timeout=health_timeout, auto_rollback=not no_auto_rollback,
-                          config=Path(config) if config else None, metrics_port=metrics_port, quiet=as_json)
+                          config=Path(config) if config else None, metrics_port=metrics_port, quiet=as_json,
+                          pin_keys=pems)
     results = runner.deploy(Path(bundle), manifest, targets, opts)
 
     def lines(r):
@@ -50,6 +64,10 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
         for s in (r.extra.get("build") or {}).get("steps", []):
             out.append(f"{r.name}: build {s['name']}: " + (f"skipped ({s['skipped']})" if s.get("skipped")
                                                              else f"done in {s.get('seconds')} s"))
+        if r.extra.get("pinned"):
+            out.append(f"{r.name}: pinned signing key {', '.join(r.extra['pinned'])}")
+        if r.extra.get("signed_by"):
+            out.append(f"{r.name}: bundle signature checked by the device (key {r.extra['signed_by']})")
         out.append(f"{r.name}: uploaded {r.files_uploaded} files, {fmt_bytes(r.bytes_uploaded)} "
                    f"(release is {fmt_bytes(r.bytes_total)}); backend {r.backend}")
         out.append(f"{r.name}: release {r.release} {verb}; health {body.get('status', 'ok')} "

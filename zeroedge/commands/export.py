@@ -14,7 +14,9 @@ import click
               help="hot KV slots the decode runner allocates by default")
 @click.option("--force", is_flag=True, help="replace a non-empty output directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
-def cmd(model, calib, out, target, window, force, as_json):
+@click.option("--sign", "sign_key", type=click.Path(dir_okay=False), metavar="KEY",
+              help="sign the manifest with this key (zeroedge keygen); same as `zeroedge sign` after")
+def cmd(model, calib, out, target, window, force, as_json, sign_key):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
@@ -31,6 +33,10 @@ def cmd(model, calib, out, target, window, force, as_json):
 
     if window < 1:
         raise UserError("--window must be >= 1")
+    if sign_key:
+        from zeroedge.bundle import load_signing_key
+
+        load_signing_key(sign_key)                     # a bad key: refused before the export runs
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True, disable=as_json) as prog:
@@ -56,13 +62,18 @@ def cmd(model, calib, out, target, window, force, as_json):
     summary = {"bundle": str(out), "files": len(mf["files"]), "bytes": total,
                "seconds": mf["export"]["seconds"], "rewrite": mf["export"].get("rewrite"),
                "graphs": sorted(mf["graph_files"])}
+    if sign_key:
+        from zeroedge.bundle import sign
+
+        summary["signed_by"] = sign(out, sign_key)
     if mf["export"].get("paths"):
         summary["paths"] = mf["export"]["paths"]
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         click.echo(f"wrote {out}: {len(mf['files'])} files, {total / 1e6:.1f} MB in "
-                   f"{mf['export']['seconds']:.1f} s")
+                   f"{mf['export']['seconds']:.1f} s" + (f"; signed with key {summary['signed_by']}"
+                                                          if sign_key else ""))
         if summary["rewrite"]:
             rw = summary["rewrite"]
             click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")

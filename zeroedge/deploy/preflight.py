@@ -58,7 +58,10 @@ def plan_memory_bytes(plan) -> int | None:
 
 
 def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo: bool = False,
-             app_has_plugins: bool = False, app_has_trt_backend: bool = False) -> Verdict:
+             app_has_plugins: bool = False, app_has_trt_backend: bool = False, signer: str | None = None,
+             new_pins=()) -> Verdict:
+    """`signer`: key id of the bundle's (checked) signature, None if unsigned; `new_pins`: key ids
+    this deploy pins (--pin-key)."""
     v = Verdict()
     P = v.problems.append
     # 1. is it a Jetson, and which JetPack
@@ -142,4 +145,17 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
           f" plus {fmt_bytes(min_free)} kept free (--min-free)")
     if not d.get("writable", True) and facts.get("uid") != 0 and not sudo:
         P(f"cannot write {d.get('path')} as this user; deploy as root or pass --sudo (passwordless sudo)")
+    # 8. signature: a device that pins signing keys (or gets one now) takes only bundles they signed
+    pins = sorted(set(facts.get("trusted_keys") or ()) | set(new_pins))
+    if not pins:
+        v.notes.append("the device pins no bundle signing key, so " + (f"the signature (key {signer}) is not checked"
+                       if signer else "an unsigned bundle is accepted") + " (pin one with --pin-key KEY.pub)")
+    elif signer is None:
+        P(f"the bundle is unsigned and the device pins signing keys ({', '.join(pins)}); sign it with: "
+          "zeroedge sign BUNDLE --key KEY")
+    elif signer not in pins:
+        P(f"the bundle is signed by key {signer}, which the device does not pin (it pins {', '.join(pins)})")
+    elif mods.get("cryptography") is False:
+        P("device python3 lacks cryptography, needed to check bundle signatures; install with: "
+          "python3 -m pip install cryptography")
     return v

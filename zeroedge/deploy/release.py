@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zeroedge.bundle import MANIFEST, sha256_file
+from zeroedge.bundle import MANIFEST, SIGNATURE, sha256_file
 from zeroedge.errors import UserError
 
 PKG = Path(__file__).resolve().parents[1]        # .../zeroedge
@@ -57,9 +57,10 @@ class Release:
         return sum(e.bytes for e in self.entries.values())
 
 
-def _add(entries: dict, rel: str, src: Path, sha: str | None = None):
+def _add(entries: dict, rel: str, src: Path, sha: str | None = None, mode: int | None = None):
     st = src.stat()
-    entries[rel] = Entry(rel, src, sha or sha256_file(src), st.st_size, 0o755 if st.st_mode & 0o111 else 0o644)
+    entries[rel] = Entry(rel, src, sha or sha256_file(src), st.st_size,
+                         mode or (0o755 if st.st_mode & 0o111 else 0o644))
 
 
 def _walk(root: Path, skip=("__pycache__", "build", ".pytest_cache")):
@@ -215,6 +216,8 @@ def build_release(bundle: Path, manifest: dict, template: dict, port: int, backe
     for rel, info in sorted(manifest["files"].items()):
         _add(entries, f"bundle/{rel}", bundle / rel, info["sha256"])
     _add(entries, f"bundle/{MANIFEST}", bundle / MANIFEST)
+    if (bundle / SIGNATURE).is_file():
+        _add(entries, f"bundle/{SIGNATURE}", bundle / SIGNATURE)
     app_entries(entries)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -226,8 +229,10 @@ def build_release(bundle: Path, manifest: dict, template: dict, port: int, backe
     text = "# written by zeroedge deploy (schema: zeroedge/daemon/config.py)\n" + dump_toml(dc)
     if _load_toml(text) != dc:
         raise UserError("internal error: daemon.toml does not round-trip")
-    cfg.write_text(text)
-    _add(entries, "daemon.toml", cfg)
+    cfg.unlink(missing_ok=True)
+    with open(os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
+    _add(entries, "daemon.toml", cfg, mode=0o600)   # a secret (the MQTT password): 0600 on the device
     unit_path = unit_file or PKG / "systemd" / "zeroedge.service"
     unit = unit_path.read_text() if unit_path.is_file() else DEFAULT_UNIT
     h = hashlib.sha256()

@@ -4,27 +4,42 @@ operation; the result is one JSON line on stdout after MARKER; build logs go to 
 
 Layout on the device (all under the device root, default "/"):
 
-    /opt/zeroedge/objects/<sha256>      content-addressed store (read-only files)
-    /opt/zeroedge/.incoming/            uploads land here, verified, then moved into objects/
-    /opt/zeroedge/releases/<time>-<id>/ a release: hard links into objects/ + build/ outputs
+    /opt/zeroedge/objects/<sha256>      content-addressed store (0700; files 0444, secrets 0400)
+    /opt/zeroedge/.incoming/            uploads land here (0700), verified, then copied into objects/
+    /opt/zeroedge/releases/<time>-<id>/ a release: hard links into objects/ + build/ outputs;
+                                        daemon.toml (it can hold the MQTT password) is its own 0600 copy
     /opt/zeroedge/current -> releases/… swapped atomically (symlink to a temp name + rename)
     /etc/systemd/system/zeroedge.service and zeroedge.service.d/zeroedge-deploy.conf
+    /etc/zeroedge/trusted-keys/<key id>.pub  pinned bundle signing keys: when any is present, a
+                                        bundle not signed by one of them is refused
+
+The agent trusts nothing in the payload: every path is checked again here (zeroedge.deploy.trust),
+and the release tree is written through directory file descriptors, never following a link.
 """
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
 
-if "probe" not in globals():  # imported from the package; over SSH probe.py's source comes first
+if "probe" not in globals():  # imported from the package; over SSH probe.py's and trust.py's source come first
     from zeroedge.device.probe import device_root, meminfo, probe, under  # noqa: F401
+    from zeroedge.deploy.trust import HEX64, key_id, path_problem, public_key_raw, public_pem, signature_problem
 
 MARKER = "@@ZEROEDGE-RESULT@@"
 UNIT = "zeroedge.service"
 DROPIN = "zeroedge-deploy.conf"
+OPS = ("probe", "activate", "rollback", "status")
+RELEASE_ID = re.compile(r"[0-9a-f]{12}")
+RELEASE_NAME = re.compile(r"\d{8}T\d{12}Z-[0-9a-f]{12}")   # what stage() names a release
+MODES = (0o644, 0o755, 0o600)   # 0o600: a secret (daemon.toml): its own copy, its object 0400
+TRUSTED_KEYS = "/etc/zeroedge/trusted-keys"
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 class Fail(Exception):
@@ -36,12 +51,84 @@ def log(msg):
     sys.stderr.flush()
 
 
-def sha256_file(path):
+def login_uid():
+    """The uid that logged in over SSH (sudo's caller when run through sudo)."""
+    return int(os.environ.get("SUDO_UID") or os.getuid())
+
+
+def check_payload(p):
+    """Refuse a payload that could write outside the release or store, before anything is done:
+    the workstation checked the same, but the device checks for itself."""
+    for key in ("base", "incoming"):
+        v = p.get(key)
+        if v is not None and not (isinstance(v, str) and v.startswith("/") and ".." not in v.split("/")):
+            raise Fail("bad %s %r: must be an absolute path without '..'" % (key, v))
+    rid = p.get("release_id")
+    if rid is not None and not (isinstance(rid, str) and RELEASE_ID.fullmatch(rid)):
+        raise Fail("bad release id %r: must be 12 lowercase hex digits" % (rid,))
+    for h in p.get("hashes") or []:
+        if not (isinstance(h, str) and HEX64.fullmatch(h)):
+            raise Fail("bad sha256 %r: must be 64 lowercase hex digits" % (h,))
+    for rel, info in (p.get("files") or {}).items():
+        why = path_problem(rel)
+        if not why and not (rel in ("daemon.toml", "release.json") or rel.split("/")[0] in ("app", "bundle")
+                            and "/" in rel):
+            why = "not under app/ or bundle/"
+        if why:
+            raise Fail("refusing release file %r: %s" % (rel, why))
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and HEX64.fullmatch(info["sha256"])
+                and info.get("mode", 0o644) in MODES):
+            raise Fail("bad entry for %r: needs a lowercase hex sha256 and mode 644, 755 or 600" % rel)
+
+
+def pinned_keys(root):
+    """{key id: raw key} of the keys this device pins (<root>/etc/zeroedge/trusted-keys/*.pub)."""
+    d = under(root, TRUSTED_KEYS)
+    out = {}
+    for fn in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if fn.endswith(".pub"):
+            try:
+                with open(os.path.join(d, fn)) as f:
+                    raw = public_key_raw(f.read())
+            except (OSError, ValueError):
+                raise Fail("pinned key %s/%s is not an Ed25519 public key (PEM)" % (TRUSTED_KEYS, fn))
+            out[key_id(raw)] = raw
+    return out
+
+
+def open_regular(name, dir_fd, what):
+    """fd of the regular file `name` (relative to dir_fd, or absolute), opened without following a
+    link; None when it does not exist. A link or anything else is refused."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a link
+        raise Fail("%s is not a regular file (%s); refused" % (what, e.strerror))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Fail("%s is not a regular file; refused" % what)
+    return fd
+
+
+def create(name, dir_fd, mode):
+    """A new file `name` in dir_fd, opened for writing: O_EXCL and O_NOFOLLOW (never an existing
+    file, never through a link), `mode` set with fchmod (umask aside)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    os.fchmod(fd, mode)
+    return os.fdopen(fd, "wb")
+
+
+def copy_hashing(src_fd, name, dir_fd, mode):
+    """Copy the open file src_fd to a new file `name` in dir_fd; returns the sha256 of what was written."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+    with create(name, dir_fd, mode) as out:
+        while True:
+            chunk = os.read(src_fd, 1 << 20)
+            if not chunk:
+                return h.hexdigest()
             h.update(chunk)
-    return h.hexdigest()
+            out.write(chunk)
 
 
 class Device:
@@ -58,17 +145,18 @@ class Device:
     # ----- helpers
     def lock(self):
         os.makedirs(self.base, exist_ok=True)
-        self._lockf = open(os.path.join(self.base, ".lock"), "w")
+        self._lockfd = os.open(os.path.join(self.base, ".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise Fail("another zeroedge deploy is running on this device (%s/.lock)" % self.base)
 
     def release_names(self):
+        """Releases: directories (not links) named as stage() names them, oldest first."""
         if not os.path.isdir(self.releases):
             return []
-        return sorted(d for d in os.listdir(self.releases)
-                      if not d.startswith(".") and os.path.isdir(os.path.join(self.releases, d)))
+        return sorted(d for d in os.listdir(self.releases) if RELEASE_NAME.fullmatch(d)
+                      and stat.S_ISDIR(os.lstat(os.path.join(self.releases, d)).st_mode))
 
     def current_name(self):
         try:
@@ -104,29 +192,134 @@ class Device:
         os.symlink(os.path.join("releases", name), tmp)
         os.replace(tmp, self.current)  # rename(2) over the old link: atomic
 
+    def objects_fd(self):
+        """objects/, opened without following a link and kept 0700: the store is the agent's, and
+        releases reach its files through their own hard links."""
+        os.makedirs(self.objects, mode=0o700, exist_ok=True)
+        fd = os.open(self.objects, DIR_FLAGS)
+        os.fchmod(fd, 0o700)
+        return fd
+
+    def incoming_fd(self):
+        """The uploads dir: not a link, owned by the login user (or root), closed to group and others."""
+        try:
+            fd = os.open(self.incoming, DIR_FLAGS)
+        except OSError as e:
+            why = "a link" if os.path.islink(self.incoming) else "unusable (%s)" % e.strerror
+            raise Fail("upload dir %s is %s; refused" % (self.incoming, why))
+        st = os.fstat(fd)
+        if st.st_uid not in (0, login_uid()) or st.st_mode & 0o077:
+            os.close(fd)
+            raise Fail("upload dir %s is not private to the deploying user (uid %d, mode %o); refused"
+                       % (self.incoming, st.st_uid, st.st_mode & 0o7777))
+        return fd
+
+    def stored_bytes(self, h):
+        """Content of object h, from the store or this deploy's uploads (read, never moved)."""
+        for d in (self.objects, self.incoming):
+            fd = open_regular(os.path.join(d, h), None, "object %s…" % h[:12])
+            if fd is not None:
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read()
+                if hashlib.sha256(data).hexdigest() == h:
+                    return data
+        raise Fail("object %s… is not on the device" % h[:12])
+
+    def new_pins(self):
+        out = {}
+        for pem in self.p.get("pin_keys") or []:
+            try:
+                raw = public_key_raw(pem)
+            except (ValueError, TypeError):
+                raise Fail("--pin-key: not an Ed25519 public key")
+            out[key_id(raw)] = raw
+        return out
+
+    def check_signature(self):
+        """Read-only, before anything changes: when the device pins signing keys (or this deploy
+        pins one), the release's manifest must be signed by one of them and its bundle files must
+        be exactly the signed ones. Returns the signer's key id, or None (nothing pinned)."""
+        pinned = pinned_keys(self.root)
+        pinned.update(self.new_pins())
+        if not pinned:
+            return None
+        files = self.p["files"]
+        if "bundle/manifest.json" not in files:
+            raise Fail("the release has no bundle/manifest.json")
+        data = self.stored_bytes(files["bundle/manifest.json"]["sha256"])
+        sig = files.get("bundle/manifest.sig")
+        sig = self.stored_bytes(sig["sha256"]) if sig else None
+        why = signature_problem(data, sig, pinned)
+        if why:
+            raise Fail("%s; this device pins bundle signing keys (%s): nothing was changed"
+                       % (why, ", ".join(sorted(pinned))))
+        try:
+            signed = {k: v["sha256"] for k, v in json.loads(data.decode("utf-8"))["files"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise Fail("the signed manifest has no valid files{}")
+        have = {rel[len("bundle/"):]: i["sha256"] for rel, i in files.items() if rel.startswith("bundle/")
+                and rel not in ("bundle/manifest.json", "bundle/manifest.sig")}
+        if have != signed:
+            raise Fail("the release's bundle files are not the ones its signed manifest lists: nothing was changed")
+        return json.loads(sig.decode("utf-8"))["key_id"]
+
+    def install_pins(self):
+        """--pin-key: trusted-keys/<key id>.pub, 0644, in a 0755 directory (root's, as the agent)."""
+        pins = self.new_pins()
+        if not pins:
+            return []
+        d = under(self.root, TRUSTED_KEYS)
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        dfd = os.open(d, DIR_FLAGS)
+        try:
+            os.fchmod(dfd, 0o755)
+            for kid, raw in sorted(pins.items()):
+                tmp = ".%s.pub.tmp-%d" % (kid, os.getpid())
+                with create(tmp, dfd, 0o644) as f:
+                    f.write(public_pem(raw).encode())
+                os.rename(tmp, kid + ".pub", src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        return sorted(pins)
+
     # ----- operations
     def commit(self):
-        """Verify uploaded files in .incoming/ and move them into objects/."""
-        os.makedirs(self.objects, exist_ok=True)
+        """Move this deploy's uploads into objects/: each upload is opened without following a link,
+        must be a regular file, and is copied while hashing into a temp file in objects/ (what is
+        verified is what is stored, across filesystems), then renamed into place."""
+        secret = {i["sha256"] for i in self.p.get("files", {}).values() if i.get("mode") == 0o600}
+        obj = self.objects_fd()
+        inc = self.incoming_fd()
         moved = 0
-        for h in self.p["hashes"]:
-            src = os.path.join(self.incoming, h)
-            dst = os.path.join(self.objects, h)
-            if os.path.isfile(dst):
-                continue
-            if not os.path.isfile(src):
-                raise Fail("upload of %s… is missing on the device" % h[:12])
-            got = sha256_file(src)
-            if got != h:
-                os.unlink(src)
-                raise Fail("upload of %s… arrived corrupted (sha256 %s…)" % (h[:12], got[:12]))
-            os.chmod(src, 0o444)
-            os.replace(src, dst)
-            moved += 1
+        try:
+            for h in self.p["hashes"]:
+                fd = open_regular(h, obj, "object %s…" % h[:12])
+                if fd is not None:  # already in the store
+                    os.close(fd)
+                    continue
+                src = open_regular(h, inc, "upload of %s…" % h[:12])
+                if src is None:
+                    raise Fail("upload of %s… is missing on the device" % h[:12])
+                tmp = ".tmp-%s-%d" % (h[:12], os.getpid())
+                try:
+                    got = copy_hashing(src, tmp, obj, 0o400 if h in secret else 0o444)
+                finally:
+                    os.close(src)
+                os.unlink(h, dir_fd=inc)
+                if got != h:
+                    os.unlink(tmp, dir_fd=obj)
+                    raise Fail("upload of %s… arrived corrupted (sha256 %s…)" % (h[:12], got[:12]))
+                os.rename(tmp, h, src_dir_fd=obj, dst_dir_fd=obj)
+                moved += 1
+        finally:
+            os.close(obj)
+            os.close(inc)
         return {"committed": moved}
 
     def stage(self):
-        """Make releases/<time>-<id> from the store (reusing an existing dir with the same id)."""
+        """Make releases/<time>-<id> from the store (reusing an existing dir with the same id). The
+        tree is built through directory fds (mkdir/link/open relative to an fd opened O_NOFOLLOW),
+        so no link, planted or listed, is ever followed while writing."""
         rid = self.p["release_id"]
         os.makedirs(self.releases, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "%06dZ" % (time.time() % 1 * 1e6)
@@ -137,26 +330,52 @@ class Device:
                     os.rename(os.path.join(self.releases, d), os.path.join(self.releases, name))
                     return {"release": name, "reused": True}
                 return {"release": d, "reused": True}
-        tmp = os.path.join(self.releases, ".tmp-" + name)
-        shutil.rmtree(tmp, ignore_errors=True)
-        for rel, info in sorted(self.p["files"].items()):
-            dst = os.path.join(tmp, rel)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            src = os.path.join(self.objects, info["sha256"])
-            if not os.path.isfile(src):
-                raise Fail("object %s… for %s is not on the device" % (info["sha256"][:12], rel))
-            if info.get("mode", 0o644) & 0o111:  # executables get their own copy (mode is per inode)
-                shutil.copyfile(src, dst)
-                os.chmod(dst, 0o755)
-            else:
+        tmp = ".tmp-" + name
+        shutil.rmtree(os.path.join(self.releases, tmp), ignore_errors=True)
+        rel_fd, obj = os.open(self.releases, DIR_FLAGS), self.objects_fd()
+        dirs = {}
+
+        def dir_fd(path):  # fd of a directory inside the release, made as needed
+            if path not in dirs:
+                up, _, leaf = path.rpartition("/")
+                parent = dir_fd(up)
                 try:
-                    os.link(src, dst)
-                except OSError:
-                    shutil.copyfile(src, dst)
-                    os.chmod(dst, 0o444)
-        with open(os.path.join(tmp, ".files.json"), "w") as f:
-            json.dump(self.p["files"], f)
-        os.rename(tmp, os.path.join(self.releases, name))
+                    os.mkdir(leaf, 0o755, dir_fd=parent)
+                except FileExistsError:
+                    pass
+                dirs[path] = os.open(leaf, DIR_FLAGS, dir_fd=parent)
+            return dirs[path]
+
+        try:
+            os.mkdir(tmp, 0o755, dir_fd=rel_fd)
+            dirs[""] = os.open(tmp, DIR_FLAGS, dir_fd=rel_fd)
+            for rel, info in sorted(self.p["files"].items()):
+                up, _, leaf = rel.rpartition("/")
+                h, mode = info["sha256"], info.get("mode", 0o644)
+                src = open_regular(h, obj, "object %s… for %s" % (h[:12], rel))
+                if src is None:
+                    raise Fail("object %s… for %s is not on the device" % (h[:12], rel))
+                try:
+                    if mode == 0o600:    # a secret: its store copy private too (older deploys made it 0444)
+                        os.fchmod(src, 0o400)
+                    if mode != 0o644:    # executables and secrets get their own copy (mode is per inode)
+                        copy_hashing(src, leaf, dir_fd(up), mode)
+                    else:
+                        try:
+                            os.link(h, leaf, src_dir_fd=obj, dst_dir_fd=dir_fd(up), follow_symlinks=False)
+                        except OSError:  # no hard links on this filesystem
+                            copy_hashing(src, leaf, dir_fd(up), 0o444)
+                finally:
+                    os.close(src)
+            with create(".files.json", dirs[""], 0o644) as f:
+                f.write(json.dumps(self.p["files"]).encode())
+        except BaseException:
+            shutil.rmtree(os.path.join(self.releases, tmp), ignore_errors=True)
+            raise
+        finally:
+            for fd in list(dirs.values()) + [rel_fd, obj]:
+                os.close(fd)
+        os.rename(os.path.join(self.releases, tmp), os.path.join(self.releases, name))
         return {"release": name, "reused": False}
 
     def build(self, name):
@@ -308,13 +527,16 @@ class Device:
     def activate(self):
         """stage -> build -> install unit -> swap current -> restart -> health; on an unhealthy
         new release, put the previous one back."""
+        signer = self.check_signature()  # read-only: a refusal changes nothing
         self.lock()
         if self.p.get("hashes"):  # uploads of this deploy: verify and move into the store
             self.commit()
+        pinned = self.install_pins()
         before = self.current_name()
         st = self.stage()
         name = st["release"]
-        res = {"release": name, "previous": before, "reused": st["reused"], "steps": []}
+        res = {"release": name, "previous": before, "reused": st["reused"], "steps": [], "signed_by": signer,
+               "pinned": pinned}
         if name == before:
             res["unchanged"] = True
             res["build"] = self.build(name)
@@ -430,12 +652,17 @@ def _json(text):
 
 
 def main(payload):
-    op = payload["op"]
+    op = payload.get("op")
     try:
+        if op not in OPS:
+            raise Fail("unknown operation %r" % (op,))
+        check_payload(payload)
         if op == "probe":
             result = probe(base=payload.get("base", "/opt/zeroedge"), want_modules=payload.get("modules", ()))
             store = os.path.join(result["base"], "objects")  # what the content store already holds
-            result["store"] = sorted(os.listdir(store)) if os.path.isdir(store) else []
+            result["store"] = sorted(h for h in os.listdir(store) if HEX64.fullmatch(h)) if os.path.isdir(store) else []
+            result["trusted_keys"] = sorted(pinned_keys(result["root"]))
+            result["login_uid"] = login_uid()
         else:
             result = getattr(Device(payload), op)()
         out = {"ok": True, "result": result}

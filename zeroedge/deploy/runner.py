@@ -38,6 +38,7 @@ class Options:
     metrics_port: int | None = None
     unit_file: Path | None = None
     quiet: bool = False       # --json: no progress bars
+    pin_keys: list = field(default_factory=list)   # --pin-key: PEM public keys to pin on the devices
 
 
 @dataclass
@@ -100,10 +101,15 @@ class Deployer:
     def __init__(self, bundle: Path, manifest: dict, targets: list[Target], opts: Options, echo):
         self.bundle, self.manifest, self.targets, self.opts, self.echo = Path(bundle), manifest, targets, opts, echo
         self.tmp = tempfile.TemporaryDirectory(prefix="zeroedge-deploy-")
+        from zeroedge.bundle import signer
+
         from .release import daemon_template, has_plugins, has_trt_backend
+        from .trust import key_id, public_key_raw
 
         self.template = daemon_template(opts.config)
         self.has_plugins, self.has_trt = has_plugins(), has_trt_backend()
+        self.signer = signer(self.bundle)      # None: unsigned; a bad signature is refused here
+        self.new_pins = [key_id(public_key_raw(pem)) for pem in opts.pin_keys]
 
     # ---------------- phase 1: read-only on every device
     async def prepare(self, t: Target, r: HostResult):
@@ -116,12 +122,13 @@ class Deployer:
         _tick(r, "connect_s", t0)
         t0 = time.perf_counter()
         r.phase = "preflight"
-        want = list(pf.DAEMON_MODULES) + ["tomli"]
+        want = list(pf.DAEMON_MODULES) + ["tomli", "cryptography"]
         facts, _ = await _run(t, self.opts, conn, "probe", modules=want)
         r.facts = facts
         # a first verdict decides the backend (which shapes daemon.toml); the disk check needs the
         # upload size, known once the release exists, so evaluate again below
-        v0 = pf.evaluate(facts, self.manifest, 0, 0, self.opts.sudo, self.has_plugins, self.has_trt)
+        sig = {"signer": self.signer, "new_pins": self.new_pins}
+        v0 = pf.evaluate(facts, self.manifest, 0, 0, self.opts.sudo, self.has_plugins, self.has_trt, **sig)
         if v0.problems:
             raise HostError(t, "; ".join(v0.problems), "preflight")
         port = metrics_port(self.template, _s(t, "metrics_port", self.opts.metrics_port))
@@ -136,7 +143,8 @@ class Deployer:
                 missing.append((e.src, e.sha256, e.bytes))
                 r.extra.setdefault("uploaded", []).append(e.rel)
         up = sum(m[2] for m in missing)
-        v = pf.evaluate(facts, self.manifest, up, self.opts.min_free, self.opts.sudo, self.has_plugins, self.has_trt)
+        v = pf.evaluate(facts, self.manifest, up, self.opts.min_free, self.opts.sudo, self.has_plugins, self.has_trt,
+                        **sig)
         if v.problems:
             raise HostError(t, "; ".join(v.problems), "preflight")
         r.backend, r.notes = v.backend, v.notes
@@ -148,11 +156,12 @@ class Deployer:
     # ---------------- phase 2: change the device
     async def apply(self, t: Target, r: HostResult, progress):
         conn, rel, missing, v = (r.extra.pop(k) for k in ("_conn", "_rel", "_missing", "_verdict"))
-        base = r.facts["base"]
-        # uploads land in the store's .incoming/ when this login may write there, else (--sudo as a
-        # plain user) in /tmp, from where the agent (root via sudo) verifies and moves them
-        incoming = f"{base}/.incoming" if r.facts.get("uid") == 0 or (r.facts.get("disk") or {}).get("writable") \
-            else f"/tmp/zeroedge-incoming-{r.facts.get('uid')}"
+        base, login = r.facts["base"], r.facts.get("login_uid", r.facts.get("uid"))
+        # uploads land in the store's .incoming/, or (--sudo as a plain user, who may not write the
+        # store) in the login's own dir in the device's /tmp; both are 0700, the login's. The agent
+        # (root through sudo) verifies them and copies them into the store
+        incoming = f"{base}/.incoming" if login == 0 or not self.opts.sudo else \
+            f"{r.facts['root'].rstrip('/')}/tmp/zeroedge-incoming-{login}"
         r.phase = "upload"
         t0 = time.perf_counter()
         if missing:
@@ -162,7 +171,7 @@ class Deployer:
                 if progress:
                     progress.advance(task, n)
 
-            r.bytes_uploaded = await upload(conn, t, missing, incoming, adv)
+            r.bytes_uploaded = await upload(conn, t, missing, incoming, login, adv)
             r.files_uploaded = len(missing)
         _tick(r, "upload_s", t0)
         t0 = time.perf_counter()
@@ -171,7 +180,7 @@ class Deployer:
         res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], incoming=incoming, release_id=rel.id, files=rel.files_payload(),
                               unit=rel.unit, python=r.facts["python"]["executable"],
                               metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,
-                              build={"backend": v.backend, "steps": steps})
+                              build={"backend": v.backend, "steps": steps}, pin_keys=self.opts.pin_keys)
         _tick(r, "activate_s", t0)
         r.release, r.previous, r.health = res["release"], res.get("previous"), res.get("health")
         r.changed = not res.get("unchanged") or bool(r.bytes_uploaded)
@@ -180,6 +189,7 @@ class Deployer:
             if k in res:
                 r.extra.setdefault("timings", {})[k] = res[k]
         r.extra["gc"] = res.get("gc")
+        r.extra.update(signed_by=res.get("signed_by"), pinned=res.get("pinned"))
         if res.get("rolled_back_to"):
             r.extra["rolled_back_to"] = res["rolled_back_to"]
         if not (r.health or {}).get("ok"):

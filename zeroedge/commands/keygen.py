@@ -1,0 +1,38 @@
+"""zeroedge keygen: an Ed25519 key pair for signing bundle manifests."""
+import click
+
+
+@click.command(name="keygen")
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False), metavar="KEY",
+              help="Private key file to write (KEY.pub gets the public key).")
+def cmd(out):
+    """Write KEY (Ed25519 private key, PKCS8 PEM, mode 0600; never overwritten) and KEY.pub (its
+    public key). Sign bundles with `zeroedge sign BUNDLE --key KEY`; pin KEY.pub on devices with
+    `zeroedge deploy --pin-key KEY.pub`, after which they refuse bundles it did not sign."""
+    import os
+    from pathlib import Path
+
+    from zeroedge.deploy.trust import key_id, public_pem
+    from zeroedge.errors import UserError, require
+
+    require("cryptography", "deploy")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key, pub = Path(out), Path(str(out) + ".pub")
+    for p in (key, pub):
+        if os.path.lexists(p):
+            raise UserError(f"{p} exists; not overwriting a key (choose another -o)")
+    priv = Ed25519PrivateKey.generate()
+    pem = priv.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    raw = priv.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    try:
+        with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(pem)
+        with open(os.open(pub, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+            f.write(public_pem(raw))
+    except OSError as e:
+        raise UserError(f"cannot write the key: {e.filename or key}: {e.strerror}") from None
+    click.echo(f"wrote {key} (private: keep it secret) and {pub} (key id {key_id(raw)})")

@@ -206,3 +206,8 @@ def test_only_staged_names_count_as_releases(device_root):
 def test_agent_refuses_unknown_operations(device_root):
     res = run_agent(device_root, {"op": "commit", "base": "/opt/zeroedge", "hashes": []})
     assert not res["ok"] and "unknown operation 'commit'" in res["error"]
+
+
+def test_export_refuses_a_bad_signing_key_before_exporting(tmp_path):
+    p = run_cli("export", "no-such-model", "-o", tmp_path / "out", "--sign", tmp_path / "missing.key", check_rc=2)
+    assert "signing key" in p.stderr and "No such file" in p.stderr and not (tmp_path / "out").exists()

@@ -713,3 +713,42 @@ def test_signed_bundles_pinned_keys_and_a_private_config(lab, tmp_path):
         res = run_agent(d.root, dict(good, files=f))
         assert not res["ok"] and needle in res["error"] and "nothing was changed" in res["error"], res
     assert d.tree() == before
+
+
+def test_uploads_are_private(lab, jetson_a, tmp_path, monkeypatch):
+    """SFTP uploads go to a 0700 dir of the login's, each file created 0600 (never SFTP's default
+    0644), and a dir that is a link, open to others or someone else's is refused."""
+    import asyncio
+
+    from zeroedge.deploy.inventory import parse_target
+    from zeroedge.deploy.ssh import HostError, connect, upload
+
+    monkeypatch.setenv("HOME", str(lab.home))
+    d = jetson_a
+    src = tmp_path / "daemon.toml"
+    src.write_text('password = "hunter2"\n')
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    t = parse_target(f"{lab.user}@127.0.0.1:{d.port}", name="jetson-a")
+
+    async def up(incoming, uid=os.getuid()):
+        conn = await connect(t, known_hosts=str(lab.home / ".ssh/known_hosts"))
+        try:
+            return await upload(conn, t, [(src, sha, src.stat().st_size)], str(incoming), uid)
+        finally:
+            conn.close()
+
+    inc = d.root / "tmp/zeroedge-incoming-test"
+    assert asyncio.run(up(inc)) == src.stat().st_size
+    assert _mode(inc) == 0o700 and _mode(inc / sha) == 0o600 and (inc / sha).read_bytes() == src.read_bytes()
+    with pytest.raises(HostError, match=f"owned by uid {os.getuid()}, not 4242"):
+        asyncio.run(up(inc, uid=4242))
+    inc.chmod(0o755)
+    with pytest.raises(HostError, match="mode 755, open to other users; refused"):
+        asyncio.run(up(inc))
+    shutil.rmtree(inc)
+    (d.root / "elsewhere").mkdir(mode=0o700, exist_ok=True)
+    inc.symlink_to(d.root / "elsewhere")
+    with pytest.raises(HostError, match="zeroedge-incoming-test is a link; refused"):
+        asyncio.run(up(inc))
+    assert os.listdir(d.root / "elsewhere") == []
+    inc.unlink()

@@ -1,11 +1,12 @@
 """`zeroedge deploy / rollback / status` over SSH (asyncssh, imported lazily).
 
 - inventory: targets and `--hosts FILE` inventories, checked line by line before anything connects
-- ssh: connections (~/.ssh/config, ProxyJump, known_hosts never silently accepted), the device agent
-  runner, content-addressed SFTP upload
+- ssh: connections (~/.ssh/config, ProxyJump hops opened here, every host key checked against an explicit
+  known_hosts), the device agent runner, content-addressed SFTP upload into a private dir
 - preflight: facts (zeroedge.device.probe, run on the device) + bundle manifest -> refuse or go
 - release: the release content (bundle + device code + daemon.toml), ids by content hash
 - remote: the device-side agent (stdlib only): store, releases, atomic `current`, build, systemd, health
+- trust: what both ends check (stdlib, shipped with the agent): safe paths, Ed25519 manifest signatures
 - runner: two-phase fleet deploy, rollback and status in parallel
 - cli: options and output shared by the three commands
 """

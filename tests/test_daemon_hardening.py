@@ -250,3 +250,16 @@ def test_kill9_and_broker_restarts_lose_nothing(tmp_path, sensor_bundle, tep_fra
     assert fig["exit_status"] == 0 and fig["kills"] == 6 and fig["broker_restarts"] == 2
     assert fig["lost"] == 0 and fig["duplicated"] == 0 and fig["results"] == fig["readings"], fig
     assert fig["order_kept"] and fig["other_dead_letters"] == 0, fig
+
+
+def test_dead_letters_are_bounded_in_bytes(tmp_path, monkeypatch):
+    from zeroedge.daemon import spool as S
+
+    monkeypatch.setattr(S, "DEAD_LETTERS_KEPT_BYTES", 10_000)
+    sp = Spool(tmp_path)
+    for i in range(30):
+        sp.commit([DeadLetter("oversized", "x", bytes([i]) * 1000)])
+    assert sp.prune() == 20
+    db = sp.reader()
+    kept = [p[0] for (p,) in db.execute("SELECT payload FROM dead_letters ORDER BY id")]
+    assert kept == list(range(20, 30))                        # the newest 10 KB, whole

@@ -20,6 +20,7 @@ import json
 import os
 import queue
 import signal
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -290,7 +291,10 @@ class Daemon:
                 self.retry.ok()
                 break
             except SpoolUnavailable as e:
-                time.sleep(self.retry.failed("commit processed results", e))    # SpoolGaveUp -> run()
+                delay = self.retry.failed("commit processed results", e)         # SpoolGaveUp -> run()
+                if self.stop_evt.wait(delay):
+                    raise SpoolGaveUp(f"stop requested while the spool is not writable ({e}); the results "
+                                      "not committed are produced again at the next start") from None
                 self._beat()         # alive and retrying on purpose: the watchdog keeps quiet
         self.processed_total += len(rowids)
         self.metrics.processed.inc(len(rowids))
@@ -325,7 +329,10 @@ class Daemon:
 
     def _update_gauges(self):
         """Gauges that need the inference thread's state (the spool reader, the streams)."""
-        self.metrics.pending.set(Spool.count_pending(self.rconn))
+        try:
+            self.metrics.pending.set(Spool.count_pending(self.rconn))
+        except sqlite3.Error:                       # the next round tries again
+            pass
         self.metrics.streams.set(len(self.engine.streams))
         self.metrics.kv_bytes.labels("hot").set(sum(s.memory_bytes() for s in list(self.engine.streams.values())))
         self._refresh_live()
@@ -386,12 +393,25 @@ class Daemon:
                 last_gauges = now
             if now - last_prune > 30.0:
                 try:
-                    self.spool.prune()
+                    dropped = self.spool.prune()
+                    if dropped:
+                        self.log.warning(f"dropped the {dropped} oldest dead letters (the spool keeps the newest "
+                                         "100,000 and 256 MiB of them)")
                 except SpoolUnavailable as e:       # pruning waits for the next round
                     self.log.warning(f"spool prune skipped: {e}")
                 last_prune = now
             try:
                 n = self._process_pending()
+            except sqlite3.OperationalError as e:      # reading the spool failed: nothing changed yet
+                try:
+                    delay = self.retry.failed("read the spool", e)
+                except SpoolGaveUp as g:
+                    self._give_up(g)
+                    break
+                if self.stop_evt.wait(delay):
+                    self._give_up(SpoolGaveUp(f"stop requested while the spool cannot be read ({e})"))
+                    break
+                continue
             except SpoolGaveUp as e:
                 self._give_up(e)
                 break

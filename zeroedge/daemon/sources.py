@@ -143,8 +143,12 @@ class MqttSource(Source):
         if self.stopping.is_set():
             return                       # not acked: the broker redelivers it next session
         mid, qos = msg.mid, msg.qos
+        try:
+            topic = msg.topic
+        except UnicodeDecodeError:          # an exception here would end paho's network thread
+            topic = "<topic not UTF-8>"
         self.put(Incoming(bytes(msg.payload), ack=(lambda: client.ack(mid, qos)) if qos else None,
-                          source=f"mqtt:{msg.topic}"))
+                          source=f"mqtt:{topic}"))
 
     def publish(self, topic, payload: bytes, qos=1):
         self.client.publish(topic, payload, qos=qos)

@@ -50,6 +50,8 @@ REASONS = ("oversized", "malformed-json", "bad-schema", "wrong-channel-count", "
 SEQ_MAX = 2 ** 63 - 1                  # SQLite's INTEGER range
 SENSOR_MAX_CHARS = 200
 DEAD_LETTER_MAX_BYTES = 1 << 20        # an oversized payload is kept up to this many bytes
+DEAD_LETTERS_KEPT = 100_000            # prune keeps the newest dead letters up to this many ...
+DEAD_LETTERS_KEPT_BYTES = 256 << 20    # ... and this many payload bytes (a flood cannot fill the disk)
 BUSY_TIMEOUT_S = 5.0                   # a locked spool fails a commit after this; the daemon retries
 
 
@@ -323,12 +325,12 @@ class Spool:
                 st.frames[(n - k + j) % st.window] = f
             st.last_seq, st.ema, st.alarm, st.since_infer = last_seq, ema, bool(alarm), since
 
-    def prune(self):
-        """Keep the last `keep` processed readings of each sensor (arrival order) and the newest
-        100,000 dead letters."""
+    def prune(self) -> int:
+        """Keep the last `keep` processed readings of each sensor (arrival order) and the newest dead
+        letters (DEAD_LETTERS_KEPT, DEAD_LETTERS_KEPT_BYTES). Returns the dead letters dropped."""
         with self.lock:
             try:
-                self._prune()
+                return self._prune()
             except sqlite3.OperationalError as e:
                 raise SpoolUnavailable(str(e)) from None
 
@@ -339,7 +341,16 @@ class Spool:
             if cut:
                 self.w.execute("DELETE FROM readings WHERE sensor=? AND id<=? AND processed=1",
                                (sensor, cut[0]))
-        self.w.execute("DELETE FROM dead_letters WHERE id < (SELECT MAX(id) FROM dead_letters) - 100000")
+        total, cut = 0, None
+        for i, (dl_id, size) in enumerate(self.w.execute(
+                "SELECT id, length(payload) FROM dead_letters ORDER BY id DESC")):
+            total += size or 0
+            if i >= DEAD_LETTERS_KEPT or total > DEAD_LETTERS_KEPT_BYTES:
+                cut = dl_id
+                break
+        if cut is None:
+            return 0
+        return self.w.execute("DELETE FROM dead_letters WHERE id <= ?", (cut,)).rowcount
 
     @staticmethod
     def dead_letter_counts(conn) -> dict:

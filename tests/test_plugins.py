@@ -168,7 +168,7 @@ def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, paths_obj
     assert r.returncode == 0, r.stderr[-4000:]
     syms = run(["nm", "-D", "--defined-only", lib]).stdout.split("\n")
     exported = sorted(line.split()[-1] for line in syms if line.strip() and line.split()[-2] in ("T", "W", "D"))
-    assert exported == ["getCreators", "setLoggerFinder"], exported
+    assert exported == ["getCreators", "setLoggerFinder", "zeroedge_plugin_messages"], exported
     needed = run(["readelf", "-d", lib]).stdout
     assert "libnvinfer" not in needed
     harness = build_dir / "zeroedge_harness"
@@ -348,12 +348,14 @@ def fake_bundle(tmp_path):
     return b
 
 
-def test_tensorrt_missing_is_one_line_and_exit_2(fake_bundle, tmp_path):
+def test_tensorrt_missing_is_one_line_and_exit_2(fake_bundle, tmp_path, monkeypatch):
     try:
         import tensorrt  # noqa: F401
         pytest.skip("TensorRT is installed here")
     except ImportError:
         pass
+    # the Jetson runtime asked for explicitly (TensorRT-RTX, when installed, is the fallback otherwise)
+    monkeypatch.setenv("ZEROEDGE_TENSORRT", "tensorrt")
     r = run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build", "--bundle", fake_bundle, "--plugins",
              tmp_path / "lib.so", "--out", tmp_path / "out"], cwd=REPO)
     assert r.returncode == 2

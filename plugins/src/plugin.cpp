@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,8 +29,31 @@ namespace
 
 ILoggerFinder* gLoggerFinder{nullptr};
 
+// Every error also lands here, so that a caller can name it when TensorRT only says "Could not create
+// the plugin": TensorRT-RTX 1.7 calls setLoggerFinder with a finder whose findLogger() returns
+// nullptr, so there the messages reach no TensorRT logger (they go to stderr). Read and cleared through
+// zeroedge_plugin_messages(); the newest 16 KiB are kept.
+std::mutex gMessagesMutex;
+std::string gMessages;
+constexpr size_t kMessagesKept = 16 << 10;
+
+void remember(std::string const& msg) noexcept
+{
+    try
+    {
+        std::lock_guard<std::mutex> lock(gMessagesMutex);
+        gMessages += msg;
+        gMessages += '\n';
+        if (gMessages.size() > kMessagesKept) gMessages.erase(0, gMessages.size() - kMessagesKept);
+    }
+    catch (...)
+    {
+    }
+}
+
 void logMsg(ILogger::Severity sev, std::string const& msg) noexcept
 {
+    if (sev <= ILogger::Severity::kWARNING) remember(msg);
     ILogger* l = gLoggerFinder ? gLoggerFinder->findLogger() : nullptr;
     if (l) l->log(sev, msg.c_str());
     else std::fprintf(stderr, "[zeroedge plugins] %s\n", msg.c_str());
@@ -710,6 +734,23 @@ extern "C"
 __attribute__((visibility("default"))) void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
 {
     zeroedge::gLoggerFinder = finder;
+}
+
+//! The plugin errors and warnings logged since the last call with clear != 0, newline separated: copies
+//! at most size - 1 bytes and a NUL into buf (when buf and size > 0) and returns the full length. For
+//! callers that load this library with ctypes beside TensorRT (zeroedge.backends.tensorrt).
+__attribute__((visibility("default"))) size_t zeroedge_plugin_messages(char* buf, size_t size, int clear)
+{
+    std::lock_guard<std::mutex> lock(zeroedge::gMessagesMutex);
+    size_t n = zeroedge::gMessages.size();
+    if (buf && size > 0)
+    {
+        size_t k = n < size - 1 ? n : size - 1;
+        std::memcpy(buf, zeroedge::gMessages.data(), k);
+        buf[k] = '\0';
+    }
+    if (clear) zeroedge::gMessages.clear();
+    return n;
 }
 
 __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)

@@ -16,11 +16,19 @@ dynamic dimension fixed at the bundle's KV window), and the plugin library seria
 engine (version-compatible plan with the lean runtime excluded; `serialize_plugins=False` instead
 loads the library at run time). Where TensorRT or cuda-python is missing, TensorRTMissing (a
 UserError, exit code 2) says in one line how to get it.
+
+Two runtimes, chosen at import (`import_tensorrt`): `tensorrt` (TensorRT 10.3, JetPack 6.1 / 6.2) when
+it is importable, else `tensorrt_rtx` (TensorRT for RTX, `pip install tensorrt-rtx-cu13==1.7.1.116`: builds
+engines ahead of time on a machine without a GPU, for a chosen compute capability; runs them on
+Ampere / Ada / Blackwell only). $ZEROEDGE_TENSORRT=tensorrt|tensorrt_rtx forces one. Every difference
+between the two is named in `runtime_traits`.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,10 +39,14 @@ from zeroedge.errors import MissingDependency, UserError
 
 GRAPHS = ("prefill", "decode")
 DEFAULT_WORKSPACE = 256 << 20
-PLUGIN_NODES = ("ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter")
+PLUGIN_NODES = ("ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter", "ZeroEdgePathsFFN")
+RUNTIMES = ("tensorrt", "tensorrt_rtx")  # the order import_tensorrt tries them
+RUNTIME_ENV = "ZEROEDGE_TENSORRT"
+RTX_PIN = "tensorrt-rtx-cu13==1.7.1.116"
 HOW_TO_GET_TRT = ("TensorRT's Python bindings are not installed: on a Jetson use JetPack 6.1 / 6.2 and run "
-                  "`sudo apt install python3-libnvinfer` (TensorRT 10.3); elsewhere this backend is not "
-                  "available, use the portable onnxruntime backend")
+                  "`sudo apt install python3-libnvinfer` (TensorRT 10.3); elsewhere `pip install "
+                  f"{RTX_PIN}` (TensorRT for RTX: builds engines ahead of time, runs them on Ampere / Ada / "
+                  "Blackwell GPUs), or use the portable onnxruntime backend")
 HOW_TO_GET_CUDA = "cuda-python is not installed: pip install 'cuda-python>=12.2,<13' (or pip install 'zeroedge[jetson]')"
 
 
@@ -42,16 +54,127 @@ class TensorRTMissing(MissingDependency):
     """TensorRT (or cuda-python) is not installed; exit code 2 with the line that says how to get it."""
 
 
-def import_tensorrt():
+def import_tensorrt(runtime: Optional[str] = None):
+    """The TensorRT Python module: `tensorrt` (a Jetson's TensorRT 10.3) when importable, else
+    `tensorrt_rtx`; `runtime` (or $ZEROEDGE_TENSORRT) forces one of RUNTIMES."""
+    want = runtime or os.environ.get(RUNTIME_ENV) or None
+    if want is not None and want not in RUNTIMES:
+        raise UserError(f"unknown TensorRT runtime '{want}' (${RUNTIME_ENV}): choose {' or '.join(RUNTIMES)}")
+    for name in [want] if want else RUNTIMES:
+        try:
+            trt = importlib.import_module(name)
+        except ImportError:
+            continue
+        if is_rtx(trt):
+            ensure_rtx_parser_link()
+            return trt
+        major = int(str(trt.__version__).split(".")[0])
+        if major < 10:
+            raise UserError(f"TensorRT {trt.__version__} has no IPluginV3 (JetPack 6.0 ships TensorRT 8.6); "
+                            "use JetPack 6.1 / 6.2 (TensorRT 10.3)")
+        return trt
+    if want == "tensorrt_rtx":
+        raise TensorRTMissing(f"TensorRT for RTX is not installed: pip install {RTX_PIN}")
+    raise TensorRTMissing(HOW_TO_GET_TRT)
+
+
+def is_rtx(trt) -> bool:
+    return str(getattr(trt, "__name__", "")).startswith("tensorrt_rtx")
+
+
+def runtime_traits(trt) -> dict:
+    """What differs between TensorRT 10.3 (`tensorrt`, a Jetson) and TensorRT for RTX (`tensorrt_rtx`)
+    for this backend, in one place:
+
+    fp16_flag      10.3: BuilderFlag.FP16 lets the builder pick fp16. RTX has no such flag: its networks
+                   are strongly typed, the graph's own dtypes decide (the trt graphs carry fp16 where the
+                   plugins want it).
+    timing_cache   10.3: a timing cache kept beside the engines. RTX: timing-cache calls are deprecated
+                   no-ops (it has a runtime cache instead), so none is written.
+    target_cc      RTX builds ahead of time for the compute capabilities set on the builder config
+                   (ComputeCapability.SM75 / SM80 / SM86 / SM89 / SM120 / SM121; no SM87, no SM90), also
+                   on a machine with no GPU. 10.3 builds for the GPU it runs on (a Jetson: SM87).
+    parser_link    RTX's ONNX parser dlopen()s "libtensorrt_rtx.so" when it adds a plugin layer
+                   (ensure_rtx_parser_link).
+    plugin_logger  10.3 hands plugins a logger; RTX 1.7's logger finder returns none, so the plugin
+                   library's messages are read back with plugin_messages() for the errors.
+    """
+    rtx = is_rtx(trt)
+    return {"name": "tensorrt_rtx" if rtx else "tensorrt", "version": str(getattr(trt, "__version__", "?")),
+            "fp16_flag": not rtx, "timing_cache": not rtx, "target_cc": rtx, "parser_link": rtx,
+            "plugin_logger": not rtx}
+
+
+RTX_CORE = "libtensorrt_rtx.so"
+
+
+def ensure_rtx_parser_link() -> Optional[Path]:
+    """Make "libtensorrt_rtx.so" loadable by TensorRT-RTX's ONNX parser; returns the link (None: not
+    a wheel install).
+
+    The parser (libtensorrt_onnxparser_rtx.so.1) reaches INetworkDefinition's plugin-layer code through
+    a private entry point: the first time it adds a plugin layer it dlopen()s "libtensorrt_rtx.so" (the
+    unversioned development name) and looks up getPrivateApi_INTERNAL. The pip wheel ships only
+    libtensorrt_rtx.so.1, so dlopen fails, the parser throws std::runtime_error("Unable to open library:
+    libtensorrt_rtx.so ...") inside a noexcept function, and the process ends in std::terminate
+    ("terminate called without an active exception"): any graph with a plugin node, never a dense one.
+    The parser's RPATH is $ORIGIN, so a link beside the wheel's libraries is enough (glibc maps the same
+    file once, so it is the same library, not a second copy)."""
     try:
-        import tensorrt as trt  # noqa: F401
+        import tensorrt_rtx_libs
     except ImportError:
-        raise TensorRTMissing(HOW_TO_GET_TRT) from None
-    major = int(str(trt.__version__).split(".")[0])
-    if major < 10:
-        raise UserError(f"TensorRT {trt.__version__} has no IPluginV3 (JetPack 6.0 ships TensorRT 8.6); "
-                        "use JetPack 6.1 / 6.2 (TensorRT 10.3)")
-    return trt
+        return None  # an SDK (tar / zip) install: its lib/ folder ships the unversioned link
+    folder = Path(tensorrt_rtx_libs.__file__).resolve().parent
+    link = folder / RTX_CORE
+    if link.exists():
+        return link
+    for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        if d and (Path(d) / RTX_CORE).exists():
+            return Path(d) / RTX_CORE
+    versioned = sorted(folder.glob(RTX_CORE + ".*"))
+    if not versioned:
+        return None
+    tmp = folder / f".{RTX_CORE}.{os.getpid()}.tmp"
+    try:
+        tmp.symlink_to(versioned[0].name)
+        os.replace(tmp, link)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise UserError(f"TensorRT-RTX's ONNX parser needs {link} to import plugin layers (it aborts the process "
+                        f"without it) and it could not be created ({e.strerror or e}): run `ln -s "
+                        f"{versioned[0].name} {link}`") from None
+    return link
+
+
+def plugin_messages(plugin_lib, clear: bool = True) -> str:
+    """The plugin library's errors and warnings since the last clear (zeroedge_plugin_messages), '' if it
+    cannot say (not loadable, an older build)."""
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(str(Path(plugin_lib).resolve())).zeroedge_plugin_messages
+    except (OSError, AttributeError):
+        return ""
+    f.restype, f.argtypes = ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+    n = int(f(None, 0, 0))
+    buf = ctypes.create_string_buffer(n + 1)
+    f(buf, n + 1, int(clear))
+    return buf.value.decode("utf-8", "replace").strip()
+
+
+def compute_capability(trt, cc: Optional[str]):
+    """A ComputeCapability of TensorRT-RTX from "8.6" / "86" / "sm86" / "SM86"; None: the GPU present."""
+    if cc is None or str(cc).strip().lower() in ("", "current"):
+        return trt.ComputeCapability.CURRENT
+    digits = str(cc).strip().upper().replace("SM_", "").replace("SM", "").replace(".", "")
+    have = sorted(n for n in dir(trt.ComputeCapability) if n.startswith("SM"))
+    if not digits.isdigit() or f"SM{digits}" not in have:
+        raise UserError(f"TensorRT-RTX {trt.__version__} cannot build for compute capability {cc}: it knows "
+                        f"{', '.join(h[2:-1] + '.' + h[-1] for h in have)}")
+    return getattr(trt.ComputeCapability, f"SM{digits}")
 
 
 def import_cudart():
@@ -143,18 +266,27 @@ class EngineFromOnnx:
     def __init__(self, onnx_path, plugin_lib, *, workspace_bytes: int = DEFAULT_WORKSPACE,
                  timing_cache: Optional[Path] = None, max_tokens: int = 2048, window: int = 1024,
                  shapes: Optional[Dict[str, Tuple]] = None, fp16: bool = True, serialize_plugins: bool = True,
-                 log: Callable[[str], None] = print):
+                 cc: Optional[str] = None, log: Callable[[str], None] = print):
         self.onnx_path, self.plugin_lib = Path(onnx_path), Path(plugin_lib).resolve()
         self.workspace_bytes, self.timing_cache = int(workspace_bytes), timing_cache
         self.max_tokens, self.window, self.shapes = int(max_tokens), int(window), shapes
         self.fp16, self.serialize_plugins, self.log = fp16, serialize_plugins, log
+        self.cc = cc  # TensorRT-RTX's target ("8.6"); None: the GPU present
         self.profiles: dict = {}
+        self.layers = self.plugin_layers = None  # counted after parsing
+        self.build_s = None
+        self.traits: dict = {}
+
+    def _fail(self, msg: str):
+        extra = plugin_messages(self.plugin_lib)
+        raise UserError(msg + (f"; the plugin library says: {extra[-600:]}" if extra else ""))
 
     def __call__(self) -> bytes:
         return self.call_impl()
 
     def call_impl(self) -> bytes:
         trt = import_tensorrt()
+        traits = self.traits = runtime_traits(trt)
         if not self.onnx_path.is_file():
             raise UserError(f"graph not found: {self.onnx_path}")
         if not self.plugin_lib.is_file():
@@ -167,18 +299,31 @@ class EngineFromOnnx:
         missing = [n for n in PLUGIN_NODES if registry.get_creator(n, "1", "zeroedge") is None]
         if missing:
             raise UserError(f"{self.plugin_lib} does not provide {', '.join(missing)} (rebuild the plugins)")
+        plugin_messages(self.plugin_lib)  # start clean: the errors below name only this graph's
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(self.onnx_path)):
             errs = "; ".join(str(parser.get_error(i)) for i in range(min(parser.num_errors, 3)))
-            raise UserError(f"TensorRT's ONNX parser rejected {self.onnx_path.name}: {errs[:600]}")
+            self._fail(f"TensorRT's ONNX parser rejected {self.onnx_path.name}: {errs[:600]}")
+        self.layers = int(getattr(network, "num_layers", 0))
+        plugin_type = getattr(getattr(trt, "LayerType", None), "PLUGIN_V3", None)
+        self.plugin_layers = sum(1 for i in range(self.layers) if network.get_layer(i).type == plugin_type)
         config = builder.create_builder_config()
-        if self.fp16:
+        if self.fp16 and traits["fp16_flag"]:
             config.set_flag(trt.BuilderFlag.FP16)
+        if traits["target_cc"]:
+            target = compute_capability(trt, self.cc)
+            if target == trt.ComputeCapability.CURRENT and not Path("/dev/nvidiactl").exists():
+                raise UserError("no NVIDIA GPU here: choose the compute capability to build for (cc='8.6', "
+                                "--cc 8.6)")
+            config.num_compute_capabilities = 1
+            if not config.set_compute_capability(target, 0):
+                raise UserError(f"TensorRT-RTX refused compute capability {self.cc}")
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
-        blob = self.timing_cache.read_bytes() if self.timing_cache and self.timing_cache.is_file() else b""
-        cache = config.create_timing_cache(blob)
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        if traits["timing_cache"]:
+            blob = self.timing_cache.read_bytes() if self.timing_cache and self.timing_cache.is_file() else b""
+            cache = config.create_timing_cache(blob)
+            config.set_timing_cache(cache, ignore_mismatch=False)
         if self.serialize_plugins:
             config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
             config.set_flag(trt.BuilderFlag.EXCLUDE_LEAN_RUNTIME)
@@ -193,16 +338,18 @@ class EngineFromOnnx:
         t0 = time.perf_counter()
         engine = builder.build_serialized_network(network, config)
         if engine is None:
-            raise UserError(f"TensorRT could not build an engine from {self.onnx_path.name} (see the log above)")
-        self.log(f"[tensorrt] built {self.onnx_path.name} in {time.perf_counter() - t0:.1f} s")
-        if self.timing_cache:
+            self._fail(f"TensorRT could not build an engine from {self.onnx_path.name} (see the log above)")
+        self.build_s = time.perf_counter() - t0
+        self.log(f"[tensorrt] built {self.onnx_path.name} in {self.build_s:.1f} s ({traits['name']} "
+                 f"{traits['version']}, {self.layers} layers, {self.plugin_layers} plugin layers)")
+        if self.timing_cache and traits["timing_cache"]:
             _write_atomic(Path(self.timing_cache), bytes(config.get_timing_cache().serialize()))
         return bytes(engine)
 
 
 def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] = None,
                          workspace_bytes: Optional[int] = None, serialize_plugins: bool = True,
-                         log: Callable[[str], None] = print) -> dict:
+                         cc: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
     """Build prefill.engine and decode.engine from BUNDLE/*.trt.onnx into OUT (plus timing.cache and
     engines.json). Returns the engines.json content."""
     from zeroedge import bundle as bundle_mod
@@ -218,21 +365,23 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
     graphs = [g for g in GRAPHS if (bundle / f"{g}.trt.onnx").is_file()]
     if not graphs:
         raise UserError(f"{bundle}: no *.trt.onnx graph to build (export with a TensorRT target)")
-    import_tensorrt()  # fail before creating anything
+    traits = runtime_traits(import_tensorrt())  # fail before creating anything
     out.mkdir(parents=True, exist_ok=True)
     ws = int(workspace_bytes or workspace_from_plan(manifest))
     mt = int(max_tokens or max_tokens_from_plan(manifest))
     window = int(manifest.get("window") or 1024)
-    meta = {"tensorrt": __import__("tensorrt").__version__, "plugins": str(Path(plugin_lib).resolve()),
+    meta = {"tensorrt": traits["version"], "backend": f"{traits['name']} {traits['version']}",
+            "cc": cc if traits["target_cc"] else None, "plugins": str(Path(plugin_lib).resolve()),
             "plugins_sha256": _sha256(Path(plugin_lib)), "serialize_plugins": serialize_plugins,
             "workspace_bytes": ws, "max_tokens": mt, "window": window, "engines": {}}
     for g in graphs:
         stage = EngineFromOnnx(bundle / f"{g}.trt.onnx", plugin_lib, workspace_bytes=ws,
                                timing_cache=out / "timing.cache", max_tokens=mt, window=window,
-                               serialize_plugins=serialize_plugins, log=log)
+                               serialize_plugins=serialize_plugins, cc=cc, log=log)
         blob = stage()
         _write_atomic(out / f"{g}.engine", blob)
-        meta["engines"][g] = {"file": f"{g}.engine", "bytes": len(blob),
+        meta["engines"][g] = {"file": f"{g}.engine", "bytes": len(blob), "layers": stage.layers,
+                              "plugin_layers": stage.plugin_layers,
                               "profiles": {k: [list(s) for s in v] for k, v in stage.profiles.items()}}
     _write_atomic(out / "engines.json", json.dumps(meta, indent=2).encode())
     return meta
@@ -366,7 +515,8 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m zeroedge.backends.tensorrt",
-                                 description="Build and run TensorRT engines of a zeroedge bundle (Jetson).")
+                                 description="Build and run TensorRT engines of a zeroedge bundle (Jetson: TensorRT 10.3; "
+                                             "elsewhere TensorRT-RTX).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build prefill/decode engines from BUNDLE/*.trt.onnx")
     b.add_argument("--bundle", required=True)
@@ -376,6 +526,8 @@ def main(argv=None) -> int:
     b.add_argument("--workspace-mb", type=int, default=None, help="default: from the plan, else 256")
     b.add_argument("--no-serialize-plugins", action="store_true",
                    help="do not embed the plugin library (load it at run time instead)")
+    b.add_argument("--cc", default=None, help="TensorRT-RTX only: compute capability to build for ahead of time "
+                   "(8.6, 8.9, 12.0, ...; default: the GPU present)")
     g = sub.add_parser("generate", help="greedy generation through the engines")
     g.add_argument("--bundle", required=True)
     g.add_argument("--engines", required=True)
@@ -387,8 +539,8 @@ def main(argv=None) -> int:
         if args.cmd == "build":
             meta = build_bundle_engines(args.bundle, args.plugins, args.out, max_tokens=args.max_tokens,
                                         workspace_bytes=args.workspace_mb and args.workspace_mb << 20,
-                                        serialize_plugins=not args.no_serialize_plugins)
-            print(json.dumps({k: meta[k] for k in ("tensorrt", "workspace_bytes", "max_tokens")}))
+                                        serialize_plugins=not args.no_serialize_plugins, cc=args.cc)
+            print(json.dumps({k: meta[k] for k in ("backend", "tensorrt", "workspace_bytes", "max_tokens")}))
         else:
             toks = [int(t) for t in args.tokens.split()]
             with TrtRunner(args.bundle, args.engines, args.plugins) as r:

@@ -1,7 +1,7 @@
 """The thermal decoder's Triton kernels (zeroedge/runtime/kernels.py) run in Triton's CPU
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
-shares, and the two-stage page swap against the one-program kernel's decisions. Skips where Triton
-is not installed (CI's CPU torch has none; `pip install --no-deps triton` to run it). The same
+shares, and the two-stage page swap against the one-program kernel's decisions. scripts/setup
+installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
 checks run on the GPU in device_tests/thermal_kv_gpu.py (check_swap_kernel)."""
 import os
 import subprocess
@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent('''
     import torch

@@ -8,9 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-
 SCRIPT = textwrap.dedent('''
     import torch
     from zeroedge.runtime import kernels as K

@@ -165,6 +165,39 @@ def plugin_messages(plugin_lib, clear: bool = True) -> str:
     return buf.value.decode("utf-8", "replace").strip()
 
 
+def plugin_node_problems(onnx_path) -> list:
+    """One line per zeroedge node of a graph that no creator of this plugin library can take: an op
+    the library does not ship, a plugin_version / plugin_namespace other than plugin_spec's (TensorRT
+    itself only says "Plugin not found"). [] when fine or when the graph cannot be read here."""
+    from zeroedge import plugin_spec as spec
+
+    try:
+        import onnx
+
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    except Exception:  # not readable here (no onnx, not a graph): TensorRT's parser will say
+        return []
+    out = []
+    for n in graph.node:
+        if n.domain != spec.DOMAIN:
+            continue
+        where = f"node '{n.name or (n.output[0] if n.output else '?')}' ({n.op_type})"
+        if n.op_type not in spec.NODES:
+            out.append(f"{where}: this plugin library ships {', '.join(spec.NODES)} only")
+            continue
+        attrs = {a.name: a for a in n.attribute}
+        for key, want in (("plugin_version", spec.PLUGIN_VERSION), ("plugin_namespace", spec.PLUGIN_NAMESPACE)):
+            a = attrs.get(key)
+            if a is None:
+                continue
+            if a.type != onnx.AttributeProto.STRING:
+                out.append(f"{where}: {key} must be a STRING attribute ('{want}')")
+            elif a.s.decode("utf-8", "replace") != want:
+                out.append(f"{where}: asks for {key} '{a.s.decode('utf-8', 'replace')}', this plugin library "
+                           f"ships {n.op_type} {key} '{want}' (re-export the bundle with this zeroedge)")
+    return out
+
+
 def compute_capability(trt, cc: Optional[str]):
     """A ComputeCapability of TensorRT-RTX from "8.6" / "86" / "sm86" / "SM86"; None: the GPU present."""
     if cc is None or str(cc).strip().lower() in ("", "current"):
@@ -276,10 +309,15 @@ class EngineFromOnnx:
         self.layers = self.plugin_layers = None  # counted after parsing
         self.build_s = None
         self.traits: dict = {}
+        self.parser_errors: list = []
 
-    def _fail(self, msg: str):
-        extra = plugin_messages(self.plugin_lib)
-        raise UserError(msg + (f"; the plugin library says: {extra[-600:]}" if extra else ""))
+    def _fail(self, msg: str, detail: str = ""):
+        """UserError: msg, then the plugin library's own words when it logged any (TensorRT-RTX hands
+        plugins no logger), then TensorRT's."""
+        own = plugin_messages(self.plugin_lib)
+        if own:
+            raise UserError(f"{msg}: {own[-600:]}" + (f" (TensorRT: {detail[:300]})" if detail else ""))
+        raise UserError(f"{msg}: {detail[:600]}" if detail else msg)
 
     def __call__(self) -> bytes:
         return self.call_impl()
@@ -299,12 +337,18 @@ class EngineFromOnnx:
         missing = [n for n in PLUGIN_NODES if registry.get_creator(n, "1", "zeroedge") is None]
         if missing:
             raise UserError(f"{self.plugin_lib} does not provide {', '.join(missing)} (rebuild the plugins)")
+        problems = plugin_node_problems(self.onnx_path)
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise UserError(f"{self.onnx_path.name}: {'; '.join(problems[:3])}{more}")
         plugin_messages(self.plugin_lib)  # start clean: the errors below name only this graph's
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
-        if not parser.parse_from_file(str(self.onnx_path)):
-            errs = "; ".join(str(parser.get_error(i)) for i in range(min(parser.num_errors, 3)))
-            self._fail(f"TensorRT's ONNX parser rejected {self.onnx_path.name}: {errs[:600]}")
+        ok = parser.parse_from_file(str(self.onnx_path))
+        self.parser_errors = [str(parser.get_error(i)) for i in range(int(parser.num_errors))]
+        if not ok:
+            self._fail(f"TensorRT's ONNX parser rejected {self.onnx_path.name}",
+                       "; ".join(e.strip() for e in self.parser_errors[:3]))
         self.layers = int(getattr(network, "num_layers", 0))
         plugin_type = getattr(getattr(trt, "LayerType", None), "PLUGIN_V3", None)
         self.plugin_layers = sum(1 for i in range(self.layers) if network.get_layer(i).type == plugin_type)
@@ -515,8 +559,8 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m zeroedge.backends.tensorrt",
-                                 description="Build and run TensorRT engines of a zeroedge bundle (Jetson: TensorRT 10.3; "
-                                             "elsewhere TensorRT-RTX).")
+                                 description="Build and run TensorRT engines of a zeroedge bundle "
+                                             "(Jetson: TensorRT 10.3; elsewhere TensorRT-RTX).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build prefill/decode engines from BUNDLE/*.trt.onnx")
     b.add_argument("--bundle", required=True)

@@ -1,0 +1,313 @@
+"""Real TensorRT in CI, on the CPU: TensorRT for RTX (`tensorrt_rtx`, pip tensorrt-rtx-cu13==1.7.1.116)
+parses the tiny bundles' *.trt.onnx graphs with our plugin library (plugins/, built against the
+TensorRT 10.3 headers) and builds SM86 engines ahead of time, through zeroedge.backends.tensorrt:
+
+* every graph a bundle can hold (dense prefill / decode, SIH/PAD prefill, paths prefill / decode):
+  no parser error, a non-empty engine, one plugin layer per zeroedge node of the graph;
+* bad plugin fields (missing, wrong type, wrong length, bad values, unsupported D, a plugin_version or
+  namespace we do not ship) through the real parser and builder: a UserError that names the field or
+  the rule, never an abort. Each of those cases runs in its own process, so an abort fails that case
+  instead of ending the test session.
+
+No test here skips in CI (or wherever the TensorRT 10.3 headers are at ../shared, as on every machine
+of this project): scripts/setup installs TensorRT-RTX and builds the plugin library into
+plugins/build; the `plugin_lib` fixture (re)builds it once per session if it is missing or older
+than its sources. Building engines needs no GPU (TensorRT-RTX cannot run them on the H200 anyway).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEADERS = REPO.parent / "shared" / "third_party" / "TensorRT-10.3" / "include"
+PLUGINS = REPO / "plugins"
+BUILD = PLUGINS / "build"
+CC = "8.6"  # an Ampere target TensorRT-RTX builds for (it has no SM87 / SM90)
+REQUIRED = bool(os.environ.get("CI")) or HEADERS.is_dir()
+HOW = ("pip install tensorrt-rtx-cu13==1.7.1.116 and scripts/build_plugins --trt-include "
+       "../shared/third_party/TensorRT-10.3/include (scripts/setup does both)")
+
+
+def _need(what):
+    if REQUIRED:
+        pytest.fail(f"{what}: {HOW}", pytrace=False)
+    pytest.skip(f"{what}: {HOW}")
+
+
+@pytest.fixture(scope="module")
+def rtx():
+    try:
+        import tensorrt_rtx  # noqa: F401
+    except ImportError:
+        _need("tensorrt_rtx is not installed")
+    from zeroedge.backends.tensorrt import import_tensorrt
+
+    return import_tensorrt("tensorrt_rtx")
+
+
+def _sources_mtime():
+    files = [PLUGINS / "CMakeLists.txt", PLUGINS / "exports.map"]
+    for sub in ("src", "include", "kernels"):
+        files += [p for p in (PLUGINS / sub).iterdir() if p.is_file()]
+    return max(p.stat().st_mtime for p in files)
+
+
+@pytest.fixture(scope="session")
+def plugin_lib():
+    """libzeroedge_plugins.so: $ZEROEDGE_PLUGIN_LIB, else plugins/build's, (re)built once if missing or stale."""
+    if os.environ.get("ZEROEDGE_PLUGIN_LIB"):
+        return Path(os.environ["ZEROEDGE_PLUGIN_LIB"]).resolve()
+    lib = BUILD / "libzeroedge_plugins.so"
+    if lib.is_file() and lib.stat().st_mtime >= _sources_mtime():
+        return lib
+    if not (HEADERS / "NvInferRuntime.h").is_file():
+        _need(f"no plugin library at {lib} and no TensorRT 10.3 headers at {HEADERS} to build it")
+    r = subprocess.run(["nice", "-n", "10", str(REPO / "scripts" / "build_plugins"), "--build-dir", str(BUILD),
+                        "--trt-include", str(HEADERS)], capture_output=True, text=True, timeout=1200)
+    if r.returncode != 0 or not lib.is_file():
+        pytest.fail(f"scripts/build_plugins failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}",
+                    pytrace=False)
+    return lib
+
+
+# ------------------------------------------------------------------------------ the bundles' graphs
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    """The tiny preset exported three ways: dense; SIH/PAD (test_export's tiny_zero: thresholds near
+    the median, a block rule on layer 2, pruned heads); SIH/PAD in prefill + decode paths
+    (test_export_paths' tiny_paths)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnx")
+    from test_export import make_calib
+    from test_export_paths import SIH_SKIP, add_paths
+
+    from zeroedge.export.bundle_writer import export_bundle
+
+    d = tmp_path_factory.mktemp("rtx")
+    export_bundle("tiny", d / "dense", window=64)
+    make_calib(d / "c_zero", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
+               prune={"1": [0, 3], "3": [2]})
+    export_bundle("tiny", d / "zero", calib=d / "c_zero", window=64)
+    meta, t = make_calib(d / "c0", "tiny", skip=SIH_SKIP)
+    add_paths(d / "c_paths", meta, t)
+    export_bundle("tiny", d / "paths", calib=d / "c_paths", window=64)
+    return d
+
+
+def _plugin_nodes(path):
+    import onnx
+
+    from zeroedge import plugin_spec
+
+    g = onnx.load(str(path), load_external_data=False).graph
+    return [n.op_type for n in g.node if n.domain == plugin_spec.DOMAIN]
+
+
+# (bundle, graph, the zeroedge nodes it must hold): what the export makes today
+GRAPHS = [("dense", "prefill", {}), ("dense", "decode", {}),
+          ("zero", "prefill", {"ZeroEdgeSIH": 4, "ZeroEdgePADGather": 4, "ZeroEdgePADScatter": 4}),
+          ("zero", "decode", {}),
+          ("paths", "prefill", {"ZeroEdgeSIH": 2, "ZeroEdgePADGather": 2, "ZeroEdgePADScatter": 2}),
+          ("paths", "decode", {"ZeroEdgePathsFFN": 2})]
+
+
+@pytest.mark.parametrize("name,graph,nodes", GRAPHS, ids=[f"{b}-{g}" for b, g, _ in GRAPHS])
+def test_graph_parses_and_builds_with_the_plugins(rtx, plugin_lib, bundles, name, graph, nodes):
+    from zeroedge.backends.tensorrt import EngineFromOnnx
+
+    path = bundles / name / f"{graph}.trt.onnx"
+    found = _plugin_nodes(path)
+    assert {op: found.count(op) for op in set(found)} == nodes
+    stage = EngineFromOnnx(path, plugin_lib, max_tokens=64, window=64, cc=CC, log=lambda s: None)
+    blob = stage()
+    assert stage.parser_errors == []
+    assert len(blob) > 1 << 20, len(blob)                          # an engine, with the plugin library in it
+    assert stage.plugin_layers == len(found)
+    assert stage.layers > 100 and stage.traits["name"] == "tensorrt_rtx"
+    print(f"{name}/{graph}: {stage.layers} layers, {stage.plugin_layers} plugin layers, {len(blob)} bytes, "
+          f"built in {stage.build_s:.2f} s")
+
+
+def test_build_bundle_engines_with_tensorrt_rtx(rtx, plugin_lib, bundles, tmp_path):
+    from zeroedge.backends.tensorrt import build_bundle_engines
+
+    out = tmp_path / "engines"
+    meta = build_bundle_engines(bundles / "zero", plugin_lib, out, max_tokens=64, cc=CC, log=lambda s: None)
+    assert meta["backend"] == f"tensorrt_rtx {rtx.__version__}" and meta["cc"] == CC
+    on_disk = json.loads((out / "engines.json").read_text())
+    assert on_disk["engines"]["prefill"]["plugin_layers"] == 12 and on_disk["engines"]["decode"]["plugin_layers"] == 0
+    for g in ("prefill", "decode"):
+        assert (out / f"{g}.engine").stat().st_size == on_disk["engines"][g]["bytes"] > 0
+    assert not (out / "timing.cache").exists()      # TensorRT-RTX has no timing cache (runtime_traits)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_parser_link_is_in_place(rtx):
+    """The abort of issue 15: the parser dlopen()s libtensorrt_rtx.so for plugin layers."""
+    from zeroedge.backends.tensorrt import ensure_rtx_parser_link
+
+    link = ensure_rtx_parser_link()
+    if link is not None:
+        assert link.exists() and link.resolve().name.startswith("libtensorrt_rtx.so.")
+
+
+def test_unknown_compute_capability_is_a_clear_error(rtx, plugin_lib, bundles):
+    from zeroedge.backends.tensorrt import EngineFromOnnx
+    from zeroedge.errors import UserError
+
+    with pytest.raises(UserError, match=r"compute capability 8\.7.*8\.6"):
+        EngineFromOnnx(bundles / "dense" / "prefill.trt.onnx", plugin_lib, cc="8.7", log=lambda s: None)()
+
+
+# ------------------------------------------------------------------------------ bad plugin fields
+
+def _sih_graph(path, D=16, W=4, R=4, attrs=None, drop=(), rank3=False):
+    """One ZeroEdgeSIH node: x [T, D] (T dynamic), head width W, anchor rank R."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    shapes = {"w1": (W, D), "b1": (W,), "w2": (W, W), "b2": (W,), "w3": (W, W), "b3": (W,), "w4": (1, W), "b4": (1,),
+              "anchor_a": (R, D), "anchor_b": (D, R), "anchor_c": (D,)}
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
+    a = {"threshold": 0.5, "anchor_rank": R, "plugin_version": "1", "plugin_namespace": "zeroedge"}
+    a.update(attrs or {})
+    for k in drop:
+        a.pop(k)
+    node = helper.make_node("ZeroEdgeSIH", ["x", *shapes], ["keep", "base"], name="sih", domain="zeroedge", **a)
+    xs = ["T", 2, D] if rank3 else ["T", D]
+    g = helper.make_graph([node], "sih", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs)],
+                          [helper.make_tensor_value_info("keep", TensorProto.INT32, ["T"]),
+                           helper.make_tensor_value_info("base", TensorProto.FLOAT, xs)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("zeroedge", 1)])
+    m.ir_version = 10
+    onnx.save(m, str(path))
+    lo, hi = [1, *xs[1:]], [64, *xs[1:]]
+    return {"x": [lo, hi, hi]}
+
+
+def _paths_graph(path, D=64, F=32, attrs=None, drop=()):
+    """One ZeroEdgePathsFFN node: x [B, D] fp16 (B 1..8), w13_t [D, 2F], wd_t [F, D]."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float16), n)
+             for n, s in (("w13_t", (D, 2 * F)), ("wd_t", (F, D)))]
+    a = {"threshold_in": 0.1, "threshold": 0.01, "plugin_version": "1", "plugin_namespace": "zeroedge"}
+    a.update(attrs or {})
+    for k in drop:
+        a.pop(k)
+    node = helper.make_node("ZeroEdgePathsFFN", ["x", "w13_t", "wd_t"], ["y"], name="paths", domain="zeroedge", **a)
+    g = helper.make_graph([node], "paths", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["B", D])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["B", D])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("zeroedge", 1)])
+    m.ir_version = 10
+    onnx.save(m, str(path))
+    return {"x": [[1, D], [4, D], [8, D]]}
+
+
+def _build_in_subprocess(plugin_lib, cases):
+    """Build each (onnx, shapes) in a fresh process through EngineFromOnnx; one JSON line per case:
+    {"ok": true, "plugin_layers": n} or {"ok": false, "error": "..."}; an abort shows as rc != 0."""
+    out = []
+    for onnx_path, shapes in cases:
+        code = ("import json, sys\n"
+                "from zeroedge.backends.tensorrt import EngineFromOnnx\n"
+                "from zeroedge.errors import UserError\n"
+                "shapes = {k: tuple(tuple(s) for s in v) for k, v in json.loads(sys.argv[3]).items()}\n"
+                "st = EngineFromOnnx(sys.argv[1], sys.argv[2], shapes=shapes, cc=sys.argv[4], log=lambda s: None)\n"
+                "try:\n"
+                "    st()\n"
+                "    print(json.dumps({'ok': True, 'plugin_layers': st.plugin_layers}))\n"
+                "except UserError as e:\n"
+                "    print(json.dumps({'ok': False, 'error': str(e)}))\n")
+        r = subprocess.run([sys.executable, "-c", code, str(onnx_path), str(plugin_lib), json.dumps(shapes), CC],
+                           capture_output=True, text=True, cwd=REPO, timeout=300,
+                           env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert r.returncode == 0, f"{Path(onnx_path).name}: rc {r.returncode} (an abort?)\n{r.stderr[-3000:]}"
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
+# (case id, graph builder, its keyword arguments, what the error must say; None: it must build)
+BAD_FIELDS = [
+    ("sih-ok", _sih_graph, {}, None),
+    ("sih-unknown-field-ignored", _sih_graph, {"attrs": {"not_a_field": 3}}, None),
+    ("sih-missing-threshold", _sih_graph, {"drop": ["threshold"]},
+     r"ZeroEdgeSIH: required field 'threshold' is missing"),
+    ("sih-threshold-int", _sih_graph, {"attrs": {"threshold": 1}},
+     r"field 'threshold' must be FLOAT32 .*got kINT32"),
+    ("sih-threshold-string", _sih_graph, {"attrs": {"threshold": "0.5"}},
+     r"field 'threshold' must be FLOAT32 .*got kCHAR"),
+    ("sih-threshold-floats", _sih_graph, {"attrs": {"threshold": [0.1, 0.2]}},
+     r"field 'threshold' must hold exactly one value, got 2"),
+    ("sih-threshold-nan", _sih_graph, {"attrs": {"threshold": float("nan")}}, r"'threshold' must be a finite number"),
+    ("sih-min-tokens-float", _sih_graph, {"attrs": {"min_tokens": 2.5}}, r"field 'min_tokens' must be INT32"),
+    ("sih-anchor-rank-too-big", _sih_graph, {"R": 100, "attrs": {"anchor_rank": 100}},
+     r"field 'anchor_rank' must be in 0\.\.64, got 100"),
+    ("sih-block-frac-out-of-range", _sih_graph, {"attrs": {"block_frac": 1.5}}, r"'block_frac' must be in \[0, 1\]"),
+    ("sih-unsupported-D", _sih_graph, {"D": 12}, r"hidden size D = 12 is not supported: it must be a multiple of 8"),
+    ("sih-x-rank-3", _sih_graph, {"rank3": True}, r"input 0 \(x\) must be 2-D"),
+    ("sih-plugin-version-2", _sih_graph, {"attrs": {"plugin_version": "2"}},
+     r"asks for plugin_version '2', this plugin library ships ZeroEdgeSIH plugin_version '1'"),
+    ("sih-plugin-version-int", _sih_graph, {"attrs": {"plugin_version": 1}},
+     r"plugin_version must be a STRING attribute"),
+    ("sih-other-namespace", _sih_graph, {"attrs": {"plugin_namespace": "other"}},
+     r"asks for plugin_namespace 'other'"),
+    ("paths-ok", _paths_graph, {}, None),
+    ("paths-missing-threshold-in", _paths_graph, {"drop": ["threshold_in"]},
+     r"ZeroEdgePathsFFN: required field 'threshold_in' is missing"),
+    ("paths-threshold-int", _paths_graph, {"attrs": {"threshold": 0}}, r"field 'threshold' must be FLOAT32"),
+    ("paths-negative-threshold", _paths_graph, {"attrs": {"threshold": -1.0}},
+     r"field 'threshold' must be a finite number >= 0"),
+    ("paths-unsupported-D", _paths_graph, {"D": 36}, r"hidden size D = 36 is not supported"),
+    ("paths-odd-F", _paths_graph, {"F": 12}, r"FFN width F = 12 is not supported"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_field_results(rtx, plugin_lib, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fields")
+    cases = [(d / f"{cid}.onnx", make(d / f"{cid}.onnx", **kw)) for cid, make, kw, _ in BAD_FIELDS]
+    return dict(zip([c[0] for c in BAD_FIELDS], _build_in_subprocess(plugin_lib, cases)))
+
+
+@pytest.mark.parametrize("cid,expect", [(c[0], c[3]) for c in BAD_FIELDS], ids=[c[0] for c in BAD_FIELDS])
+def test_bad_plugin_fields_are_clear_errors(bad_field_results, cid, expect):
+    import re
+
+    r = bad_field_results[cid]
+    if expect is None:
+        assert r == {"ok": True, "plugin_layers": 1}, r
+    else:
+        assert not r["ok"], r
+        assert re.search(expect, r["error"]), r["error"]
+
+
+def test_fuzzed_sih_fields_never_abort(rtx, plugin_lib, tmp_path):
+    """Random field sets (names from the spec, random types and lengths and values): each one builds or
+    is refused with a message that names ZeroEdgeSIH; none ends the process."""
+    import random
+
+    from zeroedge import plugin_spec
+
+    rnd = random.Random(15)
+    names = plugin_spec.field_names("ZeroEdgeSIH")
+    values = [0, 1, -3, 7, 100, 0.5, -0.25, 1.5, float("inf"), "", "x", [1, 2], [0.1, 0.2, 0.3], []]
+    cases = []
+    for i in range(12):
+        attrs = {k: rnd.choice(values) for k in rnd.sample(names, rnd.randint(1, 4))}
+        attrs = {k: v for k, v in attrs.items() if v != []}
+        drop = ["threshold"] if "threshold" not in attrs and rnd.random() < 0.5 else []
+        R = attrs["anchor_rank"] if isinstance(attrs.get("anchor_rank"), int) and 0 < attrs["anchor_rank"] <= 64 else 4
+        cases.append((tmp_path / f"fuzz{i}.onnx", _sih_graph(tmp_path / f"fuzz{i}.onnx", R=R, attrs=attrs, drop=drop)))
+    for (path, _), r in zip(cases, _build_in_subprocess(plugin_lib, cases)):
+        assert r["ok"] or "ZeroEdgeSIH" in r["error"], (path.name, r)

@@ -1,7 +1,6 @@
 """The sensor daemon against a real mosquitto on 127.0.0.1: broker restart and kill -9 mid-stream
 (every reading processed exactly once), the bad-input suite, health/metrics, sd_notify, SIGTERM."""
 import json
-import os
 import signal
 import socket
 import sqlite3

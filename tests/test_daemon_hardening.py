@@ -2,8 +2,6 @@
 readings in the spool, a spool locked by another process, TLS and passwords, the metrics listener,
 and many kill -9s plus broker restarts mid-stream (nothing lost, nothing duplicated, order kept)."""
 import json
-import os
-import sqlite3
 import subprocess
 import sys
 import time

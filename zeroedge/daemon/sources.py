@@ -3,7 +3,6 @@ commits them and only then calls `ack` (MQTT manual ack). A source resumes after
 spool holds for its sensor (file, simulator)."""
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -11,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 
 
 @dataclass

@@ -37,3 +37,25 @@ def test_setup_maps_export_package():
     import zeroedge.export
 
     assert zeroedge.export.__file__.endswith("export/__init__.py")
+
+
+def test_every_registered_command_has_its_module():
+    from zeroedge.cli import COMMANDS, LazyGroup
+
+    assert sorted(LazyGroup().list_commands(None)) == sorted(COMMANDS)
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    """One line, exit 2, nothing written: checked before a model is loaded or a daemon starts."""
+    cases = [(["export", "tiny", "-o", tmp_path / "b", "--target", "jetpack-9"], "unknown target jetpack-9"),
+             (["export", "tiny", "-o", tmp_path / "b", "--target", "jetpack-6.0"], "JetPack 6.0 ships TensorRT 8.6"),
+             (["calibrate", "tiny", "-o", tmp_path / "c", "--train-seqs", "0"], "--train-seqs"),
+             (["calibrate", "tiny", "-o", tmp_path / "c", "--gate-seqs", "0"], "--gate-seqs")]
+    for args, needle in cases:
+        p = run_cli(*args)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(f'[daemon]\nbundle = "{tmp_path / "nope"}"\n[source]\nkind = "stdin"\n')
+    p = run_cli("daemon", "--config", cfg)
+    assert p.returncode == 2 and "scripts/train_sensor --export-only --bundle" in p.stderr, p.stderr

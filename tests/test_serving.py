@@ -48,8 +48,8 @@ def bundle(tmp_path_factory):
 
 
 def magnitude_artifact(path, cfg, layers=(0, 2), **over):
-    """A calibration artifact with decode paths of the input-magnitude kind (what zeroedge
-    calibrate --paths --method magnitude writes), made by hand so the test is fast."""
+    """A calibration artifact with decode paths of the input-magnitude kind (what `zeroedge
+    calibrate --paths` writes), made by hand so the test is fast."""
     from zeroedge import calib_artifact
 
     meta = {"model": {"name": cfg.name, "config": cfg.to_dict()}, "layers": [], "sih": {},

@@ -17,7 +17,6 @@ COMMANDS = {
     "export": "export",
     "check": "check",
     "plan": "plan",
-    "bench": "bench",
     "daemon": "daemon",
     "sensor-eval": "sensor_eval",
     "deploy": "deploy",

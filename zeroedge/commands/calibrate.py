@@ -14,8 +14,10 @@ from zeroedge.commands.common import parse_budget
 @click.option("--tokens", default=24000, show_default=True, help="Tokens read from each text.")
 @click.option("--seq-len", default=2048, show_default=True)
 @click.option("--continuation", default=512, show_default=True)
-@click.option("--train-seqs", default=3, show_default=True)
-@click.option("--gate-seqs", default=2, show_default=True)
+@click.option("--train-seqs", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Training sequences (SIH heads, anchors).")
+@click.option("--gate-seqs", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Held-out sequences the quality gate measures.")
 @click.option("--anchor-rank", default=16, show_default=True, help="0 = plain skipping (zero output).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--importance-samples", default=16, show_default=True,

@@ -31,6 +31,9 @@ def cmd(model, calib, out, target, window, force, as_json, sign_key):
     from zeroedge.export.bundle_writer import export_bundle
     from zeroedge.export.rewrite import NoPattern
 
+    from zeroedge.preflight import target_info
+
+    target_info(target)                                # an unknown or unsupported target: refused first
     if window < 1:
         raise UserError("--window must be >= 1")
     if sign_key:

@@ -20,7 +20,8 @@ over `trip_pages` -> one level down, an alert).
 Backends: "torch" runs zeroedge.runtime.fast's DenseDecoder / ThermalDecoder, PathsDecoder, or
 ThermalPathsDecoder (both); on CUDA with CUDA graphs. "onnxruntime" runs OrtRunner over a bundle's
 fixed-slot window, dense (a window of every position) or with OrtThermalPolicy (pages, heat, an
-int8 store); decode paths there need the plugins issue's graph and are refused.
+int8 store); a bundle exported with a magnitude paths artifact runs its ZeroEdgePathsFFN nodes there,
+and a request its release level does not allow sparse is refused, never decoded dense instead.
 
 Units of `pages_migrated`: torch counts (layer, kv head) page fetches into the slot window (the
 PageTable's unit); onnxruntime counts pages of P positions across all layers (its window is shared).

@@ -99,6 +99,9 @@ def load_bundle(path, backend: str = "onnxruntime", threads: int = 1) -> Detecto
     from zeroedge import bundle as zb
 
     path = Path(path)
+    if not path.exists():
+        raise UserError(f"sensor bundle not found: {path}; make one from the shipped detector with "
+                        f"`scripts/train_sensor --export-only --bundle {path}` (or deploy one with zeroedge deploy)")
     m = zb.verify(path)
     if m.get("kind") != "sensor":
         raise UserError(f"{path}: not a sensor bundle (kind={m.get('kind')!r})")

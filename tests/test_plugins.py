@@ -1,7 +1,7 @@
 """Plugins on a CPU machine: the kernels compile for sm_87 and sm_90 (skips without nvcc), the
 TensorRT-free field/shape rules pass their host test and match zeroedge.plugin_spec, the glue links
-without libnvinfer and passes the host harness (skips with instructions without the TensorRT 10.3
-headers in third_party/), the PyTorch reference agrees with the mechanisms, and the TensorRT
+without libnvinfer and passes the host harness against the TensorRT 10.3 headers in
+../shared/third_party/TensorRT-10.3/include (every machine and CI has them), the PyTorch reference agrees with the mechanisms, and the TensorRT
 backend fails cleanly where TensorRT is missing."""
 import json
 import os
@@ -14,10 +14,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = REPO / "plugins"
-TRT_INCLUDE = REPO / "third_party" / "TensorRT" / "include"
-GET_HEADERS = ("TensorRT headers not found in third_party/TensorRT/include; get them with: "
-               "git clone --depth 1 -b v10.3.0 https://github.com/NVIDIA/TensorRT /tmp/trt && "
-               "mkdir -p third_party/TensorRT && cp -r /tmp/trt/include third_party/TensorRT/ (git-ignored)")
+TRT_INCLUDE = next((d for d in (REPO.parent / "shared" / "third_party" / "TensorRT-10.3" / "include",
+                                REPO / "third_party" / "TensorRT" / "include") if (d / "NvInferRuntime.h").is_file()),
+                   REPO.parent / "shared" / "third_party" / "TensorRT-10.3" / "include")
+GET_HEADERS = (f"TensorRT 10.3 headers not found at {TRT_INCLUDE} (../shared beside the checkout, or "
+               "third_party/TensorRT/include from NVIDIA/TensorRT tag v10.3.0, git-ignored)")
 
 
 def _nvcc():

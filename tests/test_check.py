@@ -72,11 +72,14 @@ SEEDS = {
     "int64": lambda m: m.graph.initializer.append(
         numpy_helper.from_array(np.array([2**40, 1], np.int64), "seed_big_int64")),
     "profiles": lambda m: m.graph.input[0].type.tensor_type.ClearField("shape"),
+    "dangling_input": lambda m: m.graph.node[3].input.__setitem__(0, "renamed_by_mistake"),
+    "dangling_output": lambda m: m.graph.output[0].__setattr__("name", "no_such_tensor"),
 }
 EXPECT = {"opset": ("opset", "outside"), "ops": ("ops", "Unique"), "unknown_plugin": ("plugins", "no creator"),
           "namespace": ("plugins", "plugin_namespace"), "required_field": ("plugins", "required field threshold"),
           "ints_attr": ("attrs", "INTS"), "int32_range": ("attrs", "does not fit int32"),
-          "int64": ("int64", "outside the int32 range"), "profiles": ("profiles", "no rank")}
+          "int64": ("int64", "outside the int32 range"), "profiles": ("profiles", "no rank"),
+          "dangling_input": ("graph", "'renamed_by_mistake'"), "dangling_output": ("graph", "produced by no node")}
 
 
 @pytest.mark.parametrize("kind", sorted(SEEDS))

@@ -95,8 +95,9 @@ def check_model(model, target: str = "jetpack-6.2", fname: str = "model.onnx") -
         add("error", "functions", "", f"model.functions present ({names}): TensorRT {t['tensorrt']} "
             "inlines local functions instead of calling a same-named plugin",
             "use the bundle's *.trt.onnx file (no functions)")
+    _check_wiring(model.graph, add)
     for n in model.graph.node:
-        nm = n.name or n.output[0]
+        nm = n.name or (n.output[0] if n.output else n.op_type)
         dom = n.domain if n.domain not in ("", "ai.onnx") else ""
         if dom == "" and n.op_type in UNSUPPORTED_OPS:
             add("error", "ops", nm, f"{n.op_type} has no importer in TensorRT {t['tensorrt']}'s ONNX parser",
@@ -131,6 +132,23 @@ def check_model(model, target: str = "jetpack-6.2", fname: str = "model.onnx") -
             add("info", "profiles", vi.name, f"dynamic dims {dyn}: the build needs a min/opt/max profile",
                 "zeroedge deploy passes one from the plan (or trtexec --minShapes/--optShapes/--maxShapes)")
     return out
+
+
+def _check_wiring(graph, add):
+    """Every node input is a graph input, an initializer or an earlier node's output (the parser reads
+    nodes in order), and every graph output is produced. Subgraph bodies (If / Loop) are not entered."""
+    defined = {vi.name for vi in graph.input} | {t.name for t in graph.initializer} | {""}
+    for n in graph.node:
+        nm = n.name or (n.output[0] if n.output else n.op_type)
+        for name in n.input:
+            if name not in defined:
+                add("error", "graph", nm, f"input {name!r} of this {n.op_type} is not a graph input, an "
+                    "initializer or the output of an earlier node", "re-export the graph (it is broken, or its "
+                    "nodes are not in topological order)")
+        defined.update(n.output)
+    for vi in graph.output:
+        if vi.name not in defined:
+            add("error", "graph", vi.name, "graph output is produced by no node", "re-export the graph")
 
 
 def _check_plugin_node(n, nm, dom, fname):

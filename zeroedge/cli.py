@@ -16,6 +16,7 @@ COMMANDS = {
     "eval": "evaluate",
     "export": "export",
     "check": "check",
+    "build": "build",
     "plan": "plan",
     "daemon": "daemon",
     "sensor-eval": "sensor_eval",

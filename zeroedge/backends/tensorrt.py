@@ -2,6 +2,7 @@
 run prefill and decode with cuda-python (`cuda.bindings`). For a Jetson with JetPack 6.1 / 6.2
 (TensorRT 10.3); nothing here imports tensorrt or cuda until it is used.
 
+    zeroedge build BUNDLE -o ENGINES [--plugins LIB] [--cc 8.6] [--json]    # build_bundle_engines
     python -m zeroedge.backends.tensorrt build --bundle B --plugins libzeroedge_plugins.so --out DIR
     python -m zeroedge.backends.tensorrt generate --bundle B --engines DIR --plugins LIB --tokens "1 2 3"
 
@@ -10,8 +11,9 @@ run prefill and decode with cuda-python (`cuda.bindings`). For a Jetson with Jet
         ids = r.generate(tokens, 32)
 
 Build stages follow Polygraphy's loaders: `EngineFromOnnx(...)()` returns the serialized engine.
-fp16, the workspace from the bundle's plan (else 256 MiB, the planner's assumption), a timing cache
-kept beside the engines, one optimisation profile per graph (token length 1..max_tokens, every other
+fp16, the workspace from the bundle's plan (else 256 MiB, the planner's assumption; a graph that runs
+out of it is built again once with max(1 GiB, twice what it asked for)), a timing cache kept beside
+the engines (TensorRT 10.3; TensorRT-RTX has none), one optimisation profile per graph (token length 1..max_tokens, every other
 dynamic dimension fixed at the bundle's KV window), and the plugin library serialized into the
 engine (version-compatible plan with the lean runtime excluded; `serialize_plugins=False` instead
 loads the library at run time). Where TensorRT or cuda-python is missing, TensorRTMissing (a
@@ -198,16 +200,77 @@ def plugin_node_problems(onnx_path) -> list:
     return out
 
 
+def rtx_capabilities(trt) -> list:
+    """The compute capabilities this TensorRT-RTX builds for, as "7.5", "8.6", ... in numeric order."""
+    names = [n for n in dir(trt.ComputeCapability) if n.startswith("SM") and n[2:].isdigit()]
+    return [f"{n[2:-1]}.{n[-1]}" for n in sorted(names, key=lambda n: int(n[2:]))]
+
+
 def compute_capability(trt, cc: Optional[str]):
     """A ComputeCapability of TensorRT-RTX from "8.6" / "86" / "sm86" / "SM86"; None: the GPU present."""
     if cc is None or str(cc).strip().lower() in ("", "current"):
         return trt.ComputeCapability.CURRENT
     digits = str(cc).strip().upper().replace("SM_", "").replace("SM", "").replace(".", "")
-    have = sorted(n for n in dir(trt.ComputeCapability) if n.startswith("SM"))
-    if not digits.isdigit() or f"SM{digits}" not in have:
+    have = rtx_capabilities(trt)
+    if not digits.isdigit() or f"{digits[:-1]}.{digits[-1]}" not in have:
         raise UserError(f"TensorRT-RTX {trt.__version__} cannot build for compute capability {cc}: it knows "
-                        f"{', '.join(h[2:-1] + '.' + h[-1] for h in have)}")
+                        f"{', '.join(have)}")
     return getattr(trt.ComputeCapability, f"SM{digits}")
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU driver node on this machine (a discrete GPU; a Jetson has its own nodes)."""
+    return Path("/dev/nvidiactl").exists()
+
+
+def gpu_compute_capability() -> Optional[str]:
+    """The first GPU's compute capability ("9.0") from nvidia-smi, None when it cannot say."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        r = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = (r.stdout.strip().splitlines() or [""])[0].strip()
+    return first if r.returncode == 0 and first.replace(".", "").isdigit() else None
+
+
+def build_target(trt, cc: Optional[str]) -> Tuple[object, Optional[str]]:
+    """(the builder's target, its label) for `cc`, checked before anything is built.
+
+    TensorRT-RTX: ComputeCapability.SMxy for --cc, else the GPU present (CURRENT), refused with the
+    list it accepts when there is no GPU or the GPU is not one it builds for. TensorRT 10.3 builds for
+    the GPU it runs on: `cc` must be that GPU's (when it can be read) and the target is None."""
+    if is_rtx(trt):
+        have = ", ".join(rtx_capabilities(trt))
+        if cc is not None and str(cc).strip().lower() not in ("", "current"):
+            target = compute_capability(trt, cc)
+            digits = str(cc).strip().upper().replace("SM_", "").replace("SM", "").replace(".", "")
+            return target, f"{digits[:-1]}.{digits[-1]}"
+        if not gpu_present():
+            raise UserError(f"no NVIDIA GPU here to build for: pass --cc, one of {have} (TensorRT-RTX "
+                            f"{trt.__version__} builds ahead of time for those)")
+        here = gpu_compute_capability()
+        if here is not None and here not in rtx_capabilities(trt):
+            raise UserError(f"the GPU here has compute capability {here}, which TensorRT-RTX {trt.__version__} "
+                            f"does not build for: pass --cc, one of {have}")
+        return trt.ComputeCapability.CURRENT, here or "current"
+    if cc is None or str(cc).strip().lower() in ("", "current"):
+        return None, gpu_compute_capability()
+    want = str(cc).strip().upper().replace("SM_", "").replace("SM", "").replace(".", "")
+    here = gpu_compute_capability()
+    if not want.isdigit():
+        raise UserError(f"--cc {cc}: not a compute capability (e.g. 8.7)")
+    label = f"{want[:-1]}.{want[-1]}"
+    if here is not None and here != label:
+        raise UserError(f"TensorRT {trt.__version__} builds only for the GPU it runs on (compute capability "
+                        f"{here}), not {label}: drop --cc, or build with TensorRT-RTX elsewhere")
+    return None, label
 
 
 def import_cudart():
@@ -293,34 +356,146 @@ def profile_shapes(inputs: Sequence[Tuple[str, Sequence[int]]], max_tokens: int,
 
 # ------------------------------------------------------------------------------------ build
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def make_logger(trt, verbose: Optional[Callable[[str], None]] = None):
+    """A TensorRT logger that keeps the errors (for the one-line UserError) and hands warnings to
+    `verbose` (else drops them); trt.Logger(WARNING) where the module has no ILogger to subclass."""
+    base = getattr(trt, "ILogger", None)
+    if base is None:
+        lg = trt.Logger(trt.Logger.WARNING)
+        lg.errors = []
+        return lg
+
+    class CaptureLogger(base):
+        def __init__(self):
+            base.__init__(self)
+            self.errors: list = []
+
+        def log(self, severity, msg):
+            level = int(getattr(severity, "value", severity))
+            if level <= 1:                       # INTERNAL_ERROR, ERROR
+                self.errors.append(_one_line(msg))
+            if verbose is not None and level <= 2:   # and WARNING
+                verbose(f"[TRT] {_one_line(msg)}")
+
+    return CaptureLogger()
+
+
+def make_progress_monitor(trt, report: Callable[[str, int, int], None]):
+    """A trt.IProgressMonitor that calls report(phase, step, steps) (None where the module has none).
+    A Ctrl-C while the builder runs cancels the build (the builder then returns None) and is raised
+    again by the caller (`interrupted`)."""
+    base = getattr(trt, "IProgressMonitor", None)
+    if base is None:
+        return None
+
+    class Monitor(base):
+        def __init__(self):
+            base.__init__(self)
+            self.steps: Dict[str, int] = {}
+            self.interrupted = False
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            try:
+                self.steps[phase_name] = int(num_steps)
+                report(str(phase_name), 0, int(num_steps))
+            except BaseException:  # noqa: B036 - nothing may escape into the builder
+                self.interrupted = True
+
+        def step_complete(self, phase_name, step):
+            try:
+                report(str(phase_name), int(step) + 1, self.steps.get(phase_name, 0))
+            except BaseException:  # noqa: B036
+                self.interrupted = True
+            return not self.interrupted
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Monitor()
+
+
+WORKSPACE_RETRY_MIN = 1 << 30   # an automatic workspace that runs out is retried with at least this
+
+
+def _workspace_request(errors: Sequence[str]) -> Optional[int]:
+    """The bytes an OutOfMemory error of the builder asked for ("Requested size was N bytes"), else None."""
+    import re
+
+    for e in reversed(list(errors)):
+        if "OutOfMemory" in e or "out of memory" in e.lower():
+            m = re.search(r"[Rr]equested size was (\d+)", e)
+            return int(m.group(1)) if m else 0
+    return None
+
+
 class EngineFromOnnx:
-    """Serialized TensorRT engine (bytes) from a *.trt.onnx file and the plugin library."""
+    """Serialized TensorRT engine (bytes) from a *.trt.onnx file and the plugin library.
+
+    workspace_auto: when the builder runs out of the workspace pool (TensorRT-RTX: "OutOfMemory
+    (Requested size was N bytes)"), build again once with max(1 GiB, 2 N) (rounded up to 64 MiB);
+    `workspace_bytes` then says what the engine was built with. progress(phase, step, steps) follows
+    the builder's phases where the runtime has an IProgressMonitor."""
 
     def __init__(self, onnx_path, plugin_lib, *, workspace_bytes: int = DEFAULT_WORKSPACE,
                  timing_cache: Optional[Path] = None, max_tokens: int = 2048, window: int = 1024,
                  shapes: Optional[Dict[str, Tuple]] = None, fp16: bool = True, serialize_plugins: bool = True,
-                 cc: Optional[str] = None, log: Callable[[str], None] = print):
+                 cc: Optional[str] = None, log: Callable[[str], None] = print, workspace_auto: bool = False,
+                 progress: Optional[Callable[[str, int, int], None]] = None,
+                 verbose: Optional[Callable[[str], None]] = None):
         self.onnx_path, self.plugin_lib = Path(onnx_path), Path(plugin_lib).resolve()
         self.workspace_bytes, self.timing_cache = int(workspace_bytes), timing_cache
+        self.workspace_auto = workspace_auto
         self.max_tokens, self.window, self.shapes = int(max_tokens), int(window), shapes
         self.fp16, self.serialize_plugins, self.log = fp16, serialize_plugins, log
+        self.progress, self.verbose = progress, verbose
         self.cc = cc  # TensorRT-RTX's target ("8.6"); None: the GPU present
         self.profiles: dict = {}
         self.layers = self.plugin_layers = None  # counted after parsing
         self.build_s = None
         self.traits: dict = {}
         self.parser_errors: list = []
+        self.logger = None
 
     def _fail(self, msg: str, detail: str = ""):
         """UserError: msg, then the plugin library's own words when it logged any (TensorRT-RTX hands
-        plugins no logger), then TensorRT's."""
-        own = plugin_messages(self.plugin_lib)
+        plugins no logger), then TensorRT's; one line."""
+        own = _one_line(plugin_messages(self.plugin_lib))
+        detail = _one_line(detail)
         if own:
             raise UserError(f"{msg}: {own[-600:]}" + (f" (TensorRT: {detail[:300]})" if detail else ""))
         raise UserError(f"{msg}: {detail[:600]}" if detail else msg)
 
+    def _progress(self, phase: str, step: int, steps: int):
+        if self.progress is not None:
+            self.progress(phase, step, steps)
+
     def __call__(self) -> bytes:
         return self.call_impl()
+
+    def _count_plugin_layers(self, trt, network) -> int:
+        """Layers of the network that are zeroedge plugins: PLUGIN_V3 layers named after a node of the
+        zeroedge domain (the parser names a layer after its node); every PLUGIN_V3 layer when the
+        graph's node names cannot be read here."""
+        from zeroedge import plugin_spec as spec
+
+        plugin_type = getattr(getattr(trt, "LayerType", None), "PLUGIN_V3", None)
+        layers = [network.get_layer(i) for i in range(self.layers)]
+        plugins = [layer for layer in layers if layer.type == plugin_type]
+        try:
+            import onnx
+
+            nodes = [n for n in onnx.load(str(self.onnx_path), load_external_data=False).graph.node
+                     if n.domain == spec.DOMAIN]
+        except Exception:  # not readable here: the parser read it
+            return len(plugins)
+        if not nodes or any(not n.name for n in nodes):
+            return len(plugins)
+        names = {n.name for n in nodes}
+        return sum(1 for layer in plugins if str(getattr(layer, "name", "")) in names)
 
     def call_impl(self) -> bytes:
         trt = import_tensorrt()
@@ -329,11 +504,13 @@ class EngineFromOnnx:
             raise UserError(f"graph not found: {self.onnx_path}")
         if not self.plugin_lib.is_file():
             raise UserError(f"plugin library not found: {self.plugin_lib} (build it with scripts/build_plugins)")
-        logger = trt.Logger(trt.Logger.WARNING)
+        target = build_target(trt, self.cc)[0] if traits["target_cc"] else None  # a bad cc: before any work
+        logger = self.logger = make_logger(trt, self.verbose)
+        self._progress("load the plugin library", 0, 0)
         builder = trt.Builder(logger)
         registry = builder.get_plugin_registry()
         if registry.load_library(str(self.plugin_lib)) is None:
-            raise UserError(f"TensorRT could not load the plugin library {self.plugin_lib} (see the log above)")
+            raise UserError(f"TensorRT could not load the plugin library {self.plugin_lib}")
         missing = [n for n in PLUGIN_NODES if registry.get_creator(n, "1", "zeroedge") is None]
         if missing:
             raise UserError(f"{self.plugin_lib} does not provide {', '.join(missing)} (rebuild the plugins)")
@@ -342,28 +519,23 @@ class EngineFromOnnx:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise UserError(f"{self.onnx_path.name}: {'; '.join(problems[:3])}{more}")
         plugin_messages(self.plugin_lib)  # start clean: the errors below name only this graph's
+        self._progress(f"parse {self.onnx_path.name}", 0, 0)
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
         ok = parser.parse_from_file(str(self.onnx_path))
         self.parser_errors = [str(parser.get_error(i)) for i in range(int(parser.num_errors))]
         if not ok:
             self._fail(f"TensorRT's ONNX parser rejected {self.onnx_path.name}",
-                       "; ".join(e.strip() for e in self.parser_errors[:3]))
+                       "; ".join(e.strip() for e in (self.parser_errors or getattr(logger, "errors", []))[:3]))
         self.layers = int(getattr(network, "num_layers", 0))
-        plugin_type = getattr(getattr(trt, "LayerType", None), "PLUGIN_V3", None)
-        self.plugin_layers = sum(1 for i in range(self.layers) if network.get_layer(i).type == plugin_type)
+        self.plugin_layers = self._count_plugin_layers(trt, network)
         config = builder.create_builder_config()
         if self.fp16 and traits["fp16_flag"]:
             config.set_flag(trt.BuilderFlag.FP16)
-        if traits["target_cc"]:
-            target = compute_capability(trt, self.cc)
-            if target == trt.ComputeCapability.CURRENT and not Path("/dev/nvidiactl").exists():
-                raise UserError("no NVIDIA GPU here: choose the compute capability to build for (cc='8.6', "
-                                "--cc 8.6)")
+        if target is not None:
             config.num_compute_capabilities = 1
             if not config.set_compute_capability(target, 0):
                 raise UserError(f"TensorRT-RTX refused compute capability {self.cc}")
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
         if traits["timing_cache"]:
             blob = self.timing_cache.read_bytes() if self.timing_cache and self.timing_cache.is_file() else b""
             cache = config.create_timing_cache(blob)
@@ -379,10 +551,34 @@ class EngineFromOnnx:
             for name, (lo, opt, hi) in self.profiles.items():
                 profile.set_shape(name, lo, opt, hi)
             config.add_optimization_profile(profile)
+        monitor = make_progress_monitor(trt, self._progress) if self.progress is not None else None
+        if monitor is not None:
+            config.progress_monitor = monitor
         t0 = time.perf_counter()
-        engine = builder.build_serialized_network(network, config)
-        if engine is None:
-            self._fail(f"TensorRT could not build an engine from {self.onnx_path.name} (see the log above)")
+        for attempt in range(2):
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
+            errors = getattr(logger, "errors", [])
+            del errors[:]
+            self._progress("build", 0, 0)
+            engine = builder.build_serialized_network(network, config)
+            if monitor is not None and monitor.interrupted:
+                raise KeyboardInterrupt
+            if engine is not None:
+                break
+            wanted = _workspace_request(errors)
+            if wanted is not None and self.workspace_auto and attempt == 0:
+                grown = max(WORKSPACE_RETRY_MIN, 2 * wanted)
+                grown = -(-grown // (64 << 20)) * (64 << 20)
+                if grown > self.workspace_bytes:
+                    self.log(f"[tensorrt] {self.onnx_path.name}: the {self.workspace_bytes >> 20} MiB workspace is "
+                             f"too small ({wanted} bytes requested): building again with {grown >> 20} MiB")
+                    self.workspace_bytes = grown
+                    continue
+            if wanted is not None:
+                self._fail(f"TensorRT ran out of workspace building {self.onnx_path.name} ("
+                           f"{self.workspace_bytes >> 20} MiB, {wanted} bytes requested): pass a larger --workspace",
+                           "; ".join(errors[-2:]))
+            self._fail(f"TensorRT could not build an engine from {self.onnx_path.name}", "; ".join(errors[-3:]))
         self.build_s = time.perf_counter() - t0
         self.log(f"[tensorrt] built {self.onnx_path.name} in {self.build_s:.1f} s ({traits['name']} "
                  f"{traits['version']}, {self.layers} layers, {self.plugin_layers} plugin layers)")
@@ -391,44 +587,183 @@ class EngineFromOnnx:
         return bytes(engine)
 
 
+def source_checkout_plugins() -> Optional[Path]:
+    """plugins/build/libzeroedge_plugins.so of the source checkout this zeroedge runs from (None when
+    it is an installed package)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "plugins" / "CMakeLists.txt").is_file():
+        return root / "plugins" / "build" / "libzeroedge_plugins.so"
+    return None
+
+
+PLUGINS_ENV = "ZEROEDGE_PLUGINS_LIB"
+
+
+def default_plugin_lib(plugin_lib=None) -> Path:
+    """The plugin library to build with: `plugin_lib`, else $ZEROEDGE_PLUGINS_LIB, else the source
+    checkout's plugins/build/libzeroedge_plugins.so; UserError when that file is not there."""
+    if plugin_lib:
+        path, why = Path(plugin_lib), "--plugins"
+    elif os.environ.get(PLUGINS_ENV):
+        path, why = Path(os.environ[PLUGINS_ENV]), f"${PLUGINS_ENV}"
+    else:
+        path, why = source_checkout_plugins(), "the default"
+        if path is None:
+            raise UserError("no plugin library: pass --plugins libzeroedge_plugins.so (build it from a zeroedge "
+                            f"checkout with scripts/build_plugins) or set ${PLUGINS_ENV}")
+    if not path.is_file():
+        raise UserError(f"plugin library not found: {path} ({why}); build it with scripts/build_plugins "
+                        "[--trt-include DIR] (it writes plugins/build/libzeroedge_plugins.so)")
+    return path
+
+
+def bundle_trt_graphs(manifest: dict) -> list:
+    """The bundle's *.trt.onnx files (listed in its manifest, so verified), prefill and decode first."""
+    names = [rel for rel in manifest.get("files", {}) if rel.endswith(".trt.onnx") and "/" not in rel]
+    order = {f"{g}.trt.onnx": i for i, g in enumerate(GRAPHS)}
+    return sorted(names, key=lambda n: (order.get(n, len(order)), n))
+
+
+OUT_MODES = ("new", "force", "update")
+
+
+def _prepare_out(out: Path, mode: str, bundle: Path, plugin_lib: Path) -> Path:
+    """Check OUT before any work; returns the folder to build in (a fresh temporary folder beside OUT
+    for "new" / "force", inside OUT for "update"), which _commit_out moves into place.
+
+    new: OUT absent or empty. force: OUT replaced whatever it holds. update: the engine files replace
+    their namesakes in OUT, the rest of OUT stays (the deploy builds into a release's build/ folder
+    that holds the plugin library)."""
+    import secrets
+
+    if mode not in OUT_MODES:
+        raise ValueError(mode)
+    if os.path.lexists(out) and not out.is_dir():
+        raise UserError(f"-o {out}: exists and is not a folder")
+    res = out.resolve()
+    for what, path in (("the bundle", bundle.resolve()), ("the plugin library", plugin_lib.resolve())):
+        if mode != "update" and (res == path or res in path.parents):
+            raise UserError(f"-o {out}: holds {what} ({path}); choose another folder for the engines")
+    if mode == "new" and out.is_dir() and any(out.iterdir()):
+        raise UserError(f"-o {out}: not empty (pass --force to replace it)")
+    parent = out if mode == "update" else res.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".{out.name or 'engines'}.building-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()  # the umask's mode, as the folder -o becomes
+        return tmp
+    except OSError as e:
+        raise UserError(f"-o {out}: cannot write to {parent} ({e.strerror or e})") from None
+
+
+def _commit_out(tmp: Path, out: Path, mode: str):
+    import shutil
+
+    if mode == "update":
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+        return
+    old = None
+    if out.is_dir():
+        old = out.with_name(f"{tmp.name}.old")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] = None,
                          workspace_bytes: Optional[int] = None, serialize_plugins: bool = True,
-                         cc: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
-    """Build prefill.engine and decode.engine from BUNDLE/*.trt.onnx into OUT (plus timing.cache and
-    engines.json). Returns the engines.json content."""
+                         cc: Optional[str] = None, log: Callable[[str], None] = print, mode: str = "update",
+                         progress: Optional[Callable[[str, str, int, int], None]] = None,
+                         on_engine: Optional[Callable[[dict], None]] = None,
+                         verbose: Optional[Callable[[str], None]] = None) -> dict:
+    """Build one engine per BUNDLE/*.trt.onnx (GRAPH.trt.onnx -> OUT/GRAPH.engine), plus timing.cache
+    where the runtime keeps one and engines.json. Every input is checked before the first build, the
+    engines are built in a temporary folder and moved into OUT only when all of them built (`mode`:
+    see _prepare_out), so a failure leaves OUT as it was. This is `zeroedge build` and `python -m
+    zeroedge.backends.tensorrt build` (mode "update").
+
+    workspace_bytes None: the bundle plan's workspace, else DEFAULT_WORKSPACE, grown once on a
+    workspace OutOfMemory (EngineFromOnnx's workspace_auto). progress(graph, phase, step, steps);
+    on_engine(row) after each engine. Returns the engines.json content; its "engines" maps each graph
+    to {"file", "bytes", "layers", "plugin_layers", "seconds", "workspace_bytes", "profiles"}."""
+    import shutil
+
     from zeroedge import bundle as bundle_mod
+    from zeroedge import plugin_spec
 
     bundle, out = Path(bundle), Path(out)
     manifest = bundle_mod.verify(bundle)
     abi = manifest.get("plugin_abi")
-    from zeroedge import plugin_spec
-
     if abi is not None and abi != plugin_spec.PLUGIN_ABI:
         raise UserError(f"{bundle}: exported for plugin ABI {abi}, this zeroedge builds ABI "
                         f"{plugin_spec.PLUGIN_ABI}; re-export the bundle")
-    graphs = [g for g in GRAPHS if (bundle / f"{g}.trt.onnx").is_file()]
-    if not graphs:
-        raise UserError(f"{bundle}: no *.trt.onnx graph to build (export with a TensorRT target)")
-    traits = runtime_traits(import_tensorrt())  # fail before creating anything
-    out.mkdir(parents=True, exist_ok=True)
+    files = bundle_trt_graphs(manifest)
+    if not files:
+        raise UserError(f"{bundle}: no *.trt.onnx graph to build (export it with a TensorRT target: "
+                        "zeroedge export MODEL -o BUNDLE)")
+    plugin_lib = default_plugin_lib(plugin_lib)
+    trt = import_tensorrt()
+    traits = runtime_traits(trt)
+    _, cc_label = build_target(trt, cc) if traits["target_cc"] or cc is not None else (None, None)
+    auto = not workspace_bytes
     ws = int(workspace_bytes or workspace_from_plan(manifest))
     mt = int(max_tokens or max_tokens_from_plan(manifest))
     window = int(manifest.get("window") or 1024)
     meta = {"tensorrt": traits["version"], "backend": f"{traits['name']} {traits['version']}",
-            "cc": cc if traits["target_cc"] else None, "plugins": str(Path(plugin_lib).resolve()),
-            "plugins_sha256": _sha256(Path(plugin_lib)), "serialize_plugins": serialize_plugins,
-            "workspace_bytes": ws, "max_tokens": mt, "window": window, "engines": {}}
-    for g in graphs:
-        stage = EngineFromOnnx(bundle / f"{g}.trt.onnx", plugin_lib, workspace_bytes=ws,
-                               timing_cache=out / "timing.cache", max_tokens=mt, window=window,
-                               serialize_plugins=serialize_plugins, cc=cc, log=log)
-        blob = stage()
-        _write_atomic(out / f"{g}.engine", blob)
-        meta["engines"][g] = {"file": f"{g}.engine", "bytes": len(blob), "layers": stage.layers,
-                              "plugin_layers": stage.plugin_layers,
-                              "profiles": {k: [list(s) for s in v] for k, v in stage.profiles.items()}}
-    _write_atomic(out / "engines.json", json.dumps(meta, indent=2).encode())
+            "cc": cc_label, "plugins": str(plugin_lib.resolve()),
+            "plugins_sha256": _sha256(plugin_lib), "serialize_plugins": serialize_plugins,
+            "workspace_bytes": ws, "workspace_auto": auto, "max_tokens": mt, "window": window,
+            "timing_cache": "timing.cache" if traits["timing_cache"] else None, "engines": {}}
+    tmp = _prepare_out(out, mode, bundle, plugin_lib)
+    try:
+        cache = tmp / "timing.cache"
+        if traits["timing_cache"] and (out / "timing.cache").is_file() and mode != "new":
+            shutil.copyfile(out / "timing.cache", cache)  # a cache of earlier builds speeds this one up
+        for rel in files:
+            g = rel[: -len(".trt.onnx")]
+            stage = EngineFromOnnx(bundle / rel, plugin_lib, workspace_bytes=ws, timing_cache=cache,
+                                   max_tokens=mt, window=window, serialize_plugins=serialize_plugins, cc=cc,
+                                   log=log, workspace_auto=auto, verbose=verbose,
+                                   progress=(lambda ph, i, n, g=g: progress(g, ph, i, n)) if progress else None)
+            blob = stage()
+            _write_atomic(tmp / f"{g}.engine", blob)
+            row = {"file": f"{g}.engine", "bytes": len(blob), "layers": stage.layers,
+                   "plugin_layers": stage.plugin_layers, "seconds": round(stage.build_s, 2),
+                   "workspace_bytes": stage.workspace_bytes,
+                   "profiles": {k: [list(s) for s in v] for k, v in stage.profiles.items()}}
+            meta["engines"][g] = row
+            if on_engine is not None:
+                on_engine(dict(row, graph=g))
+        _write_atomic(tmp / "engines.json", json.dumps(meta, indent=2).encode())
+        _commit_out(tmp, out, mode)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return meta
+
+
+def build_report(meta: dict, out) -> dict:
+    """`zeroedge build --json`: {"backend": "<name> <version>", "engines": [{"graph", "file" (the
+    engine's path), "bytes", "layers", "plugin_layers", ...}], ...}."""
+    out = Path(out).resolve()
+    engines = [dict({"graph": g, "file": str(out / e["file"])}, **{k: v for k, v in e.items()
+                                                                 if k not in ("file", "profiles")})
+               for g, e in meta["engines"].items()]
+    cache = meta.get("timing_cache")
+    return {"backend": meta["backend"], "engines": engines, "out": str(out), "cc": meta.get("cc"),
+            "plugins": meta["plugins"], "plugins_serialized": bool(meta["serialize_plugins"]),
+            "max_tokens": meta["max_tokens"], "workspace_bytes": meta["workspace_bytes"],
+            "timing_cache": str(out / cache) if cache and (out / cache).is_file() else None,
+            "tensorrt": meta["tensorrt"]}
+
+
+def engine_line(row: dict) -> str:
+    """The readable line `zeroedge build` prints per engine."""
+    return (f"{row['graph']}: {row['layers']} layers, {row['plugin_layers']} plugin layers, "
+            f"{row['bytes'] / (1 << 20):.1f} MiB, {row['seconds']:.1f} s -> {row['file']}")
 
 
 # ------------------------------------------------------------------------------------ run
@@ -562,12 +897,15 @@ def main(argv=None) -> int:
                                  description="Build and run TensorRT engines of a zeroedge bundle "
                                              "(Jetson: TensorRT 10.3; elsewhere TensorRT-RTX).")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build prefill/decode engines from BUNDLE/*.trt.onnx")
+    b = sub.add_parser("build", help="one engine per BUNDLE/*.trt.onnx (the same build as `zeroedge build`, "
+                       "writing into an existing --out folder)")
     b.add_argument("--bundle", required=True)
-    b.add_argument("--plugins", required=True, help="libzeroedge_plugins.so (scripts/build_plugins)")
+    b.add_argument("--plugins", default=None, help="libzeroedge_plugins.so (default: $ZEROEDGE_PLUGINS_LIB, else "
+                   "plugins/build/ of a source checkout; scripts/build_plugins makes it)")
     b.add_argument("--out", required=True, help="folder for the engines, timing.cache and engines.json")
     b.add_argument("--max-tokens", type=int, default=None, help="longest prompt (default: from the plan)")
-    b.add_argument("--workspace-mb", type=int, default=None, help="default: from the plan, else 256")
+    b.add_argument("--workspace-mb", type=int, default=None,
+                   help="default: from the plan, else 256, grown once to >= 1024 if the builder runs out")
     b.add_argument("--no-serialize-plugins", action="store_true",
                    help="do not embed the plugin library (load it at run time instead)")
     b.add_argument("--cc", default=None, help="TensorRT-RTX only: compute capability to build for ahead of time "
@@ -581,10 +919,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "build":
+            if args.workspace_mb is not None and args.workspace_mb < 1:
+                raise UserError("--workspace-mb must be >= 1")
             meta = build_bundle_engines(args.bundle, args.plugins, args.out, max_tokens=args.max_tokens,
                                         workspace_bytes=args.workspace_mb and args.workspace_mb << 20,
-                                        serialize_plugins=not args.no_serialize_plugins, cc=args.cc)
-            print(json.dumps({k: meta[k] for k in ("backend", "tensorrt", "workspace_bytes", "max_tokens")}))
+                                        serialize_plugins=not args.no_serialize_plugins, cc=args.cc,
+                                        mode="update", log=lambda s: print(s, file=sys.stderr))
+            print(json.dumps(build_report(meta, args.out)))
         else:
             toks = [int(t) for t in args.tokens.split()]
             with TrtRunner(args.bundle, args.engines, args.plugins) as r:

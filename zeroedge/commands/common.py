@@ -12,3 +12,17 @@ def parse_budget(text: str) -> float:
     if not (0 < v <= 1):
         raise UserError(f"budget {text!r} is out of range: it must be in (0%, 100%]")
     return v
+
+
+def parse_size(text: str, what: str = "--workspace") -> int:
+    """'512M' / '1G' / '1.5GiB' / '268435456' -> bytes (K, M, G, T are binary: 1G = 1 GiB); > 0."""
+    import re
+
+    s = str(text).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?", s)
+    if not m:
+        raise UserError(f"{what} {text!r} is not a size (use e.g. 512M, 1G or a number of bytes)")
+    n = float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " ")))
+    if n < 1 << 20:
+        raise UserError(f"{what} {text!r} is too small: give at least 1M")
+    return int(n)

@@ -76,6 +76,92 @@ def text_file(tmp_path_factory):
     return p
 
 
+# ---- real TensorRT on the CPU (TensorRT-RTX): test_tensorrt_rtx.py, test_build_cli.py
+
+TRT_HEADERS = SHARED / "third_party" / "TensorRT-10.3" / "include"
+PLUGINS = REPO / "plugins"
+PLUGINS_BUILD = PLUGINS / "build"
+# in CI, and wherever the TensorRT 10.3 headers are in ../shared (every machine of this project), a
+# missing TensorRT-RTX or plugin library fails these tests instead of skipping them
+TRT_REQUIRED = bool(os.environ.get("CI")) or TRT_HEADERS.is_dir()
+TRT_HOW = ("pip install tensorrt-rtx-cu13==1.7.1.116 and scripts/build_plugins --trt-include "
+           "../shared/third_party/TensorRT-10.3/include (scripts/setup does both)")
+
+
+def need_trt(what):
+    if TRT_REQUIRED:
+        pytest.fail(f"{what}: {TRT_HOW}", pytrace=False)
+    pytest.skip(f"{what}: {TRT_HOW}")
+
+
+@pytest.fixture(scope="session")
+def rtx():
+    """The tensorrt_rtx module (through zeroedge.backends.tensorrt.import_tensorrt)."""
+    try:
+        import tensorrt_rtx  # noqa: F401
+    except ImportError:
+        need_trt("tensorrt_rtx is not installed")
+    from zeroedge.backends.tensorrt import import_tensorrt
+
+    return import_tensorrt("tensorrt_rtx")
+
+
+def _plugin_sources_mtime():
+    files = [PLUGINS / "CMakeLists.txt", PLUGINS / "exports.map"]
+    for sub in ("src", "include", "kernels"):
+        files += [p for p in (PLUGINS / sub).iterdir() if p.is_file()]
+    return max(p.stat().st_mtime for p in files)
+
+
+@pytest.fixture(scope="session")
+def plugin_lib():
+    """libzeroedge_plugins.so: $ZEROEDGE_PLUGINS_LIB (or the older $ZEROEDGE_PLUGIN_LIB), else
+    plugins/build's, (re)built once if missing or older than its sources."""
+    import subprocess
+
+    for var in ("ZEROEDGE_PLUGINS_LIB", "ZEROEDGE_PLUGIN_LIB"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).resolve()
+    lib = PLUGINS_BUILD / "libzeroedge_plugins.so"
+    if lib.is_file() and lib.stat().st_mtime >= _plugin_sources_mtime():
+        return lib
+    if not (TRT_HEADERS / "NvInferRuntime.h").is_file():
+        need_trt(f"no plugin library at {lib} and no TensorRT 10.3 headers at {TRT_HEADERS} to build it")
+    r = subprocess.run(["nice", "-n", "10", str(REPO / "scripts" / "build_plugins"), "--build-dir",
+                        str(PLUGINS_BUILD), "--trt-include", str(TRT_HEADERS)], capture_output=True, text=True,
+                       timeout=1200)
+    if r.returncode != 0 or not lib.is_file():
+        pytest.fail(f"scripts/build_plugins failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}",
+                    pytrace=False)
+    return lib
+
+
+@pytest.fixture(scope="session")
+def tiny_trt_bundles(tmp_path_factory):
+    """The tiny preset exported three ways (window 64): dense; zero = SIH/PAD (test_export's tiny_zero:
+    thresholds near the median, a block rule on layer 2, pruned heads); paths = SIH/PAD in prefill +
+    decode paths (test_export_paths' tiny_paths)."""
+    try:
+        import onnx  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as e:
+        need_trt(f"the export stack is not installed ({e})")
+    from test_export import make_calib
+    from test_export_paths import SIH_SKIP, add_paths
+
+    from zeroedge.export.bundle_writer import export_bundle
+
+    d = tmp_path_factory.mktemp("rtx")
+    export_bundle("tiny", d / "dense", window=64)
+    make_calib(d / "c_zero", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
+               prune={"1": [0, 3], "3": [2]})
+    export_bundle("tiny", d / "zero", calib=d / "c_zero", window=64)
+    meta, t = make_calib(d / "c0", "tiny", skip=SIH_SKIP)
+    add_paths(d / "c_paths", meta, t)
+    export_bundle("tiny", d / "paths", calib=d / "c_paths", window=64)
+    return d
+
+
 # ---- the sensor daemon's tests (test_daemon*.py)
 
 @pytest.fixture(scope="session")

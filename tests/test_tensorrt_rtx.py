@@ -11,8 +11,8 @@ TensorRT 10.3 headers) and builds SM86 engines ahead of time, through zeroedge.b
 
 No test here skips in CI (or wherever the TensorRT 10.3 headers are at ../shared, as on every machine
 of this project): scripts/setup installs TensorRT-RTX and builds the plugin library into
-plugins/build; the `plugin_lib` fixture (re)builds it once per session if it is missing or older
-than its sources. Building engines needs no GPU (TensorRT-RTX cannot run them on the H200 anyway).
+plugins/build; conftest's `plugin_lib` fixture (re)builds it once per session if it is missing or
+older than its sources (`rtx`, `plugin_lib` and the tiny bundles are shared with test_build_cli.py). Building engines needs no GPU (TensorRT-RTX cannot run them on the H200 anyway).
 """
 import json
 import os
@@ -22,81 +22,15 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-HEADERS = REPO.parent / "shared" / "third_party" / "TensorRT-10.3" / "include"
-PLUGINS = REPO / "plugins"
-BUILD = PLUGINS / "build"
+from conftest import REPO
+
 CC = "8.6"  # an Ampere target TensorRT-RTX builds for (it has no SM87 / SM90)
-REQUIRED = bool(os.environ.get("CI")) or HEADERS.is_dir()
-HOW = ("pip install tensorrt-rtx-cu13==1.7.1.116 and scripts/build_plugins --trt-include "
-       "../shared/third_party/TensorRT-10.3/include (scripts/setup does both)")
-
-
-def _need(what):
-    if REQUIRED:
-        pytest.fail(f"{what}: {HOW}", pytrace=False)
-    pytest.skip(f"{what}: {HOW}")
 
 
 @pytest.fixture(scope="module")
-def rtx():
-    try:
-        import tensorrt_rtx  # noqa: F401
-    except ImportError:
-        _need("tensorrt_rtx is not installed")
-    from zeroedge.backends.tensorrt import import_tensorrt
-
-    return import_tensorrt("tensorrt_rtx")
-
-
-def _sources_mtime():
-    files = [PLUGINS / "CMakeLists.txt", PLUGINS / "exports.map"]
-    for sub in ("src", "include", "kernels"):
-        files += [p for p in (PLUGINS / sub).iterdir() if p.is_file()]
-    return max(p.stat().st_mtime for p in files)
-
-
-@pytest.fixture(scope="session")
-def plugin_lib():
-    """libzeroedge_plugins.so: $ZEROEDGE_PLUGIN_LIB, else plugins/build's, (re)built once if missing or stale."""
-    if os.environ.get("ZEROEDGE_PLUGIN_LIB"):
-        return Path(os.environ["ZEROEDGE_PLUGIN_LIB"]).resolve()
-    lib = BUILD / "libzeroedge_plugins.so"
-    if lib.is_file() and lib.stat().st_mtime >= _sources_mtime():
-        return lib
-    if not (HEADERS / "NvInferRuntime.h").is_file():
-        _need(f"no plugin library at {lib} and no TensorRT 10.3 headers at {HEADERS} to build it")
-    r = subprocess.run(["nice", "-n", "10", str(REPO / "scripts" / "build_plugins"), "--build-dir", str(BUILD),
-                        "--trt-include", str(HEADERS)], capture_output=True, text=True, timeout=1200)
-    if r.returncode != 0 or not lib.is_file():
-        pytest.fail(f"scripts/build_plugins failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}",
-                    pytrace=False)
-    return lib
-
-
-# ------------------------------------------------------------------------------ the bundles' graphs
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    """The tiny preset exported three ways: dense; SIH/PAD (test_export's tiny_zero: thresholds near
-    the median, a block rule on layer 2, pruned heads); SIH/PAD in prefill + decode paths
-    (test_export_paths' tiny_paths)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("onnx")
-    from test_export import make_calib
-    from test_export_paths import SIH_SKIP, add_paths
-
-    from zeroedge.export.bundle_writer import export_bundle
-
-    d = tmp_path_factory.mktemp("rtx")
-    export_bundle("tiny", d / "dense", window=64)
-    make_calib(d / "c_zero", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
-               prune={"1": [0, 3], "3": [2]})
-    export_bundle("tiny", d / "zero", calib=d / "c_zero", window=64)
-    meta, t = make_calib(d / "c0", "tiny", skip=SIH_SKIP)
-    add_paths(d / "c_paths", meta, t)
-    export_bundle("tiny", d / "paths", calib=d / "c_paths", window=64)
-    return d
+def bundles(tiny_trt_bundles):
+    """conftest's tiny_trt_bundles: dense, zero (SIH/PAD), paths."""
+    return tiny_trt_bundles
 
 
 def _plugin_nodes(path):

@@ -251,12 +251,13 @@ def test_fuzzed_sih_fields_never_abort(rtx, plugin_lib, tmp_path):
 
 def test_smollm2_bundle_graphs_build(rtx, plugin_lib, smollm2, tmp_path):
     """Real weights and the shipped calibration artifact (SIH/PAD on its skip layers) plus decode paths
-    on two layers: both graphs build for SM86 with one plugin layer per zeroedge node (~40 s: export
-    ~30 s, builds ~5 s each, ~2.3 GB peak)."""
+    on two layers, through `zeroedge build --cc 8.6 --json` with its defaults (2048 tokens): every graph
+    builds with one plugin layer per zeroedge node; the prefill outgrows the 256 MiB workspace (it asks
+    for ~270 MB) and is built again with 1 GiB (~50 s: export ~30 s, builds ~15 s, ~3 GB peak)."""
+    from conftest import run_cli
     from test_export_paths import add_paths
 
     from zeroedge import calib_artifact
-    from zeroedge.backends.tensorrt import EngineFromOnnx
     from zeroedge.export.bundle_writer import export_bundle
 
     _, folder = smollm2
@@ -264,14 +265,17 @@ def test_smollm2_bundle_graphs_build(rtx, plugin_lib, smollm2, tmp_path):
     add_paths(tmp_path / "calib", meta, t, paths={0: (0.5, 0.01), 7: (0.4, 0.01)},
               n_layers=meta["model"]["config"]["n_layers"])
     export_bundle(str(folder), tmp_path / "b", calib=tmp_path / "calib", window=1024)
-    for graph in ("prefill", "decode"):
-        path = tmp_path / "b" / f"{graph}.trt.onnx"
-        nodes = _plugin_nodes(path)
+    p = run_cli("build", tmp_path / "b", "-o", tmp_path / "e", "--cc", CC, "--plugins", plugin_lib, "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    assert doc["backend"] == f"tensorrt_rtx {rtx.__version__}" and doc["max_tokens"] == 2048
+    rows = {e["graph"]: e for e in doc["engines"]}
+    assert sorted(rows) == ["decode", "prefill"]
+    for graph, e in rows.items():
+        nodes = _plugin_nodes(tmp_path / "b" / f"{graph}.trt.onnx")
         assert nodes, graph
-        # 1024 tokens: at 2048 one prefill layer wants ~270 MB of workspace, over the 256 MiB default
-        stage = EngineFromOnnx(path, plugin_lib, max_tokens=1024, window=1024, cc=CC, log=lambda s: None)
-        blob = stage()
-        assert stage.parser_errors == [] and len(blob) > 100 << 20
-        assert stage.plugin_layers == len(nodes)
-        print(f"smollm2/{graph}: {stage.layers} layers, {stage.plugin_layers} plugin layers, {len(blob)} bytes, "
-              f"built in {stage.build_s:.2f} s")
+        assert e["plugin_layers"] == len(nodes) and e["layers"] > 9000
+        assert e["bytes"] == Path(e["file"]).stat().st_size > 100 << 20
+        print(f"smollm2/{graph}: {e['layers']} layers, {e['plugin_layers']} plugin layers, {e['bytes']} bytes, "
+              f"built in {e['seconds']:.2f} s with a {e['workspace_bytes'] >> 20} MiB workspace")
+    assert rows["prefill"]["workspace_bytes"] == 1 << 30

@@ -94,6 +94,7 @@ def test_readable_output_and_default_plugins(rtx, plugin_lib, tiny_trt_bundles, 
     bundle = tiny_trt_bundles / "paths"
     env = _env(plugin_lib)
     del env["ZEROEDGE_PLUGINS_LIB"]
+    (tmp_path / "e").mkdir()                               # an empty -o is fine without --force
     args = ["build", bundle, "-o", tmp_path / "e", "--cc", CC]
     if plugin_lib.resolve() != (source_checkout_plugins() or Path("/")).resolve():
         args += ["--plugins", plugin_lib]

@@ -366,28 +366,32 @@ def make_logger(trt, verbose: Optional[Callable[[str], None]] = None):
     base = getattr(trt, "ILogger", None)
     if base is None:
         lg = trt.Logger(trt.Logger.WARNING)
-        lg.errors = []
+        lg.errors, lg.interrupted = [], False
         return lg
 
     class CaptureLogger(base):
         def __init__(self):
             base.__init__(self)
             self.errors: list = []
+            self.interrupted = False   # a Ctrl-C that landed in here (TensorRT would swallow it)
 
         def log(self, severity, msg):
-            level = int(getattr(severity, "value", severity))
-            if level <= 1:                       # INTERNAL_ERROR, ERROR
-                self.errors.append(_one_line(msg))
-            if verbose is not None and level <= 2:   # and WARNING
-                verbose(f"[TRT] {_one_line(msg)}")
+            try:
+                level = int(getattr(severity, "value", severity))
+                if level <= 1:                       # INTERNAL_ERROR, ERROR
+                    self.errors.append(_one_line(msg))
+                if verbose is not None and level <= 2:   # and WARNING
+                    verbose(f"[TRT] {_one_line(msg)}")
+            except BaseException:  # noqa: B036 - KeyboardInterrupt: raised again by the caller
+                self.interrupted = True
 
     return CaptureLogger()
 
 
-def make_progress_monitor(trt, report: Callable[[str, int, int], None]):
+def make_progress_monitor(trt, report: Callable[[str, int, int], None], cancel: Callable[[], bool] = lambda: False):
     """A trt.IProgressMonitor that calls report(phase, step, steps) (None where the module has none).
-    A Ctrl-C while the builder runs cancels the build (the builder then returns None) and is raised
-    again by the caller (`interrupted`)."""
+    A Ctrl-C while the builder runs (or cancel() true) cancels the build (the builder then returns
+    None); the caller raises KeyboardInterrupt again (`interrupted`)."""
     base = getattr(trt, "IProgressMonitor", None)
     if base is None:
         return None
@@ -410,12 +414,44 @@ def make_progress_monitor(trt, report: Callable[[str, int, int], None]):
                 report(str(phase_name), int(step) + 1, self.steps.get(phase_name, 0))
             except BaseException:  # noqa: B036
                 self.interrupted = True
-            return not self.interrupted
+            return not (self.interrupted or cancel())
 
         def phase_finish(self, phase_name):
             pass
 
     return Monitor()
+
+
+class DeferredInterrupt:
+    """While TensorRT parses and builds, a Ctrl-C only sets `hit` (TensorRT catches and drops a
+    KeyboardInterrupt raised inside its Python callbacks); the progress monitor then cancels the
+    build and the caller raises KeyboardInterrupt. Nothing changes outside the main thread."""
+
+    def __init__(self):
+        self.hit, self.prev = False, None
+
+    def _handler(self, signum, frame):
+        self.hit = True
+
+    def __enter__(self):
+        import signal
+
+        try:
+            self.prev = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread
+            self.prev = None
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+        return False
+
+    def check(self):
+        if self.hit:
+            raise KeyboardInterrupt
 
 
 WORKSPACE_RETRY_MIN = 1 << 30   # an automatic workspace that runs out is retried with at least this
@@ -459,6 +495,7 @@ class EngineFromOnnx:
         self.traits: dict = {}
         self.parser_errors: list = []
         self.logger = None
+        self._interrupt = DeferredInterrupt()   # replaced by __call__'s
 
     def _fail(self, msg: str, detail: str = ""):
         """UserError: msg, then the plugin library's own words when it logged any (TensorRT-RTX hands
@@ -474,7 +511,15 @@ class EngineFromOnnx:
             self.progress(phase, step, steps)
 
     def __call__(self) -> bytes:
-        return self.call_impl()
+        with DeferredInterrupt() as self._interrupt:
+            blob = self.call_impl()
+        self._interrupt.check()
+        return blob
+
+    def _interrupted(self, monitor=None):
+        if (getattr(monitor, "interrupted", False) or getattr(self.logger, "interrupted", False)
+                or self._interrupt.hit):
+            raise KeyboardInterrupt
 
     def _count_plugin_layers(self, trt, network) -> int:
         """Layers of the network that are zeroedge plugins: PLUGIN_V3 layers named after a node of the
@@ -523,6 +568,7 @@ class EngineFromOnnx:
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
         ok = parser.parse_from_file(str(self.onnx_path))
+        self._interrupted()
         self.parser_errors = [str(parser.get_error(i)) for i in range(int(parser.num_errors))]
         if not ok:
             self._fail(f"TensorRT's ONNX parser rejected {self.onnx_path.name}",
@@ -551,7 +597,8 @@ class EngineFromOnnx:
             for name, (lo, opt, hi) in self.profiles.items():
                 profile.set_shape(name, lo, opt, hi)
             config.add_optimization_profile(profile)
-        monitor = make_progress_monitor(trt, self._progress) if self.progress is not None else None
+        monitor = make_progress_monitor(trt, self._progress if self.progress is not None else (lambda *a: None),
+                                        cancel=lambda: getattr(logger, "interrupted", False) or self._interrupt.hit)
         if monitor is not None:
             config.progress_monitor = monitor
         t0 = time.perf_counter()
@@ -561,8 +608,7 @@ class EngineFromOnnx:
             del errors[:]
             self._progress("build", 0, 0)
             engine = builder.build_serialized_network(network, config)
-            if monitor is not None and monitor.interrupted:
-                raise KeyboardInterrupt
+            self._interrupted(monitor)
             if engine is not None:
                 break
             wanted = _workspace_request(errors)
@@ -629,15 +675,16 @@ OUT_MODES = ("new", "force", "update")
 
 def _prepare_out(out: Path, mode: str, bundle: Path, plugin_lib: Path) -> Path:
     """Check OUT before any work; returns the folder to build in (a fresh temporary folder beside OUT
-    for "new" / "force", inside OUT for "update"), which _commit_out moves into place.
+    for "new" / "force", inside OUT for "update"), whose files _commit_out moves into place.
 
     new: OUT absent or empty. force: OUT replaced whatever it holds. update: the engine files replace
     their namesakes in OUT, the rest of OUT stays (the deploy builds into a release's build/ folder
-    that holds the plugin library)."""
+    that holds the plugin library); an OUT that does not exist yet is made as for new."""
     import secrets
 
     if mode not in OUT_MODES:
         raise ValueError(mode)
+    out = Path(os.path.abspath(out))
     if os.path.lexists(out) and not out.is_dir():
         raise UserError(f"-o {out}: exists and is not a folder")
     res = out.resolve()
@@ -646,7 +693,7 @@ def _prepare_out(out: Path, mode: str, bundle: Path, plugin_lib: Path) -> Path:
             raise UserError(f"-o {out}: holds {what} ({path}); choose another folder for the engines")
     if mode == "new" and out.is_dir() and any(out.iterdir()):
         raise UserError(f"-o {out}: not empty (pass --force to replace it)")
-    parent = out if mode == "update" else res.parent
+    parent = out if mode == "update" and out.is_dir() else res.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".{out.name or 'engines'}.building-{os.getpid()}-{secrets.token_hex(4)}"
@@ -657,20 +704,26 @@ def _prepare_out(out: Path, mode: str, bundle: Path, plugin_lib: Path) -> Path:
 
 
 def _commit_out(tmp: Path, out: Path, mode: str):
+    """Move what `tmp` holds into OUT. An OUT that exists keeps its folder (its mode, a mount point,
+    a shell standing in it): for force, what it held goes first into a trash folder beside it."""
     import shutil
 
-    if mode == "update":
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-        tmp.rmdir()
+    out = Path(os.path.abspath(out))
+    if not out.is_dir():
+        os.rename(tmp, out)
         return
-    old = None
-    if out.is_dir():
-        old = out.with_name(f"{tmp.name}.old")
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    trash = None
+    if mode == "force":
+        trash = tmp.with_name(f"{tmp.name}.old")
+        trash.mkdir()
+        for f in list(out.iterdir()):
+            if f != tmp:
+                os.rename(f, trash / f.name)
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] = None,
@@ -704,9 +757,9 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
     if not files:
         raise UserError(f"{bundle}: no *.trt.onnx graph to build (export it with a TensorRT target: "
                         "zeroedge export MODEL -o BUNDLE)")
-    plugin_lib = default_plugin_lib(plugin_lib)
     trt = import_tensorrt()
     traits = runtime_traits(trt)
+    plugin_lib = default_plugin_lib(plugin_lib)
     _, cc_label = build_target(trt, cc) if traits["target_cc"] or cc is not None else (None, None)
     auto = not workspace_bytes
     ws = int(workspace_bytes or workspace_from_plan(manifest))
@@ -748,7 +801,7 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
 def build_report(meta: dict, out) -> dict:
     """`zeroedge build --json`: {"backend": "<name> <version>", "engines": [{"graph", "file" (the
     engine's path), "bytes", "layers", "plugin_layers", ...}], ...}."""
-    out = Path(out).resolve()
+    out = Path(os.path.abspath(out))
     engines = [dict({"graph": g, "file": str(out / e["file"])}, **{k: v for k, v in e.items()
                                                                  if k not in ("file", "profiles")})
                for g, e in meta["engines"].items()]

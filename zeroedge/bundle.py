@@ -9,11 +9,11 @@ manifest.json = {
 }
 
 A bundle holds regular files only: every files{} key is a plain relative path (no absolute path,
-no '..', '.' or empty component, no backslash or control character: zeroedge.deploy.trust), and
+no '..', '.' or empty component, no backslash or control character: zeroedge.trust), and
 links are refused (every path component is checked with lstat; files are opened with O_NOFOLLOW).
 
 manifest.sig (optional, `zeroedge sign`): an Ed25519 signature over the exact bytes of
-manifest.json, so an edit anywhere in the manifest is detected (format: zeroedge.deploy.trust).
+manifest.json, so an edit anywhere in the manifest is detected (format: zeroedge.trust).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import os
 import stat
 from pathlib import Path
 
-from zeroedge.deploy.trust import HEX64, SIG_FORMAT, key_id, path_problem, signature_problem
+from zeroedge.trust import HEX64, SIG_FORMAT, key_id, path_problem, signature_problem
 from zeroedge.errors import UserError, require
 
 MANIFEST = "manifest.json"

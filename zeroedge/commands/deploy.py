@@ -30,7 +30,7 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
     from zeroedge.bundle import verify
     from zeroedge.deploy import runner
     from zeroedge.deploy.preflight import fmt_bytes
-    from zeroedge.deploy.trust import public_key_raw
+    from zeroedge.trust import public_key_raw
     from zeroedge.errors import UserError
 
     targets = targets_from(host, hosts_file)           # a bad inventory line: refused here

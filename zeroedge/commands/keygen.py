@@ -12,7 +12,7 @@ def cmd(out):
     import os
     from pathlib import Path
 
-    from zeroedge.deploy.trust import key_id, public_pem
+    from zeroedge.trust import key_id, public_pem
     from zeroedge.errors import UserError, require
 
     require("cryptography", "deploy")

@@ -217,9 +217,8 @@ def _broker_auth(sec: dict, name: str, base: Path, where: str, path, warnings: l
     elif sec["password"] and path is not None and _exposed(path):
         warnings.append(f"{path} holds the MQTT password ([{name}] password) and other users can read it "
                         f"(mode {os.stat(path).st_mode & 0o777:04o}); chmod 600 {path}, or use password_file")
-    for key in ("tls_key",):
-        if sec[key] and _exposed(sec[key]):
-            warnings.append(f"{sec[key]} (the TLS client key) is readable by other users; chmod 600 {sec[key]}")
+    if sec["tls_key"] and _exposed(sec["tls_key"]):
+        warnings.append(f"{sec['tls_key']} (the TLS client key) is readable by other users; chmod 600 {sec['tls_key']}")
 
 
 def load(path) -> Config:

@@ -6,7 +6,7 @@
 - preflight: facts (zeroedge.device.probe, run on the device) + bundle manifest -> refuse or go
 - release: the release content (bundle + device code + daemon.toml), ids by content hash
 - remote: the device-side agent (stdlib only): store, releases, atomic `current`, build, systemd, health
-- trust: what both ends check (stdlib, shipped with the agent): safe paths, Ed25519 manifest signatures
+- (zeroedge/trust.py, beside bundle.py: what both ends check, shipped with the agent: safe paths, signatures)
 - runner: two-phase fleet deploy, rollback and status in parallel
 - cli: options and output shared by the three commands
 """

@@ -13,7 +13,7 @@ Layout on the device (all under the device root, default "/"):
     /etc/zeroedge/trusted-keys/<key id>.pub  pinned bundle signing keys: when any is present, a
                                         bundle not signed by one of them is refused
 
-The agent trusts nothing in the payload: every path is checked again here (zeroedge.deploy.trust),
+The agent trusts nothing in the payload: every path is checked again here (zeroedge.trust),
 and the release tree is written through directory file descriptors, never following a link.
 """
 import fcntl
@@ -29,7 +29,7 @@ import time
 
 if "probe" not in globals():  # imported from the package; over SSH probe.py's and trust.py's source come first
     from zeroedge.device.probe import device_root, meminfo, probe, under  # noqa: F401
-    from zeroedge.deploy.trust import HEX64, key_id, path_problem, public_key_raw, public_pem, signature_problem
+    from zeroedge.trust import HEX64, key_id, path_problem, public_key_raw, public_pem, signature_problem
 
 MARKER = "@@ZEROEDGE-RESULT@@"
 UNIT = "zeroedge.service"

@@ -104,7 +104,7 @@ class Deployer:
         from zeroedge.bundle import signer
 
         from .release import daemon_template, has_plugins, has_trt_backend
-        from .trust import key_id, public_key_raw
+        from zeroedge.trust import key_id, public_key_raw
 
         self.template = daemon_template(opts.config)
         self.has_plugins, self.has_trt = has_plugins(), has_trt_backend()

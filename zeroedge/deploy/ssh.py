@@ -147,7 +147,7 @@ def _khname(t: Target) -> str:
 def agent_source() -> str:
     """probe.py + trust.py + remote.py as one script for the device's python3 (stdlib only)."""
     here = Path(__file__).resolve().parent
-    parts = [(here.parent / "device" / "probe.py").read_text(), (here / "trust.py").read_text(),
+    parts = [(here.parent / "device" / "probe.py").read_text(), (here.parent / "trust.py").read_text(),
              (here / "remote.py").read_text()]
     return "_ZEROEDGE_EMBEDDED = True\n" + "\n\n".join(parts) + "\n"
 

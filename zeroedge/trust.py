@@ -2,7 +2,8 @@
 and Ed25519 manifest signatures against pinned public keys.
 
 Standard library only (the `cryptography` package is imported lazily, only to check a signature),
-because the device agent ships this file's source over SSH (zeroedge.deploy.ssh.agent_source).
+because the device agent ships this file's source over SSH (zeroedge.deploy.ssh.agent_source). It
+sits beside bundle.py, below deploy/, since bundle verification (workstation, daemon) uses it too.
 
 manifest.sig = {"format": "zeroedge-manifest-signature", "alg": "ed25519", "key_id": "<16 hex>",
                 "public_key": "<base64 raw key>", "signature": "<base64 over manifest.json's bytes>"}

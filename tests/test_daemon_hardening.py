@@ -261,3 +261,28 @@ def test_dead_letters_are_bounded_in_bytes(tmp_path, monkeypatch):
     db = sp.reader()
     kept = [p[0] for (p,) in db.execute("SELECT payload FROM dead_letters ORDER BY id")]
     assert kept == list(range(20, 30))                        # the newest 10 KB, whole
+
+
+@pytest.mark.parametrize("section,line,needle", [
+    ("daemon", 'sensors = "line1"', "sensors must be a list"),
+    ("daemon", "max_sensors = 0", "max_sensors must be a positive integer"),
+    ("daemon", "keep_per_stream = true", "keep_per_stream must be a positive integer"),
+    ("daemon", "spool_give_up_s = -1", "spool_give_up_s must be a positive number"),
+    ("metrics", "host = 5", "[metrics] host must be an address"),
+    ("source", "password_file = 3", "[source] password_file must be a string"),
+])
+def test_config_errors_are_one_line(tmp_path, section, line, needle):
+    cfg = tmp_path / "d.toml"
+    body = {"daemon": ['bundle = "b"'], "source": ['kind = "stdin"'], "metrics": []}
+    body[section].append(line)
+    cfg.write_text("".join(f"[{k}]\n" + "".join(v + "\n" for v in vs) for k, vs in body.items()))
+    p = run_cli("daemon", "--config", cfg, "--check")
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_export_only_needs_a_bundle_dir():
+    from conftest import REPO
+
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "train_sensor"), "--export-only"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "--export-only needs --bundle DIR" in p.stderr and "Traceback" not in p.stderr

@@ -152,6 +152,7 @@ def test_cpp_contract_matches_plugin_spec(test_fields_bin):
                 assert cdefault is None, (op, name)
             else:
                 assert cdefault == pytest.approx(default, rel=1e-6), (op, name)
+    assert spec["limits"] == plugin_spec.LIMITS  # the shape and value limits `zeroedge check` applies
 
 
 def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, paths_obj, build_dir):

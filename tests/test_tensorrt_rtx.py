@@ -126,8 +126,9 @@ def _sih_graph(path, D=16, W=4, R=4, attrs=None, drop=(), rank3=False):
     return {"x": [lo, hi, hi]}
 
 
-def _paths_graph(path, D=64, F=32, attrs=None, drop=()):
-    """One ZeroEdgePathsFFN node: x [B, D] fp16 (B 1..8), w13_t [D, 2F], wd_t [F, D]."""
+def _paths_graph(path, D=64, F=32, attrs=None, drop=(), x_type="FLOAT16"):
+    """One ZeroEdgePathsFFN node: x [B, D] (fp16 unless x_type says otherwise; B 1..8), w13_t [D, 2F],
+    wd_t [F, D]."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -140,8 +141,9 @@ def _paths_graph(path, D=64, F=32, attrs=None, drop=()):
     for k in drop:
         a.pop(k)
     node = helper.make_node("ZeroEdgePathsFFN", ["x", "w13_t", "wd_t"], ["y"], name="paths", domain="zeroedge", **a)
-    g = helper.make_graph([node], "paths", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["B", D])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["B", D])], inits)
+    xt = getattr(TensorProto, x_type)
+    g = helper.make_graph([node], "paths", [helper.make_tensor_value_info("x", xt, ["B", D])],
+                          [helper.make_tensor_value_info("y", xt, ["B", D])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("zeroedge", 1)])
     m.ir_version = 10
     onnx.save(m, str(path))
@@ -190,6 +192,9 @@ BAD_FIELDS = [
     ("sih-block-frac-out-of-range", _sih_graph, {"attrs": {"block_frac": 1.5}}, r"'block_frac' must be in \[0, 1\]"),
     ("sih-unsupported-D", _sih_graph, {"D": 12}, r"hidden size D = 12 is not supported: it must be a multiple of 8"),
     ("sih-x-rank-3", _sih_graph, {"rank3": True}, r"input 0 \(x\) must be 2-D"),
+    ("sih-head-width-40", _sih_graph, {"W": 40}, r"head width W = 40 is not supported"),
+    ("sih-negative-ma-weight", _sih_graph, {"attrs": {"ma_w1": -0.5}}, r"moving-average weights must be finite"),
+    ("sih-negative-block-size", _sih_graph, {"attrs": {"block_size": -2}}, r"'block_size' must be >= 0"),
     ("sih-plugin-version-2", _sih_graph, {"attrs": {"plugin_version": "2"}},
      r"asks for plugin_version '2', this plugin library ships ZeroEdgeSIH plugin_version '1'"),
     ("sih-plugin-version-int", _sih_graph, {"attrs": {"plugin_version": 1}},
@@ -204,6 +209,7 @@ BAD_FIELDS = [
      r"field 'threshold' must be a finite number >= 0"),
     ("paths-unsupported-D", _paths_graph, {"D": 36}, r"hidden size D = 36 is not supported"),
     ("paths-odd-F", _paths_graph, {"F": 12}, r"FFN width F = 12 is not supported"),
+    ("paths-fp32-x", _paths_graph, {"x_type": "FLOAT"}, r"ZeroEdgePathsFFN: x must be float16 or bfloat16"),
 ]
 
 
@@ -226,9 +232,30 @@ def test_bad_plugin_fields_are_clear_errors(bad_field_results, cid, expect):
         assert re.search(expect, r["error"]), r["error"]
 
 
+def _check_errors(onnx_path) -> list:
+    """`zeroedge check`'s errors for one graph (the pre-flight, no TensorRT)."""
+    import onnx
+
+    from zeroedge.preflight import check_model
+
+    return [f for f in check_model(onnx.load(str(onnx_path)), fname=Path(onnx_path).name) if f.severity == "error"]
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in BAD_FIELDS])
+def test_check_agrees_with_the_real_builder(bad_field_results, tmp_path, cid):
+    """`zeroedge check` learned the parser's and the plugin library's rules: it finds an error in a
+    graph exactly when the real TensorRT-RTX parse + build refuses it."""
+    _, make, kw, _ = next(c for c in BAD_FIELDS if c[0] == cid)
+    make(tmp_path / "g.onnx", **kw)
+    errors = _check_errors(tmp_path / "g.onnx")
+    built = bad_field_results[cid]["ok"]
+    assert bool(errors) == (not built), (cid, bad_field_results[cid], [f.line() for f in errors])
+
+
 def test_fuzzed_sih_fields_never_abort(rtx, plugin_lib, tmp_path):
     """Random field sets (names from the spec, random types and lengths and values): each one builds or
-    is refused with a message that names ZeroEdgeSIH; none ends the process."""
+    is refused with a message that names ZeroEdgeSIH; none ends the process; and `zeroedge check`
+    predicts which (an error exactly for the refused ones)."""
     import random
 
     from zeroedge import plugin_spec
@@ -245,6 +272,8 @@ def test_fuzzed_sih_fields_never_abort(rtx, plugin_lib, tmp_path):
         cases.append((tmp_path / f"fuzz{i}.onnx", _sih_graph(tmp_path / f"fuzz{i}.onnx", R=R, attrs=attrs, drop=drop)))
     for (path, _), r in zip(cases, _build_in_subprocess(plugin_lib, cases)):
         assert r["ok"] or "ZeroEdgeSIH" in r["error"], (path.name, r)
+        errors = _check_errors(path)
+        assert bool(errors) == (not r["ok"]), (path.name, r, [f.line() for f in errors])
 
 
 # ------------------------------------------------------------------------------ SmolLM2

@@ -82,3 +82,103 @@ def field_names(op: str) -> list[str]:
 
 def required_fields(op: str) -> list[str]:
     return [k for k, (_, default) in NODES[op]["fields"].items() if default is None]
+
+
+# What the plugin library accepts beyond the field types (plugins/src/fields.cpp: checkSihParams,
+# checkSihShapes, checkPathsParams, checkPathsShapes; tests/test_plugins.py reads the numbers back
+# from the C++ side, tests/test_tensorrt_rtx.py checks `zeroedge check` against the real builder).
+LIMITS = {
+    "hidden_multiple": 8,          # SIH / PAD: D a multiple of this (16-byte fp16 rows)
+    "max_sih_width": 32,           # SIH head width W (w1's first dimension): 1..this
+    "max_anchor_rank": 64,         # anchor_rank: 0..this
+    "paths_max_batch": 8,          # PathsFFN: B (decode tokens) 1..this
+    "paths_hidden_multiple": 8,    # PathsFFN: D a positive multiple of this ...
+    "paths_max_hidden": 8192,      # ... at most this
+    "paths_ffn_multiple": 8,       # PathsFFN: F a positive multiple of this
+}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
+
+
+def field_value_problems(op: str, values: dict) -> list:
+    """The plugin's value rules for one node's fields (already of the right types; absent fields take
+    their defaults): one message per broken rule, worded as the plugin library words it."""
+    fields = NODES[op]["fields"]
+    p = {k: values.get(k, default) for k, (_, default) in fields.items()}
+    out = []
+    if op == "ZeroEdgeSIH":
+        if p["threshold"] is not None and not _finite(p["threshold"]):
+            out.append("field 'threshold' must be a finite number")
+        w = [p["ma_w0"], p["ma_w1"], p["ma_w2"]]
+        if not all(_finite(x) for x in w) or not (w[0] > 0 and w[1] >= 0 and w[2] >= 0):
+            out.append("moving-average weights must be finite with ma_w0 > 0 and ma_w1, ma_w2 >= 0")
+        for k in ("min_tokens", "protect_first", "protect_last", "block_size"):
+            if p[k] < 0:
+                out.append(f"field '{k}' must be >= 0")
+        if not 0 <= p["block_frac"] <= 1:
+            out.append("field 'block_frac' must be in [0, 1]")
+        if not 0 <= p["anchor_rank"] <= LIMITS["max_anchor_rank"]:
+            out.append(f"field 'anchor_rank' must be in 0..{LIMITS['max_anchor_rank']}, got {p['anchor_rank']}")
+    elif op == "ZeroEdgePathsFFN":
+        for k in ("threshold_in", "threshold"):
+            if p[k] is not None and not (_finite(p[k]) and p[k] >= 0):
+                out.append(f"field '{k}' must be a finite number >= 0, got {p[k]}")
+    return out
+
+
+def shape_problems(op: str, shapes: list, values: dict) -> list:
+    """The plugin's shape rules for one node, from what is known before a build: `shapes` has one entry
+    per input, a list of dims (int, or None where dynamic or unknown) or None where the rank is unknown."""
+    def dims(i):
+        return shapes[i] if i < len(shapes) else None
+
+    out = []
+    lim = LIMITS
+    if op in ("ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter"):
+        x = dims(0)
+        name = "base" if op == "ZeroEdgePADScatter" else "x"
+        if x is not None and len(x) != 2:
+            out.append(f"input 0 ({name}) must be 2-D [T, D], got rank {len(x)}")
+        D = x[1] if x is not None and len(x) == 2 else None
+        if op == "ZeroEdgeSIH":
+            w1 = dims(1)
+            if D is None and w1 is not None and len(w1) == 2:
+                D = w1[1]
+            W = w1[0] if w1 is not None and len(w1) == 2 else None
+            if W is not None and not 1 <= W <= lim["max_sih_width"]:
+                out.append(f"head width W = {W} is not supported (1..{lim['max_sih_width']})")
+            R = values.get("anchor_rank", NODES[op]["fields"]["anchor_rank"][1])
+            a = dims(9)
+            if R and a is not None and len(a) == 2 and a[0] is not None and a[0] != R:
+                out.append(f"input 9 (anchor_a) must be [anchor_rank, D] = [{R}, D], got {a}")
+        if D is not None and D % lim["hidden_multiple"]:
+            out.append(f"hidden size D = {D} is not supported: it must be a multiple of {lim['hidden_multiple']}")
+    elif op == "ZeroEdgePathsFFN":
+        x, w13, wd = dims(0), dims(1), dims(2)
+        for i, s, form in ((0, x, "[B, D]"), (1, w13, "[D, 2F]"), (2, wd, "[F, D]")):
+            if s is not None and len(s) != 2:
+                out.append(f"input {i} ({NODES[op]['inputs'][i]}) must be 2-D {form}, got rank {len(s)}")
+        if out:
+            return out
+        B = x[0] if x else None
+        if B is not None and not 1 <= B <= lim["paths_max_batch"]:
+            out.append(f"input 0 (x) must be [B, D] with B (decode tokens) in 1..{lim['paths_max_batch']}, got B = {B}")
+        if w13 and w13[1] is not None and w13[1] % 2:
+            out.append(f"input 1 (w13_t) must be [D, 2F] (gate columns, then up columns), got an odd width: {w13}")
+        D = next((d for d in ((x or [None, None])[1], (w13 or [None])[0], (wd or [None, None])[1]) if d is not None), None)
+        F = (wd or [None])[0]
+        if F is None and w13 and w13[1] is not None:
+            F = w13[1] // 2
+        if D is not None and (D % lim["paths_hidden_multiple"] or not lim["paths_hidden_multiple"] <= D <= lim["paths_max_hidden"]):
+            out.append(f"hidden size D = {D} is not supported: it must be a positive multiple of "
+                       f"{lim['paths_hidden_multiple']}, at most {lim['paths_max_hidden']}")
+        if F is not None and (F % lim["paths_ffn_multiple"] or F < lim["paths_ffn_multiple"]):
+            out.append(f"FFN width F = {F} is not supported: it must be a positive multiple of {lim['paths_ffn_multiple']}")
+        if D is not None and F is not None:
+            if w13 and ((w13[0] is not None and w13[0] != D) or (w13[1] is not None and w13[1] != 2 * F)):
+                out.append(f"input 1 (w13_t) must be [D, 2F] = [{D}, {2 * F}], got {w13}")
+            if wd and ((wd[0] is not None and wd[0] != F) or (wd[1] is not None and wd[1] != D)):
+                out.append(f"input 2 (wd_t) must be [F, D] = [{F}, {D}], got {wd}")
+    return out

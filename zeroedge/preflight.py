@@ -12,6 +12,14 @@ Rules (each finding: severity, file, node, message, fix hint):
             declared number of inputs / outputs
   attrs     plugin attributes other than INT / FLOAT / STRING (the parser turns attributes into
             PluginFields: INT read as int32, FLOAT as float32, STRING as char); INT out of int32
+  values    field values the plugin library refuses (plugin_spec.field_value_problems: finite
+            thresholds, block_frac in [0, 1], anchor_rank 0..64, non-negative counts); unknown fields
+            are a warning (the creator ignores them)
+  shapes    input shapes it refuses where the graph states them (plugin_spec.shape_problems: D a
+            multiple of 8, SIH head width 1..32, PathsFFN [B, D] x [D, 2F] x [F, D], B 1..8)
+  types     the first input's element type (SIH / PAD: float or float16; PathsFFN: float16 or bfloat16)
+            These three are what TensorRT-RTX's builder taught us (tests/test_tensorrt_rtx.py checks
+            that this pre-flight and the real parse + build agree on every case it feeds them).
   int64     INT64 initializers whose values do not fit int32 (clamped by the parser)
   profiles  graph inputs without a rank, and dynamic dimensions (each needs a min/opt/max profile)
 Torch-free; needs only `onnx`.
@@ -96,6 +104,7 @@ def check_model(model, target: str = "jetpack-6.2", fname: str = "model.onnx") -
             "inlines local functions instead of calling a same-named plugin",
             "use the bundle's *.trt.onnx file (no functions)")
     _check_wiring(model.graph, add)
+    known = _known_tensors(model.graph)
     for n in model.graph.node:
         nm = n.name or (n.output[0] if n.output else n.op_type)
         dom = n.domain if n.domain not in ("", "ai.onnx") else ""
@@ -106,7 +115,7 @@ def check_model(model, target: str = "jetpack-6.2", fname: str = "model.onnx") -
             add("error", "ops", nm, f"ai.onnx.ml op {n.op_type} is not supported by TensorRT",
                 "run this part outside the engine")
         if dom and dom not in ("ai.onnx.ml",):
-            out.extend(_check_plugin_node(n, nm, dom, fname))
+            out.extend(_check_plugin_node(n, nm, dom, fname, known))
     for init in model.graph.initializer:
         if init.data_type == TensorProto.INT64 and init.data_location != TensorProto.EXTERNAL:
             a = numpy_helper.to_array(init).ravel()
@@ -151,8 +160,26 @@ def _check_wiring(graph, add):
             add("error", "graph", vi.name, "graph output is produced by no node", "re-export the graph")
 
 
-def _check_plugin_node(n, nm, dom, fname):
-    from onnx import AttributeProto
+def _known_tensors(graph) -> dict:
+    """name -> (dims: list of int / None per axis, or None without a rank; ONNX element type or 0) for
+    the graph's inputs, outputs, value_info and initializers (what is known without a build)."""
+    known = {}
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField("shape") else None
+        known[vi.name] = (dims, tt.elem_type)
+    for t in graph.initializer:
+        known[t.name] = (list(t.dims), t.data_type)
+    return known
+
+
+# element types each plugin's first input may have (plugins/src/plugin.cpp supportsFormatCombination)
+_X_TYPES = {"ZeroEdgeSIH": ("FLOAT", "FLOAT16"), "ZeroEdgePADGather": ("FLOAT", "FLOAT16"),
+            "ZeroEdgePADScatter": ("FLOAT", "FLOAT16"), "ZeroEdgePathsFFN": ("FLOAT16", "BFLOAT16")}
+
+
+def _check_plugin_node(n, nm, dom, fname, known=None):
+    from onnx import AttributeProto, TensorProto
 
     out = []
 
@@ -190,7 +217,7 @@ def _check_plugin_node(n, nm, dom, fname):
         if name in ("plugin_namespace", "plugin_version"):
             continue
         if name not in want["fields"]:
-            add("error", "plugins", f"unknown field {name} (the creator has "
+            add("warning", "plugins", f"unknown field {name}: the creator ignores it (it has "
                 f"{', '.join(want['fields']) or 'no fields'})", f"drop attribute {name}")
         if a.type not in (AttributeProto.INT, AttributeProto.FLOAT, AttributeProto.STRING):
             add("error", "attrs", f"attribute {name} is {AttributeProto.AttributeType.Name(a.type)}; "
@@ -198,6 +225,20 @@ def _check_plugin_node(n, nm, dom, fname):
         elif a.type == AttributeProto.INT and not -2**31 <= a.i < 2**31:
             add("error", "attrs", f"INT attribute {name}={a.i} does not fit int32 (PluginField INT32)",
                 f"keep {name} within int32")
+    # the plugin's own rules, as the real builder applies them (fields of the right type only)
+    values = {k: (a.i if a.type == AttributeProto.INT else a.f) for k, a in attrs.items()
+              if k in want["fields"] and a.type == kinds.get(want["fields"][k][0])
+              and want["fields"][k][0] in (spec.INT, spec.FLOAT)}
+    for msg in spec.field_value_problems(n.op_type, values):
+        add("error", "values", f"{n.op_type}: {msg}", "re-export with the current zeroedge (or fix the field)")
+    known = known or {}
+    shapes = [known.get(i, (None, 0))[0] for i in n.input]
+    for msg in spec.shape_problems(n.op_type, shapes, values):
+        add("error", "shapes", f"{n.op_type}: {msg}", "this model shape is outside what the plugin supports")
+    x_type = known.get(n.input[0], (None, 0))[1] if n.input else 0
+    if x_type and TensorProto.DataType.Name(x_type) not in _X_TYPES[n.op_type]:
+        add("error", "types", f"{n.op_type}: input 0 is {TensorProto.DataType.Name(x_type)}, the plugin takes "
+            f"{' or '.join(_X_TYPES[n.op_type])}", "cast the input (or export in a supported precision)")
     return out
 
 

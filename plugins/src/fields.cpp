@@ -351,7 +351,10 @@ std::string specJson()
         }
         o << "}}";
     }
-    o << "}}";
+    o << "}, \"limits\": {\"hidden_multiple\": " << ZE_HIDDEN_MULTIPLE << ", \"max_sih_width\": " << ZE_MAX_SIH_WIDTH
+      << ", \"max_anchor_rank\": " << ZE_MAX_ANCHOR_RANK << ", \"paths_max_batch\": " << ZE_PATHS_MAX_BATCH
+      << ", \"paths_hidden_multiple\": " << kPathsHiddenMultiple << ", \"paths_max_hidden\": " << kPathsMaxHidden
+      << ", \"paths_ffn_multiple\": " << kPathsFfnMultiple << "}}";
     return o.str();
 }
 

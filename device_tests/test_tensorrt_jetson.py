@@ -1,14 +1,20 @@
-"""On a Jetson (JetPack 6.1 / 6.2, TensorRT 10.3): build the plugin library with scripts/build_plugins,
-build fp16 engines from a bundle's *.trt.onnx (plugin serialized into the engine), and compare the
-TensorRT engines with the portable graph in onnxruntime on the same tokens: prefill logits and a
-teacher-forced decode. Skips elsewhere and says why.
+"""TensorRT engines against the portable graph, where engines can run: a Jetson (JetPack 6.1 / 6.2,
+TensorRT 10.3, sm_87) or any GPU TensorRT-RTX runs engines on (Ampere / Ada / Blackwell: compute
+capability 8.0, 8.6, 8.9, 12.x; not the H200's 9.0). It builds the plugin library with
+scripts/build_plugins for the GPU present, builds the bundle's engines through zeroedge.backends.tensorrt
+(the plugin library serialized into them), and compares them with the portable graph in onnxruntime on
+the same tokens: prefill logits and a teacher-forced decode, then `zeroedge run --backend tensorrt`
+against `--backend onnxruntime`. Skips elsewhere and says why.
 
     python -m pytest -q device_tests/test_tensorrt_jetson.py
     ZEROEDGE_TEST_BUNDLE=/path/to/bundle python -m pytest -q device_tests/test_tensorrt_jetson.py
 
 Without ZEROEDGE_TEST_BUNDLE the test exports the tiny preset with a random calibration (SIH on
-every layer, a block rule on one), which needs torch and onnx on the device.
+every layer, a block rule on one), which needs torch and onnx on the device. Off a Jetson the plugin
+library is built against the TensorRT 10.3 headers at ../shared/third_party/TensorRT-10.3/include
+(or $ZEROEDGE_TRT_INCLUDE).
 """
+import json
 import os
 import shutil
 import subprocess
@@ -19,45 +25,63 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 3e-2  # fp16 engine against the fp32 portable graph
+JETSON = Path("/etc/nv_tegra_release").is_file()
+TRT_INCLUDE = Path(os.environ.get("ZEROEDGE_TRT_INCLUDE") or REPO.parent / "shared/third_party/TensorRT-10.3/include")
 
 
-def _skip_reason():
-    if not Path("/etc/nv_tegra_release").is_file():
-        return "not a Jetson (no /etc/nv_tegra_release): this test runs on JetPack 6.1 / 6.2"
+def _target():
+    """(reason to skip or None, CUDA arch for the plugin library, --cc for the build or None)."""
     from zeroedge.backends import tensorrt as be
     from zeroedge.errors import UserError
 
     try:
-        be.import_tensorrt()
+        trt = be.import_tensorrt()
         be.import_cudart()
     except UserError as e:
-        return str(e)
+        return str(e), None, None
+    if JETSON:
+        if be.is_rtx(trt):
+            return "a Jetson runs TensorRT 10.3 (import tensorrt), not TensorRT-RTX", None, None
+        arch, cc = "87", None
+    else:
+        if not be.is_rtx(trt):
+            return "off a Jetson this test runs engines with TensorRT-RTX (pip install tensorrt-rtx-cu13)", None, None
+        here = be.gpu_compute_capability() if be.gpu_present() else None
+        runs = [c for c in be.rtx_capabilities(trt) if c != "7.5"]  # RTX runs engines on 8.0 and later
+        if here is None or here not in runs:
+            return (f"no GPU TensorRT-RTX runs engines on here (compute capability {here}; it runs "
+                    f"{', '.join(runs)})"), None, None
+        if not (TRT_INCLUDE / "NvInferRuntime.h").is_file():
+            return f"the TensorRT 10.3 headers are not at {TRT_INCLUDE} (set $ZEROEDGE_TRT_INCLUDE)", None, None
+        arch, cc = here.replace(".", ""), here
     nvcc = shutil.which("nvcc") or next((c for c in ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-12.6/bin/nvcc")
                                          if os.path.exists(c)), None)
     if not nvcc or not shutil.which("cmake"):
-        return "nvcc or cmake missing: sudo apt install nvidia-jetpack cmake"
+        return "nvcc or cmake missing (Jetson: sudo apt install nvidia-jetpack cmake)", None, None
     try:
         import onnxruntime  # noqa: F401
     except ImportError:
-        return "onnxruntime is not installed (pip install 'zeroedge[jetson]')"
+        return "onnxruntime is not installed (pip install 'zeroedge[jetson]')", None, None
     if not os.environ.get("ZEROEDGE_TEST_BUNDLE"):
         try:
             import onnx  # noqa: F401
             import torch  # noqa: F401
         except ImportError:
-            return "set ZEROEDGE_TEST_BUNDLE to an exported bundle (exporting one here needs torch and onnx)"
-    return None
+            return "set ZEROEDGE_TEST_BUNDLE to an exported bundle (exporting one here needs torch and onnx)", None, None
+    return None, arch, cc
 
 
-REASON = _skip_reason()
+REASON, ARCH, CC = _target()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
 
 @pytest.fixture(scope="module")
 def plugin_lib(tmp_path_factory):
     build = tmp_path_factory.mktemp("plugins")
-    r = subprocess.run([str(REPO / "scripts" / "build_plugins"), "--build-dir", str(build), "--arch", "87", "--test"],
-                       capture_output=True, text=True)
+    cmd = [str(REPO / "scripts" / "build_plugins"), "--build-dir", str(build), "--arch", ARCH, "--test"]
+    if not JETSON:
+        cmd += ["--trt-include", str(TRT_INCLUDE)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "harness:" in r.stdout and "checks passed" in r.stdout
     return build / "libzeroedge_plugins.so"
@@ -83,9 +107,10 @@ def engines(bundle, plugin_lib, tmp_path_factory):
     from zeroedge.backends.tensorrt import build_bundle_engines
 
     out = tmp_path_factory.mktemp("engines")
-    meta = build_bundle_engines(bundle, plugin_lib, out, max_tokens=256)
+    meta = build_bundle_engines(bundle, plugin_lib, out, max_tokens=256, cc=CC)
     assert set(meta["engines"]) == {"prefill", "decode"}
-    assert (out / "timing.cache").stat().st_size > 0
+    if meta["timing_cache"]:  # TensorRT 10.3 keeps one; TensorRT-RTX has none
+        assert (out / "timing.cache").stat().st_size > 0
     return out
 
 
@@ -136,3 +161,20 @@ def test_wrong_plugin_library_is_refused(bundle, tmp_path):
     fake.write_bytes(b"\x7fELF not really")
     with pytest.raises(UserError, match="plugin library"):
         build_bundle_engines(bundle, fake, tmp_path / "out")
+
+
+def test_run_cli_tensorrt_matches_onnxruntime(bundle, engines, plugin_lib):
+    """`zeroedge run --backend tensorrt` against `--backend onnxruntime` on the same bundle and prompt:
+    the first greedy tokens agree (fp16 engine, fp32 portable graph)."""
+    def run(*backend):
+        r = subprocess.run([sys.executable, "-m", "zeroedge.cli", "run", "--bundle", str(bundle), *backend,
+                            "--prompt", "In the beginning God created the heaven and the earth. " * 4,
+                            "--max-new", "8", "--json"], capture_output=True, text=True, cwd=str(REPO),
+                           env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)
+
+    trt = run("--backend", "tensorrt", "--engines", str(engines))
+    ort = run("--backend", "onnxruntime")
+    assert trt["decoder"] == "TrtRunner" and trt["backend"] == "tensorrt"
+    assert trt["tokens"][:4] == ort["tokens"][:4], (trt["tokens"], ort["tokens"])

@@ -276,3 +276,66 @@ def test_workspace_request_is_read_from_the_builder_error():
 def test_run_cli_helper_is_used_for_usage_errors():
     p = run_cli("build")
     assert p.returncode == 2 and "Missing argument" in p.stderr and "Traceback" not in p.stderr
+
+
+# ------------------------------------------------------------------------------ zeroedge run --backend tensorrt
+
+def test_run_tensorrt_checks_the_engines_before_loading_them(rtx, plugin_lib, tiny_trt_bundles, built, tmp_path):
+    """`zeroedge run --backend tensorrt --bundle B --engines E`: engines from another bundle, another
+    TensorRT, a folder zeroedge build did not make, or a machine without the GPU they were built for
+    are each one line and exit 2, before TensorRT deserializes anything (where it would only say None)."""
+    _, out, _ = built
+    zero, dense = tiny_trt_bundles / "zero", tiny_trt_bundles / "dense"
+    other_rt = tmp_path / "other-runtime"
+    shutil.copytree(out, other_rt)
+    meta = json.loads((other_rt / "engines.json").read_text())
+    meta["backend"] = "tensorrt 10.3.0"
+    (other_rt / "engines.json").write_text(json.dumps(meta))
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    (broken / "engines.json").write_text("{not json")
+    no_decode = tmp_path / "no-decode"
+    shutil.copytree(out, no_decode)
+    (no_decode / "decode.engine").unlink()
+    prompt = ["--prompt", "In the beginning God created"]
+    cases = [
+        ("another-bundle", ["--bundle", dense, "--engines", out], r"was not built from .*dense.*zeroedge build"),
+        ("another-runtime", ["--bundle", zero, "--engines", other_rt],
+         rf"built with tensorrt 10\.3\.0, this machine runs tensorrt_rtx {re.escape(rtx.__version__)}"),
+        ("not-an-engines-folder", ["--bundle", zero, "--engines", broken], r"engines\.json: missing or unreadable"),
+        ("engine-missing", ["--bundle", zero, "--engines", no_decode], r"decode\.engine: missing"),
+        ("no-engines-folder", ["--bundle", zero, "--engines", tmp_path / "nope"], r"engines folder not found"),
+        ("no-engines-option", ["--bundle", zero], r"--backend tensorrt needs --engines DIR"),
+        ("engines-for-onnxruntime", ["--bundle", zero, "--engines", out, "--backend", "onnxruntime"],
+         r"--engines and --plugins are for --backend tensorrt"),
+    ]
+    from zeroedge.backends.tensorrt import gpu_here
+
+    if not gpu_here():
+        cases.append(("no-gpu", ["--bundle", zero, "--engines", out],
+                      r"no NVIDIA GPU here: TensorRT engines run on the GPU they were built for \(compute capability "
+                      r"8\.6\); use --backend onnxruntime"))
+    failures = []
+    for cid, args, expect in cases:
+        backend = [] if "--backend" in args else ["--backend", "tensorrt"]
+        p = _run("run", *backend, *args, *prompt, env=_env(plugin_lib))
+        lines = p.stderr.strip().splitlines()
+        if not (p.returncode == 2 and len(lines) == 1 and re.search(expect, lines[0]) and "Traceback" not in p.stderr):
+            failures.append(f"{cid}: rc {p.returncode}, stderr {p.stderr[-800:]!r}")
+    assert not failures, "\n".join(failures)
+
+
+def test_run_bundle_backends_need_no_model(tiny_trt_bundles):
+    """The bundle has the shapes and the tokenizer: `zeroedge run --backend onnxruntime --bundle B`
+    generates without MODEL, the same tokens as with it; a MODEL of another shape is refused."""
+    zero = tiny_trt_bundles / "zero"
+    args = ["--backend", "onnxruntime", "--bundle", zero, "--prompt", "In the beginning", "--max-new", "6", "--json"]
+    a = run_cli("run", *args, check_rc=0)
+    b = run_cli("run", "tiny", *args, check_rc=0)
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ja["tokens"] == jb["tokens"] and len(ja["tokens"]) == 6
+    assert ja["model"] == "tiny" and ja["backend"] == "onnxruntime"
+    p = run_cli("run", "smollm2-135m", *args)
+    assert p.returncode == 2 and "was exported from tiny" in p.stderr, p.stderr[-500:]
+    p = run_cli("run", "--prompt", "x")
+    assert p.returncode == 2 and "give MODEL" in p.stderr and "Traceback" not in p.stderr

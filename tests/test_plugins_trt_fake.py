@@ -230,7 +230,24 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda", cuda)
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
     monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", cudart)
+    # the GPU's device node is hardware too: this machine "has" the GPU the fake engines run on
+    monkeypatch.setattr("zeroedge.backends.tensorrt.gpu_present", lambda: True)
     return calls, cudart
+
+
+def fake_engines(bundle_dir, folder):
+    """An engines folder as `zeroedge build` leaves it, for the fake runtime: two engine blobs and an
+    engines.json naming this bundle and the fake TensorRT 10.3."""
+    import hashlib
+
+    folder.mkdir()
+    for g in ("prefill", "decode"):
+        (folder / f"{g}.engine").write_bytes(b"ENGINE")
+    sha = hashlib.sha256((bundle_dir / "manifest.json").read_bytes()).hexdigest()
+    (folder / "engines.json").write_text(json.dumps({
+        "backend": "tensorrt 10.3.0", "bundle_manifest_sha256": sha, "cc": None, "serialize_plugins": True,
+        "engines": {"prefill": {"file": "prefill.engine"}, "decode": {"file": "decode.engine"}}}))
+    return folder
 
 
 @pytest.fixture
@@ -313,10 +330,7 @@ def test_runner_uses_ort_bookkeeping(fake, bundle, tmp_path):
     from zeroedge.backends.tensorrt import TrtRunner
 
     b, lib = bundle
-    eng = tmp_path / "engines"
-    eng.mkdir()
-    for g in ("prefill", "decode"):
-        (eng / f"{g}.engine").write_bytes(b"ENGINE")
+    eng = fake_engines(b, tmp_path / "engines")
     with TrtRunner(b, eng, lib, slots=8) as r:
         logits = r.prefill(np.array([2, 7, 1, 8]))
         assert np.array_equal(logits, 8 * np.arange(5, dtype=np.float32))
@@ -335,10 +349,7 @@ def test_runner_drives_the_thermal_window_policy(fake, bundle, tmp_path, store):
     from zeroedge.kv.ort_policy import OrtThermalPolicy
 
     b, lib = bundle
-    eng = tmp_path / "engines"
-    eng.mkdir()
-    for g in ("prefill", "decode"):
-        (eng / f"{g}.engine").write_bytes(b"ENGINE")
+    eng = fake_engines(b, tmp_path / "engines")
     pol = OrtThermalPolicy(page_size=2, store=store)
     toks = np.arange(3, 43)                                   # 40 tokens, 20 pages, 16 slots
     with TrtRunner(b, eng, lib, slots=16, policy=pol) as r:

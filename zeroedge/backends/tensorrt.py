@@ -49,7 +49,8 @@ HOW_TO_GET_TRT = ("TensorRT's Python bindings are not installed: on a Jetson use
                   "`sudo apt install python3-libnvinfer` (TensorRT 10.3); elsewhere `pip install "
                   f"{RTX_PIN}` (TensorRT for RTX: builds engines ahead of time, runs them on Ampere / Ada / "
                   "Blackwell GPUs), or use the portable onnxruntime backend")
-HOW_TO_GET_CUDA = "cuda-python is not installed: pip install 'cuda-python>=12.2,<13' (or pip install 'zeroedge[jetson]')"
+HOW_TO_GET_CUDA = ("cuda-python is not installed: on a Jetson (CUDA 12.6) pip install 'zeroedge[jetson]'; with "
+                   "TensorRT-RTX (CUDA 13) pip install 'cuda-python>=13'")
 
 
 class TensorRTMissing(MissingDependency):
@@ -766,7 +767,7 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
     mt = int(max_tokens or max_tokens_from_plan(manifest))
     window = int(manifest.get("window") or 1024)
     meta = {"tensorrt": traits["version"], "backend": f"{traits['name']} {traits['version']}",
-            "cc": cc_label, "plugins": str(plugin_lib.resolve()),
+            "runtime": traits["name"], "bundle_manifest_sha256": _sha256(bundle / "manifest.json"), "cc": cc_label, "plugins": str(plugin_lib.resolve()),
             "plugins_sha256": _sha256(plugin_lib), "serialize_plugins": serialize_plugins,
             "workspace_bytes": ws, "workspace_auto": auto, "max_tokens": mt, "window": window,
             "timing_cache": "timing.cache" if traits["timing_cache"] else None, "engines": {}}
@@ -820,6 +821,51 @@ def engine_line(row: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ run
+
+def gpu_here() -> bool:
+    """A GPU that can run engines: a discrete NVIDIA GPU or a Jetson's integrated one."""
+    return gpu_present() or Path("/etc/nv_tegra_release").is_file()
+
+
+def check_engines(bundle: Path, engines: Path, trt=None) -> dict:
+    """engines.json of ENGINES, checked against the bundle, this TensorRT and this machine before any
+    engine is deserialized (TensorRT's own refusals are a bare None or an abort): built by `zeroedge
+    build` from this very bundle, with the runtime imported here, for the GPU present."""
+    engines = Path(engines)
+    meta_path = engines / "engines.json"
+    if not engines.is_dir():
+        raise UserError(f"engines folder not found: {engines} (make it with: zeroedge build BUNDLE -o {engines})")
+    try:
+        meta = json.loads(meta_path.read_text())
+        assert isinstance(meta, dict) and isinstance(meta.get("engines"), dict)
+    except (OSError, ValueError, AssertionError):
+        raise UserError(f"{meta_path}: missing or unreadable (an engines folder is made by zeroedge build "
+                        f"BUNDLE -o {engines})") from None
+    missing = [g for g in ("prefill", "decode") if g not in meta["engines"]]
+    if missing:
+        raise UserError(f"{engines}: no {' or '.join(missing)} engine (its bundle has no such *.trt.onnx graph)")
+    for g in ("prefill", "decode"):
+        if not (engines / f"{g}.engine").is_file():
+            raise UserError(f"{engines / (g + '.engine')}: missing; rebuild with zeroedge build")
+    want = meta.get("bundle_manifest_sha256")
+    if want is None or want != _sha256(Path(bundle) / "manifest.json"):
+        raise UserError(f"{engines} was not built from {bundle} (its manifest differs): rebuild with "
+                        f"zeroedge build {bundle} -o {engines} --force")
+    trt = trt or import_tensorrt()
+    traits = runtime_traits(trt)
+    if meta.get("backend") != f"{traits['name']} {traits['version']}":
+        raise UserError(f"{engines} was built with {meta.get('backend')}, this machine runs {traits['name']} "
+                        f"{traits['version']}: rebuild the engines here (zeroedge build)")
+    if not gpu_here():
+        raise UserError(f"no NVIDIA GPU here: TensorRT engines run on the GPU they were built for "
+                        f"({'compute capability ' + meta['cc'] if meta.get('cc') else 'the build machine'}); "
+                        "use --backend onnxruntime on this machine")
+    here = gpu_compute_capability()
+    if meta.get("cc") not in (None, "current") and here is not None and here != meta["cc"]:
+        raise UserError(f"{engines} was built for compute capability {meta['cc']}, this GPU is {here}: rebuild "
+                        f"with zeroedge build {bundle} -o {engines} --cc {here} --force")
+    return meta
+
 
 class TrtSession:
     """One engine with an onnxruntime-like `run(None, feed) -> [outputs]` (host numpy in and out)."""
@@ -925,6 +971,10 @@ class TrtRunner(OrtRunner):
             return [o["name"] for o in (graphs.get(g) or {}).get("outputs", [])] or None
 
         engines = Path(engines)
+        self.engines_meta = check_engines(self.dir, engines)
+        if plugin_lib is None and not self.engines_meta.get("serialize_plugins", True):
+            plugin_lib = default_plugin_lib(None)  # built without the library inside: load it here
+        self.pre = self.dec = None
         self.pre = TrtSession(engines / "prefill.engine", plugin_lib, order("prefill"))
         self.dec = TrtSession(engines / "decode.engine", plugin_lib, order("decode"))
         self.sinks, self.decay = sinks, decay

@@ -3,14 +3,18 @@
     zeroedge run smollm2-135m --prompt "In the beginning" --max-new 32
     zeroedge run smollm2-135m --prompt-file doc.txt --max-new 64 --kv-budget 0.1 --json
     zeroedge run smollm2-135m --prompt-file doc.txt --paths --calib art/ --release-level 3
-    zeroedge run smollm2-135m --prompt "..." --backend onnxruntime --bundle bundle/
+    zeroedge run --backend onnxruntime --bundle bundle/ --prompt "..."
+    zeroedge run --backend tensorrt --bundle bundle/ --engines engines/ --prompt "..."
 
 Greedy decoding. The release level gates thermal KV and decode paths per request (L0 off, L1 < 512
 tokens, L2 < 4096 tokens at temperature 0, L3 all). --paths asks for the artifact's decode paths:
 if they cannot run (no path predictors, another model, a level that excludes the request) the
 command fails instead of decoding dense. With --backend onnxruntime the paths are nodes of the
 bundle's decode graph (zeroedge export MODEL --calib PATHS_ARTIFACT): such a bundle runs them on
-every request, so a request its level excludes is refused.
+every request, so a request its level excludes is refused. The bundle backends need no MODEL (the
+bundle has its shapes and tokenizer); a MODEL given with them is checked against the bundle.
+--backend tensorrt serves the engines `zeroedge build BUNDLE -o ENGINES` made from that bundle, on
+the GPU they were built for.
 """
 import click
 
@@ -66,8 +70,22 @@ def tokenizer_for(cfg, *folders):
     raise UserError(f"{cfg.name}: no tokenizer files and a vocabulary of {cfg.vocab_size} (< 256 bytes)")
 
 
+def bundle_config(bundle):
+    """What `run` needs of the model a bundle was exported from (name, vocab_size), from its verified
+    manifest; torch-free, as the device side must be."""
+    from types import SimpleNamespace
+
+    from zeroedge import bundle as bundle_mod
+    from zeroedge.errors import UserError
+
+    model = bundle_mod.read_manifest(bundle).get("model")  # the runner verifies the whole bundle
+    if not isinstance(model, dict) or not isinstance(model.get("vocab_size"), int):
+        raise UserError(f"{bundle}: its manifest has no usable model section; re-export it")
+    return SimpleNamespace(name=str(model.get("name") or "bundle"), vocab_size=model["vocab_size"])
+
+
 @click.command("run")
-@click.argument("model")
+@click.argument("model", required=False)
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(), help="Read the prompt from a file.")
 @click.option("--max-new", type=int, default=32, show_default=True, help="New tokens to generate.")
@@ -77,15 +95,18 @@ def tokenizer_for(cfg, *folders):
 @click.option("--calib", type=click.Path(), help="Calibration artifact with path predictors.")
 @click.option("--release-level", type=int, default=3, show_default=True,
               help="0 off, 1 < 512 tokens, 2 < 4096 tokens at temperature 0, 3 all.")
-@click.option("--backend", type=click.Choice(["torch", "onnxruntime"]), default="torch",
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch",
               show_default=True)
-@click.option("--bundle", type=click.Path(), help="Exported bundle (onnxruntime backend).")
+@click.option("--bundle", type=click.Path(), help="Exported bundle (onnxruntime and tensorrt backends).")
+@click.option("--engines", type=click.Path(), help="TensorRT engines of --bundle (zeroedge build BUNDLE -o DIR).")
+@click.option("--plugins", type=click.Path(), help="tensorrt: the plugin library, when the engines were built "
+              "without it inside (zeroedge build --no-serialize-plugins).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="torch backend device.")
 @click.option("--threads", type=int, default=0, help="CPU threads (0 = default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib, release_level,
-        backend, bundle, device, threads, as_json):
+        backend, bundle, engines, plugins, device, threads, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
     from pathlib import Path
@@ -114,13 +135,16 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         raise UserError(f"--page-size must be >= 1 (got {page_size})")
     if release_level not in LEVELS:
         raise UserError(f"--release-level must be 0, 1, 2 or 3 (got {release_level})")
+    if backend == "torch" and model is None:
+        raise UserError("give MODEL (a bundled name, a preset, an HF folder or a .gguf file), or run an "
+                        "exported bundle with --backend onnxruntime --bundle DIR")
     if paths and calib is None and backend == "torch":
         raise UserError("--paths needs --calib ARTIFACT (made by zeroedge calibrate --paths)")
     if paths and release_level == 0:
         raise UserError("--paths asked for but --release-level 0 turns every mechanism off")
     if calib is not None:
         if backend != "torch":
-            raise UserError("--calib is for the torch backend: --backend onnxruntime runs the decode "
+            raise UserError(f"--calib is for the torch backend: --backend {backend} runs the decode "
                             "paths its bundle was exported with (zeroedge export MODEL --calib ARTIFACT)")
         from zeroedge import calib_artifact
 
@@ -128,19 +152,27 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         if not meta.get("paths"):
             raise UserError(f"{calib} has no decode path predictors (meta section 'paths' is "
                             "missing): re-run zeroedge calibrate with --paths")
-    if backend == "onnxruntime":
+    if backend != "torch":
         if bundle is None:
-            raise UserError("--backend onnxruntime needs --bundle DIR (made by zeroedge export)")
+            raise UserError(f"--backend {backend} needs --bundle DIR (made by zeroedge export)")
         if not Path(bundle).is_dir():
             raise UserError(f"bundle not found: {bundle}")
     elif bundle is not None:
-        raise UserError("--bundle is for --backend onnxruntime")
+        raise UserError("--bundle is for --backend onnxruntime or tensorrt")
+    if backend == "tensorrt":
+        if engines is None:
+            raise UserError(f"--backend tensorrt needs --engines DIR (made by zeroedge build {bundle} -o DIR)")
+    elif engines is not None or plugins is not None:
+        raise UserError("--engines and --plugins are for --backend tensorrt")
     if threads < 0:
         raise UserError("--threads must be >= 0")
 
     # -- model, session, request -----------------------------------------------------------------
-    m, cfg, folder = resolve(model, need_weights=backend == "torch")
-    tok = tokenizer_for(cfg, bundle if backend == "onnxruntime" else None, folder)
+    if model is None:
+        m, cfg, folder = None, bundle_config(bundle), None
+    else:
+        m, cfg, folder = resolve(model, need_weights=backend == "torch")
+    tok = tokenizer_for(cfg, bundle if backend != "torch" else None, folder)
     ids = tok.encode(prompt, add_special_tokens=False)
     if not ids:
         raise UserError("the prompt encodes to no tokens")
@@ -159,15 +191,17 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         if dev == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device here")
         m = m.to(dev)
-    sess = ServingSession(m, backend=backend, bundle=bundle, kv_budget=budget, page_size=page_size,
+    sess = ServingSession(m, backend=backend, bundle=bundle, engines=engines, plugin_lib=plugins,
+                          kv_budget=budget, page_size=page_size,
                           paths=calib if backend == "torch" else (True if paths else None),
                           release_level=release_level, threads=threads or None,
-                          model_cfg=cfg, on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
+                          model_cfg=cfg if model is not None else None,
+                          on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
     res = sess.generate(ids, max_new, paths=True if paths else None,
                         eos=getattr(tok, "eos_token_id", None))
     text = tok.decode(res.tokens, skip_special_tokens=True)
     if as_json:
-        click.echo(json.dumps({"model": model, "backend": backend, "text": text, **res.to_dict(),
+        click.echo(json.dumps({"model": model or cfg.name, "backend": backend, "text": text, **res.to_dict(),
                                "metrics": sess.metrics}))
         return
     click.echo(text)

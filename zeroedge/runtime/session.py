@@ -22,6 +22,8 @@ ThermalPathsDecoder (both); on CUDA with CUDA graphs. "onnxruntime" runs OrtRunn
 fixed-slot window, dense (a window of every position) or with OrtThermalPolicy (pages, heat, an
 int8 store); a bundle exported with a magnitude paths artifact runs its ZeroEdgePathsFFN nodes there,
 and a request its release level does not allow sparse is refused, never decoded dense instead.
+"tensorrt" is the same loop over the bundle's TensorRT engines (TrtRunner, built by `zeroedge build`):
+the two bundle backends differ only in the runner they open.
 
 Units of `pages_migrated`: torch counts (layer, kv head) page fetches into the slot window (the
 PageTable's unit); onnxruntime counts pages of P positions across all layers (its window is shared).
@@ -39,6 +41,7 @@ from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate
 
 MIN_THERMAL_TOKENS = 32
+BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
 
 
 @dataclass
@@ -117,9 +120,9 @@ class ServingSession:
                  paths_level: Optional[int] = None, trip_pages: int = 1200, trip_requests: int = 5,
                  on_alert: Optional[Callable[[str], None]] = None, graph: bool = True,
                  threads: Optional[int] = None, thermal_opts: Optional[dict] = None,
-                 model_cfg=None):
-        if backend not in ("torch", "onnxruntime"):
-            raise UserError(f"backend must be torch or onnxruntime (got {backend!r})")
+                 model_cfg=None, engines=None, plugin_lib=None):
+        if backend not in BACKENDS:
+            raise UserError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
         if kv_budget is not None:
             try:
                 ok = 0 < float(kv_budget) <= 1
@@ -144,19 +147,19 @@ class ServingSession:
                 raise UserError("the serving session is inference-only: call model.eval() first")
         else:
             if bundle is None:
-                raise UserError("the onnxruntime backend needs --bundle DIR (an exported bundle)")
-            self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg)
+                raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
+            self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg, engines, plugin_lib)
         self.bundle_paths = []
         if backend == "torch":
             if paths is not None:
                 self.policies = path_policies(model, paths)
         else:
-            # onnxruntime: decode paths are nodes of the bundle's decode graph (zeroedge export with a
-            # paths artifact), on for every request; a paths artifact here would be a second source
+            # bundle backends: decode paths are nodes of the bundle's decode graph (zeroedge export with
+            # a paths artifact), on for every request; a paths artifact here would be a second source
             cal = self.runner.manifest.get("calibration") or {}
             self.bundle_paths = list(cal.get("paths_layers") or [])
             if paths is not None and not isinstance(paths, bool):
-                raise UserError("the onnxruntime backend runs the decode paths its bundle was exported "
+                raise UserError(f"the {backend} backend runs the decode paths its bundle was exported "
                                 "with: give --bundle only (zeroedge export MODEL --calib PATHS_ARTIFACT)")
             if paths and not self.bundle_paths:
                 raise UserError(f"{bundle} has no decode paths (its decode graph is dense): export it with "
@@ -212,7 +215,7 @@ class ServingSession:
             out["thermal_kv_reason"] = f"prompt under {MIN_THERMAL_TOKENS} tokens bypasses thermal KV"
         else:
             out["thermal_kv"] = True
-        if self.bundle_paths:             # onnxruntime: the graph always runs them
+        if self.bundle_paths:             # bundle backends: the graph always runs them
             if paths is False:
                 raise UserError("this bundle's decode graph runs decode paths on every request: "
                                 "use a bundle exported without them to decode dense")
@@ -380,15 +383,22 @@ class ServingSession:
         return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
                       device_kv, full, int(moved) if thermal else 0, detail)
 
-    # -- onnxruntime ---------------------------------------------------------------------------
-    def _open_bundle(self, bundle, threads, want_cfg=None):
+    # -- bundle backends: onnxruntime, tensorrt ------------------------------------------------
+    def _open_bundle(self, bundle, threads, want_cfg=None, engines=None, plugin_lib=None):
         from pathlib import Path
-
-        from zeroedge.backends.onnxruntime import OrtRunner
 
         if not Path(bundle).is_dir():
             raise UserError(f"bundle not found: {bundle}")
-        self.runner = OrtRunner(bundle, threads=threads)
+        if self.backend == "tensorrt":
+            from zeroedge.backends.tensorrt import TrtRunner
+
+            if engines is None:
+                raise UserError("the tensorrt backend needs --engines DIR (made by zeroedge build BUNDLE -o DIR)")
+            self.runner = TrtRunner(bundle, engines, plugin_lib)
+        else:
+            from zeroedge.backends.onnxruntime import OrtRunner
+
+            self.runner = OrtRunner(bundle, threads=threads)
         cfg = self.runner.manifest["model"]
         if want_cfg is not None:
             from zeroedge.calib_artifact import shape_mismatch
@@ -404,7 +414,7 @@ class ServingSession:
 
         r, T, ps = self.runner, len(prompt), self.page_size
         if T < 2:
-            raise UserError("the onnxruntime backend needs a prompt of at least 2 tokens")
+            raise UserError(f"the {self.backend} backend needs a prompt of at least 2 tokens")
         n = T + max_new
         if mech["thermal_kv"]:
             pol = OrtThermalPolicy(page_size=ps, **self.thermal_opts)
@@ -428,7 +438,7 @@ class ServingSession:
         t2 = time.perf_counter()
         full = 2 * r.L * r.nkv * n * r.hd * 4
         device_kv = r.window_bytes()
-        detail = {"decoder": "OrtRunner", "backend": "onnxruntime", "window_slots": r.slots,
+        detail = {"decoder": type(r).__name__, "backend": self.backend, "window_slots": r.slots,
                   "graph_decode_s": r.timings["decode_s"] - d0}
         if self.bundle_paths:
             detail["paths_layers"] = self.bundle_paths

@@ -20,6 +20,7 @@ COMMANDS = {
     "plan": "plan",
     "daemon": "daemon",
     "sensor-eval": "sensor_eval",
+    "sensor-fit": "sensor_fit",
     "deploy": "deploy",
     "rollback": "rollback",
     "status": "status",

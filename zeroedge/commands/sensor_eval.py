@@ -13,7 +13,8 @@ def cmd(files, onset, as_json, bundle, backend):
     """Run each 52-column TEP run FILE through the daemon's inference path (per-stream window,
     model, alarm filter; inference on every reading) and report fdr (fraction of samples from
     ONSET on that alarmed), far (fraction before ONSET that did), delay (samples from ONSET to
-    the first alarm that stays raised for 6 samples) and predicted_fault."""
+    the first alarm that stays raised for 6 samples) and predicted_fault. A run whose first window
+    does not look like the normal operation the bundle was fitted on gets a warning on stderr."""
     import json
 
     from zeroedge.errors import UserError
@@ -32,6 +33,8 @@ def cmd(files, onset, as_json, bundle, backend):
         if onset > len(X):
             raise UserError(f"{f}: --onset {onset} is past the end of the run ({len(X)} samples)")
         m = evaluate_frames(det, X, onset, sensor=str(f))
+        if m.get("warning"):
+            click.echo(f"zeroedge: warning: {f}: {m['warning']}", err=True)
         out = {"file": str(f), "fdr": m["fdr"], "far": m["far"], "delay": m["delay"],
                "predicted_fault": m["predicted_fault"], "samples": m["samples"], "onset": onset}
         if as_json:

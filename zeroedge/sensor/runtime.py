@@ -12,6 +12,12 @@
 
 Alarm rule: score = 1 - P(normal); s = EMA(score, alpha); the alarm is raised while s > threshold.
 Both numbers come from the bundle (chosen on validation runs for a target false-alarm rate).
+
+Bundles made by `zeroedge sensor-fit` also carry a `monitor` (Hotelling T^2 on the plant's own
+principal components): P(normal) is scaled by 1 - sigmoid(steepness * (T^2/limit - 1)) of the last
+frame, so data far from the plant's normal operation alarm even where the classifier has never seen
+anything like them; and a `profile` of their normal data, which `drift_check` compares a stream's
+first window with (the warning of `sensor-eval` and the daemon).
 """
 from __future__ import annotations
 
@@ -77,6 +83,8 @@ class Detector:
         alarm = meta["alarm"]
         self.threshold = float(alarm["threshold"])
         self.alpha = float(alarm["ema_alpha"])
+        self.monitor = _monitor_arrays(meta.get("monitor"))
+        self.profile = meta.get("profile")
 
     @classmethod
     def from_checkpoint(cls, path: Path) -> "Detector":
@@ -92,7 +100,67 @@ class Detector:
 
     def probs(self, windows: np.ndarray) -> np.ndarray:
         """windows: (B, T, channels) raw frames, T <= window -> (B, n_classes) probabilities."""
-        return self.backend(np.ascontiguousarray(self.normalise(windows), dtype=np.float32))
+        z = np.ascontiguousarray(self.normalise(windows), dtype=np.float32)
+        p = self.backend(z)
+        if self.monitor is not None:
+            p = apply_monitor(self.monitor, p, z[:, -1])
+        return p
+
+    def drift_check(self, frames: np.ndarray) -> Optional[str]:
+        """None if the frames (a stream's first window, raw) look like the normal operation the
+        bundle was fitted on; else one sentence saying which channel is how far out.
+
+        Per channel, the mean of the normalised frames is compared with the largest window mean seen
+        in the fit data's normal operation (bundles from sensor-fit record it; for others 1.5 is
+        assumed): beyond max(4, 2 x that) standard deviations is "unlike the fit data"."""
+        z = self.normalise(frames)
+        if len(z) == 0:
+            return None
+        m = np.abs(z.mean(0))
+        spread = np.asarray((self.profile or {}).get("max_abs_window_mean") or [1.5] * self.channels, np.float32)
+        limit = np.maximum(4.0, 2.0 * spread)
+        over = m / limit
+        c = int(np.argmax(over))
+        if over[c] <= 1.0:
+            return None
+        n_out = int((over > 1.0).sum())
+        name = f"XMEAS({c + 1})" if c < 41 and self.channels == 52 else (
+            f"XMV({c - 40})" if self.channels == 52 else f"column {c + 1}")
+        return (f"the first {len(z)} samples do not look like the normal operation this bundle was fitted "
+                f"on: {name} (column {c + 1}) averages {m[c]:.1f} standard deviations from the fit data's "
+                f"mean ({n_out} of {self.channels} channels beyond their limit); expect false alarms: fit "
+                f"the detector to this plant with `zeroedge sensor-fit`")
+
+
+def _monitor_arrays(mon):
+    if not mon:
+        return None
+    return {"center": np.asarray(mon["center"], np.float32), "components": np.asarray(mon["components"], np.float32),
+            "inv_var": np.asarray(mon["inv_var"], np.float32), "limit": float(mon["limit"]),
+            "steepness": float(mon["steepness"])}
+
+
+def monitor_t2(mon, z: np.ndarray) -> np.ndarray:
+    """Hotelling T^2 of normalised frames (N, channels) on the monitor's components."""
+    if not isinstance(mon.get("components"), np.ndarray):
+        mon = _monitor_arrays(mon)
+    t = (np.asarray(z, np.float32) - mon["center"]) @ mon["components"]
+    return (t * t) @ mon["inv_var"]
+
+
+def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray) -> np.ndarray:
+    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)); the fault classes
+    share the rest in their own proportions (argmax unchanged)."""
+    t2 = monitor_t2(mon, z_last).astype(np.float64)
+    x = np.clip(mon["steepness"] * (t2 / mon["limit"] - 1.0), -60, 60)
+    a = 1.0 / (1.0 + np.exp(-x))
+    p = np.asarray(p, np.float64)
+    pn = p[:, 0] * (1.0 - a)
+    rest = np.maximum(1.0 - p[:, 0], 1e-12)
+    out = p.copy()
+    out[:, 1:] *= ((1.0 - pn) / rest)[:, None]
+    out[:, 0] = pn
+    return out.astype(np.float32)
 
 
 def load_bundle(path, backend: str = "onnxruntime", threads: int = 1) -> Detector:
@@ -166,6 +234,7 @@ class Engine:
         self.infer_interval_s = float(infer_interval_s)
         self.streams: dict[str, StreamState] = {}
         self.latencies: list = []          # seconds per inference call / window (bounded)
+        self.warnings: list = []           # drift warnings not yet collected (pop_warnings)
 
     def stream(self, sensor: str) -> StreamState:
         s = self.streams.get(sensor)
@@ -181,12 +250,22 @@ class Engine:
         for sensor, seq, values, ts in readings:
             st = self.stream(sensor)
             st.push(values, seq)
+            if st.n == self.det.window and len(self.warnings) < 1000:     # once per stream, at its first full window
+                w = self.det.drift_check(st.snapshot())
+                if w:
+                    self.warnings.append((sensor, w))
             if st.since_infer >= self.infer_every or (
                     self.infer_interval_s and now - st.last_infer_t >= self.infer_interval_s):
                 due.append((st, seq, ts, st.snapshot(), st.n))
                 st.since_infer = 0
                 st.last_infer_t = now
         return self._infer(due)
+
+    def pop_warnings(self) -> list:
+        """[(sensor, message)] raised since the last call: streams whose first window does not look
+        like the bundle's fit data (Detector.drift_check)."""
+        w, self.warnings = self.warnings, []
+        return w
 
     def tick(self, now: Optional[float] = None) -> list:
         """Time-based inference: streams with unseen readings older than infer_interval_s."""
@@ -232,6 +311,21 @@ class Engine:
         return out
 
 
+def evaluate_scores(detector: Detector, frames: np.ndarray, probs: bool = False) -> np.ndarray:
+    """Per-sample scores 1 - P(normal) of a whole run with the daemon's view (up to `window` frames of
+    context each), batched; probs=True gives the (T, classes) probabilities instead."""
+    W = detector.window
+    T = len(frames)
+    out = np.zeros((T, len(detector.class_names)), np.float32)
+    for t in range(min(T, W)):                      # the first windows are shorter (a fresh stream)
+        out[t] = detector.probs(frames[None, :t + 1])[0]
+    idx = np.arange(W, T)
+    for c in range(0, len(idx), 512):
+        ii = idx[c:c + 512]
+        out[ii] = detector.probs(np.stack([frames[i - W + 1:i + 1] for i in ii]))
+    return out if probs else 1.0 - out[:, 0]
+
+
 def evaluate_frames(detector: Detector, frames: np.ndarray, onset: int, sensor: str = "eval") -> dict:
     """Run a whole run through an Engine exactly as the daemon does (infer every reading) and score
     it: fdr, far, delay, predicted_fault (majority class named after the first sustained alarm)."""
@@ -251,6 +345,8 @@ def evaluate_frames(detector: Detector, frames: np.ndarray, onset: int, sensor: 
         m["predicted_fault"] = "normal"
     m["samples"] = len(frames)
     m["onset"] = onset
+    warns = eng.pop_warnings()
+    m["warning"] = warns[0][1] if warns else None
     m["_alarm"] = alarm
     m["_score"] = np.array([r["ema"] for r in res])
     return m

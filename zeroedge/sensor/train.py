@@ -243,6 +243,7 @@ def export_bundle(out_dir, weights: Optional[Path] = None, opset: int = 17, zero
     shutil.copyfile(weights, tmp / "weights.npz")
     sensor = {k: meta[k] for k in ("window", "channels", "class_names", "normalisation", "alarm",
                                    "hard_faults", "config")}
+    sensor.update({k: meta[k] for k in ("monitor", "profile", "fit") if k in meta})   # sensor-fit bundles
     sensor.update(onnx="model.onnx", weights="weights.npz", input="frames", output="probs",
                   opset=opset, zero=bool(zero))
     m = zb.write_manifest(tmp, {"kind": "sensor", "opset": opset, "sensor": sensor})

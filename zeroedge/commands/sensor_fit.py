@@ -1,0 +1,87 @@
+"""`zeroedge sensor-fit NORMAL_FILE... [--faults FILE...] -o BUNDLE`: fit the sensor detector to a plant."""
+import click
+
+
+@click.command("sensor-fit")
+@click.argument("normal_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--faults", "fault_files", multiple=True, type=click.Path(dir_okay=False),
+              help="A labelled fault run (faulty from its first sample); repeat, or list several after one "
+                   "--faults. The class comes from the name dNN.dat (d01.dat = fault_01) or --label.")
+@click.option("--label", "labels", multiple=True, metavar="FILE=N",
+              help="The fault class of a --faults file whose name does not say it (N or fault_NN); repeatable.")
+@click.option("--far", type=float, default=0.01, show_default=True,
+              help="Target false-alarm rate on held-out normal data.")
+@click.option("--window", type=int, default=32, show_default=True, help="Frames of context per decision.")
+@click.option("-o", "--out", "out", required=True, type=click.Path(), help="The sensor bundle folder to write.")
+@click.option("--force", is_flag=True, help="Replace an existing -o folder.")
+@click.option("--max-steps", type=int, default=3000, show_default=True,
+              help="Fine-tuning steps at most (early stopping usually ends sooner).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=2, show_default=True, help="CPU threads for torch.")
+@click.option("--json", "as_json", is_flag=True, help="Print the fit summary as one JSON object.")
+def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, seed, threads, as_json):
+    """Fit the sensor detector to a plant from its own runs: normalisation from NORMAL_FILE(s)
+    (52 columns, one row per sample; a file stored transposed is transposed back), the alarm threshold
+    for the target --far on their held-out tail, and, with --faults, a fine-tune of the shipped
+    detector on this CPU (early stopping on the held-out tail of every file). Writes a sensor bundle
+    that zeroedge daemon, deploy and sensor-eval take like the shipped one; its manifest records the
+    files, their hashes, the split, the FAR chosen and the validation figures."""
+    import json
+    import sys
+
+    from zeroedge.errors import UserError
+    from zeroedge.sensor import fit as F
+
+    if max_steps < 0:
+        raise UserError("--max-steps must be >= 0")
+    if threads < 1:
+        raise UserError("--threads must be >= 1")
+    # a --faults value may be followed by more files (`--faults d01.dat d02.dat ...`): click hands
+    # those over as NORMAL_FILE arguments after the first --faults; sys.argv tells which they were
+    normal, faults = _split_args(list(normal_files), list(fault_files), sys.argv)
+    log = (lambda s: click.echo(s, err=True))
+    man = F.fit(normal, faults, labels, far=far, window=window, out=out, force=force, max_steps=max_steps,
+                seed=seed, threads=threads, log=log)
+    s = man["sensor"]
+    summary = {"bundle": str(out), "window": s["window"], "threshold": s["alarm"]["threshold"],
+               "ema_alpha": s["alarm"]["ema_alpha"], "far_target": far,
+               "held_out_far": s["fit"]["validation"]["far"], "held_out_fdr": s["fit"]["validation"]["fdr"],
+               "unobservable": s["fit"]["unobservable_classes"], "seconds": s["fit"]["seconds"]}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"sensor bundle -> {out}: threshold {summary['threshold']:.6f}, EMA alpha {summary['ema_alpha']}, "
+                   f"held-out FAR {summary['held_out_far']:.3f}"
+                   + ("" if summary["held_out_fdr"] is None else f", held-out FDR {summary['held_out_fdr']:.3f}"))
+
+
+def _split_args(normal, faults, argv):
+    """Files given positionally after a --faults option belong to --faults (so `--faults d01.dat
+    d02.dat ... d21.dat` works as the shell-friendly form)."""
+    argv = list(argv)
+    try:
+        first = next(i for i, a in enumerate(argv) if a == "--faults" or a.startswith("--faults="))
+    except StopIteration:
+        return normal, faults
+    after = set()
+    i = first
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            break
+        if a.startswith("-"):
+            if a in ("--faults", "--label", "--far", "--window", "-o", "--out", "--max-steps", "--seed",
+                     "--threads"):
+                i += 2
+                continue
+            i += 1
+            continue
+        after.add(a)
+        i += 1
+    from pathlib import Path
+
+    from zeroedge.sensor.fit import label_from_name
+
+    moved = [f for f in normal if f in after and label_from_name(Path(f)) != 0]
+    kept = [f for f in normal if f not in after]
+    return kept, faults + moved

@@ -269,6 +269,8 @@ class Daemon:
         t0 = time.perf_counter()
         results = self.engine.process(readings)
         dt = time.perf_counter() - t0
+        for sensor, w in self.engine.pop_warnings():      # a stream unlike the bundle's fit data
+            self.log.warning(f"sensor={_printable(sensor)}: {w}")
         if results:
             self.metrics.infer_latency.observe(dt)
         return self._emit([r[0] for r in rows], results, received, touched={s for s, *_ in readings})

@@ -87,7 +87,10 @@ def parse_labels(specs) -> dict:
         if "=" not in s:
             raise UserError(f"--label {s!r}: use FILE=CLASS (e.g. run7.dat=3 or run7.dat=fault_03)")
         f, c = s.rsplit("=", 1)
-        out[str(Path(f).resolve())] = class_index(c, f"--label {s!r}")
+        k = class_index(c, f"--label {s!r}")
+        out[str(Path(f).resolve())] = k
+        if Path(f).name == f:
+            out[f] = k
     return out
 
 
@@ -127,6 +130,8 @@ def load_inputs(normal_files, fault_files=(), label_specs=(), window: int = 32):
         seen.add(key)
         X = read_run(p)
         k = labels.pop(key, None)
+        if k is None:                            # --label NAME=N also matches by file name
+            k = labels.pop(p.name, None)
         if k is None:
             k = label_from_name(p)
             if k is None:
@@ -139,8 +144,10 @@ def load_inputs(normal_files, fault_files=(), label_specs=(), window: int = 32):
             raise UserError(f"{p}: {len(X)} samples, fewer than the window ({window}) + 8: too short to "
                             f"train or validate on")
         faults.append(RunFile(p, X, k, _sha256(p)))
-    if labels:
-        raise UserError(f"--label names a file that is not among --faults: {next(iter(labels))}")
+    used = {str(Path(r.path).resolve()) for r in faults} | {r.path.name for r in faults}
+    extra = [k for k in labels if k not in used]
+    if extra:
+        raise UserError(f"--label names a file that is not among --faults: {extra[0]}")
     n_normal = sum(len(r.data) for r in normal)
     need = 4 * window
     if n_normal < need:

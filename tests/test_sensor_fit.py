@@ -1,0 +1,219 @@
+"""zeroedge sensor-fit: a bundle fitted to the standard TEP training runs, its provenance, the
+sensor-eval contract on it, the drift warning (sensor-eval and daemon), and bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tep-braatz"
+
+
+def _write(path, X):
+    np.savetxt(path, X, fmt="%.6g")
+    return path
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """Fit files: d00[:340] and d01/d02/d06/d09 [:320]; held-out runs: d00[340:] then dNN[320:]."""
+    from zeroedge.sensor.tep import load_run
+
+    root = tmp_path_factory.mktemp("split")
+    d0 = load_run(SHARED / "d00.dat")
+    fit = {"normal": _write(root / "d00.dat", d0[:340])}
+    held = {}
+    for f in (1, 2, 6, 9):
+        X = load_run(SHARED / f"d{f:02d}.dat")
+        fit[f] = _write(root / f"d{f:02d}.dat", X[:320])
+        held[f] = _write(root / f"test_{f:02d}.dat", np.concatenate([d0[340:], X[320:]]))
+    held[0] = _write(root / "test_normal.dat", d0[340:])
+    return root, fit, held
+
+
+@pytest.fixture(scope="module")
+def fitted(split):
+    root, fit, _ = split
+    out = root / "bundle"
+    # the contract's shape: one --faults followed by more files
+    p = run_cli("sensor-fit", fit["normal"], "--faults", fit[1], fit[2], fit[6], fit[9], "-o", out,
+                "--max-steps", 200, "--json", check_rc=0)
+    return out, json.loads(p.stdout.splitlines()[-1]), p.stderr
+
+
+def test_fit_manifest_records_provenance(split, fitted):
+    from zeroedge import bundle as zb
+    from zeroedge.sensor.fit import _sha256
+
+    root, fit, _ = split
+    out, summary, log = fitted
+    m = zb.verify(out)
+    assert m["kind"] == "sensor" and set(m["files"]) == {"model.onnx", "weights.npz"}
+    s = m["sensor"]
+    prov = s["fit"]
+    assert [f["file"] for f in prov["normal_files"]] == [str(fit["normal"])]
+    assert prov["normal_files"][0]["sha256"] == _sha256(fit["normal"])
+    assert {f["class"]: f["sha256"] for f in prov["fault_files"]} == {
+        f"fault_{k:02d}": _sha256(fit[k]) for k in (1, 2, 6, 9)}
+    assert prov["split"]["normal"][0]["train"] == [0, 255] and prov["split"]["normal"][0]["held_out"] == [255, 340]
+    # fault 9 leaves no trace in the measurements: recognised, its windows train the normal class
+    assert prov["unobservable_classes"] == ["fault_09"] and "fault_09" in log
+    assert prov["train"]["best_step"] <= prov["train"]["steps"] <= 200
+    assert s["alarm"]["far_target"] == 0.01 and 0 < s["alarm"]["threshold"] < 1
+    assert s["alarm"]["val_far"] <= 0.01 and summary["held_out_far"] == s["alarm"]["val_far"]
+    assert set(prov["validation"]["per_class"]) == {"fault_01", "fault_02", "fault_06"}
+    # the normalisation is the plant's own (training part of d00), not the shipped one
+    from zeroedge.sensor.tep import load_run
+
+    np.testing.assert_allclose(s["normalisation"]["mean"], load_run(fit["normal"])[:255].mean(0), rtol=1e-4)
+    assert len(s["monitor"]["components"]) == 52 and s["monitor"]["limit"] > 0
+
+
+def test_fitted_bundle_detects_held_out_runs(split, fitted):
+    _, _, held = split
+    out, _, _ = fitted
+    files = [held[1], held[2], held[6], held[0]]
+    p = run_cli("sensor-eval", "--bundle", out, *files, "--onset", 160, "--json", check_rc=0)
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [r["file"] for r in rows] == [str(f) for f in files]
+    for r in rows[:3]:
+        assert {"file", "fdr", "far", "delay", "predicted_fault"} <= set(r)
+        assert r["fdr"] > 0.8 and r["far"] <= 0.1 and r["delay"] is not None
+    assert [r["predicted_fault"] for r in rows[:3]] == ["fault_01", "fault_02", "fault_06"]
+    assert rows[3]["far"] <= 0.1                    # the held-out normal tail (all of it before onset)
+    assert "warning" not in p.stderr                # the plant's own data: no drift warning
+    # the same bundle through the torch backend gives the same decisions
+    p2 = run_cli("sensor-eval", "--bundle", out, held[1], "--onset", 160, "--json", "--backend", "torch",
+                 check_rc=0)
+    r2 = json.loads(p2.stdout)
+    assert abs(r2["fdr"] - rows[0]["fdr"]) <= 0.01 and r2["predicted_fault"] == "fault_01"
+
+
+def test_normal_only_fit_keeps_shipped_weights_and_calibrates(split, tmp_path):
+    from zeroedge import bundle as zb
+    from zeroedge.sensor.runtime import evaluate_frames, load_bundle
+    from zeroedge.sensor.tep import load_run
+    from zeroedge.sensor.train import SHIPPED
+
+    _, fit, held = split
+    out = tmp_path / "normal-only"
+    run_cli("sensor-fit", fit["normal"], "-o", out, "--far", "0.02", check_rc=0)
+    s = zb.verify(out)["sensor"]
+    assert s["fit"]["train"] is None and s["fit"]["fault_files"] == []
+    shipped, mine = np.load(SHIPPED), np.load(out / "weights.npz")
+    assert all(np.array_equal(shipped[k], mine[k]) for k in shipped.files if k != "__meta__")
+    assert s["alarm"]["far_target"] == 0.02 and s["alarm"]["val_far"] <= 0.02
+    det = load_bundle(out)
+    m = evaluate_frames(det, load_run(held[1]), 160)
+    assert m["fdr"] > 0.9 and m["far"] <= 0.1      # fault 1 is far from normal operation
+
+
+def test_drift_warning_shipped_bundle_on_another_plant(sensor_bundle, fitted):
+    from zeroedge.sensor.runtime import Engine, load_bundle
+    from zeroedge.sensor.tep import load_run
+
+    d00 = SHARED / "d00.dat"
+    p = run_cli("sensor-eval", "--bundle", sensor_bundle, d00, "--onset", 100, "--json", check_rc=0)
+    assert json.loads(p.stdout)["file"] == str(d00)           # stdout stays one JSON object per file
+    assert "warning" in p.stderr and "do not look like" in p.stderr and "sensor-fit" in p.stderr
+    X = load_run(d00)[:100]
+    eng = Engine(load_bundle(sensor_bundle))
+    eng.process([(s, i, f, None) for i, f in enumerate(X) for s in ("a", "b")], now=0.0)
+    warns = eng.pop_warnings()
+    assert sorted(s for s, _ in warns) == ["a", "b"] and eng.pop_warnings() == []   # once per stream
+    eng2 = Engine(load_bundle(fitted[0]))
+    eng2.process([("a", i, f, None) for i, f in enumerate(X)], now=0.0)
+    assert eng2.pop_warnings() == []
+
+
+def test_daemon_warns_on_data_unlike_the_bundle(tmp_path, sensor_bundle, fitted):
+    from zeroedge.daemon import testing as T
+    from zeroedge.sensor.tep import load_run
+
+    X = load_run(SHARED / "d00.dat")[:60]
+    lines = "".join(json.dumps(T.reading("line1", i, X[i].tolist())) + "\n" for i in range(len(X)))
+    logs = {}
+    for name, b in (("shipped", sensor_bundle), ("fitted", fitted[0])):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = T.write_config(d / "c.toml", b, {"kind": "stdin"}, T.free_port())
+        p = subprocess.run([sys.executable, "-m", "zeroedge.cli", "daemon", "--config", str(cfg)], input=lines,
+                           text=True, capture_output=True, timeout=120, cwd=d)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert len(T.read_results(d / "results.jsonl")) == len(X)
+        logs[name] = p.stderr
+    assert "sensor=line1: the first 32 samples do not look like" in logs["shipped"]
+    assert "do not look like" not in logs["fitted"]
+
+
+def test_threshold_and_monitor_units():
+    from zeroedge.commands.sensor_fit import _split_args
+    from zeroedge.sensor.fit import choose_threshold
+    from zeroedge.sensor.runtime import apply_monitor
+
+    rng = np.random.default_rng(0)
+    s = 1 / (1 + np.exp(-rng.normal(-6, 1, 4000)))          # log-odds N(-6, 1)
+    thr = choose_threshold(s[:200], 0.01)
+    assert 0.003 < (s > thr).mean() < 0.03                   # ~1 % on data it never saw
+    assert thr >= s[:200].max()
+    assert choose_threshold(s[:200], 0.001) > thr
+    mon = {"center": np.zeros(3, np.float32), "components": np.eye(3, dtype=np.float32)[:, :2],
+           "inv_var": np.ones(2, np.float32), "limit": 4.0, "steepness": 10.0}
+    p = np.array([[0.9, 0.06, 0.04], [0.9, 0.06, 0.04]], np.float32)
+    z = np.array([[0.1, 0.1, 9.0], [3.0, 0.0, 0.0]], np.float32)       # T^2 0.02 and 9 (limit 4)
+    q = apply_monitor(mon, p, z)
+    np.testing.assert_allclose(q.sum(1), 1.0, atol=1e-6)
+    assert q[0, 0] > 0.89 and q[1, 0] < 0.01 and q[1, 1] > q[1, 2]
+    argv = ["zeroedge", "sensor-fit", "n.dat", "--faults", "d01.dat", "d02.dat", "d00b.dat", "-o", "B", "x.dat"]
+    assert _split_args(["n.dat", "d02.dat", "d00b.dat", "x.dat"], ["d01.dat"], argv) == (
+        ["n.dat"], ["d01.dat", "d02.dat", "d00b.dat", "x.dat"])
+
+
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path):
+    from zeroedge.sensor.tep import load_run
+
+    d0 = load_run(SHARED / "d00.dat")
+    ok = _write(tmp_path / "normal.dat", d0)
+    f1 = _write(tmp_path / "d01.dat", load_run(SHARED / "d01.dat")[:100])
+    cols = _write(tmp_path / "cols.dat", d0[:, :40])
+    few = _write(tmp_path / "few.dat", d0[:100])
+    const = d0.copy()
+    const[:, 7] = 3.0
+    const = _write(tmp_path / "const.dat", const)
+    nan = tmp_path / "nan.dat"
+    nan.write_text(ok.read_text().replace("\n", "\nnan " + " ".join(["1"] * 51) + "\n", 1))
+    short = _write(tmp_path / "d02.dat", load_run(SHARED / "d02.dat")[:20])
+    nolabel = _write(tmp_path / "run7.dat", load_run(SHARED / "d07.dat")[:100])
+    garbage = tmp_path / "garbage.dat"
+    garbage.write_bytes(bytes(range(256)) * 10)
+    exists = tmp_path / "exists"
+    exists.mkdir()
+    cases = [
+        ([cols], "52 columns"),
+        ([few], "too few"),
+        ([few, "--window", "16", "--faults", f1, "--window", "64"], "too few"),
+        ([const], "constant"),
+        ([nan], "non-finite"),
+        ([ok, "--faults", short], "fewer than the window"),
+        ([ok, "--faults", nolabel], "--label"),
+        ([ok, "--faults", nolabel, "--label", "run7.dat=99"], "out of range"),
+        ([ok, "--faults", f1, "--label", "other.dat=3"], "not among --faults"),
+        ([garbage], "numeric"),
+        ([tmp_path / "missing.dat"], "no such file"),
+        ([ok, "--faults", ok], "twice"),
+        ([ok, "--far", "0.7"], "--far"),
+        ([ok, "--window", "2"], "--window"),
+    ]
+    for args, words in cases:
+        out = tmp_path / "never"
+        p = run_cli("sensor-fit", *args, "-o", out)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2, (args, p.stderr)
+        assert len(lines) == 1 and lines[0].startswith("zeroedge: error:") and words in lines[0], (args, p.stderr)
+        assert not out.exists() and not list(tmp_path.glob("never*")), args
+    p = run_cli("sensor-fit", ok, "-o", exists)
+    assert p.returncode == 2 and "--force" in p.stderr and list(exists.iterdir()) == []

@@ -11,7 +11,12 @@ bundle/
   weights.bin             every initializer of every graph, deduplicated by content (ONNX external
                           data with offsets): the four graphs share one copy of the weights, except
                           the decode paths' w13_t (fp32 and fp16: no byte-equal tensor elsewhere)
-                          and fp16 wd_t (the fp32 wd_t is the prefill's W_down^T, shared)
+                          and fp16 wd_t (the fp32 wd_t is the prefill's W_down^T, shared).
+                          weights="float16" (the default: a Jetson target's engines run fp16) stores
+                          every float32 weight as float16 followed by a Cast to float32 in the graph,
+                          so the graphs compute as before from half the bytes (onnxruntime and
+                          TensorRT fold the Cast when they load or build); a tensor float16 cannot
+                          hold (|w| > 65504) stays float32
   tokenizer files         when the model folder has them
   manifest.json           hashes, versions, opset, target, plugin ABI, calibration summary (incl. the
                           decode path layers and thresholds), graph I/O
@@ -75,6 +80,42 @@ class WeightFile:
         self.f.close()
 
 
+WEIGHT_DTYPES = ("float16", "float32")
+FP16_MAX = 65504.0
+
+
+def half_weights(model, min_bytes: int = 1024) -> int:
+    """Store the model's float32 initializers of min_bytes or more as float16 (name + "__fp16") and
+    put a Cast back to float32 under the original name first in the graph: every consumer reads the
+    same name and dtype as before. Returns how many tensors were converted."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    inputs = {vi.name for vi in g.input}
+    casts, n = [], 0
+    for t in g.initializer:
+        if t.data_type != TensorProto.FLOAT or t.data_location == TensorProto.EXTERNAL:
+            continue
+        a = numpy_helper.to_array(t)
+        if a.nbytes < min_bytes or (a.size and not np.abs(a).max() <= FP16_MAX):
+            continue
+        name = t.name
+        t.CopyFrom(numpy_helper.from_array(a.astype(np.float16), name + "__fp16"))
+        casts.append(helper.make_node("Cast", [name + "__fp16"], [name], name=f"{name}__to_fp32",
+                                      to=TensorProto.FLOAT))
+        n += 1
+    if casts:
+        if inputs & {c.output[0] for c in casts}:       # an initializer also listed as a graph input
+            keep = [vi for vi in g.input if vi.name not in {c.output[0] for c in casts}]
+            del g.input[:]
+            g.input.extend(keep)
+        nodes = list(g.node)
+        del g.node[:]
+        g.node.extend(casts + nodes)
+    return n
+
+
 def _all_initializers(model):
     yield from model.graph.initializer
     for n in model.graph.node:                     # Constant nodes too (TorchScript keeps some)
@@ -82,6 +123,20 @@ def _all_initializers(model):
             for a in n.attribute:
                 if a.name == "value" and a.t.ByteSize() > 1024:
                     yield a.t
+
+
+def _float_params(model) -> int:
+    """Float parameters of a graph's initializers (what a runtime holds, whatever weights.bin stores)."""
+    from onnx import TensorProto
+
+    n = 0
+    for t in model.graph.initializer:
+        if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            c = 1
+            for d in t.dims:
+                c *= d
+            n += c
+    return n
 
 
 def graph_io(model) -> dict:
@@ -133,8 +188,9 @@ def calibration_summary(meta: Optional[dict], path, paths: Optional[dict] = None
 
 
 def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", window: int = 1024,
-                  progress=None, force: bool = False) -> dict:
-    """Run the whole export; returns the manifest."""
+                  progress=None, force: bool = False, weights: str = "float16") -> dict:
+    """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
+    (WEIGHT_DTYPES; see the module docstring)."""
     import onnx
     import torch
 
@@ -143,6 +199,8 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     from zeroedge.export import onnx_export, rewrite
 
     step = progress or (lambda msg: None)
+    if weights not in WEIGHT_DTYPES:
+        raise UserError(f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {weights!r})")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise UserError(f"{out} exists and is not empty (use --force to replace it)")
@@ -215,13 +273,17 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             shutil.rmtree(tmp / "_raw")
         step("write bundle")
         wf = WeightFile(tmp / WEIGHTS)
-        files, opsets = {}, {}
+        files, opsets, params, halved = {}, {}, None, 0
         for name in list(graphs):
             g = graphs.pop(name)                             # one proto, or one per flavour
             per = g if isinstance(g, dict) else {"portable": g, "trt": g}
             done = {}
+            if params is None:                               # the prefill graph holds every weight
+                params = _float_params(per["portable"])
             for src in per.values():                         # weights out first: copies are cheap
                 if id(src) not in done:
+                    if weights == "float16":
+                        halved += half_weights(src)
                     done[id(src)] = wf.externalize(src)
             proto = done[id(per["portable"])]
             io = graph_io(proto)
@@ -245,6 +307,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
             "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
             "window": int(window), "dtype": "float32", "graph_files": files,
+            "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved},
             "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
                        "torch": torch.__version__, "onnx": onnx.__version__}})
         if out.exists():

@@ -101,7 +101,7 @@ def tiny_dense(tmp_path_factory):
     out = tmp_path_factory.mktemp("b") / "tiny_dense"
     from zeroedge.export.bundle_writer import export_bundle
 
-    export_bundle("tiny", out, window=64)
+    export_bundle("tiny", out, window=64, weights="float32")  # parity: the graph math, bit for bit
     return out
 
 
@@ -113,7 +113,7 @@ def tiny_zero(tmp_path_factory):
                          prune={"1": [0, 3], "3": [2]})
     from zeroedge.export.bundle_writer import export_bundle
 
-    export_bundle("tiny", d / "bundle", calib=d / "calib", window=64)
+    export_bundle("tiny", d / "bundle", calib=d / "calib", window=64, weights="float32")
     return d / "bundle", meta, t
 
 
@@ -247,13 +247,38 @@ def test_no_pattern_graph_reports_and_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
 
+def test_fp16_weights_halve_the_bundle(tiny_dense, tmp_path):
+    """The default export stores the weights as float16 (a Cast back to float32 in the graph): half the
+    weights.bin of the float32 bundle, the same parameter count for the planner, logits within fp16
+    rounding of the float32 bundle's (and not identical: the weights did change), and a TensorRT
+    flavour that still passes the pre-flight."""
+    from zeroedge import bundle as bundle_mod
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    p = run_cli("export", "tiny", "-o", tmp_path / "h", "--window", "64", "--json", check_rc=0)
+    assert json.loads(p.stdout)["weights"]["dtype"] == "float16"
+    half, full = bundle_mod.verify(tmp_path / "h"), bundle_mod.verify(tiny_dense)
+    assert half["weights"]["params"] == full["weights"]["params"] > 0
+    assert half["files"]["weights.bin"]["bytes"] <= 0.55 * full["files"]["weights.bin"]["bytes"]
+    tokens = np.arange(3, 43) % 256
+    with OrtRunner(tmp_path / "h", slots=64) as a, OrtRunner(tiny_dense, slots=64) as b:
+        la, lb = a.prefill(tokens), b.prefill(tokens)
+        err = rel_err(la, lb)
+        assert 0 < err <= 2e-3, err
+        assert rel_err(a.step(7), b.step(7)) <= 2e-3
+    assert run_cli("check", tmp_path / "h").returncode == 0
+    plans = [json.loads(run_cli("plan", b, "--target", "orin-nano-8gb", "--context", "1024", "--json",
+                                check_rc=0).stdout) for b in (tmp_path / "h", tiny_dense)]
+    assert plans[0]["memory"]["weights"] == plans[1]["memory"]["weights"]
+
+
 def test_smollm2_parity_short(smollm2, tmp_path):
     """Real weights: dense export of SmolLM2, onnxruntime vs the PyTorch reference."""
     from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.export.bundle_writer import export_bundle
 
     m, folder = smollm2
-    export_bundle(str(folder), tmp_path / "b", window=64)
+    export_bundle(str(folder), tmp_path / "b", window=64, weights="float32")
     tokens = torch.randint(0, m.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     ref = torch_greedy_logits(m, tokens, 2)
     with OrtRunner(tmp_path / "b", slots=64) as r:

@@ -59,7 +59,7 @@ def check_foreign(hf, name, tmp_path):
     cfg = cfg_of(hf, name)
     # threshold 0: every token kept -> the rewritten graph computes exactly the original model
     make_calib(tmp_path / "keep_all", None, cfg=cfg, thr={i: 0.0 for i in range(n)})
-    mf = export_bundle(str(tmp_path / "g.onnx"), tmp_path / "b_all", calib=tmp_path / "keep_all")
+    mf = export_bundle(str(tmp_path / "g.onnx"), tmp_path / "b_all", calib=tmp_path / "keep_all", weights="float32")
     assert mf["export"]["rewrite"]["rewritten"] == list(range(n))
     got = run_graph(tmp_path / "b_all" / "prefill.portable.onnx", ids)
     err = np.abs(got - ref).max() / np.abs(ref).max()

@@ -57,7 +57,7 @@ def tiny_paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("paths")
     meta, t = make_calib(d / "c0", "tiny", skip=SIH_SKIP)
     add_paths(d / "calib", meta, t)
-    export_bundle("tiny", d / "bundle", calib=d / "calib", window=64)
+    export_bundle("tiny", d / "bundle", calib=d / "calib", window=64, weights="float32")  # parity
     return d / "bundle"
 
 

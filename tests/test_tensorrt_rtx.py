@@ -308,3 +308,17 @@ def test_smollm2_bundle_graphs_build(rtx, plugin_lib, smollm2, tmp_path):
         print(f"smollm2/{graph}: {e['layers']} layers, {e['plugin_layers']} plugin layers, {e['bytes']} bytes, "
               f"built in {e['seconds']:.2f} s with a {e['workspace_bytes'] >> 20} MiB workspace")
     assert rows["prefill"]["workspace_bytes"] == 1 << 30
+    # the nodes that built become the H200's plugin cases (device_tests/plugin_cases.py): the extractor
+    # reads every one of them, fp16 weights behind their Cast included
+    sys.path.insert(0, str(REPO / "device_tests"))
+    import plugin_cases
+
+    seen = plugin_cases.extract([tmp_path / "b"], tmp_path / "cases", per_op=1)
+    assert len(seen) == sum(e["plugin_layers"] for e in rows.values())
+    written = sorted(r["op"] for r in seen if r["written"])
+    assert written == ["ZeroEdgePathsFFN", "ZeroEdgeSIH"], written
+    import numpy as np
+
+    for case in (tmp_path / "cases").iterdir():
+        w = np.load(case / "weights.npz")
+        assert all(np.isfinite(v).all() and v.dtype == np.float32 for v in w.values())

@@ -69,11 +69,14 @@ def target(name: str) -> Target:
     return TARGETS[name]
 
 
-def model_numbers(manifest: dict, weight_bytes_fp32: int) -> dict:
+def model_numbers(manifest: dict, weight_bytes: int) -> dict:
+    """The model's shapes; params from the manifest's weights section (export records them), else
+    weights.bin's bytes / 4 (bundles from before it: float32 weights)."""
     c = manifest["model"]
     hd = c["dim"] // c["n_heads"]
+    params = int((manifest.get("weights") or {}).get("params") or weight_bytes // 4)
     return {"L": c["n_layers"], "D": c["dim"], "F": c["ffn_dim"], "h": c["n_heads"], "hkv": c["n_kv_heads"],
-            "hd": hd, "V": c["vocab_size"], "params": weight_bytes_fp32 // 4,
+            "hd": hd, "V": c["vocab_size"], "params": params,
             "tied": bool(c.get("tie_embeddings", True))}
 
 

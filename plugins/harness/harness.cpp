@@ -7,6 +7,12 @@
 //   zeroedge_harness LIB.so --gpu    also enqueue every plugin on a CUDA device (SIH / PAD fp32,
 //                                    ZeroEdgePathsFFN fp16 / bf16) and compare with a CPU reference:
 //                                    proves the glue's input/output plumbing
+//   zeroedge_harness LIB.so --run CASE.txt
+//                                    one plugin, created from the fields and run on the inputs CASE.txt
+//                                    names (raw files), its outputs written where it says; Python
+//                                    (device_tests/plugin_cases.py) writes the cases from the nodes of
+//                                    graphs the real TensorRT builder accepted and compares the outputs
+//                                    with zeroedge.backends.plugin_reference
 //
 // Prints one line per group and "harness: N checks passed"; exit code 1 on any failure.
 #include "NvInferRuntime.h"
@@ -21,6 +27,8 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -640,15 +648,147 @@ static void pathsGpuChecks(IPluginCreatorV3One* pc)
     pathsGpuCheck(pc, DataType::kHALF, 1); // the batch-1 kernels
 }
 
+// ------------------------------------------------------------------------- --run CASE.txt
+// Lines: "op NAME" | "field NAME f|i VALUE" | "in|out DTYPE RANK D0 .. FILE" (DTYPE float32, float16,
+// bfloat16 or int32; FILE relative to CASE.txt's folder).
+struct CaseTensor
+{
+    DataType type;
+    std::vector<int64_t> dims;
+    std::string file;
+    size_t bytes() const
+    {
+        size_t n = type == DataType::kFLOAT || type == DataType::kINT32 ? 4 : 2;
+        for (auto d : dims) n *= size_t(d);
+        return n;
+    }
+};
+
+static int runCase(std::map<std::string, IPluginCreatorV3One*>& byName, char const* path)
+{
+    std::ifstream f(path);
+    if (!f)
+    {
+        std::fprintf(stderr, "--run: cannot read %s\n", path);
+        return 2;
+    }
+    std::string dir(path), line, op;
+    dir = dir.find('/') == std::string::npos ? "." : dir.substr(0, dir.rfind('/'));
+    FieldSet fs;
+    std::vector<CaseTensor> ins, outs;
+    std::deque<std::string> names;
+    while (std::getline(f, line))
+    {
+        std::istringstream ls(line);
+        std::string kind;
+        if (!(ls >> kind)) continue;
+        if (kind == "op") ls >> op;
+        else if (kind == "field")
+        {
+            std::string name, t;
+            ls >> name >> t;
+            names.push_back(name);
+            if (t == "f") { float v; ls >> v; fs.fl(names.back().c_str(), v); }
+            else { int32_t v; ls >> v; fs.in(names.back().c_str(), v); }
+        }
+        else if (kind == "in" || kind == "out")
+        {
+            std::string dt;
+            int rank = 0;
+            ls >> dt >> rank;
+            CaseTensor c;
+            c.type = dt == "float32" ? DataType::kFLOAT : dt == "float16" ? DataType::kHALF
+                : dt == "bfloat16" ? DataType::kBF16 : DataType::kINT32;
+            c.dims.resize(size_t(rank));
+            for (auto& d : c.dims) ls >> d;
+            ls >> c.file;
+            c.file = dir + "/" + c.file;
+            (kind == "in" ? ins : outs).push_back(c);
+        }
+    }
+    auto it = byName.find(op);
+    if (it == byName.end())
+    {
+        std::fprintf(stderr, "--run: no creator for op '%s'\n", op.c_str());
+        return 2;
+    }
+    auto fc = fs.fc();
+    IPluginV3* p = it->second->createPlugin("case", &fc, TensorRTPhase::kRUNTIME);
+    auto* rt = cap<IPluginV3OneRuntime>(p, PluginCapabilityType::kRUNTIME);
+    auto* bld = cap<IPluginV3OneBuild>(p, PluginCapabilityType::kBUILD);
+    if (!rt || !bld)
+    {
+        std::fprintf(stderr, "--run: %s refused its fields\n", op.c_str());
+        delete p;
+        return 1;
+    }
+    std::vector<PluginTensorDesc> ind, outd;
+    std::vector<DynamicPluginTensorDesc> dyn, dynOut;
+    std::vector<std::unique_ptr<DevBuf>> bufs;
+    std::vector<void const*> inPtrs;
+    std::vector<void*> outPtrs;
+    for (auto& c : ins)
+    {
+        std::ifstream in(c.file, std::ios::binary);
+        std::vector<char> host(c.bytes());
+        if (!in.read(host.data(), std::streamsize(host.size())))
+        {
+            std::fprintf(stderr, "--run: %s: expected %zu bytes\n", c.file.c_str(), host.size());
+            delete p;
+            return 2;
+        }
+        ind.push_back(pdesc(c.type, c.dims));
+        dyn.push_back(desc(c.type, c.dims));
+        bufs.emplace_back(new DevBuf(host.size()));
+        bufs.back()->put(host);
+        inPtrs.push_back(bufs.back()->p);
+    }
+    for (auto& c : outs)
+    {
+        outd.push_back(pdesc(c.type, c.dims));
+        dynOut.push_back(desc(c.type, c.dims));
+        bufs.emplace_back(new DevBuf(c.bytes()));
+        cudaMemset(bufs.back()->p, 0xff, c.bytes()); // poison: every element must be written
+        outPtrs.push_back(bufs.back()->p);
+    }
+    int rc = 0;
+    if (bld->configurePlugin(dyn.data(), int32_t(dyn.size()), dynOut.data(), int32_t(dynOut.size())) != 0)
+    {
+        std::fprintf(stderr, "--run: %s configurePlugin refused the shapes\n", op.c_str());
+        rc = 1;
+    }
+    else
+    {
+        DevBuf ws(bld->getWorkspaceSize(dyn.data(), int32_t(dyn.size()), dynOut.data(), int32_t(dynOut.size())));
+        cudaMemset(ws.p, 0xff, ws.n);
+        if (rt->enqueue(ind.data(), outd.data(), inPtrs.data(), outPtrs.data(), ws.p, nullptr) != 0
+            || !cudaOk(cudaDeviceSynchronize(), "enqueue"))
+        {
+            std::fprintf(stderr, "--run: %s enqueue failed\n", op.c_str());
+            rc = 1;
+        }
+        for (size_t k = 0; k < outs.size() && rc == 0; ++k)
+        {
+            auto host = bufs[ins.size() + k]->get<char>(outs[k].bytes());
+            std::ofstream o(outs[k].file, std::ios::binary);
+            o.write(host.data(), std::streamsize(host.size()));
+        }
+    }
+    delete p;
+    if (rc == 0) std::printf("run: %s ok\n", op.c_str());
+    return rc;
+}
+
 // ------------------------------------------------------------------------- main
 int main(int argc, char** argv)
 {
     if (argc < 2)
     {
-        std::fprintf(stderr, "usage: %s libzeroedge_plugins.so [--gpu]\n", argv[0]);
+        std::fprintf(stderr, "usage: %s libzeroedge_plugins.so [--gpu | --run CASE.txt]\n", argv[0]);
         return 2;
     }
     bool gpu = argc > 2 && std::strcmp(argv[2], "--gpu") == 0;
+    char const* runPath = argc > 3 && std::strcmp(argv[2], "--run") == 0 ? argv[3] : nullptr;
     void* h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
     if (!h)
     {
@@ -685,6 +825,12 @@ int main(int argc, char** argv)
     CHECK(sihC && gatC && scaC && pathsC,
         "creators for ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter, ZeroEdgePathsFFN");
     if (!sihC || !gatC || !scaC || !pathsC) return 1;
+    if (runPath)
+    {
+        int rc = runCase(byName, runPath);
+        setLoggerFinder(nullptr);
+        return rc;
+    }
 
     // field names advertised
     PluginFieldCollection const* names = sihC->getFieldNames();

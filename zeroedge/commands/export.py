@@ -12,11 +12,14 @@ import click
 @click.option("--target", default="jetpack-6.2", show_default=True, help="device software target")
 @click.option("--window", default=1024, show_default=True, type=int,
               help="hot KV slots the decode runner allocates by default")
+@click.option("--weights", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True,
+              help="how weights.bin stores the weights: fp16 (what the Jetson engines run; half the bundle), "
+                   "or fp32 (the graphs then match the PyTorch model bit for bit in onnxruntime)")
 @click.option("--force", is_flag=True, help="replace a non-empty output directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
 @click.option("--sign", "sign_key", type=click.Path(dir_okay=False), metavar="KEY",
               help="sign the manifest with this key (zeroedge keygen); same as `zeroedge sign` after")
-def cmd(model, calib, out, target, window, force, as_json, sign_key):
+def cmd(model, calib, out, target, window, weights, force, as_json, sign_key):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
@@ -51,7 +54,7 @@ def cmd(model, calib, out, target, window, force, as_json, sign_key):
                 console.log(msg)
         try:
             mf = export_bundle(model, out, calib=calib, target=target, window=window,
-                               progress=step, force=force)
+                               progress=step, force=force, weights={"fp16": "float16", "fp32": "float32"}[weights])
         except NoPattern as e:
             r = e.report
             console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "
@@ -64,7 +67,7 @@ def cmd(model, calib, out, target, window, force, as_json, sign_key):
     total = sum(f["bytes"] for f in mf["files"].values())
     summary = {"bundle": str(out), "files": len(mf["files"]), "bytes": total,
                "seconds": mf["export"]["seconds"], "rewrite": mf["export"].get("rewrite"),
-               "graphs": sorted(mf["graph_files"])}
+               "graphs": sorted(mf["graph_files"]), "weights": mf["weights"]}
     if sign_key:
         from zeroedge.bundle import sign
 

@@ -1,0 +1,231 @@
+"""The plugins' enqueue paths on a GPU, on the very nodes a real TensorRT builder accepted.
+
+TensorRT-RTX builds our graphs in CI but runs no engine on the H200 (compute capability 9.0). So the
+nodes of bundles whose engines built (fields, weights, shapes) are written out on the workstation, and
+on the GPU the harness (`zeroedge_harness LIB --run CASE.txt`) creates each plugin from exactly those
+fields and enqueues it; the outputs are compared with zeroedge.backends.plugin_reference.
+
+    python device_tests/plugin_cases.py extract BUNDLE... -o cases/          # workstation (onnx)
+    python device_tests/plugin_cases.py run cases/ --harness H --lib LIB     # GPU machine (torch)
+
+extract: one folder per plugin node, `node.json` (op, fields as the graph gives them, where it came
+from) and `weights.npz` (SIH: its head and anchor; PathsFFN: w13_t, wd_t). run: SIH at several
+prompt lengths in float32 and float16, then PAD gather / scatter on its keep mask; PathsFFN at
+B = 1, 4, 8 in float16 and bfloat16. Prints one line per check and a summary; exit 1 on a mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIH_T = (40, 300, 2048)
+PATHS_B = (1, 4, 8)
+
+
+# ------------------------------------------------------------------------------ workstation side
+
+def _initializer_of(graph, name: str):
+    """The float32 array behind `name`: an initializer, or one seen through a Cast (fp16 weights)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in graph.initializer}
+    if name in inits:
+        return numpy_helper.to_array(inits[name]).astype(np.float32)
+    for n in graph.node:
+        if n.op_type == "Cast" and n.output[0] == name and n.input[0] in inits:
+            return numpy_helper.to_array(inits[n.input[0]]).astype(np.float32)
+    return None
+
+
+def extract(bundles, out: Path, per_op: int = 3) -> list:
+    """Write the cases of every bundle's *.trt.onnx plugin nodes (at most `per_op` per op and bundle);
+    returns one dict per node seen: op, bundle, graph, node, written (bool)."""
+    import numpy as np
+    import onnx
+
+    from zeroedge import plugin_spec as spec
+
+    out.mkdir(parents=True, exist_ok=True)
+    seen = []
+    for b in map(Path, bundles):
+        count = {}
+        for g in sorted(b.glob("*.trt.onnx")):
+            model = onnx.load(str(g))
+            for n in model.graph.node:
+                if n.domain != spec.DOMAIN:
+                    continue
+                row = {"op": n.op_type, "bundle": b.name, "graph": g.name, "node": n.name, "written": False}
+                seen.append(row)
+                if n.op_type not in ("ZeroEdgeSIH", "ZeroEdgePathsFFN") or count.get(n.op_type, 0) >= per_op:
+                    continue  # PAD nodes run on each SIH case's keep mask
+                count[n.op_type] = count.get(n.op_type, 0) + 1
+                fields = {}
+                for a in n.attribute:
+                    if a.name in spec.NODES[n.op_type]["fields"]:
+                        fields[a.name] = ("i", int(a.i)) if a.type == onnx.AttributeProto.INT else ("f", float(a.f))
+                names = spec.NODES[n.op_type]["inputs"]
+                arrays = {names[i]: _initializer_of(model.graph, n.input[i]) for i in range(1, len(n.input))}
+                if any(v is None for v in arrays.values()):
+                    continue
+                d = out / f"{b.name}.{g.name.split('.')[0]}.{len(list(out.iterdir())):03d}"
+                d.mkdir()
+                np.savez(d / "weights.npz", **arrays)
+                (d / "node.json").write_text(json.dumps({"op": n.op_type, "fields": fields, "bundle": b.name,
+                                                         "graph": g.name, "node": n.name}))
+                row["written"] = True
+    return seen
+
+
+# ------------------------------------------------------------------------------ GPU side
+
+def _write_case(folder: Path, op: str, fields: dict, ins, outs) -> Path:
+    """ins / outs: (dtype name, shape, file name, torch tensor or None)."""
+    import torch
+
+    lines = [f"op {op}"] + [f"field {k} {t} {v!r}" for k, (t, v) in fields.items()]
+    for kind, items in (("in", ins), ("out", outs)):
+        for dt, shape, fname, tensor in items:
+            if tensor is not None:
+                tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tofile(folder / fname)
+            lines.append(f"{kind} {dt} {len(shape)} {' '.join(map(str, shape))} {fname}")
+    (folder / "case.txt").write_text("\n".join(lines) + "\n")
+    return folder / "case.txt"
+
+
+def _read(folder: Path, fname: str, dtype, shape):
+    import numpy as np
+    import torch
+
+    raw = np.fromfile(folder / fname, dtype=np.uint8)
+    return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)
+
+
+def _harness(harness, lib, case: Path) -> tuple:
+    r = subprocess.run([str(harness), str(lib), "--run", str(case)], capture_output=True, text=True, timeout=300)
+    return r.returncode, (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-30))
+
+
+def run(cases: Path, harness, lib) -> int:
+    import numpy as np
+    import torch
+
+    from zeroedge.backends import plugin_reference as ref
+
+    torch.manual_seed(0)
+    rows, bad = [], 0
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    for case in sorted(p for p in cases.iterdir() if (p / "node.json").is_file()):
+        node = json.loads((case / "node.json").read_text())
+        w = {k: torch.from_numpy(v) for k, v in np.load(case / "weights.npz").items()}
+        fields = {k: tuple(v) for k, v in node["fields"].items()}
+        values = {k: v for k, (_, v) in fields.items()}
+        tmp = Path(tempfile.mkdtemp(dir=case))
+        if node["op"] == "ZeroEdgeSIH":
+            D = w["w1"].shape[1]
+            names = ["w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4", "anchor_a", "anchor_b", "anchor_c"]
+            for T in SIH_T:
+                for dt in ("float32", "float16"):
+                    x = torch.randn(T, D).to(tdt[dt])
+                    ws = [w[n].to(tdt[dt]) for n in names]
+                    ins = [(dt, list(x.shape), "x.bin", x)] + [(dt, list(t.shape), f"{n}.bin", t) for n, t in zip(names, ws)]
+                    c = _write_case(tmp, "ZeroEdgeSIH", fields, ins,
+                                    [("int32", [T], "keep.bin", None), (dt, [T, D], "base.bin", None)])
+                    rc, msg = _harness(harness, lib, c)
+                    if rc != 0:
+                        rows.append((case.name, f"SIH T={T} {dt}", "FAIL", msg[0])); bad += 1
+                        continue
+                    keep = _read(tmp, "keep.bin", torch.int32, (T,))
+                    base = _read(tmp, "base.bin", tdt[dt], (T, D))
+                    rk, rb = ref.sih(x.double(), *[t.double() for t in ws], **values)
+                    diff = int((keep != rk.to(torch.int32)).sum())
+                    # the reference's base on the plugin's own keep mask (a token at the threshold may flip)
+                    rb = ref.sih_base(x.double(), keep, ws[8].double(), ws[9].double(), ws[10].double(),
+                                      int(values.get("anchor_rank", 16)))
+                    err = _rel(base, rb)
+                    tol = 1e-5 if dt == "float32" else 2e-2
+                    ok = diff <= max(1, T // 100) and err <= tol
+                    bad += not ok
+                    rows.append((case.name, f"SIH T={T} {dt}", "ok" if ok else "FAIL",
+                                 f"kept {int(keep.sum())}/{T}, {diff} differ from the reference, base rel err {err:.1e}"))
+                    # PAD on the plugin's own keep mask: gather then scatter y = 2 xs, exact
+                    K = int(keep.sum())
+                    c = _write_case(tmp, "ZeroEdgePADGather", {}, [(dt, [T, D], "x.bin", x), ("int32", [T], "keep.bin", keep)],
+                                    [(dt, [T, D], "xs.bin", None), ("int32", [T], "idx.bin", None),
+                                     ("int32", [], "cnt.bin", None)])
+                    rc, msg = _harness(harness, lib, c)
+                    xs_ref, idx_ref, _ = ref.pad_gather(x, keep)
+                    ok = rc == 0
+                    if ok:
+                        cnt = int(_read(tmp, "cnt.bin", torch.int32, (1,))[0])
+                        idx = _read(tmp, "idx.bin", torch.int32, (T,))[:cnt]
+                        xs = _read(tmp, "xs.bin", tdt[dt], (T, D))[:cnt]
+                        ok = cnt == K and torch.equal(idx.long(), idx_ref.long()) and torch.equal(xs, xs_ref)
+                    if ok and K:
+                        y = (xs * 2).to(tdt[dt])
+                        c = _write_case(tmp, "ZeroEdgePADScatter", {},
+                                        [(dt, [T, D], "base.bin", base), (dt, [K, D], "y.bin", y), ("int32", [K], "idx.bin", idx)],
+                                        [(dt, [T, D], "out.bin", None)])
+                        rc, msg = _harness(harness, lib, c)
+                        ok = rc == 0 and torch.equal(_read(tmp, "out.bin", tdt[dt], (T, D)), ref.pad_scatter(base, y, idx.long()))
+                    bad += not ok
+                    rows.append((case.name, f"PAD T={T} {dt}", "ok" if ok else "FAIL", f"K={K} gather+scatter exact"
+                                 if ok else msg[0]))
+        else:
+            D, F2 = w["w13_t"].shape
+            for B in PATHS_B:
+                for dt in ("float16", "bfloat16"):
+                    x = torch.randn(B, D).to(tdt[dt])
+                    w13, wd = w["w13_t"].to(tdt[dt]), w["wd_t"].to(tdt[dt])
+                    c = _write_case(tmp, "ZeroEdgePathsFFN", fields,
+                                    [(dt, [B, D], "x.bin", x), (dt, [D, F2], "w13.bin", w13), (dt, [F2 // 2, D], "wd.bin", wd)],
+                                    [(dt, [B, D], "y.bin", None)])
+                    rc, msg = _harness(harness, lib, c)
+                    if rc != 0:
+                        rows.append((case.name, f"paths B={B} {dt}", "FAIL", msg[0])); bad += 1
+                        continue
+                    y = _read(tmp, "y.bin", tdt[dt], (B, D))
+                    r = ref.paths_ffn(x.double(), w13.double(), wd.double(), values["threshold_in"], values["threshold"])
+                    err = _rel(y, r)
+                    ok = err <= (2e-2 if dt == "float16" else 6e-2)
+                    bad += not ok
+                    rows.append((case.name, f"paths B={B} {dt}", "ok" if ok else "FAIL", f"rel err {err:.1e}"))
+    for r in rows:
+        print(" | ".join(r))
+    print(f"plugin cases: {len(rows) - bad} of {len(rows)} checks passed "
+          f"({len({r[0] for r in rows})} builder-accepted nodes)")
+    return 1 if bad or not rows else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("extract")
+    e.add_argument("bundles", nargs="+")
+    e.add_argument("-o", "--out", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("cases")
+    r.add_argument("--harness", required=True)
+    r.add_argument("--lib", required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "extract":
+        rows = extract(a.bundles, Path(a.out))
+        print(json.dumps({"nodes": len(rows), "written": sum(r["written"] for r in rows)}))
+        return 0
+    return run(Path(a.cases), a.harness, a.lib)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -217,3 +217,13 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path):
         assert not out.exists() and not list(tmp_path.glob("never*")), args
     p = run_cli("sensor-fit", ok, "-o", exists)
     assert p.returncode == 2 and "--force" in p.stderr and list(exists.iterdir()) == []
+
+
+def test_demo_fits_one_run_and_detects_on_another(tmp_path):
+    pytest.importorskip("tep_studio")
+    from zeroedge.sensor import demo
+
+    s = demo.fit_demo(tmp_path, hours=8.0, onset_h=3.0)     # tep-studio holds XMV 5 and 9 constant
+    assert Path(s["bundle"], "manifest.json").is_file()
+    assert s["predicted_fault"] == "fault_01" and s["fdr"] > 0.8 and s["far"] <= 0.05
+    assert s["drift_warning"] is None

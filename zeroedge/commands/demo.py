@@ -143,4 +143,9 @@ def sensor_demo(out):
     s = sd.run(out)
     for k, v in (s or {}).items():
         click.echo(f"  {k}: {v}")
+    click.echo("")
+    click.echo("=== zeroedge demo: sensor-fit on one plant run, detection on another run ===")
+    f = sd.fit_demo(out / "sensor_fit")
+    for k, v in f.items():
+        click.echo(f"  {k}: {v}")
     return s

@@ -18,8 +18,11 @@ import click
               help="Fine-tuning steps at most (early stopping usually ends sooner).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True, help="CPU threads for torch.")
+@click.option("--allow-constant", is_flag=True,
+              help="Accept channels that are constant in the normal data (scaled to 1 % of their value).")
 @click.option("--json", "as_json", is_flag=True, help="Print the fit summary as one JSON object.")
-def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, seed, threads, as_json):
+def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, seed, threads, allow_constant,
+        as_json):
     """Fit the sensor detector to a plant from its own runs: normalisation from NORMAL_FILE(s)
     (52 columns, one row per sample; a file stored transposed is transposed back), the alarm threshold
     for the target --far on their held-out tail, and, with --faults, a fine-tune of the shipped
@@ -41,7 +44,7 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     normal, faults = _split_args(list(normal_files), list(fault_files), sys.argv)
     log = (lambda s: click.echo(s, err=True))
     man = F.fit(normal, faults, labels, far=far, window=window, out=out, force=force, max_steps=max_steps,
-                seed=seed, threads=threads, log=log)
+                seed=seed, threads=threads, allow_constant=allow_constant, log=log)
     s = man["sensor"]
     summary = {"bundle": str(out), "window": s["window"], "threshold": s["alarm"]["threshold"],
                "ema_alpha": s["alarm"]["ema_alpha"], "far_target": far,

@@ -166,14 +166,19 @@ def split_point(n: int, window: int) -> int:
     return max(window, min(cut, n - window))
 
 
-def norm_stats_checked(normal_train: np.ndarray, files) -> tuple:
+def norm_stats_checked(normal_train: np.ndarray, files, allow_constant: bool = False) -> tuple:
+    """Per-channel mean / std of the normal training part. A constant channel is an error, unless
+    allow_constant: then its scale is 1 % of its value (at least 1e-3), so any move of it shows."""
     mean = normal_train.mean(0, dtype=np.float64)
     std = normal_train.std(0, dtype=np.float64)
     const = np.where(std <= 1e-7 * np.maximum(1.0, np.abs(mean)))[0]
-    if len(const):
+    if len(const) and allow_constant:
+        std[const] = np.maximum(0.01 * np.abs(mean[const]), 1e-3)
+    elif len(const):
         names = ", ".join(str(c + 1) for c in const[:8])
         raise UserError(f"column(s) {names} are constant in the normal data ({', '.join(str(f.path) for f in files)}): "
-                        f"a constant channel cannot be normalised; fix the recording or drop that sensor")
+                        f"a constant channel cannot be normalised; fix the recording, drop that sensor, or pass "
+                        f"--allow-constant (a move of it away from its constant value then alarms)")
     return mean.astype(np.float32), std.astype(np.float32)
 
 
@@ -361,7 +366,7 @@ def observable(Z_fault: np.ndarray, Z_normal_val: np.ndarray, mon: dict, q_pca) 
 
 def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window: int = 32,
         out=None, force: bool = False, max_steps: int = 3000, seed: int = 0, threads: int = 2,
-        log=print) -> dict:
+        allow_constant: bool = False, log=print) -> dict:
     """Fit a sensor bundle to a plant (see the module docstring). Returns the manifest."""
     import torch
 
@@ -387,7 +392,7 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
         c = split_point(len(r.data), window)
         n_tr.append(r.data[:c])
         n_val.append(r.data[c:])
-    mean, std = norm_stats_checked(np.concatenate(n_tr), normal)
+    mean, std = norm_stats_checked(np.concatenate(n_tr), normal, allow_constant)
 
     def nz(X):
         return np.clip((X - mean) / std, -50, 50).astype(np.float32)

@@ -128,7 +128,7 @@ def table(res):
     fa, no, pca = res["faults"]["runs"], res["normal"]["runs"], res["pca"]
     L.append(f"| fault | fit with faults: FDR | FAR | delay | predicted | normal-only fit: FDR | FAR | delay | "
              f"PCA T² FDR | FAR | delay | PCA Q FDR | FAR | delay |")
-    L.append("|---" * 15 + "|")
+    L.append("|---" * 14 + "|")
     for f in range(1, 22):
         a, b, t, q = fa[f], no[f], pca[f]["t2"], pca[f]["q"]
         L.append(f"| {f}{' (hard)' if f in HARD else ''} | {fmt(a['fdr'])} | {fmt(a['far'])} | {fmt(a['delay'])} | "

@@ -21,7 +21,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(2)
     from zeroedge import calib_artifact, texts, weights
-    from zeroedge.paths.calibrate import PathBudgetError, PathsConfig, calibrate_paths
+    from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
 
     m, folder = weights.load("smollm2-135m")
     tok = weights.tokenizer(folder)

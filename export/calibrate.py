@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zeroedge.calib_artifact import SIH_DEFAULTS
 from zeroedge.mechanisms.anchors import Anchor, ZeroAnchor, anchor_error, fit_anchor
 from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, ffn_flops_per_token, install, remove
 from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width, smooth
@@ -285,7 +286,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
         thr = None if p is None else (p.threshold if math.isfinite(p.threshold) else 2.0)
         layers_meta.append({"index": i, "skip": p is not None, "threshold": thr,
                             "anchor_rank": int(getattr(anchors[i], "rank", 0)),
-                            "block_size": 0, "block_frac": 0.7,
+                            "block_size": 0, "block_frac": SIH_DEFAULTS["block_frac"],
                             "skip_rate": round(per_layer.get(i, 0.0), 4)})
         tensors.update(heads[i].state(f"layers.{i}.sih"))
         if isinstance(anchors[i], Anchor):
@@ -315,21 +316,19 @@ class BudgetError(Exception):
 
 
 def load_runtime(model, meta: dict, tensors: dict, runtime: ZeroRuntime | None = None):
-    """Install the artifact's deployed policies (SIH thresholds + anchors) on the model."""
+    """Install the artifact's deployed policies (SIH thresholds + anchors, pruned heads) on the model."""
+    from zeroedge.calib_artifact import Calibration
+
+    cal = Calibration.from_meta(meta)
     rt = runtime or ZeroRuntime()
-    s = meta["sih"]
-    rt.protect_first, rt.min_tokens = s["protect_first"], s["min_tokens"]
-    rt.protect_last = s.get("protect_last", 1)
+    rt.protect_first, rt.min_tokens, rt.protect_last = cal.sih.protect_first, cal.sih.min_tokens, cal.sih.protect_last
     pol = {}
-    for lm in meta["layers"]:
-        if not lm["skip"]:
-            continue
-        i = lm["index"]
-        anchor = Anchor.from_state(tensors, f"layers.{i}.anchor") if lm["anchor_rank"] else None
-        pol[i] = LayerPolicy(scorer="sih", threshold=lm["threshold"],
-                             sih=SIHHead.from_state(tensors, f"layers.{i}.sih"), anchor=anchor,
-                             block_size=lm.get("block_size", 0), block_frac=lm.get("block_frac", 0.7))
-    for layer, heads in meta.get("pruned_heads", {}).items():
-        model.layers[int(layer)].self_attn.prune_heads(heads)
+    for L in cal.skip_layers:
+        anchor = Anchor.from_state(tensors, f"layers.{L.index}.anchor") if L.anchor_rank else None
+        pol[L.index] = LayerPolicy(scorer="sih", threshold=L.threshold,
+                                   sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih"), anchor=anchor,
+                                   block_size=L.block_size, block_frac=L.block_frac)
+    for layer, heads in cal.pruned_heads.items():
+        model.layers[layer].self_attn.prune_heads(heads)
     install(model, pol, rt)
     return rt

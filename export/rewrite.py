@@ -19,7 +19,7 @@ LlamaForCausalLM / Qwen2ForCausalLM alike. Layers are numbered in topological or
 
 (batch 1: the sequence is the flattened B*T axis).
 
-`rewrite_decode_paths(model, params)` (magnitude decode paths, issue 5; `paths_from_artifact` reads
+`rewrite_decode_paths(model, params)` (magnitude decode paths; `paths_from_artifact` reads
 the artifact's "paths" section and refuses predictor paths) replaces each selected layer's FFN in
 the *decode* graph by one node on the same normalised input:
 
@@ -239,7 +239,7 @@ class SIHParams:
     protect_first: int = 4
     protect_last: int = 1
     block_size: int = 0
-    block_frac: float = 0.7
+    block_frac: float = spec.BLOCK_FRAC
     anchor_rank: int = 0
 
     def attrs(self) -> dict:
@@ -370,47 +370,20 @@ def paths_plugin_limits(dim: int, ffn_dim: int) -> str:
     return "; ".join(bad)
 
 
-def paths_from_artifact(meta: dict, tensors: dict, n_layers: Optional[int] = None) -> dict:
+def paths_from_artifact(meta: dict, tensors: dict) -> dict:
     """layer index -> PathsParams for every layer the artifact's "paths" section marks sparse; {}
-    when there is no paths section. Reads the artifact the way zeroedge.paths.evaluate.
-    policies_from_artifact does (thresholds from layers.{i}.paths.threshold_in / threshold_act).
-    Predictor paths have no graph node: UserError naming the layers, never a silent dense export."""
-    import math
+    when there is no paths section (the section is validated by calib_artifact). Predictor paths have
+    no graph node: UserError naming the layers, never a silent dense export."""
+    from zeroedge.calib_artifact import Calibration
 
-    paths = (meta or {}).get("paths")
-    if not paths:
+    paths = Calibration.from_meta(meta).paths
+    if paths is None:
         return {}
-    layers = paths.get("layers")
-    n_layers = n_layers if n_layers is not None else (meta.get("model") or {}).get("config", {}).get("n_layers")
-    if not isinstance(layers, list) or (n_layers is not None and len(layers) != n_layers):
-        raise UserError(f"calibration artifact: 'paths' describes "
-                        f"{len(layers) if isinstance(layers, list) else 'no'} layers, the model has {n_layers}")
-    sparse = sorted(int(lm["index"]) for lm in layers if lm.get("sparse"))
-    if not sparse:
-        raise UserError("calibration artifact: 'paths' marks no layer sparse; nothing to export sparse "
-                        "(use an artifact without a paths section for a dense decode graph)")
-    bad = [i for i in sparse if not 0 <= i < (n_layers if n_layers is not None else len(layers))]
-    if bad:
-        raise UserError(f"calibration artifact: 'paths' marks layers {bad} sparse, which the model lacks")
-    kind = (paths.get("predictor") or {}).get("kind", "whitened-lowrank-swiglu")
-    if kind == "whitened-lowrank-swiglu":
-        raise UserError(f"{PREDICTOR_REFUSED} (layers {', '.join(map(str, sparse))} use the low-rank "
+    if paths.kind == "whitened-lowrank-swiglu":
+        raise UserError(f"{PREDICTOR_REFUSED} (layers {', '.join(map(str, paths.sparse))} use the low-rank "
                         "path predictor, which no graph node runs; the magnitude rule exports as "
                         "ZeroEdgePathsFFN)")
-    if kind != "input-magnitude":
-        raise UserError(f"calibration artifact: unknown path predictor kind {kind!r}")
-    out = {}
-    for i in sparse:
-        names = [f"layers.{i}.paths.threshold_in", f"layers.{i}.paths.threshold_act"]
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise UserError(f"calibration artifact: layer {i} path thresholds missing ({', '.join(missing)})")
-        t_in, t_act = (float(tensors[n].reshape(-1)[0]) for n in names)
-        if not (math.isfinite(t_in) and math.isfinite(t_act) and t_in >= 0 and t_act >= 0):
-            raise UserError(f"calibration artifact: layer {i} path thresholds must be finite and >= 0 "
-                            f"(threshold_in {t_in}, threshold_act {t_act})")
-        out[i] = PathsParams(t_in, t_act)
-    return out
+    return {i: PathsParams(t_in, t_act) for i, (t_in, t_act) in paths.magnitude_thresholds(tensors).items()}
 
 
 def _plain_projection(node) -> bool:
@@ -574,37 +547,34 @@ def _set_domain(model):
 
 # --- calibration artifact -> per-layer params --------------------------------------------------
 def params_from_artifact(meta: dict, tensors: dict) -> dict:
-    """layer index -> SIHParams for every layer the artifact marks skip=True."""
+    """layer index -> SIHParams for every layer the artifact marks skip=True (with a threshold)."""
     import numpy as np
 
-    sih = meta.get("sih", {})
-    ma = tuple(sih.get("ma_weights", (0.5, 1 / 3, 1 / 6)))
+    from zeroedge.calib_artifact import Calibration
+
+    cal = Calibration.from_meta(meta)
+    sih = cal.sih
     out = {}
-    for L in meta["layers"]:
-        i = int(L["index"])
-        if not L.get("skip") or L.get("threshold") is None:
-            continue
-        pre = f"layers.{i}"
+    for L in cal.skip_layers:
+        pre = f"layers.{L.index}"
         try:
             w = {k: tensors[f"{pre}.sih.{k}"].float().numpy() for k in
                  ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")}
         except KeyError as e:
-            raise UserError(f"calibration artifact lacks {e.args[0]} for layer {i}") from None
+            raise UserError(f"calibration artifact lacks {e.args[0]} for layer {L.index}") from None
         D = w["w1"].shape[1]
-        rank = int(L.get("anchor_rank", 0) or 0)
+        rank = L.anchor_rank
         if rank and f"{pre}.anchor.a" in tensors:
-            w["anchor_a"] = tensors[f"{pre}.anchor.a"].float().numpy()
-            w["anchor_b"] = tensors[f"{pre}.anchor.b"].float().numpy()
-            w["anchor_c"] = tensors[f"{pre}.anchor.c"].float().numpy()
+            for k in ("a", "b", "c"):
+                w[f"anchor_{k}"] = tensors[f"{pre}.anchor.{k}"].float().numpy()
             rank = w["anchor_a"].shape[0]
         else:
             rank = 0
             w["anchor_a"] = np.zeros((1, D), np.float32)
             w["anchor_b"] = np.zeros((D, 1), np.float32)
             w["anchor_c"] = np.zeros((D,), np.float32)
-        out[i] = SIHParams(w, float(L["threshold"]), ma, int(sih.get("min_tokens", 32)),
-                           int(sih.get("protect_first", 4)), int(sih.get("protect_last", 1)),
-                           int(L.get("block_size", 0) or 0), float(L.get("block_frac", 0.7)), rank)
+        out[L.index] = SIHParams(w, L.threshold, sih.ma_weights, sih.min_tokens, sih.protect_first,
+                                 sih.protect_last, L.block_size, L.block_frac, rank)
     return out
 
 

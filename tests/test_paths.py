@@ -11,7 +11,7 @@ from zeroedge.errors import UserError
 from zeroedge.mechanisms.pad import MechanismError
 from zeroedge.model import build
 from zeroedge.paths import triton_gemv as tg
-from zeroedge.paths.calibrate import PathBudgetError, PathsConfig, calibrate_paths
+from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
 from zeroedge.paths.evaluate import run_eval
 from zeroedge.paths.predictor import PathPredictor, fit_predictor
 from zeroedge.paths.room import read_fraction, topk_mask
@@ -203,7 +203,7 @@ def test_measured_costs_are_monotone_and_the_gate_holds():
 
 
 def test_paths_decoder_matches_teacher_forced_paths():
-    from zeroedge.paths.decode import PathsDecoder
+    from zeroedge.runtime.paths_decoder import PathsDecoder
 
     m = build("tiny", seed=0)
     ids = _lists()[0][:24]
@@ -248,7 +248,7 @@ def test_paths_decoder_kernel_choice_is_checked(tmp_path, monkeypatch):
     """kernels='cuda' needs a CUDA device and the plugin library; a bad choice or a missing library
     is a UserError naming what is wrong, never a silent dense or torch fallback."""
     from zeroedge.paths import cuda_gemv
-    from zeroedge.paths.decode import PathsDecoder
+    from zeroedge.runtime.paths_decoder import PathsDecoder
 
     m = build("tiny", seed=0)
     pol = {0: PathPolicy(method="magnitude", threshold_in=0.5, threshold=0.001)}

@@ -5,7 +5,8 @@ An artifact is a directory:
   calib.safetensors   tensors, fp32:
                         layers.{i}.sih.{w1,b1,w2,b2,w3,b3,w4,b4}   SIH head (4 linear layers)
                         layers.{i}.anchor.{a,b,c}                  anchor: b @ (a @ x) + c, a: [r, D]
-                        layers.{i}.paths.*                         decode path predictor (issue 5)
+                        layers.{i}.paths.threshold_in / threshold_act   decode paths, magnitude rule
+                        layers.{i}.paths.{a,bg,bu,...}             decode paths, low-rank predictor
 meta = {
   "format": "zeroedge-calibration", "format_version": 1,
   "model": {"name": str, "config": {...ModelConfig...}},
@@ -16,20 +17,175 @@ meta = {
   "pruned_heads": {"<layer>": [head, ...]},
   "quality": {"budget": float, "dense_ppl": float, "zero_ppl": float, "ffn_flops_skipped": float,
               ...},
+  "paths": {                                       (optional: zeroedge calibrate --paths)
+    "format": "zeroedge-paths", "version": 1, "budget": float,
+    "predictor": {"kind": "input-magnitude" | "whitened-lowrank-swiglu", ...},
+    "layers": [{"index": i, "sparse": bool, "threshold": float, ...}],   one per model layer
+    "quality": {...}},
 }
-Torch is imported only by load_tensors / save.
+
+`read_meta` validates every section once (UserError naming what is wrong) and `read` gives the typed
+view, `Calibration`, that the exporter, the evaluators and the serving session use; defaults of the
+SIH fields come from the plugin contract (zeroedge.plugin_spec). Torch is imported only by
+load_tensors / save.
 """
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
+from zeroedge import plugin_spec
 from zeroedge.errors import UserError
 
 FORMAT = "zeroedge-calibration"
 FORMAT_VERSION = 1
 META, TENSORS = "calib.json", "calib.safetensors"
+PATHS_FORMAT, PATHS_VERSION = "zeroedge-paths", 1
+PATH_KINDS = ("input-magnitude", "whitened-lowrank-swiglu")
+
+SIH_DEFAULTS = plugin_spec.SIH_DEFAULTS
+
+
+@dataclass(frozen=True)
+class SihSettings:
+    """meta["sih"]: what every skip layer shares."""
+    width: int
+    ma_weights: Tuple[float, float, float]
+    min_tokens: int
+    protect_first: int
+    protect_last: int
+
+
+@dataclass(frozen=True)
+class SkipLayer:
+    """A layer whose FFN SIH may skip (meta["layers"] entries with skip = true)."""
+    index: int
+    threshold: float
+    anchor_rank: int
+    block_size: int
+    block_frac: float
+
+
+@dataclass(frozen=True)
+class PathsSection:
+    """meta["paths"]: the decode paths. kind: "input-magnitude" (thresholds, a graph node exists) or
+    "whitened-lowrank-swiglu" (a predictor the torch decoders run)."""
+    kind: str
+    sparse: Tuple[int, ...]
+    n_layers: int
+    meta: dict
+
+    def magnitude_thresholds(self, tensors: dict, where: str = "calibration artifact") -> Dict[int, Tuple[float, float]]:
+        """layer -> (threshold_in, threshold_act) for the magnitude rule, checked finite and >= 0."""
+        out = {}
+        for i in self.sparse:
+            names = [f"layers.{i}.paths.threshold_in", f"layers.{i}.paths.threshold_act"]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise UserError(f"{where}: layer {i} path thresholds missing ({', '.join(missing)})")
+            t_in, t_act = (float(tensors[n].reshape(-1)[0]) for n in names)
+            if not (math.isfinite(t_in) and math.isfinite(t_act) and t_in >= 0 and t_act >= 0):
+                raise UserError(f"{where}: layer {i} path thresholds must be finite and >= 0 "
+                                f"(threshold_in {t_in}, threshold_act {t_act})")
+            out[i] = (t_in, t_act)
+        return out
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The typed view of an artifact's meta (validated by `from_meta`)."""
+    where: str
+    model_name: str
+    model_config: dict
+    sih: SihSettings
+    skip_layers: Tuple[SkipLayer, ...]
+    pruned_heads: Dict[int, List[int]]
+    paths: Optional[PathsSection]
+    quality: dict
+
+    @classmethod
+    def from_meta(cls, meta: dict, where: str = "calibration artifact") -> "Calibration":
+        def bad(msg):
+            return UserError(f"{where}: {msg}")
+
+        model = meta.get("model")
+        if not isinstance(model, dict) or not isinstance(model.get("config", {}), dict):
+            raise bad("artifact 'model' section is not an object")
+        cfg = model.get("config", {})
+        n_layers = cfg.get("n_layers")
+        s = meta.get("sih", {})                 # a paths-only artifact has no SIH section
+        if not isinstance(s, dict):
+            raise bad("artifact 'sih' section is not an object")
+        try:
+            ma = tuple(float(w) for w in s.get("ma_weights", [SIH_DEFAULTS[k] for k in ("ma_w0", "ma_w1", "ma_w2")]))
+            sih = SihSettings(int(s.get("width", 0)), ma, int(s.get("min_tokens", SIH_DEFAULTS["min_tokens"])),
+                              int(s.get("protect_first", SIH_DEFAULTS["protect_first"])),
+                              int(s.get("protect_last", SIH_DEFAULTS["protect_last"])))
+        except (TypeError, ValueError):
+            raise bad("artifact 'sih' section has a non-numeric value") from None
+        if len(ma) != 3:
+            raise bad(f"'sih.ma_weights' must hold 3 weights, got {len(ma)}")
+        layers = meta.get("layers", [])
+        if not isinstance(layers, list):
+            raise bad("artifact 'layers' is not a list")
+        skips = []
+        for lm in layers:
+            try:
+                if not lm.get("skip") or lm.get("threshold") is None:
+                    continue
+                skips.append(SkipLayer(int(lm["index"]), float(lm["threshold"]), int(lm.get("anchor_rank") or 0),
+                                       int(lm.get("block_size") or SIH_DEFAULTS["block_size"]),
+                                       float(lm.get("block_frac", SIH_DEFAULTS["block_frac"]))))
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise bad(f"artifact 'layers' entry {lm!r:.80} is malformed") from None
+        if n_layers is not None:
+            out_of_range = [L.index for L in skips if not 0 <= L.index < n_layers]
+            if out_of_range:
+                raise bad(f"skip layers {out_of_range} are outside the model's {n_layers} layers")
+        try:
+            pruned = {int(k): [int(h) for h in v] for k, v in (meta.get("pruned_heads") or {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            raise bad("artifact 'pruned_heads' must map a layer to a list of heads") from None
+        return cls(where, str(model.get("name") or "?"), cfg, sih, tuple(skips), pruned,
+                   _paths_section(meta.get("paths"), n_layers, bad), dict(meta.get("quality") or {}))
+
+    def require_paths(self) -> PathsSection:
+        """The paths section, or the one error that says it is missing."""
+        if self.paths is None:
+            raise UserError(f"{self.where} has no decode path predictors (meta section 'paths' is missing): "
+                            "re-run zeroedge calibrate with --paths")
+        return self.paths
+
+
+def _paths_section(p, n_layers, bad) -> Optional[PathsSection]:
+    if not p:
+        return None
+    if not isinstance(p, dict):
+        raise bad("artifact 'paths' section is not an object")
+    if p.get("format", PATHS_FORMAT) != PATHS_FORMAT or p.get("version", PATHS_VERSION) != PATHS_VERSION:
+        raise bad(f"'paths' section format {p.get('format')} v{p.get('version')} is not "
+                  f"{PATHS_FORMAT} v{PATHS_VERSION}; re-run zeroedge calibrate --paths")
+    layers = p.get("layers")
+    n = n_layers if n_layers is not None else (len(layers) if isinstance(layers, list) else None)
+    if not isinstance(layers, list) or len(layers) != n:
+        raise bad(f"'paths' describes {len(layers) if isinstance(layers, list) else 'no'} layers, the model has {n}")
+    try:
+        sparse = tuple(sorted(int(lm["index"]) for lm in layers if lm.get("sparse")))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise bad("'paths' layers are malformed") from None
+    if not sparse:
+        raise bad("'paths' marks no layer sparse; nothing to run sparse")
+    outside = [i for i in sparse if not 0 <= i < n]
+    if outside:
+        raise bad(f"'paths' marks layers {outside} sparse, which the model lacks")
+    kind = (p.get("predictor") or {}).get("kind", "whitened-lowrank-swiglu")
+    if kind not in PATH_KINDS:
+        raise bad(f"unknown path predictor kind {kind!r}")
+    return PathsSection(kind, sparse, n, p)
 
 
 def read_meta(path) -> dict:
@@ -50,7 +206,13 @@ def read_meta(path) -> dict:
     for key in ("model", "layers", "sih"):
         if key not in meta:
             raise UserError(f"{path}: artifact is missing '{key}'")
+    Calibration.from_meta(meta, str(path))       # every section checked once, here
     return meta
+
+
+def read(path) -> Calibration:
+    """The artifact's validated, typed meta."""
+    return Calibration.from_meta(read_meta(path), str(path))
 
 
 def load_tensors(path) -> dict:

@@ -76,6 +76,11 @@ NODES = {
 }
 
 
+# the SIH fields' defaults, for every Python side that needs one (calibration, reference, rewrite)
+SIH_DEFAULTS = {k: d for k, (_, d) in NODES["ZeroEdgeSIH"]["fields"].items() if d is not None}
+BLOCK_FRAC = SIH_DEFAULTS["block_frac"]
+
+
 def field_names(op: str) -> list[str]:
     return list(NODES[op]["fields"])
 

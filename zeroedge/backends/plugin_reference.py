@@ -71,7 +71,7 @@ def smooth(scores, ma_w0: float, ma_w1: float, ma_w2: float):
 
 def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.333333, ma_w2: float = 0.166667,
              min_tokens: int = 32, protect_first: int = 4, protect_last: int = 1, block_size: int = 0,
-             block_frac: float = 0.7, **_ignored):
+             block_frac: float = plugin_spec.BLOCK_FRAC, **_ignored):
     """int32 [T] keep mask from raw scores [T] (float32): the decision half of ZeroEdgeSIH."""
     import torch
 

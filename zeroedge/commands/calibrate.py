@@ -79,7 +79,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     except BudgetError as e:
         raise UserError(f"{e}; nothing written") from None
     if with_paths:
-        from zeroedge.paths.calibrate import PathBudgetError, PathsConfig, calibrate_paths
+        from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
 
         pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
                            gate_seqs=min(2, gate_seqs), costs=paths_costs)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, protect, smooth
+from zeroedge.plugin_spec import BLOCK_FRAC
 
 MIN_TOKENS = 32
 
@@ -36,7 +37,7 @@ class LayerPolicy:
     sih: Optional[SIHHead] = None
     anchor: Optional[nn.Module] = None   # None = zero output
     block_size: int = 0
-    block_frac: float = 0.7
+    block_frac: float = BLOCK_FRAC
 
 
 @dataclass

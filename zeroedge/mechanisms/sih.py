@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zeroedge.plugin_spec import BLOCK_FRAC
+
 MA_WEIGHTS = (0.5, 1 / 3, 1 / 6)  # weights of positions t, t-1, t-2
 SIZE_BUDGET_BYTES = 12 * 1024      # per layer, fp16
 
@@ -70,7 +72,7 @@ def smooth(scores: torch.Tensor, weights=MA_WEIGHTS) -> torch.Tensor:
 
 
 def keep_mask(score: torch.Tensor, threshold: float, protect_first: int = 4, protect_last: int = 1,
-              block_size: int = 0, block_frac: float = 0.7, limit: int | None = None) -> torch.Tensor:
+              block_size: int = 0, block_frac: float = BLOCK_FRAC, limit: int | None = None) -> torch.Tensor:
     """Bool (B, T): True = compute the FFN. Low importance = smoothed score below threshold.
 
     Block rule (block_size > 0): a block of N tokens skips when more than block_frac of it is low;

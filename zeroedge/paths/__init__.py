@@ -7,11 +7,12 @@
               are never read (gate row, up row, down column)
   sparse      `PathMLP` wraps `block.mlp` (inference only), `PathRuntime`, `install` / `remove`,
               and `sparse_mlp_gather`: the decode step that gathers only the chosen weights
-  calibrate   `calibrate_paths(model, token_lists, budget)`: per-layer thresholds (magnitude
-              rule, default) or predictors, sparsity chosen with the held-out perplexity gate
-  decode      `PathsDecoder`: the CUDA-graph decode loop with gather-GEMV FFNs
+  policies    `policies_from_artifact(model, meta, tensors)`: the artifact's per-layer policies
   evaluate    `run_eval(model, ids, meta, tensors)`: dense vs paths perplexity, every token
-  triton_gemv the fused gather-GEMV for CUDA (imported lazily)
+  triton_gemv the fused gather-GEMV for CUDA (imported lazily); cuda_gemv the plugin library's kernels
+
+Calibration (`calibrate_paths`) is workstation work: zeroedge.export.paths_calibrate. The decode
+loop that runs the policies (`PathsDecoder`) is serving: zeroedge.runtime.paths_decoder.
 
 Nothing heavy is imported here.
 """

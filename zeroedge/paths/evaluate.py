@@ -9,52 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from zeroedge.errors import UserError
-from zeroedge.paths.predictor import PathPredictor
-from zeroedge.paths.sparse import PathPolicy, PathRuntime, bytes_summary, install, remove
-
-
-def policies_from_artifact(model, meta: dict, tensors: dict, where: str = "artifact") -> dict:
-    """The deployed per-layer policies; UserError naming what is missing or mismatched."""
-    from zeroedge import calib_artifact
-
-    if "model" in meta:
-        calib_artifact.check_model(meta, model.cfg, where)
-    paths = meta.get("paths")
-    if not paths:
-        raise UserError(f"{where} has no decode path predictors (meta section 'paths' is missing): "
-                        "re-run zeroedge calibrate with --paths")
-    layers = paths.get("layers")
-    if not isinstance(layers, list) or len(layers) != model.cfg.n_layers:
-        raise UserError(f"{where}: 'paths' describes {len(layers) if isinstance(layers, list) else 'no'} "
-                        f"layers, the model has {model.cfg.n_layers}")
-    kind = (paths.get("predictor") or {}).get("kind", "whitened-lowrank-swiglu")
-    if kind not in ("whitened-lowrank-swiglu", "input-magnitude"):
-        raise UserError(f"{where}: unknown path predictor kind {kind!r}")
-    pol = {}
-    for lm in layers:
-        if not lm.get("sparse"):
-            continue
-        i = int(lm["index"])
-        if kind == "input-magnitude":
-            names = [f"layers.{i}.paths.threshold_in", f"layers.{i}.paths.threshold_act"]
-            missing = [n for n in names if n not in tensors]
-            if missing:
-                raise UserError(f"{where}: layer {i} path thresholds missing ({', '.join(missing)})")
-            pol[i] = PathPolicy(method="magnitude", threshold_in=float(tensors[names[0]].reshape(-1)[0]),
-                                threshold=float(tensors[names[1]].reshape(-1)[0]))
-            continue
-        try:
-            p = PathPredictor.from_state(tensors, f"layers.{i}.paths")
-        except KeyError as e:
-            raise UserError(f"{where}: layer {i} path predictor tensors missing ({e})") from None
-        D, Fdim = model.cfg.dim, model.cfg.ffn_dim
-        if p.a.shape[0] != D or p.bg.shape[1] != Fdim or p.bu.shape != p.bg.shape:
-            raise UserError(f"{where}: layer {i} path predictor has shape {tuple(p.a.shape)} x "
-                            f"{tuple(p.bg.shape)}, the model needs D={D}, F={Fdim}")
-        pol[i] = PathPolicy(method="predictor", predictor=p)
-    if not pol:
-        raise UserError(f"{where}: 'paths' marks no layer sparse; nothing to run sparse")
-    return pol
+from zeroedge.paths.policies import policies_from_artifact
+from zeroedge.paths.sparse import PathRuntime, bytes_summary, install, remove
 
 
 def load_paths(model, meta: dict, tensors: dict, runtime: PathRuntime | None = None,

@@ -74,27 +74,23 @@ def path_policies(model, paths, where="artifact") -> dict:
     """paths: an artifact folder, or (meta, tensors). Returns the per-layer policies for `model`,
     or UserError naming what is missing / which model the artifact was made for."""
     from zeroedge import calib_artifact
-    from zeroedge.paths.evaluate import policies_from_artifact
+    from zeroedge.paths.policies import policies_from_artifact
 
     if isinstance(paths, (tuple, list)):
         meta, tensors = paths
     else:
         where = str(paths)
-        meta = calib_artifact.read_meta(paths)
-        if not meta.get("paths"):
-            raise UserError(f"{where} has no decode path predictors (meta section 'paths' is missing): "
-                            "re-run zeroedge calibrate with --paths")
-        tensors = calib_artifact.load_tensors(paths)
+        calib_artifact.read(paths).require_paths()        # before the tensors are loaded
+        meta, tensors = calib_artifact.load(paths)
     if "model" not in meta:
         raise UserError(f"{where} does not say which model it was made for (meta section 'model' is "
                         "missing)")
-    calib_artifact.check_model(meta, model.cfg, where)
     return policies_from_artifact(model, meta, tensors, where)
 
 
 def thermal_paths_decoder(model, prefix_len, gen_len, policies, **kw):
     """ThermalDecoder whose sparse layers run the predicted-paths FFN of PathsDecoder."""
-    from zeroedge.paths.decode import PathsDecoder
+    from zeroedge.runtime.paths_decoder import PathsDecoder
     from zeroedge.runtime.fast import ThermalDecoder
 
     class ThermalPathsDecoder(ThermalDecoder):
@@ -334,7 +330,7 @@ class ServingSession:
             dec.load_prefix(ks, vs, qcov)
         else:
             if mech["paths"]:
-                from zeroedge.paths.decode import PathsDecoder
+                from zeroedge.runtime.paths_decoder import PathsDecoder
 
                 dec = PathsDecoder(m, T + max_new, self.policies, graph=self.graph)
             else:

@@ -4,7 +4,7 @@ W_up -> live rows of W_down^T). On CUDA with Triton it runs the kernels of
 zeroedge.paths.triton_gemv inside the decoder's CUDA graph; elsewhere the torch references (same
 function), so the CPU tests check the loop end to end.
 
-    rt_policies = zeroedge.paths.evaluate.policies_from_artifact(model, meta, tensors)
+    rt_policies = zeroedge.paths.policies.policies_from_artifact(model, meta, tensors)
     dec = PathsDecoder(model, max_len, rt_policies)
     logits = dec.step(token, pos)
 

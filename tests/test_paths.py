@@ -240,23 +240,24 @@ def test_paths_decoder_matches_teacher_forced_paths():
     for pos, t in enumerate(ids):
         assert torch.allclose(dec.step(t, pos), want[pos], atol=1e-4), pos
     assert 0 < dec.kept()[2] < 1
-    with pytest.raises(UserError, match="refusing"):
+    with pytest.raises(ValueError, match="refusing"):   # a programming error: the CLI cannot reach it
         PathsDecoder(m, 32, {}, graph=False)
 
 
 def test_paths_decoder_kernel_choice_is_checked(tmp_path, monkeypatch):
     """kernels='cuda' needs a CUDA device and the plugin library; a bad choice or a missing library
-    is a UserError naming what is wrong, never a silent dense or torch fallback."""
+    is an error naming what is wrong (ValueError: the CLI always asks for "auto"; a missing library
+    is the user's UserError), never a silent dense or torch fallback."""
     from zeroedge.paths import cuda_gemv
     from zeroedge.runtime.paths_decoder import PathsDecoder
 
     m = build("tiny", seed=0)
     pol = {0: PathPolicy(method="magnitude", threshold_in=0.5, threshold=0.001)}
-    with pytest.raises(UserError, match="auto, triton, cuda or torch"):
+    with pytest.raises(ValueError, match="auto, triton, cuda or torch"):
         PathsDecoder(m, 16, pol, graph=False, kernels="cublas")
-    with pytest.raises(UserError, match="needs a CUDA device"):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
         PathsDecoder(m, 16, pol, graph=False, kernels="cuda")
-    with pytest.raises(UserError, match="needs a CUDA device and Triton"):
+    with pytest.raises(ValueError, match="needs a CUDA device and Triton"):
         PathsDecoder(m, 16, pol, graph=False, kernels="triton")
     assert PathsDecoder(m, 16, pol, graph=False, kernels="torch").step(1, 0).shape[-1] == m.cfg.vocab_size
     missing = tmp_path / "nowhere" / "libzeroedge_kernels.so"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroedge.errors import UserError
 from zeroedge.runtime.fast import DenseDecoder
 from zeroedge.paths import triton_gemv as tg
 
@@ -42,13 +41,13 @@ class PathsDecoder(DenseDecoder):
     def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa",
                  kernels: str = "auto", kernels_lib=None):
         if not policies:
-            raise UserError("PathsDecoder needs path policies (none given): refusing to run dense "
-                            "in place of sparse")
+            raise ValueError("PathsDecoder needs path policies (none given): refusing to run dense "
+                             "in place of sparse")
         bad = [i for i, p in policies.items() if p.method not in ("predictor", "magnitude")]
         if bad:
-            raise UserError(f"PathsDecoder runs predictor or magnitude policies (layers {bad} are not)")
+            raise ValueError(f"PathsDecoder runs predictor or magnitude policies (layers {bad} are not)")
         if kernels not in ("auto", "triton", "cuda", "torch"):
-            raise UserError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
+            raise ValueError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
         super().__init__(model, max_len, graph=graph, attn=attn)
         self._pick_kernels(kernels, kernels_lib)
         self._build_paths(model, policies)
@@ -63,11 +62,11 @@ class PathsDecoder(DenseDecoder):
         self.kernels = kernels
         self.triton = kernels in ("auto", "triton") and _use_triton(self.device)
         if kernels == "triton" and not self.triton:
-            raise UserError("kernels='triton' needs a CUDA device and Triton")
+            raise ValueError("kernels='triton' needs a CUDA device and Triton")
         self.cuda_lib = None
         if kernels == "cuda":
             if self.device.type != "cuda":
-                raise UserError("kernels='cuda' needs a CUDA device")
+                raise ValueError("kernels='cuda' needs a CUDA device")
             from zeroedge.paths import cuda_gemv
             self.cuda_lib = cuda_gemv.load(kernels_lib)
 

@@ -1,4 +1,4 @@
-"""The thermal decoder's Triton kernels (zeroedge/runtime/kernels.py) run in Triton's CPU
+"""The thermal decoder's Triton kernels (zeroedge/kv/kernels.py) run in Triton's CPU
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
 shares, and the two-stage page swap against the one-program kernel's decisions. scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
@@ -10,7 +10,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent('''
     import torch
-    from zeroedge.runtime import kernels as K
+    from zeroedge.kv import kernels as K
 
     g = torch.Generator().manual_seed(1)
     qp, kl = K._build()

@@ -156,8 +156,9 @@ def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
     assert kb["hot"] == kb["prefix_full"] // 2
     # with fetch >= slots, one refresh leaves the slot window holding exactly the best pages
     q = torch.randn(tiny.cfg.n_heads, tiny.cfg.head_dim)
+    part = part.attention
     for li in range(len(tiny.layers)):
-        want = part._score(li, q).topk(part.slots, dim=-1).indices
+        want = part.scores(li, q).topk(part.slots, dim=-1).indices
         part._swap(li, q)
         for h in range(part.nkv):
             assert set(part.slot_page[li, h].tolist()) == set(want[h].tolist())
@@ -172,7 +173,7 @@ def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
 
 
 def test_int4_sketch_kernel_reference_matches_unpacked_math():
-    from zeroedge.runtime.kernels import pack_int4, sketch_page_lse_ref, unpack_int4
+    from zeroedge.kv.kernels import pack_int4, sketch_page_lse_ref, unpack_int4
 
     codes = torch.randint(-7, 8, (2, 32, 8))
     packed = pack_int4(codes)

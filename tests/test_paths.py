@@ -203,7 +203,7 @@ def test_measured_costs_are_monotone_and_the_gate_holds():
 
 
 def test_paths_decoder_matches_teacher_forced_paths():
-    from zeroedge.runtime.paths_decoder import PathsDecoder
+    from zeroedge.runtime.fast import PathsDecoder
 
     m = build("tiny", seed=0)
     ids = _lists()[0][:24]
@@ -249,7 +249,7 @@ def test_paths_decoder_kernel_choice_is_checked(tmp_path, monkeypatch):
     is an error naming what is wrong (ValueError: the CLI always asks for "auto"; a missing library
     is the user's UserError), never a silent dense or torch fallback."""
     from zeroedge.paths import cuda_gemv
-    from zeroedge.runtime.paths_decoder import PathsDecoder
+    from zeroedge.runtime.fast import PathsDecoder
 
     m = build("tiny", seed=0)
     pol = {0: PathPolicy(method="magnitude", threshold_in=0.5, threshold=0.001)}

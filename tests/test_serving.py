@@ -265,7 +265,7 @@ def test_session_onnxruntime_dense_equals_reference(model, bundle):
 
 
 def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
-    from zeroedge.runtime.paths_decoder import PathsDecoder
+    from zeroedge.runtime.fast import PathsDecoder
     from zeroedge.runtime.session import ServingSession, path_policies
 
     art = magnitude_artifact(tmp_path / "a", model.cfg)

@@ -5,9 +5,11 @@ Torch-free bookkeeping (import freely anywhere): `pages` (8-byte page-table entr
 slot window, event log), `heat` (t^-0.7 decayed, cosine-weighted heat; migration planning),
 `policy` (release levels, circuit breaker, target-aware tiers), `scheduler` (transfer records,
 NVML / jtop utilisation, deferral with hysteresis).
-Torch parts (import lazily): `tiers` (int8 / int4 pages, pinned / file-backed cold store),
-`summaries` (low-rank quantized key sketches), `evaluate` (the `zeroedge eval --kv-budget`
-contract and the eviction peers).
+Torch parts (import lazily): `attention` (ThermalAttention: the serving decoder's thermal attention
+strategy, with its int4 key sketches and cold store), `kernels` (its Triton kernels), `tiers`
+(int8 / int4 page quantization, the file-backed cold store, timed transfers), `evaluate` (the
+`zeroedge eval --kv-budget` contract and the eviction peers). NumPy: `ort_policy` (the same policy
+over an onnxruntime / TensorRT runner's slot window).
 """
 from zeroedge.kv.heat import DEFAULT_THRESHOLD, HeatTracker, plan_migration
 from zeroedge.kv.pages import (EventLog, PageTable, SlotWindow, Tier, pack_entry, unpack_entry)

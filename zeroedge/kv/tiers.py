@@ -1,12 +1,12 @@
-"""Tier storage (torch): int8 / int4 pages with per-group scales, the cold stores (pinned host
-memory on a discrete GPU, a preallocated file on NVMe for long streams), and the transfer
-handler that moves pages on its own CUDA stream and reports bytes and seconds per transfer.
+"""Tier storage (torch): int8 / int4 pages with per-group scales, the file cold store (a
+preallocated file on NVMe for long streams), and the transfer handler that moves pages on its own
+CUDA stream and reports bytes and seconds per transfer. (The pinned host store of a discrete GPU is
+ThermalAttention's own, zeroedge.kv.attention.)
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import Optional
 
 import torch
 
@@ -50,24 +50,6 @@ def quantized_nbytes(numel: int, bits: int, group: int) -> int:
 # --------------------------------------------------------------------------------------------
 # cold stores
 # --------------------------------------------------------------------------------------------
-class HostStore:
-    """A preallocated pool of page slots in host memory (pinned when CUDA is there)."""
-
-    def __init__(self, n_slots: int, page_shape, dtype, pin: Optional[bool] = None):
-        pin = torch.cuda.is_available() if pin is None else pin
-        self.buf = torch.empty((n_slots, *page_shape), dtype=dtype, pin_memory=pin)
-        self.n_slots = n_slots
-
-    def write(self, slot: int, page: torch.Tensor, non_blocking: bool = False):
-        self.buf[slot].copy_(page, non_blocking=non_blocking)
-
-    def read(self, slot: int) -> torch.Tensor:
-        return self.buf[slot]
-
-    def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
-
-
 class FileStore:
     """A preallocated file of page slots (NVMe on a Jetson, long streams elsewhere). Space is
     checked and reserved before any page is written; a failed write leaves the page where it was

@@ -1,3 +1,3 @@
-"""Decode runtimes over the reference model: the fast dense loop (static shapes, CUDA graphs) and
-the thermal-KV decoder (`zeroedge.runtime.fast`); Triton kernels in `zeroedge.runtime.kernels`.
-Import the submodules (they need torch)."""
+"""Serving: `session` (ServingSession: release gates pick the mechanisms per request, then a torch
+decoder or a bundle runner) and `fast` (Decoder: one decode step composed of an attention strategy
+and an FFN strategy). Import the submodules (they need torch)."""

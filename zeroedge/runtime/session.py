@@ -17,8 +17,9 @@ temperature 0 / L3 all) decide per request, from (prompt + new tokens, temperatu
 The pages a thermal request migrated go to the thermal gate's circuit breaker (5 requests in a row
 over `trip_pages` -> one level down, an alert).
 
-Backends: "torch" runs zeroedge.runtime.fast's DenseDecoder / ThermalDecoder, PathsDecoder, or
-ThermalPathsDecoder (both); on CUDA with CUDA graphs. "onnxruntime" runs OrtRunner over a bundle's
+Backends: "torch" runs zeroedge.runtime.fast's Decoder with the attention (dense or thermal) and FFN
+(dense or paths) the gates chose: DenseDecoder, ThermalDecoder, PathsDecoder or ThermalPathsDecoder;
+on CUDA with CUDA graphs. "onnxruntime" runs OrtRunner over a bundle's
 fixed-slot window, dense (a window of every position) or with OrtThermalPolicy (pages, heat, an
 int8 store); a bundle exported with a magnitude paths artifact runs its ZeroEdgePathsFFN nodes there,
 and a request its release level does not allow sparse is refused, never decoded dense instead.
@@ -88,28 +89,6 @@ def path_policies(model, paths, where="artifact") -> dict:
     return policies_from_artifact(model, meta, tensors, where)
 
 
-def thermal_paths_decoder(model, prefix_len, gen_len, policies, **kw):
-    """ThermalDecoder whose sparse layers run the predicted-paths FFN of PathsDecoder."""
-    from zeroedge.runtime.paths_decoder import PathsDecoder
-    from zeroedge.runtime.fast import ThermalDecoder
-
-    class ThermalPathsDecoder(ThermalDecoder):
-        _forward = PathsDecoder._forward
-        _paths_ffn = PathsDecoder._paths_ffn
-        _build_paths = PathsDecoder._build_paths
-        _pick_kernels = PathsDecoder._pick_kernels
-        kept = PathsDecoder.kept
-
-        def __init__(self):
-            super().__init__(model, prefix_len, gen_len, **kw)
-            self._pick_kernels("auto")
-            self._build_paths(model, policies)
-
-    if not policies:
-        raise UserError("thermal paths decode needs path policies (none given): refusing to run dense")
-    return ThermalPathsDecoder()
-
-
 class ServingSession:
     def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
                  page_size: int = 16, paths=None, release_level: int = 3,
@@ -167,11 +146,11 @@ class ServingSession:
         import inspect
 
         if self.backend == "torch":
-            from zeroedge.runtime.fast import ThermalDecoder as target
+            from zeroedge.kv.attention import ThermalAttention as target
         else:
             from zeroedge.kv.ort_policy import OrtThermalPolicy as target
         known = set(inspect.signature(target.__init__).parameters) - {
-            "self", "model", "prefix_len", "gen_len", "budget", "page_size", "graph"}
+            "self", "prefix_len", "gen_len", "budget", "page_size"}
         bad = sorted(set(self.thermal_opts) - known)
         if bad:
             raise UserError(f"unknown thermal KV option(s) for the {self.backend} backend: "
@@ -306,7 +285,7 @@ class ServingSession:
     def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
         import torch
 
-        from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+        from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
 
         m, T, ps = self.model, len(prompt), self.page_size
         if T + max_new > m.cfg.max_seq_len:
@@ -321,31 +300,28 @@ class ServingSession:
             thermal = False
         t0 = time.perf_counter()
         ks, vs, qcov = self._prefill(prompt[:P]) if P > 0 else (None, None, None)
+        # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         if thermal:
-            kw = dict(budget=self.kv_budget, page_size=ps, graph=self.graph, **self.thermal_opts)
-            if mech["paths"]:
-                dec = thermal_paths_decoder(m, P, T - P + max_new, self.policies, **kw)
-            else:
-                dec = ThermalDecoder(m, P, T - P + max_new, **kw)
+            kw = dict(budget=self.kv_budget, page_size=ps, **self.thermal_opts)
+            G = T - P + max_new
+            dec = (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
+                   else ThermalDecoder(m, P, G, graph=self.graph, **kw))
             dec.load_prefix(ks, vs, qcov)
         else:
-            if mech["paths"]:
-                from zeroedge.runtime.paths_decoder import PathsDecoder
-
-                dec = PathsDecoder(m, T + max_new, self.policies, graph=self.graph)
-            else:
-                dec = DenseDecoder(m, T + max_new, graph=self.graph)
+            dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph) if mech["paths"]
+                   else DenseDecoder(m, T + max_new, graph=self.graph))
             if P > 0:
                 dec.load_prefix(ks, vs)
         pick = self._sampler(temperature, seed)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
-        prev = dec.slot_page.clone() if thermal else None
+        slot_page = dec.attention.slot_page if thermal else None
+        prev = slot_page.clone() if thermal else None
 
         def step(tok, pos):
             out = dec.step(tok, pos)
             if thermal:
-                moved.add_((dec.slot_page != prev).sum())
-                prev.copy_(dec.slot_page)
+                moved.add_((slot_page != prev).sum())
+                prev.copy_(slot_page)
             return out
 
         for pos in range(P, T):                                   # the prompt's tail, teacher-forced
@@ -363,7 +339,7 @@ class ServingSession:
             out.append(nxt)
         sync()
         t2 = time.perf_counter()
-        el = dec.k.element_size() if not thermal else dec.wk.element_size()
+        el = torch.finfo(dec.dtype).bits // 8
         full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + max_new) * m.cfg.head_dim * el
         detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
         if thermal:

@@ -1,12 +1,8 @@
-"""The decode loop with predicted paths: `PathsDecoder` is zeroedge.runtime.fast.DenseDecoder with
-each sparse layer's FFN replaced by the gather-GEMV step (predictor score -> live rows of W_gate /
-W_up -> live rows of W_down^T). On CUDA with Triton it runs the kernels of
+"""Decode paths as the decode step's FFN strategy (zeroedge.runtime.fast.Decoder composes it with an
+attention strategy): each sparse layer's FFN is the gather-GEMV step (predictor score -> live rows
+of W_gate / W_up -> live rows of W_down^T). On CUDA with Triton it runs the kernels of
 zeroedge.paths.triton_gemv inside the decoder's CUDA graph; elsewhere the torch references (same
 function), so the CPU tests check the loop end to end.
-
-    rt_policies = zeroedge.paths.policies.policies_from_artifact(model, meta, tensors)
-    dec = PathsDecoder(model, max_len, rt_policies)
-    logits = dec.step(token, pos)
 
 Magnitude policies (|x| / |a| thresholds) run the row-gather kernel twice: over [W_gate; W_up]^T
 with the small |x_k| zeroed (their rows are never read), then over W_down^T with the small |a_j|
@@ -23,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroedge.runtime.fast import DenseDecoder
 from zeroedge.paths import triton_gemv as tg
 
 
@@ -37,24 +32,29 @@ def _use_triton(device) -> bool:
     return True
 
 
-class PathsDecoder(DenseDecoder):
-    def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa",
-                 kernels: str = "auto", kernels_lib=None):
+class PathsFFN:
+    """The FFN of the layers in `policies` (layer -> zeroedge.paths.sparse.PathPolicy) as gather-GEMVs;
+    the other layers' FFN stays dense. `bind` gets the decoder's fused weights, device and dtype."""
+
+    def __init__(self, policies: dict, kernels: str = "auto", kernels_lib=None):
         if not policies:
-            raise ValueError("PathsDecoder needs path policies (none given): refusing to run dense "
+            raise ValueError("decode paths need path policies (none given): refusing to run dense "
                              "in place of sparse")
         bad = [i for i, p in policies.items() if p.method not in ("predictor", "magnitude")]
         if bad:
-            raise ValueError(f"PathsDecoder runs predictor or magnitude policies (layers {bad} are not)")
+            raise ValueError(f"decode paths run predictor or magnitude policies (layers {bad} are not)")
         if kernels not in ("auto", "triton", "cuda", "torch"):
             raise ValueError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
-        super().__init__(model, max_len, graph=graph, attn=attn)
-        self._pick_kernels(kernels, kernels_lib)
-        self._build_paths(model, policies)
+        self.policies, self.kernels_wanted, self.kernels_lib = policies, kernels, kernels_lib
 
-    def _pick_kernels(self, kernels: str = "auto", kernels_lib=None):
-        """Sets self.kernels / self.triton / self.cuda_lib (a method so other decode loops, e.g.
-        the thermal one, pick the same way)."""
+    def bind(self, layers: list, cfg, device, dtype):
+        """layers: the decoder's fused weights per layer (w13 = [W_gate; W_up], w2 = W_down, ...)."""
+        self.device, self.dtype = device, dtype
+        self._pick_kernels(self.kernels_wanted, self.kernels_lib)
+        self._build_paths(layers, cfg, self.policies)
+
+    def _pick_kernels(self, kernels: str, kernels_lib=None):
+        """Sets self.kernels / self.triton / self.cuda_lib."""
         if kernels == "auto" and self.device.type == "cuda":
             from zeroedge.paths import cuda_gemv
             if kernels_lib or cuda_gemv.default_path().is_file():
@@ -70,17 +70,17 @@ class PathsDecoder(DenseDecoder):
             from zeroedge.paths import cuda_gemv
             self.cuda_lib = cuda_gemv.load(kernels_lib)
 
-    def _build_paths(self, model, policies: dict):
+    def _build_paths(self, layers: list, cfg, policies: dict):
         """Per sparse layer: the predictor / thresholds and the transposed weights the gather
-        kernels read (a method so other decode loops, e.g. the thermal one, can reuse it)."""
-        D, Fd = model.cfg.dim, model.cfg.ffn_dim
+        kernels read."""
+        D, Fd = cfg.dim, cfg.ffn_dim
         self.paths = {}
         if self.cuda_lib is not None:  # one scratch for every layer: the kernels leave it zeroed
             from zeroedge.paths import cuda_gemv
             self.cuda_work = cuda_gemv.work_buffer(self.cuda_lib, 1, D, Fd, self.device)
             self.cuda_out = torch.zeros(1, D, device=self.device, dtype=self.dtype)
         for i, pol in policies.items():
-            pr, w = pol.predictor, self.W.layers[i]
+            pr, w = pol.predictor, layers[i]
             if pol.method == "magnitude":
                 self.paths[i] = dict(
                     kind="magnitude", thr_in=float(pol.threshold_in), thr=float(pol.threshold),
@@ -133,23 +133,14 @@ class PathsDecoder(DenseDecoder):
         p["act"].copy_(act)
         return tg.paths_down_ref(act, p["wdt"])
 
-    def _forward(self, flag):
-        m = self.m
-        cos = self.cos.index_select(0, self.pos)
-        sin = self.sin_signed.index_select(0, self.pos)
-        x = m.embed_tokens(self.tok)
-        self._per_step()
-        for li, w in enumerate(self.W.layers):
-            q, k, v = self._layer_in(w, x, cos, sin)
-            o = self._attend(li, q, k, v, flag)
-            p = self.paths.get(li)
-            if p is None:
-                x = self._layer_out(w, x, o)
-                continue
-            x = x + F.linear(o.reshape(1, -1), w["wo"])
-            h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
-            x = x + self._paths_ffn(p, h)
-        return m.lm_head(m.norm(x))[0]
+    def out(self, li: int, w: dict, x, o):
+        """The layer's output after attention (residuals included), or None for a dense layer."""
+        p = self.paths.get(li)
+        if p is None:
+            return None
+        x = x + F.linear(o.reshape(1, -1), w["wo"])
+        h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
+        return x + self._paths_ffn(p, h)
 
     def kept(self) -> dict:
         """Fraction of channels the last step computed, per sparse layer."""

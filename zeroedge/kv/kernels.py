@@ -1,4 +1,5 @@
-"""Triton kernels for the GPU decode loops (imported lazily; CUDA only), with torch references.
+"""Thermal KV's Triton kernels (imported lazily; CUDA only), with torch references: page scoring from
+the int4 key sketch and the in-graph page swap of zeroedge.kv.attention.ThermalAttention.
 
 `sketch_page_lse(qr, codes, scales, page_size)`: for every kv head h, query head g of its group
 and page p, the log-sum-exp over the page's tokens of qr[h, g] . (code[h, t] * scale[h, p]): the

@@ -1,0 +1,213 @@
+"""Thermal KV as the decode step's attention strategy (zeroedge.runtime.fast.Decoder composes it
+with an FFN strategy): per layer and kv head the device keeps one contiguous window = [sink page |
+recent window | generated tokens | `slots` pages], the low-rank int4 key sketch of every prefix page
+and its bases; every prefix page also lives in the cold store (host memory, pinned and mapped on a
+discrete GPU). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
+Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
+out while the new one scores higher), copying them straight from host memory into the window in the
+same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
+    """0 where valid, -inf elsewhere, in the attention's dtype."""
+    return torch.zeros((), dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+
+
+def host_mapped(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor aliasing pinned host memory (zero-copy reads over PCIe through UVA)."""
+    if not t.is_pinned():
+        raise ValueError("host_mapped needs pinned memory")
+    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+    class _CAI:
+        __cuda_array_interface__ = {"shape": tuple(raw.shape),
+                                    "typestr": "<i2" if t.element_size() == 2 else "<i4",
+                                    "data": (raw.data_ptr(), False), "version": 3, "strides": None}
+
+    return torch.as_tensor(_CAI(), device="cuda").view(t.dtype)
+
+
+def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2):
+    """(A, B, mu) for keys k (nkv, P, hd): coords = (k - mu) @ B, query side q @ A (see
+    zeroedge.kv.evaluate.Sketch: query-aware when the query covariance is given)."""
+    nkv, P, hd = k.shape
+    kf = k.float()
+    mu = kf.mean(1, keepdim=True)
+    c = kf - mu
+    if qcov is not None:
+        cq = qcov.float() / qcov.float().diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
+        cq = cq + eps * torch.eye(hd, device=k.device)
+        e, V = torch.linalg.eigh(cq)
+        W = V @ torch.diag_embed(e.sqrt()) @ V.transpose(1, 2)
+        Wi = V @ torch.diag_embed(e.rsqrt()) @ V.transpose(1, 2)
+    else:
+        W = Wi = torch.eye(hd, device=k.device).expand(nkv, hd, hd)
+    cw = c @ W
+    _, U = torch.linalg.eigh(cw.transpose(1, 2) @ cw)
+    U = U[:, :, -rank:].flip(-1)
+    return Wi @ U, W @ U, mu
+
+
+class ThermalAttention:
+    """Attention over a prefix of P tokens with a thermal cache (see the module doc); the decoder
+    gives it the model's shapes, device and dtype through `bind`."""
+
+    def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = 16, rank: int = 16,
+                 recent_pages: int = 2, sink_pages: int = 1, fetch: int = 4, refresh_every: int = 1):
+        if prefix_len % page_size:
+            raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
+        if not 0 < budget <= 1:
+            raise ValueError("budget must be in (0, 1]")
+        if rank % 2:
+            raise ValueError("rank must be even (int4 codes are packed two a byte)")
+        self.max_len = prefix_len + gen_len
+        self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
+        self.budget, self.rank, self.refresh_every = budget, rank, max(1, refresh_every)
+        self.sink_pages, self.recent_pages, self.fetch_wanted = sink_pages, recent_pages, fetch
+
+    def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
+        """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
+        from zeroedge.kv.kernels import part_blocks
+
+        self.L, self.nkv, self.H, self.hd, self.device, self.dtype = L, nkv, H, hd, device, dtype
+        ps, n = self.ps, self.n
+        total_pages = max(1, int(round(self.budget * self.P)) // ps)
+        self.fixed = self.sink_pages + self.recent_pages
+        self.slots = max(1, min(total_pages - self.fixed, n - self.fixed))
+        self.fetch = min(self.fetch_wanted, self.slots)
+        pin = device.type == "cuda"
+        # cold store: every prefix page, in host memory
+        self.host_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.zeros_like(self.host_k, pin_memory=pin) if pin else torch.zeros_like(self.host_k)
+        # device window: [fixed tokens | generated tokens | slot pages]
+        self.fix_len = self.fixed * ps + self.gen_len
+        self.win_len = self.fix_len + self.slots * ps
+        self.wk = torch.zeros(L, nkv, self.win_len, hd, device=device, dtype=dtype)
+        self.wv = torch.zeros_like(self.wk)
+        self.wpos = torch.full((self.win_len,), -1, dtype=torch.long, device=device)
+        self.slot_page = torch.zeros(L, nkv, self.slots, dtype=torch.long, device=device)
+        self.page_slot = torch.full((L, nkv, n), -1, dtype=torch.long, device=device)
+        # summaries: query / key bases, int4 codes (packed), per (page, direction) scales
+        self.A = torch.zeros(L, nkv, hd, self.rank, device=device, dtype=torch.float32)
+        self.codes = torch.zeros(L, nkv, self.P, self.rank // 2, device=device, dtype=torch.uint8)
+        self.scales = torch.zeros(L, nkv, n, self.rank, device=device, dtype=torch.float16)
+        self.page_bias = torch.zeros(n, device=device)
+        self.page_bias[:self.sink_pages] = float("-inf")
+        if self.recent_pages:
+            self.page_bias[n - self.recent_pages:] = float("-inf")
+        self.hk = self.hv = None
+        self.gen = 0
+        self.widx = torch.zeros(1, dtype=torch.long, device=device)
+        self.ar_slots = torch.arange(self.slots, device=device)
+        # per-block shares of each query head's log-sum-exp over pages, written by the sketch kernel
+        # for the two-stage swap (CUDA)
+        nb = part_blocks(n)
+        self.lse_part = (torch.empty(nkv, H // nkv, nb, device=device),
+                         torch.empty(nkv, H // nkv, nb, device=device)) if pin else None
+
+    def kv_bytes(self) -> int:
+        return self.device_kv_bytes()["hot"]
+
+    def device_kv_bytes(self) -> dict:
+        el = self.wk.element_size()
+        L, nkv, hd, ps = self.L, self.nkv, self.hd, self.ps
+        hot = 2 * L * nkv * (self.fixed + self.slots) * ps * hd * el
+        summ = (self.codes.numel() + self.scales.numel() * 2 + self.A.numel() * 2)
+        full = 2 * L * nkv * self.P * hd * el
+        return {"hot": hot, "summaries": summ, "generated": 2 * L * nkv * (self.fix_len - self.fixed * ps) * hd * el,
+                "prefix_full": full, "page_table": 8 * L * nkv * self.n}
+
+    def load_prefix(self, ks, vs, qcovs=None):
+        """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
+        covariances (query-aware sketch). Fills cold store, fixed window, slots, summaries."""
+        from zeroedge.kv.kernels import pack_int4
+
+        ps, n, r, dev = self.ps, self.n, self.rank, self.device
+        fix_idx = torch.cat([torch.arange(self.sink_pages * ps),
+                             torch.arange(self.P - self.recent_pages * ps, self.P)]).to(dev)
+        nf = fix_idx.numel()
+        self.wpos[:nf] = fix_idx
+        first = torch.arange(self.n - self.recent_pages - self.slots, self.n - self.recent_pages,
+                             device=dev).clamp_min(self.sink_pages)
+        for li, (k, v) in enumerate(zip(ks, vs)):
+            kd, vd = k.to(dev), v.to(dev)
+            self.host_k[li].copy_(kd.view(self.nkv, n, ps, self.hd))
+            self.host_v[li].copy_(vd.view(self.nkv, n, ps, self.hd))
+            self.wk[li, :, :nf] = kd[:, fix_idx]
+            self.wv[li, :, :nf] = vd[:, fix_idx]
+            A, B, mu = sketch_bases(kd, None if qcovs is None else qcovs[li].to(dev), r)
+            coords = ((kd.float() - mu) @ B).view(self.nkv, n, ps, r)
+            sc = (coords.abs().amax(2, keepdim=True) / 7).clamp_min(1e-8).half()
+            codes = torch.round(coords / sc.float()).clamp(-7, 7)
+            self.A[li] = A
+            self.scales[li] = sc.view(self.nkv, n, r)
+            self.codes[li] = pack_int4(codes.view(self.nkv, self.P, r))
+            self.slot_page[li] = first[None].expand(self.nkv, -1)
+            self.page_slot[li].fill_(-1)
+            self.page_slot[li].scatter_(1, self.slot_page[li], self.ar_slots[None].expand(self.nkv, -1).contiguous())
+            sl = self.wk[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd)
+            sl.copy_(kd.view(self.nkv, n, ps, self.hd)[:, first])
+            self.wv[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(
+                vd.view(self.nkv, n, ps, self.hd)[:, first])
+        self.wpos[self.fix_len:] = 0                    # slot tokens are prefix positions: valid
+        if dev.type == "cuda":
+            self.hk, self.hv = host_mapped(self.host_k), host_mapped(self.host_v)
+        else:
+            self.hk, self.hv = self.host_k, self.host_v
+
+    # -- the decoder's per-step hooks ----------------------------------------------------------
+    def before(self, pos: int):
+        i = self.fixed * self.ps + self.gen
+        if i >= self.fix_len:
+            raise ValueError(f"generated more than the {self.fix_len - self.fixed * self.ps} tokens planned")
+        self.wpos[i] = pos
+        self.widx.fill_(i)
+        self.gen += 1
+
+    def flag(self, pos: int) -> int:
+        """1 on the steps that refresh (score and swap pages): a CUDA graph of its own."""
+        return 1 if (self.gen - 1) % self.refresh_every == 0 else 0
+
+    def per_step(self, pos: torch.Tensor):
+        self.mask = additive_mask((self.wpos >= 0) & (self.wpos <= pos), self.dtype).view(1, 1, 1, -1)
+
+    def _page_lse(self, li, q, part=None):
+        """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page."""
+        from zeroedge.kv.kernels import sketch_page_lse_q
+
+        return sketch_page_lse_q(q, self.A[li], self.codes[li], self.scales[li], self.ps, part=part)
+
+    def scores(self, li, q):
+        """(nkv, n) page scores (-inf for sink and recent pages, which are always in the window)."""
+        from zeroedge.kv.kernels import page_scores_ref
+
+        return page_scores_ref(self._page_lse(li, q), self.page_bias)
+
+    def _swap(self, li, q):
+        """Up to `fetch` swaps a kv head: best missing page in, worst resident page out while the
+        new one scores higher; the fetched pages' K and V go from the cold store into the slots."""
+        from zeroedge.kv.kernels import swap_pages
+
+        S, pe = self.slots, self.ps * self.hd
+        wk = self.wk[li, :, self.fix_len:].view(self.nkv, S, pe)
+        wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, pe)
+        hk = self.hk[li].view(self.nkv, self.n, pe)
+        hv = self.hv[li].view(self.nkv, self.n, pe)
+        swap_pages(self._page_lse(li, q, self.lse_part), self.page_bias, self.page_slot[li],
+                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part)
+
+    def attend(self, li, q, kv, flag):
+        """q (H, hd), kv (2, nkv, hd) of the new token -> (H, hd)."""
+        K, V = self.wk[li], self.wv[li]
+        K.index_copy_(1, self.widx, kv[0][:, None])
+        V.index_copy_(1, self.widx, kv[1][:, None])
+        if flag:
+            self._swap(li, q)
+        o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
+                                           attn_mask=self.mask, enable_gqa=True)
+        return o.view(self.H, self.hd)

@@ -37,19 +37,11 @@ def _wrappers():
     import torch
     from torch import nn
 
-    from zeroedge.model import apply_rope
-
-    def layer_attn(blk, cfg, x, cos, sin, kv_from, mask_add, inv_h):
-        """Shared attention math. kv_from(k, v) -> (keys, values) to attend to (B, Hkv, S, hd)."""
+    def layer_attn(blk, x, cos, sin):
+        """The attention's input side (zeroedge.model.Attention.project): a, q, k, v, query heads."""
         a = blk.self_attn
-        B, T, _ = x.shape
-        hd, nkv = cfg.head_dim, cfg.n_kv_heads
-        h = a.q_proj.out_features // hd
-        q = a.q_proj(x).view(B, T, h, hd).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return a, q, k, v, h
+        q, k, v = a.project(x, cos, sin)
+        return a, q, k, v, a.q_proj.out_features // a.cfg.head_dim   # a Python int, also when traced
 
     def _lm_head(m, x):
         """(B, D) -> (B, 1, V) as Gemm(transB=1) on the [V, D] weight itself, so a tied lm_head
@@ -76,7 +68,7 @@ def _wrappers():
             x = m.embed_tokens(tokens)
             ks, vs, masses = [], [], []
             for blk in m.layers:
-                a, q, k, v, h = layer_attn(blk, cfg, blk.input_layernorm(x), cos, sin, None, None, None)
+                a, q, k, v, h = layer_attn(blk, blk.input_layernorm(x), cos, sin)
                 ks.append(k)
                 vs.append(v)
                 group = cfg.n_heads // nkv
@@ -118,7 +110,7 @@ def _wrappers():
             scale = 1.0 / math.sqrt(hd)
             for li, blk in enumerate(m.layers):
                 pk, pv = past[2 * li], past[2 * li + 1]
-                a, q, k, v, h = layer_attn(blk, cfg, blk.input_layernorm(x), cos, sin, None, None, None)
+                a, q, k, v, h = layer_attn(blk, blk.input_layernorm(x), cos, sin)
                 news += [k, v]
                 if h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
                     qg = q.view(B, nkv, group, hd)                       # (B, Hkv, g, hd)

@@ -160,14 +160,23 @@ class Attention(nn.Module):
         self.q_proj, self.o_proj = q.to(self.q_proj.weight), o.to(self.o_proj.weight)
         self.kept_heads = self.kept_heads[keep_local]
 
-    def forward(self, x, cos, sin, start: int, mask: Optional[torch.Tensor]):
+    def project(self, x, cos, sin):
+        """x (B, T, D) -> q (B, h, T, hd), k, v (B, nkv, T, hd), RoPE applied to q and k: the one
+        definition of the attention's input side (the ONNX export and the KV evaluator call it; the
+        fast decoder runs the same arithmetic on fused weights, zeroedge.runtime.fast)."""
         B, T, _ = x.shape
         hd, nkv = self.cfg.head_dim, self.cfg.n_kv_heads
         h = self.kept_heads.numel()
         q = self.q_proj(x).view(B, T, h, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, start: int, mask: Optional[torch.Tensor]):
+        B, T, _ = x.shape
+        hd, nkv = self.cfg.head_dim, self.cfg.n_kv_heads
+        h = self.kept_heads.numel()
+        q, k, v = self.project(x, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start, k, v)
         group = self.cfg.n_heads // nkv

@@ -54,20 +54,8 @@ def validate(n_ids: int, budget, page_size, continuation) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# the model walked layer by layer (same arithmetic as zeroedge.model.Block.forward)
+# the model walked layer by layer (zeroedge.model.Attention.project, then the attention here)
 # --------------------------------------------------------------------------------------------
-def _qkv(attn, x, cos, sin):
-    from zeroedge.model import apply_rope
-
-    B, T, _ = x.shape
-    hd, nkv = attn.cfg.head_dim, attn.cfg.n_kv_heads
-    h = attn.kept_heads.numel()
-    q = attn.q_proj(x).view(B, T, h, hd).transpose(1, 2)
-    k = attn.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-    v = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
 def prefill(model, ids, stats: bool = True, chunk: int = 512, window: int = 32):
     """Full-attention prefill. Returns dict: k, v (per layer, (nkv, P, hd)), last_logits,
     h2o (per layer (nkv, P) attention accumulated over all prefill queries, summed over the group),
@@ -86,7 +74,7 @@ def prefill(model, ids, stats: bool = True, chunk: int = 512, window: int = 32):
         out = {"k": [], "v": [], "h2o": [], "snap": [], "qwin": [], "qcov": []}
         for blk in model.layers:
             a = blk.self_attn
-            q, k, v = _qkv(a, blk.input_layernorm(x), cos, sin)
+            q, k, v = a.project(blk.input_layernorm(x), cos, sin)
             kv_index = a.kept_heads // grp
             kk, vv = k.index_select(1, kv_index), v.index_select(1, kv_index)
             if stats:
@@ -312,7 +300,7 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
         causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]     # (T, T)
         for li, blk in enumerate(model.layers):
             a = blk.self_attn
-            q, k, v = _qkv(a, blk.input_layernorm(x), cos, sin)
+            q, k, v = a.project(blk.input_layernorm(x), cos, sin)
             kv_index = a.kept_heads // grp
             Kp, Vp = pre["k"][li], pre["v"][li]
             kall = torch.cat([Kp[None], k], 2).index_select(1, kv_index)

@@ -54,7 +54,8 @@ def fused_weights(model) -> _Weights:
 
 
 def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd: int):
-    """-> q (H, hd) after RoPE, kv (2, nkv, hd): the new token's key (after RoPE) and value stacked,
+    """zeroedge.model.Attention.project for one token on fused weights (RMSNorm first):
+    -> q (H, hd) after RoPE, kv (2, nkv, hd): the new token's key (after RoPE) and value stacked,
     so the cache takes them in one write (and compiled, the stack fuses into the RoPE kernel)."""
     h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
     qkv = F.linear(h, wqkv, bqkv).view(H + 2 * nkv, hd)
@@ -64,6 +65,7 @@ def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd:
 
 
 def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2):
+    """The rest of zeroedge.model.Block.forward for one token: o_proj, residual, RMSNorm, SwiGLU FFN."""
     x = x + F.linear(o.reshape(1, -1), wo)
     h = F.rms_norm(x, (x.shape[-1],), ln2, eps)
     g, u = F.linear(h, w13).chunk(2, -1)

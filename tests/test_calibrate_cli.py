@@ -23,6 +23,9 @@ def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
     for k in ("dense_ppl", "zero_ppl", "ffn_flops_skipped", "tokens", "zero_ppl_all_tokens"):
         assert k in r, k
     assert r["tokens"] == 1024 and r["ffn_flops_skipped"] > 0
+    text = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", check_rc=0).stdout
+    assert "perplexity, all tokens" in text and "zero_ppl_all_tokens" in text and "net of anchors" in text
+    assert f"{r['ffn_flops_skipped']:.1%}" in text and "dense_ppl:" not in text
     assert meta.get("paths"), "calibrate --paths wrote no path section"
     p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--paths",
                 "--json", check_rc=0)

@@ -3,7 +3,7 @@ from conftest import run_cli
 
 
 def test_demo_runs_dense_vs_zero_and_sensor_path(tmp_path):
-    p = run_cli("demo", "--ctx", "1200", "--repeats", "1", "--out", tmp_path, check_rc=0)
+    p = run_cli("demo", "--ctx", "1200", "--repeats", "1", "-o", tmp_path, check_rc=0)
     out = p.stdout
     assert "[dense] continuation ppl" in out and "[ zero] continuation ppl" in out
     assert "prefill FFN FLOPs skipped" in out and "Diagnosis:" in out

@@ -41,8 +41,8 @@ def bundle(tmp_path_factory):
 
 @pytest.mark.parametrize("context", [128, 768])
 def test_memory_matches_onnxruntime(bundle, context):
-    p = run_cli("plan", bundle, "--target", "orin-nano-8gb", "--context", context, "--dtype", "fp32",
-                "--host", "--json", check_rc=0)
+    p = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", context, "--dtype", "fp32",
+                "--onnxruntime-process", "--json", check_rc=0)
     planned = json.loads(p.stdout)["memory"]["model_total"]
     out = subprocess.run([sys.executable, "-c", MEASURE, str(bundle), str(context), "256"],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
@@ -52,9 +52,9 @@ def test_memory_matches_onnxruntime(bundle, context):
 
 
 def test_plan_targets_and_verdict(bundle):
-    small = json.loads(run_cli("plan", bundle, "--target", "orin-nano-8gb", "--context", 1024, "--json",
+    small = json.loads(run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 1024, "--json",
                                check_rc=0).stdout)
-    big = json.loads(run_cli("plan", bundle, "--target", "orin-agx-64gb", "--context", 1024, "--json",
+    big = json.loads(run_cli("plan", bundle, "--board", "orin-agx-64gb", "--ctx", 1024, "--json",
                              check_rc=0).stdout)
     assert small["fits"] and small["max_context"] >= 1024
     assert small["memory"]["total"] == big["memory"]["total"]
@@ -63,17 +63,17 @@ def test_plan_targets_and_verdict(bundle):
     assert r2["decode_tok_s"] > r1["decode_tok_s"] and r2["prefill_tok_s"] > r1["prefill_tok_s"]
     assert abs(small["figures"]["fp16_tflops"] - 10.24) < 0.01
     # more context than memory: does not fit, and max_context says where it stops
-    nx = json.loads(run_cli("plan", bundle, "--target", "orin-nx-16gb", "--context", 4000, "--window",
+    nx = json.loads(run_cli("plan", bundle, "--board", "orin-nx-16gb", "--ctx", 4000, "--window",
                             4000, "--json", check_rc=0).stdout)
     assert nx["memory"]["total"] > small["memory"]["total"]
-    text = run_cli("plan", bundle, "--target", "orin-nano-8gb", "--context", 512, check_rc=0).stdout
+    text = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 512, check_rc=0).stdout
     assert "verdict: FITS" in text and "hot_kv" in text
 
 
 def test_plan_bad_input(bundle, tmp_path):
-    p = run_cli("plan", bundle, "--target", "orin-tx2", "--context", 10)
+    p = run_cli("plan", bundle, "--board", "orin-tx2", "--ctx", 10)
     assert p.returncode == 2 and "orin-nano-8gb, orin-nx-16gb, orin-agx-64gb" in p.stderr
-    p = run_cli("plan", tmp_path / "none", "--target", "orin-nano-8gb", "--context", 10)
+    p = run_cli("plan", tmp_path / "none", "--board", "orin-nano-8gb", "--ctx", 10)
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 

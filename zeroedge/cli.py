@@ -2,12 +2,11 @@
 only when invoked (or listed), and those modules import nothing heavy at module level, so
 `zeroedge --help` starts fast and works without torch."""
 import importlib
-import sys
 
 import click
 
 from zeroedge import __version__
-from zeroedge.errors import UserError
+from zeroedge.errors import run_command
 
 # name -> module under zeroedge.commands holding a click command called `cmd`
 COMMANDS = {
@@ -51,22 +50,8 @@ def cli():
 
 
 def main(argv=None):
-    try:
-        cli.main(args=argv, prog_name="zeroedge", standalone_mode=False)
-    except UserError as e:
-        click.echo(f"zeroedge: error: {e}", err=True)
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("zeroedge: aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(2 if e.exit_code == 1 else e.exit_code)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo("zeroedge: interrupted", err=True)
-        sys.exit(130)
+    """Every error is one line on stderr (zeroedge.errors.run_command): bad input exit 2."""
+    run_command(cli, argv, prog_name="zeroedge")
 
 
 if __name__ == "__main__":

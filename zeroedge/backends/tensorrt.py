@@ -994,49 +994,64 @@ class TrtRunner(OrtRunner):
 # ------------------------------------------------------------------------------------ CLI
 
 def main(argv=None) -> int:
-    import argparse
+    """`python -m zeroedge.backends.tensorrt build|generate`: what `zeroedge deploy` runs on the device
+    (`build --bundle B --plugins LIB --out DIR`). Its errors take the path every zeroedge command
+    takes (zeroedge.errors.run_command): one line `zeroedge: error: ...`, exit 2 for bad input."""
+    import click
 
-    ap = argparse.ArgumentParser(prog="python -m zeroedge.backends.tensorrt",
-                                 description="Build and run TensorRT engines of a zeroedge bundle "
-                                             "(Jetson: TensorRT 10.3; elsewhere TensorRT-RTX).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="one engine per BUNDLE/*.trt.onnx (the same build as `zeroedge build`, "
-                       "writing into an existing --out folder)")
-    b.add_argument("--bundle", required=True)
-    b.add_argument("--plugins", default=None, help="libzeroedge_plugins.so (default: $ZEROEDGE_PLUGINS_LIB, else "
-                   "plugins/build/ of a source checkout; scripts/build_plugins makes it)")
-    b.add_argument("--out", required=True, help="folder for the engines, timing.cache and engines.json")
-    b.add_argument("--max-tokens", type=int, default=None, help="longest prompt (default: from the plan)")
-    b.add_argument("--workspace-mb", type=int, default=None,
-                   help="default: from the plan, else 256, grown once to >= 1024 if the builder runs out")
-    b.add_argument("--no-serialize-plugins", action="store_true",
-                   help="do not embed the plugin library (load it at run time instead)")
-    b.add_argument("--cc", default=None, help="TensorRT-RTX only: compute capability to build for ahead of time "
-                   "(8.6, 8.9, 12.0, ...; default: the GPU present)")
-    g = sub.add_parser("generate", help="greedy generation through the engines")
-    g.add_argument("--bundle", required=True)
-    g.add_argument("--engines", required=True)
-    g.add_argument("--plugins", default=None)
-    g.add_argument("--tokens", required=True, help="prompt token ids, space separated")
-    g.add_argument("--new", type=int, default=16)
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "build":
-            if args.workspace_mb is not None and args.workspace_mb < 1:
-                raise UserError("--workspace-mb must be >= 1")
-            meta = build_bundle_engines(args.bundle, args.plugins, args.out, max_tokens=args.max_tokens,
-                                        workspace_bytes=args.workspace_mb and args.workspace_mb << 20,
-                                        serialize_plugins=not args.no_serialize_plugins, cc=args.cc,
-                                        mode="update", log=lambda s: print(s, file=sys.stderr))
-            print(json.dumps(build_report(meta, args.out)))
-        else:
-            toks = [int(t) for t in args.tokens.split()]
-            with TrtRunner(args.bundle, args.engines, args.plugins) as r:
-                print(" ".join(map(str, r.generate(toks, args.new))))
-        return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    from zeroedge.errors import run_command
+
+    @click.group(context_settings={"help_option_names": ["-h", "--help"]},
+                 help="Build and run TensorRT engines of a zeroedge bundle (Jetson: TensorRT 10.3; elsewhere "
+                      "TensorRT-RTX).")
+    def cli():
+        pass
+
+    @cli.command("build", help="one engine per BUNDLE/*.trt.onnx (the same build as `zeroedge build`, writing "
+                               "into an existing --out folder)")
+    @click.option("--bundle", required=True)
+    @click.option("--plugins", default=None, help="libzeroedge_plugins.so (default: $ZEROEDGE_PLUGINS_LIB, else "
+                  "plugins/build/ of a source checkout; scripts/build_plugins makes it)")
+    @click.option("-o", "--output", "--out", "out", required=True,
+                  help="folder for the engines, timing.cache and engines.json")
+    @click.option("--max-tokens", type=int, default=None, help="longest prompt (default: from the plan)")
+    @click.option("--workspace-mb", type=int, default=None,
+                  help="default: from the plan, else 256, grown once to >= 1024 if the builder runs out")
+    @click.option("--no-serialize-plugins", is_flag=True,
+                  help="do not embed the plugin library (load it at run time instead)")
+    @click.option("--cc", default=None, help="TensorRT-RTX only: compute capability to build for ahead of time "
+                  "(8.6, 8.9, 12.0, ...; default: the GPU present)")
+    def build(bundle, plugins, out, max_tokens, workspace_mb, no_serialize_plugins, cc):
+        if workspace_mb is not None and workspace_mb < 1:
+            raise UserError("--workspace-mb must be >= 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise UserError("--max-tokens must be >= 1")
+        meta = build_bundle_engines(bundle, plugins, out, max_tokens=max_tokens,
+                                    workspace_bytes=workspace_mb and workspace_mb << 20,
+                                    serialize_plugins=not no_serialize_plugins, cc=cc,
+                                    mode="update", log=lambda s: print(s, file=sys.stderr))
+        print(json.dumps(build_report(meta, out)))
+
+    @cli.command("generate", help="greedy generation through the engines")
+    @click.option("--bundle", required=True)
+    @click.option("--engines", required=True)
+    @click.option("--plugins", default=None)
+    @click.option("--tokens", required=True, help="prompt token ids, space separated")
+    @click.option("--new", type=int, default=16, show_default=True)
+    def generate(bundle, engines, plugins, tokens, new):
+        try:
+            toks = [int(t) for t in tokens.split()]
+        except ValueError:
+            raise UserError(f"--tokens {tokens!r}: give token ids (integers), space separated") from None
+        if not toks:
+            raise UserError("--tokens is empty")
+        if new < 1:
+            raise UserError("--new must be >= 1")
+        with TrtRunner(bundle, engines, plugins) as r:
+            print(" ".join(map(str, r.generate(toks, new))))
+
+    run_command(cli, argv, prog_name="python -m zeroedge.backends.tensorrt")
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import json
 
 import click
 
+from zeroedge.commands.common import output_option
+
 WORKSPACE_HELP = ("builder workspace pool, e.g. 512M or 1G (default: the bundle plan's, else 256M, and a graph "
                   "that runs out of it, as a SmolLM2 prefill at 2048 tokens does, is built again once with "
                   "max(1G, twice what it asked for); a size given here is used as it is)")
@@ -61,9 +63,9 @@ class _NativeQuiet:
 
 @click.command("build")
 @click.argument("bundle", type=click.Path())
-@click.option("-o", "--out", "out", type=click.Path(), required=True,
-              help="folder for the engines (GRAPH.engine per GRAPH.trt.onnx), engines.json and the timing "
-                   "cache where the runtime keeps one; must be absent or empty unless --force")
+@output_option("folder for the engines (GRAPH.engine per GRAPH.trt.onnx), engines.json and the timing "
+               "cache where the runtime keeps one; must be absent or empty unless --force",
+               dest="out", old_out=True, metavar="ENGINES")
 @click.option("--plugins", "plugins", type=click.Path(), default=None,
               help="libzeroedge_plugins.so (default: $ZEROEDGE_PLUGINS_LIB, else plugins/build/ of a source "
                    "checkout; build it with scripts/build_plugins)")

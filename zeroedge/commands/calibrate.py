@@ -1,16 +1,15 @@
 """zeroedge calibrate: fit SIH heads and anchors, gate thresholds on held-out text, write the artifact."""
 import click
 
-from zeroedge.commands.common import parse_budget
+from zeroedge.commands.common import check_model, fraction_option, output_option
 
 
 @click.command("calibrate")
 @click.argument("model")
 @click.option("--text", "texts_", multiple=True, required=True,
               help="Calibration text: a file, or kjv / essays / licenses. Repeat to mix texts.")
-@click.option("--budget", default="1%", show_default=True,
-              help="Max held-out perplexity rise, e.g. 1% or 0.01.")
-@click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write.")
+@fraction_option("--budget", "budget", default="1%", help="Max held-out perplexity rise.")
+@output_option("Artifact directory to write.", metavar="ARTIFACT")
 @click.option("--tokens", default=24000, show_default=True, help="Tokens read from each text.")
 @click.option("--seq-len", default=2048, show_default=True)
 @click.option("--continuation", default=512, show_default=True)
@@ -25,7 +24,7 @@ from zeroedge.commands.common import parse_budget
 @click.option("--gate-steps", default=7, show_default=True,
               help="Binary-search steps of the quality gate (each one held-out pass).")
 @click.option("--paths", "with_paths", is_flag=True,
-              help="Also calibrate decode FFN paths (issue 5) within the same budget.")
+              help="Also calibrate decode FFN paths within the same budget.")
 @click.option("--paths-costs", type=click.Choice(["first_order", "measured"]), default="first_order",
               show_default=True,
               help="Per-layer path costs: first-order estimates, or each layer measured alone "
@@ -40,7 +39,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
 
     from zeroedge.errors import UserError
 
-    b = parse_budget(budget)
+    b = budget
     if continuation >= seq_len or seq_len < 64 or continuation < 1:
         raise UserError(f"--continuation ({continuation}) must be in [1, seq-len) and --seq-len >= 64")
     if anchor_rank < 0:
@@ -49,6 +48,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
 
     for t in texts_:
         check_spec(t)  # fail before loading anything heavy
+    check_model(model)
     out = Path(output)
     if out.exists() and not (out / "calib.json").is_file():
         raise UserError(f"{out} exists and is not a calibration artifact; refusing to overwrite it")
@@ -74,20 +74,22 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
                       gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
                       importance_samples=importance_samples, gate_steps=gate_steps,
                       log=lambda s: print(s, file=sys.stderr))
-    try:
-        meta, tensors, _ = calibrate(m, lists, cfg)
-    except BudgetError as e:
-        raise UserError(f"{e}; nothing written") from None
+    budget_errors = (BudgetError,)
     if with_paths:
         from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
 
-        pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
-                           gate_seqs=min(2, gate_seqs), costs=paths_costs)
-        try:
+        budget_errors += (PathBudgetError,)
+    step = "prefill (SIH/PAD)"
+    try:   # the one place a budget that cannot be met becomes a user error (nothing is written)
+        meta, tensors, _ = calibrate(m, lists, cfg)
+        if with_paths:
+            step = "decode paths"
+            pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
+                               gate_seqs=min(2, gate_seqs), costs=paths_costs)
             meta["paths"], ptensors = calibrate_paths(m, lists, b, log=cfg.log, cfg=pcfg)
-        except PathBudgetError as e:
-            raise UserError(f"decode paths: {e}; nothing written") from None
-        tensors.update(ptensors)
+            tensors.update(ptensors)
+    except budget_errors as e:
+        raise UserError(f"{step}: {e}; nothing written (try a larger --budget)") from None
     meta["texts"] = list(texts_)
     calib_artifact.save(out, meta, tensors)
     q = meta["quality"]

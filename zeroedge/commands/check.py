@@ -4,11 +4,12 @@ import sys
 
 import click
 
+from zeroedge.commands.common import target_option
+
 
 @click.command("check")
 @click.argument("bundle", type=click.Path())
-@click.option("--target", default="jetpack-6.2", show_default=True,
-              help="device software (jetpack-6.2 / jetpack-6.1: TensorRT 10.3)")
+@target_option
 @click.option("--json", "as_json", is_flag=True, help="findings as JSON")
 @click.option("-v", "--verbose", is_flag=True, help="also the info lines (dynamic dims needing profiles)")
 def cmd(bundle, target, as_json, verbose):

@@ -6,15 +6,18 @@ time, as a trtexec-style summary and a PNG. Then the sensor path on the TEP simu
 """
 import click
 
+from zeroedge.commands.common import ctx_option, output_option
+
 
 @click.command("demo")
-@click.option("--ctx", default=4096, show_default=True, help="Tokens: prefill ctx-1024, score 1024.")
+@ctx_option("Tokens: prefill ctx-1024, score 1024.", default=4096)
 @click.option("--offset", default=300_000, show_default=True,
               help="Token offset into the KJV (the shipped artifact was calibrated on its start).")
 @click.option("--calib", type=click.Path(), default=None,
               help="Calibration artifact (default: the one shipped for SmolLM2).")
 @click.option("--repeats", default=3, show_default=True, help="Prefill timings per side.")
-@click.option("--out", "out_dir", default="out/demo", show_default=True, type=click.Path())
+@output_option("Folder for the plot and the sensor-path results.", dest="out_dir", required=False,
+               default="out/demo", old_out=True, metavar="DIR")
 @click.option("--skip-sensor", is_flag=True, help="Only the language-model part.")
 def cmd(ctx, offset, calib, repeats, out_dir, skip_sensor):
     """Dense vs zero on SmolLM2 + KJV, then the sensor-stream path."""

@@ -2,12 +2,13 @@
 service and prove it healthy."""
 import click
 
-from zeroedge.deploy.cli import finish, parse_size, target_options, targets_from
+from zeroedge.commands.common import host_options, parse_size
+from zeroedge.deploy.cli import finish, targets_from
 
 
 @click.command(name="deploy")
 @click.argument("bundle", type=click.Path(file_okay=False))
-@target_options
+@host_options
 @click.option("--dry-run", is_flag=True, help="Say what would change on each device; change nothing.")
 @click.option("--config", "config", type=click.Path(dir_okay=False),
               help="Daemon TOML to deploy (default: the daemon's example.toml); model and port are set by deploy.")
@@ -33,6 +34,7 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
     from zeroedge.trust import public_key_raw
     from zeroedge.errors import UserError
 
+    min_free_bytes = parse_size(min_free, what="--min-free", minimum=0)
     targets = targets_from(host, hosts_file)           # a bad inventory line: refused here
     manifest = verify(Path(bundle))                     # an unverifiable bundle: refused here
     pems = []
@@ -43,7 +45,7 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
         except (OSError, ValueError, UnicodeDecodeError) as e:
             raise UserError(f"--pin-key {k}: not an Ed25519 public key ({getattr(e, 'strerror', None) or e})") from None
     opts = runner.Options(ssh_config=ssh_config, known_hosts=known_hosts, connect_timeout=connect_timeout,
-                          min_free=parse_size(min_free), keep=keep, sudo=sudo, dry_run=dry_run,
+                          min_free=min_free_bytes, keep=keep, sudo=sudo, dry_run=dry_run,
                           health_timeout=health_timeout, auto_rollback=not no_auto_rollback,
                           config=Path(config) if config else None, metrics_port=metrics_port, quiet=as_json,
                           pin_keys=pems)

@@ -2,11 +2,15 @@
 
   --calib ARTIFACT   SIH/PAD in prefill: dense_ppl, zero_ppl, ffn_flops_skipped, tokens,
                      zero_ppl_all_tokens (long-document protocol, see zeroedge.evaluation)
-  --kv-budget F      thermal KV: full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
-  --paths            with --calib: decode paths (issue 5) instead of SIH/PAD: dense_ppl, paths_ppl,
+  --kv-budget F      thermal KV (F = 10% or 0.1): full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
+  --paths            with --calib: decode paths instead of SIH/PAD: dense_ppl, paths_ppl,
                      ffn_bytes_skipped (every token teacher-forced with the paths on)
+
+Without --json it prints a short table (perplexities, % and MiB); --json prints the keys above.
 """
 import click
+
+from zeroedge.commands.common import check_model, ctx_option, fraction_option
 
 CONTINUATION = 1024
 
@@ -15,9 +19,9 @@ CONTINUATION = 1024
 @click.argument("model")
 @click.option("--calib", "calib", type=click.Path(), help="Calibration artifact (SIH/PAD).")
 @click.option("--text", "text", required=True, help="A file, or kjv / essays / licenses.")
-@click.option("--ctx", type=int, required=True, help="Tokens N: prefill N-1024, score the last 1024.")
+@ctx_option("Tokens N: prefill N-1024, score the last 1024.", required=True)
 @click.option("--offset", type=int, default=0, show_default=True, help="Token offset into the text.")
-@click.option("--kv-budget", type=float, help="Thermal KV hot fraction of the prefix KV, in (0, 1].")
+@fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction of the prefix KV, in (0, 1].")
 @click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--paths", "paths", is_flag=True,
@@ -33,10 +37,13 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         raise UserError("nothing to evaluate: give --calib ARTIFACT and/or --kv-budget F")
     if ctx <= CONTINUATION + 32:
         raise UserError(f"--ctx must exceed {CONTINUATION + 32} (the last {CONTINUATION} tokens are scored)")
-    if kv_budget is not None and not (0 < kv_budget <= 1):
-        raise UserError(f"--kv-budget {kv_budget} is out of range: it must be in (0, 1]")
     if offset < 0:
         raise UserError("--offset must be >= 0")
+    if page_size < 1:
+        raise UserError(f"--page-size must be >= 1 (got {page_size})")
+    if threads < 0:
+        raise UserError("--threads must be >= 0")
+    check_model(model)                                   # a missing model: refused before torch loads
     from zeroedge.texts import check_spec
 
     check_spec(text)
@@ -82,8 +89,8 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     if as_json:
         click.echo(json.dumps(result))
     else:
-        for k, v in result.items():
-            click.echo(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
+        for line in table(result, calib=calib, paths=paths):
+            click.echo(line)
 
 
 def zero_eval(m, ids, calib, meta) -> dict:
@@ -110,3 +117,50 @@ def zero_eval(m, ids, calib, meta) -> dict:
             "ffn_flops_skipped_gross": zero["ffn_flops_skipped_gross"],
             "dense_ppl_all_tokens": dense_all, "zero_ppl_all_tokens": zero_all,
             "prefill_s_dense": dense["prefill_s"], "prefill_s_zero": zero["prefill_s"]}
+
+
+ALL_TOKENS_NOTE = ("every token scored in one pass with the mechanisms on at every position, the scored",
+                   "ones too: a stricter test than the line above (zero_ppl_all_tokens in --json)")
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _ppl(label, a_name, a, b_name, b) -> str:
+    return f"  {label:<30} {a_name} {a:.3f}   {b_name} {b:.3f}   ({b / a - 1:+.2%})"
+
+
+def table(r: dict, calib=None, paths=False) -> list:
+    """The text output of `zeroedge eval`: a few lines with units; the keys are --json's."""
+    n = r["ctx"] - r["tokens"]
+    out = [f"{r['model']} on {r['text']}: {r['ctx']} tokens, prefill {n}, the last {r['tokens']} scored"]
+    if "zero_ppl" in r:
+        out += ["", f"SIH/PAD in prefill ({calib})",
+                _ppl(f"perplexity, last {r['tokens']} tokens", "dense", r["dense_ppl"], "zero", r["zero_ppl"]),
+                _ppl("perplexity, all tokens", "dense", r["dense_ppl_all_tokens"], "zero", r["zero_ppl_all_tokens"]),
+                *(f"  {'':<30} {line}" for line in ALL_TOKENS_NOTE),
+                f"  {'prefill FFN FLOPs skipped':<30} {r['ffn_flops_skipped']:.1%} net of anchors "
+                f"({r['ffn_flops_skipped_gross']:.1%} gross)",
+                f"  {'prefill time':<30} dense {r['prefill_s_dense'] * 1e3:,.0f} ms   zero {r['prefill_s_zero'] * 1e3:,.0f} ms"]
+    if "paths_ppl" in r:
+        out += ["", f"decode paths ({calib})",
+                _ppl(f"perplexity, last {r['paths_scored_tokens']} tokens", "dense", r["dense_ppl"], "paths",
+                     r["paths_ppl"]),
+                f"  {'decode FFN bytes skipped':<30} {r['ffn_bytes_skipped']:.1%} net of predictors "
+                f"({r['ffn_bytes_skipped_gross']:.1%} gross), {r['paths_sparse_layers']} sparse layer(s), "
+                f"{r['paths_channels_kept']:.1%} of channels kept"]
+    if "thermal_ppl" in r:
+        o = r.get("options") or {}
+        out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens)",
+                _ppl(f"perplexity, last {r['scored_tokens']} tokens", "full KV", r["full_kv_ppl"], "thermal",
+                     r["thermal_ppl"]),
+                f"  {'prefix KV on the device':<30} {_mib(r['hot_kv_bytes'])} of {_mib(r['full_kv_bytes'])} "
+                f"({r['hot_fraction']:.1%}; budget {r['budget']:.0%})",
+                f"  {'':<30} hot pages {_mib(r['hot_page_bytes'])} ({r['hot_pages_per_head']} per head, "
+                f"{o.get('sink_pages', 0)} sink + {o.get('recent_pages', 0)} recent always kept)",
+                f"  {'':<30} + key summaries {_mib(r['summary_bytes'])}"
+                + (": the fixed pages and the summaries can exceed the budget" if r["hot_fraction"] > r["budget"]
+                   else ""),
+                f"  {'time':<30} {r['seconds']:.1f} s"]
+    return out

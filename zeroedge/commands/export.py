@@ -3,13 +3,15 @@ import json
 
 import click
 
+from zeroedge.commands.common import check_model, output_option, target_option
+
 
 @click.command("export")
 @click.argument("model")
 @click.option("--calib", "calib", type=click.Path(), default=None,
               help="calibration artifact (zeroedge calibrate); without it the bundle is dense")
-@click.option("-o", "--out", "out", type=click.Path(), required=True, help="bundle directory")
-@click.option("--target", default="jetpack-6.2", show_default=True, help="device software target")
+@output_option("bundle directory", dest="out", old_out=True, metavar="BUNDLE")
+@target_option
 @click.option("--window", default=1024, show_default=True, type=int,
               help="hot KV slots the decode runner allocates by default")
 @click.option("--weights", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True,
@@ -27,22 +29,22 @@ def cmd(model, calib, out, target, window, weights, force, as_json, sign_key):
     per sparse layer into the decode graphs; predictor paths are refused (exit 2).
 
     A graph with no recognisable RMSNorm -> MLP pattern: a report, nothing written, exit 2."""
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from zeroedge.errors import UserError
-    from zeroedge.export.bundle_writer import export_bundle
-    from zeroedge.export.rewrite import NoPattern
-
     from zeroedge.preflight import target_info
 
     target_info(target)                                # an unknown or unsupported target: refused first
     if window < 1:
         raise UserError("--window must be >= 1")
+    check_model(model, presets=True, onnx=True)        # a missing model: refused before torch loads
     if sign_key:
         from zeroedge.bundle import load_signing_key
 
         load_signing_key(sign_key)                     # a bad key: refused before the export runs
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.export.rewrite import NoPattern
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True, disable=as_json) as prog:

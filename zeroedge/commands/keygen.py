@@ -1,10 +1,12 @@
 """zeroedge keygen: an Ed25519 key pair for signing bundle manifests."""
 import click
 
+from zeroedge.commands.common import output_option
+
 
 @click.command(name="keygen")
-@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False), metavar="KEY",
-              help="Private key file to write (KEY.pub gets the public key).")
+@output_option("Private key file to write (KEY.pub gets the public key).", dest="out", old_out=True,
+               metavar="KEY", dir_okay=False)
 def cmd(out):
     """Write KEY (Ed25519 private key, PKCS8 PEM, mode 0600; never overwritten) and KEY.pub (its
     public key). Sign bundles with `zeroedge sign BUNDLE --key KEY`; pin KEY.pub on devices with

@@ -1,7 +1,9 @@
-"""`zeroedge plan BUNDLE --target orin-... --context N [--json]` (light module)."""
+"""`zeroedge plan BUNDLE --board orin-... --ctx N [--json]` (light module)."""
 import json
 
 import click
+
+from zeroedge.commands.common import board_option, ctx_option
 
 
 def _mb(x):
@@ -10,24 +12,30 @@ def _mb(x):
 
 @click.command("plan")
 @click.argument("bundle", type=click.Path())
-@click.option("--target", required=True, help="orin-nano-8gb | orin-nx-16gb | orin-agx-64gb")
-@click.option("--context", required=True, type=int, help="tokens of context to plan for")
+@board_option
+@ctx_option("tokens of context to plan for", required=True, old_context=True)
 @click.option("--window", type=int, default=None, help="hot KV slots (default: the bundle's)")
 @click.option("--dtype", default="fp16", show_default=True, help="engine precision: fp16 | fp32")
-@click.option("--host", is_flag=True, help="plan for an onnxruntime host process (no TensorRT "
-              "workspace / CUDA runtime, no OS reserve), to compare with what it allocates")
+@click.option("--onnxruntime-process", "ort_process", is_flag=True,
+              help="plan for an onnxruntime process on this machine instead of the device's TensorRT "
+                   "engines (no TensorRT workspace / CUDA runtime, no OS reserve), to compare with what it "
+                   "allocates")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def cmd(bundle, target, context, window, dtype, host, as_json):
+def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
     """Memory and speed forecast: weights, hot KV, compressed tier, activations, workspace, OS
     reserve; prefill/decode roofline; verdict and the largest context that fits."""
     from zeroedge.planner import plan
 
-    p = plan(bundle, target, context, window, dtype, device=not host)
+    if ctx < 1:
+        from zeroedge.errors import UserError
+
+        raise UserError(f"--ctx must be >= 1 (got {ctx})")
+    p = plan(bundle, board, ctx, window, dtype, device=not ort_process)
     if as_json:
         click.echo(json.dumps(p, indent=2))
         return
     m, r, f = p["memory"], p["roofline"], p["figures"]
-    click.echo(f"{p['target']}  context {context}  window {p['window']}  {dtype}")
+    click.echo(f"{p['target']}  context {ctx}  window {p['window']}  {dtype}")
     for k in ("weights", "hot_kv", "compressed_kv", "activations", "workspace", "runtime"):
         click.echo(f"  {k:14s} {_mb(m[k]):>12s}")
     click.echo(f"  {'total':14s} {_mb(m['total']):>12s}   available {_mb(p['available'])} "

@@ -1,11 +1,12 @@
 """zeroedge rollback: make the previous release current again and restart the service."""
 import click
 
-from zeroedge.deploy.cli import finish, target_options, targets_from
+from zeroedge.commands.common import host_options
+from zeroedge.deploy.cli import finish, targets_from
 
 
 @click.command(name="rollback")
-@target_options
+@host_options
 @click.option("--to", "to", metavar="RELEASE", help="Release name or id to go back to (default: the one before current).")
 @click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, to, health_timeout):

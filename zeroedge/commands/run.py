@@ -18,6 +18,8 @@ the GPU they were built for.
 """
 import click
 
+from zeroedge.commands.common import check_model, fraction_option
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids: for preset models with random weights (vocab >= 256)."""
@@ -49,6 +51,8 @@ def resolve(model: str, need_weights: bool):
         if need_weights:
             from zeroedge.model import build
 
+            click.echo(f"zeroedge: warning: {model} is a preset with random weights: its text is noise (real "
+                       f"weights: {', '.join(weights.BUNDLED)}, an HF folder or a .gguf file)", err=True)
             m = build(model, seed=0)
             return m, m.cfg, None
         return None, PRESETS[model], None
@@ -89,7 +93,7 @@ def bundle_config(bundle):
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(), help="Read the prompt from a file.")
 @click.option("--max-new", type=int, default=32, show_default=True, help="New tokens to generate.")
-@click.option("--kv-budget", help="Thermal KV hot fraction, in (0, 1] (e.g. 0.1 or 10%).")
+@fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction, in (0, 1].")
 @click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact with path predictors.")
@@ -111,7 +115,6 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
     import json
     from pathlib import Path
 
-    from zeroedge.commands.common import parse_budget
     from zeroedge.errors import UserError
     from zeroedge.kv.policy import LEVELS
 
@@ -130,7 +133,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         raise UserError("the prompt is empty")
     if max_new < 1:
         raise UserError(f"--max-new must be >= 1 (got {max_new})")
-    budget = parse_budget(kv_budget) if kv_budget is not None else None
+    budget = kv_budget
     if page_size < 1:
         raise UserError(f"--page-size must be >= 1 (got {page_size})")
     if release_level not in LEVELS:
@@ -166,6 +169,8 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         raise UserError("--engines and --plugins are for --backend tensorrt")
     if threads < 0:
         raise UserError("--threads must be >= 0")
+    if model is not None:
+        check_model(model, presets=True)       # a missing model path: refused before torch loads
 
     # -- model, session, request -----------------------------------------------------------------
     if model is None:
@@ -205,7 +210,20 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
                                "metrics": sess.metrics}))
         return
     click.echo(text)
-    used = [k for k in ("thermal_kv", "paths") if res.mechanisms[k]] or ["dense"]
-    click.echo(f"[run] {len(res.tokens)} tokens, {res.tokens_per_s:.1f} tok/s, mechanisms: "
-               f"{'+'.join(used)}, device KV {res.device_kv_bytes} of {res.full_kv_bytes} bytes",
-               err=True)
+    for line in summary(res, asked_kv=budget is not None, asked_paths=bool(paths)):
+        click.echo(line, err=True)
+
+
+def summary(res, asked_kv: bool, asked_paths: bool) -> list:
+    """The text output's lines after the generated text (stderr): tokens, speed, the mechanisms and,
+    for one asked for but not used, why; device KV in MiB and % of full."""
+    mech = res.mechanisms
+    used = [k for k in ("thermal_kv", "paths") if mech.get(k)] or ["dense"]
+    full = res.full_kv_bytes
+    share = f" ({res.device_kv_bytes / full:.0%})" if full else ""
+    lines = [f"[run] {len(res.tokens)} tokens, {res.tokens_per_s:.1f} tok/s, mechanisms: {'+'.join(used)}, "
+             f"device KV {res.device_kv_bytes / 2**20:,.2f} MiB of {full / 2**20:,.2f} MiB{share}"]
+    for k, asked, name in (("thermal_kv", asked_kv, "thermal KV"), ("paths", asked_paths, "decode paths")):
+        if asked and not mech.get(k) and mech.get(f"{k}_reason"):
+            lines.append(f"[run] {name} not used: {mech[f'{k}_reason']}")
+    return lines

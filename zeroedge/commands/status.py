@@ -1,11 +1,12 @@
 """zeroedge status: version, release, service, health and memory of deployed devices."""
 import click
 
-from zeroedge.deploy.cli import finish, target_options, targets_from
+from zeroedge.commands.common import host_options
+from zeroedge.deploy.cli import finish, targets_from
 
 
 @click.command(name="status")
-@target_options
+@host_options
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json):
     """Show each device's current release, zeroedge version, service state, /healthz and memory."""
     from zeroedge.deploy import runner

@@ -561,7 +561,7 @@ def test_fleet_parallel_and_refusals(lab, tmp_path):
     assert "fleet-pc: nothing deployed" in p.stdout and "fleet-down: unreachable" in p.stderr
 
 
-# ------------------------------------------------------------------ hardening (issue 13)
+# ------------------------------------------------------------------ hardening
 
 def _mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)

@@ -1,4 +1,4 @@
-"""Export of decode paths (issue 5): a magnitude "paths" artifact puts one ZeroEdgePathsFFN node per
+"""Export of decode paths: a magnitude "paths" artifact puts one ZeroEdgePathsFFN node per
 sparse layer into the decode graphs (portable: resolved through the ONNX function; trt: the plugin
 node, in fp16 between two Casts since the plugin takes fp16 / bf16 only), onnxruntime decodes like
 the torch reference, predictor paths are refused, and an artifact without paths exports as before.

@@ -1,4 +1,4 @@
-"""Decode paths (issue 5): mechanics on the tiny preset — the sparse MLP equals the dense MLP
+"""Decode paths: mechanics on the tiny preset — the sparse MLP equals the dense MLP
 restricted to the chosen channels, the predictor is deterministic, guards, byte accounting, the
 calibration gate and the artifact errors."""
 from pathlib import Path

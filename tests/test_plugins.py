@@ -105,7 +105,7 @@ def test_kernels_compile_for_sm87_and_sm90(kernels_obj):
 
 
 def test_paths_kernels_compile_for_sm87_and_sm90(build_dir):
-    """The decode-path kernels (issue 5) build for Orin and H200 with no TensorRT header, spill no
+    """The decode-path kernels build for Orin and H200 with no TensorRT header, spill no
     registers, and export only their ze_paths_* C API."""
     nvcc = _nvcc()
     if not nvcc:

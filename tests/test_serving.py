@@ -1,4 +1,4 @@
-"""Serving path (issues 4 and 5): thermal KV driving the onnxruntime runner's slot window, the
+"""Serving path: thermal KV driving the onnxruntime runner's slot window, the
 request-level session (release levels, circuit breaker, decoder choice, paths refusals) and
 `zeroedge run`. A "lively" tiny model (random weights scaled so greedy tokens vary) and a real
 exported tiny bundle in onnxruntime."""

@@ -1,4 +1,4 @@
-/* zeroedge decode paths (issue 5): one FFN of a decode step (batch 1..8) reading only the weight
+/* zeroedge decode paths: one FFN of a decode step (batch 1..8) reading only the weight
  * rows of the channels that matter. Plain C API, no TensorRT headers, the launcher style of
  * zeroedge_kernels.h: 0 = ok, a negative ZE_PATHS_ERR_* for bad arguments (nothing launched), a
  * positive cudaError_t otherwise.

@@ -141,7 +141,7 @@ char const* pathsStrerror(int code)
     case ZE_PATHS_ERR_ARG: return "zeroedge paths kernels: null pointer";
     case ZE_PATHS_ERR_DTYPE: return "zeroedge paths kernels: dtype must be float16 or bfloat16";
     case ZE_PATHS_ERR_SHAPE:
-        return "zeroedge paths kernels: unsupported shape (B 1..8, D a multiple of 256 up to 8192, F a multiple of 8)";
+        return "zeroedge paths kernels: unsupported shape (B 1..8, D a multiple of 8 up to 8192, F a multiple of 8)";
     case ZE_PATHS_ERR_ALIGN: return "zeroedge paths kernels: tensors must be 16-byte aligned";
     default: return ze_strerror(code);
     }

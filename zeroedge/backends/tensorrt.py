@@ -41,7 +41,6 @@ from zeroedge.errors import MissingDependency, UserError
 
 GRAPHS = ("prefill", "decode")
 DEFAULT_WORKSPACE = 256 << 20
-PLUGIN_NODES = ("ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter", "ZeroEdgePathsFFN")
 RUNTIMES = ("tensorrt", "tensorrt_rtx")  # the order import_tensorrt tries them
 RUNTIME_ENV = "ZEROEDGE_TENSORRT"
 RTX_PIN = "tensorrt-rtx-cu13==1.7.1.116"
@@ -557,7 +556,10 @@ class EngineFromOnnx:
         registry = builder.get_plugin_registry()
         if registry.load_library(str(self.plugin_lib)) is None:
             raise UserError(f"TensorRT could not load the plugin library {self.plugin_lib}")
-        missing = [n for n in PLUGIN_NODES if registry.get_creator(n, "1", "zeroedge") is None]
+        from zeroedge import plugin_spec as spec
+
+        missing = [n for n in spec.NODES
+                   if registry.get_creator(n, spec.PLUGIN_VERSION, spec.PLUGIN_NAMESPACE) is None]
         if missing:
             raise UserError(f"{self.plugin_lib} does not provide {', '.join(missing)} (rebuild the plugins)")
         problems = plugin_node_problems(self.onnx_path)

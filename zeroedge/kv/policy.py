@@ -8,7 +8,7 @@ Release levels (switchable at run time):
 Circuit breaker: when `trip_requests` (5) consecutive requests each migrate more than
 `trip_pages` (1200) pages, drop one level and raise an alert (a log line and a metric).
 
-Tier policy (DESIGN.md section 4): on a Jetson device, host and pinned memory are the same DRAM,
+Tier policy: on a Jetson device, host and pinned memory are the same DRAM,
 so moving a page to pinned host memory frees nothing and costs the bandwidth decode needs. There
 the cold side must be compressed (int8 / int4) or on NVMe. On a discrete GPU pinned host memory is
 a real tier; long streams spill to a file.

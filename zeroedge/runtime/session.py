@@ -7,8 +7,8 @@
 Two ReleaseGates (zeroedge.kv.policy, levels L0 off / L1 < 512 tokens / L2 < 4096 tokens at
 temperature 0 / L3 all) decide per request, from (prompt + new tokens, temperature):
 - thermal KV runs when the session has a KV budget and its gate allows; otherwise the cache is
-  dense (exact), and the reason is reported. Prompts under MIN_THERMAL_TOKENS bypass it
-  (DESIGN.md: very short inputs bypass the mechanisms).
+  dense (exact), and the reason is reported. Prompts under MIN_THERMAL_TOKENS bypass it (a short
+  input has too few pages to tier).
 - decode paths run when the session holds path policies (checked against the model when the
   session starts: a missing 'paths' section, another model or missing tensors is a UserError) and
   their gate allows. They are off by default below that level. A request that asks for paths

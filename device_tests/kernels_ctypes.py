@@ -1,6 +1,7 @@
 """Build plugins/src/kernels.cu into a shared library, bind its C API with ctypes, and check every
 kernel against the PyTorch reference (zeroedge/backends/plugin_reference.py). Needs a CUDA GPU,
-nvcc and PyTorch with CUDA; used by device_tests/run_kernels_h200.py and test_kernels_gpu.py."""
+nvcc and PyTorch with CUDA; used by device_tests/test_kernels_gpu.py and the GPU benchmarks
+benchmarks/gpu/run_kernels_h200.py and profile_sih.py (through bench_setup.kernels_ctypes)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,6 +1,6 @@
 """The plugin kernels on a CUDA GPU against the PyTorch reference (every shape in
 kernels_ctypes.SIH_CASES / PAD_CASES, fresh random inputs, outputs poisoned first).
-Skips without a CUDA GPU, PyTorch with CUDA, or nvcc. Timings: run_kernels_h200.py.
+Skips without a CUDA GPU, PyTorch with CUDA, or nvcc. Timings: benchmarks/gpu/run_kernels_h200.py.
 
     python -m pytest -q device_tests/test_kernels_gpu.py
 """

@@ -2,7 +2,7 @@
 references for both rules, fp16 and bf16, batch 1 and 3, repeated calls (the kernels must leave
 their work buffer zeroed), a dirty TensorRT-style workspace, bad arguments, and PathsDecoder with
 kernels="cuda" in a CUDA graph against the torch reference loop. Skips without a GPU or nvcc.
-Timings: paths_cuda_h200.py.
+Timings: benchmarks/gpu/paths_cuda_h200.py.
 
     python -m pytest -q device_tests/test_paths_gpu.py
 """

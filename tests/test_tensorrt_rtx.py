@@ -308,9 +308,9 @@ def test_smollm2_bundle_graphs_build(rtx, plugin_lib, smollm2, tmp_path):
         print(f"smollm2/{graph}: {e['layers']} layers, {e['plugin_layers']} plugin layers, {e['bytes']} bytes, "
               f"built in {e['seconds']:.2f} s with a {e['workspace_bytes'] >> 20} MiB workspace")
     assert rows["prefill"]["workspace_bytes"] == 1 << 30
-    # the nodes that built become the H200's plugin cases (device_tests/plugin_cases.py): the extractor
+    # the nodes that built become the H200's plugin cases (benchmarks/gpu/plugin_cases.py): the extractor
     # reads every one of them, fp16 weights behind their Cast included
-    sys.path.insert(0, str(REPO / "device_tests"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     import plugin_cases
 
     seen = plugin_cases.extract([tmp_path / "b"], tmp_path / "cases", per_op=1)

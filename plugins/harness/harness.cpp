@@ -10,7 +10,7 @@
 //   zeroedge_harness LIB.so --run CASE.txt
 //                                    one plugin, created from the fields and run on the inputs CASE.txt
 //                                    names (raw files), its outputs written where it says; Python
-//                                    (device_tests/plugin_cases.py) writes the cases from the nodes of
+//                                    (benchmarks/gpu/plugin_cases.py) writes the cases from the nodes of
 //                                    graphs the real TensorRT builder accepted and compares the outputs
 //                                    with zeroedge.backends.plugin_reference
 //

@@ -5,8 +5,8 @@ nodes of bundles whose engines built (fields, weights, shapes) are written out o
 on the GPU the harness (`zeroedge_harness LIB --run CASE.txt`) creates each plugin from exactly those
 fields and enqueues it; the outputs are compared with zeroedge.backends.plugin_reference.
 
-    python device_tests/plugin_cases.py extract BUNDLE... -o cases/          # workstation (onnx)
-    python device_tests/plugin_cases.py run cases/ --harness H --lib LIB     # GPU machine (torch)
+    python benchmarks/gpu/plugin_cases.py extract BUNDLE... -o cases/          # workstation (onnx)
+    python benchmarks/gpu/plugin_cases.py run cases/ --harness H --lib LIB     # GPU machine (torch)
 
 extract: one folder per plugin node, `node.json` (op, fields as the graph gives them, where it came
 from) and `weights.npz` (SIH: its head and anchor; PathsFFN: w13_t, wd_t). run: SIH at several
@@ -15,15 +15,13 @@ B = 1, 4, 8 in float16 and bfloat16. Prints one line per check and a summary; ex
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_setup as bs  # noqa: F401  (puts the repository root on sys.path for zeroedge)
 
 SIH_T = (40, 300, 2048)
 PATHS_B = (1, 4, 8)
@@ -118,15 +116,108 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
 
-def run(cases: Path, harness, lib) -> int:
-    import numpy as np
+def _torch_dtypes() -> dict:
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows) -> int:
+    """SIH on T random tokens, then PAD gather / scatter on its keep mask; returns the failures."""
     import torch
 
     from zeroedge.backends import plugin_reference as ref
 
+    tdt = _torch_dtypes()
+    D = w["w1"].shape[1]
+    names = ["w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4", "anchor_a", "anchor_b", "anchor_c"]
+    x = torch.randn(T, D).to(tdt[dt])
+    ws = [w[n].to(tdt[dt]) for n in names]
+    ins = [(dt, list(x.shape), "x.bin", x)] + [(dt, list(t.shape), f"{n}.bin", t) for n, t in zip(names, ws)]
+    c = _write_case(tmp, "ZeroEdgeSIH", fields, ins,
+                    [("int32", [T], "keep.bin", None), (dt, [T, D], "base.bin", None)])
+    rc, msg = _harness(harness, lib, c)
+    if rc != 0:
+        rows.append((case.name, f"SIH T={T} {dt}", "FAIL", msg[0]))
+        return 1
+    keep = _read(tmp, "keep.bin", torch.int32, (T,))
+    base = _read(tmp, "base.bin", tdt[dt], (T, D))
+    rk, rb = ref.sih(x.double(), *[t.double() for t in ws], **values)
+    diff = int((keep != rk.to(torch.int32)).sum())
+    # the reference's base on the plugin's own keep mask (a token at the threshold may flip)
+    rb = ref.sih_base(x.double(), keep, ws[8].double(), ws[9].double(), ws[10].double(),
+                      int(values.get("anchor_rank", 16)))
+    err = _rel(base, rb)
+    tol = 1e-5 if dt == "float32" else 2e-2
+    ok = diff <= max(1, T // 100) and err <= tol
+    bad = int(not ok)
+    rows.append((case.name, f"SIH T={T} {dt}", "ok" if ok else "FAIL",
+                 f"kept {int(keep.sum())}/{T}, {diff} differ from the reference, base rel err {err:.1e}"))
+    return bad + _pad_check(case, tmp, x, keep, base, T, D, dt, harness, lib, rows)
+
+
+def _pad_check(case, tmp, x, keep, base, T, D, dt, harness, lib, rows) -> int:
+    """PAD on the plugin's own keep mask: gather then scatter y = 2 xs, exact."""
+    import torch
+
+    from zeroedge.backends import plugin_reference as ref
+
+    tdt = _torch_dtypes()
+    K = int(keep.sum())
+    c = _write_case(tmp, "ZeroEdgePADGather", {}, [(dt, [T, D], "x.bin", x), ("int32", [T], "keep.bin", keep)],
+                    [(dt, [T, D], "xs.bin", None), ("int32", [T], "idx.bin", None),
+                     ("int32", [], "cnt.bin", None)])
+    rc, msg = _harness(harness, lib, c)
+    xs_ref, idx_ref, _ = ref.pad_gather(x, keep)
+    ok = rc == 0
+    if ok:
+        cnt = int(_read(tmp, "cnt.bin", torch.int32, (1,))[0])
+        idx = _read(tmp, "idx.bin", torch.int32, (T,))[:cnt]
+        xs = _read(tmp, "xs.bin", tdt[dt], (T, D))[:cnt]
+        ok = cnt == K and torch.equal(idx.long(), idx_ref.long()) and torch.equal(xs, xs_ref)
+    if ok and K:
+        y = (xs * 2).to(tdt[dt])
+        c = _write_case(tmp, "ZeroEdgePADScatter", {},
+                        [(dt, [T, D], "base.bin", base), (dt, [K, D], "y.bin", y), ("int32", [K], "idx.bin", idx)],
+                        [(dt, [T, D], "out.bin", None)])
+        rc, msg = _harness(harness, lib, c)
+        ok = rc == 0 and torch.equal(_read(tmp, "out.bin", tdt[dt], (T, D)), ref.pad_scatter(base, y, idx.long()))
+    rows.append((case.name, f"PAD T={T} {dt}", "ok" if ok else "FAIL", f"K={K} gather+scatter exact"
+                 if ok else msg[0]))
+    return int(not ok)
+
+
+def _paths_check(case, tmp, fields, values, w, B, dt, harness, lib, rows) -> int:
+    """PathsFFN on B random rows; returns the failures."""
+    import torch
+
+    from zeroedge.backends import plugin_reference as ref
+
+    tdt = _torch_dtypes()
+    D, F2 = w["w13_t"].shape
+    x = torch.randn(B, D).to(tdt[dt])
+    w13, wd = w["w13_t"].to(tdt[dt]), w["wd_t"].to(tdt[dt])
+    c = _write_case(tmp, "ZeroEdgePathsFFN", fields,
+                    [(dt, [B, D], "x.bin", x), (dt, [D, F2], "w13.bin", w13), (dt, [F2 // 2, D], "wd.bin", wd)],
+                    [(dt, [B, D], "y.bin", None)])
+    rc, msg = _harness(harness, lib, c)
+    if rc != 0:
+        rows.append((case.name, f"paths B={B} {dt}", "FAIL", msg[0]))
+        return 1
+    y = _read(tmp, "y.bin", tdt[dt], (B, D))
+    r = ref.paths_ffn(x.double(), w13.double(), wd.double(), values["threshold_in"], values["threshold"])
+    err = _rel(y, r)
+    ok = err <= (2e-2 if dt == "float16" else 6e-2)
+    rows.append((case.name, f"paths B={B} {dt}", "ok" if ok else "FAIL", f"rel err {err:.1e}"))
+    return int(not ok)
+
+
+def run(cases: Path, harness, lib) -> int:
+    import numpy as np
+    import torch
+
     torch.manual_seed(0)
     rows, bad = [], 0
-    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     for case in sorted(p for p in cases.iterdir() if (p / "node.json").is_file()):
         node = json.loads((case / "node.json").read_text())
         w = {k: torch.from_numpy(v) for k, v in np.load(case / "weights.npz").items()}
@@ -134,74 +225,13 @@ def run(cases: Path, harness, lib) -> int:
         values = {k: v for k, (_, v) in fields.items()}
         tmp = Path(tempfile.mkdtemp(dir=case))
         if node["op"] == "ZeroEdgeSIH":
-            D = w["w1"].shape[1]
-            names = ["w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4", "anchor_a", "anchor_b", "anchor_c"]
             for T in SIH_T:
                 for dt in ("float32", "float16"):
-                    x = torch.randn(T, D).to(tdt[dt])
-                    ws = [w[n].to(tdt[dt]) for n in names]
-                    ins = [(dt, list(x.shape), "x.bin", x)] + [(dt, list(t.shape), f"{n}.bin", t) for n, t in zip(names, ws)]
-                    c = _write_case(tmp, "ZeroEdgeSIH", fields, ins,
-                                    [("int32", [T], "keep.bin", None), (dt, [T, D], "base.bin", None)])
-                    rc, msg = _harness(harness, lib, c)
-                    if rc != 0:
-                        rows.append((case.name, f"SIH T={T} {dt}", "FAIL", msg[0])); bad += 1
-                        continue
-                    keep = _read(tmp, "keep.bin", torch.int32, (T,))
-                    base = _read(tmp, "base.bin", tdt[dt], (T, D))
-                    rk, rb = ref.sih(x.double(), *[t.double() for t in ws], **values)
-                    diff = int((keep != rk.to(torch.int32)).sum())
-                    # the reference's base on the plugin's own keep mask (a token at the threshold may flip)
-                    rb = ref.sih_base(x.double(), keep, ws[8].double(), ws[9].double(), ws[10].double(),
-                                      int(values.get("anchor_rank", 16)))
-                    err = _rel(base, rb)
-                    tol = 1e-5 if dt == "float32" else 2e-2
-                    ok = diff <= max(1, T // 100) and err <= tol
-                    bad += not ok
-                    rows.append((case.name, f"SIH T={T} {dt}", "ok" if ok else "FAIL",
-                                 f"kept {int(keep.sum())}/{T}, {diff} differ from the reference, base rel err {err:.1e}"))
-                    # PAD on the plugin's own keep mask: gather then scatter y = 2 xs, exact
-                    K = int(keep.sum())
-                    c = _write_case(tmp, "ZeroEdgePADGather", {}, [(dt, [T, D], "x.bin", x), ("int32", [T], "keep.bin", keep)],
-                                    [(dt, [T, D], "xs.bin", None), ("int32", [T], "idx.bin", None),
-                                     ("int32", [], "cnt.bin", None)])
-                    rc, msg = _harness(harness, lib, c)
-                    xs_ref, idx_ref, _ = ref.pad_gather(x, keep)
-                    ok = rc == 0
-                    if ok:
-                        cnt = int(_read(tmp, "cnt.bin", torch.int32, (1,))[0])
-                        idx = _read(tmp, "idx.bin", torch.int32, (T,))[:cnt]
-                        xs = _read(tmp, "xs.bin", tdt[dt], (T, D))[:cnt]
-                        ok = cnt == K and torch.equal(idx.long(), idx_ref.long()) and torch.equal(xs, xs_ref)
-                    if ok and K:
-                        y = (xs * 2).to(tdt[dt])
-                        c = _write_case(tmp, "ZeroEdgePADScatter", {},
-                                        [(dt, [T, D], "base.bin", base), (dt, [K, D], "y.bin", y), ("int32", [K], "idx.bin", idx)],
-                                        [(dt, [T, D], "out.bin", None)])
-                        rc, msg = _harness(harness, lib, c)
-                        ok = rc == 0 and torch.equal(_read(tmp, "out.bin", tdt[dt], (T, D)), ref.pad_scatter(base, y, idx.long()))
-                    bad += not ok
-                    rows.append((case.name, f"PAD T={T} {dt}", "ok" if ok else "FAIL", f"K={K} gather+scatter exact"
-                                 if ok else msg[0]))
+                    bad += _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows)
         else:
-            D, F2 = w["w13_t"].shape
             for B in PATHS_B:
                 for dt in ("float16", "bfloat16"):
-                    x = torch.randn(B, D).to(tdt[dt])
-                    w13, wd = w["w13_t"].to(tdt[dt]), w["wd_t"].to(tdt[dt])
-                    c = _write_case(tmp, "ZeroEdgePathsFFN", fields,
-                                    [(dt, [B, D], "x.bin", x), (dt, [D, F2], "w13.bin", w13), (dt, [F2 // 2, D], "wd.bin", wd)],
-                                    [(dt, [B, D], "y.bin", None)])
-                    rc, msg = _harness(harness, lib, c)
-                    if rc != 0:
-                        rows.append((case.name, f"paths B={B} {dt}", "FAIL", msg[0])); bad += 1
-                        continue
-                    y = _read(tmp, "y.bin", tdt[dt], (B, D))
-                    r = ref.paths_ffn(x.double(), w13.double(), wd.double(), values["threshold_in"], values["threshold"])
-                    err = _rel(y, r)
-                    ok = err <= (2e-2 if dt == "float16" else 6e-2)
-                    bad += not ok
-                    rows.append((case.name, f"paths B={B} {dt}", "ok" if ok else "FAIL", f"rel err {err:.1e}"))
+                    bad += _paths_check(case, tmp, fields, values, w, B, dt, harness, lib, rows)
     for r in rows:
         print(" | ".join(r))
     print(f"plugin cases: {len(rows) - bad} of {len(rows)} checks passed "
@@ -210,7 +240,7 @@ def run(cases: Path, harness, lib) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bs.parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract")
     e.add_argument("bundles", nargs="+")

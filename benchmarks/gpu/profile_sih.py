@@ -1,20 +1,23 @@
 """One SIH call (T=4096, D=2048, W=2, R=16, fp16) for Nsight Compute:
 
-    ncu --set full -k regex:sih_ python3 device_tests/profile_sih.py
+    ncu --set full -k regex:sih_ python3 benchmarks/gpu/profile_sih.py
 """
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernels_ctypes as kc  # noqa: E402
+import bench_setup as bs
+
+kc = bs.kernels_ctypes()  # light: ctypes and subprocess only
 
 
-def main():
+def main(argv=None):
+    ap = bs.parser(__doc__)
+    ap.add_argument("--arch", default="sm_90", help="nvcc architecture (default sm_90)")
+    args = ap.parse_args(argv)
     import torch
 
     from zeroedge.backends import plugin_reference as ref
 
-    so = kc.build(Path("/tmp/zeroedge_kernels"), "sm_90")
+    so = kc.build(Path("/tmp/zeroedge_kernels"), args.arch)
     K = kc.Kernels(so)
     T, D, W, R = 4096, 2048, 2, 16
     x, w = kc.make_sih(T, D, W, R, torch.float16, seed=1)

@@ -3,44 +3,38 @@ random prefix): the sketch scores alone, the swap decisions with no page moving 
 barred), the whole refresh, and a copy of the same pages from device memory instead of mapped
 host memory. CUDA-graph replays, medians.
 
-    PYTHONUNBUFFERED=1 python3 device_tests/profile_refresh.py [--ctx 8192,32768,131072]
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu/profile_refresh.py [--ctx 8192,32768,131072]
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from thermal_kv_gpu import graph_timed, random_prefix  # noqa: E402
+import bench_setup as bs
+from bench_setup import graph_timed, random_prefix
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ctx", default="8192,32768,131072")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("SKIP: needs CUDA")
+def main(argv=None):
+    ap = bs.parser(__doc__)
+    bs.add_ctx(ap, "8192,32768,131072")
+    a = ap.parse_args(argv)
+    if not bs.cuda_or_skip("SKIP: needs CUDA"):
         return
-    from zeroedge import model as M
-    from zeroedge.runtime import kernels as K
+    import torch
+
+    from zeroedge.kv import kernels as K
     from zeroedge.runtime.fast import ThermalDecoder
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    ctxs = [int(c) for c in a.ctx.split(",")]
-    with torch.device(dev):
-        m = M.build(M.PRESETS["llama-3.2-1b"].with_(max_seq_len=max(ctxs) + 128), dtype=dt, seed=0)
+    ctxs = bs.int_list(a.ctx)
+    m = bs.build_model("llama-3.2-1b", dev, dt, max_seq_len=max(ctxs) + 128)
     out = {}
     L = m.cfg.n_layers
     default_programs = K.SKETCH_PROGRAMS
     for ctx in ctxs:
         ks, vs = random_prefix(m.cfg, ctx, dev, dt)
-        t = ThermalDecoder(m, ctx, 64, budget=0.1, fetch=4, graph=True)
-        t.load_prefix(ks, vs)
+        dec = ThermalDecoder(m, ctx, 64, budget=0.1, fetch=4, graph=True)
+        dec.load_prefix(ks, vs)
+        t = dec.attention   # the thermal state: cold store, slots, sketches, swaps
         ks = vs = None
         q = torch.randn(t.H, t.hd, device=dev, dtype=dt)
         z = torch.zeros(1, device=dev)
@@ -68,14 +62,15 @@ def main():
         for pb, progs in ((16, 64), (32, 32), (32, 64), (32, 128), (64, 64)):   # sketch blocks / programs
             K.SKETCH_PROGRAMS = progs
             nb = K.part_blocks(t.n, pages_per_block=pb)
-            part = (torch.empty(t.nkv, t.grp, nb, device=dev), torch.empty(t.nkv, t.grp, nb, device=dev))
+            grp = t.H // t.nkv
+            part = (torch.empty(t.nkv, grp, nb, device=dev), torch.empty(t.nkv, grp, nb, device=dev))
             r[f"sketch_pb{pb}_p{progs}"] = per(
                 lambda: [K.sketch_page_lse_q(q, t.A[li], t.codes[li], t.scales[li], t.ps, pages_per_block=pb,
                                              part=part) for li in range(L)])
         K.SKETCH_PROGRAMS = default_programs
         out[ctx] = r
         print(ctx, json.dumps({k: round(v, 2) for k, v in r.items()}), flush=True)
-        t = pls = views = None
+        dec = t = pls = views = None
         torch.cuda.empty_cache()
     print("sketch variants (µs / layer):", {c: {k[7:]: round(v, 1) for k, v in r.items() if k.startswith("sketch_")}
                                             for c, r in out.items()})

@@ -2,24 +2,17 @@
 profiler) of DenseDecoder and ThermalDecoder (a refresh step) for a llama-3.2-1b-shaped model with
 random bf16 weights. Eager, so launch gaps are not counted: the sums are pure kernel time.
 
-    python3 device_tests/profile_decode.py --ctx 8192,32768
+    python3 benchmarks/gpu/profile_decode.py --ctx 8192,32768
 """
 from __future__ import annotations
 
-import argparse
 import collections
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from zeroedge import model as M  # noqa: E402
-from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder  # noqa: E402
+import bench_setup as bs
 
 
 def profile(dec, pos, label, top=14):
+    import torch
     from torch.profiler import ProfilerActivity, profile as prof
 
     for i in range(3):
@@ -41,15 +34,20 @@ def profile(dec, pos, label, top=14):
     return s
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ctx", default="8192,32768")
+def main(argv=None):
+    ap = bs.parser(__doc__)
+    bs.add_ctx(ap, "8192,32768")
     ap.add_argument("--compiled", action="store_true", help="dense only, torch.compile'd layer bodies")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not bs.cuda_or_skip("SKIP: profile_decode needs CUDA"):
+        return
+    import torch
+
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
     dev = torch.device("cuda")
-    ctxs = [int(c) for c in args.ctx.split(",")]
-    with torch.device(dev):
-        m = M.build(M.PRESETS["llama-3.2-1b"].with_(max_seq_len=max(ctxs) + 64), dtype=torch.bfloat16, seed=0)
+    ctxs = bs.int_list(args.ctx)
+    m = bs.build_model("llama-3.2-1b", dev, torch.bfloat16, max_seq_len=max(ctxs) + 64)
     cfg = m.cfg
     for ctx in ctxs:
         g = torch.Generator(device=dev).manual_seed(ctx)

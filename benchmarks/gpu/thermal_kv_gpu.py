@@ -3,32 +3,26 @@
 migration bandwidth against the measured copy bandwidth. Prints a short table last and writes
 thermal_kv_gpu.json under $OUT (or the current folder).
 
-    python device_tests/thermal_kv_gpu.py            # on a CUDA machine
-    python device_tests/thermal_kv_gpu.py --dry      # tiny model on CPU: checks the script runs
+    python benchmarks/gpu/thermal_kv_gpu.py            # on a CUDA machine
+    python benchmarks/gpu/thermal_kv_gpu.py --dry      # tiny model on CPU: checks the script runs
 
 Skips (exit 0, says why) where CUDA is absent, unless --dry.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from zeroedge import model as M  # noqa: E402
-from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder, host_mapped  # noqa: E402
+import bench_setup as bs
+from bench_setup import graph_timed, random_prefix, timed
 
 RES = {"errors": []}
 T0 = 0.0
+CHUNKS = (0, 128, 256, 512, 1024)
 
 
 def log(*a):
@@ -36,31 +30,22 @@ def log(*a):
 
 
 def sync(dev):
+    import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize()
 
 
-def timed(fn, dev, iters=10, warm=2):
-    """Median seconds of fn() (CUDA events on GPU)."""
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def free(dev):
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def copy_bandwidth(dev, nbytes):
+    import torch
+
     n = nbytes // 2
     x = torch.randn(n, device=dev, dtype=torch.bfloat16)
     y = torch.empty_like(x)
@@ -75,16 +60,9 @@ def copy_bandwidth(dev, nbytes):
     return out
 
 
-def random_prefix(cfg, ctx, dev, dtype):
-    g = torch.Generator(device=dev).manual_seed(ctx)
-    ks = [torch.randn(cfg.n_kv_heads, ctx, cfg.head_dim, device=dev, dtype=dtype, generator=g)
-          for _ in range(cfg.n_layers)]
-    vs = [torch.randn(cfg.n_kv_heads, ctx, cfg.head_dim, device=dev, dtype=dtype, generator=g)
-          for _ in range(cfg.n_layers)]
-    return ks, vs
-
-
 def decode_rate(dec, ctx, steps, dev):
+    import torch
+
     tok = 1
     for i in range(4):                     # warm-up + graph capture (every graph variant)
         dec.step(tok, ctx)
@@ -100,23 +78,13 @@ def decode_rate(dec, ctx, steps, dev):
     return (steps - 1) / dt
 
 
-def graph_timed(f, dev):
-    """Median seconds of f() as CUDA-graph replays on a GPU (eager elsewhere)."""
-    fn = f
-    if dev.type == "cuda":
-        f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
-        fn = g.replay
-    return timed(fn, dev, iters=50, warm=5)
-
-
 def fetch_latency(dec, dev, pages_per_head):
     """Seconds to fetch `pages_per_head` pages a kv head of one layer (K and V) from the cold
     store into the slot window, as the graphed refresh does it (zero-copy reads of mapped pinned
     host memory, whole pages as int64 words); timed as CUDA-graph replays on a GPU."""
+    import torch
+
+    dec = getattr(dec, "attention", dec)   # the thermal state lives on the decoder's attention strategy
     li, nkv = 0, dec.nkv
     pages_per_head = min(pages_per_head, dec.slots)
     src = torch.randint(0, dec.n, (nkv, pages_per_head), device=dev)
@@ -139,14 +107,18 @@ def fetch_latency(dec, dev, pages_per_head):
 
 def refresh_latency(dec, dev):
     """Seconds of one layer's refresh (sketch scores, swap decisions, page copies), graph-timed."""
-    q = torch.randn(dec.H, dec.hd, device=dev, dtype=dec.dtype)
+    import torch
 
+    dec = getattr(dec, "attention", dec)
+    q = torch.randn(dec.H, dec.hd, device=dev, dtype=dec.dtype)
     return graph_timed(lambda: dec._swap(0, q), dev)
 
 
 def migration_bandwidth(dev, n_pages, page_elems, copy_bw):
     """Demote n random pages device -> pinned host and promote them back, through the transfer
     handler (own stream, events): gather on device + one bulk copy (+ scatter)."""
+    import torch
+
     from zeroedge.kv.scheduler import BandwidthScheduler
     from zeroedge.kv.tiers import TransferHandler
 
@@ -183,7 +155,9 @@ def migration_bandwidth(dev, n_pages, page_elems, copy_bw):
 
 def check_swap_kernel(dev):
     """The fused Triton page swap against the torch reference on random tables (raises if not equal)."""
-    from zeroedge.runtime import kernels as K
+    import torch
+
+    from zeroedge.kv import kernels as K
 
     out = []
     g = torch.Generator().manual_seed(5)
@@ -237,10 +211,10 @@ def check_swap_kernel(dev):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None):
+    ap = bs.parser(__doc__)
     ap.add_argument("--dry", action="store_true", help="tiny model on CPU")
-    ap.add_argument("--ctx", default="8192,32768,131072")
+    bs.add_ctx(ap, "8192,32768,131072")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--fetch", type=int, default=4, help="pages fetched per kv head per layer per step")
@@ -249,145 +223,138 @@ def main():
     ap.add_argument("--compile-budget-s", type=float, default=150.0)
     ap.add_argument("--swap-chunk", type=int, default=None,
                     help="pages a two-stage swap program scores (0: the one-program swap kernel)")
-    args = ap.parse_args()
-    from zeroedge.runtime import kernels as K
-    if args.swap_chunk is not None:
-        K.SWAP_CHUNK = args.swap_chunk if args.swap_chunk > 0 else 1 << 30
-    RES["swap_chunk"] = K.SWAP_CHUNK
-    if not torch.cuda.is_available() and not args.dry:
-        print("SKIP: thermal_kv_gpu needs CUDA (use --dry for a CPU smoke run)")
-        return 0
-    dev = torch.device("cpu" if args.dry else "cuda")
-    dtype = torch.float32 if args.dry else torch.bfloat16
-    ctxs = [int(c) for c in args.ctx.split(",")] if not args.dry else [256, 512]
-    steps = args.steps if not args.dry else 4
-    out_dir = Path(os.environ.get("OUT", "."))
-    torch.manual_seed(0)
-    global T0
-    T0 = time.perf_counter()
-    if dev.type == "cuda":
-        log(torch.cuda.get_device_name(), torch.__version__)
-    RES["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    return ap.parse_args(argv)
 
-    if dev.type == "cuda":
-        RES["swap_kernel_check"] = check_swap_kernel(dev)
-        log("swap kernel vs reference:", RES["swap_kernel_check"])
-    bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (64 << 20))
-    RES["copy"] = bw
-    log("copy bandwidth", {k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()})
 
-    name = "tiny" if args.dry else "llama-3.2-1b"
-    with torch.device(dev):
-        m = M.build(M.PRESETS[name].with_(max_seq_len=max(ctxs) + steps + 16), dtype=dtype, seed=0)
-    cfg = m.cfg
+def weight_bytes(m) -> int:
     seen = set()
     wbytes = 0
     for p in m.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             wbytes += p.numel() * p.element_size()
-    RES["weight_bytes"] = wbytes
-    rows = []
-    for ctx in ctxs:
-        row = {"ctx": ctx}
-        try:
-            ks, vs = random_prefix(cfg, ctx, dev, dtype)
-            dense_best = 0.0
-            for attn in (("sdpa", "bmm") if ctx <= 8192 else ("sdpa",)):
-                try:
-                    d = DenseDecoder(m, ctx + steps + 8, graph=True, attn=attn)
-                    d.load_prefix(ks, vs)
-                    r = decode_rate(d, ctx, steps, dev)
-                    row[f"dense_{attn}_tps"] = r
-                    row["dense_kv_bytes"] = d.kv_bytes(ctx)
-                    dense_best = max(dense_best, r)
-                    del d
-                except Exception as e:
-                    RES["errors"].append(f"dense {attn} {ctx}: {type(e).__name__}: {e}")
-                    log(RES["errors"][-1])
-            row["dense_tps"] = dense_best
-            kvb = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * (2 if dtype == torch.bfloat16 else 4)
-            row["roofline_tps"] = bw["d2d_Bps"] / (wbytes + kvb)
-            row["dense_frac_roofline"] = dense_best / row["roofline_tps"]
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            for every, fetch in ((4, args.fetch), (2, 2 * args.fetch), (1, args.fetch)):
-                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=fetch, page_size=args.page_size,
-                                   refresh_every=every, graph=True)
-                t.load_prefix(ks, vs)
-                key = f"thermal_r{every}_tps" if fetch == args.fetch else f"thermal_r{every}f{fetch}_tps"
-                row[key] = decode_rate(t, ctx, steps, dev)
-                if every != 1:
-                    del t
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-            del ks, vs
-            row["thermal_tps"] = row["thermal_r1_tps"]
-            kb = t.device_kv_bytes()
-            row["thermal_device_kv_bytes"] = kb["hot"] + kb["summaries"]
-            row["thermal_kv_frac"] = row["thermal_device_kv_bytes"] / kb["prefix_full"]
-            row["speedup"] = row["thermal_tps"] / max(dense_best, 1e-9)
-            row["speedup_r4"] = row["thermal_r4_tps"] / max(dense_best, 1e-9)
-            row["refresh_layer_us"] = refresh_latency(t, dev) * 1e6
-            keep = K.SWAP_CHUNK
-            for c in (0, 128, 256, 512, 1024):   # one-program kernel (0) vs two-stage chunk sizes
-                K.SWAP_CHUNK = c if c else 1 << 30
-                row[f"refresh_us_chunk{c}"] = refresh_latency(t, dev) * 1e6
-            K.SWAP_CHUNK = keep
-            for f in (1, args.fetch):
-                lat, nb = fetch_latency(t, dev, f)
-                row[f"fetch_{f}_us"] = lat * 1e6
-                row[f"fetch_{f}_bytes"] = nb
-            del t
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        except Exception as e:
-            RES["errors"].append(f"ctx {ctx}: {type(e).__name__}: {e}")
-            log(traceback.format_exc())
-        rows.append(row)
-        log(json.dumps(row))
-    RES["rows"] = rows
-    if args.compile:
-        # torch.compile'd layer bodies (fused norm / rope / residual / SwiGLU), compiled once and
-        # reused at every context; run last so a slow compile cannot cost the table above
-        for row in rows:
-            ctx = row["ctx"]
-            if time.perf_counter() - T0 > args.compile_budget_s:
-                RES["errors"].append(f"compiled {ctx}: skipped (time budget)")
-                continue
-            try:
-                ks, vs = random_prefix(cfg, ctx, dev, dtype)
-                d = DenseDecoder(m, ctx + steps + 8, graph=True, attn="sdpa")
-                d.compile = True
-                d.load_prefix(ks, vs)
-                row["dense_compiled_tps"] = decode_rate(d, ctx, steps, dev)
-                del d
-                row["dense_compiled_frac_roofline"] = row["dense_compiled_tps"] / row["roofline_tps"]
-                t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=args.fetch, page_size=args.page_size,
-                                   refresh_every=4, graph=True)
-                t.compile = True
-                t.load_prefix(ks, vs)
-                del ks, vs
-                row["thermal_compiled_r4_tps"] = decode_rate(t, ctx, steps, dev)
-                del t
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                log(json.dumps({"ctx": ctx, "dense_compiled_tps": row["dense_compiled_tps"],
-                                "thermal_compiled_r4_tps": row["thermal_compiled_r4_tps"],
-                                "t": time.perf_counter() - T0}))
-            except Exception as e:
-                RES["errors"].append(f"compiled {ctx}: {type(e).__name__}: {str(e)[:300]}")
-                log(RES["errors"][-1])
-    try:
-        page_elems = 2 * cfg.head_dim * 16          # K and V of one page of one kv head
-        RES["migration"] = migration_bandwidth(dev, 65536 if dev.type == "cuda" else 256,
-                                               page_elems, bw)
-    except Exception as e:
-        RES["errors"].append(f"migration: {type(e).__name__}: {e}")
-        log(traceback.format_exc())
-    (out_dir / "thermal_kv_gpu.json").write_text(json.dumps(RES, indent=1, default=str))
+    return wbytes
 
-    # ---- the table, last ----
+
+def dense_rates(m, ks, vs, ctx, steps, dev, row) -> float:
+    """Dense decode tok/s (sdpa, and bmm up to 8K) into row; returns the best."""
+    from zeroedge.runtime.fast import DenseDecoder
+
+    dense_best = 0.0
+    for attn in (("sdpa", "bmm") if ctx <= 8192 else ("sdpa",)):
+        try:
+            d = DenseDecoder(m, ctx + steps + 8, graph=True, attn=attn)
+            d.load_prefix(ks, vs)
+            r = decode_rate(d, ctx, steps, dev)
+            row[f"dense_{attn}_tps"] = r
+            row["dense_kv_bytes"] = d.kv_bytes(ctx)
+            dense_best = max(dense_best, r)
+            del d
+        except Exception as e:
+            RES["errors"].append(f"dense {attn} {ctx}: {type(e).__name__}: {e}")
+            log(RES["errors"][-1])
+    return dense_best
+
+
+def thermal_rates(m, ks, vs, ctx, steps, dev, args, row):
+    """Thermal decode tok/s refreshing every 4, 2 (twice the fetch) and 1 steps into row; returns the
+    every-step decoder for the latency measurements."""
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    for every, fetch in ((4, args.fetch), (2, 2 * args.fetch), (1, args.fetch)):
+        t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=fetch, page_size=args.page_size,
+                           refresh_every=every, graph=True)
+        t.load_prefix(ks, vs)
+        key = f"thermal_r{every}_tps" if fetch == args.fetch else f"thermal_r{every}f{fetch}_tps"
+        row[key] = decode_rate(t, ctx, steps, dev)
+        if every != 1:
+            del t
+            free(dev)
+    return t
+
+
+def thermal_latencies(t, dev, args, row):
+    """One layer's refresh (by swap chunk too) and page fetches, graph-timed, into row."""
+    from zeroedge.kv import kernels as K
+
+    row["refresh_layer_us"] = refresh_latency(t, dev) * 1e6
+    keep = K.SWAP_CHUNK
+    for c in CHUNKS:   # one-program kernel (0) vs two-stage chunk sizes
+        K.SWAP_CHUNK = c if c else 1 << 30
+        row[f"refresh_us_chunk{c}"] = refresh_latency(t, dev) * 1e6
+    K.SWAP_CHUNK = keep
+    for f in (1, args.fetch):
+        lat, nb = fetch_latency(t, dev, f)
+        row[f"fetch_{f}_us"] = lat * 1e6
+        row[f"fetch_{f}_bytes"] = nb
+
+
+def measure_ctx(m, ctx, args, dev, dtype, steps, bw, wbytes) -> dict:
+    """Dense and thermal decode at one context length (errors recorded, not raised)."""
+    import torch
+
+    cfg = m.cfg
+    row = {"ctx": ctx}
+    try:
+        ks, vs = random_prefix(cfg, ctx, dev, dtype)
+        dense_best = dense_rates(m, ks, vs, ctx, steps, dev, row)
+        row["dense_tps"] = dense_best
+        kvb = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * (2 if dtype == torch.bfloat16 else 4)
+        row["roofline_tps"] = bw["d2d_Bps"] / (wbytes + kvb)
+        row["dense_frac_roofline"] = dense_best / row["roofline_tps"]
+        free(dev)
+        t = thermal_rates(m, ks, vs, ctx, steps, dev, args, row)
+        del ks, vs
+        row["thermal_tps"] = row["thermal_r1_tps"]
+        kb = t.device_kv_bytes()
+        row["thermal_device_kv_bytes"] = kb["hot"] + kb["summaries"]
+        row["thermal_kv_frac"] = row["thermal_device_kv_bytes"] / kb["prefix_full"]
+        row["speedup"] = row["thermal_tps"] / max(dense_best, 1e-9)
+        row["speedup_r4"] = row["thermal_r4_tps"] / max(dense_best, 1e-9)
+        thermal_latencies(t, dev, args, row)
+        del t
+        free(dev)
+    except Exception as e:
+        RES["errors"].append(f"ctx {ctx}: {type(e).__name__}: {e}")
+        log(traceback.format_exc())
+    return row
+
+
+def measure_compiled(m, rows, args, dev, dtype, steps):
+    """torch.compile'd layer bodies (fused norm / rope / residual / SwiGLU), compiled once and
+    reused at every context; run last so a slow compile cannot cost the table above."""
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+    for row in rows:
+        ctx = row["ctx"]
+        if time.perf_counter() - T0 > args.compile_budget_s:
+            RES["errors"].append(f"compiled {ctx}: skipped (time budget)")
+            continue
+        try:
+            ks, vs = random_prefix(m.cfg, ctx, dev, dtype)
+            d = DenseDecoder(m, ctx + steps + 8, graph=True, attn="sdpa")
+            d.compile = True
+            d.load_prefix(ks, vs)
+            row["dense_compiled_tps"] = decode_rate(d, ctx, steps, dev)
+            del d
+            row["dense_compiled_frac_roofline"] = row["dense_compiled_tps"] / row["roofline_tps"]
+            t = ThermalDecoder(m, ctx, 2 * steps + 2, budget=args.budget, fetch=args.fetch, page_size=args.page_size,
+                               refresh_every=4, graph=True)
+            t.compile = True
+            t.load_prefix(ks, vs)
+            del ks, vs
+            row["thermal_compiled_r4_tps"] = decode_rate(t, ctx, steps, dev)
+            del t
+            free(dev)
+            log(json.dumps({"ctx": ctx, "dense_compiled_tps": row["dense_compiled_tps"],
+                            "thermal_compiled_r4_tps": row["thermal_compiled_r4_tps"],
+                            "t": time.perf_counter() - T0}))
+        except Exception as e:
+            RES["errors"].append(f"compiled {ctx}: {type(e).__name__}: {str(e)[:300]}")
+            log(RES["errors"][-1])
+
+
+def print_table(rows, bw, wbytes, args):
     g = 1e9
     log("\n== thermal KV on", RES["device"], "| weights", f"{wbytes / g:.2f} GB",
         "| copy d2d", f"{bw['d2d_Bps'] / g:.0f} GB/s", "h2d", f"{bw.get('h2d_Bps', 0) / g:.1f}",
@@ -397,7 +364,7 @@ def main():
     log("compiled dense / roofline:", {r["ctx"]: round(r.get("dense_compiled_frac_roofline", 0), 3) for r in rows})
     log("refresh of one layer (us):", {r["ctx"]: round(r.get("refresh_layer_us", 0), 1) for r in rows})
     log("refresh us by swap chunk (0 = one program a head):", {r["ctx"]: {c: round(r.get(f"refresh_us_chunk{c}", 0), 1)
-        for c in (0, 128, 256, 512, 1024)} for r in rows})
+        for c in CHUNKS} for r in rows})
     log(f"thermal every 2 steps, fetch {2 * args.fetch} (tok/s, x dense):",
         {r["ctx"]: (round(r.get(f"thermal_r2f{2 * args.fetch}_tps", 0)),
                     round(r.get(f"thermal_r2f{2 * args.fetch}_tps", 0) / max(r.get("dense_tps", 1), 1), 2)) for r in rows})
@@ -418,6 +385,54 @@ def main():
             f"({mg['up_Bps'] / ref_up:.0%} of h2d copy), round trip exact: {mg['round_trip_exact']}")
     if RES["errors"]:
         log("errors:\n  " + "\n  ".join(RES["errors"]))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    from zeroedge.kv import kernels as K
+    if args.swap_chunk is not None:
+        K.SWAP_CHUNK = args.swap_chunk if args.swap_chunk > 0 else 1 << 30
+    RES["swap_chunk"] = K.SWAP_CHUNK
+    if not bs.cuda_or_skip("SKIP: thermal_kv_gpu needs CUDA (use --dry for a CPU smoke run)", dry=args.dry):
+        return 0
+    dev = torch.device("cpu" if args.dry else "cuda")
+    dtype = torch.float32 if args.dry else torch.bfloat16
+    ctxs = bs.int_list(args.ctx) if not args.dry else [256, 512]
+    steps = args.steps if not args.dry else 4
+    out_dir = Path(os.environ.get("OUT", "."))
+    torch.manual_seed(0)
+    global T0
+    T0 = time.perf_counter()
+    if dev.type == "cuda":
+        log(torch.cuda.get_device_name(), torch.__version__)
+    RES["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+
+    if dev.type == "cuda":
+        RES["swap_kernel_check"] = check_swap_kernel(dev)
+        log("swap kernel vs reference:", RES["swap_kernel_check"])
+    bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (64 << 20))
+    RES["copy"] = bw
+    log("copy bandwidth", {k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()})
+
+    m = bs.build_model("tiny" if args.dry else "llama-3.2-1b", dev, dtype, max_seq_len=max(ctxs) + steps + 16)
+    wbytes = RES["weight_bytes"] = weight_bytes(m)
+    rows = []
+    for ctx in ctxs:
+        rows.append(measure_ctx(m, ctx, args, dev, dtype, steps, bw, wbytes))
+        log(json.dumps(rows[-1]))
+    RES["rows"] = rows
+    if args.compile:
+        measure_compiled(m, rows, args, dev, dtype, steps)
+    try:
+        page_elems = 2 * m.cfg.head_dim * 16          # K and V of one page of one kv head
+        RES["migration"] = migration_bandwidth(dev, 65536 if dev.type == "cuda" else 256, page_elems, bw)
+    except Exception as e:
+        RES["errors"].append(f"migration: {type(e).__name__}: {e}")
+        log(traceback.format_exc())
+    bs.write_json(out_dir / "thermal_kv_gpu.json", RES, default=str)
+    print_table(rows, bw, wbytes, args)
     return 0
 
 

@@ -2,7 +2,7 @@
 plugin's CUDA C) against torch references, time them against copy bandwidth, and time batch-1 decode
 of a llama-3.2-1b-shaped model (random weights, real shapes) dense vs sparse.
 
-    PYTHONUNBUFFERED=1 python3 device_tests/paths_h200.py --out DIR [--layers benchmarks/paths_gate_layers.json]
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu/paths_h200.py --out DIR [--layers benchmarks/paths_gate_layers.json]
 
 Dense side: zeroedge.runtime.fast.DenseDecoder (fused qkv / gate-up GEMVs, one CUDA graph a step).
 Sparse side: the same decoder with each FFN replaced by z = h A (rank R), the Triton gate-up kernel
@@ -15,82 +15,35 @@ weights (1.6 GB, far past the 60 MB L2).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
-import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+import bench_setup as bs
+from bench_setup import copy_bw, graph_ms, rel
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def graph_ms(fn, warm=3, reps=30, inner=1):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    for _ in range(warm):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / inner)
-    return statistics.median(ts)
+ROOT = bs.ROOT
 
 
-def copy_bw():
-    n = 1 << 30  # 1 Gi halves = 2 GiB
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * src.numel() * 2 / (ms * 1e-3)
+def parse_args(argv=None):
+    ap = bs.parser(__doc__)
+    bs.add_out(ap, "/tmp/paths_out")
+    ap.add_argument("--layers", default=str(ROOT / "benchmarks" / "paths_gate_layers.json"),
+                    help="per-layer kept fractions measured by calibration (JSON with 'kept')")
+    ap.add_argument("--rank", type=int, default=32, help="predictor rank R")
+    return ap.parse_args(argv)
 
 
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+# ---- 1. correctness: Triton kernels vs fp32 torch reference, fresh random inputs ----------------
 
+def check_triton(D, Fd, R, dt) -> dict:
+    import torch
+    import torch.nn.functional as F
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/paths_out"))
-    ap.add_argument("--layers", default=str(ROOT / "benchmarks" / "paths_gate_layers.json"))
-    ap.add_argument("--rank", type=int, default=32)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("paths_h200: skipped, no CUDA GPU here (this script needs one, e.g. the H200)")
-        return
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from zeroedge.model import PRESETS, build
     from zeroedge.paths import triton_gemv as tg
 
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    torch.manual_seed(0)
-    cfg = PRESETS["llama-3.2-1b"]
-    D, Fd, R, L = cfg.dim, cfg.ffn_dim, a.rank, cfg.n_layers
-    dt = torch.bfloat16
-    res["copy_bw_GBs"] = copy_bw() / 1e9
-    print(f"copy bandwidth (read + write): {res['copy_bw_GBs']:.0f} GB/s", flush=True)
-
-    # ---- 1. correctness: Triton kernels vs fp32 torch reference, fresh random inputs ----------
     checks = {}
     for B in (1, 4):
         x = torch.randn(B, D, device="cuda", dtype=dt)
@@ -111,14 +64,57 @@ def main():
         checks[f"triton_B{B}"] = {"gateup_rel": rel(act, ref), "down_rel": rel(y, yref),
                                   "nan": bool(act.isnan().any() or y.isnan().any()),
                                   "kept": float((act != 0).any(0).float().mean())}
-    # ---- the plugin's CUDA C kernels through ctypes (fp16) -----------------------------------
+    return checks
+
+
+# ---- the plugin's CUDA C kernels through ctypes (fp16) ------------------------------------------
+
+def _load_paths_lib(out: Path):
     lib_path = out / "libzeroedge_paths.so"
+    subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC",
+                    "-I", str(ROOT / "plugins/include"), str(ROOT / "plugins/kernels/paths_gemv.cu"),
+                    "-o", str(lib_path)], check=True, capture_output=True, text=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.ze_paths_down_work_bytes.restype = ctypes.c_size_t
+    return lib
+
+
+def _p(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _time_cuda_c_pair(lib, x, z, bgt, but, act, y, work, thr, D, Fd, R) -> dict:
+    """The CUDA C gate-up + down pair at batch 1 over 8 layers' worth of rotating weights."""
+    import torch
+
+    h = torch.float16
+    W = [(torch.randn(Fd, D, device="cuda", dtype=h) * .02, torch.randn(Fd, D, device="cuda", dtype=h) * .02,
+          torch.randn(Fd, D, device="cuda", dtype=h) * .02) for _ in range(8)]
+
+    def run_c():
+        st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        for wg_, wu_, wd_ in W:
+            lib.ze_paths_gateup(_p(x), _p(z), _p(bgt), _p(but), _p(wg_), _p(wu_), _p(act),
+                                ctypes.c_float(thr), 1, D, Fd, R, st)
+            lib.ze_paths_down(_p(act), _p(wd_), _p(y), _p(work), 1, D, Fd, st)
+
+    ms = graph_ms(run_c) / len(W)
+    kept = float((act != 0).float().mean())
+    byt = (kept * 3 * D * Fd + 2 * R * Fd) * 2
+    return {"ms_per_layer_keep50": ms, "bw_GBs_keep50": byt / (ms * 1e-3) / 1e9}
+
+
+def check_cuda_c(out: Path, D, Fd, R) -> dict:
+    """The CUDA C kernels against the torch reference (and timed at batch 1); an error is reported,
+    not raised, so the Triton side still runs."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.paths import triton_gemv as tg
+
+    checks = {}
     try:
-        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC",
-                        "-I", str(ROOT / "plugins/include"), str(ROOT / "plugins/kernels/paths_gemv.cu"),
-                        "-o", str(lib_path)], check=True, capture_output=True, text=True)
-        lib = ctypes.CDLL(str(lib_path))
-        lib.ze_paths_down_work_bytes.restype = ctypes.c_size_t
+        lib = _load_paths_lib(out)
         for B in (1, 4):
             h = torch.float16
             x = torch.randn(B, D, device="cuda", dtype=h)
@@ -135,36 +131,26 @@ def main():
             y = torch.full((B, D), float("nan"), device="cuda", dtype=h)
             work = torch.empty(lib.ze_paths_down_work_bytes(B, D) // 4, device="cuda")
             st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-            p = lambda t: ctypes.c_void_p(t.data_ptr())
-            rc1 = lib.ze_paths_gateup(p(x), p(z), p(bgt), p(but), p(wg), p(wu), p(act),
+            rc1 = lib.ze_paths_gateup(_p(x), _p(z), _p(bgt), _p(but), _p(wg), _p(wu), _p(act),
                                       ctypes.c_float(thr), B, D, Fd, R, st)
-            rc2 = lib.ze_paths_down(p(act), p(wdt), p(y), p(work), B, D, Fd, st)
+            rc2 = lib.ze_paths_down(_p(act), _p(wdt), _p(y), _p(work), B, D, Fd, st)
             torch.cuda.synchronize()
             ref = tg.paths_gateup_ref(x, z, bgt.T, but.T, wg, wu, thr)
             checks[f"cuda_B{B}"] = {"rc": [rc1, rc2], "gateup_rel": rel(act, ref),
                                     "down_rel": rel(y, tg.paths_down_ref(act, wdt)),
                                     "nan": bool(act.isnan().any() or y.isnan().any())}
             if B == 1:  # time the CUDA C pair on 16 layers' worth of rotating weights
-                W = [(torch.randn(Fd, D, device="cuda", dtype=h) * .02, torch.randn(Fd, D, device="cuda", dtype=h) * .02,
-                      torch.randn(Fd, D, device="cuda", dtype=h) * .02) for _ in range(8)]
-                def run_c():
-                    st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-                    for wg_, wu_, wd_ in W:
-                        lib.ze_paths_gateup(p(x), p(z), p(bgt), p(but), p(wg_), p(wu_), p(act),
-                                            ctypes.c_float(thr), 1, D, Fd, R, st)
-                        lib.ze_paths_down(p(act), p(wd_), p(y), p(work), 1, D, Fd, st)
-                ms = graph_ms(run_c) / len(W)
-                kept = float((act != 0).float().mean())
-                byt = (kept * 3 * D * Fd + 2 * R * Fd) * 2
-                checks["cuda_B1"]["ms_per_layer_keep50"] = ms
-                checks["cuda_B1"]["bw_GBs_keep50"] = byt / (ms * 1e-3) / 1e9
-                del W
+                checks["cuda_B1"].update(_time_cuda_c_pair(lib, x, z, bgt, but, act, y, work, thr, D, Fd, R))
     except Exception as e:  # report, keep going with the Triton side
         checks["cuda"] = {"error": f"{type(e).__name__}: {getattr(e, 'stderr', '') or e}"[:800]}
-    res["checks"] = checks
-    print(json.dumps(checks, indent=1), flush=True)
+    return checks
 
-    # ---- 2. FFN microbenchmark: 16 layers' weights, batch 1 ---------------------------------
+
+# ---- 2. FFN microbenchmark: 16 layers' weights, batch 1 -----------------------------------------
+
+def ffn_weights(L, D, Fd, R, dt) -> list:
+    import torch
+
     Ws = []
     for _ in range(L):
         w13 = torch.randn(2 * Fd, D, device="cuda", dtype=dt) * 0.02
@@ -173,27 +159,30 @@ def main():
                        at=torch.randn(R, D, device="cuda", dtype=dt) / D ** 0.5,
                        bg=torch.randn(R, Fd, device="cuda", dtype=dt) / R ** 0.5,
                        bu=torch.randn(R, Fd, device="cuda", dtype=dt) / R ** 0.5))
-    x = torch.randn(1, D, device="cuda", dtype=dt)
+    return Ws
 
-    def dense_ffn():
-        for w in Ws:
-            g, u = F.linear(x, w["w13"]).chunk(2, -1)
-            F.linear(F.silu(g) * u, w["w2"])
 
-    micro = {"dense_ms_per_layer": graph_ms(dense_ffn) / L}
-    micro["dense_bw_GBs"] = 3 * D * Fd * 2 / (micro["dense_ms_per_layer"] * 1e-3) / 1e9
-    bufs = [dict(act=torch.empty(1, Fd, device="cuda", dtype=dt),
-                 part=None) for _ in Ws]
-    def thresholds(keep):
-        thrs = []
-        for w in Ws:
-            z = F.linear(x, w["at"]).float()
-            sc = (F.silu(z @ w["bg"].float()) * (z @ w["bu"].float())).abs()[0]
-            thrs.append(float(sc.quantile(1 - keep)))
-        return thrs
+def _thresholds(Ws, x, keep) -> list:
+    """Per-layer predictor-score thresholds that keep a `keep` fraction of x's rows."""
+    import torch.nn.functional as F
 
-    # config sweep at keep 0.5, each kernel alone over 16 layers
-    t5 = thresholds(0.5)
+    thrs = []
+    for w in Ws:
+        z = F.linear(x, w["at"]).float()
+        sc = (F.silu(z @ w["bg"].float()) * (z @ w["bu"].float())).abs()[0]
+        thrs.append(float(sc.quantile(1 - keep)))
+    return thrs
+
+
+def sweep_configs(Ws, bufs, x, D, Fd, R, L) -> dict:
+    """Each Triton kernel alone over 16 layers at keep 0.5, by block config; the fastest of each
+    is set in triton_gemv.CONFIG."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.paths import triton_gemv as tg
+
+    t5 = _thresholds(Ws, x, 0.5)
     zs = [F.linear(x, w["at"]) for w in Ws]
     sweep = {}
     best_g = None
@@ -213,6 +202,7 @@ def main():
                                  ("rows_part", 128, 16, 2048, 8), ("rows_part", 256, 8, 1024, 4),
                                  ("rows_part", 512, 4, 1024, 4)):
         parts = [torch.empty(sp, 1, D, device="cuda", dtype=torch.float32) for _ in Ws]
+
         def dn():
             for w, b, pt in zip(Ws, bufs, parts):
                 tg.paths_down(b["act"], w["wdt"], part=pt, splits=sp, BF=BF, BD=BD, num_warps=nw, kind=kind)
@@ -226,13 +216,35 @@ def main():
         if best_d is None or ms < best_d[0]:
             best_d = (ms, dict(splits=sp, BF=BF, BD=BD, num_warps=nw, kind=kind))
     tg.CONFIG["gateup"], tg.CONFIG["down"] = best_g[1], best_d[1]
+    return sweep
+
+
+def ffn_micro(D, Fd, R, L, dt) -> dict:
+    """Dense FFN vs the path FFN (Triton) at batch 1, 16 layers of weights rotating."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.paths import triton_gemv as tg
+
+    Ws = ffn_weights(L, D, Fd, R, dt)
+    x = torch.randn(1, D, device="cuda", dtype=dt)
+
+    def dense_ffn():
+        for w in Ws:
+            g, u = F.linear(x, w["w13"]).chunk(2, -1)
+            F.linear(F.silu(g) * u, w["w2"])
+
+    micro = {"dense_ms_per_layer": graph_ms(dense_ffn) / L}
+    micro["dense_bw_GBs"] = 3 * D * Fd * 2 / (micro["dense_ms_per_layer"] * 1e-3) / 1e9
+    bufs = [dict(act=torch.empty(1, Fd, device="cuda", dtype=dt), part=None) for _ in Ws]
+    sweep = sweep_configs(Ws, bufs, x, D, Fd, R, L)
     micro["sweep_keep0.5"] = sweep
     micro["chosen"] = dict(tg.CONFIG)
     print(json.dumps(sweep, indent=1), flush=True)
     for b in bufs:
         b["part"] = torch.empty(tg.CONFIG["down"]["splits"], 1, D, device="cuda", dtype=torch.float32)
     for keep in (0.9, 0.7, 0.5, 0.3):
-        thrs = thresholds(keep)
+        thrs = _thresholds(Ws, x, keep)
 
         def sparse_ffn():
             for w, b, t in zip(Ws, bufs, thrs):
@@ -246,16 +258,18 @@ def main():
         micro[f"keep{keep}"] = {"ms_per_layer": ms, "kept": kept, "bytes_per_layer": byt,
                                 "bw_GBs": byt / (ms * 1e-3) / 1e9,
                                 "speedup_vs_dense": micro["dense_ms_per_layer"] / ms}
-    res["ffn_micro"] = micro
-    print(json.dumps(micro, indent=1), flush=True)
-    del Ws, bufs
+    return micro
 
-    # ---- 3. decode loop: DenseDecoder vs the same with path FFNs, batch 1 -------------------
+
+# ---- 3. decode loop: DenseDecoder vs the same with path FFNs, batch 1 ---------------------------
+
+def sparse_decoder_class(R, D, Fd, dt):
+    """DenseDecoder with each FFN replaced by the Triton predictor path FFN (random predictors)."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.paths import triton_gemv as tg
     from zeroedge.runtime.fast import DenseDecoder
-
-    with torch.device("cuda"):
-        m = build(cfg, dtype=dt, seed=0)
-    m = m.to("cuda", dt)
 
     class SparseDecoder(DenseDecoder):
         def __init__(self, model, max_len, keeps):
@@ -305,50 +319,44 @@ def main():
                 p["thr"] = float(sc.quantile(1 - self.keeps[i]))
             self.record = None
 
-    def decode_ms(dec, start=1024, n=64, reps=5):
-        tok = 1
-        for s in range(3):
-            dec.step(tok, start + s)
-        torch.cuda.synchronize()
-        ts = []
-        for r in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for s in range(n):
-                dec.step(tok + s, start + 3 + s)
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) / n)
-        return statistics.median(ts)
+    return SparseDecoder
 
-    max_len = 2048
-    dense = DenseDecoder(m, max_len, graph=True)
-    dense.k.normal_()
-    dense.v.normal_()
-    dec = {"dense_ms": decode_ms(dense)}
-    dec["dense_tok_s"] = 1e3 / dec["dense_ms"]
-    del dense
-    torch.cuda.empty_cache()
+
+def decode_plans(L, layers_path) -> dict:
+    """Kept fraction per layer: uniform levels, and SmolLM2's calibrated fractions mapped by depth."""
     plans = {f"uniform_keep{k}": [k] * L for k in (0.9, 0.7, 0.5)}
-    lp = Path(a.layers)
+    lp = Path(layers_path)
     if lp.is_file():
         src = json.loads(lp.read_text())["kept"]           # SmolLM2 per layer, by depth
         n = len(src)
         plans["calibrated_smollm2_by_depth"] = [src[min(n - 1, int((i + 0.5) * n / L))] for i in range(L)]
+    return plans
+
+
+def decode_predictor(m, dec: dict, plans: dict, R, D, Fd, dt, max_len):
+    import torch
+
+    SparseDecoder = sparse_decoder_class(R, D, Fd, dt)
     for name, keeps in plans.items():
         sd = SparseDecoder(m, max_len, keeps)
         sd.k.normal_()
         sd.v.normal_()
         sd.calibrate()
-        ms = decode_ms(sd)
+        ms = bs.decode_step_ms(sd)
         kept = statistics.mean(float((p["act"] != 0).float().mean()) for p in sd.P)
         dec[name] = {"ms": ms, "tok_s": 1e3 / ms, "speedup": dec["dense_ms"] / ms,
                      "kept_last_step": kept, "keeps_planned_mean": statistics.mean(keeps)}
         print(name, dec[name], flush=True)
         del sd
         torch.cuda.empty_cache()
-    # the magnitude rule (calibration's default) through zeroedge.paths.decode.PathsDecoder:
-    # gate / up rows of the small |h_k| and down rows of the small |a_j| are never read
+
+
+def decode_magnitude(m, dec: dict, L, max_len):
+    """The magnitude rule (calibration's default) through zeroedge.paths.decode.PathsDecoder:
+    gate / up rows of the small |h_k| and down rows of the small |a_j| are never read."""
+    import torch
+    import torch.nn.functional as F
+
     from zeroedge.paths.decode import PathsDecoder
     from zeroedge.paths.sparse import PathPolicy
 
@@ -377,15 +385,37 @@ def main():
         for i, p in md.paths.items():
             p["thr_in"] = float(torch.cat([r[0] for r in rec[i]]).quantile(1 - keep))
             p["thr"] = float(torch.cat([r[1] for r in rec[i]]).quantile(1 - keep))
-        ms = decode_ms(md)
+        ms = bs.decode_step_ms(md)
         name = f"magnitude_keep{keep}"
         dec[name] = {"ms": ms, "tok_s": 1e3 / ms, "speedup": dec["dense_ms"] / ms, "kept_last_step": keep,
                      "ffn_bytes_skipped": 1 - keep, "keeps_planned_mean": keep}
         print(name, dec[name], flush=True)
         del md
         torch.cuda.empty_cache()
-    res["decode"] = dec
-    (out / "paths_h200.json").write_text(json.dumps(res, indent=1))
+
+
+def decode_bench(cfg, R, dt, layers_path) -> dict:
+    import torch
+
+    from zeroedge.runtime.fast import DenseDecoder
+
+    D, Fd, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
+    m = bs.build_model("llama-3.2-1b", "cuda", dt)
+    max_len = 2048
+    dense = DenseDecoder(m, max_len, graph=True)
+    dense.k.normal_()
+    dense.v.normal_()
+    dec = {"dense_ms": bs.decode_step_ms(dense)}
+    dec["dense_tok_s"] = 1e3 / dec["dense_ms"]
+    del dense
+    torch.cuda.empty_cache()
+    decode_predictor(m, dec, decode_plans(L, layers_path), R, D, Fd, dt, max_len)
+    decode_magnitude(m, dec, L, max_len)
+    return dec
+
+
+def print_summary(res):
+    micro, dec = res["ffn_micro"], res["decode"]
     print("\nSUMMARY")
     print(f"copy bw {res['copy_bw_GBs']:.0f} GB/s; dense FFN {micro['dense_bw_GBs']:.0f} GB/s")
     for k, v in micro.items():
@@ -396,6 +426,33 @@ def main():
     for k, v in dec.items():
         if isinstance(v, dict):
             print(f"decode {k}: {v['tok_s']:.0f} tok/s x{v['speedup']:.2f} (kept {v['kept_last_step']:.2f})")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if not bs.cuda_or_skip("paths_h200: skipped, no CUDA GPU here (this script needs one, e.g. the H200)"):
+        return
+    import torch
+
+    from zeroedge.model import PRESETS
+
+    out = bs.out_dir(a.out)
+    res = bs.device_info()
+    torch.manual_seed(0)
+    cfg = PRESETS["llama-3.2-1b"]
+    D, Fd, R, L = cfg.dim, cfg.ffn_dim, a.rank, cfg.n_layers
+    dt = torch.bfloat16
+    res["copy_bw_GBs"] = copy_bw() / 1e9
+    print(f"copy bandwidth (read + write): {res['copy_bw_GBs']:.0f} GB/s", flush=True)
+    checks = check_triton(D, Fd, R, dt)
+    checks.update(check_cuda_c(out, D, Fd, R))
+    res["checks"] = checks
+    print(json.dumps(checks, indent=1), flush=True)
+    res["ffn_micro"] = ffn_micro(D, Fd, R, L, dt)
+    print(json.dumps(res["ffn_micro"], indent=1), flush=True)
+    res["decode"] = decode_bench(cfg, R, dt, a.layers)
+    bs.write_json(out / "paths_h200.json", res)
+    print_summary(res)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
 shares, and the two-stage page swap against the one-program kernel's decisions. scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
-checks run on the GPU in device_tests/thermal_kv_gpu.py (check_swap_kernel)."""
+checks run on the GPU in benchmarks/gpu/thermal_kv_gpu.py (check_swap_kernel)."""
 import os
 import subprocess
 import sys

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroedge.calib_artifact import SIH_DEFAULTS
+from zeroedge.export import gate
 from zeroedge.mechanisms.anchors import Anchor, ZeroAnchor, anchor_error, fit_anchor
 from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, ffn_flops_per_token, install, remove
 from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width, smooth
@@ -221,19 +222,6 @@ def calibrate(model, token_lists, cfg: CalibConfig):
         """Skipped fraction of the prefill (prefix) rows: the continuation is never skipped."""
         return (st[1] - st[0]) / (len(held) * P)
 
-    def allocation(scale):
-        """Per layer, the highest rate whose estimated marginal cost per FLOP fits `scale`."""
-        chosen = {}
-        for i in cost:
-            best = None
-            for k, r in enumerate(cfg.rates):
-                if cost[i][k] <= scale * r:
-                    best = k
-            if best is not None:
-                chosen[i] = best
-        chosen[L - 1] = None  # final layer: prefix FFN output is never read (exact skip)
-        return chosen
-
     def policies(chosen):
         pol = {}
         for i, k in chosen.items():
@@ -249,29 +237,19 @@ def calibrate(model, token_lists, cfg: CalibConfig):
         finally:
             remove(model)
         skipped = sum(prefix_skip(st) for st in rt.stats.values()) / L
-        return ppl, skipped
+        return ppl, skipped, skipped
 
-    # binary search on the scale (log space) for the most skipping within budget
-    lo_s, hi_s = 1e-6, 1e2
-    best = None
-    ppl0, sk0 = measure(allocation(0.0))
-    if ppl0 > dense * (1 + cfg.budget):
+    def step_log(step, scale, ppl, skipped, ok):
+        log(f"[calibrate] gate step {step}: scale {scale:.3g} -> held-out ppl {ppl:.4f} "
+            f"({ppl / dense - 1:+.2%}), tokens skipped {skipped:.1%} {'ok' if ok else 'over budget'}")
+
+    # the final layer's prefix FFN output is never read: an exact skip at every scale
+    try:
+        chosen, best_ppl, _ = gate.search(cost, cfg.rates, measure, dense * (1 + cfg.budget), cfg.gate_steps,
+                                          step_log, include_zero=True, fixed={L - 1: None})
+    except gate.GateError as e:
         raise BudgetError(f"budget {cfg.budget:.2%} cannot be met: the cheapest setting costs "
-                          f"{ppl0 / dense - 1:+.2%} on the held-out split")
-    best = (0.0, ppl0, sk0)
-    for it in range(cfg.gate_steps):
-        mid = math.sqrt(lo_s * hi_s)
-        ppl, sk = measure(allocation(mid))
-        ok = ppl <= dense * (1 + cfg.budget)
-        log(f"[calibrate] gate step {it + 1}: scale {mid:.3g} -> held-out ppl {ppl:.4f} "
-            f"({ppl / dense - 1:+.2%}), tokens skipped {sk:.1%} {'ok' if ok else 'over budget'}")
-        if ok:
-            lo_s = mid
-            if sk >= best[2]:
-                best = (mid, ppl, sk)
-        else:
-            hi_s = mid
-    chosen = allocation(best[0])
+                          f"{e.ppl / dense - 1:+.2%} on the held-out split") from None
     pol = policies(chosen)
     install(model, pol, rt)
     rt.reset_stats()
@@ -301,8 +279,8 @@ def calibrate(model, token_lists, cfg: CalibConfig):
                 "bytes_fp16": heads[0].bytes_fp16()},
         "layers": layers_meta,
         "pruned_heads": {},
-        "quality": {"budget": cfg.budget, "dense_ppl": dense, "zero_ppl": best[1],
-                    "ppl_rise": best[1] / dense - 1, "ffn_flops_skipped": flops_skipped - anchor_overhead,
+        "quality": {"budget": cfg.budget, "dense_ppl": dense, "zero_ppl": best_ppl,
+                    "ppl_rise": best_ppl / dense - 1, "ffn_flops_skipped": flops_skipped - anchor_overhead,
                     "ffn_flops_skipped_gross": flops_skipped, "heldout_tokens": n_cont,
                     "protocol": f"prefix {P} tokens with mechanisms, continuation {cfg.continuation} dense"},
         "report": report,

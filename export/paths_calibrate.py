@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from zeroedge.export import gate
 from zeroedge.paths.predictor import PathPredictor, fit_predictor
 from zeroedge.paths.room import read_fraction
 from zeroedge.paths.sparse import PathPolicy, PathRuntime, bytes_summary, install, remove
@@ -159,17 +160,6 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
             return 1 - cfg.keeps[k]
         return 1 - read_fraction("predictor", cfg.keeps[k], D, Fdim, pw)
 
-    def allocation(scale):
-        chosen = {}
-        for i in range(L):
-            best = None
-            for k in range(len(cfg.keeps)):
-                if saved(k) > 0 and cost[i][k] <= scale * saved(k):
-                    best = k
-            if best is not None:
-                chosen[i] = best
-        return chosen
-
     def policies(chosen):
         out = {}
         for i, k in chosen.items():
@@ -210,42 +200,24 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
             ppl = heldout_ppl_all(model, held, rt)
         finally:
             remove(model)
-        return ppl, bytes_summary(model, rt)
+        b = bytes_summary(model, rt)
+        return ppl, b["ffn_bytes_skipped"], b
+
+    def step_log(step, scale, ppl, skipped, ok):
+        log(f"[paths] gate step {step}: scale {scale:.3g} -> held-out ppl {ppl:.4f} "
+            f"({ppl / dense - 1:+.2%}), FFN bytes skipped {skipped:.1%} {'ok' if ok else 'over budget'}")
 
     dense = heldout_ppl_all(model, held)
-    limit = dense * (1 + budget)
     log(f"[paths] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens, every token)")
-
-    # the scales at which the allocation changes, in order; the mildest is one layer at one step
-    ratios = sorted({cost[i][k] / saved(k) for i in range(L) for k in range(len(cfg.keeps))
-                     if saved(k) > 0})
-    mild = allocation(ratios[0])
-    ppl0, b0 = measure(mild)
-    if ppl0 > limit:
+    gains = [saved(k) for k in range(len(cfg.keeps))]
+    try:  # the mildest candidate is one layer at one step
+        chosen, ppl, b = gate.search(cost, gains, measure, dense * (1 + budget), cfg.search_steps, step_log)
+    except gate.GateError as e:
         raise PathBudgetError(
             f"budget {budget:.2%} cannot be met: the mildest path setting "
-            f"({len(mild)} layer(s), {b0['ffn_bytes_skipped']:.1%} FFN bytes skipped) costs "
-            f"{ppl0 / dense - 1:+.2%} held-out perplexity")
-    best = (0, ppl0, b0)
-    lo, hi = 0, len(ratios) - 1
-    for step in range(cfg.search_steps):
-        if lo >= hi:
-            break
-        mid = (lo + hi + 1) // 2
-        ppl, b = measure(allocation(ratios[mid]))
-        ok = ppl <= limit
-        log(f"[paths] gate step {step + 1}: scale {ratios[mid]:.3g} -> held-out ppl {ppl:.4f} "
-            f"({ppl / dense - 1:+.2%}), FFN bytes skipped {b['ffn_bytes_skipped']:.1%} "
-            f"{'ok' if ok else 'over budget'}")
-        if ok:
-            lo = mid
-            if b["ffn_bytes_skipped"] >= best[2]["ffn_bytes_skipped"]:
-                best = (mid, ppl, b)
-        else:
-            hi = mid - 1
-    chosen = allocation(ratios[best[0]])
+            f"({e.result['ffn_bytes_skipped']:.1%} FFN bytes skipped) costs "
+            f"{e.ppl / dense - 1:+.2%} held-out perplexity") from None
     pol = policies(chosen)
-    ppl, b = best[1], best[2]
 
     tensors, layers = {}, []
     for i in range(L):

@@ -122,23 +122,11 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     train, held = split_sequences(token_lists, cfg)
     if not train or not held:
         raise ValueError(f"calibration text too short for {cfg.seq_len}-token sequences")
-    from zeroedge.export.importance import ffn_io_and_grads, perturbation_sensitivity, spearman
+    from zeroedge.export.importance import collect_ffn_io, ffn_io_and_grads, perturbation_sensitivity, spearman
 
     t0 = time.time()
     # 1. dense pass with autograd on training sequences (prefix positions only are candidates)
-    X = {i: [] for i in range(L)}
-    Y = {i: [] for i in range(L)}
-    G = {i: [] for i in range(L)}
-    for k, ids in enumerate(train):
-        io, loss = ffn_io_and_grads(model, torch.tensor([ids]), P)
-        for i, (x, y, g) in io.items():
-            X[i].append(x[:P])
-            Y[i].append(y[:P])
-            G[i].append(g[:P])
-        log(f"[calibrate] train sequence {k + 1}/{len(train)}: continuation loss {loss:.3f}")
-    X = {i: torch.cat(v) for i, v in X.items()}
-    Y = {i: torch.cat(v) for i, v in Y.items()}
-    G = {i: torch.cat(v) for i, v in G.items()}
+    X, Y, G = collect_ffn_io(model, train, P, P, log)
     report = {"train_sequences": len(train), "heldout_sequences": len(held),
               "seq_len": cfg.seq_len, "continuation": cfg.continuation}
 

@@ -47,6 +47,20 @@ def ffn_io_and_grads(model, ids: torch.Tensor, P: int):
     return out, float(loss)
 
 
+def collect_ffn_io(model, seqs, P: int, rows: int, log=None, tag: str = "calibrate"):
+    """ffn_io_and_grads over every sequence (loss from position P), each layer's first `rows` rows
+    of x, y, g concatenated: (X, Y, G), dicts layer -> (N, D) tensors."""
+    X, Y, G = ({} for _ in range(3))
+    for k, ids in enumerate(seqs):
+        io, loss = ffn_io_and_grads(model, torch.tensor([ids]), P)
+        for i, (x, y, g) in io.items():
+            for d, t in ((X, x), (Y, y), (G, g)):
+                d.setdefault(i, []).append(t[:rows])
+        if log:
+            log(f"[{tag}] train sequence {k + 1}/{len(seqs)}: loss {loss:.3f}")
+    return tuple({i: torch.cat(v) for i, v in d.items()} for d in (X, Y, G))
+
+
 @torch.no_grad()
 def perturbation_sensitivity(model, ids: torch.Tensor, P: int, pairs, delta: float = 1e-5,
                              seed: int = 0):

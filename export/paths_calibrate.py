@@ -88,7 +88,7 @@ def heldout_ppl_all(model, seqs, runtime: PathRuntime | None = None) -> float:
 def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConfig | None = None):
     """Returns (paths_meta, tensors) for the artifact (meta section "paths", tensors
     layers.{i}.paths.*). Raises PathBudgetError when the budget cannot be met."""
-    from zeroedge.export.importance import ffn_io_and_grads
+    from zeroedge.export.importance import collect_ffn_io
 
     cfg = cfg or PathsConfig()
     log = log or cfg.log
@@ -101,15 +101,7 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
         raise ValueError(f"calibration text too short for {cfg.seq_len}-token sequences")
 
     # 1. FFN inputs, outputs and loss gradients on the training split (loss over every token)
-    X, Y, G = ({i: [] for i in range(L)} for _ in range(3))
-    for k, ids in enumerate(train):
-        io, loss = ffn_io_and_grads(model, torch.tensor([ids]), 1)
-        for i, (x, y, g) in io.items():
-            X[i].append(x)
-            Y[i].append(y)
-            G[i].append(g)
-        log(f"[paths] train sequence {k + 1}/{len(train)}: loss {loss:.3f}")
-    X, Y, G = ({i: torch.cat(v) for i, v in d.items()} for d in (X, Y, G))
+    X, Y, G = collect_ffn_io(model, train, 1, cfg.seq_len, log, "paths")
 
     # 2-3. predictors, thresholds and first-order costs per kept fraction
     if cfg.method not in ("predictor", "magnitude"):

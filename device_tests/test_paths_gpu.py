@@ -121,7 +121,7 @@ def test_bad_arguments_are_refused(lib_path):
 def test_paths_decoder_cuda_kernels_match_torch_loop(lib_path, method):
     import torch
     from zeroedge.model import ModelConfig, build
-    from zeroedge.paths.decode import PathsDecoder
+    from zeroedge.runtime.fast import PathsDecoder
     from zeroedge.paths.predictor import PathPredictor
     from zeroedge.paths.sparse import PathPolicy
 

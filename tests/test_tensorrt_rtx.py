@@ -82,7 +82,7 @@ def test_build_bundle_engines_with_tensorrt_rtx(rtx, plugin_lib, bundles, tmp_pa
 
 
 def test_parser_link_is_in_place(rtx):
-    """The abort of issue 15: the parser dlopen()s libtensorrt_rtx.so for plugin layers."""
+    """The parser abort's cause: it dlopen()s libtensorrt_rtx.so for plugin layers."""
     from zeroedge.backends.tensorrt import ensure_rtx_parser_link
 
     link = ensure_rtx_parser_link()

@@ -52,6 +52,7 @@ def out_dir(path) -> Path:
 
 def write_json(path, obj, indent: int = 1, default=None) -> Path:
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent, default=default))
     return path
 
@@ -185,6 +186,38 @@ def decode_step_ms(dec, start: int = 1024, n: int = 64, reps: int = 5) -> float:
             dec.step(1 + s, start + 3 + s)
 
     return statistics.median(t / n for t in event_ms(steps, reps))
+
+
+def eager_steps(dec, steps: int = 8, start: int = 1024):
+    """`steps` decode steps of `dec` without CUDA graphs (so Python-side recording runs)."""
+    gw, dec.graph_wanted = dec.graph_wanted, False
+    try:
+        for s in range(steps):
+            dec.step(1 + s, start + s)
+    finally:
+        dec.graph_wanted = gw
+
+
+def recording_paths_decoder(model, max_len: int, policies: dict, **ffn_kw):
+    """(Decoder with the dense cache and decode paths, its FFN strategy). While `ffn.record` is a dict
+    layer -> list, each sparse layer's FFN input h (1, D) of a step is appended to it (thresholds
+    for a wanted kept fraction are read off those inputs)."""
+    import torch.nn.functional as F
+
+    from zeroedge.paths.ffn import PathsFFN
+    from zeroedge.runtime.fast import Decoder, DenseAttention
+
+    class RecordingPathsFFN(PathsFFN):
+        record = None
+
+        def out(self, li, w, x, o):
+            if self.record is not None and li in self.paths:
+                h = F.rms_norm(x + F.linear(o.reshape(1, -1), w["wo"]), (x.shape[-1],), w["ln2"], w["eps2"])
+                self.record[li].append(h.detach().clone())
+            return super().out(li, w, x, o)
+
+    ffn = RecordingPathsFFN(policies, **ffn_kw)
+    return Decoder(model, DenseAttention(max_len), ffn, graph=True), ffn
 
 
 def copy_bw() -> float:

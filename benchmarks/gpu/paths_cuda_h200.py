@@ -1,7 +1,7 @@
 """The plugin's CUDA C decode-path kernels (plugins/kernels/paths_gemv.cu) on a CUDA GPU (written for
 the H200): check them against fp32 torch references, sweep their block sizes, time one FFN against
 cuBLAS dense and the Triton kernels, and time batch-1 decode of a llama-3.2-1b-shaped model (random
-weights, real shapes) through zeroedge.paths.decode.PathsDecoder with kernels="cuda" / "triton"
+weights, real shapes) through zeroedge.runtime.fast.PathsDecoder with kernels="cuda" / "triton"
 against the dense loop.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu/paths_cuda_h200.py --out DIR
@@ -329,18 +329,15 @@ def _policies(kind, D, Fd, R, L):
         torch.randn(R, Fd, generator=g) / R ** 0.5, torch.ones(Fd))) for i in range(L)}
 
 
-def _set_thresholds(pd, kind, keep, L):
+def _set_thresholds(pd, ffn, kind, keep, L):
     """Per-layer thresholds hitting `keep` on the FFN inputs of 8 eager steps."""
     import torch
     import torch.nn.functional as F
 
-    pd.record = {i: [] for i in range(L)}
-    gw, pd.graph_wanted = pd.graph_wanted, False
-    for s in range(8):
-        pd.step(1 + s, 1024 + s)
-    pd.graph_wanted, rec = gw, pd.record
-    pd.record = None
-    for i, pp in pd.paths.items():
+    ffn.record = {i: [] for i in range(L)}
+    bs.eager_steps(pd)
+    rec, ffn.record = ffn.record, None
+    for i, pp in ffn.paths.items():
         hs = torch.cat(rec[i]).float()
         w13 = pd.W.layers[i]["w13"].float()
         if kind == "magnitude":
@@ -357,39 +354,29 @@ def _set_thresholds(pd, kind, keep, L):
 def decode_bench(so, cfg, dt) -> dict:
     import torch
 
-    from zeroedge.paths.decode import PathsDecoder
     from zeroedge.runtime.fast import DenseDecoder
 
     D, Fd, R, L = cfg.dim, cfg.ffn_dim, 32, cfg.n_layers
     m = bs.build_model("llama-3.2-1b", "cuda", dt)
     max_len = 2048
     dense_dec = DenseDecoder(m, max_len, graph=True)
-    dense_dec.kv.normal_()
+    dense_dec.attention.kv.normal_()
     dec = {"dense_ms": bs.decode_step_ms(dense_dec)}
     del dense_dec
     torch.cuda.empty_cache()
 
-    class Rec(PathsDecoder):
-        record = None
-
-        def _paths_ffn(self, pp, h):
-            if self.record is not None:
-                self.record[pp["li"]].append(h.detach().clone())
-            return super()._paths_ffn(pp, h)
-
     for kind in ("magnitude", "predictor"):
         for keep in (0.87, 0.73, 0.5):
             for kern in ("cuda", "triton"):
-                pd = Rec(m, max_len, _policies(kind, D, Fd, R, L), kernels=kern, kernels_lib=so)
-                for i, pp in pd.paths.items():
-                    pp["li"] = i
-                pd.kv.normal_()
-                _set_thresholds(pd, kind, keep, L)
+                pd, ffn = bs.recording_paths_decoder(m, max_len, _policies(kind, D, Fd, R, L), kernels=kern,
+                                                     kernels_lib=so)
+                pd.attention.kv.normal_()
+                _set_thresholds(pd, ffn, kind, keep, L)
                 ms = bs.decode_step_ms(pd)
                 name = f"{kind}_{kern}_keep{keep}"
                 dec[name] = {"ms": ms, "tok_s": 1e3 / ms, "speedup": dec["dense_ms"] / ms}
                 print(name, dec[name], flush=True)
-                del pd
+                del pd, ffn
                 torch.cuda.empty_cache()
     dec["dense_tok_s"] = 1e3 / dec["dense_ms"]
     return dec

@@ -263,63 +263,50 @@ def ffn_micro(D, Fd, R, L, dt) -> dict:
 
 # ---- 3. decode loop: DenseDecoder vs the same with path FFNs, batch 1 ---------------------------
 
-def sparse_decoder_class(R, D, Fd, dt):
-    """DenseDecoder with each FFN replaced by the Triton predictor path FFN (random predictors)."""
+def random_predictor_decoder(m, max_len, keeps, R, D, Fd, dt):
+    """A Decoder with every FFN through the Triton predictor path FFN (random predictors), each
+    layer's threshold set for its kept fraction in `keeps` from 8 eager steps."""
     import torch
     import torch.nn.functional as F
 
     from zeroedge.paths import triton_gemv as tg
-    from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.runtime.fast import Decoder, DenseAttention
 
-    class SparseDecoder(DenseDecoder):
-        def __init__(self, model, max_len, keeps):
-            super().__init__(model, max_len, graph=True)
-            self.P = []
-            for blk in model.layers:
-                mlp = blk.mlp
-                self.P.append(dict(
-                    at=torch.randn(R, D, device="cuda", dtype=dt) / D ** 0.5,
-                    bg=torch.randn(R, Fd, device="cuda", dtype=dt) / R ** 0.5,
-                    bu=torch.randn(R, Fd, device="cuda", dtype=dt) / R ** 0.5,
-                    wg=mlp.gate_proj.weight, wu=mlp.up_proj.weight,
-                    wdt=mlp.down_proj.weight.T.contiguous(),
-                    act=torch.empty(1, Fd, device="cuda", dtype=dt),
-                    part=torch.empty(tg.CONFIG["down"]["splits"], 1, D, device="cuda", dtype=torch.float32), thr=0.0))
-            self.keeps, self.record = keeps, None
+    class RandomPredictorFFN:
+        record = None
 
-        def _forward(self, flag):
-            mm = self.m
-            cos = self.cos.index_select(0, self.pos)
-            sin = self.sin_signed.index_select(0, self.pos)
-            x = mm.embed_tokens(self.tok)
-            self._per_step()
-            for li, w in enumerate(self.W.layers):
-                q, k, v = self._layer_in(w, x, cos, sin)
-                o = self._attend(li, q, k, v, flag)
-                x = x + F.linear(o.reshape(1, -1), w["wo"])
-                h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
-                p = self.P[li]
-                z = F.linear(h, p["at"])
-                if self.record is not None:
-                    zf = z.float()
-                    self.record[li].append((F.silu(zf @ p["bg"].float()) * (zf @ p["bu"].float())).abs()[0])
-                act = tg.paths_gateup(h, z, p["bg"], p["bu"], p["wg"], p["wu"], p["thr"], out=p["act"])
-                x = x + tg.paths_down(act, p["wdt"], part=p["part"])
-            return mm.lm_head(mm.norm(x))[0]
+        def bind(self, layers, cfg, device, dtype):
+            self.P = [dict(at=torch.randn(R, D, device="cuda", dtype=dt) / D ** 0.5,
+                           bg=torch.randn(R, Fd, device="cuda", dtype=dt) / R ** 0.5,
+                           bu=torch.randn(R, Fd, device="cuda", dtype=dt) / R ** 0.5,
+                           wg=w["w13"][:Fd], wu=w["w13"][Fd:], wdt=w["w2"].T.contiguous(),
+                           act=torch.empty(1, Fd, device="cuda", dtype=dt),
+                           part=torch.empty(tg.CONFIG["down"]["splits"], 1, D, device="cuda", dtype=torch.float32),
+                           thr=0.0) for w in layers]
 
-        def calibrate(self, steps=8, start=1024):
-            self.record = {i: [] for i in range(len(self.P))}
-            g = self.graph_wanted
-            self.graph_wanted = False
-            for s in range(steps):
-                self.step(1 + s, start + s)
-            self.graph_wanted = g
-            for i, p in enumerate(self.P):
-                sc = torch.cat(self.record[i])
-                p["thr"] = float(sc.quantile(1 - self.keeps[i]))
-            self.record = None
+        def out(self, li, w, x, o):
+            x = x + F.linear(o.reshape(1, -1), w["wo"])
+            h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
+            p = self.P[li]
+            z = F.linear(h, p["at"])
+            if self.record is not None:
+                zf = z.float()
+                self.record[li].append((F.silu(zf @ p["bg"].float()) * (zf @ p["bu"].float())).abs()[0])
+            act = tg.paths_gateup(h, z, p["bg"], p["bu"], p["wg"], p["wu"], p["thr"], out=p["act"])
+            return x + tg.paths_down(act, p["wdt"], part=p["part"])
 
-    return SparseDecoder
+        def kept(self):
+            return {}
+
+    ffn = RandomPredictorFFN()
+    sd = Decoder(m, DenseAttention(max_len), ffn, graph=True)
+    sd.attention.kv.normal_()
+    ffn.record = {i: [] for i in range(len(ffn.P))}
+    bs.eager_steps(sd)
+    for i, p in enumerate(ffn.P):
+        p["thr"] = float(torch.cat(ffn.record[i]).quantile(1 - keeps[i]))
+    ffn.record = None
+    return sd
 
 
 def decode_plans(L, layers_path) -> dict:
@@ -336,12 +323,8 @@ def decode_plans(L, layers_path) -> dict:
 def decode_predictor(m, dec: dict, plans: dict, R, D, Fd, dt, max_len):
     import torch
 
-    SparseDecoder = sparse_decoder_class(R, D, Fd, dt)
     for name, keeps in plans.items():
-        sd = SparseDecoder(m, max_len, keeps)
-        sd.k.normal_()
-        sd.v.normal_()
-        sd.calibrate()
+        sd = random_predictor_decoder(m, max_len, keeps, R, D, Fd, dt)
         ms = bs.decode_step_ms(sd)
         kept = statistics.mean(float((p["act"] != 0).float().mean()) for p in sd.P)
         dec[name] = {"ms": ms, "tok_s": 1e3 / ms, "speedup": dec["dense_ms"] / ms,
@@ -352,45 +335,32 @@ def decode_predictor(m, dec: dict, plans: dict, R, D, Fd, dt, max_len):
 
 
 def decode_magnitude(m, dec: dict, L, max_len):
-    """The magnitude rule (calibration's default) through zeroedge.paths.decode.PathsDecoder:
-    gate / up rows of the small |h_k| and down rows of the small |a_j| are never read."""
+    """The magnitude rule (calibration's default) through zeroedge.runtime.fast's Decoder with
+    zeroedge.paths.ffn.PathsFFN: gate / up rows of the small |h_k| and down rows of the small |a_j| are
+    never read."""
     import torch
     import torch.nn.functional as F
 
-    from zeroedge.paths.decode import PathsDecoder
     from zeroedge.paths.sparse import PathPolicy
 
-    class MagDecoder(PathsDecoder):
-        record = None
-
-        def _paths_ffn(self, p, h):
-            if self.record is not None:
-                g, u = F.linear(h, self.W.layers[p["li"]]["w13"]).float().chunk(2, -1)
-                self.record[p["li"]].append((h.float().abs()[0], (F.silu(g) * u).abs()[0]))
-            return super()._paths_ffn(p, h)
-
     for keep in (0.87, 0.73, 0.5):
-        md = MagDecoder(m, max_len, {i: PathPolicy(method="magnitude", threshold_in=0.0, threshold=0.0)
-                                     for i in range(L)})
-        for i, p in md.paths.items():
-            p["li"] = i
-        md.k.normal_()
-        md.v.normal_()
-        md.record = {i: [] for i in range(L)}
-        gw, md.graph_wanted = md.graph_wanted, False
-        for st in range(8):
-            md.step(1 + st, 1024 + st)
-        md.graph_wanted, rec = gw, md.record
-        md.record = None
-        for i, p in md.paths.items():
-            p["thr_in"] = float(torch.cat([r[0] for r in rec[i]]).quantile(1 - keep))
-            p["thr"] = float(torch.cat([r[1] for r in rec[i]]).quantile(1 - keep))
+        md, ffn = bs.recording_paths_decoder(m, max_len, {i: PathPolicy(method="magnitude", threshold_in=0.0,
+                                                                         threshold=0.0) for i in range(L)})
+        md.attention.kv.normal_()
+        ffn.record = {i: [] for i in range(L)}
+        bs.eager_steps(md)
+        rec, ffn.record = ffn.record, None
+        for i, p in ffn.paths.items():
+            h = torch.cat(rec[i]).float()
+            g, u = (h @ md.W.layers[i]["w13"].float().T).chunk(2, -1)
+            p["thr_in"] = float(h.abs().quantile(1 - keep))
+            p["thr"] = float((F.silu(g) * u).abs().quantile(1 - keep))
         ms = bs.decode_step_ms(md)
         name = f"magnitude_keep{keep}"
         dec[name] = {"ms": ms, "tok_s": 1e3 / ms, "speedup": dec["dense_ms"] / ms, "kept_last_step": keep,
                      "ffn_bytes_skipped": 1 - keep, "keeps_planned_mean": keep}
         print(name, dec[name], flush=True)
-        del md
+        del md, ffn
         torch.cuda.empty_cache()
 
 
@@ -403,8 +373,7 @@ def decode_bench(cfg, R, dt, layers_path) -> dict:
     m = bs.build_model("llama-3.2-1b", "cuda", dt)
     max_len = 2048
     dense = DenseDecoder(m, max_len, graph=True)
-    dense.k.normal_()
-    dense.v.normal_()
+    dense.attention.kv.normal_()
     dec = {"dense_ms": bs.decode_step_ms(dense)}
     dec["dense_tok_s"] = 1e3 / dec["dense_ms"]
     del dense

@@ -1,0 +1,105 @@
+"""The four decoder compositions (zeroedge.runtime.fast: dense or thermal attention x dense or paths
+FFN) on a CUDA GPU with their CUDA graphs: the dense decoder against the model's own forward (same
+bf16 weights), and a thermal window that holds every page or paths that keep every channel against
+the dense decoder's logits; a tight thermal budget must still swap pages in the graph and keep its
+page maps consistent. Skips without a CUDA GPU.
+
+    python -m pytest -q device_tests/test_decoders_gpu.py
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to PyTorch")
+
+P, G = 512, 24          # prefix tokens (32 pages of 16) and decoded tokens
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from zeroedge.kv.evaluate import prefill
+    from zeroedge.model import build
+
+    torch.manual_seed(0)
+    m = build("smollm2-135m", seed=0).eval()
+    ids = torch.randint(0, m.cfg.vocab_size, (P + G,))
+    pre = prefill(m, ids[:P].tolist(), stats=True)
+    m = m.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        model_ref = m(ids[None].cuda())[0].float().cpu()          # the model's forward, every position
+    from zeroedge.runtime.fast import DenseDecoder
+
+    dense = DenseDecoder(m, P + G)
+    dense.load_prefix(*_kv(pre, torch.bfloat16))
+    dense_ref = torch.zeros_like(model_ref)
+    for t in range(P, P + G):
+        dense_ref[t] = dense.step(int(ids[t]), t).float().cpu()
+    assert dense.graphs                                           # the step ran as a captured graph
+    return m, ids, model_ref, dense_ref, pre
+
+
+def _run(dec, ids, ref):
+    """Teacher-forced steps P..P+G-1 through the CUDA graph; the worst relative logit error."""
+    worst = 0.0
+    for t in range(P, P + G):
+        out = dec.step(int(ids[t]), t).float().cpu()
+        assert torch.isfinite(out).all()
+        worst = max(worst, float((out - ref[t]).norm() / ref[t].norm()))
+    return worst
+
+
+def _zero_paths(L):
+    from zeroedge.paths.sparse import PathPolicy
+
+    return {i: PathPolicy(method="magnitude", threshold_in=0.0, threshold=0.0) for i in range(L)}
+
+
+def _kv(pre, dtype):
+    return ([k.to("cuda", dtype) for k in pre["k"]], [v.to("cuda", dtype) for v in pre["v"]])
+
+
+def test_dense_decoder_matches_the_model(setup):
+    _, _, model_ref, dense_ref, _ = setup
+    worst = max(float((dense_ref[t] - model_ref[t]).norm() / model_ref[t].norm()) for t in range(P, P + G))
+    assert worst < 5e-2
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_paths_that_keep_everything_are_dense(setup, kernels):
+    from zeroedge.runtime.fast import PathsDecoder
+
+    m, ids, _, ref, pre = setup
+    dec = PathsDecoder(m, P + G, _zero_paths(len(m.layers)), kernels=kernels)
+    dec.load_prefix(*_kv(pre, torch.bfloat16))
+    assert _run(dec, ids, ref) < 2e-2
+    assert all(v > 0.99 for v in dec.kept().values())
+
+
+def test_thermal_window_of_every_page_is_dense(setup):
+    from zeroedge.runtime.fast import ThermalDecoder, ThermalPathsDecoder
+
+    m, ids, _, ref, pre = setup
+    k, v = _kv(pre, torch.bfloat16)
+    qcov = [q.to("cuda") for q in pre["qcov"]]
+    for dec in (ThermalDecoder(m, P, G, budget=1.0), ThermalPathsDecoder(m, P, G, _zero_paths(len(m.layers)),
+                                                                         budget=1.0)):
+        dec.load_prefix(k, v, qcov)
+        assert _run(dec, ids, ref) < 2e-2, type(dec).__name__
+
+
+def test_tight_thermal_budget_swaps_pages_in_the_graph(setup):
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    m, ids, _, ref, pre = setup
+    dec = ThermalDecoder(m, P, G, budget=0.25, fetch=4)
+    dec.load_prefix(*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
+    att = dec.attention
+    before = att.slot_page.clone()
+    _run(dec, ids, ref)
+    assert (att.slot_page != before).any()                         # pages moved inside the replays
+    for li in range(len(m.layers)):
+        for h in range(att.nkv):
+            ps = att.page_slot[li, h]
+            assert int((ps >= 0).sum()) == att.slots
+            assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
+    kb = dec.device_kv_bytes()
+    assert kb["hot"] < kb["prefix_full"] / 2

@@ -477,6 +477,17 @@ def rewrite_paths(graph, matches, params: dict, plugin_dtype=None):
     return done
 
 
+def _layers_of(graph, expect_layers: Optional[int], what: str = ""):
+    """find_layers, refusing a graph with none (NoPattern) or with another count than expected."""
+    matches, report = find_layers(graph)
+    if not matches:
+        raise NoPattern(report)
+    if expect_layers is not None and len(matches) != expect_layers:
+        raise UserError(f"{what}found {len(matches)} RMSNorm -> MLP layers, the model has {expect_layers} "
+                        f"({summary(report)}); nothing written")
+    return matches, report
+
+
 def rewrite_decode_paths(model, params: dict, expect_layers: Optional[int] = None, plugin_dtype=None):
     """onnx decode ModelProto -> (rewritten ModelProto, info) with ZeroEdgePathsFFN in the layers
     of `params` (`model` itself is not modified); the model is returned as is when params is empty.
@@ -486,12 +497,7 @@ def rewrite_decode_paths(model, params: dict, expect_layers: Optional[int] = Non
     if not params:
         return model, {"rewritten_layers": []}
     graph = gs.import_onnx(model)
-    matches, report = find_layers(graph)
-    if not matches:
-        raise NoPattern(report)
-    if expect_layers is not None and len(matches) != expect_layers:
-        raise UserError(f"decode graph: found {len(matches)} RMSNorm -> MLP layers, the model has "
-                        f"{expect_layers} ({summary(report)}); nothing written")
+    matches, report = _layers_of(graph, expect_layers, "decode graph: ")
     done = rewrite_paths(graph, matches, params, plugin_dtype)
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
@@ -584,12 +590,7 @@ def rewrite_model(model, sih_params: dict, pruned_heads: Optional[dict] = None, 
     import onnx_graphsurgeon as gs
 
     graph = gs.import_onnx(model)
-    matches, report = find_layers(graph)
-    if not matches:
-        raise NoPattern(report)
-    if expect_layers is not None and len(matches) != expect_layers:
-        raise UserError(f"found {len(matches)} RMSNorm -> MLP layers, the model has {expect_layers} "
-                        f"({summary(report)}); nothing written")
+    matches, report = _layers_of(graph, expect_layers)
     heads = mask_heads(graph, matches, pruned_heads or {}, head_dim, n_heads) if pruned_heads else {}
     done = rewrite(graph, matches, sih_params)
     out = gs.export_onnx(graph)

@@ -197,8 +197,19 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
 
 
 def _build_swap():
+    global copy_pages  # Triton looks a jit function's callees up in its module's globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, wk_ptr, wv_ptr, PE: tl.constexpr, PEB: tl.constexpr):
+        """Pages src (cold store, -1: none) of kv head h into window slots dst: PE values a page."""
+        e = tl.arange(0, PEB)
+        ok = (src >= 0)[:, None] & (e < PE)[None, :]
+        so = (h * n + src)[:, None] * PE + e[None, :]
+        do = (h * w_head + dst * PE)[:, None] + e[None, :]
+        tl.store(wk_ptr + do, tl.load(hk_ptr + so, mask=ok), mask=ok)
+        tl.store(wv_ptr + do, tl.load(hv_ptr + so, mask=ok), mask=ok)
 
     @triton.jit
     def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, n, S,
@@ -235,14 +246,7 @@ def _build_swap():
                 tl.store(spage_ptr + h * S + s, bm)
                 src = tl.where(fi == i, bm, src)
                 dst = tl.where(fi == i, s, dst)
-        e = tl.arange(0, PEB)
-        ok = (src >= 0)[:, None] & (e < PE)[None, :]
-        so = (h * n + src)[:, None] * PE + e[None, :]
-        do = (h * w_head + dst * PE)[:, None] + e[None, :]
-        kv = tl.load(hk_ptr + so, mask=ok)
-        vv = tl.load(hv_ptr + so, mask=ok)
-        tl.store(wk_ptr + do, kv, mask=ok)
-        tl.store(wv_ptr + do, vv, mask=ok)
+        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, wk_ptr, wv_ptr, PE, PEB)
 
     # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
     # chunk, normalising with the per-block log-sum-exp shares the sketch kernel wrote, and keeps
@@ -321,14 +325,7 @@ def _build_swap():
                 tl.store(spage_ptr + h * S + s, bm)
                 src = tl.where(fi == i, bm, src)
                 dst = tl.where(fi == i, s, dst)
-        e = tl.arange(0, PEB)
-        ok = (src >= 0)[:, None] & (e < PE)[None, :]
-        so = (h * n + src)[:, None] * PE + e[None, :]
-        do = (h * w_head + dst * PE)[:, None] + e[None, :]
-        kv = tl.load(hk_ptr + so, mask=ok)
-        vv = tl.load(hv_ptr + so, mask=ok)
-        tl.store(wk_ptr + do, kv, mask=ok)
-        tl.store(wv_ptr + do, vv, mask=ok)
+        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, wk_ptr, wv_ptr, PE, PEB)
 
     return k, sel, dec
 

@@ -21,7 +21,6 @@ anything is written.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 
 from zeroedge.errors import UserError
 from zeroedge.sensor import CLASS_NAMES, N_CHANNELS
+from zeroedge.sensor.metrics import ema
 
 VAL_FRAC = 0.25           # tail of every file held out for early stopping and alarm calibration
 ALPHAS = (1.0, 0.5, 0.3, 0.2, 0.1)
@@ -212,15 +212,6 @@ def choose_threshold(normal_scores: np.ndarray, far: float) -> float:
     t = float(lo.mean() + z * lo.std(ddof=1)) if len(lo) > 1 else float(lo.max())
     t = max(t, float(lo.max()))
     return float(1 / (1 + np.exp(-t)))
-
-
-def ema(x: np.ndarray, alpha: float) -> np.ndarray:
-    out = np.empty_like(x)
-    s = x[0]
-    for i, v in enumerate(x):
-        s = v if i == 0 else (1 - alpha) * s + alpha * v
-        out[i] = s
-    return out
 
 
 def _batch(rng, normal, faults, window, batch, p_mix=0.5):

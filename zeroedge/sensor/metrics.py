@@ -25,3 +25,13 @@ def detection_metrics(alarm, onset: int, hold: int = HOLD) -> dict:
             delay = i - run + 1
             break
     return {"fdr": fdr, "far": far, "delay": delay}
+
+
+def ema(x: np.ndarray, alpha: float) -> np.ndarray:
+    """Exponential moving average of a score series (the alarm filter), starting at x[0]."""
+    out = np.empty_like(x)
+    s = x[0]
+    for i, v in enumerate(x):
+        s = v if i == 0 else (1 - alpha) * s + alpha * v
+        out[i] = s
+    return out

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from zeroedge.sensor import CLASS_NAMES, HARD_FAULTS, N_CHANNELS, tep
+from zeroedge.sensor.metrics import ema
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "tep_sensor.npz"
 
@@ -81,15 +82,6 @@ def score_series(model, Xn: np.ndarray, window: int) -> np.ndarray:
                 ii = idx[c:c + 512]
                 W = np.stack([Xn[i - window + 1:i + 1] for i in ii])
                 out[ii] = model(torch.from_numpy(W))[:, -1].softmax(-1).numpy()
-    return out
-
-
-def ema(x: np.ndarray, alpha: float) -> np.ndarray:
-    out = np.empty_like(x)
-    s = x[0]
-    for i, v in enumerate(x):
-        s = v if i == 0 else (1 - alpha) * s + alpha * v
-        out[i] = s
     return out
 
 

@@ -114,117 +114,52 @@ def heldout_ppl(model, seqs, P, runtime=None) -> float:
 
 
 def calibrate(model, token_lists, cfg: CalibConfig):
-    """Returns (meta, tensors, report). Raises BudgetError when even the cheapest setting fails."""
+    """Returns (meta, tensors, report). Raises BudgetError when even the cheapest setting fails.
+
+    collect (FFN inputs, outputs, loss gradients on the training split) -> anchors -> SIH heads ->
+    per-layer cost of each skip rate on the held-out split -> the shared gate search (export.gate)."""
+    from zeroedge.export.importance import collect_ffn_io
+
     log = cfg.log
     torch.manual_seed(cfg.seed)
-    L, D = model.cfg.n_layers, model.cfg.dim
+    L = model.cfg.n_layers
     P = cfg.seq_len - cfg.continuation
     train, held = split_sequences(token_lists, cfg)
     if not train or not held:
         raise ValueError(f"calibration text too short for {cfg.seq_len}-token sequences")
-    from zeroedge.export.importance import collect_ffn_io, ffn_io_and_grads, perturbation_sensitivity, spearman
-
     t0 = time.time()
-    # 1. dense pass with autograd on training sequences (prefix positions only are candidates)
-    X, Y, G = collect_ffn_io(model, train, P, P, log)
+    X, Y, G = collect_ffn_io(model, train, P, P, log)       # prefix positions only are candidates
     report = {"train_sequences": len(train), "heldout_sequences": len(held),
               "seq_len": cfg.seq_len, "continuation": cfg.continuation}
-
-    # importance (a) vs (b) agreement on a sample
     if cfg.importance_samples:
-        # on a short window (fp64 is slow): 512 tokens, the loss on the last 128
-        n_short = min(512, len(train[0]))
-        short = torch.tensor([train[0][:n_short]])
-        Ps = n_short * 3 // 4
-        io_s, _ = ffn_io_and_grads(model, short, Ps)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        pairs = [(int(torch.randint(cfg.first_layer, L - 1, (1,), generator=gen)),
-                  int(torch.randint(cfg.protect_first, Ps - 1, (1,), generator=gen)))
-                 for _ in range(cfg.importance_samples)]
-        pert = perturbation_sensitivity(model, short, Ps, pairs)
-        gnorm = [float(io_s[l][2][t].norm()) for l, t in pairs]
-        report["importance_rank_correlation"] = spearman(gnorm, pert)
-        log(f"[calibrate] gradient norm vs forward perturbation (delta=1e-5, fp64, "
-            f"{len(pairs)} pairs): Spearman {report['importance_rank_correlation']:.3f}")
-
-    # 2. anchors
-    anchors, errs = {}, {}
-    for i in range(L):
-        anchors[i] = fit_anchor(X[i], Y[i], cfg.anchor_rank) if cfg.anchor_rank else ZeroAnchor()
-        errs[i] = anchor_error(anchors[i], X[i], Y[i])
-    report["anchor_rel_error"] = {i: round(e, 4) for i, e in errs.items()}
-    log(f"[calibrate] rank-{cfg.anchor_rank} anchors: residual energy "
-        f"min {min(errs.values()):.3f} median {sorted(errs.values())[L // 2]:.3f} max {max(errs.values()):.3f}")
-
-    # 3. SIH heads: target = first-order loss change of anchoring the token, above the batch mean
-    width = head_width(D)
-    heads, aucs = {}, {}
-    for i in range(L):
-        with torch.no_grad():
-            imp = (G[i] * (Y[i] - anchors[i](X[i]))).sum(-1).abs()
-        label = imp > imp.mean()
-        heads[i] = train_sih(X[i], label, width, cfg.sih_steps, cfg.seed + i)
-        with torch.no_grad():
-            aucs[i] = _auc(heads[i](X[i]), ~label)  # high score = important, so AUC vs label
-            aucs[i] = 1 - aucs[i]
-    report["sih_train_auc"] = {i: round(a, 3) for i, a in aucs.items()}
-    report["sih_bytes_fp16"] = heads[0].bytes_fp16()
-    log(f"[calibrate] SIH heads: width {width}, {heads[0].bytes_fp16()} bytes fp16 each, "
-        f"train AUC median {sorted(aucs.values())[L // 2]:.3f}")
+        _importance_agreement(model, train[0], cfg, report)
+    anchors = _fit_anchors(X, Y, cfg, report)
+    heads = _fit_heads(X, Y, G, anchors, cfg, report)
     del X, Y, G
-
-    # 4. gate on held-out sequences
-    Xh, Yh, Gh, Sh = ({i: [] for i in range(L)} for _ in range(4))
-    for ids in held:
-        io, _ = ffn_io_and_grads(model, torch.tensor([ids]), P)
-        for i, (x, y, g) in io.items():
-            Xh[i].append(x[:P])
-            Yh[i].append(y[:P])
-            Gh[i].append(g[:P])
-            with torch.no_grad():
-                Sh[i].append(smooth(heads[i](x[None, :P]), MA_WEIGHTS)[0])
-    n_cont = len(held) * cfg.continuation
-    cost = {}  # layer -> list over rates of estimated nats/token added
-    thresholds = {}
-    lo, hi = cfg.protect_first, P - 1
-    for i in range(cfg.first_layer, L):
-        cost[i], thresholds[i] = [], []
-        with torch.no_grad():
-            deltas = [(g * (anchors[i](x) - y)).sum(-1) for x, y, g in zip(Xh[i], Yh[i], Gh[i])]
-        scores = torch.cat([s[lo:hi] for s in Sh[i]])
-        for r in cfg.rates:
-            thr = float(torch.quantile(scores, r)) if r < 1 else float("inf")
-            thresholds[i].append(thr)
-            # sum of |first-order loss change| over the skipped tokens: no cancellation between
-            # tokens, so a layer cannot look free by accident (signed sums did)
-            est = sum(float(dl[lo:hi][s[lo:hi] < thr].abs().sum()) for dl, s in zip(deltas, Sh[i]))
-            cost[i].append(est / n_cont)
-    del Xh, Yh, Gh
+    cost, thresholds = _skip_costs(model, held, heads, anchors, cfg, P)
 
     rt = ZeroRuntime(protect_first=cfg.protect_first)
     dense = heldout_ppl(model, held, P)
     report["heldout_dense_ppl"] = dense
     log(f"[calibrate] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens)")
 
-    def prefix_skip(st):
-        """Skipped fraction of the prefill (prefix) rows: the continuation is never skipped."""
-        return (st[1] - st[0]) / (len(held) * P)
-
     def policies(chosen):
-        pol = {}
-        for i, k in chosen.items():
-            thr = float("inf") if k is None else thresholds[i][k]
-            pol[i] = LayerPolicy(scorer="sih", threshold=thr, sih=heads[i], anchor=anchors[i])
-        return pol
+        return {i: LayerPolicy(scorer="sih", threshold=float("inf") if k is None else thresholds[i][k],
+                               sih=heads[i], anchor=anchors[i]) for i, k in chosen.items()}
 
-    def measure(chosen):
+    def skipped_per_layer(chosen) -> tuple:
+        """(held-out ppl, layer -> skipped fraction of its prefill rows) with `chosen` installed."""
         install(model, policies(chosen), rt)
         rt.reset_stats()
         try:
             ppl = heldout_ppl(model, held, P, rt)
         finally:
             remove(model)
-        skipped = sum(prefix_skip(st) for st in rt.stats.values()) / L
+        return ppl, {i: (st[1] - st[0]) / (len(held) * P) for i, st in rt.stats.items()}
+
+    def measure(chosen):
+        ppl, per_layer = skipped_per_layer(chosen)
+        skipped = sum(per_layer.values()) / L
         return ppl, skipped, skipped
 
     def step_log(step, scale, ppl, skipped, ok):
@@ -238,15 +173,109 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     except gate.GateError as e:
         raise BudgetError(f"budget {cfg.budget:.2%} cannot be met: the cheapest setting costs "
                           f"{e.ppl / dense - 1:+.2%} on the held-out split") from None
-    pol = policies(chosen)
-    install(model, pol, rt)
-    rt.reset_stats()
-    heldout_ppl(model, held, P, rt)
-    per_layer = {i: prefix_skip(st) for i, st in rt.stats.items()}
-    remove(model)
+    _, per_layer = skipped_per_layer(chosen)
+    meta, tensors = _artifact(model, cfg, policies(chosen), anchors, heads, rt, per_layer)
+    meta["quality"] = {"budget": cfg.budget, "dense_ppl": dense, "zero_ppl": best_ppl,
+                       "ppl_rise": best_ppl / dense - 1, **meta["quality"],
+                       "heldout_tokens": len(held) * cfg.continuation,
+                       "protocol": f"prefix {P} tokens with mechanisms, continuation {cfg.continuation} dense"}
+    meta.update(report=report, seconds=round(time.time() - t0, 1))
+    return meta, tensors, report
 
-    layers_meta = []
-    tensors = {}
+
+def _importance_agreement(model, ids, cfg: CalibConfig, report: dict):
+    """Gradient norm vs forward perturbation on a sample of (layer, token) pairs: how far the
+    first-order importance can be trusted (report["importance_rank_correlation"])."""
+    from zeroedge.export.importance import ffn_io_and_grads, perturbation_sensitivity, spearman
+
+    # on a short window (fp64 is slow): 512 tokens, the loss on the last 128
+    n_short = min(512, len(ids))
+    short = torch.tensor([ids[:n_short]])
+    Ps = n_short * 3 // 4
+    io_s, _ = ffn_io_and_grads(model, short, Ps)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    L = model.cfg.n_layers
+    pairs = [(int(torch.randint(cfg.first_layer, L - 1, (1,), generator=gen)),
+              int(torch.randint(cfg.protect_first, Ps - 1, (1,), generator=gen)))
+             for _ in range(cfg.importance_samples)]
+    pert = perturbation_sensitivity(model, short, Ps, pairs)
+    gnorm = [float(io_s[layer][2][t].norm()) for layer, t in pairs]
+    report["importance_rank_correlation"] = spearman(gnorm, pert)
+    cfg.log(f"[calibrate] gradient norm vs forward perturbation (delta=1e-5, fp64, "
+            f"{len(pairs)} pairs): Spearman {report['importance_rank_correlation']:.3f}")
+
+
+def _fit_anchors(X, Y, cfg: CalibConfig, report: dict) -> dict:
+    """layer -> the rank-r anchor fitted to the layer's FFN (ZeroAnchor at rank 0)."""
+    anchors, errs = {}, {}
+    for i in X:
+        anchors[i] = fit_anchor(X[i], Y[i], cfg.anchor_rank) if cfg.anchor_rank else ZeroAnchor()
+        errs[i] = anchor_error(anchors[i], X[i], Y[i])
+    report["anchor_rel_error"] = {i: round(e, 4) for i, e in errs.items()}
+    e = sorted(errs.values())
+    cfg.log(f"[calibrate] rank-{cfg.anchor_rank} anchors: residual energy "
+            f"min {e[0]:.3f} median {e[len(e) // 2]:.3f} max {e[-1]:.3f}")
+    return anchors
+
+
+def _fit_heads(X, Y, G, anchors: dict, cfg: CalibConfig, report: dict) -> dict:
+    """layer -> SIH head trained to flag the tokens whose anchoring costs more than the mean (the
+    first-order loss change of replacing the FFN output by the anchor's)."""
+    width = head_width(next(iter(X.values())).shape[-1])
+    heads, aucs = {}, {}
+    for i in X:
+        with torch.no_grad():
+            imp = (G[i] * (Y[i] - anchors[i](X[i]))).sum(-1).abs()
+        label = imp > imp.mean()
+        heads[i] = train_sih(X[i], label, width, cfg.sih_steps, cfg.seed + i)
+        with torch.no_grad():
+            aucs[i] = 1 - _auc(heads[i](X[i]), ~label)  # high score = important, so AUC vs label
+    report["sih_train_auc"] = {i: round(a, 3) for i, a in aucs.items()}
+    report["sih_bytes_fp16"] = heads[0].bytes_fp16()
+    a = sorted(aucs.values())
+    cfg.log(f"[calibrate] SIH heads: width {width}, {heads[0].bytes_fp16()} bytes fp16 each, "
+            f"train AUC median {a[len(a) // 2]:.3f}")
+    return heads
+
+
+def _skip_costs(model, held, heads: dict, anchors: dict, cfg: CalibConfig, P: int):
+    """On the held-out split, per layer from cfg.first_layer and per skip rate: the threshold on the
+    smoothed SIH score that skips that fraction of the prefix, and the estimated nats per
+    continuation token it adds (sum of |first-order loss change| over the skipped tokens: no
+    cancellation between tokens, so a layer cannot look free by accident)."""
+    from zeroedge.export.importance import ffn_io_and_grads
+
+    L = model.cfg.n_layers
+    Xh, Yh, Gh, Sh = ({i: [] for i in range(L)} for _ in range(4))
+    for ids in held:
+        io, _ = ffn_io_and_grads(model, torch.tensor([ids]), P)
+        for i, (x, y, g) in io.items():
+            Xh[i].append(x[:P])
+            Yh[i].append(y[:P])
+            Gh[i].append(g[:P])
+            with torch.no_grad():
+                Sh[i].append(smooth(heads[i](x[None, :P]), MA_WEIGHTS)[0])
+    n_cont = len(held) * cfg.continuation
+    cost, thresholds = {}, {}
+    lo, hi = cfg.protect_first, P - 1
+    for i in range(cfg.first_layer, L):
+        cost[i], thresholds[i] = [], []
+        with torch.no_grad():
+            deltas = [(g * (anchors[i](x) - y)).sum(-1) for x, y, g in zip(Xh[i], Yh[i], Gh[i])]
+        scores = torch.cat([s[lo:hi] for s in Sh[i]])
+        for r in cfg.rates:
+            thr = float(torch.quantile(scores, r)) if r < 1 else float("inf")
+            thresholds[i].append(thr)
+            est = sum(float(dl[lo:hi][s[lo:hi] < thr].abs().sum()) for dl, s in zip(deltas, Sh[i]))
+            cost[i].append(est / n_cont)
+    return cost, thresholds
+
+
+def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt: ZeroRuntime,
+              per_layer: dict) -> tuple:
+    """(meta, tensors) of the chosen policies; meta["quality"] holds the FLOPs skipped."""
+    L = model.cfg.n_layers
+    layers_meta, tensors = [], {}
     for i in range(L):
         p = pol.get(i)
         thr = None if p is None else (p.threshold if math.isfinite(p.threshold) else 2.0)
@@ -262,19 +291,14 @@ def calibrate(model, token_lists, cfg: CalibConfig):
         L * ffn_flops_per_token(model.cfg))
     meta = {
         "model": {"name": model.cfg.name, "config": model.cfg.to_dict()},
-        "sih": {"width": width, "ma_weights": list(MA_WEIGHTS), "min_tokens": rt.min_tokens,
+        "sih": {"width": head_width(model.cfg.dim), "ma_weights": list(MA_WEIGHTS), "min_tokens": rt.min_tokens,
                 "protect_first": cfg.protect_first, "protect_last": rt.protect_last,
                 "bytes_fp16": heads[0].bytes_fp16()},
         "layers": layers_meta,
         "pruned_heads": {},
-        "quality": {"budget": cfg.budget, "dense_ppl": dense, "zero_ppl": best_ppl,
-                    "ppl_rise": best_ppl / dense - 1, "ffn_flops_skipped": flops_skipped - anchor_overhead,
-                    "ffn_flops_skipped_gross": flops_skipped, "heldout_tokens": n_cont,
-                    "protocol": f"prefix {P} tokens with mechanisms, continuation {cfg.continuation} dense"},
-        "report": report,
-        "seconds": round(time.time() - t0, 1),
+        "quality": {"ffn_flops_skipped": flops_skipped - anchor_overhead, "ffn_flops_skipped_gross": flops_skipped},
     }
-    return meta, tensors, report
+    return meta, tensors
 
 
 class BudgetError(Exception):

@@ -87,70 +87,34 @@ def heldout_ppl_all(model, seqs, runtime: PathRuntime | None = None) -> float:
 
 def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConfig | None = None):
     """Returns (paths_meta, tensors) for the artifact (meta section "paths", tensors
-    layers.{i}.paths.*). Raises PathBudgetError when the budget cannot be met."""
+    layers.{i}.paths.*). Raises PathBudgetError when the budget cannot be met.
+
+    collect (FFN inputs, outputs, loss gradients on the training split) -> per layer and kept
+    fraction: thresholds (and predictors) and a first-order or measured cost -> the shared gate
+    search (export.gate) on the held-out split."""
     from zeroedge.export.importance import collect_ffn_io
 
     cfg = cfg or PathsConfig()
     log = log or cfg.log
     if not (budget > 0):
         raise PathBudgetError(f"budget {budget} cannot be met: it must be > 0")
+    if cfg.method not in ("predictor", "magnitude"):
+        raise ValueError(f"unknown paths method {cfg.method}")
+    if cfg.costs not in ("first_order", "measured"):
+        raise ValueError(f"unknown cost kind {cfg.costs}")
     t0 = time.time()
-    L, D, Fdim = model.cfg.n_layers, model.cfg.dim, model.cfg.ffn_dim
+    D, Fdim = model.cfg.dim, model.cfg.ffn_dim
     train, held = split(token_lists, cfg.seq_len, cfg.train_seqs, cfg.gate_seqs)
     if not train or not held:
         raise ValueError(f"calibration text too short for {cfg.seq_len}-token sequences")
-
-    # 1. FFN inputs, outputs and loss gradients on the training split (loss over every token)
-    X, Y, G = collect_ffn_io(model, train, 1, cfg.seq_len, log, "paths")
-
-    # 2-3. predictors, thresholds and first-order costs per kept fraction
-    if cfg.method not in ("predictor", "magnitude"):
-        raise ValueError(f"unknown paths method {cfg.method}")
-    preds, thr, thr_in, cost = {}, {}, {}, {}
-
-    def q(t, keep):
-        flat = t.abs().flatten()
-        flat = flat[:: max(1, flat.numel() // 1_000_000)].sort().values
-        return float(flat[min(flat.numel() - 1, int((1 - keep) * flat.numel()))])
-
-    n_tok = next(iter(X.values())).shape[0]
-    sub = torch.arange(0, n_tok, max(1, n_tok // cfg.cost_tokens))
-
-    with torch.no_grad():
-        for i in range(L):
-            mlp = model.layers[i].mlp
-            thr[i], thr_in[i], cost[i] = [], [], []
-            if cfg.method == "predictor":
-                p = fit_predictor(X[i], mlp, cfg.rank)      # fitted on every training token
-                preds[i] = p
-            xs, ys, gs = X[i][sub], Y[i][sub], G[i][sub]     # costs on a strided sample
-            if cfg.method == "predictor":
-                s = p.scores(xs)
-                a = F.silu(mlp.gate_proj(xs)) * mlp.up_proj(xs)
-            for keep in cfg.keeps:
-                if cfg.method == "predictor":
-                    t = q(s, keep)
-                    dy = mlp.down_proj(a * (s < t))        # the part of y the cut channels carried
-                else:
-                    ti = q(xs, keep)
-                    xm = xs * (xs.abs() >= ti)
-                    am = F.silu(mlp.gate_proj(xm)) * mlp.up_proj(xm)
-                    t = q(am, keep)
-                    dy = mlp.down_proj(am * (am.abs() >= t)) - ys
-                    thr_in[i].append(ti)
-                thr[i].append(t)
-                cost[i].append(float((gs * dy).sum(-1).abs().mean()))
+    X, Y, G = collect_ffn_io(model, train, 1, cfg.seq_len, log, "paths")   # loss over every token
+    preds, thr, thr_in, cost = _settings(model, X, Y, G, cfg)
     del X, Y, G
     pw = preds[0].weights() if preds else 0
     mid = len(cfg.keeps) // 2
     log(f"[paths] {cfg.method}: {'rank-%d predictors, %d weights each (%.1f%% of a layer FFN); ' % (cfg.rank, pw, 100 * pw / (3 * D * Fdim)) if preds else ''}"
         f"first-order cost at keep {cfg.keeps[mid]}: min {min(c[mid] for c in cost.values()):.4f} "
         f"max {max(c[mid] for c in cost.values()):.4f}")
-
-    def saved(k):  # fraction of a layer's FFN weights a step does not read at keep index k
-        if cfg.method == "magnitude":
-            return 1 - cfg.keeps[k]
-        return 1 - read_fraction("predictor", cfg.keeps[k], D, Fdim, pw)
 
     def policies(chosen):
         out = {}
@@ -164,26 +128,8 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
         return out
 
     rt = PathRuntime()
-
     if cfg.costs == "measured":
-        # each layer alone at each setting: the real log-perplexity rise on training sequences
-        # (made monotone in sparsity and >= 0, so noise cannot buy a layer a deeper cut)
-        seqs = train[: max(1, cfg.measured_seqs)]
-        base = math.log(heldout_ppl_all(model, seqs))
-        for i in range(L):
-            row = []
-            for k in range(len(cfg.keeps)):
-                install(model, policies({i: k}), rt)
-                try:
-                    row.append(max(0.0, math.log(heldout_ppl_all(model, seqs, rt)) - base))
-                finally:
-                    remove(model)
-            for k in range(1, len(row)):
-                row[k] = max(row[k], row[k - 1])
-            cost[i] = row
-            log(f"[paths] layer {i}: measured cost " + " ".join(f"{c:.4f}" for c in row))
-    elif cfg.costs != "first_order":
-        raise ValueError(f"unknown cost kind {cfg.costs}")
+        cost = _measured_costs(model, train[: max(1, cfg.measured_seqs)], policies, rt, len(cfg.keeps), log)
 
     def measure(chosen):
         install(model, policies(chosen), rt)
@@ -201,7 +147,9 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
 
     dense = heldout_ppl_all(model, held)
     log(f"[paths] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens, every token)")
-    gains = [saved(k) for k in range(len(cfg.keeps))]
+    # a step of a layer saves 1 - keep of its FFN weights (the predictor reads its own weights too)
+    gains = [1 - cfg.keeps[k] if cfg.method == "magnitude" else 1 - read_fraction("predictor", cfg.keeps[k], D, Fdim, pw)
+             for k in range(len(cfg.keeps))]
     try:  # the mildest candidate is one layer at one step
         chosen, ppl, b = gate.search(cost, gains, measure, dense * (1 + budget), cfg.search_steps, step_log)
     except gate.GateError as e:
@@ -210,9 +158,82 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
             f"({e.result['ffn_bytes_skipped']:.1%} FFN bytes skipped) costs "
             f"{e.ppl / dense - 1:+.2%} held-out perplexity") from None
     pol = policies(chosen)
+    meta, tensors = _paths_artifact(model, cfg, pol, chosen, pw, b)
+    meta["quality"] = {"budget": budget, "dense_ppl": dense, "paths_ppl": ppl, "ppl_rise": ppl / dense - 1,
+                       "ffn_bytes_skipped": b["ffn_bytes_skipped"], "channels_kept": b["channels_kept"],
+                       "heldout_tokens": len(held) * (cfg.seq_len - 1),
+                       "protocol": "every token teacher-forced with the paths on"}
+    meta["budget"] = budget
+    meta["seconds"] = round(time.time() - t0, 1)
+    log(f"[paths] chosen: {len(pol)} sparse layers, held-out ppl {dense:.4f} -> {ppl:.4f} "
+        f"({ppl / dense - 1:+.2%}, budget {budget:.2%}), FFN bytes skipped "
+        f"{b['ffn_bytes_skipped']:.1%}")
+    return meta, tensors
 
+
+def _settings(model, X, Y, G, cfg: PathsConfig):
+    """Per layer and kept fraction: the threshold(s) hitting it on the training FFN inputs, the
+    predictor (method "predictor", fitted on every training token) and the first-order cost |g . dy|
+    of the FFN output the cut channels carried (on a strided sample of cfg.cost_tokens tokens).
+    Returns (predictors, thresholds, input thresholds, costs), dicts by layer."""
+    def q(t, keep):
+        flat = t.abs().flatten()
+        flat = flat[:: max(1, flat.numel() // 1_000_000)].sort().values
+        return float(flat[min(flat.numel() - 1, int((1 - keep) * flat.numel()))])
+
+    preds, thr, thr_in, cost = {}, {}, {}, {}
+    n_tok = next(iter(X.values())).shape[0]
+    sub = torch.arange(0, n_tok, max(1, n_tok // cfg.cost_tokens))
+    with torch.no_grad():
+        for i in X:
+            mlp = model.layers[i].mlp
+            thr[i], thr_in[i], cost[i] = [], [], []
+            xs, ys, gs = X[i][sub], Y[i][sub], G[i][sub]
+            if cfg.method == "predictor":
+                preds[i] = p = fit_predictor(X[i], mlp, cfg.rank)
+                s = p.scores(xs)
+                a = F.silu(mlp.gate_proj(xs)) * mlp.up_proj(xs)
+            for keep in cfg.keeps:
+                if cfg.method == "predictor":
+                    t = q(s, keep)
+                    dy = mlp.down_proj(a * (s < t))        # the part of y the cut channels carried
+                else:
+                    ti = q(xs, keep)
+                    xm = xs * (xs.abs() >= ti)
+                    am = F.silu(mlp.gate_proj(xm)) * mlp.up_proj(xm)
+                    t = q(am, keep)
+                    dy = mlp.down_proj(am * (am.abs() >= t)) - ys
+                    thr_in[i].append(ti)
+                thr[i].append(t)
+                cost[i].append(float((gs * dy).sum(-1).abs().mean()))
+    return preds, thr, thr_in, cost
+
+
+def _measured_costs(model, seqs, policies, rt, n_keeps: int, log) -> dict:
+    """Each layer alone at each setting: the real log-perplexity rise on `seqs` (made monotone in
+    sparsity and >= 0, so noise cannot buy a layer a deeper cut)."""
+    base = math.log(heldout_ppl_all(model, seqs))
+    cost = {}
+    for i in range(model.cfg.n_layers):
+        row = []
+        for k in range(n_keeps):
+            install(model, policies({i: k}), rt)
+            try:
+                row.append(max(0.0, math.log(heldout_ppl_all(model, seqs, rt)) - base))
+            finally:
+                remove(model)
+        for k in range(1, len(row)):
+            row[k] = max(row[k], row[k - 1])
+        cost[i] = row
+        log(f"[paths] layer {i}: measured cost " + " ".join(f"{c:.4f}" for c in row))
+    return cost
+
+
+def _paths_artifact(model, cfg: PathsConfig, pol: dict, chosen: dict, pw: int, b: dict) -> tuple:
+    """(paths meta without quality / budget / seconds, tensors) of the chosen policies."""
+    D, Fdim = model.cfg.dim, model.cfg.ffn_dim
     tensors, layers = {}, []
-    for i in range(L):
+    for i in range(model.cfg.n_layers):
         if i in pol and cfg.method == "predictor":
             tensors.update(pol[i].predictor.state(f"layers.{i}.paths"))
         elif i in pol:
@@ -225,7 +246,7 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
                        "threshold_in": pol[i].threshold_in if i in pol and cfg.method == "magnitude" else None,
                        "kept_heldout": round(b["per_layer_kept"].get(i, 1.0), 4)})
     meta = {
-        "format": FORMAT, "version": VERSION, "budget": budget,
+        "format": FORMAT, "version": VERSION, "budget": None,
         "predictor": ({"kind": "whitened-lowrank-swiglu", "rank": cfg.rank, "weights": pw,
                        "weights_fraction_of_ffn": pw / (3 * D * Fdim),
                        "score": "|silu(x A Bg) * (x A Bu)| * ||W_down[:, j]||"}
@@ -234,14 +255,5 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
                        "rule": "read W_gate/W_up columns k with |x_k| >= threshold_in, W_down "
                                "columns j with |a_j| >= threshold_act"}),
         "layers": layers,
-        "quality": {"budget": budget, "dense_ppl": dense, "paths_ppl": ppl,
-                    "ppl_rise": ppl / dense - 1, "ffn_bytes_skipped": b["ffn_bytes_skipped"],
-                    "channels_kept": b["channels_kept"],
-                    "heldout_tokens": len(held) * (cfg.seq_len - 1),
-                    "protocol": "every token teacher-forced with the paths on"},
-        "seconds": round(time.time() - t0, 1),
     }
-    log(f"[paths] chosen: {len(pol)} sparse layers, held-out ppl {dense:.4f} -> {ppl:.4f} "
-        f"({ppl / dense - 1:+.2%}, budget {budget:.2%}), FFN bytes skipped "
-        f"{b['ffn_bytes_skipped']:.1%}")
     return meta, tensors

@@ -21,9 +21,8 @@ first window with (the warning of `sensor-eval` and the daemon).
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 

@@ -125,7 +125,7 @@ def test_tier_policy_is_target_aware(tmp_path):
     assert js.cold == Tier.FILE and js.cold_compressed
     d = plan_tiers("discrete")
     assert d.cold == Tier.COLD and not d.cold_compressed
-    with pytest.raises(UserError, match="unknown target"):
+    with pytest.raises(ValueError, match="unknown memory kind"):
         plan_tiers("tpu")
     with pytest.raises(UserError, match="int8 or int4"):
         plan_tiers("jetson", cold_bits=2)

@@ -35,7 +35,7 @@ def test_unknown_option_and_training_mode_are_refused(tiny):
         E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, colour="red")
     tiny.train()
     try:
-        with pytest.raises(UserError, match="inference-only"):
+        with pytest.raises(ValueError, match="inference-only"):
             E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32)
     finally:
         tiny.eval()

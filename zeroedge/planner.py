@@ -65,7 +65,7 @@ DTYPES = {"fp16": 2, "fp32": 4}
 
 def target(name: str) -> Target:
     if name not in TARGETS:
-        raise UserError(f"unknown target {name}; known targets: {', '.join(TARGETS)}")
+        raise UserError(f"unknown board {name}; known boards: {', '.join(TARGETS)}")
     return TARGETS[name]
 
 
@@ -147,7 +147,7 @@ def plan(bundle, target_name: str, context: int, window: Optional[int] = None, d
 
     t = target(target_name)
     if context < 1:
-        raise UserError("--context must be >= 1")
+        raise UserError("--ctx must be >= 1")
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype}; known: {', '.join(DTYPES)}")
     mf = bundle_mod.verify(Path(bundle))

@@ -1,6 +1,8 @@
 """`zeroedge sensor-fit NORMAL_FILE... [--faults FILE...] -o BUNDLE`: fit the sensor detector to a plant."""
 import click
 
+from zeroedge.commands.common import output_option
+
 
 @click.command("sensor-fit")
 @click.argument("normal_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
@@ -12,7 +14,7 @@ import click
 @click.option("--far", type=float, default=0.01, show_default=True,
               help="Target false-alarm rate on held-out normal data.")
 @click.option("--window", type=int, default=32, show_default=True, help="Frames of context per decision.")
-@click.option("-o", "--out", "out", required=True, type=click.Path(), help="The sensor bundle folder to write.")
+@output_option("The sensor bundle folder to write.", dest="out", old_out=True, metavar="BUNDLE")
 @click.option("--force", is_flag=True, help="Replace an existing -o folder.")
 @click.option("--max-steps", type=int, default=3000, show_default=True,
               help="Fine-tuning steps at most (early stopping usually ends sooner).")
@@ -73,7 +75,7 @@ def _split_args(normal, faults, argv):
         if a == "--":
             break
         if a.startswith("-"):
-            if a in ("--faults", "--label", "--far", "--window", "-o", "--out", "--max-steps", "--seed",
+            if a in ("--faults", "--label", "--far", "--window", "-o", "--output", "--out", "--max-steps", "--seed",
                      "--threads"):
                 i += 2
                 continue

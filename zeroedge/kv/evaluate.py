@@ -442,7 +442,7 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     if o["bits"] not in (1, 2, 3, 4, 8) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
         raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4, 8")
     if model.training:
-        raise UserError("thermal KV is inference-only: call model.eval() first")
+        raise ValueError("thermal KV is inference-only: call model.eval() first")
     t0 = time.perf_counter()
     pre = prefill(model, ids[:P], stats=False)
     cont = ids[P:]

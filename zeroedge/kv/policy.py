@@ -1,4 +1,4 @@
-"""Release levels, the circuit breaker, and the target-aware tier policy. Torch-free.
+"""Release levels, the circuit breaker, and the tier policy for each kind of memory (discrete GPU, Jetson unified DRAM, CPU). Torch-free.
 
 Release levels (switchable at run time):
   L0  thermal KV off (dense cache)
@@ -77,7 +77,7 @@ class ReleaseGate:
 
 @dataclass
 class TierPlan:
-    target: str                 # "discrete" or "jetson"
+    memory: str                 # "discrete", "jetson" or "cpu"
     warm: Tier                  # compressed device tier
     cold: Tier                  # where cold pages go
     cold_compressed: bool       # cold pages are stored int8/int4
@@ -85,26 +85,27 @@ class TierPlan:
     reason: str
 
 
-def plan_tiers(target: str, stream: bool = False, cold_path: Optional[str] = None,
+def plan_tiers(memory: str, stream: bool = False, cold_path: Optional[str] = None,
                cold_bits: int = 8) -> TierPlan:
-    """Where WARM and COLD live for a target ("discrete", "jetson", "cpu")."""
+    """Where WARM and COLD live for a memory kind: "discrete" (a GPU with its own memory), "jetson"
+    (unified DRAM) or "cpu"."""
     if cold_bits not in (4, 8):
         raise UserError(f"cold pages are stored in int8 or int4, not {cold_bits} bits")
     warm = Tier.WARM8 if cold_bits == 8 else Tier.WARM4
-    if target == "jetson":
+    if memory == "jetson":
         if stream or cold_path:
-            return TierPlan(target, warm, Tier.FILE, True, check_cold_path(cold_path),
+            return TierPlan(memory, warm, Tier.FILE, True, check_cold_path(cold_path),
                             "Jetson: unified DRAM; long streams spill compressed pages to NVMe")
-        return TierPlan(target, warm, warm, True, None,
+        return TierPlan(memory, warm, warm, True, None,
                         "Jetson: unified DRAM; pinned host memory frees nothing, so cold pages "
                         "stay compressed in place")
-    if target in ("discrete", "cpu"):
+    if memory in ("discrete", "cpu"):
         if stream or cold_path:
-            return TierPlan(target, warm, Tier.FILE, False, check_cold_path(cold_path),
+            return TierPlan(memory, warm, Tier.FILE, False, check_cold_path(cold_path),
                             "long stream: cold pages go to a file store")
-        return TierPlan(target, warm, Tier.COLD, False, None,
+        return TierPlan(memory, warm, Tier.COLD, False, None,
                         "discrete GPU: cold pages in pinned host memory, fetched over PCIe")
-    raise UserError(f"unknown target {target!r} (discrete, jetson or cpu)")
+    raise ValueError(f"unknown memory kind {memory!r} (discrete, jetson or cpu)")
 
 
 def check_cold_path(path: Optional[str], need_bytes: int = 0) -> str:

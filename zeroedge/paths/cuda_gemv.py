@@ -60,7 +60,7 @@ def _dtype(t) -> int:
         return F16
     if t.dtype == torch.bfloat16:
         return BF16
-    raise UserError(f"decode-path CUDA kernels take fp16 or bf16, not {t.dtype}")
+    raise ValueError(f"decode-path CUDA kernels take fp16 or bf16, not {t.dtype}")
 
 
 def _check(rc: int, what: str):

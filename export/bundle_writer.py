@@ -196,7 +196,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
 
     from zeroedge import bundle as bundle_mod
     from zeroedge import calib_artifact, plugin_spec
-    from zeroedge.export import onnx_export, rewrite
+    from zeroedge.export import rewrite
 
     step = progress or (lambda msg: None)
     if weights not in WEIGHT_DTYPES:
@@ -210,100 +210,25 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
         meta, tensors = calib_artifact.load(calib)
     # decode paths: refused (predictor) or read before anything is written
     paths = rewrite.paths_from_artifact(meta, tensors) if meta else {}
-    paths_graphs = []
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        graphs, info = {}, {}
-        if isinstance(model, str) and model.endswith(".onnx"):                     # a foreign graph: rewrite only
-            if not Path(model).is_file():
-                raise UserError(f"graph not found: {model}")
-            step("load graph")
-            proto = onnx.load(str(model))
-            params = rewrite.params_from_artifact(meta, tensors) if meta else {}
-            cfg_d = (meta or {}).get("model", {}).get("config", {})
-            hd = cfg_d.get("dim", 0) // max(cfg_d.get("n_heads", 1), 1)
-            step("rewrite")
-            pre, rinfo = rewrite.rewrite_model(proto, params, (meta or {}).get("pruned_heads"),
-                                               hd, cfg_d.get("n_heads", 0))
-            graphs["prefill"] = pre
-            info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"],
-                               "rewritten": rinfo["rewritten_layers"], "heads": rinfo["heads"]}
-            if paths:
-                step("decode paths: not applied (a foreign graph has no decode graph)")
-            model_cfg, folder = cfg_d, None
+        if isinstance(model, str) and model.endswith(".onnx"):
+            graphs, info, model_cfg, folder = _foreign_graphs(model, meta, tensors, bool(paths), step)
+            paths_graphs = []
         else:
-            step("load model")
-            m, folder = resolve_model(model)
-            if meta is not None:
-                calib_artifact.check_model(meta, m.cfg, calib)
-                for li, heads in (meta.get("pruned_heads") or {}).items():
-                    if heads:
-                        m.layers[int(li)].self_attn.prune_heads(heads)
-            model_cfg = m.cfg.to_dict()
-            step("torch -> onnx")
-            pre, dec, secs = onnx_export.export_model_protos(m, tmp / "_raw")
-            info["torch_export_s"] = secs
-            del m
-            if meta is not None:
-                step("rewrite")
-                params = rewrite.params_from_artifact(meta, tensors)
-                pre, rinfo = rewrite.rewrite_model(pre, params, expect_layers=model_cfg["n_layers"])
-                info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"],
-                                   "rewritten": rinfo["rewritten_layers"]}
-            if paths:
-                step("decode paths")
-                n_l = model_cfg["n_layers"]
-                dec_p, pinfo = rewrite.rewrite_decode_paths(dec, paths, expect_layers=n_l)
-                # the TensorRT plugin takes fp16 / bf16 only: its flavour casts x / y, fp16 weights
-                dec_t, _ = rewrite.rewrite_decode_paths(dec, paths, expect_layers=n_l,
-                                                        plugin_dtype=rewrite.PATHS_TRT_DTYPE)
-                dec = {"portable": dec_p, "trt": dec_t}
-                limits = rewrite.paths_plugin_limits(model_cfg["dim"], model_cfg["ffn_dim"])
-                info["paths"] = {"layers_found": pinfo["report"]["matched_layers"],
-                                 "rewritten": pinfo["rewritten_layers"],
-                                 "trt_dtype": rewrite.PATHS_TRT_DTYPE, "trt_plugin_limits": limits or "ok"}
-                if limits:
-                    step(f"warning: decode.trt.onnx will not build with the ZeroEdgePathsFFN plugin ({limits}); "
-                         "decode.portable.onnx is unaffected")
-                paths_graphs = ["decode"]
-            graphs["prefill"], graphs["decode"] = pre, dec
-            shutil.rmtree(tmp / "_raw")
+            graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step)
+            paths_graphs = ["decode"] if paths else []
         step("write bundle")
-        wf = WeightFile(tmp / WEIGHTS)
-        files, opsets, params, halved = {}, {}, None, 0
-        for name in list(graphs):
-            g = graphs.pop(name)                             # one proto, or one per flavour
-            per = g if isinstance(g, dict) else {"portable": g, "trt": g}
-            done = {}
-            if params is None:                               # the prefill graph holds every weight
-                params = _float_params(per["portable"])
-            for src in per.values():                         # weights out first: copies are cheap
-                if id(src) not in done:
-                    if weights == "float16":
-                        halved += half_weights(src)
-                    done[id(src)] = wf.externalize(src)
-            proto = done[id(per["portable"])]
-            io = graph_io(proto)
-            for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
-                p = onnx.ModelProto()
-                p.CopyFrom(done[id(per[flavour])])
-                conv(p)
-                fn = f"{name}.{flavour}.onnx"
-                onnx.save_model(p, str(tmp / fn))
-                files[fn] = {"graph": name, "flavour": flavour}
-            info.setdefault("graphs", {})[name] = io
-            opsets[name] = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
-        wf.close()
+        files, opsets, params, halved = _write_graphs(graphs, tmp, weights, info)
         if folder is not None:
             for f in TOKENIZER_FILES:
                 if (Path(folder) / f).is_file():
                     shutil.copy2(Path(folder) / f, tmp / f)
-        opset = opsets.get("prefill")
         mf = bundle_mod.write_manifest(tmp, {
-            "opset": opset, "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
+            "opset": opsets.get("prefill"), "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
             "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
             "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
             "window": int(window), "dtype": "float32", "graph_files": files,
@@ -317,3 +242,99 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _foreign_graphs(path: str, meta, tensors, has_paths: bool, step):
+    """A foreign prefill graph, rewritten: ({"prefill": proto}, info, model config, None)."""
+    import onnx
+
+    from zeroedge.export import rewrite
+
+    if not Path(path).is_file():
+        raise UserError(f"graph not found: {path}")
+    step("load graph")
+    proto = onnx.load(str(path))
+    params = rewrite.params_from_artifact(meta, tensors) if meta else {}
+    cfg_d = (meta or {}).get("model", {}).get("config", {})
+    hd = cfg_d.get("dim", 0) // max(cfg_d.get("n_heads", 1), 1)
+    step("rewrite")
+    pre, rinfo = rewrite.rewrite_model(proto, params, (meta or {}).get("pruned_heads"), hd, cfg_d.get("n_heads", 0))
+    info = {"rewrite": {"layers_found": rinfo["report"]["matched_layers"],
+                        "rewritten": rinfo["rewritten_layers"], "heads": rinfo["heads"]}}
+    if has_paths:
+        step("decode paths: not applied (a foreign graph has no decode graph)")
+    return {"prefill": pre}, info, cfg_d, None
+
+
+def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step):
+    """The model exported and rewritten: ({"prefill": proto, "decode": proto or {flavour: proto}},
+    info, model config, tokenizer folder)."""
+    from zeroedge import calib_artifact
+    from zeroedge.export import onnx_export, rewrite
+
+    step("load model")
+    m, folder = resolve_model(model)
+    if meta is not None:
+        calib_artifact.check_model(meta, m.cfg, calib)
+        for li, heads in (meta.get("pruned_heads") or {}).items():
+            if heads:
+                m.layers[int(li)].self_attn.prune_heads(heads)
+    model_cfg = m.cfg.to_dict()
+    step("torch -> onnx")
+    pre, dec, secs = onnx_export.export_model_protos(m, tmp / "_raw")
+    info = {"torch_export_s": secs}
+    del m
+    if meta is not None:
+        step("rewrite")
+        pre, rinfo = rewrite.rewrite_model(pre, rewrite.params_from_artifact(meta, tensors),
+                                           expect_layers=model_cfg["n_layers"])
+        info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"], "rewritten": rinfo["rewritten_layers"]}
+    if paths:
+        step("decode paths")
+        n_l = model_cfg["n_layers"]
+        dec_p, pinfo = rewrite.rewrite_decode_paths(dec, paths, expect_layers=n_l)
+        # the TensorRT plugin takes fp16 / bf16 only: its flavour casts x / y, fp16 weights
+        dec_t, _ = rewrite.rewrite_decode_paths(dec, paths, expect_layers=n_l, plugin_dtype=rewrite.PATHS_TRT_DTYPE)
+        dec = {"portable": dec_p, "trt": dec_t}
+        limits = rewrite.paths_plugin_limits(model_cfg["dim"], model_cfg["ffn_dim"])
+        info["paths"] = {"layers_found": pinfo["report"]["matched_layers"], "rewritten": pinfo["rewritten_layers"],
+                         "trt_dtype": rewrite.PATHS_TRT_DTYPE, "trt_plugin_limits": limits or "ok"}
+        if limits:
+            step(f"warning: decode.trt.onnx will not build with the ZeroEdgePathsFFN plugin ({limits}); "
+                 "decode.portable.onnx is unaffected")
+    shutil.rmtree(tmp / "_raw")
+    return {"prefill": pre, "decode": dec}, info, model_cfg, folder
+
+
+def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict):
+    """Every graph in its portable and TensorRT flavours, weights once in weights.bin; returns
+    (files, opsets, float parameters, tensors stored as fp16) and fills info["graphs"]."""
+    import onnx
+
+    from zeroedge.export import rewrite
+
+    wf = WeightFile(tmp / WEIGHTS)
+    files, opsets, params, halved = {}, {}, None, 0
+    for name in list(graphs):
+        g = graphs.pop(name)                             # one proto, or one per flavour
+        per = g if isinstance(g, dict) else {"portable": g, "trt": g}
+        if params is None:                               # the prefill graph holds every weight
+            params = _float_params(per["portable"])
+        done = {}
+        for src in per.values():                         # weights out first: copies are cheap
+            if id(src) not in done:
+                if weights == "float16":
+                    halved += half_weights(src)
+                done[id(src)] = wf.externalize(src)
+        proto = done[id(per["portable"])]
+        for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
+            p = onnx.ModelProto()
+            p.CopyFrom(done[id(per[flavour])])
+            conv(p)
+            fn = f"{name}.{flavour}.onnx"
+            onnx.save_model(p, str(tmp / fn))
+            files[fn] = {"graph": name, "flavour": flavour}
+        info.setdefault("graphs", {})[name] = graph_io(proto)
+        opsets[name] = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    wf.close()
+    return files, opsets, params, halved

@@ -55,9 +55,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     if paths:
         if meta is None:
             raise UserError("--paths needs --calib ARTIFACT (an artifact with path predictors)")
-        if not meta.get("paths"):
-            raise UserError(f"{calib} has no decode path predictors (meta section 'paths' is "
-                            "missing): re-run zeroedge calibrate with --paths")
+        calib_artifact.read(calib).require_paths()
 
     import torch
 

@@ -113,64 +113,13 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
         backend, bundle, engines, plugins, device, threads, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
-    from pathlib import Path
 
     from zeroedge.errors import UserError
-    from zeroedge.kv.policy import LEVELS
 
-    # -- every check that needs no model, before any work --------------------------------------
-    if (prompt is None) == (prompt_file is None):
-        raise UserError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if prompt_file is not None:
-        p = Path(prompt_file)
-        if not p.is_file():
-            raise UserError(f"prompt file not found: {prompt_file}")
-        try:
-            prompt = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"{prompt_file}: unreadable ({e})") from None
-    if not prompt:
-        raise UserError("the prompt is empty")
-    if max_new < 1:
-        raise UserError(f"--max-new must be >= 1 (got {max_new})")
+    prompt = _read_prompt(prompt, prompt_file)
+    _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
+                   threads)
     budget = kv_budget
-    if page_size < 1:
-        raise UserError(f"--page-size must be >= 1 (got {page_size})")
-    if release_level not in LEVELS:
-        raise UserError(f"--release-level must be 0, 1, 2 or 3 (got {release_level})")
-    if backend == "torch" and model is None:
-        raise UserError("give MODEL (a bundled name, a preset, an HF folder or a .gguf file), or run an "
-                        "exported bundle with --backend onnxruntime --bundle DIR")
-    if paths and calib is None and backend == "torch":
-        raise UserError("--paths needs --calib ARTIFACT (made by zeroedge calibrate --paths)")
-    if paths and release_level == 0:
-        raise UserError("--paths asked for but --release-level 0 turns every mechanism off")
-    if calib is not None:
-        if backend != "torch":
-            raise UserError(f"--calib is for the torch backend: --backend {backend} runs the decode "
-                            "paths its bundle was exported with (zeroedge export MODEL --calib ARTIFACT)")
-        from zeroedge import calib_artifact
-
-        meta = calib_artifact.read_meta(calib)
-        if not meta.get("paths"):
-            raise UserError(f"{calib} has no decode path predictors (meta section 'paths' is "
-                            "missing): re-run zeroedge calibrate with --paths")
-    if backend != "torch":
-        if bundle is None:
-            raise UserError(f"--backend {backend} needs --bundle DIR (made by zeroedge export)")
-        if not Path(bundle).is_dir():
-            raise UserError(f"bundle not found: {bundle}")
-    elif bundle is not None:
-        raise UserError("--bundle is for --backend onnxruntime or tensorrt")
-    if backend == "tensorrt":
-        if engines is None:
-            raise UserError(f"--backend tensorrt needs --engines DIR (made by zeroedge build {bundle} -o DIR)")
-    elif engines is not None or plugins is not None:
-        raise UserError("--engines and --plugins are for --backend tensorrt")
-    if threads < 0:
-        raise UserError("--threads must be >= 0")
-    if model is not None:
-        check_model(model, presets=True)       # a missing model path: refused before torch loads
 
     # -- model, session, request -----------------------------------------------------------------
     if model is None:
@@ -212,6 +161,72 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
     click.echo(text)
     for line in summary(res, asked_kv=budget is not None, asked_paths=bool(paths)):
         click.echo(line, err=True)
+
+
+def _read_prompt(prompt, prompt_file) -> str:
+    from pathlib import Path
+
+    from zeroedge.errors import UserError
+
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        p = Path(prompt_file)
+        if not p.is_file():
+            raise UserError(f"prompt file not found: {prompt_file}")
+        try:
+            prompt = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{prompt_file}: unreadable ({e})") from None
+    if not prompt:
+        raise UserError("the prompt is empty")
+    return prompt
+
+
+def _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
+                   threads):
+    """Every check that needs no model, before any work."""
+    from pathlib import Path
+
+    from zeroedge.errors import UserError
+    from zeroedge.kv.policy import LEVELS
+
+    if max_new < 1:
+        raise UserError(f"--max-new must be >= 1 (got {max_new})")
+    if page_size < 1:
+        raise UserError(f"--page-size must be >= 1 (got {page_size})")
+    if release_level not in LEVELS:
+        raise UserError(f"--release-level must be 0, 1, 2 or 3 (got {release_level})")
+    if backend == "torch" and model is None:
+        raise UserError("give MODEL (a bundled name, a preset, an HF folder or a .gguf file), or run an "
+                        "exported bundle with --backend onnxruntime --bundle DIR")
+    if paths and calib is None and backend == "torch":
+        raise UserError("--paths needs --calib ARTIFACT (made by zeroedge calibrate --paths)")
+    if paths and release_level == 0:
+        raise UserError("--paths asked for but --release-level 0 turns every mechanism off")
+    if calib is not None:
+        if backend != "torch":
+            raise UserError(f"--calib is for the torch backend: --backend {backend} runs the decode "
+                            "paths its bundle was exported with (zeroedge export MODEL --calib ARTIFACT)")
+        from zeroedge import calib_artifact
+
+        calib_artifact.read(calib).require_paths()
+    if backend != "torch":
+        if bundle is None:
+            raise UserError(f"--backend {backend} needs --bundle DIR (made by zeroedge export)")
+        if not Path(bundle).is_dir():
+            raise UserError(f"bundle not found: {bundle}")
+    elif bundle is not None:
+        raise UserError("--bundle is for --backend onnxruntime or tensorrt")
+    if backend == "tensorrt":
+        if engines is None:
+            raise UserError(f"--backend tensorrt needs --engines DIR (made by zeroedge build {bundle} -o DIR)")
+    elif engines is not None or plugins is not None:
+        raise UserError("--engines and --plugins are for --backend tensorrt")
+    if threads < 0:
+        raise UserError("--threads must be >= 0")
+    if model is not None:
+        check_model(model, presets=True)       # a missing model path: refused before torch loads
 
 
 def summary(res, asked_kv: bool, asked_paths: bool) -> list:

@@ -551,13 +551,33 @@ class EngineFromOnnx:
             raise UserError(f"plugin library not found: {self.plugin_lib} (build it with scripts/build_plugins)")
         target = build_target(trt, self.cc)[0] if traits["target_cc"] else None  # a bad cc: before any work
         logger = self.logger = make_logger(trt, self.verbose)
-        self._progress("load the plugin library", 0, 0)
         builder = trt.Builder(logger)
+        self._load_plugins(builder)
+        network = self._parse(trt, builder, logger)
+        config = self._configure(trt, builder, network, target)
+        monitor = make_progress_monitor(trt, self._progress if self.progress is not None else (lambda *a: None),
+                                        cancel=lambda: getattr(logger, "interrupted", False) or self._interrupt.hit)
+        if monitor is not None:
+            config.progress_monitor = monitor
+        t0 = time.perf_counter()
+        engine = self._build(trt, builder, network, config, logger, monitor)
+        self._parser = None
+        self.build_s = time.perf_counter() - t0
+        self.log(f"[tensorrt] built {self.onnx_path.name} in {self.build_s:.1f} s ({traits['name']} "
+                 f"{traits['version']}, {self.layers} layers, {self.plugin_layers} plugin layers)")
+        if self.timing_cache and traits["timing_cache"]:
+            _write_atomic(Path(self.timing_cache), bytes(config.get_timing_cache().serialize()))
+        return bytes(engine)
+
+    def _load_plugins(self, builder):
+        """The plugin library into the builder's registry, every creator of plugin_spec present, and
+        every zeroedge node of the graph one a creator takes (TensorRT would only say "not found")."""
+        from zeroedge import plugin_spec as spec
+
+        self._progress("load the plugin library", 0, 0)
         registry = builder.get_plugin_registry()
         if registry.load_library(str(self.plugin_lib)) is None:
             raise UserError(f"TensorRT could not load the plugin library {self.plugin_lib}")
-        from zeroedge import plugin_spec as spec
-
         missing = [n for n in spec.NODES
                    if registry.get_creator(n, spec.PLUGIN_VERSION, spec.PLUGIN_NAMESPACE) is None]
         if missing:
@@ -567,6 +587,8 @@ class EngineFromOnnx:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise UserError(f"{self.onnx_path.name}: {'; '.join(problems[:3])}{more}")
         plugin_messages(self.plugin_lib)  # start clean: the errors below name only this graph's
+
+    def _parse(self, trt, builder, logger):
         self._progress(f"parse {self.onnx_path.name}", 0, 0)
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
@@ -578,6 +600,13 @@ class EngineFromOnnx:
                        "; ".join(e.strip() for e in (self.parser_errors or getattr(logger, "errors", []))[:3]))
         self.layers = int(getattr(network, "num_layers", 0))
         self.plugin_layers = self._count_plugin_layers(trt, network)
+        self._parser = parser          # the network refers to the parser's weights
+        return network
+
+    def _configure(self, trt, builder, network, target):
+        """The builder config: precision, the compute capability, the timing cache, the plugin library
+        serialized into the engine, and one optimization profile for the dynamic inputs."""
+        traits = self.traits
         config = builder.create_builder_config()
         if self.fp16 and traits["fp16_flag"]:
             config.set_flag(trt.BuilderFlag.FP16)
@@ -600,11 +629,10 @@ class EngineFromOnnx:
             for name, (lo, opt, hi) in self.profiles.items():
                 profile.set_shape(name, lo, opt, hi)
             config.add_optimization_profile(profile)
-        monitor = make_progress_monitor(trt, self._progress if self.progress is not None else (lambda *a: None),
-                                        cancel=lambda: getattr(logger, "interrupted", False) or self._interrupt.hit)
-        if monitor is not None:
-            config.progress_monitor = monitor
-        t0 = time.perf_counter()
+        return config
+
+    def _build(self, trt, builder, network, config, logger, monitor):
+        """The serialized engine; a workspace OutOfMemory grows the workspace once (workspace_auto)."""
         for attempt in range(2):
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.workspace_bytes)
             errors = getattr(logger, "errors", [])
@@ -613,7 +641,7 @@ class EngineFromOnnx:
             engine = builder.build_serialized_network(network, config)
             self._interrupted(monitor)
             if engine is not None:
-                break
+                return engine
             wanted = _workspace_request(errors)
             if wanted is not None and self.workspace_auto and attempt == 0:
                 grown = max(WORKSPACE_RETRY_MIN, 2 * wanted)
@@ -628,12 +656,6 @@ class EngineFromOnnx:
                            f"{self.workspace_bytes >> 20} MiB, {wanted} bytes requested): pass a larger --workspace",
                            "; ".join(errors[-2:]))
             self._fail(f"TensorRT could not build an engine from {self.onnx_path.name}", "; ".join(errors[-3:]))
-        self.build_s = time.perf_counter() - t0
-        self.log(f"[tensorrt] built {self.onnx_path.name} in {self.build_s:.1f} s ({traits['name']} "
-                 f"{traits['version']}, {self.layers} layers, {self.plugin_layers} plugin layers)")
-        if self.timing_cache and traits["timing_cache"]:
-            _write_atomic(Path(self.timing_cache), bytes(config.get_timing_cache().serialize()))
-        return bytes(engine)
 
 
 def source_checkout_plugins() -> Optional[Path]:

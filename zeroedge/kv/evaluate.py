@@ -284,13 +284,9 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
     import torch.nn.functional as F
 
     opts = dict(opts or {})
-    cfg = model.cfg
-    hd, nkv, H = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads
-    grp = H // nkv
+    grp = model.cfg.n_heads // model.cfg.n_kv_heads
     P = pre["k"][0].shape[1]
     T = len(ids_cont)
-    n_pages = P // page_size
-    B = _budget_tokens(P, budget)
     if stats is None:
         stats = {}
     with torch.no_grad():
@@ -302,72 +298,10 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
             a = blk.self_attn
             q, k, v = a.project(blk.input_layernorm(x), cos, sin)
             kv_index = a.kept_heads // grp
-            Kp, Vp = pre["k"][li], pre["v"][li]
-            kall = torch.cat([Kp[None], k], 2).index_select(1, kv_index)
-            vall = torch.cat([Vp[None], v], 2).index_select(1, kv_index)
-            # prefix mask per query head (H, T, P) or None for full
-            if method == "full":
-                pmask = None
-            elif method in ("streaming", "h2o", "snapkv"):
-                pmask = static_mask(method, li, pre, budget, P, page_size)
-                pmask = pmask.index_select(0, kv_index)[:, None].expand(H, T, P)
-            elif method == "oracle_token":
-                sc = q[0] @ kall[0, :, :P].transpose(-1, -2)
-                pmask = torch.zeros(H, T, P, dtype=torch.bool)
-                pmask.scatter_(2, sc.topk(B, dim=-1).indices, True)
-            elif method in ("oracle_page", "thermal"):
-                kpages = max(1, B // page_size)
-                forced = torch.zeros(n_pages, dtype=torch.bool)
-                if method == "thermal":
-                    forced[: opts.get("sink_pages", 1)] = True
-                    rp = opts.get("recent_pages", 2)
-                    if rp:
-                        forced[-rp:] = True
-                if method == "oracle_page":
-                    sc = (q[0] @ kall[0, :, :P].transpose(-1, -2)) / math.sqrt(hd)
-                    how = opts.get("oracle_how", "max")
-                else:
-                    qcov = pre["qcov"][li] if opts.get("qaware", 1) else None
-                    w = float(opts.get("recent_cov", 0))
-                    if qcov is not None and w > 0 and pre.get("qwin"):
-                        # blend in the observation window's queries (the most recent prefill
-                        # queries look most like the continuation's); both normalised first
-                        qw = pre["qwin"][li].float()
-                        cw = (qw.transpose(1, 2) @ qw).view(nkv, grp, hd, hd).sum(1)
-                        nrm = lambda c: c / c.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]
-                        qcov = nrm(qcov) + w * nrm(cw)
-                    skey = ("_sketch", li, page_size, opts.get("rank", 16), opts.get("bits", 4),
-                            opts.get("qaware", 1), w)
-                    sk = pre.get(skey)                   # the prefix is frozen: build once
-                    if sk is None:
-                        sk = pre[skey] = Sketch(Kp, page_size, opts.get("rank", 16),
-                                                opts.get("bits", 4), qcov)
-                    stats.setdefault("summary_bytes", 0)
-                    stats["summary_bytes"] += sk.nbytes()
-                    sc = sk.scores(q[0], kv_index)
-                    how = opts.get("how", "mass")
-                ps = page_scores(sc, page_size, grp, how)
-                if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0):
-                    m, chosen = window_page_mask(ps, kpages - int(forced.sum()), forced, page_size,
-                                                 int(opts.get("refresh_every", 1)), int(opts.get("fetch", 0)))
-                else:
-                    m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
-                if method == "thermal":
-                    stats.setdefault("chosen", []).append(chosen)
-                pmask = m.index_select(0, kv_index)
-            else:
-                raise ValueError(f"unknown method {method}")
-            outs = []
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                cm = causal[s:e][None].expand(H, e - s, T)
-                if pmask is None:
-                    mask = torch.cat([torch.ones(H, e - s, P, dtype=torch.bool), cm], 2)
-                else:
-                    mask = torch.cat([pmask[:, s:e], cm], 2)
-                outs.append(F.scaled_dot_product_attention(q[:, :, s:e], kall, vall,
-                                                           attn_mask=mask[None]))
-            o = torch.cat(outs, 2)
+            kall = torch.cat([pre["k"][li][None], k], 2).index_select(1, kv_index)
+            vall = torch.cat([pre["v"][li][None], v], 2).index_select(1, kv_index)
+            pmask = _prefix_mask(model.cfg, method, li, q, kall, kv_index, pre, budget, page_size, opts, stats)
+            o = _masked_attention(q, kall, vall, pmask, causal, P, chunk)
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
         logits = model.lm_head(model.norm(x))[0]                          # (T, V)
@@ -378,9 +312,89 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
         return F.cross_entropy(lg, torch.tensor(ids_cont), reduction="none")
 
 
-# --------------------------------------------------------------------------------------------
-# traffic: how many pages a step must fetch through the fixed slot window
-# --------------------------------------------------------------------------------------------
+def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opts, stats):
+    """Which prefix positions each query head of layer li may attend to under `method`: (H, T, P)
+    bool, or None for every position ("full")."""
+    import torch
+
+    H, T, P = q.shape[1], q.shape[2], pre["k"][0].shape[1]
+    if method == "full":
+        return None
+    if method in ("streaming", "h2o", "snapkv"):
+        pmask = static_mask(method, li, pre, budget, P, page_size)
+        return pmask.index_select(0, kv_index)[:, None].expand(H, T, P)
+    B = _budget_tokens(P, budget)
+    if method == "oracle_token":
+        sc = q[0] @ kall[0, :, :P].transpose(-1, -2)
+        pmask = torch.zeros(H, T, P, dtype=torch.bool)
+        pmask.scatter_(2, sc.topk(B, dim=-1).indices, True)
+        return pmask
+    if method not in ("oracle_page", "thermal"):
+        raise ValueError(f"unknown method {method}")
+    n_pages, grp = P // page_size, cfg.n_heads // cfg.n_kv_heads
+    kpages = max(1, B // page_size)
+    forced = torch.zeros(n_pages, dtype=torch.bool)
+    if method == "thermal":
+        forced[: opts.get("sink_pages", 1)] = True
+        rp = opts.get("recent_pages", 2)
+        if rp:
+            forced[-rp:] = True
+    if method == "oracle_page":
+        sc = (q[0] @ kall[0, :, :P].transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+        how = opts.get("oracle_how", "max")
+    else:
+        sc = _sketch(cfg, li, pre, page_size, opts, stats).scores(q[0], kv_index)
+        how = opts.get("how", "mass")
+    ps = page_scores(sc, page_size, grp, how)
+    if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0):
+        m, chosen = window_page_mask(ps, kpages - int(forced.sum()), forced, page_size,
+                                     int(opts.get("refresh_every", 1)), int(opts.get("fetch", 0)))
+    else:
+        m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
+    if method == "thermal":
+        stats.setdefault("chosen", []).append(chosen)
+    return m.index_select(0, kv_index)
+
+
+def _sketch(cfg, li, pre, page_size, opts, stats):
+    """Layer li's key sketch (built once: the prefix is frozen), query-aware unless qaware = 0,
+    optionally blending in the observation window's queries; its bytes go to stats."""
+    qcov = pre["qcov"][li] if opts.get("qaware", 1) else None
+    w = float(opts.get("recent_cov", 0))
+    if qcov is not None and w > 0 and pre.get("qwin"):
+        # the most recent prefill queries look most like the continuation's; both normalised first
+        nkv, hd = cfg.n_kv_heads, cfg.head_dim
+        qw = pre["qwin"][li].float()
+        cw = (qw.transpose(1, 2) @ qw).view(nkv, cfg.n_heads // nkv, hd, hd).sum(1)
+        nrm = lambda c: c / c.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]  # noqa: E731
+        qcov = nrm(qcov) + w * nrm(cw)
+    key = ("_sketch", li, page_size, opts.get("rank", 16), opts.get("bits", 4), opts.get("qaware", 1), w)
+    sk = pre.get(key)
+    if sk is None:
+        sk = pre[key] = Sketch(pre["k"][li], page_size, opts.get("rank", 16), opts.get("bits", 4), qcov)
+    stats["summary_bytes"] = stats.get("summary_bytes", 0) + sk.nbytes()
+    return sk
+
+
+def _masked_attention(q, kall, vall, pmask, causal, P: int, chunk: int):
+    """Attention of the continuation's queries over prefix (under pmask) + causal continuation, in
+    chunks of queries."""
+    import torch
+    import torch.nn.functional as F
+
+    H, T = q.shape[1], q.shape[2]
+    outs = []
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        cm = causal[s:e][None].expand(H, e - s, T)
+        if pmask is None:
+            mask = torch.cat([torch.ones(H, e - s, P, dtype=torch.bool), cm], 2)
+        else:
+            mask = torch.cat([pmask[:, s:e], cm], 2)
+        outs.append(F.scaled_dot_product_attention(q[:, :, s:e], kall, vall, attn_mask=mask[None]))
+    return torch.cat(outs, 2)
+
+
 def fetch_stats(chosen, slots: int) -> dict:
     """chosen: per layer (nkv, T, k) page ids read at each step (besides the pinned pages).
     Replays every (layer, kv head) stream through a SlotWindow of `slots` slots and counts

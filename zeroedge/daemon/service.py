@@ -364,6 +364,13 @@ class Daemon:
             self.work_evt.set()
 
     def run(self) -> int:
+        writer = self._start()
+        self._loop(writer)
+        return self._shutdown()
+
+    def _start(self) -> threading.Thread:
+        """Signals, the metrics server, the spool writer, the source (and a results publisher), then
+        READY to systemd."""
         from zeroedge.daemon.metrics import serve
         from zeroedge.daemon.sources import SOURCES, make_client
 
@@ -382,25 +389,33 @@ class Daemon:
                                                      "port": c.output.get("port") or 1883},
                                                     f"{c.source['client_id']}-pub", self.log))
         self.source.start()
-        last_gauges = 0.0
-        last_prune = time.monotonic()
         notify.notify(f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}")
         self.log.info(f"zeroedge daemon {__version__} ready: bundle={c.bundle} source={c.source['kind']} "
                       f"backend={self.detector.backend.name} metrics=http://{c.metrics['host']}:"
                       f"{self.http.server_address[1]}/metrics")
+        return writer
+
+    def _prune_dead_letters(self):
+        try:
+            dropped = self.spool.prune()
+            if dropped:
+                self.log.warning(f"dropped the {dropped} oldest dead letters (the spool keeps the newest "
+                                 "100,000 and 256 MiB of them)")
+        except SpoolUnavailable as e:       # pruning waits for the next round
+            self.log.warning(f"spool prune skipped: {e}")
+
+    def _loop(self, writer: threading.Thread):
+        """Process what the spool holds until a stop (drained first), the end of a finite source, or a
+        spool that cannot be read for good."""
+        last_gauges = 0.0
+        last_prune = time.monotonic()
         while True:
             now = self._beat()
             if now - last_gauges > 1.0:
                 self._update_gauges()
                 last_gauges = now
             if now - last_prune > 30.0:
-                try:
-                    dropped = self.spool.prune()
-                    if dropped:
-                        self.log.warning(f"dropped the {dropped} oldest dead letters (the spool keeps the newest "
-                                         "100,000 and 256 MiB of them)")
-                except SpoolUnavailable as e:       # pruning waits for the next round
-                    self.log.warning(f"spool prune skipped: {e}")
+                self._prune_dead_letters()
                 last_prune = now
             try:
                 n = self._process_pending()
@@ -408,17 +423,14 @@ class Daemon:
                 try:
                     delay = self.retry.failed("read the spool", e)
                 except SpoolGaveUp as g:
-                    self._give_up(g)
-                    break
+                    return self._give_up(g)
                 if self.stop_evt.wait(delay):
-                    self._give_up(SpoolGaveUp(f"stop requested while the spool cannot be read ({e})"))
-                    break
+                    return self._give_up(SpoolGaveUp(f"stop requested while the spool cannot be read ({e})"))
                 continue
             except SpoolGaveUp as e:
-                self._give_up(e)
-                break
+                return self._give_up(e)
             if self.fatal:
-                break
+                return
             if n:
                 continue
             if self.exit_at_end and self.source.done.is_set() and self.q.empty() and self.writer_idle.is_set():
@@ -433,9 +445,12 @@ class Daemon:
                         pass
                 except SpoolGaveUp as e:
                     self._give_up(e)
-                break
+                return
             self.work_evt.wait(0.05)
             self.work_evt.clear()
+
+    def _shutdown(self) -> int:
+        """Close the source, publisher, results file and metrics server; 1 after a fatal error."""
         try:
             self.source.close()
             if self.publisher is not None and self.publisher is not self.source:

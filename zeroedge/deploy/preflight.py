@@ -63,12 +63,21 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
     """`signer`: key id of the bundle's (checked) signature, None if unsigned; `new_pins`: key ids
     this deploy pins (--pin-key)."""
     v = Verdict()
-    P = v.problems.append
-    # 1. is it a Jetson, and which JetPack
     if not facts.get("jetson"):
-        P(f"not a Jetson: no /etc/nv_tegra_release on the device (zeroedge deploys to Jetson Orin with "
-          f"{SUPPORTED})")
+        v.problems.append(f"not a Jetson: no /etc/nv_tegra_release on the device (zeroedge deploys to Jetson "
+                          f"Orin with {SUPPORTED})")
         return v
+    _check_platform(facts, v)
+    _check_python(facts, v)
+    _plan_build(facts, manifest, v, app_has_plugins, app_has_trt_backend)
+    _check_resources(facts, manifest, v, upload_bytes, min_free, sudo)
+    _check_signature(facts, v, signer, new_pins)
+    return v
+
+
+def _check_platform(facts: dict, v: Verdict):
+    """JetPack (IPluginV3 arrived with TensorRT 10.3 in L4T 36.4) and an Orin GPU (sm_87)."""
+    P = v.problems.append
     l4t, jp = facts.get("l4t"), facts.get("jetpack")
     lv = _ver(l4t)
     if lv[:2] in ((36, 3), (36, 2)):
@@ -78,12 +87,15 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
         P(f"JetPack {jp or '?'} (L4T {l4t}) is not supported; zeroedge needs {SUPPORTED}")
     elif lv[:2] != (36, 4):
         v.notes.append(f"L4T {l4t} is newer than the tested {SUPPORTED}")
-    # 2. GPU
     g = facts.get("gpu") or {}
     if g.get("arch") != "sm_87":
         what = f"{g.get('arch')} ({g.get('family')})" if g.get("arch") else "unknown (no tegra234 in /proc/device-tree)"
         P(f"GPU is {what}; zeroedge targets Jetson Orin (sm_87)")
-    # 3. Python and the daemon's imports
+
+
+def _check_python(facts: dict, v: Verdict):
+    """The device's python3 and the daemon's imports."""
+    P = v.problems.append
     py = facts.get("python", {}).get("version", "?")
     if _ver(py)[:2] < MIN_PYTHON:
         P(f"device python3 is {py}; zeroedge needs Python >= 3.10 (JetPack 6 ships 3.10)")
@@ -93,7 +105,14 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
         missing.append("tomli")
     if missing and not v.problems:
         P(f"device python3 lacks {', '.join(missing)}; install with: python3 -m pip install {' '.join(missing)}")
-    # 4. TensorRT: engine build where it exists, otherwise the portable backend
+
+
+def _plan_build(facts: dict, manifest: dict, v: Verdict, app_has_plugins: bool, app_has_trt_backend: bool):
+    """The on-device build steps: plugins and engines where TensorRT >= 10 and its Python bindings are
+    there (the engine through the same build as `zeroedge build`), else the portable backend; and
+    the bundle's JetPack target against the device's."""
+    P = v.problems.append
+    mods = facts.get("modules", {})
     lib = facts.get("tensorrt_lib") or {}
     trt_ver = lib.get("version")
     if trt_ver and _ver(trt_ver)[:1] < (10,):
@@ -123,20 +142,24 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
             why = "this zeroedge has no TensorRT backend"
         v.notes.append(f"{why}: using the portable onnxruntime backend (slower than a TensorRT engine)")
         v.steps += [{"name": "plugins", "why": why}, {"name": "engine", "why": why}]
-    # 5. the bundle's target: a JetPack release must match the device's TensorRT generation
+    # the bundle's target: a JetPack release must match the device's TensorRT generation
+    l4t, jp = facts.get("l4t"), facts.get("jetpack")
     target = str(manifest.get("target") or "")
     if target.startswith("jetpack-") and jp and not v.problems:
         want = _ver(target[len("jetpack-"):])
-        if want[:1] != _ver(jp)[:1] or (want[:2] >= (6, 1) and lv[:2] != (36, 4)):
+        if want[:1] != _ver(jp)[:1] or (want[:2] >= (6, 1) and _ver(l4t)[:2] != (36, 4)):
             P(f"the bundle targets {target} but the device runs JetPack {jp} (L4T {l4t}); re-export for it")
-    # 6. memory against the bundle's plan
-    plan = manifest.get("plan")
-    need = plan_memory_bytes(plan)
+
+
+def _check_resources(facts: dict, manifest: dict, v: Verdict, upload_bytes: int, min_free: int, sudo: bool):
+    """Memory against the bundle's plan; disk for the upload (plus room for an engine) and the reserve
+    kept free; a writable install folder."""
+    P = v.problems.append
+    need = plan_memory_bytes(manifest.get("plan"))
     avail = (facts.get("memory") or {}).get("available")
     if need and avail is not None and need > avail:
         P(f"not enough memory: the bundle's plan needs {fmt_bytes(need)}, the device has {fmt_bytes(avail)} "
           "available")
-    # 7. disk: the upload (plus room for an engine) and the reserve kept free
     d = facts.get("disk") or {}
     headroom = upload_bytes + (sum(f.get("bytes", 0) for k, f in manifest.get("files", {}).items()
                                    if k.endswith(".trt.onnx")) if v.backend == "tensorrt" else 0)
@@ -145,7 +168,11 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
           f" plus {fmt_bytes(min_free)} kept free (--min-free)")
     if not d.get("writable", True) and facts.get("uid") != 0 and not sudo:
         P(f"cannot write {d.get('path')} as this user; deploy as root or pass --sudo (passwordless sudo)")
-    # 8. signature: a device that pins signing keys (or gets one now) takes only bundles they signed
+
+
+def _check_signature(facts: dict, v: Verdict, signer, new_pins):
+    """A device that pins signing keys (or gets one now) takes only bundles they signed."""
+    P = v.problems.append
     pins = sorted(set(facts.get("trusted_keys") or ()) | set(new_pins))
     if not pins:
         v.notes.append("the device pins no bundle signing key, so " + (f"the signature (key {signer}) is not checked"
@@ -155,7 +182,6 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
           "zeroedge sign BUNDLE --key KEY")
     elif signer not in pins:
         P(f"the bundle is signed by key {signer}, which the device does not pin (it pins {', '.join(pins)})")
-    elif mods.get("cryptography") is False:
+    elif (facts.get("modules") or {}).get("cryptography") is False:
         P("device python3 lacks cryptography, needed to check bundle signatures; install with: "
           "python3 -m pip install cryptography")
-    return v

@@ -362,8 +362,8 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     import torch
 
     from zeroedge.sensor.pca import PCAMonitor
-    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores
-    from zeroedge.sensor.train import SHIPPED, export_bundle, load_model, save_model
+    from zeroedge.sensor.runtime import Detector, TorchBackend
+    from zeroedge.sensor.train import SHIPPED, load_model
 
     t_start = time.time()
     if not 0 < far < 0.5:
@@ -391,50 +391,86 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     Zn_tr, Zn_val = [nz(X) for X in n_tr], [nz(X) for X in n_val]
     Zall_tr = np.concatenate(Zn_tr)
     mon = fit_monitor(Zall_tr)
-    pca = PCAMonitor().fit(Zall_tr)
-    Zval_all = np.concatenate(Zn_val)
-    f_tr, f_val, val_raw, extra_normal, classes, unobs = [], [], [], [], {}, []
-    split = {"held_out_fraction": VAL_FRAC,
-             "normal": [{"file": str(r.path), "train": [0, len(a)], "held_out": [len(a), len(r.data)]}
-                        for r, a in zip(normal, n_tr)], "faults": []}
-    for r in faults:
-        c = split_point(len(r.data), window)
-        Z = nz(r.data)
-        ok, rate, rate_n = observable(Z, Zval_all, mon, pca)
-        split["faults"].append({"file": str(r.path), "class": CLASS_NAMES[r.label], "train": [0, c],
-                                "held_out": [c, len(r.data)], "pca_alarm_rate": round(rate, 4),
-                                "observable": ok})
-        if ok:
-            f_tr.append((Z[:c], r.label))
-            f_val.append((Z[c:], r.label))
-            val_raw.append((r.data[c:], r.label))
-            classes.setdefault(r.label, []).append(str(r.path))
-        else:
-            unobs.append(r.label)
-            extra_normal.append((Z[:c], Z[c:]))
-            log(f"[sensor-fit] {r.path}: {CLASS_NAMES[r.label]} cannot be told from normal operation "
-                f"(PCA alarm rate {rate:.2f} vs {rate_n:.2f} on held-out normal data): its windows train "
-                f"the normal class")
-    log(f"[sensor-fit] normalisation from {len(Zall_tr)} normal samples; {len(Zval_all)} held out; "
-        f"{len(f_tr)} fault files to learn from" + (f", {len(unobs)} unobservable" if unobs else ""))
+    runs = _split_faults(faults, nz, np.concatenate(Zn_val), mon, PCAMonitor().fit(Zall_tr), window, log)
+    runs.split["normal"] = [{"file": str(r.path), "train": [0, len(a)], "held_out": [len(a), len(r.data)]}
+                            for r, a in zip(normal, n_tr)]
+    log(f"[sensor-fit] normalisation from {len(Zall_tr)} normal samples; {sum(map(len, Zn_val))} held out; "
+        f"{len(runs.f_tr)} fault files to learn from" + (f", {len(runs.unobs)} unobservable" if runs.unobs else ""))
 
-    model, meta = load_model(SHIPPED)
+    model, _ = load_model(SHIPPED)
     if model.cfg.window != window:
         from dataclasses import replace
 
         model.cfg = replace(model.cfg, window=window)
     torch.set_num_threads(threads)
     train_info = None
-    if f_tr:
-        train_info = train_detector(model, Zn_tr + [a for a, _ in extra_normal], f_tr,
-                                    Zn_val + [b for _, b in extra_normal], f_val, window,
+    if runs.f_tr:
+        train_info = train_detector(model, Zn_tr + [a for a, _ in runs.extra_normal], runs.f_tr,
+                                    Zn_val + [b for _, b in runs.extra_normal], runs.f_val, window,
                                     max_steps=max_steps, seed=seed, threads=threads, log=log)
-
     # alarm calibration on the held-out data, through the runtime's own scoring
     sensor_meta = {"window": window, "channels": N_CHANNELS, "class_names": list(CLASS_NAMES),
                    "normalisation": {"mean": mean.tolist(), "std": std.tolist()},
                    "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": mon}
-    det = Detector(sensor_meta, TorchBackend(model))
+    alarm, per_class = _calibrate_alarm(Detector(sensor_meta, TorchBackend(model)), n_val, runs.val_raw, far, log)
+    provenance = {
+        "tool": "zeroedge sensor-fit", "started_from": "shipped weights (zeroedge/data/tep_sensor.npz), "
+        + ("fine-tuned" if train_info else "not trained (normal data only: an anomaly detector)"),
+        "normal_files": [{"file": str(r.path), "sha256": r.sha256, "samples": len(r.data)} for r in normal],
+        "fault_files": [{"file": str(r.path), "sha256": r.sha256, "samples": len(r.data),
+                         "class": CLASS_NAMES[r.label]} for r in faults],
+        "unobservable_classes": [CLASS_NAMES[k] for k in runs.unobs], "split": runs.split, "train": train_info,
+        "validation": {"far": alarm["val_far"], "fdr": alarm["val_fdr"], "per_class": per_class},
+        "far_target": far, "window": window, "seconds": None}
+    meta = {"config": model.cfg.to_dict(), "window": window, "channels": N_CHANNELS,
+            "class_names": list(CLASS_NAMES), "hard_faults": list(runs.unobs),
+            "normalisation": {"mean": mean.tolist(), "std": std.tolist(),
+                              "fitted_on": ", ".join(str(r.path) for r in normal) + " (training part)"},
+            "alarm": alarm, "monitor": mon, "profile": normal_profile(np.concatenate(Zn_tr + Zn_val), window),
+            "fit": provenance}
+    return _write(out, model, meta, provenance, t_start, log)
+
+
+@dataclass
+class _FaultRuns:
+    """The fault files split for training: observable ones (train / held-out parts, the raw held-out
+    part for the alarm), unobservable ones as extra normal data."""
+    f_tr: list
+    f_val: list
+    val_raw: list
+    extra_normal: list
+    unobs: list
+    split: dict
+
+
+def _split_faults(faults, nz, Zval_all, mon, pca, window: int, log) -> _FaultRuns:
+    runs = _FaultRuns([], [], [], [], [], {"held_out_fraction": VAL_FRAC, "normal": [], "faults": []})
+    for r in faults:
+        c = split_point(len(r.data), window)
+        Z = nz(r.data)
+        ok, rate, rate_n = observable(Z, Zval_all, mon, pca)
+        runs.split["faults"].append({"file": str(r.path), "class": CLASS_NAMES[r.label], "train": [0, c],
+                                     "held_out": [c, len(r.data)], "pca_alarm_rate": round(rate, 4),
+                                     "observable": ok})
+        if ok:
+            runs.f_tr.append((Z[:c], r.label))
+            runs.f_val.append((Z[c:], r.label))
+            runs.val_raw.append((r.data[c:], r.label))
+        else:
+            runs.unobs.append(r.label)
+            runs.extra_normal.append((Z[:c], Z[c:]))
+            log(f"[sensor-fit] {r.path}: {CLASS_NAMES[r.label]} cannot be told from normal operation "
+                f"(PCA alarm rate {rate:.2f} vs {rate_n:.2f} on held-out normal data): its windows train "
+                f"the normal class")
+    return runs
+
+
+def _calibrate_alarm(det, n_val, val_raw, far: float, log) -> tuple:
+    """The alarm filter on the held-out data: for each EMA alpha the threshold for the target FAR on
+    normal runs, the alpha with the best held-out FDR on the fault runs (each after a normal
+    prefix). Returns (alarm, per-class FDR and predicted fault)."""
+    from zeroedge.sensor.runtime import evaluate_scores
+
     norm_scores = [evaluate_scores(det, X) for X in n_val]
     fault_runs = []
     for Xv, k in val_raw:
@@ -452,8 +488,7 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     val_fdr, alpha, thr, val_far = best
     per_class = {}
     for k, P, o in fault_runs:
-        al = ema(1 - P[:, 0], alpha) > thr
-        post = al[o:]
+        post = (ema(1 - P[:, 0], alpha) > thr)[o:]
         guess = np.argmax(P[o:, 1:], 1) + 1
         pred = int(np.bincount(guess[post], minlength=len(CLASS_NAMES)).argmax()) if post.any() else 0
         per_class[CLASS_NAMES[k]] = {"fdr": round(float(post.mean()), 4), "predicted": CLASS_NAMES[pred]}
@@ -463,23 +498,13 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
                      "mean + z(1-far) * std, at least their maximum; alpha: best held-out FDR"}
     log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}; held-out FAR {val_far:.3f}"
         + (f", held-out FDR {val_fdr:.3f} over {len(fault_runs)} fault files" if fault_runs else ""))
+    return alarm, per_class
 
-    profile = normal_profile(np.concatenate(Zn_tr + Zn_val), window)
-    provenance = {
-        "tool": "zeroedge sensor-fit", "started_from": "shipped weights (zeroedge/data/tep_sensor.npz), "
-        + ("fine-tuned" if train_info else "not trained (normal data only: an anomaly detector)"),
-        "normal_files": [{"file": str(r.path), "sha256": r.sha256, "samples": len(r.data)} for r in normal],
-        "fault_files": [{"file": str(r.path), "sha256": r.sha256, "samples": len(r.data),
-                         "class": CLASS_NAMES[r.label]} for r in faults],
-        "unobservable_classes": [CLASS_NAMES[k] for k in unobs], "split": split, "train": train_info,
-        "validation": {"far": round(val_far, 5), "fdr": alarm["val_fdr"], "per_class": per_class},
-        "far_target": far, "window": window, "seconds": None}
-    meta = {"config": model.cfg.to_dict(), "window": window, "channels": N_CHANNELS,
-            "class_names": list(CLASS_NAMES), "hard_faults": [k for k in unobs],
-            "normalisation": {"mean": mean.tolist(), "std": std.tolist(),
-                              "fitted_on": ", ".join(str(r.path) for r in normal) + " (training part)"},
-            "alarm": alarm, "monitor": mon, "profile": profile, "fit": provenance}
-    out = Path(out)
+
+def _write(out: Path, model, meta: dict, provenance: dict, t_start: float, log) -> dict:
+    """The bundle, through the shipped detector's exporter (weights in a temporary file beside it)."""
+    from zeroedge.sensor.train import export_bundle, save_model
+
     tmp_w = out.with_name(out.name + ".weights.tmp.npz")
     try:
         provenance["seconds"] = round(time.time() - t_start, 1)

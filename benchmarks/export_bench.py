@@ -29,7 +29,7 @@ def main():
     import torch
     from transformers import LlamaForCausalLM
 
-    from test_export import make_calib
+    from artifacts import sih_artifact
     from zeroedge import texts, weights
     from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.export.bundle_writer import export_bundle
@@ -41,7 +41,7 @@ def main():
     ids = texts.tokens(tok, texts.load_text("kjv"), a.prompt)
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)[: a.prompt]
     work = Path(tempfile.mkdtemp(prefix="zeroedge-bench-"))
-    make_calib(work / "calib", "smollm2-135m", thr={i: a.threshold for i in range(30)})
+    sih_artifact(work / "calib", "smollm2-135m", thr={i: a.threshold for i in range(30)})
     for name, calib in (("dense", None), ("zero", work / "calib")):
         t0 = time.perf_counter()
         mf = export_bundle("smollm2-135m", work / name, calib=calib, window=a.prompt + a.new + 8)

@@ -92,12 +92,12 @@ def bundle(tmp_path_factory):
     if os.environ.get("ZEROEDGE_TEST_BUNDLE"):
         return Path(os.environ["ZEROEDGE_TEST_BUNDLE"])
     sys.path.insert(0, str(REPO / "tests"))
-    from test_export import make_calib
+    from artifacts import sih_artifact
 
     from zeroedge.export.bundle_writer import export_bundle
 
     d = tmp_path_factory.mktemp("bundle")
-    make_calib(d / "calib", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8})
+    sih_artifact(d / "calib", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8})
     export_bundle("tiny", d / "bundle", calib=d / "calib", window=64)
     return d / "bundle"
 

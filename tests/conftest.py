@@ -146,18 +146,18 @@ def tiny_trt_bundles(tmp_path_factory):
         import torch  # noqa: F401
     except ImportError as e:
         need_trt(f"the export stack is not installed ({e})")
-    from test_export import make_calib
-    from test_export_paths import SIH_SKIP, add_paths
+    from artifacts import sih_artifact
+    from artifacts import SIH_SKIP, with_paths
 
     from zeroedge.export.bundle_writer import export_bundle
 
     d = tmp_path_factory.mktemp("rtx")
     export_bundle("tiny", d / "dense", window=64)
-    make_calib(d / "c_zero", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
+    sih_artifact(d / "c_zero", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
                prune={"1": [0, 3], "3": [2]})
     export_bundle("tiny", d / "zero", calib=d / "c_zero", window=64)
-    meta, t = make_calib(d / "c0", "tiny", skip=SIH_SKIP)
-    add_paths(d / "c_paths", meta, t)
+    meta, t = sih_artifact(d / "c0", "tiny", skip=SIH_SKIP)
+    with_paths(d / "c_paths", meta, t)
     export_bundle("tiny", d / "paths", calib=d / "c_paths", window=64)
     return d
 

@@ -67,10 +67,12 @@ def test_eval_bad_inputs(tiny_hf, text_file, tmp_path):
 
 
 def test_artifact_for_another_model_is_refused(tiny_hf, text_file, tmp_path):
-    from zeroedge import calib_artifact
+    from artifacts import sih_artifact
+
+    from zeroedge.model import ModelConfig
 
     art = tmp_path / "other.calib"
-    calib_artifact.save(art, {"model": {"name": "other", "config": {"dim": 999, "n_layers": 4}},
-                              "layers": [], "sih": {}}, {})
+    sih_artifact(art, None, cfg=ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                            ffn_dim=64, name="other"))
     p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200")
     assert p.returncode == 2 and "calibrated for other" in p.stderr

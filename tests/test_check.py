@@ -14,12 +14,12 @@ from onnx import AttributeProto, TensorProto, helper, numpy_helper  # noqa: E402
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from test_export import make_calib
+    from artifacts import sih_artifact
 
     from zeroedge.export.bundle_writer import export_bundle
 
     d = tmp_path_factory.mktemp("chk")
-    make_calib(d / "calib", "tiny", skip=[0, 2])
+    sih_artifact(d / "calib", "tiny", skip=[0, 2])
     export_bundle("tiny", d / "b", calib=d / "calib", window=32)
     return d / "b"
 

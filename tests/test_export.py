@@ -7,42 +7,12 @@ import shutil
 import numpy as np
 import pytest
 
+from artifacts import sih_artifact
 from conftest import run_cli
 
 torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-
-
-def make_calib(path, preset, thr=None, skip=None, prune=None, rank=4, block=None, seed=0, cfg=None):
-    """A calibration artifact with random SIH heads / anchors (the format zeroedge calibrate writes)."""
-    from zeroedge import calib_artifact
-    from zeroedge.mechanisms.anchors import Anchor
-    from zeroedge.mechanisms.sih import SIHHead, head_width
-    from zeroedge.model import PRESETS
-
-    cfg = cfg or PRESETS[preset]
-    g = torch.Generator().manual_seed(seed)
-    t, layers = {}, []
-    W = head_width(cfg.dim)
-    skip = range(cfg.n_layers) if skip is None else skip
-    for i in range(cfg.n_layers):
-        torch.manual_seed(seed * 100 + i)
-        h = SIHHead(cfg.dim, W)
-        t.update(h.state(f"layers.{i}.sih"))
-        a = Anchor(torch.randn(rank, cfg.dim, generator=g) * 0.05, torch.randn(cfg.dim, rank, generator=g) * 0.05,
-                   torch.randn(cfg.dim, generator=g) * 0.01)
-        t.update(a.state(f"layers.{i}.anchor"))
-        layers.append({"index": i, "skip": i in skip, "threshold": (thr or {}).get(i, 0.5),
-                       "anchor_rank": rank, "block_size": (block or {}).get(i, 0), "block_frac": 0.7,
-                       "skip_rate": 0.3})
-    meta = {"model": {"name": cfg.name, "config": cfg.to_dict()},
-            "sih": {"width": W, "ma_weights": [0.5, 1 / 3, 1 / 6], "min_tokens": 32, "protect_first": 4,
-                    "bytes_fp16": 0},
-            "layers": layers, "pruned_heads": prune or {},
-            "quality": {"budget": 0.02, "ffn_flops_skipped": 0.3}}
-    calib_artifact.save(path, meta, t)
-    return meta, t
 
 
 def reference_zero(model, meta, tensors):
@@ -109,7 +79,7 @@ def tiny_dense(tmp_path_factory):
 def tiny_zero(tmp_path_factory):
     d = tmp_path_factory.mktemp("z")
     # thresholds near the median score of each layer's head, a block rule on layer 2, pruned heads
-    meta, t = make_calib(d / "calib", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
+    meta, t = sih_artifact(d / "calib", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8},
                          prune={"1": [0, 3], "3": [2]})
     from zeroedge.export.bundle_writer import export_bundle
 
@@ -227,7 +197,7 @@ def test_export_cli_and_bad_inputs(tmp_path):
     p = run_cli("export", "tiny", "-o", tmp_path / "b")
     assert p.returncode == 2 and "not empty" in p.stderr
     # artifact for another model
-    make_calib(tmp_path / "c", "smollm2-135m", rank=2)
+    sih_artifact(tmp_path / "c", "smollm2-135m", rank=2)
     p = run_cli("export", "tiny", "--calib", tmp_path / "c", "-o", tmp_path / "b2")
     assert p.returncode == 2 and "calibrated for" in p.stderr and not (tmp_path / "b2").exists()
 

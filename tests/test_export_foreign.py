@@ -43,7 +43,7 @@ def cfg_of(hf, name):
 
 
 def check_foreign(hf, name, tmp_path):
-    from test_export import make_calib
+    from artifacts import sih_artifact
 
     from zeroedge.export.bundle_writer import export_bundle
     from zeroedge.export.rewrite import find_layers
@@ -58,14 +58,14 @@ def check_foreign(hf, name, tmp_path):
     assert all(m.dim == hf.config.hidden_size and m.ffn_dim == hf.config.intermediate_size for m in matches)
     cfg = cfg_of(hf, name)
     # threshold 0: every token kept -> the rewritten graph computes exactly the original model
-    make_calib(tmp_path / "keep_all", None, cfg=cfg, thr={i: 0.0 for i in range(n)})
+    sih_artifact(tmp_path / "keep_all", None, cfg=cfg, thr={i: 0.0 for i in range(n)})
     mf = export_bundle(str(tmp_path / "g.onnx"), tmp_path / "b_all", calib=tmp_path / "keep_all", weights="float32")
     assert mf["export"]["rewrite"]["rewritten"] == list(range(n))
     got = run_graph(tmp_path / "b_all" / "prefill.portable.onnx", ids)
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err <= 1e-4, err
     # threshold 1.01: every skippable token takes the anchor -> runs, and differs
-    make_calib(tmp_path / "skip", None, cfg=cfg, thr={i: 1.01 for i in range(n)})
+    sih_artifact(tmp_path / "skip", None, cfg=cfg, thr={i: 1.01 for i in range(n)})
     export_bundle(str(tmp_path / "g.onnx"), tmp_path / "b_skip", calib=tmp_path / "skip")
     got2 = run_graph(tmp_path / "b_skip" / "prefill.portable.onnx", ids)
     assert np.isfinite(got2).all() and np.abs(got2 - ref).max() / np.abs(ref).max() > 1e-3

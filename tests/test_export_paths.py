@@ -14,40 +14,11 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from test_export import make_calib, rel_err  # noqa: E402
-
-PATHS = {0: (0.5, 0.004), 2: (0.3, 0.003)}    # layer -> (threshold_in, threshold_act): ~half kept
-SIH_SKIP = [1, 2]                             # layer 2 carries SIH/PAD in prefill and paths in decode
+from artifacts import PATHS, SIH_SKIP, sih_artifact, with_paths  # noqa: E402
+from test_export import rel_err  # noqa: E402
 
 
-def add_paths(path, meta, tensors, paths=PATHS, kind="input-magnitude", n_layers=4):
-    """Add a "paths" section (the format zeroedge calibrate --paths writes) and save the artifact."""
-    from zeroedge import calib_artifact
 
-    meta, tensors = dict(meta), dict(tensors)
-    layers = []
-    for i in range(n_layers):
-        on = i in paths
-        layers.append({"index": i, "sparse": on, "keep_planned": 0.7 if on else 1.0,
-                       "threshold": paths[i][1] if on else None,
-                       "threshold_in": paths[i][0] if on and kind == "input-magnitude" else None,
-                       "kept_heldout": 0.6 if on else 1.0})
-        if on and kind == "input-magnitude":
-            tensors[f"layers.{i}.paths.threshold_in"] = torch.tensor([paths[i][0]])
-            tensors[f"layers.{i}.paths.threshold_act"] = torch.tensor([paths[i][1]])
-    meta["paths"] = {"format": "zeroedge-paths", "version": 1, "budget": 0.05,
-                     "predictor": {"kind": kind, "weights": 0},
-                     "layers": layers, "quality": {"budget": 0.05, "ppl_rise": 0.01,
-                                                   "ffn_bytes_skipped": 0.2}}
-    if kind == "whitened-lowrank-swiglu":
-        meta["paths"]["predictor"].update(rank=4)
-        for i in paths:
-            g = torch.Generator().manual_seed(i)
-            tensors.update({f"layers.{i}.paths.{k}": torch.randn(*s, generator=g) for k, s in
-                            (("a", (64, 4)), ("bg", (4, 128)), ("bu", (4, 128)), ("wd_norm", (128,)))})
-            tensors[f"layers.{i}.paths.threshold"] = torch.tensor([0.1])
-    calib_artifact.save(path, meta, tensors)
-    return meta, tensors
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +26,8 @@ def tiny_paths(tmp_path_factory):
     from zeroedge.export.bundle_writer import export_bundle
 
     d = tmp_path_factory.mktemp("paths")
-    meta, t = make_calib(d / "c0", "tiny", skip=SIH_SKIP)
-    add_paths(d / "calib", meta, t)
+    meta, t = sih_artifact(d / "c0", "tiny", skip=SIH_SKIP)
+    with_paths(d / "calib", meta, t)
     export_bundle("tiny", d / "bundle", calib=d / "calib", window=64, weights="float32")  # parity
     return d / "bundle"
 
@@ -282,8 +253,8 @@ def test_trt_flavour_wiring_runs_through_the_reference_function(tiny_paths, tmp_
 
 
 def test_predictor_paths_refused(tmp_path):
-    meta, t = make_calib(tmp_path / "c0", "tiny", skip=[])
-    add_paths(tmp_path / "c", meta, t, paths={1: (0, 0.1), 3: (0, 0.1)}, kind="whitened-lowrank-swiglu")
+    meta, t = sih_artifact(tmp_path / "c0", "tiny", skip=[])
+    with_paths(tmp_path / "c", meta, t, paths={1: (0, 0.1), 3: (0, 0.1)}, kind="whitened-lowrank-swiglu")
     p = run_cli("export", "tiny", "--calib", tmp_path / "c", "-o", tmp_path / "b")
     assert p.returncode == 2, p.stderr
     assert "predictor paths are not exported: recalibrate with the magnitude method" in p.stderr
@@ -295,8 +266,8 @@ def test_bad_paths_sections_refused(tmp_path):
     from zeroedge.errors import UserError
     from zeroedge.export.rewrite import paths_from_artifact
 
-    meta, t = make_calib(tmp_path / "c0", "tiny", skip=[])
-    m2, t2 = add_paths(tmp_path / "c", meta, t)
+    meta, t = sih_artifact(tmp_path / "c0", "tiny", skip=[])
+    m2, t2 = with_paths(tmp_path / "c", meta, t)
     assert set(paths_from_artifact(m2, t2)) == set(PATHS)
     assert paths_from_artifact(meta, t) == {}                          # no section: nothing
     gone = {k: v for k, v in t2.items() if "threshold_act" not in k}
@@ -321,7 +292,7 @@ def test_no_paths_section_exports_as_before(tmp_path):
 
     from zeroedge.export.bundle_writer import export_bundle
 
-    make_calib(tmp_path / "c", "tiny", skip=[0, 2])
+    sih_artifact(tmp_path / "c", "tiny", skip=[0, 2])
     export_bundle("tiny", tmp_path / "z", calib=tmp_path / "c", window=32)
     export_bundle("tiny", tmp_path / "d", window=32)
     for flavour in ("portable", "trt"):
@@ -344,13 +315,13 @@ def test_foreign_graph_records_paths_not_applied(tmp_path):
     from zeroedge.model import build
 
     r = onnx_export.export_graphs(build("tiny", seed=0), tmp_path / "raw")
-    meta, t = make_calib(tmp_path / "c0", "tiny", skip=[1])
-    add_paths(tmp_path / "c", meta, t)
+    meta, t = sih_artifact(tmp_path / "c0", "tiny", skip=[1])
+    with_paths(tmp_path / "c", meta, t)
     mf = export_bundle(str(r["prefill"]), tmp_path / "b", calib=tmp_path / "c")
     cal = mf["calibration"]
     assert cal["paths_layers"] == [] and cal["paths"]["graphs"] == [] and "not_applied" in cal["paths"]
     assert {g["graph"] for g in mf["graph_files"].values()} == {"prefill"} and "paths" not in mf["export"]
-    add_paths(tmp_path / "p", meta, t, kind="whitened-lowrank-swiglu")
+    with_paths(tmp_path / "p", meta, t, kind="whitened-lowrank-swiglu")
     with pytest.raises(UserError, match="predictor paths are not exported"):
         export_bundle(str(r["prefill"]), tmp_path / "b2", calib=tmp_path / "p")
     assert not (tmp_path / "b2").exists() and not (tmp_path / "b2.tmp").exists()

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from artifacts import paths_only
 from conftest import REPO, run_cli
 
 torch = pytest.importorskip("torch")
@@ -45,23 +46,6 @@ def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("serving") / "bundle"
     export_bundle(lively(), out, window=64)              # its own copy: export changes the module
     return out
-
-
-def magnitude_artifact(path, cfg, layers=(0, 2), **over):
-    """A calibration artifact with decode paths of the input-magnitude kind (what `zeroedge
-    calibrate --paths` writes), made by hand so the test is fast."""
-    from zeroedge import calib_artifact
-
-    meta = {"model": {"name": cfg.name, "config": cfg.to_dict()}, "layers": [], "sih": {},
-            "paths": {"predictor": {"kind": "input-magnitude"},
-                      "layers": [{"index": i, "sparse": i in layers} for i in range(cfg.n_layers)]}}
-    meta.update(over)
-    t = {}
-    for i in layers:
-        t[f"layers.{i}.paths.threshold_in"] = torch.tensor([0.5])
-        t[f"layers.{i}.paths.threshold_act"] = torch.tensor([0.01])
-    calib_artifact.save(path, meta, t)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +252,7 @@ def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
     from zeroedge.runtime.fast import PathsDecoder
     from zeroedge.runtime.session import ServingSession, path_policies
 
-    art = magnitude_artifact(tmp_path / "a", model.cfg)
+    art = paths_only(tmp_path / "a", model.cfg)
     prompt = ids_(96, 7)
     s = ServingSession(model, paths=art, kv_budget=1.0, page_size=8, release_level=3)
     r = s.generate(prompt, 12, paths=True)
@@ -302,12 +286,12 @@ def test_paths_are_never_silently_dense(model, bundle, tmp_path):
     with pytest.raises(UserError, match="no decode path predictors"):
         ServingSession(model, paths=shipped)
     other = model.cfg.with_(dim=32, name="other")
-    art = magnitude_artifact(tmp_path / "other", other)
+    art = paths_only(tmp_path / "other", other)
     with pytest.raises(UserError, match=r"calibrated for other \(dim=32"):
         ServingSession(model, paths=art)
     from zeroedge import calib_artifact
 
-    good = magnitude_artifact(tmp_path / "good", model.cfg)
+    good = paths_only(tmp_path / "good", model.cfg)
     meta, t = calib_artifact.load(good)
     with pytest.raises(UserError, match="threshold_act"):
         ServingSession(model, paths=(meta, {k: v for k, v in t.items() if "threshold_act" not in k}))
@@ -343,7 +327,7 @@ def test_run_cli_torch_and_onnxruntime(bundle, tmp_path):
     assert out["new_tokens"] == 6 and out["prompt_tokens"] == len(PROMPT.encode())
     assert out["mechanisms"]["thermal_kv"] and out["decoder"] == "ThermalDecoder"
     assert 0 < out["device_kv_bytes"] < out["full_kv_bytes"] and out["tokens_per_s"] > 0
-    art = magnitude_artifact(tmp_path / "a", __import__("zeroedge.model").model.PRESETS["tiny"])
+    art = paths_only(tmp_path / "a", __import__("zeroedge.model").model.PRESETS["tiny"])
     pf = tmp_path / "prompt.txt"
     pf.write_text(PROMPT)
     p = run_cli("run", "tiny", "--prompt-file", pf, "--max-new", "4", "--paths", "--calib", art,

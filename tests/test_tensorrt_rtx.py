@@ -284,14 +284,14 @@ def test_smollm2_bundle_graphs_build(rtx, plugin_lib, smollm2, tmp_path):
     builds with one plugin layer per zeroedge node; the prefill outgrows the 256 MiB workspace (it asks
     for ~270 MB) and is built again with 1 GiB (~50 s: export ~30 s, builds ~15 s, ~3 GB peak)."""
     from conftest import run_cli
-    from test_export_paths import add_paths
+    from artifacts import with_paths
 
     from zeroedge import calib_artifact
     from zeroedge.export.bundle_writer import export_bundle
 
     _, folder = smollm2
     meta, t = calib_artifact.load(REPO / "zeroedge" / "data" / "smollm2-135m.calib")
-    add_paths(tmp_path / "calib", meta, t, paths={0: (0.5, 0.01), 7: (0.4, 0.01)},
+    with_paths(tmp_path / "calib", meta, t, paths={0: (0.5, 0.01), 7: (0.4, 0.01)},
               n_layers=meta["model"]["config"]["n_layers"])
     export_bundle(str(folder), tmp_path / "b", calib=tmp_path / "calib", window=1024)
     p = run_cli("build", tmp_path / "b", "-o", tmp_path / "e", "--cc", CC, "--plugins", plugin_lib, "--json")

@@ -61,8 +61,12 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
 
     from zeroedge import texts, weights
 
+    def stage(msg):                                   # progress on stderr; --json keeps stdout clean
+        click.echo(f"[eval] {msg}", err=True)
+
     if threads:
         torch.set_num_threads(threads)
+    stage(f"loading {model}")
     m, folder = weights.load(model)
     if ctx > m.cfg.max_seq_len:
         raise UserError(f"--ctx {ctx} exceeds the model's context ({m.cfg.max_seq_len})")
@@ -70,6 +74,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     ids = texts.tokens(tok, texts.load_text(text), ctx, offset=offset, what=f"text {text}")
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
     if meta is not None and paths:
+        stage(f"decode paths: dense and paths perplexity over {ctx} tokens (teacher-forced)")
         from zeroedge import calib_artifact
         from zeroedge.paths.evaluate import run_eval as paths_eval
 
@@ -77,12 +82,15 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
                                  continuation=CONTINUATION))
     elif meta is not None:
+        stage(f"SIH/PAD: dense and zero passes over {ctx} tokens (4 passes)")
         result.update(zero_eval(m, ids, calib, meta))
     if kv_budget is not None:
         try:
             from zeroedge.kv.evaluate import run_eval
         except ImportError:
             raise UserError("thermal KV is not available in this build (zeroedge.kv missing)") from None
+        stage(f"thermal KV: full-KV prefill of {ctx - CONTINUATION} tokens, then the methods over the last "
+              f"{CONTINUATION}")
         result.update(run_eval(m, ids, kv_budget, page_size=page_size, continuation=CONTINUATION))
     if as_json:
         click.echo(json.dumps(result))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -152,7 +153,10 @@ def generate(split: str, root: Optional[Path] = None, log=print, workers: int = 
         results = pool.imap_unordered(_sim_job, todo)
     else:
         pool, results = None, map(_sim_job, todo)
-    for (fault, seed, hours, onset_h), data in results:
+    t0 = time.monotonic()
+    if todo:
+        log(f"[gen_tep_runs] {split}: {len(todo)} runs to simulate ({len(index)} already in {root})")
+    for done, ((fault, seed, hours, onset_h), data) in enumerate(results, 1):
         name = f"f{fault:02d}_s{seed}.dat"
         save_run(root / name, data)
         index[name] = {"fault": fault, "seed": seed, "hours": hours,
@@ -161,7 +165,10 @@ def generate(split: str, root: Optional[Path] = None, log=print, workers: int = 
         tmp = index_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
         tmp.replace(index_path)
-        log(f"[gen_tep_runs] {split}/{name}: {len(data)} samples")
+        spent = time.monotonic() - t0
+        left = spent / done * (len(todo) - done)
+        log(f"[gen_tep_runs] {split}/{name}: {len(data)} samples ({done}/{len(todo)}, {spent / 60:.1f} min "
+            f"so far, about {left / 60:.1f} min left)")
     if pool is not None:
         pool.close()
     return root

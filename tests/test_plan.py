@@ -62,12 +62,30 @@ def test_plan_targets_and_verdict(bundle):
     assert r1["bandwidth"] == 68e9 and r2["bandwidth"] == 204.8e9
     assert r2["decode_tok_s"] > r1["decode_tok_s"] and r2["prefill_tok_s"] > r1["prefill_tok_s"]
     assert abs(small["figures"]["fp16_tflops"] - 10.24) < 0.01
-    # more context than memory: does not fit, and max_context says where it stops
-    nx = json.loads(run_cli("plan", bundle, "--board", "orin-nx-16gb", "--ctx", 4000, "--window",
-                            4000, "--json", check_rc=0).stdout)
-    assert nx["memory"]["total"] > small["memory"]["total"]
+    # more context: more memory; the exit status says whether it fits (0) or not (1)
+    p = run_cli("plan", bundle, "--board", "orin-nx-16gb", "--ctx", 4000, "--window", 4000, "--json")
+    nx = json.loads(p.stdout)
+    assert nx["memory"]["total"] > small["memory"]["total"] and p.returncode == (0 if nx["fits"] else 1)
     text = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 512, check_rc=0).stdout
     assert "verdict: FITS" in text and "hot_kv" in text
+
+
+def test_plan_past_the_model_context_or_memory_does_not_fit(bundle):
+    """A context past the model's own limit is not silently capped, and DOES NOT FIT exits 1 so a
+    script can tell (the JSON is still printed)."""
+    limit = json.loads(run_cli("plan", bundle, "--board", "orin-agx-64gb", "--ctx", 64, "--json",
+                               check_rc=0).stdout)["model_context"]
+    p = run_cli("plan", bundle, "--board", "orin-agx-64gb", "--ctx", 2 * limit, "--json")
+    doc = json.loads(p.stdout)
+    assert p.returncode == 1 and not doc["fits"] and doc["context"] > doc["model_context"] == limit
+    p = run_cli("plan", bundle, "--board", "orin-agx-64gb", "--ctx", 2 * limit)
+    assert p.returncode == 1 and f"the model's context is {limit:,} tokens" in p.stdout
+    # memory: the largest context that fits on the smallest board, plus one, does not
+    nano = json.loads(run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 64, "--json",
+                              check_rc=0).stdout)
+    if nano["max_context_limited_by"] == "memory":
+        p = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", nano["max_context"] + 1)
+        assert p.returncode == 1 and "DOES NOT FIT: needs" in p.stdout
 
 
 def test_plan_bad_input(bundle, tmp_path):

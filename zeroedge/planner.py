@@ -159,16 +159,20 @@ def plan(bundle, target_name: str, context: int, window: Optional[int] = None, d
     skip = float((mf.get("calibration") or {}).get("quality", {}).get("ffn_flops_skipped", 0.0) or 0.0)
     mem = memory(m, context, window, dtype, device)
     cap = t.memory - t.os_reserve
-    lo, hi = 0, int(mf["model"].get("max_seq_len", 1 << 20))
-    while lo < hi:                                  # largest context that fits
+    model_context = int(mf["model"].get("max_seq_len", 1 << 20))
+    lo, hi = 0, model_context
+    while lo < hi:                                  # largest context that fits, up to the model's own
         mid = (lo + hi + 1) // 2
         if memory(m, mid, window, dtype, device)["total"] <= cap:
             lo = mid
         else:
             hi = mid - 1
+    fits_memory = mem["total"] <= cap
     return {"target": t.name, "context": context, "window": window, "dtype": dtype,
             "memory": mem, "available": cap, "device_memory": t.memory, "os_reserve": t.os_reserve,
-            "fits": mem["total"] <= cap, "max_context": lo,
+            "fits": fits_memory and context <= model_context, "fits_memory": fits_memory,
+            "model_context": model_context, "max_context": lo,
+            "max_context_limited_by": "model context" if lo == model_context else "memory",
             "roofline": roofline(m, t, context, window, dtype, skip),
             "figures": {"fp16_tflops": t.fp16_flops / 1e12, "fp32_tflops": t.fp32_flops / 1e12,
                         "tensor_cores": t.tensor_cores, "gpu_clock_mhz": t.gpu_clock / 1e6,

@@ -1,5 +1,6 @@
 """`zeroedge plan BUNDLE --board orin-... --ctx N [--json]` (light module)."""
 import json
+import sys
 
 import click
 
@@ -23,7 +24,9 @@ def _mb(x):
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
     """Memory and speed forecast: weights, hot KV, compressed tier, activations, workspace, OS
-    reserve; prefill/decode roofline; verdict and the largest context that fits."""
+    reserve; prefill/decode roofline; verdict and the largest context that fits (memory or the
+    model's own context, whichever is smaller). Exit 0 when it fits, 1 when it does not (also with
+    --json), 2 on bad input."""
     from zeroedge.planner import plan
 
     if ctx < 1:
@@ -33,6 +36,8 @@ def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
     p = plan(bundle, board, ctx, window, dtype, device=not ort_process)
     if as_json:
         click.echo(json.dumps(p, indent=2))
+        if not p["fits"]:
+            sys.exit(1)
         return
     m, r, f = p["memory"], p["roofline"], p["figures"]
     click.echo(f"{p['target']}  context {ctx}  window {p['window']}  {dtype}")
@@ -45,5 +50,17 @@ def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
                f"({r['decode_tok_s']:,.1f} tok/s, {r['decode_bound']}-bound)")
     click.echo(f"  figures: {f['fp16_tflops']:.1f} TFLOPS fp16 dense x {r['compute_eff']}, "
                f"{f['bandwidth_gbs']:.1f} GB/s x {r['bandwidth_eff']} ({f['source']})")
-    click.echo(f"verdict: {'FITS' if p['fits'] else 'DOES NOT FIT'}; largest context that fits: "
-               f"{p['max_context']:,}")
+    click.echo(f"verdict: {verdict(p)}")
+    if not p["fits"]:
+        sys.exit(1)
+
+
+def verdict(p: dict) -> str:
+    """FITS / DOES NOT FIT and why, with the largest context that fits and what limits it."""
+    largest = f"largest context that fits: {p['max_context']:,}" + (
+        " (the model's own context limit)" if p["max_context_limited_by"] == "model context" else "")
+    if p["fits"]:
+        return f"FITS; {largest}"
+    if p["context"] > p["model_context"]:
+        return f"DOES NOT FIT: the model's context is {p['model_context']:,} tokens, {p['context']:,} asked; {largest}"
+    return (f"DOES NOT FIT: needs {_mb(p['memory']['total'])}, {_mb(p['available'])} available; {largest}")

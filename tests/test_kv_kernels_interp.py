@@ -1,6 +1,7 @@
 """The thermal decoder's Triton kernels (zeroedge/kv/kernels.py) run in Triton's CPU
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
-shares, and the two-stage page swap against the one-program kernel's decisions. scripts/setup
+shares, and the two-stage page swap against the reference's decisions, from a full-precision and
+from an int8 cold store (dequantized by the copy). scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
 checks run on the GPU in benchmarks/gpu/thermal_kv_gpu.py (check_swap_kernel)."""
 import os
@@ -43,26 +44,39 @@ SCRIPT = textwrap.dedent('''
             ps0[h, sp[h]] = torch.arange(S)
         hk, hv = torch.randn(nkv, n, PE, generator=g), torch.randn(nkv, n, PE, generator=g)
         wk, wv = torch.randn(nkv, S, PE, generator=g), torch.randn(nkv, S, PE, generator=g)
-        ref = [t.clone() for t in (ps0, sp, wk, wv)]
-        K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, hk, hv, F)
+        (hk8, ks), (hv8, vs) = K.quantize_pages(hk, 4), K.quantize_pages(hv, 4)   # the int8 cold store
         nb = -(-n // 16)
         pad = torch.full((nkv, grp, nb * 16), float("-inf"))
         pad[..., :n] = pl
         blk = pad.view(nkv, grp, nb, 16)
         pm = blk.amax(-1)
         psum = (blk - pm[..., None]).exp().sum(-1)
-        got = [t.clone() for t in (ps0, sp, wk, wv)]
         FP = 1 << max(0, (F - 1).bit_length())
         nc = -(-n // C)
-        cm, cmi = torch.empty(nkv, nc * FP), torch.empty(nkv, nc * FP, dtype=torch.int64)
-        cr, cri = torch.empty_like(cm), torch.empty_like(cmi)
-        swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cmi, cr, cri, n, nb, GRP=grp,
-                          NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
-        swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], hk, hv, n, S, got[2].stride(0),
-                       nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP, PE=PE,
-                       PEB=1 << max(0, (PE - 1).bit_length()))
-        assert int((ref[1] != sp).sum()) > 0                   # something moved
-        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        for cold in ("full", "int8"):
+            scales = (ks, vs) if cold == "int8" else None
+            ck, cv = (hk8, hv8) if cold == "int8" else (hk, hv)
+            ref = [t.clone() for t in (ps0, sp, wk, wv)]
+            K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, ck, cv, F, scales)
+            got = [t.clone() for t in (ps0, sp, wk, wv)]
+            cm, cmi = torch.empty(nkv, nc * FP), torch.empty(nkv, nc * FP, dtype=torch.int64)
+            cr, cri = torch.empty_like(cm), torch.empty_like(cmi)
+            swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cmi, cr, cri, n, nb, GRP=grp,
+                              NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
+            swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), n, S,
+                           got[2].stride(0), nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP,
+                           PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1,
+                           QUANT=scales is not None)
+            assert int((ref[1] != sp).sum()) > 0                   # something moved
+            assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
+            assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
+            if scales:   # the fetched pages are the cold pages, dequantized: within int8 rounding
+                moved = ref[1] != sp
+                for h in range(nkv):
+                    for s in moved[h].nonzero().flatten().tolist():
+                        page = int(ref[1][h, s])
+                        err = (got[2][h, s] - hk[h, page]).abs().max()
+                        assert float(err) <= float(hk[h, page].abs().max()) / 127 * 0.51 + 1e-6
     print("OK")
 ''')
 

@@ -205,3 +205,46 @@ def test_window_policy_equals_topk_uncapped_and_respects_the_fetch_cap():
     assert any(len(set(c[h, 39].tolist()) ^ set(c[h, 0].tolist())) for h in range(2))
     assert not forced[c].any()
 
+
+
+def test_int8_cold_store_serves_within_rounding_and_halves_its_bytes(tiny):
+    """cold="int8" (what a Jetson's unified DRAM gets): the cold pages are int8 with fp16 scales on the
+    device, fetched pages are dequantized into the window. Same pages chosen, logits within int8
+    rounding of the full-precision cold store, one byte a value plus one fp16 scale a group (half the
+    bf16 pages' bytes at group 32)."""
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    ids = torch.tensor([ids_(80, 3)])
+    P = 64
+    pre = E.prefill(tiny, ids[0, :P].tolist(), stats=False)
+    decs = {}
+    for cold in ("host", "int8"):
+        d = ThermalDecoder(tiny, P, 16, budget=0.5, page_size=8, rank=8, recent_pages=1, fetch=8,
+                           graph=False, cold=cold)
+        d.load_prefix(pre["k"], pre["v"], pre["qcov"])
+        decs[cold] = d
+    start = decs["host"].attention.slot_page.clone()
+    worst = 0.0
+    for t in range(P, 80):
+        tok = ids[0, t].item()
+        a, b = decs["host"].step(tok, t), decs["int8"].step(tok, t)
+        worst = max(worst, float((a - b).norm() / a.norm()))
+    assert (decs["host"].attention.slot_page != start).any()            # pages were fetched
+    assert torch.equal(decs["host"].attention.slot_page, decs["int8"].attention.slot_page)
+    assert 0 < worst < 2e-2, worst
+    full = decs["host"].device_kv_bytes()
+    assert full["cold_on_device"] == 0                                  # pinned host memory
+    q = decs["int8"].device_kv_bytes()["cold_on_device"]
+    values = full["prefix_full"] // decs["host"].attention.wk.element_size()
+    assert q == values + 2 * values // decs["int8"].attention.group     # int8 codes + an fp16 scale a group
+    with pytest.raises(ValueError, match="cold must be one of"):
+        ThermalDecoder(tiny, P, 16, graph=False, cold="int2")
+
+
+def test_serving_picks_the_cold_store_for_the_memory(tmp_path):
+    from zeroedge.kv.policy import memory_kind, plan_tiers
+
+    kind = memory_kind(torch.device("cpu"))
+    assert kind in ("cpu", "jetson")
+    assert plan_tiers("jetson").cold_compressed and not plan_tiers("discrete").cold_compressed
+    assert memory_kind(torch.device("cuda")) in ("discrete", "jetson")

@@ -2,7 +2,9 @@
 with an FFN strategy): per layer and kv head the device keeps one contiguous window = [sink page |
 recent window | generated tokens | `slots` pages], the low-rank int4 key sketch of every prefix page
 and its bases; every prefix page also lives in the cold store (host memory, pinned and mapped on a
-discrete GPU). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
+discrete GPU; with cold="int8", int8 codes with one fp16 scale per 32 values kept in device memory,
+which on a Jetson is the same DRAM: the cold store then takes about half the bytes instead of all of
+them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
 Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
 out while the new one scores higher), copying them straight from host memory into the window in the
 same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+COLD_GROUP = 32   # values per fp16 scale in the int8 cold store (along the head dimension)
 
 
 def additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
@@ -57,14 +62,20 @@ class ThermalAttention:
     """Attention over a prefix of P tokens with a thermal cache (see the module doc); the decoder
     gives it the model's shapes, device and dtype through `bind`."""
 
+    COLD = ("host", "int8")    # host: full precision in (pinned) host memory; int8: compressed, on the device
+
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = 16, rank: int = 16,
-                 recent_pages: int = 2, sink_pages: int = 1, fetch: int = 4, refresh_every: int = 1):
+                 recent_pages: int = 2, sink_pages: int = 1, fetch: int = 4, refresh_every: int = 1,
+                 cold: str = "host"):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if not 0 < budget <= 1:
             raise ValueError("budget must be in (0, 1]")
         if rank % 2:
             raise ValueError("rank must be even (int4 codes are packed two a byte)")
+        if cold not in self.COLD:
+            raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
+        self.cold = cold
         self.max_len = prefix_len + gen_len
         self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
         self.budget, self.rank, self.refresh_every = budget, rank, max(1, refresh_every)
@@ -81,9 +92,17 @@ class ThermalAttention:
         self.slots = max(1, min(total_pages - self.fixed, n - self.fixed))
         self.fetch = min(self.fetch_wanted, self.slots)
         pin = device.type == "cuda"
-        # cold store: every prefix page, in host memory
-        self.host_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.zeros_like(self.host_k, pin_memory=pin) if pin else torch.zeros_like(self.host_k)
+        # cold store: every prefix page, in host memory at full precision, or int8 on the device
+        if self.cold == "int8":
+            self.group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
+            self.host_k = torch.zeros(L, nkv, n, ps, hd, dtype=torch.int8, device=device)
+            self.host_v = torch.zeros_like(self.host_k)
+            self.cold_ks = torch.zeros(L, nkv, n, ps, hd // self.group, dtype=torch.float16, device=device)
+            self.cold_vs = torch.zeros_like(self.cold_ks)
+        else:
+            self.host_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
+            self.host_v = torch.zeros_like(self.host_k, pin_memory=pin) if pin else torch.zeros_like(self.host_k)
+            self.cold_ks = self.cold_vs = None
         # device window: [fixed tokens | generated tokens | slot pages]
         self.fix_len = self.fixed * ps + self.gen_len
         self.win_len = self.fix_len + self.slots * ps
@@ -119,8 +138,10 @@ class ThermalAttention:
         hot = 2 * L * nkv * (self.fixed + self.slots) * ps * hd * el
         summ = (self.codes.numel() + self.scales.numel() * 2 + self.A.numel() * 2)
         full = 2 * L * nkv * self.P * hd * el
+        # the int8 cold store lives on the device (a Jetson's one DRAM); the host one does not
+        cold = (2 * (self.host_k.numel() + self.cold_ks.numel() * 2) if self.cold == "int8" else 0)
         return {"hot": hot, "summaries": summ, "generated": 2 * L * nkv * (self.fix_len - self.fixed * ps) * hd * el,
-                "prefix_full": full, "page_table": 8 * L * nkv * self.n}
+                "prefix_full": full, "page_table": 8 * L * nkv * self.n, "cold_on_device": cold}
 
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
@@ -136,8 +157,7 @@ class ThermalAttention:
                              device=dev).clamp_min(self.sink_pages)
         for li, (k, v) in enumerate(zip(ks, vs)):
             kd, vd = k.to(dev), v.to(dev)
-            self.host_k[li].copy_(kd.view(self.nkv, n, ps, self.hd))
-            self.host_v[li].copy_(vd.view(self.nkv, n, ps, self.hd))
+            self._store_cold(li, kd.view(self.nkv, n, ps, self.hd), vd.view(self.nkv, n, ps, self.hd))
             self.wk[li, :, :nf] = kd[:, fix_idx]
             self.wv[li, :, :nf] = vd[:, fix_idx]
             A, B, mu = sketch_bases(kd, None if qcovs is None else qcovs[li].to(dev), r)
@@ -155,10 +175,23 @@ class ThermalAttention:
             self.wv[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(
                 vd.view(self.nkv, n, ps, self.hd)[:, first])
         self.wpos[self.fix_len:] = 0                    # slot tokens are prefix positions: valid
-        if dev.type == "cuda":
+        if dev.type == "cuda" and self.cold == "host":
             self.hk, self.hv = host_mapped(self.host_k), host_mapped(self.host_v)
         else:
             self.hk, self.hv = self.host_k, self.host_v
+
+    def _store_cold(self, li, k, v):
+        """Layer li's prefix pages (nkv, n, ps, hd) into the cold store."""
+        if self.cold == "host":
+            self.host_k[li].copy_(k)
+            self.host_v[li].copy_(v)
+            return
+        from zeroedge.kv.kernels import quantize_pages
+
+        for x, codes, scales in ((k, self.host_k, self.cold_ks), (v, self.host_v, self.cold_vs)):
+            c, sc = quantize_pages(x, self.group)
+            codes[li].copy_(c)
+            scales[li].copy_(sc)
 
     # -- the decoder's per-step hooks ----------------------------------------------------------
     def before(self, pos: int):
@@ -198,8 +231,10 @@ class ThermalAttention:
         wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, pe)
         hk = self.hk[li].view(self.nkv, self.n, pe)
         hv = self.hv[li].view(self.nkv, self.n, pe)
+        scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
+                                                    self.cold_vs[li].view(self.nkv, self.n, -1))
         swap_pages(self._page_lse(li, q, self.lse_part), self.page_bias, self.page_slot[li],
-                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part)
+                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales)
 
     def attend(self, li, q, kv, flag):
         """q (H, hd), kv (2, nkv, hd) of the new token -> (H, hd)."""

@@ -176,9 +176,24 @@ def page_scores_ref(pl, page_bias):
     return (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + page_bias
 
 
-def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
+def dequantize_pages(codes, scales):
+    """int8 cold pages (..., PE) with one scale per group of PE // scales.shape[-1] values -> float32."""
+    G = codes.shape[-1] // scales.shape[-1]
+    return (codes.float().unflatten(-1, (-1, G)) * scales.float()[..., None]).flatten(-2)
+
+
+def quantize_pages(x, group: int):
+    """(codes int8, scales fp16) of x (..., D): symmetric, one scale per `group` values of the last dim."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-8)
+    codes = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scale.half()
+
+
+def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales=None):
     """In place. score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S);
-    wk / wv (nkv, S, PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store."""
+    wk / wv (nkv, S, PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store, int8 codes
+    when `scales` = (key scales, value scales) (nkv, n, PE // G) is given."""
     inf = float("inf")
     for h in range(score.shape[0]):
         sl = page_slot[h]
@@ -192,8 +207,12 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int):
                 s = int(sl[wr])
                 sl[wr], sl[bm] = -1, s
                 slot_page[h, s] = bm
-                wk[h, s] = hk[h, bm]
-                wv[h, s] = hv[h, bm]
+                if scales is None:
+                    wk[h, s] = hk[h, bm]
+                    wv[h, s] = hv[h, bm]
+                else:
+                    wk[h, s] = dequantize_pages(hk[h, bm], scales[0][h, bm]).to(wk.dtype)
+                    wv[h, s] = dequantize_pages(hv[h, bm], scales[1][h, bm]).to(wv.dtype)
 
 
 def _build_swap():
@@ -202,19 +221,27 @@ def _build_swap():
     import triton.language as tl
 
     @triton.jit
-    def copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, wk_ptr, wv_ptr, PE: tl.constexpr, PEB: tl.constexpr):
-        """Pages src (cold store, -1: none) of kv head h into window slots dst: PE values a page."""
+    def copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE: tl.constexpr,
+                   PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
+        """Pages src (cold store, -1: none) of kv head h into window slots dst: PE values a page; with
+        QUANT the cold pages are int8 codes with one scale per G values, dequantized on the way."""
         e = tl.arange(0, PEB)
         ok = (src >= 0)[:, None] & (e < PE)[None, :]
         so = (h * n + src)[:, None] * PE + e[None, :]
         do = (h * w_head + dst * PE)[:, None] + e[None, :]
-        tl.store(wk_ptr + do, tl.load(hk_ptr + so, mask=ok), mask=ok)
-        tl.store(wv_ptr + do, tl.load(hv_ptr + so, mask=ok), mask=ok)
+        kk = tl.load(hk_ptr + so, mask=ok)
+        vv = tl.load(hv_ptr + so, mask=ok)
+        if QUANT:
+            go = (h * n + src)[:, None] * (PE // G) + (e // G)[None, :]
+            kk = kk.to(tl.float32) * tl.load(ks_ptr + go, mask=ok).to(tl.float32)
+            vv = vv.to(tl.float32) * tl.load(vs_ptr + go, mask=ok).to(tl.float32)
+        tl.store(wk_ptr + do, kk.to(wk_ptr.dtype.element_ty), mask=ok)
+        tl.store(wv_ptr + do, vv.to(wv_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, n, S,
+    def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr, vs_ptr, n, S,
           w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
-          PE: tl.constexpr, PEB: tl.constexpr):
+          PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
         h = tl.program_id(0)
         offs = tl.arange(0, NP)
         m = offs < n
@@ -246,7 +273,7 @@ def _build_swap():
                 tl.store(spage_ptr + h * S + s, bm)
                 src = tl.where(fi == i, bm, src)
                 dst = tl.where(fi == i, s, dst)
-        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, wk_ptr, wv_ptr, PE, PEB)
+        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
     # chunk, normalising with the per-block log-sum-exp shares the sketch kernel wrote, and keeps
@@ -296,9 +323,9 @@ def _build_swap():
         tl.store(cri_ptr + base, irs)
 
     @triton.jit
-    def dec(cm_ptr, cmi_ptr, cr_ptr, cri_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, n, S,
-            w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr, PE: tl.constexpr,
-            PEB: tl.constexpr):
+    def dec(cm_ptr, cmi_ptr, cr_ptr, cri_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
+            vs_ptr, n, S, w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr, PE: tl.constexpr,
+            PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
         h = tl.program_id(0)
         offs = tl.arange(0, NCP)
         m = offs < NCAND
@@ -325,7 +352,7 @@ def _build_swap():
                 tl.store(spage_ptr + h * S + s, bm)
                 src = tl.where(fi == i, bm, src)
                 dst = tl.where(fi == i, s, dst)
-        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, wk_ptr, wv_ptr, PE, PEB)
+        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     return k, sel, dec
 
@@ -334,14 +361,15 @@ SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
 
 
 def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, part=None,
-               chunk: int | None = None):
+               chunk: int | None = None, scales=None):
     """pl (nkv, grp, n) from sketch_page_lse; the rest as in swap_pages_ref, except wk / wv are the
     slot part of the window as (nkv, S, PE) views with any head stride (contiguous within a head).
     CUDA: one fused Triton kernel, or with `part` (the sketch kernel's per-block log-sum-exp
-    shares) and more than `chunk` pages the two-stage kernels; elsewhere the torch reference."""
+    shares) and more than `chunk` pages the two-stage kernels; elsewhere the torch reference.
+    `scales`: the cold store is int8 (see swap_pages_ref), dequantized by the copy."""
     global _swap_kernel
     if not pl.is_cuda:
-        swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch)
+        swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch, scales)
         return
     if _swap_kernel is None:
         _swap_kernel = _build_swap()
@@ -352,6 +380,8 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, 
     chunk = SWAP_CHUNK if chunk is None else chunk
     F, FP = int(fetch), 1 << max(0, (int(fetch) - 1).bit_length())
     PEB = 1 << max(0, (PE - 1).bit_length())
+    ks, vs = scales if scales is not None else (hk, hv)       # unread without QUANT
+    quant = dict(G=PE // ks.shape[-1] if scales is not None else 1, QUANT=scales is not None)
     if part is not None and n > chunk:
         pm, psum = part
         nc = (n + chunk - 1) // chunk
@@ -364,10 +394,11 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, 
                                    NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP,
                                    num_warps=4)
         ncand = nc * FP
-        _swap_kernel[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
+        _swap_kernel[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, ks, vs, n, S, wk.stride(0),
                                 ncand, NCP=1 << max(0, (ncand - 1).bit_length()), F=F, FP=FP, PE=PE, PEB=PEB,
-                                num_warps=4)
+                                num_warps=4, **quant)
         return
     NP = 1 << max(0, (n - 1).bit_length())
-    _swap_kernel[0][(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, n, S, wk.stride(0),
-                            GRP=grp, NP=NP, F=F, FP=FP, PE=PE, PEB=PEB, num_warps=min(16, max(4, NP // 512)))
+    _swap_kernel[0][(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, ks, vs, n, S, wk.stride(0),
+                            GRP=grp, NP=NP, F=F, FP=FP, PE=PE, PEB=PEB, num_warps=min(16, max(4, NP // 512)),
+                            **quant)

@@ -85,6 +85,14 @@ class TierPlan:
     reason: str
 
 
+def memory_kind(device=None) -> str:
+    """The memory the serving process runs on: "jetson" (unified DRAM: /etc/nv_tegra_release), else
+    "discrete" for a CUDA device, else "cpu"."""
+    if os.path.isfile("/etc/nv_tegra_release"):
+        return "jetson"
+    return "discrete" if getattr(device, "type", str(device or "")) == "cuda" else "cpu"
+
+
 def plan_tiers(memory: str, stream: bool = False, cold_path: Optional[str] = None,
                cold_bits: int = 8) -> TierPlan:
     """Where WARM and COLD live for a memory kind: "discrete" (a GPU with its own memory), "jetson"

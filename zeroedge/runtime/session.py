@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from zeroedge.errors import UserError
-from zeroedge.kv.policy import LEVELS, ReleaseGate
+from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
 
 MIN_THERMAL_TOKENS = 32
 BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
@@ -303,6 +303,10 @@ class ServingSession:
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         if thermal:
             kw = dict(budget=self.kv_budget, page_size=ps, **self.thermal_opts)
+            # where cold pages live follows the memory: compressed on a Jetson's unified DRAM (host
+            # memory frees nothing there), full precision in pinned host memory elsewhere
+            kw.setdefault("cold", "int8" if plan_tiers(memory_kind(next(m.parameters()).device)).cold_compressed
+                          else "host")
             G = T - P + max_new
             dec = (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
                    else ThermalDecoder(m, P, G, graph=self.graph, **kw))
@@ -344,8 +348,9 @@ class ServingSession:
         detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
         if thermal:
             kb = dec.device_kv_bytes()
-            device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"]
+            device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
             detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
+                          cold_store=kw["cold"], cold_on_device_bytes=kb["cold_on_device"],
                           migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
         else:
             device_kv = dec.kv_bytes()

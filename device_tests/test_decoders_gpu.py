@@ -130,7 +130,7 @@ def test_int8_cold_store_in_the_graph_matches_the_host_store(setup):
         for h in range(att.nkv):
             for s in (att.slot_page[li, h] != start[li, h]).nonzero().flatten().tolist():
                 page = int(att.slot_page[li, h, s])
-                want = dequantize_pages(att.host_k[li, h, page], att.cold_ks[li, h, page]).to(win.dtype)
+                want = dequantize_pages(att.cold_k[li, h, page], att.cold_ks[li, h, page]).to(win.dtype)
                 assert torch.equal(win[h, s], want), (li, h, s)
                 fetched += 1
     assert fetched > 0

@@ -95,13 +95,13 @@ class ThermalAttention:
         # cold store: every prefix page, in host memory at full precision, or int8 on the device
         if self.cold == "int8":
             self.group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
-            self.host_k = torch.zeros(L, nkv, n, ps, hd, dtype=torch.int8, device=device)
-            self.host_v = torch.zeros_like(self.host_k)
+            self.cold_k = torch.zeros(L, nkv, n, ps, hd, dtype=torch.int8, device=device)
+            self.cold_v = torch.zeros_like(self.cold_k)
             self.cold_ks = torch.zeros(L, nkv, n, ps, hd // self.group, dtype=torch.float16, device=device)
             self.cold_vs = torch.zeros_like(self.cold_ks)
         else:
-            self.host_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
-            self.host_v = torch.zeros_like(self.host_k, pin_memory=pin) if pin else torch.zeros_like(self.host_k)
+            self.cold_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
+            self.cold_v = torch.zeros_like(self.cold_k, pin_memory=pin) if pin else torch.zeros_like(self.cold_k)
             self.cold_ks = self.cold_vs = None
         # device window: [fixed tokens | generated tokens | slot pages]
         self.fix_len = self.fixed * ps + self.gen_len
@@ -139,7 +139,7 @@ class ThermalAttention:
         summ = (self.codes.numel() + self.scales.numel() * 2 + self.A.numel() * 2)
         full = 2 * L * nkv * self.P * hd * el
         # the int8 cold store lives on the device (a Jetson's one DRAM); the host one does not
-        cold = (2 * (self.host_k.numel() + self.cold_ks.numel() * 2) if self.cold == "int8" else 0)
+        cold = (2 * (self.cold_k.numel() + self.cold_ks.numel() * 2) if self.cold == "int8" else 0)
         return {"hot": hot, "summaries": summ, "generated": 2 * L * nkv * (self.fix_len - self.fixed * ps) * hd * el,
                 "prefix_full": full, "page_table": 8 * L * nkv * self.n, "cold_on_device": cold}
 
@@ -176,19 +176,19 @@ class ThermalAttention:
                 vd.view(self.nkv, n, ps, self.hd)[:, first])
         self.wpos[self.fix_len:] = 0                    # slot tokens are prefix positions: valid
         if dev.type == "cuda" and self.cold == "host":
-            self.hk, self.hv = host_mapped(self.host_k), host_mapped(self.host_v)
+            self.hk, self.hv = host_mapped(self.cold_k), host_mapped(self.cold_v)
         else:
-            self.hk, self.hv = self.host_k, self.host_v
+            self.hk, self.hv = self.cold_k, self.cold_v
 
     def _store_cold(self, li, k, v):
         """Layer li's prefix pages (nkv, n, ps, hd) into the cold store."""
         if self.cold == "host":
-            self.host_k[li].copy_(k)
-            self.host_v[li].copy_(v)
+            self.cold_k[li].copy_(k)
+            self.cold_v[li].copy_(v)
             return
         from zeroedge.kv.kernels import quantize_pages
 
-        for x, codes, scales in ((k, self.host_k, self.cold_ks), (v, self.host_v, self.cold_vs)):
+        for x, codes, scales in ((k, self.cold_k, self.cold_ks), (v, self.cold_v, self.cold_vs)):
             c, sc = quantize_pages(x, self.group)
             codes[li].copy_(c)
             scales[li].copy_(sc)

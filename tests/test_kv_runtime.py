@@ -248,3 +248,33 @@ def test_serving_picks_the_cold_store_for_the_memory(tmp_path):
     assert kind in ("cpu", "jetson")
     assert plan_tiers("jetson").cold_compressed and not plan_tiers("discrete").cold_compressed
     assert memory_kind(torch.device("cuda")) in ("discrete", "jetson")
+
+
+def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
+    """The bandwidth scheduler in the decode loop: with the memory busy (the hardware signal, stubbed
+    here: NVML / jtop at the boundary) a due refresh is deferred, nothing moves, and it is made up at
+    the first step the scheduler allows again (hysteresis: below `low`); every decision is reported."""
+    from zeroedge.kv.scheduler import BandwidthScheduler
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    ids = torch.tensor([ids_(80, 3)])
+    P = 64
+    pre = E.prefill(tiny, ids[0, :P].tolist(), stats=False)
+    load = {"u": 0.95}
+    sched = BandwidthScheduler(1e12, high=0.85, low=0.75, sampler=lambda: load["u"])
+    d = ThermalDecoder(tiny, P, 16, budget=0.5, page_size=8, rank=8, recent_pages=1, fetch=8, graph=False,
+                       scheduler=sched)
+    d.load_prefix(pre["k"], pre["v"], pre["qcov"])
+    att = d.attention
+    start = att.slot_page.clone()
+    for t in range(P, P + 4):                              # busy: every due refresh deferred
+        d.step(ids[0, t].item(), t)
+    assert att.deferred == 4 and att.refreshes == 0 and torch.equal(att.slot_page, start)
+    load["u"] = 0.8                                        # between low and high: still deferring
+    d.step(ids[0, P + 4].item(), P + 4)
+    assert att.deferred == 5 and att.refreshes == 0
+    load["u"] = 0.1                                        # idle: the owed refresh runs
+    d.step(ids[0, P + 5].item(), P + 5)
+    assert att.refreshes == 1 and not torch.equal(att.slot_page, start)
+    rep = att.scheduler_report()
+    assert rep["deferred"] == 5 and rep["refreshes"] == 1 and rep["transfers"]["fetch"]["bytes"] == att.refresh_bytes()

@@ -66,7 +66,7 @@ class ThermalAttention:
 
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = 16, rank: int = 16,
                  recent_pages: int = 2, sink_pages: int = 1, fetch: int = 4, refresh_every: int = 1,
-                 cold: str = "host"):
+                 cold: str = "host", scheduler=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if not 0 < budget <= 1:
@@ -76,6 +76,11 @@ class ThermalAttention:
         if cold not in self.COLD:
             raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
         self.cold = cold
+        # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
+        # memory bandwidth is busy, and made up at the next step it is not
+        self.scheduler = scheduler
+        self.refreshes = self.deferred = 0
+        self._owed = False
         self.max_len = prefix_len + gen_len
         self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
         self.budget, self.rank, self.refresh_every = budget, rank, max(1, refresh_every)
@@ -203,8 +208,31 @@ class ThermalAttention:
         self.gen += 1
 
     def flag(self, pos: int) -> int:
-        """1 on the steps that refresh (score and swap pages): a CUDA graph of its own."""
-        return 1 if (self.gen - 1) % self.refresh_every == 0 else 0
+        """1 on the steps that refresh (score and swap pages): a CUDA graph of its own. A refresh due
+        while the scheduler defers migration is owed, and done at the first step it allows."""
+        due = (self.gen - 1) % self.refresh_every == 0 or self._owed
+        if not due:
+            return 0
+        if self.scheduler is not None and not self.scheduler.may_migrate():
+            self.deferred += 1
+            self._owed = True
+            return 0
+        self._owed = False
+        self.refreshes += 1
+        if self.scheduler is not None:    # an upper bound: every kv head of every layer fetches `fetch` pages
+            self.scheduler.record("fetch", self.refresh_bytes(), 0.0)
+        return 1
+
+    def refresh_bytes(self) -> int:
+        """The most a refresh copies into the window: K and V of `fetch` pages per kv head and layer."""
+        return 2 * self.L * self.nkv * self.fetch * self.ps * self.hd * self.wk.element_size()
+
+    def scheduler_report(self) -> dict:
+        out = {"refreshes": self.refreshes, "deferred": self.deferred}
+        if self.scheduler is not None:
+            out.update(utilization=round(self.scheduler.utilization(), 3), deferring=self.scheduler.deferring,
+                       transfers=self.scheduler.summary())
+        return out
 
     def per_step(self, pos: torch.Tensor):
         self.mask = additive_mask((self.wpos >= 0) & (self.wpos <= pos), self.dtype).view(1, 1, 1, -1)

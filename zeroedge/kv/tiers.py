@@ -133,3 +133,20 @@ class TransferHandler:
             if self.scheduler is not None:
                 self.scheduler.record(kind, nbytes, s.elapsed_time(e) / 1e3)
         self.pending.clear()
+
+
+def copy_bandwidth(device, nbytes: int = 256 << 20, reps: int = 3) -> float:
+    """Bytes read + written per second by a large device-to-device copy: the peak the bandwidth
+    scheduler measures its utilisation against (a Jetson's DRAM too: the copy runs in it)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        b.copy_(a)
+    e1.record()
+    e1.synchronize()
+    return reps * 2 * nbytes / (e0.elapsed_time(e1) / 1e3)
+

@@ -142,6 +142,17 @@ class ServingSession:
             if self.bundle_paths:
                 self.policies = {"bundle": self.bundle_paths}
 
+    def _scheduler(self, device):
+        """The session's bandwidth scheduler (one per session: its records span requests): peak from a
+        measured copy, utilisation also from NVML (discrete GPU) or jtop's EMC load (Jetson)."""
+        if getattr(self, "_bw_scheduler", None) is None:
+            from zeroedge.kv.scheduler import BandwidthScheduler, hardware_sampler
+            from zeroedge.kv.tiers import copy_bandwidth
+
+            self._bw_scheduler = BandwidthScheduler(copy_bandwidth(device),
+                                                    sampler=hardware_sampler(memory_kind(device)))
+        return self._bw_scheduler
+
     def _check_thermal_opts(self):
         import inspect
 
@@ -305,8 +316,10 @@ class ServingSession:
             kw = dict(budget=self.kv_budget, page_size=ps, **self.thermal_opts)
             # where cold pages live follows the memory: compressed on a Jetson's unified DRAM (host
             # memory frees nothing there), full precision in pinned host memory elsewhere
-            kw.setdefault("cold", "int8" if plan_tiers(memory_kind(next(m.parameters()).device)).cold_compressed
-                          else "host")
+            dev = next(m.parameters()).device
+            kw.setdefault("cold", "int8" if plan_tiers(memory_kind(dev)).cold_compressed else "host")
+            if dev.type == "cuda":              # refreshes wait while memory bandwidth is busy
+                kw.setdefault("scheduler", self._scheduler(dev))
             G = T - P + max_new
             dec = (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
                    else ThermalDecoder(m, P, G, graph=self.graph, **kw))
@@ -351,6 +364,7 @@ class ServingSession:
             device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
             detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
                           cold_store=kw["cold"], cold_on_device_bytes=kb["cold_on_device"],
+                          scheduler=dec.attention.scheduler_report(),
                           migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
         else:
             device_kv = dec.kv_bytes()

@@ -237,7 +237,7 @@ def test_fp16_weights_halve_the_bundle(tiny_dense, tmp_path):
         assert 0 < err <= 2e-3, err
         assert rel_err(a.step(7), b.step(7)) <= 2e-3
     assert run_cli("check", tmp_path / "h").returncode == 0
-    plans = [json.loads(run_cli("plan", b, "--board", "orin-nano-8gb", "--ctx", "1024", "--json",
+    plans = [json.loads(run_cli("plan", b, "--board", "orin-nano-8gb", "--ctx", "256", "--json",
                                 check_rc=0).stdout) for b in (tmp_path / "h", tiny_dense)]
     assert plans[0]["memory"]["weights"] == plans[1]["memory"]["weights"]
 

@@ -228,6 +228,7 @@ class ThermalAttention:
         return 2 * self.L * self.nkv * self.fetch * self.ps * self.hd * self.wk.element_size()
 
     def scheduler_report(self) -> dict:
+        """refreshes done; deferred: steps on which a due (or owed) refresh waited for bandwidth."""
         out = {"refreshes": self.refreshes, "deferred": self.deferred}
         if self.scheduler is not None:
             out.update(utilization=round(self.scheduler.utilization(), 3), deferring=self.scheduler.deferring,

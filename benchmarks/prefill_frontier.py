@@ -64,7 +64,7 @@ def main():
     torch.set_num_threads(a.threads)
 
     from zeroedge import calib_artifact, texts, weights
-    from zeroedge.export.calibrate import load_runtime
+    from zeroedge.mechanisms.pad import install_artifact
     from zeroedge.export.importance import ffn_io_and_grads
     from zeroedge.mechanisms.anchors import Anchor
     from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, install, remove
@@ -93,7 +93,7 @@ def main():
             io, _ = ffn_io_and_grads(m, ids, P)
             grads = {i: io[i][2].norm(dim=-1)[None] for i in io}
         # the deployed, gated configuration
-        rt = load_runtime(m, meta, tens)
+        rt = install_artifact(m, meta, tens)
         ppl, t = one_pass_ppl(m, ids, P, rt)
         sk = prefix_skip(rt, P, L)
         remove(m)

@@ -303,22 +303,3 @@ def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt
 
 class BudgetError(Exception):
     pass
-
-
-def load_runtime(model, meta: dict, tensors: dict, runtime: ZeroRuntime | None = None):
-    """Install the artifact's deployed policies (SIH thresholds + anchors, pruned heads) on the model."""
-    from zeroedge.calib_artifact import Calibration
-
-    cal = Calibration.from_meta(meta)
-    rt = runtime or ZeroRuntime()
-    rt.protect_first, rt.min_tokens, rt.protect_last = cal.sih.protect_first, cal.sih.min_tokens, cal.sih.protect_last
-    pol = {}
-    for L in cal.skip_layers:
-        anchor = Anchor.from_state(tensors, f"layers.{L.index}.anchor") if L.anchor_rank else None
-        pol[L.index] = LayerPolicy(scorer="sih", threshold=L.threshold,
-                                   sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih"), anchor=anchor,
-                                   block_size=L.block_size, block_frac=L.block_frac)
-    for layer, heads in cal.pruned_heads.items():
-        model.layers[layer].self_attn.prune_heads(heads)
-    install(model, pol, rt)
-    return rt

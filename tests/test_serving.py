@@ -362,3 +362,19 @@ def test_run_cli_bad_input_is_a_one_line_error(args, msg):
     p = run_cli("run", *args)
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_an_artifact_s_sih_section_is_said_not_applied_by_the_torch_backend(model, tmp_path):
+    """The same artifact gives the same mechanisms on every backend, or the command says which it
+    cannot apply: the torch serving prefill runs dense, so an artifact's SIH/PAD layers are reported
+    as not applied (the exported bundle runs them); a paths-only artifact reports nothing."""
+    from artifacts import paths_only, sih_artifact, with_paths
+
+    from zeroedge.runtime.session import ServingSession
+
+    meta, t = sih_artifact(tmp_path / "sih", None, cfg=model.cfg, skip=[1, 3])
+    with_paths(tmp_path / "both", meta, t, paths={0: (0.5, 0.01)}, n_layers=model.cfg.n_layers)
+    res = ServingSession(model, paths=tmp_path / "both").generate(ids_(40), 3, paths=True)
+    assert res.mechanisms["paths"] and "layers [1, 3]" in res.mechanisms["not_applied"][0]
+    res = ServingSession(model, paths=paths_only(tmp_path / "p", model.cfg)).generate(ids_(40), 3, paths=True)
+    assert "not_applied" not in res.mechanisms

@@ -50,7 +50,7 @@ def language_demo(ctx, offset, calib, repeats, out):
 
     from zeroedge import calib_artifact, texts, weights
     from zeroedge.evaluation import continuation_ppl
-    from zeroedge.export.calibrate import load_runtime
+    from zeroedge.mechanisms.pad import install_artifact
 
     calib = calib or shipped_artifact()
     meta, tensors = calib_artifact.load(calib)
@@ -63,7 +63,7 @@ def language_demo(ctx, offset, calib, repeats, out):
                f"score the last 1024 (long-document protocol)")
 
     # wrappers stay installed; inactive (runtime=None) they run the dense FFN unchanged
-    rt = load_runtime(m, meta, tensors)
+    rt = install_artifact(m, meta, tensors)
 
     def run(zero):
         return continuation_ppl(m, ids, 1024, rt if zero else None)

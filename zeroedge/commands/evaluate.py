@@ -104,14 +104,14 @@ def zero_eval(m, ids, calib, meta) -> dict:
 
     from zeroedge import calib_artifact
     from zeroedge.evaluation import all_tokens_ppl, continuation_ppl
-    from zeroedge.export.calibrate import load_runtime
+    from zeroedge.mechanisms.pad import install_artifact
     from zeroedge.mechanisms.pad import remove
 
     calib_artifact.check_model(meta, m.cfg, calib)
     t = torch.tensor([ids])
     dense = continuation_ppl(m, t, CONTINUATION)
     dense_all = all_tokens_ppl(m, t)
-    rt = load_runtime(m, meta, calib_artifact.load_tensors(calib))
+    rt = install_artifact(m, meta, calib_artifact.load_tensors(calib))
     try:
         zero = continuation_ppl(m, t, CONTINUATION, rt)
         zero_all = all_tokens_ppl(m, t, rt)

@@ -241,4 +241,5 @@ def summary(res, asked_kv: bool, asked_paths: bool) -> list:
     for k, asked, name in (("thermal_kv", asked_kv, "thermal KV"), ("paths", asked_paths, "decode paths")):
         if asked and not mech.get(k) and mech.get(f"{k}_reason"):
             lines.append(f"[run] {name} not used: {mech[f'{k}_reason']}")
+    lines += [f"[run] not applied: {what}" for what in mech.get("not_applied", [])]
     return lines

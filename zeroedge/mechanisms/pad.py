@@ -191,3 +191,25 @@ def check_sampling(temperature: float, force: bool = False) -> bool:
     """Mechanisms are disabled for temperature > 1.0 unless forced: pruning removes exactly the
     tail creative sampling wants."""
     return force or temperature <= 1.0
+
+
+def install_artifact(model, meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] = None) -> ZeroRuntime:
+    """Install a calibration artifact's deployed SIH/PAD policies (thresholds, heads, anchors) and its
+    head pruning on the model; returns the runtime that switches them on (runtime.active)."""
+    from zeroedge.calib_artifact import Calibration
+    from zeroedge.mechanisms.anchors import Anchor
+
+    cal = Calibration.from_meta(meta)
+    rt = runtime or ZeroRuntime()
+    rt.protect_first, rt.min_tokens, rt.protect_last = cal.sih.protect_first, cal.sih.min_tokens, cal.sih.protect_last
+    pol = {}
+    for L in cal.skip_layers:
+        anchor = Anchor.from_state(tensors, f"layers.{L.index}.anchor") if L.anchor_rank else None
+        pol[L.index] = LayerPolicy(scorer="sih", threshold=L.threshold,
+                                   sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih"), anchor=anchor,
+                                   block_size=L.block_size, block_frac=L.block_frac)
+    for layer, heads in cal.pruned_heads.items():
+        model.layers[layer].self_attn.prune_heads(heads)
+    install(model, pol, rt)
+    return rt
+

@@ -71,6 +71,19 @@ def _why_not(gate: ReleaseGate, n: int, temperature: float) -> str:
     return f"release level L{gate.level} ({LEVELS[gate.level]}) excludes {n} tokens at temperature {temperature:g}"
 
 
+def _sih_not_applied(paths) -> List[str]:
+    """The artifact's SIH/PAD section, which the torch serving prefill does not run (the exported
+    bundle does): said, never silently dropped."""
+    from zeroedge import calib_artifact
+
+    meta = paths[0] if isinstance(paths, (tuple, list)) else calib_artifact.read_meta(paths)
+    layers = [L.index for L in calib_artifact.Calibration.from_meta(meta).skip_layers]
+    if not layers:
+        return []
+    return [f"SIH/PAD on layers {layers}: the torch serving prefill runs dense; the exported bundle runs "
+            "them (zeroedge export MODEL --calib ARTIFACT, then run --backend onnxruntime or tensorrt)"]
+
+
 def path_policies(model, paths, where="artifact") -> dict:
     """paths: an artifact folder, or (meta, tensors). Returns the per-layer policies for `model`,
     or UserError naming what is missing / which model the artifact was made for."""
@@ -125,9 +138,11 @@ class ServingSession:
                 raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
             self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg, engines, plugin_lib)
         self.bundle_paths = []
+        self.not_applied: List[str] = []   # what the artifact holds that this backend does not run
         if backend == "torch":
             if paths is not None:
                 self.policies = path_policies(model, paths)
+                self.not_applied = _sih_not_applied(paths)
         else:
             # bundle backends: decode paths are nodes of the bundle's decode graph (zeroedge export with
             # a paths artifact), on for every request; a paths artifact here would be a second source
@@ -193,6 +208,8 @@ class ServingSession:
         n = n_prompt + max_new
         out = {"thermal_kv": False, "paths": False, "release_level": self.thermal_gate.level,
                "paths_level": self.paths_gate.level}
+        if self.not_applied:
+            out["not_applied"] = list(self.not_applied)
         if self.kv_budget is None:
             out["thermal_kv_reason"] = "no KV budget given"
         elif not self.thermal_gate.allows(n, temperature):

@@ -378,3 +378,15 @@ def test_an_artifact_s_sih_section_is_said_not_applied_by_the_torch_backend(mode
     assert res.mechanisms["paths"] and "layers [1, 3]" in res.mechanisms["not_applied"][0]
     res = ServingSession(model, paths=paths_only(tmp_path / "p", model.cfg)).generate(ids_(40), 3, paths=True)
     assert "not_applied" not in res.mechanisms
+
+
+def test_chunked_prefill_gives_the_whole_prompt_s_kv(model):
+    """The serving prefill on a GPU runs the prompt in chunks against the KV cache (activations of one
+    chunk): the K/V it leaves are the one-pass prefill's."""
+    from zeroedge.runtime.session import chunked_prefill
+
+    ids = ids_(100)
+    whole_k, whole_v = chunked_prefill(model, ids, chunk=len(ids))
+    k, v = chunked_prefill(model, ids, chunk=16)
+    assert len(k) == len(model.layers) and k[0].shape[1] == len(ids)
+    assert max(float((a - b).abs().max()) for a, b in zip(k + v, whole_k + whole_v)) < 1e-4

@@ -102,6 +102,29 @@ def path_policies(model, paths, where="artifact") -> dict:
     return policies_from_artifact(model, meta, tensors, where)
 
 
+PREFILL_CHUNK = 2048   # prompt tokens a prefill step runs at once: activations are bounded by it
+
+
+def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK):
+    """K/V (rope applied) of ids per layer, (nkv, T, hd) each, running the prompt through the model
+    `chunk` tokens at a time against its KV cache, so a long prompt's activations (the attention
+    scores above all) are those of one chunk, not of the whole prompt."""
+    import torch
+
+    dev = next(model.parameters()).device
+    model.setup_cache(1, len(ids))
+    try:
+        t = torch.tensor([ids], device=dev)
+        with torch.inference_mode():
+            for s in range(0, len(ids), chunk):
+                model.hidden_states(t[:, s:s + chunk], start=s)
+        ks = [b.self_attn.kv_cache.k[0].clone() for b in model.layers]
+        vs = [b.self_attn.kv_cache.v[0].clone() for b in model.layers]
+    finally:
+        model.drop_cache()
+    return ks, vs
+
+
 class ServingSession:
     def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
                  page_size: int = 16, paths=None, release_level: int = 3,
@@ -291,23 +314,13 @@ class ServingSession:
     # -- torch ---------------------------------------------------------------------------------
     def _prefill(self, ids):
         """K/V (rope applied) of ids per layer, and the query covariances on CPU."""
-        import torch
-
         m = self.model
-        dev = next(m.parameters()).device
-        if dev.type == "cpu":
+        if next(m.parameters()).device.type == "cpu":
             from zeroedge.kv.evaluate import prefill
 
-            pre = prefill(m, ids, stats=False)
+            pre = prefill(m, ids, stats=False)          # chunked too, with the query covariances
             return pre["k"], pre["v"], pre["qcov"]
-        m.setup_cache(1, len(ids))
-        try:
-            with torch.inference_mode():
-                m.hidden_states(torch.tensor([ids], device=dev))
-            ks = [b.self_attn.kv_cache.k[0].clone() for b in m.layers]
-            vs = [b.self_attn.kv_cache.v[0].clone() for b in m.layers]
-        finally:
-            m.drop_cache()
+        ks, vs = chunked_prefill(m, ids, PREFILL_CHUNK)
         return ks, vs, None
 
     def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:

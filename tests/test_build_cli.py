@@ -325,7 +325,7 @@ def test_run_tensorrt_checks_the_engines_before_loading_them(rtx, plugin_lib, ti
     assert not failures, "\n".join(failures)
 
 
-def test_run_bundle_backends_need_no_model(tiny_trt_bundles):
+def test_run_bundle_backends_need_no_model(tiny_trt_bundles, tmp_path):
     """The bundle has the shapes and the tokenizer: `zeroedge run --backend onnxruntime --bundle B`
     generates without MODEL, the same tokens as with it; a MODEL of another shape is refused."""
     zero = tiny_trt_bundles / "zero"
@@ -339,3 +339,11 @@ def test_run_bundle_backends_need_no_model(tiny_trt_bundles):
     assert p.returncode == 2 and "was exported from tiny" in p.stderr, p.stderr[-500:]
     p = run_cli("run", "--prompt", "x")
     assert p.returncode == 2 and "give MODEL" in p.stderr and "Traceback" not in p.stderr
+    # a bundle whose manifest does not say which model it holds: one line, exit 2
+    broken = tmp_path / "no-model"
+    shutil.copytree(zero, broken)
+    mf = json.loads((broken / "manifest.json").read_text())
+    del mf["model"]
+    (broken / "manifest.json").write_text(json.dumps(mf))
+    p = run_cli("run", "--backend", "onnxruntime", "--bundle", broken, "--prompt", "x")
+    assert p.returncode == 2 and "no usable model section" in p.stderr and "Traceback" not in p.stderr, p.stderr

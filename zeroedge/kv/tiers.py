@@ -135,9 +135,10 @@ class TransferHandler:
         self.pending.clear()
 
 
-def copy_bandwidth(device, nbytes: int = 256 << 20, reps: int = 3) -> float:
-    """Bytes read + written per second by a large device-to-device copy: the peak the bandwidth
-    scheduler measures its utilisation against (a Jetson's DRAM too: the copy runs in it)."""
+def copy_bandwidth(device, nbytes: int = 128 << 20, reps: int = 3) -> float:
+    """Bytes read + written per second by a device-to-device copy larger than any L2: the peak the
+    bandwidth scheduler measures its utilisation against (a Jetson's DRAM too: the copy runs in it).
+    Its buffers are handed back to the device afterwards (serving memory is tight on an Orin)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
@@ -148,5 +149,7 @@ def copy_bandwidth(device, nbytes: int = 256 << 20, reps: int = 3) -> float:
         b.copy_(a)
     e1.record()
     e1.synchronize()
-    return reps * 2 * nbytes / (e0.elapsed_time(e1) / 1e3)
-
+    seconds = e0.elapsed_time(e1) / 1e3
+    del a, b
+    torch.cuda.empty_cache()
+    return reps * 2 * nbytes / seconds

@@ -110,7 +110,7 @@ def test_int8_cold_store_in_the_graph_matches_the_host_store(setup):
     the CUDA graph: every page fetched into a slot holds exactly its dequantized cold page, and the
     distance to the dense logits stays that of the pinned host store. (Which pages move may differ:
     on random weights many page scores are near ties.)"""
-    from zeroedge.kv.kernels import dequantize_pages
+    from zeroedge.kv.tiers import dequantize
     from zeroedge.runtime.fast import ThermalDecoder
 
     m, ids, _, ref, pre = setup
@@ -130,7 +130,7 @@ def test_int8_cold_store_in_the_graph_matches_the_host_store(setup):
         for h in range(att.nkv):
             for s in (att.slot_page[li, h] != start[li, h]).nonzero().flatten().tolist():
                 page = int(att.slot_page[li, h, s])
-                want = dequantize_pages(att.cold_k[li, h, page], att.cold_ks[li, h, page]).to(win.dtype)
+                want = dequantize(att.cold_k[li, h, page], att.cold_ks[li, h, page], 8, att.group, win.dtype)
                 assert torch.equal(win[h, s], want), (li, h, s)
                 fetched += 1
     assert fetched > 0

@@ -12,6 +12,7 @@ import textwrap
 SCRIPT = textwrap.dedent('''
     import torch
     from zeroedge.kv import kernels as K
+    from zeroedge.kv.tiers import quantize
 
     g = torch.Generator().manual_seed(1)
     qp, kl = K._build()
@@ -44,7 +45,7 @@ SCRIPT = textwrap.dedent('''
             ps0[h, sp[h]] = torch.arange(S)
         hk, hv = torch.randn(nkv, n, PE, generator=g), torch.randn(nkv, n, PE, generator=g)
         wk, wv = torch.randn(nkv, S, PE, generator=g), torch.randn(nkv, S, PE, generator=g)
-        (hk8, ks), (hv8, vs) = K.quantize_pages(hk, 4), K.quantize_pages(hv, 4)   # the int8 cold store
+        (hk8, ks), (hv8, vs) = quantize(hk, 8, 4), quantize(hv, 8, 4)   # the int8 cold store
         nb = -(-n // 16)
         pad = torch.full((nkv, grp, nb * 16), float("-inf"))
         pad[..., :n] = pl

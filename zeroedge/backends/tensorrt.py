@@ -27,7 +27,6 @@ between the two is named in `runtime_traits`.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -299,11 +298,10 @@ def _write_atomic(path: Path, data: bytes):
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
+    """bundle.sha256_file of the file a path names (the plugin library may be reached by a link)."""
+    from zeroedge.bundle import sha256_file
+
+    return sha256_file(Path(path).resolve())
 
 
 # ------------------------------------------------------------------------------------ planning

@@ -191,10 +191,10 @@ class ThermalAttention:
             self.cold_k[li].copy_(k)
             self.cold_v[li].copy_(v)
             return
-        from zeroedge.kv.kernels import quantize_pages
+        from zeroedge.kv.tiers import quantize
 
         for x, codes, scales in ((k, self.cold_k, self.cold_ks), (v, self.cold_v, self.cold_vs)):
-            c, sc = quantize_pages(x, self.group)
+            c, sc = quantize(x, 8, self.group)
             codes[li].copy_(c)
             scales[li].copy_(sc)
 

@@ -176,24 +176,12 @@ def page_scores_ref(pl, page_bias):
     return (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + page_bias
 
 
-def dequantize_pages(codes, scales):
-    """int8 cold pages (..., PE) with one scale per group of PE // scales.shape[-1] values -> float32."""
-    G = codes.shape[-1] // scales.shape[-1]
-    return (codes.float().unflatten(-1, (-1, G)) * scales.float()[..., None]).flatten(-2)
-
-
-def quantize_pages(x, group: int):
-    """(codes int8, scales fp16) of x (..., D): symmetric, one scale per `group` values of the last dim."""
-    g = x.float().unflatten(-1, (-1, group))
-    scale = (g.abs().amax(-1) / 127).clamp_min(1e-8)
-    codes = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return codes.flatten(-2), scale.half()
-
-
 def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales=None):
-    """In place. score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S);
+    """In place. (int8 pages: zeroedge.kv.tiers.quantize / dequantize.) score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S);
     wk / wv (nkv, S, PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store, int8 codes
     when `scales` = (key scales, value scales) (nkv, n, PE // G) is given."""
+    from zeroedge.kv.tiers import dequantize
+
     inf = float("inf")
     for h in range(score.shape[0]):
         sl = page_slot[h]
@@ -211,8 +199,9 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
                     wk[h, s] = hk[h, bm]
                     wv[h, s] = hv[h, bm]
                 else:
-                    wk[h, s] = dequantize_pages(hk[h, bm], scales[0][h, bm]).to(wk.dtype)
-                    wv[h, s] = dequantize_pages(hv[h, bm], scales[1][h, bm]).to(wv.dtype)
+                    g = hk.shape[-1] // scales[0].shape[-1]
+                    wk[h, s] = dequantize(hk[h, bm], scales[0][h, bm], 8, g, wk.dtype)
+                    wv[h, s] = dequantize(hv[h, bm], scales[1][h, bm], 8, g, wv.dtype)
 
 
 def _build_swap():

@@ -241,13 +241,17 @@ def test_int8_cold_store_serves_within_rounding_and_halves_its_bytes(tiny):
         ThermalDecoder(tiny, P, 16, graph=False, cold="int2")
 
 
-def test_serving_picks_the_cold_store_for_the_memory(tmp_path):
+def test_serving_picks_the_cold_store_for_the_memory(tmp_path, monkeypatch):
+    """A Jetson (here a fake device tree with an L4T release file, the probe's boundary) gets the
+    compressed cold store; a discrete GPU and the CPU keep full-precision pages in host memory."""
     from zeroedge.kv.policy import memory_kind, plan_tiers
 
-    kind = memory_kind(torch.device("cpu"))
-    assert kind in ("cpu", "jetson")
+    monkeypatch.setenv("ZEROEDGE_DEVICE_ROOT", str(tmp_path))
+    assert memory_kind(torch.device("cpu")) == "cpu" and memory_kind(torch.device("cuda")) == "discrete"
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "nv_tegra_release").write_text("# R36 (release), REVISION: 4.3, GCID: 1, BOARD: generic\n")
+    assert memory_kind(torch.device("cuda")) == "jetson"
     assert plan_tiers("jetson").cold_compressed and not plan_tiers("discrete").cold_compressed
-    assert memory_kind(torch.device("cuda")) in ("discrete", "jetson")
 
 
 def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):

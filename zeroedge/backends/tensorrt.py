@@ -846,7 +846,9 @@ def engine_line(row: dict) -> str:
 
 def gpu_here() -> bool:
     """A GPU that can run engines: a discrete NVIDIA GPU or a Jetson's integrated one."""
-    return gpu_present() or Path("/etc/nv_tegra_release").is_file()
+    from zeroedge.device.probe import is_jetson
+
+    return gpu_present() or is_jetson()
 
 
 def check_engines(bundle: Path, engines: Path, trt=None) -> dict:

@@ -66,6 +66,11 @@ def _read(root, path):
         return None
 
 
+def is_jetson(root=None) -> bool:
+    """This machine (or the fake root) is a Jetson: it has an L4T release file."""
+    return os.path.isfile(under(root or device_root(), "/etc/nv_tegra_release"))
+
+
 def parse_nv_tegra_release(text):
     """'# R36 (release), REVISION: 4.3, GCID: ..., BOARD: generic, ...' -> dict or None."""
     if not text:

@@ -88,7 +88,9 @@ class TierPlan:
 def memory_kind(device=None) -> str:
     """The memory the serving process runs on: "jetson" (unified DRAM: /etc/nv_tegra_release), else
     "discrete" for a CUDA device, else "cpu"."""
-    if os.path.isfile("/etc/nv_tegra_release"):
+    from zeroedge.device.probe import is_jetson
+
+    if is_jetson():
         return "jetson"
     return "discrete" if getattr(device, "type", str(device or "")) == "cuda" else "cpu"
 

@@ -185,3 +185,14 @@ def test_bookkeeping_does_not_import_torch():
     code = ("import sys, zeroedge.kv, zeroedge.kv.pages, zeroedge.kv.heat, zeroedge.kv.policy, "
             "zeroedge.kv.scheduler; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_scheduler_reads_the_hardware_at_most_every_sample_every():
+    """A decode loop asks every step; NVML / jtop are read at most every `sample_every` seconds."""
+    now, reads = [0.0], []
+    s = BandwidthScheduler(1000, sampler=lambda: reads.append(now[0]) or 0.5, clock=lambda: now[0],
+                           sample_every=0.02)
+    for _ in range(10):
+        s.utilization()
+        now[0] += 0.005
+    assert len(reads) == 3 and s.utilization() == pytest.approx(0.5)

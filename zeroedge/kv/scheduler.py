@@ -73,7 +73,7 @@ class BandwidthScheduler:
     def __init__(self, peak_bytes_per_s: float, high: float = 0.85, low: float = 0.75,
                  fetch_pages_per_step: int = 64, window_s: float = 0.05,
                  sampler: Optional[Callable[[], float]] = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, sample_every: float = 0.0):
         if not 0 < low <= high <= 1:
             raise ValueError(f"need 0 < low <= high <= 1 (got low={low}, high={high})")
         if peak_bytes_per_s <= 0:
@@ -82,6 +82,9 @@ class BandwidthScheduler:
         self.fetch_pages_per_step = fetch_pages_per_step
         self.window_s = window_s
         self.sampler, self.clock = sampler, clock
+        # seconds between hardware reads (NVML / jtop cost tens of microseconds: a decode loop that
+        # asks every step reads at most this often); 0: every call
+        self.sample_every, self._hw, self._hw_at = sample_every, 0.0, None
         self.records: Deque[TransferRecord] = deque(maxlen=4096)
         self.deferring = False
         self.deferred: Deque[Tuple[int, int]] = deque()   # (page, dst tier) waiting for a gap
@@ -97,10 +100,13 @@ class BandwidthScheduler:
         moved = sum(r.nbytes for r in self.records if now - r.t_end <= self.window_s)
         u = (moved / self.window_s + self.decode_bytes_per_s) / self.peak
         if self.sampler is not None:
-            try:
-                u = max(u, float(self.sampler()))
-            except Exception:
-                pass
+            if self._hw_at is None or now - self._hw_at >= self.sample_every:
+                try:
+                    self._hw = float(self.sampler())
+                except Exception:
+                    self._hw = 0.0
+                self._hw_at = now
+            u = max(u, self._hw)
         return min(1.0, u)
 
     # -- decisions -------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class ServingSession:
             from zeroedge.kv.scheduler import BandwidthScheduler, hardware_sampler
             from zeroedge.kv.tiers import copy_bandwidth
 
-            self._bw_scheduler = BandwidthScheduler(copy_bandwidth(device),
+            self._bw_scheduler = BandwidthScheduler(copy_bandwidth(device), sample_every=0.02,
                                                     sampler=hardware_sampler(memory_kind(device)))
         return self._bw_scheduler
 

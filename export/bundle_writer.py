@@ -188,9 +188,11 @@ def calibration_summary(meta: Optional[dict], path, paths: Optional[dict] = None
 
 
 def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", window: int = 1024,
-                  progress=None, force: bool = False, weights: str = "float16") -> dict:
+                  progress=None, force: bool = False, weights: str = "float16",
+                  prefill_chunk: Optional[int] = None) -> dict:
     """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
-    (WEIGHT_DTYPES; see the module docstring)."""
+    (WEIGHT_DTYPES; see the module docstring). prefill_chunk: the runners' prefill chunk, recorded in
+    the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK)."""
     import onnx
     import torch
 
@@ -198,7 +200,12 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     from zeroedge import calib_artifact, plugin_spec
     from zeroedge.export import rewrite
 
+    from zeroedge.bundle import DEFAULT_PREFILL_CHUNK
+
     step = progress or (lambda msg: None)
+    chunk = int(prefill_chunk or DEFAULT_PREFILL_CHUNK)
+    if chunk < 1:
+        raise UserError(f"prefill chunk must be >= 1 (got {chunk})")
     if weights not in WEIGHT_DTYPES:
         raise UserError(f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {weights!r})")
     out = Path(out)
@@ -232,6 +239,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
             "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
             "window": int(window), "dtype": "float32", "graph_files": files,
+            "prefill": prefill_section(chunk, meta, foreign=isinstance(model, str) and model.endswith(".onnx")),
             "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved},
             "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
                        "torch": torch.__version__, "onnx": onnx.__version__}})
@@ -242,6 +250,19 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def prefill_section(chunk: int, meta: Optional[dict], foreign: bool = False) -> dict:
+    """The manifest's "prefill": the chunk the runners prefill a long prompt in, or one_pass with why
+    (SIH/PAD layers see the whole prompt; a foreign graph has no prefix inputs)."""
+    skip = [L["index"] for L in (meta or {}).get("layers", []) if L.get("skip")]
+    if foreign:
+        return {"chunk": None, "one_pass": True, "why": "a rewritten foreign graph has no prefix inputs"}
+    if skip:
+        return {"chunk": chunk, "one_pass": True,
+                "why": f"SIH/PAD on layers {skip} see the whole prompt (first / last positions, the score "
+                       "moving average): chunks would change what they skip"}
+    return {"chunk": chunk, "one_pass": False}
 
 
 def _foreign_graphs(path: str, meta, tensors, has_paths: bool, step):

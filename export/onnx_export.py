@@ -5,11 +5,16 @@ q/k/v/o projections, the SwiGLU MLP), so the FFN of every layer keeps the plain 
 the rewrite (export/rewrite.py) looks for. Attention is written out (explicit softmax) because both
 graphs report the attention mass each cached position received: the thermal KV runtime's heat.
 
-prefill  inputs : tokens int64 [B, T]                  (positions 0..T-1)
+prefill  inputs : tokens int64 [B, T]                  (positions P..P+T-1)
+                  prefix_k.{i}, prefix_v.{i} [B, P, Hkv, hd]  K/V of the P tokens before (keys after
+                                                        RoPE), token-major so that a runner's [T, ...]
+                                                        buffer feeds its first P rows without a copy;
+                                                        P = 0 (empty) for a whole prompt or a first chunk
          outputs: logits [B, 1, V]                      (last position only)
-                  present_k.{i}, present_v.{i} [B, Hkv, T, hd]   keys after RoPE
-                  attn_mass [B, L, T]                   mass each key received, summed over queries,
-                                                        averaged over the layer's query heads
+                  present_k.{i}, present_v.{i} [B, Hkv, T, hd]   the T new tokens' keys after RoPE
+                  attn_mass [B, L, P+T]                 mass each key received from the T queries,
+                                                        averaged over the layer's query heads (sums
+                                                        over chunks to the whole prompt's mass)
 decode   inputs : tokens int64 [B, 1], pos int64 [B]    (position of the new token)
                   slot_pos int64 [B, S]                 position held by each slot, -1 = empty
                   past_k.{i}, past_v.{i} [B, Hkv, S, hd] the fixed-slot hot window (keys post-RoPE)
@@ -54,36 +59,39 @@ def _wrappers():
             self.m = model
             self.cfg = model.cfg
 
-        def forward(self, tokens):
+        def forward(self, tokens, *prefix):
             m, cfg = self.m, self.cfg
             B, T = tokens.shape
             hd, nkv = cfg.head_dim, cfg.n_kv_heads
-            pos = torch.arange(T, dtype=torch.float32)
+            P = prefix[0].shape[1]                       # tokens before this chunk
+            pos = torch.arange(T, dtype=torch.float32) + P
             f = pos[:, None] * m.inv_freq[None, :]
             emb = torch.cat((f, f), dim=-1)
             cos, sin = emb.cos(), emb.sin()
-            i = torch.arange(T)
-            causal = (i[None, :] <= i[:, None])
+            causal = torch.arange(P + T)[None, :] <= (torch.arange(T) + P)[:, None]   # (T, P+T)
             neg = torch.where(causal, 0.0, float("-inf"))
             x = m.embed_tokens(tokens)
             ks, vs, masses = [], [], []
-            for blk in m.layers:
+            for li, blk in enumerate(m.layers):
                 a, q, k, v, h = layer_attn(blk, blk.input_layernorm(x), cos, sin)
                 ks.append(k)
                 vs.append(v)
+                k = torch.cat((prefix[2 * li].transpose(1, 2), k), 2)          # (B, Hkv, P+T, hd)
+                v = torch.cat((prefix[2 * li + 1].transpose(1, 2), v), 2)
+                S = k.shape[2]
                 group = cfg.n_heads // nkv
                 if h == cfg.n_heads:      # no pruning: grouped view, K/V are not copied
                     qg = q.reshape(B, nkv, group * T, hd)
-                    s = (qg @ k.transpose(-1, -2)).view(B, nkv, group, T, T) * (1.0 / math.sqrt(hd)) + neg
+                    s = (qg @ k.transpose(-1, -2)).view(B, nkv, group, T, S) * (1.0 / math.sqrt(hd)) + neg
                     p = s.softmax(-1)
-                    masses.append(p.sum(3).mean((1, 2)))                 # (B, T)
-                    out = (p.view(B, nkv, group * T, T) @ v).view(B, h, T, hd)
+                    masses.append(p.sum(3).mean((1, 2)))                 # (B, P+T)
+                    out = (p.view(B, nkv, group * T, S) @ v).view(B, h, T, hd)
                 else:
                     kv_index = a.kept_heads // group
                     kk, vv = k.index_select(1, kv_index), v.index_select(1, kv_index)
                     s = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + neg
-                    p = s.softmax(-1)                                    # (B, h, T, T)
-                    masses.append(p.sum(2).mean(1))                      # (B, T)
+                    p = s.softmax(-1)                                    # (B, h, T, P+T)
+                    masses.append(p.sum(2).mean(1))                      # (B, P+T)
                     out = p @ vv
                 out = out.transpose(1, 2).reshape(B, T, h * hd)
                 x = x + a.o_proj(out)
@@ -136,10 +144,11 @@ def _wrappers():
 
 
 def io_names(n_layers: int):
+    pre_in = ["tokens"] + [f"prefix_{kv}.{i}" for i in range(n_layers) for kv in "kv"]
     pre_out = ["logits"] + [f"present_{kv}.{i}" for i in range(n_layers) for kv in "kv"] + ["attn_mass"]
     dec_in = ["tokens", "pos", "slot_pos"] + [f"past_{kv}.{i}" for i in range(n_layers) for kv in "kv"]
     dec_out = ["logits"] + [f"new_{kv}.{i}" for i in range(n_layers) for kv in "kv"] + ["attn_mass"]
-    return ["tokens"], pre_out, dec_in, dec_out
+    return pre_in, pre_out, dec_in, dec_out
 
 
 def export_graphs(model, out_dir, example_len: int = 8, example_slots: int = 16, progress=None):
@@ -161,10 +170,12 @@ def export_graphs(model, out_dir, example_len: int = 8, example_slots: int = 16,
     with torch.no_grad():
         t0 = time.perf_counter()
         tokens = torch.randint(0, cfg.vocab_size, (1, example_len))
-        dyn = {"tokens": {0: "batch", 1: "seq"}, "logits": {0: "batch"}, "attn_mass": {0: "batch", 2: "seq"}}
+        prefix = [torch.randn(1, example_len, nkv, hd) for _ in range(2 * L)]   # P > 0: traced as dynamic
+        dyn = {"tokens": {0: "batch", 1: "seq"}, "logits": {0: "batch"}, "attn_mass": {0: "batch", 2: "ctx"}}
         dyn.update({n: {0: "batch", 2: "seq"} for n in pout if n.startswith("present_")})
+        dyn.update({n: {0: "batch", 1: "prefix"} for n in pin if n.startswith("prefix_")})
         p_path = out_dir / "prefill.onnx"
-        _export(Prefill(model), (tokens,), p_path, pin, pout, dyn)
+        _export(Prefill(model), (tokens, *prefix), p_path, pin, pout, dyn)
         secs["prefill"] = time.perf_counter() - t0
         if progress:
             progress("prefill")

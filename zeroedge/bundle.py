@@ -32,6 +32,27 @@ SIGNATURE = "manifest.sig"
 FORMAT_VERSION = 1
 
 
+# the prefill chunk a bundle's runners use unless told (manifest "prefill": {"chunk", "one_pass", "why"});
+# 512: the chunk's scores are [h, 512, past+512], a 16th of one pass at 8K, and on this CPU a chunk of
+# 512 prefills as fast as one pass or faster (benchmarks/chunked_prefill.md)
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def prefill_plan(manifest: dict, prefix_inputs: bool = True, chunk: int | None = None):
+    """(chunk, why) for a bundle's prefill graph; chunk None means one pass: a graph without prefix
+    inputs (exported before chunked prefill) or a manifest that says one_pass (SIH/PAD layers).
+    `chunk` (a runner's or the planner's argument) overrides the manifest's."""
+    pm = manifest.get("prefill") if isinstance(manifest.get("prefill"), dict) else None
+    if not prefix_inputs or pm is None:
+        return None, "one pass: the prefill graph has no prefix inputs (exported before chunked prefill)"
+    if pm.get("one_pass"):
+        return None, f"one pass: {pm.get('why') or 'the bundle says so'}"
+    c = int(chunk if chunk is not None else (pm.get("chunk") or DEFAULT_PREFILL_CHUNK))
+    if c < 1:
+        raise UserError(f"prefill chunk must be >= 1 (got {c})")
+    return c, f"chunks of {c} tokens"
+
+
 def read_regular(path: Path) -> bytes:
     """The bytes of `path`, never through a link at its last component (OSError for a link)."""
     with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:

@@ -14,6 +14,16 @@ by the thermal KV runtime's policy, or a whole policy object given as `policy` t
 window (zeroedge.kv.ort_policy.OrtThermalPolicy: pages, heat, a WARM/COLD store): it fills the
 window at prefill (`policy.prefill`), picks each new token's slot (`policy.slot_for`) and moves
 pages after the step (`policy.after_step`). Without one, the behaviour above is unchanged.
+
+Chunked prefill: a prompt longer than `chunk` tokens runs through the prefill graph `chunk` tokens at
+a time; each chunk reads the K/V of the tokens before it (the graph's prefix_k/v inputs, token-major,
+fed as views of one [T, Hkv, hd] buffer per layer) and adds its attention mass to the whole prompt's,
+so the results equal one pass within float rounding while the scores live at [h, chunk, past+chunk]
+instead of [h, T, T]. The chunk: the `chunk` argument, else the manifest's prefill.chunk, else
+zeroedge.bundle.DEFAULT_PREFILL_CHUNK. One pass instead, said in `prefill_mode`: a bundle whose
+prefill graph has no prefix inputs (exported before chunking), or one with SIH/PAD layers (the
+manifest's prefill.one_pass: the plugins see the whole prompt, its first and last positions and the
+score moving average, so chunks would change what they skip).
 """
 from __future__ import annotations
 
@@ -21,13 +31,38 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from zeroedge.bundle import prefill_plan
 from zeroedge.errors import UserError
+
+
+class PrefillGraph:
+    """A prefill session (onnxruntime or TensorRT) whose `run(None, feed)` fills prefix inputs the feed
+    leaves out with empty ones (P = 0): a whole prompt runs as before from {"tokens": ...} alone."""
+
+    def __init__(self, session, input_names, nkv: int, hd: int):
+        import numpy as np
+
+        self.session = session
+        self.prefix = [n for n in input_names if n.startswith("prefix_")]
+        self.empty = np.zeros((1, 0, nkv, hd), np.float32)
+
+    def run(self, names, feed: dict):
+        missing = [n for n in self.prefix if n not in feed]
+        if missing:
+            feed = {**feed, **{n: self.empty for n in missing}}
+        return self.session.run(names, feed)
+
+    def __getattr__(self, name):             # close(), buffers, get_inputs() ... of the session
+        if name == "session":
+            raise AttributeError(name)
+        return getattr(self.session, name)
 
 
 class OrtRunner:
     def __init__(self, bundle, slots: Optional[int] = None, flavour: str = "portable",
                  threads: Optional[int] = None, sinks: int = 4, decay: float = 0.9,
-                 evict: Optional[Callable] = None, verify: bool = True, policy=None):
+                 evict: Optional[Callable] = None, verify: bool = True, policy=None,
+                 chunk: Optional[int] = None):
         import numpy as np
 
         from zeroedge import bundle as bundle_mod
@@ -57,6 +92,8 @@ class OrtRunner:
         except Exception as e:  # onnxruntime raises its own types for bad graphs
             raise UserError(f"{bundle}: onnxruntime cannot load the {flavour} graphs "
                             f"({type(e).__name__}: {str(e)[:300]})") from None
+        self.pre = PrefillGraph(self.pre, [i.name for i in self.pre.get_inputs()], self.nkv, self.hd)
+        self.chunk, self.prefill_mode = prefill_plan(self.manifest, bool(self.pre.prefix), chunk)
         self.sinks, self.decay = sinks, decay
         self.evict = evict or self._coldest
         self.policy = policy
@@ -99,10 +136,13 @@ class OrtRunner:
             raise UserError("prefill needs at least 2 tokens (use step() for one)")
         self.reset()
         t0 = time.perf_counter()
-        out = self.pre.run(None, {"tokens": tokens})
+        if self.chunk is None or T <= self.chunk:
+            out = self.pre.run(None, {"tokens": tokens})
+            logits, kv, mass = out[0], out[1:-1], out[-1]
+        else:
+            logits, kv, mass = self._chunked(tokens, self.chunk)
         self.timings["prefill_s"] += time.perf_counter() - t0
         self.timings["prefill_tokens"] += T
-        logits, kv, mass = out[0], out[1:-1], out[-1]
         m = mass[0].mean(0)                                     # (T,) over layers
         if self.policy is not None:
             self.policy.prefill(self, kv, mass, T)
@@ -121,6 +161,27 @@ class OrtRunner:
         self.heat[:n] = m[keep]
         self.pos = T
         return logits[0, 0]
+
+    def _chunked(self, tokens, C: int):
+        """The prompt C tokens at a time: (last logits, K/V [1, Hkv, T, hd] per layer (views of the
+        token-major buffers), attention mass [1, L, T] summed over every chunk's queries)."""
+        np = self.np
+        T = tokens.shape[1]
+        names = self.pre.prefix                      # prefix_k.0, prefix_v.0, prefix_k.1, ...
+        buf = [np.empty((1, T, self.nkv, self.hd), np.float32) for _ in names]
+        mass = np.zeros((1, self.L, T), np.float32)
+        for a in range(0, T, C):
+            e = min(a + C, T)
+            feed = {"tokens": tokens[:, a:e]}
+            for n, b in zip(names, buf):
+                feed[n] = b[:, :a]                   # contiguous: the first a rows
+            out = self.pre.run(None, feed)
+            for j, b in enumerate(buf):
+                b[0, a:e] = out[1 + j][0].transpose(1, 0, 2)
+            mass[:, :, :e] += out[-1]
+            logits = out[0]
+            del out, feed
+        return logits, [b.transpose(0, 2, 1, 3) for b in buf], mass
 
     def step(self, token: int):
         """One decode step; the token is at position self.pos. Returns logits (V,)."""

@@ -14,7 +14,8 @@ Build stages follow Polygraphy's loaders: `EngineFromOnnx(...)()` returns the se
 fp16, the workspace from the bundle's plan (else 256 MiB, the planner's assumption; a graph that runs
 out of it is built again once with max(1 GiB, twice what it asked for)), a timing cache kept beside
 the engines (TensorRT 10.3; TensorRT-RTX has none), one optimisation profile per graph (token length 1..max_tokens, every other
-dynamic dimension fixed at the bundle's KV window), and the plugin library serialized into the
+dynamic dimension fixed at the bundle's KV window; a chunked prefill graph: tokens 1..chunk and its
+prefix K/V 0..max_tokens-1 tokens, see profile_shapes), and the plugin library serialized into the
 engine (version-compatible plan with the lean runtime excluded; `serialize_plugins=False` instead
 loads the library at run time). Where TensorRT or cuda-python is missing, TensorRTMissing (a
 UserError, exit code 2) says in one line how to get it.
@@ -35,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from zeroedge.backends.onnxruntime import OrtRunner  # light: imports onnxruntime only when used
+from zeroedge.backends.onnxruntime import OrtRunner, PrefillGraph  # light: imports onnxruntime only when used
+from zeroedge.bundle import prefill_plan
 from zeroedge.errors import MissingDependency, UserError
 
 GRAPHS = ("prefill", "decode")
@@ -327,10 +329,16 @@ def max_tokens_from_plan(manifest: dict) -> int:
 
 
 def profile_shapes(inputs: Sequence[Tuple[str, Sequence[int]]], max_tokens: int, window: int,
-                   overrides: Optional[Dict[str, Tuple]] = None) -> Dict[str, Tuple[Tuple, Tuple, Tuple]]:
+                   overrides: Optional[Dict[str, Tuple]] = None,
+                   chunk: Optional[int] = None) -> Dict[str, Tuple[Tuple, Tuple, Tuple]]:
     """min / opt / max per network input with a dynamic (-1) dimension: the token dimension of
-    `tokens` spans 1..max_tokens (opt: min(512, max)); any other dynamic dimension is the KV window."""
+    `tokens` spans 1..max_tokens (opt: min(512, max)); any other dynamic dimension is the KV window.
+    A prefill graph with prefix K/V inputs (prefix_k.i / prefix_v.i [B, P, Hkv, hd]): chunked
+    (`chunk`), tokens span 1..min(chunk, max_tokens) and P 0..max_tokens-1 (opt: half); one pass
+    (chunk None), tokens span 1..max_tokens and P is 0 (empty)."""
     out = {}
+    chunked = chunk is not None and any(n.startswith("prefix_") for n, _ in inputs)
+    tok_hi = min(int(chunk), max_tokens) if chunked else max_tokens
     for name, shape in inputs:
         if overrides and name in overrides:
             out[name] = tuple(tuple(int(v) for v in s) for s in overrides[name])
@@ -343,9 +351,12 @@ def profile_shapes(inputs: Sequence[Tuple[str, Sequence[int]]], max_tokens: int,
             if d >= 0:
                 lo.append(d), opt.append(d), hi.append(d)
             elif name == "tokens" and i == len(shape) - 1:
-                lo.append(1), opt.append(min(512, max_tokens)), hi.append(max_tokens)
+                lo.append(1), opt.append(min(512, tok_hi)), hi.append(tok_hi)
             elif i == 0:
                 lo.append(1), opt.append(1), hi.append(1)          # batch
+            elif name.startswith("prefix_") and i == 1:
+                top = max_tokens - 1 if chunked else 0
+                lo.append(0), opt.append(top // 2), hi.append(top)
             else:
                 lo.append(window), opt.append(window), hi.append(window)
         out[name] = (tuple(lo), tuple(opt), tuple(hi))
@@ -479,8 +490,9 @@ class EngineFromOnnx:
                  shapes: Optional[Dict[str, Tuple]] = None, fp16: bool = True, serialize_plugins: bool = True,
                  cc: Optional[str] = None, log: Callable[[str], None] = print, workspace_auto: bool = False,
                  progress: Optional[Callable[[str, int, int], None]] = None,
-                 verbose: Optional[Callable[[str], None]] = None):
+                 verbose: Optional[Callable[[str], None]] = None, chunk: Optional[int] = None):
         self.onnx_path, self.plugin_lib = Path(onnx_path), Path(plugin_lib).resolve()
+        self.chunk = chunk  # a prefill graph's chunk (profile_shapes); None: one pass
         self.workspace_bytes, self.timing_cache = int(workspace_bytes), timing_cache
         self.workspace_auto = workspace_auto
         self.max_tokens, self.window, self.shapes = int(max_tokens), int(window), shapes
@@ -621,7 +633,7 @@ class EngineFromOnnx:
             config.set_flag(trt.BuilderFlag.EXCLUDE_LEAN_RUNTIME)
             config.plugins_to_serialize = [str(self.plugin_lib)]
         inputs = [(network.get_input(i).name, tuple(network.get_input(i).shape)) for i in range(network.num_inputs)]
-        self.profiles = profile_shapes(inputs, self.max_tokens, self.window, self.shapes)
+        self.profiles = profile_shapes(inputs, self.max_tokens, self.window, self.shapes, self.chunk)
         if self.profiles:
             profile = builder.create_optimization_profile()
             for name, (lo, opt, hi) in self.profiles.items():
@@ -754,7 +766,8 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
                          cc: Optional[str] = None, log: Callable[[str], None] = print, mode: str = "update",
                          progress: Optional[Callable[[str, str, int, int], None]] = None,
                          on_engine: Optional[Callable[[dict], None]] = None,
-                         verbose: Optional[Callable[[str], None]] = None) -> dict:
+                         verbose: Optional[Callable[[str], None]] = None,
+                         prefill_chunk: Optional[int] = None) -> dict:
     """Build one engine per BUNDLE/*.trt.onnx (GRAPH.trt.onnx -> OUT/GRAPH.engine), plus timing.cache
     where the runtime keeps one and engines.json. Every input is checked before the first build, the
     engines are built in a temporary folder and moved into OUT only when all of them built (`mode`:
@@ -763,7 +776,9 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
 
     workspace_bytes None: the bundle plan's workspace, else DEFAULT_WORKSPACE, grown once on a
     workspace OutOfMemory (EngineFromOnnx's workspace_auto). progress(graph, phase, step, steps);
-    on_engine(row) after each engine. Returns the engines.json content; its "engines" maps each graph
+    on_engine(row) after each engine. prefill_chunk: the chunk the prefill engine's profile covers
+    (default: the manifest's prefill.chunk; one pass for a bundle whose manifest says one_pass), recorded
+    as engines.json's prefill_chunk for TrtRunner. Returns the engines.json content; its "engines" maps each graph
     to {"file", "bytes", "layers", "plugin_layers", "seconds", "workspace_bytes", "profiles"}."""
     import shutil
 
@@ -788,10 +803,12 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
     ws = int(workspace_bytes or workspace_from_plan(manifest))
     mt = int(max_tokens or max_tokens_from_plan(manifest))
     window = int(manifest.get("window") or 1024)
+    chunk = prefill_plan(manifest, True, prefill_chunk)[0]   # the profiles: tokens and prefix of a chunk
     meta = {"tensorrt": traits["version"], "backend": f"{traits['name']} {traits['version']}",
             "runtime": traits["name"], "bundle_manifest_sha256": _sha256(bundle / "manifest.json"), "cc": cc_label, "plugins": str(plugin_lib.resolve()),
             "plugins_sha256": _sha256(plugin_lib), "serialize_plugins": serialize_plugins,
             "workspace_bytes": ws, "workspace_auto": auto, "max_tokens": mt, "window": window,
+            "prefill_chunk": chunk,
             "timing_cache": "timing.cache" if traits["timing_cache"] else None, "engines": {}}
     tmp = _prepare_out(out, mode, bundle, plugin_lib)
     try:
@@ -802,6 +819,7 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
             g = rel[: -len(".trt.onnx")]
             stage = EngineFromOnnx(bundle / rel, plugin_lib, workspace_bytes=ws, timing_cache=cache,
                                    max_tokens=mt, window=window, serialize_plugins=serialize_plugins, cc=cc,
+                                   chunk=chunk if g == "prefill" else None,
                                    log=log, workspace_auto=auto, verbose=verbose,
                                    progress=(lambda ph, i, n, g=g: progress(g, ph, i, n)) if progress else None)
             blob = stage()
@@ -973,7 +991,8 @@ class TrtSession:
 class TrtRunner(OrtRunner):
     """Prefill and decode of a bundle through its TensorRT engines, with OrtRunner's window
     bookkeeping (slots, heat, eviction): OrtRunner's prefill / step / generate run unchanged on
-    TrtSession objects, so both backends follow one protocol."""
+    TrtSession objects, so both backends follow one protocol. The prefill runs in the chunks its engine's
+    profile was built for (engines.json's prefill_chunk; None or engines from before it: one pass)."""
 
     def __init__(self, bundle, engines, plugin_lib=None, slots: Optional[int] = None, sinks: int = 4,
                  decay: float = 0.9, evict: Optional[Callable] = None, verify: bool = True, policy=None):
@@ -1001,6 +1020,17 @@ class TrtRunner(OrtRunner):
         self.pre = self.dec = None
         self.pre = TrtSession(engines / "prefill.engine", plugin_lib, order("prefill"))
         self.dec = TrtSession(engines / "decode.engine", plugin_lib, order("decode"))
+        self.pre = PrefillGraph(self.pre, self.pre.inputs, self.nkv, self.hd)
+        built = self.engines_meta.get("prefill_chunk")   # the chunk the prefill engine's profile covers
+        if self.pre.prefix and "prefill_chunk" not in self.engines_meta:
+            self.chunk, self.prefill_mode = None, "one pass: engines built before chunked prefill"
+        elif self.pre.prefix and built:
+            self.chunk, self.prefill_mode = int(built), f"chunks of {int(built)} tokens (the engine's profile)"
+        elif self.pre.prefix:                             # built one pass: the bundle's one_pass
+            why = (self.manifest.get("prefill") or {}).get("why") or "the engine's profile has no prefix"
+            self.chunk, self.prefill_mode = None, f"one pass: {why}"
+        else:
+            self.chunk, self.prefill_mode = prefill_plan(self.manifest, False)
         self.sinks, self.decay = sinks, decay
         self.evict = evict or self._coldest
         self.policy = policy  # the thermal window policy (zeroedge.kv.ort_policy), as for OrtRunner

@@ -1,0 +1,158 @@
+"""Chunked prefill in the onnxruntime and TensorRT runners: the prefill graph takes the K/V of the tokens
+before a chunk (prefix_k/v) and the runners feed a long prompt chunk by chunk. Checked: the same logits,
+window K/V, heat and greedy tokens as one pass; old bundles (no prefix inputs) and SIH/PAD bundles run
+one pass and say so; the real TensorRT-RTX builder takes the chunked graph with profiles that cover
+every chunk."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.model import PRESETS, build
+
+    out = tmp_path_factory.mktemp("chunk") / "dense"
+    export_bundle(build(PRESETS["tiny"].with_(max_seq_len=1024), seed=3), out, window=48, prefill_chunk=64)
+    return out
+
+
+def _prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, 250, n)
+
+
+def test_manifest_and_graph_carry_the_chunk(dense):
+    import onnxruntime as ort
+
+    mf = json.loads((dense / "manifest.json").read_text())
+    assert mf["prefill"] == {"chunk": 64, "one_pass": False}
+    s = ort.InferenceSession(str(dense / "prefill.portable.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in s.get_inputs()]
+    assert names[0] == "tokens" and names[1:3] == ["prefix_k.0", "prefix_v.0"] and len(names) == 1 + 2 * 4
+
+
+@pytest.mark.parametrize("T,slots", [(200, 256), (300, 48)])   # all in the window; evicted by mass
+def test_chunked_prefill_equals_one_pass(dense, T, slots):
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    one = OrtRunner(dense, slots=slots, chunk=10 ** 6)
+    chk = OrtRunner(dense, slots=slots)                 # the manifest's 64: 4-5 chunks, a short last one
+    assert chk.chunk == 64 and "chunks of 64" in chk.prefill_mode
+    p = _prompt(T)
+    a, b = one.prefill(p), chk.prefill(p)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(one.slot_pos, chk.slot_pos)
+    for i in range(one.L):
+        np.testing.assert_allclose(chk.k[i], one.k[i], atol=1e-5)
+        np.testing.assert_allclose(chk.v[i], one.v[i], atol=1e-5)
+    np.testing.assert_allclose(chk.heat, one.heat, rtol=1e-5, atol=1e-6)
+    # decode from either prefill, fed the same tokens (a random model's greedy text repeats one
+    # token): step by step the same logits and the same argmax, which varies
+    picks_a, picks_b = [], []
+    for t in _prompt(16, 9):
+        la, lb = one.step(t), chk.step(t)
+        np.testing.assert_allclose(lb, la, rtol=1e-4, atol=1e-4)
+        picks_a.append(int(la.argmax()))
+        picks_b.append(int(lb.argmax()))
+    assert picks_a == picks_b and len(set(picks_a)) > 1, picks_a
+    assert chk.generate(p, 6) == one.generate(p, 6)     # greedy: the same tokens
+
+
+def test_chunked_prefill_hands_the_policy_the_whole_prompt(dense):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    p = _prompt(150, 1)
+    runs = []
+    for chunk in (10 ** 6, 32):
+        pol = OrtThermalPolicy(page_size=8, store="fp32")
+        r = OrtRunner(dense, slots=48, policy=pol, chunk=chunk)
+        runs.append((r.generate(p, 8), r.slot_pos.copy(), pol.stats()["stored_pages"]))
+        pol.check(r)
+    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1]) and runs[0][2] == runs[1][2]
+
+
+def test_old_bundle_runs_one_pass(dense, tmp_path):
+    """A prefill graph from before chunked prefill (tokens only, no manifest "prefill"): loads, runs one
+    pass, says so, and gives the chunked runner's results."""
+    import shutil
+
+    import onnx
+    from onnx import helper
+
+    from zeroedge import bundle as bundle_mod
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    old = tmp_path / "old"
+    shutil.copytree(dense, old)
+    m = onnx.load(str(old / "prefill.portable.onnx"), load_external_data=False)
+    prefix = [vi for vi in m.graph.input if vi.name.startswith("prefix_")]
+    for vi in prefix:                          # an empty constant in its place: the old graph's arithmetic
+        m.graph.node.insert(0, helper.make_node("ConstantOfShape", [vi.name + "_shape"], [vi.name]))
+        m.graph.initializer.append(helper.make_tensor(vi.name + "_shape", onnx.TensorProto.INT64, [4],
+                                                      [1, 0, 2, 16]))
+        m.graph.input.remove(vi)
+    onnx.save(m, str(old / "prefill.portable.onnx"))
+    mf = json.loads((old / "manifest.json").read_text())
+    meta = {k: v for k, v in mf.items() if k not in ("files", "prefill", "format", "format_version",
+                                                     "zeroedge_version")}
+    bundle_mod.write_manifest(old, meta)
+    r = OrtRunner(old, slots=256, chunk=32)
+    assert r.chunk is None and "no prefix inputs" in r.prefill_mode
+    p = _prompt(120, 2)
+    np.testing.assert_allclose(r.prefill(p), OrtRunner(dense, slots=256, chunk=32).prefill(p), rtol=1e-5, atol=1e-5)
+
+
+def test_sih_bundle_runs_one_pass(tmp_path):
+    from artifacts import sih_artifact
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.export.bundle_writer import export_bundle
+
+    sih_artifact(tmp_path / "c", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5})
+    mf = export_bundle("tiny", tmp_path / "zero", calib=tmp_path / "c", window=48, prefill_chunk=32)
+    assert mf["prefill"]["one_pass"] and "SIH/PAD" in mf["prefill"]["why"]
+    r = OrtRunner(tmp_path / "zero", slots=48, chunk=16)
+    assert r.chunk is None and r.prefill_mode.startswith("one pass: SIH/PAD")
+    assert len(r.generate(_prompt(100), 3)) == 3
+
+
+def test_bad_chunk_is_one_line(dense):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.errors import UserError
+
+    with pytest.raises(UserError, match="chunk must be >= 1"):
+        OrtRunner(dense, chunk=0)
+
+
+def test_tensorrt_profiles_cover_the_chunks():
+    from zeroedge.backends.tensorrt import profile_shapes
+
+    ins = [("tokens", (1, -1)), ("prefix_k.0", (1, -1, 2, 16)), ("prefix_v.0", (1, -1, 2, 16))]
+    p = profile_shapes(ins, 2048, 64, chunk=512)
+    assert p["tokens"] == ((1, 1), (1, 512), (1, 512))
+    assert p["prefix_k.0"] == ((1, 0, 2, 16), (1, 1023, 2, 16), (1, 2047, 2, 16))
+    one = profile_shapes(ins, 2048, 64, chunk=None)            # one pass: the whole prompt, empty prefix
+    assert one["tokens"][2] == (1, 2048) and one["prefix_v.0"] == ((1, 0, 2, 16),) * 3
+    assert profile_shapes([("tokens", (1, -1))], 100, 64, chunk=512)["tokens"][2] == (1, 100)
+
+
+def test_tensorrt_rtx_builds_the_chunked_prefill(rtx, plugin_lib, dense, tmp_path):
+    """The real TensorRT-RTX builder (on the CPU, for SM86) takes the chunked prefill graph with its
+    prefix profiles (P from 0: an empty prefix for the first chunk), and engines.json records the
+    chunk TrtRunner then feeds."""
+    from zeroedge.backends.tensorrt import build_bundle_engines
+
+    meta = build_bundle_engines(dense, plugin_lib, tmp_path / "e", max_tokens=256, cc="8.6", log=lambda s: None)
+    assert meta["prefill_chunk"] == 64
+    prof = meta["engines"]["prefill"]["profiles"]
+    assert prof["tokens"] == [[1, 1], [1, 64], [1, 64]]
+    assert prof["prefix_k.3"] == [[1, 0, 2, 16], [1, 127, 2, 16], [1, 255, 2, 16]]
+    assert "prefix_k.0" not in meta["engines"]["decode"]["profiles"]
+    on_disk = json.loads((tmp_path / "e" / "engines.json").read_text())
+    assert on_disk["prefill_chunk"] == 64 and (tmp_path / "e" / "prefill.engine").stat().st_size > 0

@@ -1,5 +1,5 @@
 """`zeroedge plan`: memory and roofline forecast; memory checked against what the onnxruntime runner
-really allocates here (peak RSS of a fresh process), within 15 %."""
+really allocates here (peak RSS of a fresh process), within 15 %, for one-pass and chunked prefill."""
 import json
 import subprocess
 import sys
@@ -18,9 +18,9 @@ def rss(k):
         if l.startswith(k): return int(l.split()[1]) * 1024
 import onnxruntime
 from zeroedge.backends.onnxruntime import OrtRunner
-b, N, S = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+b, N, S, C = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 base = rss("VmRSS:")
-r = OrtRunner(b, slots=S)
+r = OrtRunner(b, slots=S, chunk=C or None)
 r.generate(np.arange(N) % 200 + 5, 3)
 print(rss("VmHWM:") - base)
 """
@@ -39,16 +39,42 @@ def bundle(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("context", [128, 768])
-def test_memory_matches_onnxruntime(bundle, context):
-    p = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", context, "--dtype", "fp32",
-                "--onnxruntime-process", "--json", check_rc=0)
-    planned = json.loads(p.stdout)["memory"]["model_total"]
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(bundle), str(context), "256"],
+def _measured(bundle, context, chunk=0):
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(bundle), str(context), "256", str(chunk)],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
-    measured = int(out.stdout.split()[-1])
+    return int(out.stdout.split()[-1])
+
+
+# chunk 0: the bundle's (512): one pass at 128, 2 chunks at 768, 6 at 3000 (the last one short);
+# 4096: one pass of 2048 tokens
+@pytest.mark.parametrize("context,chunk", [(128, 0), (768, 0), (3000, 0), (2048, 4096)])
+def test_memory_matches_onnxruntime(bundle, context, chunk):
+    extra = ("--prefill-chunk", chunk) if chunk else ()
+    p = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", context, "--dtype", "fp32",
+                "--onnxruntime-process", *extra, "--json", check_rc=0)
+    doc = json.loads(p.stdout)
+    assert doc["memory"]["prefill_chunk"] == min(chunk or 512, context)
+    planned = doc["memory"]["model_total"]
+    measured = _measured(bundle, context, chunk)
     assert abs(planned - measured) / measured <= 0.15, (planned, measured)
+
+
+def test_chunked_prefill_bounds_the_forecast(bundle):
+    """At 3000 tokens the bundle's chunks (512) need a fraction of one pass's activations, the plan
+    says which it assumed, and the weights are the same two copies either way."""
+    def doc(*extra):
+        return json.loads(run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 3000, "--dtype", "fp32",
+                                  "--onnxruntime-process", *extra, "--json", check_rc=0).stdout)
+    chunked, one = doc(), doc("--prefill-chunk", 3000)
+    assert chunked["prefill_chunk"] == 512 and chunked["roofline"]["prefill_passes"] == 6
+    assert one["memory"]["prefill_chunk"] == 3000 and one["roofline"]["prefill_passes"] == 1
+    assert chunked["memory"]["activations"] * 3 < one["memory"]["activations"]
+    assert chunked["memory"]["weights"] == one["memory"]["weights"] and chunked["memory"]["weight_copies"] == 2
+    text = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 3000, check_rc=0).stdout
+    assert "prefill in chunks of 512 tokens" in text and "2 copies" in text
+    p = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 3000, "--prefill-chunk", 0)
+    assert p.returncode == 2 and "--prefill-chunk must be >= 1" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_plan_targets_and_verdict(bundle):

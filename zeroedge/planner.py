@@ -1,14 +1,27 @@
 """Memory and roofline planner for Jetson Orin targets (torch-free).
 
 Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
-  weights        every weight tensor once per engine (prefill and decode are separate engines /
-                 sessions, and each holds its own copy: measured with onnxruntime, see
-                 tests/test_plan.py), at the plan dtype
+  weights        every weight tensor once per engine, at the plan dtype: WEIGHT_COPIES = 2, because
+                 that is what the runtimes hold. Prefill and decode are two graphs; an onnxruntime
+                 session keeps its own initializers (the fp16 -> fp32 Casts are folded per session)
+                 and its own prepacked GEMM copies: measured here, prefill alone 58-74 MiB, both
+                 sessions 132 MiB for 45 MiB of fp32 weights (6-layer d384 bundle); sharing them
+                 would need onnxruntime's prepacked-weights container, which its Python API does not
+                 offer. A TensorRT engine carries and deserializes its own weights (both engines of
+                 that bundle are ~55 MB, TensorRT-RTX build). One copy needs one graph serving both
+                 roles (not done). onnxruntime CPU with a tied lm_head also keeps ~2 packed
+                 [V, D] fp32 copies per session
   hot_kv         2 * L * Hkv * hd * min(context, window) * dtype bytes (post-RoPE keys + values)
   compressed     the rest of the context in the int8 tier: 1 byte per value + an fp16 scale per 64
-  activations    the larger of prefill (context tokens at once: `score_copies` live [h, T, T] fp32
-                 score tensors (onnxruntime CPU: 9, fitted on a 8-layer d512 model and checked
-                 on another shape in tests/test_plan.py; TensorRT: 2, assumed) + presents + MLP intermediates + logits) and one decode step
+  activations    the larger of prefill and one decode step. Prefill runs in chunks of C tokens
+                 (the bundle's prefill.chunk; one pass, C = T, for bundles from before chunking and
+                 SIH/PAD bundles): `score_copies` live [h, c, past + c] fp32 score tensors of the
+                 largest chunk (the last full one or the last; onnxruntime CPU: 9 in one pass, 11
+                 chunked, fitted on an 8-layer d512 model (9.2-12.3 over T 1-4K, C 256-1K) and
+                 checked on another shape in tests/test_plan.py; TensorRT: 2, assumed) + the
+                 prompt's K/V (one pass: the graph's presents; chunked: the runner's fp32 buffer,
+                 on a device also the prefix copied into the engine's inputs) + one chunk's MLP
+                 intermediates + logits
   workspace      TensorRT builder/runtime scratch (assumed 256 MiB on device; 0 on host)
   runtime        CUDA context + TensorRT/cuDNN/cuBLAS libraries resident in DRAM (assumed 0.6 GiB)
   os_reserve     JetPack's headless L4T + services (assumed; see TARGETS)
@@ -80,26 +93,45 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
             "tied": bool(c.get("tie_embeddings", True))}
 
 
-SCORE_COPIES_HOST = 9     # onnxruntime CPU: live [h, T, T] fp32 tensors at the prefill peak (measured 8.7-10.5)
+SCORE_COPIES_HOST = 9     # onnxruntime CPU, one pass: live [h, T, T] fp32 tensors at the peak (measured 8.7-10.5)
+SCORE_COPIES_HOST_CHUNKED = 11   # onnxruntime CPU, chunked: [h, C, T] at the last chunk (its arena, measured 9.2-12.3)
 SCORE_COPIES_DEVICE = 2   # TensorRT fuses the softmax chain (assumption, not measured here)
+WEIGHT_COPIES = 2         # prefill and decode each hold the weights (module docstring)
 
 
-def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines: int = 2,
-           score_copies: Optional[int] = None) -> dict:
+def prefill_chunk(manifest: dict) -> Optional[int]:
+    """The chunk the runners prefill this bundle in (zeroedge.bundle.prefill_plan); None: one pass."""
+    from zeroedge.bundle import prefill_plan
+
+    return prefill_plan(manifest)[0]
+
+
+def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines: int = WEIGHT_COPIES,
+           score_copies: Optional[int] = None, chunk: Optional[int] = None) -> dict:
+    """chunk: the prefill's chunk (None: one pass of the whole context)."""
     b = DTYPES[dtype]
+    T = context
+    C = min(chunk, T) if chunk else T                 # queries per prefill pass
+    chunked = C < T
     if score_copies is None:
-        score_copies = SCORE_COPIES_DEVICE if device else SCORE_COPIES_HOST
+        score_copies = SCORE_COPIES_DEVICE if device else (SCORE_COPIES_HOST_CHUNKED if chunked
+                                                           else SCORE_COPIES_HOST)
     hot = min(context, window)
     per_tok_kv = 2 * m["L"] * m["hkv"] * m["hd"]
-    T = context
-    act_prefill = (score_copies * m["h"] * T * T * 4 + per_tok_kv * T * b + 3 * T * m["F"] * b
-                   + 4 * T * m["D"] * b + m["V"] * 4 + m["L"] * T * 4)
+    # the prompt's K/V: one pass, the graph's presents; chunked, the runner's fp32 buffer (+ on a
+    # device the prefix copied into the engine's input buffers)
+    prompt_kv = per_tok_kv * T * ((4 * (2 if device else 1)) if chunked else b)
+    n = -(-T // C)                                    # passes; the largest scores: the last full
+    scores = max(C * min(T, (n - 1) * C) if n > 1 else C * C, (T - (n - 1) * C) * T)   # chunk or the last
+    act_prefill = (score_copies * m["h"] * scores * 4 + prompt_kv + 3 * C * m["F"] * b
+                   + 4 * C * m["D"] * b + m["V"] * 4 + m["L"] * T * 4)
     act_decode = 4 * m["h"] * hot * 4 + per_tok_kv * b + 3 * m["F"] * b + m["V"] * 4
     # onnxruntime CPU, tied lm_head (Gemm transB=1 on the embedding the Gather also reads): the
     # original stays and the MatMul kernel keeps its own transposed/packed copies (measured ~2 per
     # session). TensorRT: counted once (assumption).
     tied = 2 * m["V"] * m["D"] * 4 if (m.get("tied") and not device) else 0
-    out = {"weights": engines * (m["params"] * b + tied),
+    out = {"weights": engines * (m["params"] * b + tied), "weight_copies": engines, "prefill_chunk": C,
+           "prefill_activations": act_prefill,
            "hot_kv": per_tok_kv * hot * b,
            "compressed_kv": per_tok_kv * max(context - window, 0) * (1 + 2 / 64),
            "activations": max(act_prefill, act_decode),
@@ -111,11 +143,13 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
 
 
 def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip: float = 0.0,
-             decode_ffn_bytes_skip: float = 0.0, sparse_eff: float = 1.0) -> dict:
+             decode_ffn_bytes_skip: float = 0.0, sparse_eff: float = 1.0, chunk: Optional[int] = None) -> dict:
     """ffn_skip: fraction of prefill FFN FLOPs skipped (SIH/PAD). decode_ffn_bytes_skip: fraction
     of FFN weight bytes a decode step does not read (decode paths); sparse_eff: the bandwidth the
     sparse FFN kernels reach relative to the dense GEMV (measured on the H200: 0.70-0.91,
-    benchmarks/paths.md), applied to the FFN bytes still read."""
+    benchmarks/paths.md), applied to the FFN bytes still read. chunk: the prefill's chunk (None: one
+    pass, the graph's [T, T] scores computed whole; chunked, each chunk's [C, past + C], the weights
+    and the prefix K/V read once per chunk)."""
     if not (0 <= decode_ffn_bytes_skip < 1) or not (0 < sparse_eff <= 1):
         raise UserError("decode_ffn_bytes_skip must be in [0, 1) and sparse_eff in (0, 1]")
     b = DTYPES[dtype]
@@ -124,15 +158,19 @@ def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip
     ffn = 3 * D * F * L
     other = m["params"] - ffn - m["V"] * D            # attention projections (+ SIH, tiny)
     T = context
-    pf_flops = 2 * T * (ffn * (1 - ffn_skip) + other + 0) + 4 * T * T * h * hd * L + 2 * m["V"] * D
-    pf_bytes = m["params"] * b + 2 * L * m["hkv"] * hd * T * b
+    C = min(chunk, T) if chunk else T
+    n = -(-T // C)                                    # passes; the last may be shorter
+    qk = sum(min(C, T - i * C) * min(T, (i + 1) * C) for i in range(n))   # query x key pairs scored
+    pf_flops = 2 * T * (ffn * (1 - ffn_skip) + other + 0) + 4 * qk * h * hd * L + 2 * m["V"] * D
+    per_tok_kv = 2 * L * m["hkv"] * hd * b
+    pf_bytes = n * m["params"] * b + per_tok_kv * (T + C * n * (n - 1) // 2)
     pf_t = max(pf_flops / (peak * COMPUTE_EFF), pf_bytes / (t.bandwidth * BANDWIDTH_EFF))
     S = min(context, window)
     ffn_read = ffn if decode_ffn_bytes_skip == 0 else ffn * (1 - decode_ffn_bytes_skip) / sparse_eff
     dec_bytes = (ffn_read + other + m["V"] * D) * b + 2 * L * m["hkv"] * hd * S * b
     dec_flops = 2 * (ffn + other + m["V"] * D) + 4 * S * h * hd * L
     dec_t = max(dec_flops / (peak * COMPUTE_EFF), dec_bytes / (t.bandwidth * BANDWIDTH_EFF))
-    return {"prefill_s": pf_t, "prefill_tok_s": T / pf_t,
+    return {"prefill_s": pf_t, "prefill_tok_s": T / pf_t, "prefill_passes": n,
             "prefill_bound": "compute" if pf_flops / peak > pf_bytes / t.bandwidth else "bandwidth",
             "decode_ms": dec_t * 1e3, "decode_tok_s": 1 / dec_t,
             "decode_bound": "compute" if dec_flops / peak > dec_bytes / t.bandwidth else "bandwidth",
@@ -142,7 +180,8 @@ def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip
 
 
 def plan(bundle, target_name: str, context: int, window: Optional[int] = None, dtype: str = "fp16",
-         device: bool = True) -> dict:
+         device: bool = True, chunk: Optional[int] = None) -> dict:
+    """chunk: the prefill chunk to plan for (default: the bundle's; prefill_chunk)."""
     from zeroedge import bundle as bundle_mod
 
     t = target(target_name)
@@ -157,23 +196,26 @@ def plan(bundle, target_name: str, context: int, window: Optional[int] = None, d
     m = model_numbers(mf, wb)
     window = int(window or mf.get("window", 1024))
     skip = float((mf.get("calibration") or {}).get("quality", {}).get("ffn_flops_skipped", 0.0) or 0.0)
-    mem = memory(m, context, window, dtype, device)
+    if chunk is not None and chunk < 1:
+        raise UserError(f"--prefill-chunk must be >= 1 (got {chunk})")
+    chunk = chunk if chunk is not None else prefill_chunk(mf)
+    mem = memory(m, context, window, dtype, device, chunk=chunk)
     cap = t.memory - t.os_reserve
     model_context = int(mf["model"].get("max_seq_len", 1 << 20))
     lo, hi = 0, model_context
     while lo < hi:                                  # largest context that fits, up to the model's own
         mid = (lo + hi + 1) // 2
-        if memory(m, mid, window, dtype, device)["total"] <= cap:
+        if memory(m, mid, window, dtype, device, chunk=chunk)["total"] <= cap:
             lo = mid
         else:
             hi = mid - 1
     fits_memory = mem["total"] <= cap
-    return {"target": t.name, "context": context, "window": window, "dtype": dtype,
+    return {"target": t.name, "context": context, "window": window, "dtype": dtype, "prefill_chunk": chunk,
             "memory": mem, "available": cap, "device_memory": t.memory, "os_reserve": t.os_reserve,
             "fits": fits_memory and context <= model_context, "fits_memory": fits_memory,
             "model_context": model_context, "max_context": lo,
             "max_context_limited_by": "model context" if lo == model_context else "memory",
-            "roofline": roofline(m, t, context, window, dtype, skip),
+            "roofline": roofline(m, t, context, window, dtype, skip, chunk=chunk),
             "figures": {"fp16_tflops": t.fp16_flops / 1e12, "fp32_tflops": t.fp32_flops / 1e12,
                         "tensor_cores": t.tensor_cores, "gpu_clock_mhz": t.gpu_clock / 1e6,
                         "bandwidth_gbs": t.bandwidth / 1e9,

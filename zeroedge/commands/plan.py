@@ -21,8 +21,11 @@ def _mb(x):
               help="plan for an onnxruntime process on this machine instead of the device's TensorRT "
                    "engines (no TensorRT workspace / CUDA runtime, no OS reserve), to compare with what it "
                    "allocates")
+@click.option("--prefill-chunk", "chunk", type=int, default=None,
+              help="prefill chunk in tokens to plan for (default: the bundle's; one pass for a bundle "
+                   "exported before chunked prefill or with SIH/PAD layers)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
+def cmd(bundle, board, ctx, window, dtype, ort_process, chunk, as_json):
     """Memory and speed forecast: weights, hot KV, compressed tier, activations, workspace, OS
     reserve; prefill/decode roofline; verdict and the largest context that fits (memory or the
     model's own context, whichever is smaller). Exit 0 when it fits, 1 when it does not (also with
@@ -33,7 +36,11 @@ def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
         from zeroedge.errors import UserError
 
         raise UserError(f"--ctx must be >= 1 (got {ctx})")
-    p = plan(bundle, board, ctx, window, dtype, device=not ort_process)
+    if chunk is not None and chunk < 1:
+        from zeroedge.errors import UserError
+
+        raise UserError(f"--prefill-chunk must be >= 1 (got {chunk})")
+    p = plan(bundle, board, ctx, window, dtype, device=not ort_process, chunk=chunk)
     if as_json:
         click.echo(json.dumps(p, indent=2))
         if not p["fits"]:
@@ -41,8 +48,11 @@ def cmd(bundle, board, ctx, window, dtype, ort_process, as_json):
         return
     m, r, f = p["memory"], p["roofline"], p["figures"]
     click.echo(f"{p['target']}  context {ctx}  window {p['window']}  {dtype}")
+    notes = {"weights": f"{m['weight_copies']} copies: the prefill and decode graphs each hold them",
+             "activations": (f"prefill in chunks of {m['prefill_chunk']:,} tokens"
+                             if m["prefill_chunk"] < ctx else "prefill in one pass")}
     for k in ("weights", "hot_kv", "compressed_kv", "activations", "workspace", "runtime"):
-        click.echo(f"  {k:14s} {_mb(m[k]):>12s}")
+        click.echo(f"  {k:14s} {_mb(m[k]):>12s}" + (f"   ({notes[k]})" if k in notes else ""))
     click.echo(f"  {'total':14s} {_mb(m['total']):>12s}   available {_mb(p['available'])} "
                f"(= {_mb(p['device_memory'])} - OS reserve {_mb(p['os_reserve'])})")
     click.echo(f"  prefill  {r['prefill_s'] * 1e3:,.1f} ms ({r['prefill_tok_s']:,.0f} tok/s, "

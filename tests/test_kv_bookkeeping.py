@@ -125,6 +125,8 @@ def test_tier_policy_is_target_aware(tmp_path):
     assert js.cold == Tier.FILE and js.cold_compressed
     d = plan_tiers("discrete")
     assert d.cold == Tier.COLD and not d.cold_compressed
+    c = plan_tiers("cpu")                                # host memory is the only memory there
+    assert c.cold_compressed and c.cold in (Tier.WARM8, Tier.WARM4)
     with pytest.raises(ValueError, match="unknown memory kind"):
         plan_tiers("tpu")
     with pytest.raises(UserError, match="int8 or int4"):

@@ -282,3 +282,56 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
     assert att.refreshes == 1 and not torch.equal(att.slot_page, start)
     rep = att.scheduler_report()
     assert rep["deferred"] == 5 and rep["refreshes"] == 1 and rep["transfers"]["fetch"]["bytes"] == att.refresh_bytes()
+
+
+@pytest.mark.parametrize("opts", [dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4),
+                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3),
+                                  dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2)])
+def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
+    """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
+    decoder (one step at a time, its own sketch, window, swaps and cold store) give the same
+    per-token losses on the same prefill. In float64: in float32 the two orders of summation can
+    flip a near-tied swap now and then."""
+    import torch.nn.functional as F
+
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    tiny = M.build("tiny", seed=0).double()
+    P, T, ps, budget = 256, 48, 16, 0.375
+    ids = ids_(P + T, 7)
+    o = dict(E.DEFAULTS, **opts)
+    pre = E.prefill(tiny, ids[:P], stats=False)
+    nll_eval = E.score_continuation(tiny, ids[P:], pre, "thermal", budget, ps, opts=o)
+    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "cold")}
+    dec = ThermalDecoder(tiny, P, T, budget=budget, page_size=ps, graph=False,
+                         fetch=o["fetch"] or P // ps, **serving)
+    dec.load_prefix(pre["k"], pre["v"], pre["qcov"])
+    start = dec.attention.slot_page.clone()
+    logits = [pre["last_logits"]]
+    for t in range(P, P + T - 1):
+        logits.append(dec.step(ids[t], t))
+    nll_dec = F.cross_entropy(torch.stack(logits).float(), torch.tensor(ids[P:]), reduction="none")
+    assert not torch.equal(dec.attention.slot_page, start)     # pages really moved
+    assert torch.allclose(nll_eval, nll_dec, atol=1e-5), (nll_eval - nll_dec).abs().max()
+    # and the thermal losses are not the full-KV ones (the budget bites)
+    assert (nll_eval - E.score_continuation(tiny, ids[P:], pre, "full", 1.0, ps)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cold", ["host", "int8"])
+def test_the_byte_forecast_is_what_the_thermal_window_allocates(tiny, cold):
+    """kv.policy.thermal_device_bytes (the planner's and the memory cap's forecast) against the
+    tensors ThermalAttention really holds."""
+    from zeroedge.kv.policy import ThermalSettings, thermal_device_bytes
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    P, G = 320, 24
+    d = ThermalDecoder(tiny, P, G, budget=0.3, page_size=16, rank=8, fetch=3, graph=False, cold=cold)
+    a = d.attention
+    got = thermal_device_bytes(len(tiny.layers), tiny.cfg.n_kv_heads, tiny.cfg.head_dim, P, G, 4, 0.3,
+                               ThermalSettings(rank=8, fetch=3), cold)
+    nb = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert got == d.device_kv_bytes()
+    assert got["hot"] + got["generated"] == nb(a.wk, a.wv)
+    assert got["summaries"] == nb(a.codes, a.scales, a.A)
+    assert got["page_table"] == nb(a.page_slot)
+    assert got["cold_on_device"] == (nb(a.cold_k, a.cold_v, a.cold_ks, a.cold_vs) if cold == "int8" else 0)

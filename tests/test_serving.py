@@ -386,7 +386,53 @@ def test_chunked_prefill_gives_the_whole_prompt_s_kv(model):
     from zeroedge.runtime.session import chunked_prefill
 
     ids = ids_(100)
-    whole_k, whole_v = chunked_prefill(model, ids, chunk=len(ids))
-    k, v = chunked_prefill(model, ids, chunk=16)
+    whole_k, whole_v, whole_q = chunked_prefill(model, ids, chunk=len(ids))
+    k, v, q = chunked_prefill(model, ids, chunk=16)
     assert len(k) == len(model.layers) and k[0].shape[1] == len(ids)
     assert max(float((a - b).abs().max()) for a, b in zip(k + v, whole_k + whole_v)) < 1e-4
+    # the query covariances (the thermal sketch's) are the evaluator's, whatever the chunk
+    from zeroedge.kv.evaluate import prefill
+
+    ref = prefill(model, ids, stats=False)["qcov"]
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(q + whole_q, ref + ref)) < 1e-4
+
+
+def test_a_device_memory_cap_admits_serves_thermal_or_refuses():
+    """--device-memory: the request's forecast (runtime.memory) decides. Dense KV that fits runs
+    dense; dense that does not but thermal does runs thermal (int8 cold store: on a CPU, host memory
+    is the only memory) and says why; neither: a UserError naming both forecasts."""
+    from zeroedge.model import ModelConfig, build
+    from zeroedge.runtime.memory import request_bytes
+    from zeroedge.runtime.session import ServingSession
+
+    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=128,
+                      max_seq_len=8192, name="long-kv")
+    m = build(cfg, seed=0).eval()
+    T, new = 4000, 4
+    dense = request_bytes(cfg, 4, T, new)["peak"]
+    thermal = request_bytes(cfg, 4, T, new, 0.1, cold="int8", cold_shares_memory=True)["peak"]
+    assert thermal < dense
+    ids = ids_(T, 5)
+    r = ServingSession(m, device_memory=dense + 1).generate(ids, new)
+    assert not r.mechanisms["thermal_kv"] and r.mechanisms["device_memory"]["dense_forecast"] == dense
+    r = ServingSession(m, device_memory=(dense + thermal) // 2).generate(ids, new)
+    assert r.mechanisms["thermal_kv"] and "device memory cap" in r.mechanisms["thermal_kv_reason"]
+    assert r.detail["cold_store"] == "int8" and r.device_kv_bytes < r.full_kv_bytes
+    with pytest.raises(UserError, match="do not fit the .* device memory cap: dense KV needs"):
+        ServingSession(m, device_memory=thermal - 1).generate(ids, new)
+    with pytest.raises(UserError, match="thermal KV is not allowed"):      # L0: thermal off
+        ServingSession(m, device_memory=(dense + thermal) // 2, release_level=0).generate(ids, new)
+    with pytest.raises(UserError, match="weights .* do not fit"):
+        ServingSession(m, device_memory=1 << 20)
+
+
+def test_run_takes_a_memory_cap_or_a_board(tmp_path):
+    out = run_cli("run", "tiny", "--prompt", "hello " * 30, "--max-new", "2", "--board", "orin-nano-8gb",
+                  "--json", check_rc=0)
+    assert json.loads(out.stdout.splitlines()[-1])["mechanisms"]["device_memory"]["cap"] == int(6.5 * 2**30)
+    for args, msg in ((["--device-memory", "1M"], "do not fit"), (["--device-memory", "lots"], "not a size"),
+                      (["--device-memory", "1G", "--board", "orin-nano-8gb"], "not both"),
+                      (["--board", "orin-nano-4gb"], "unknown board")):
+        r = run_cli("run", "tiny", "--prompt", "hello " * 30, "--max-new", "2", *args, check_rc=2)
+        errors = [x for x in r.stderr.splitlines() if x.startswith("zeroedge: error")]
+        assert len(errors) == 1 and msg in errors[0] and "Traceback" not in r.stderr

@@ -112,18 +112,26 @@ class MLP(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Static cache: (B, n_kv, max_len, hd) per layer; positions written in place."""
+    """Static cache: (B, n_kv, max_len, hd) per layer; positions written in place. With
+    track_queries, also the sum over the queries it saw of q^T q per kv head (fp32, batch 0): the
+    query covariance the thermal KV sketch is fitted to."""
 
-    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device=None):
+    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device=None,
+                 track_queries: bool = False):
         super().__init__()
         shape = (batch, n_kv, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.qcov = (torch.zeros(n_kv, head_dim, head_dim, device=device, dtype=torch.float32)
+                     if track_queries else None)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor, q=None, kv_index=None):
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
+        if self.qcov is not None and q is not None:
+            qf = q[0].float()
+            self.qcov.index_add_(0, kv_index, qf.transpose(1, 2) @ qf)
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
@@ -177,10 +185,10 @@ class Attention(nn.Module):
         hd, nkv = self.cfg.head_dim, self.cfg.n_kv_heads
         h = self.kept_heads.numel()
         q, k, v = self.project(x, cos, sin)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start, k, v)
         group = self.cfg.n_heads // nkv
         kv_index = self.kept_heads // group
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start, k, v, q, kv_index)
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
         if self.record_probs:
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
@@ -225,12 +233,12 @@ class Transformer(nn.Module):
         self.cache_len = 0
 
     # --- cache ---------------------------------------------------------------------------------
-    def setup_cache(self, batch: int, max_len: int, dtype=None):
+    def setup_cache(self, batch: int, max_len: int, dtype=None, track_queries: bool = False):
         dtype = dtype or self.embed_tokens.weight.dtype
         dev = self.embed_tokens.weight.device
         for b in self.layers:
             b.self_attn.kv_cache = KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim,
-                                           dtype, dev)
+                                           dtype, dev, track_queries)
         self.cache_len = max_len
 
     def drop_cache(self):

@@ -141,9 +141,12 @@ def target_option(f):
 BOARDS_HELP = "Jetson board: orin-nano-8gb | orin-nx-16gb | orin-agx-64gb"
 
 
-def board_option(f):
-    """--board: a Jetson board (plan). The old `plan --target BOARD` still works, hidden: it accepts
-    board names only, and a JetPack value there is refused with a word on --target's meaning."""
+def board_option(f=None, *, required: bool = True, help: str = BOARDS_HELP):
+    """--board: a Jetson board (plan; optional in run, as a memory cap). The old `plan --target
+    BOARD` still works, hidden: it accepts board names only, and a JetPack value there is refused
+    with a word on --target's meaning."""
+    if f is None:
+        return lambda g: board_option(g, required=required, help=help)
 
     def board_names():
         from zeroedge.planner import TARGETS
@@ -158,8 +161,10 @@ def board_option(f):
                                      ctx, param)
         return value
 
-    f = click.option("--board", "board", cls=_Primary, required=True, metavar="BOARD", callback=check,
-                     help=BOARDS_HELP)(f)
+    f = click.option("--board", "board", cls=_Primary, required=required, metavar="BOARD", callback=check,
+                     help=help)(f)
+    if not required:
+        return f
 
     def alias(ctx, param, value):
         return _alias_callback("--target", "board", "--board")(ctx, param, check(ctx, param, value))

@@ -18,7 +18,7 @@ the GPU they were built for.
 """
 import click
 
-from zeroedge.commands.common import check_model, fraction_option
+from zeroedge.commands.common import board_option, check_model, fraction_option
 
 
 class ByteTokenizer:
@@ -108,9 +108,14 @@ def bundle_config(bundle):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="torch backend device.")
 @click.option("--threads", type=int, default=0, help="CPU threads (0 = default).")
+@click.option("--device-memory", "device_memory", metavar="SIZE",
+              help="torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
+                   "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
+@board_option(required=False, help="torch backend: cap device memory at what a Jetson board leaves a model "
+              "(its DRAM less the OS reserve): orin-nano-8gb | orin-nx-16gb | orin-agx-64gb")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib, release_level,
-        backend, bundle, engines, plugins, device, threads, as_json):
+        backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
 
@@ -120,6 +125,10 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
     budget = kv_budget
+    cap = memory_cap(device_memory, board)
+    if cap is not None and backend != "torch":
+        raise UserError("--device-memory / --board cap the torch backend; for a bundle, `zeroedge plan BUNDLE "
+                        "--board B --ctx N` forecasts its runtime")
 
     # -- model, session, request -----------------------------------------------------------------
     if model is None:
@@ -149,7 +158,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
                           kv_budget=budget, page_size=page_size,
                           paths=calib if backend == "torch" else (True if paths else None),
                           release_level=release_level, threads=threads or None,
-                          model_cfg=cfg if model is not None else None,
+                          model_cfg=cfg if model is not None else None, device_memory=cap,
                           on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
     res = sess.generate(ids, max_new, paths=True if paths else None,
                         eos=getattr(tok, "eos_token_id", None))
@@ -161,6 +170,25 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
     click.echo(text)
     for line in summary(res, asked_kv=budget is not None, asked_paths=bool(paths)):
         click.echo(line, err=True)
+
+
+def memory_cap(device_memory, board):
+    """--device-memory SIZE, or --board B (the memory the planner leaves a model there: the board's
+    DRAM less its OS reserve), or None. Both at once are refused."""
+    from zeroedge.errors import UserError
+
+    if device_memory is not None and board is not None:
+        raise UserError("give --device-memory SIZE or --board BOARD, not both")
+    if device_memory is not None:
+        from zeroedge.commands.common import parse_size
+
+        return parse_size(device_memory, "--device-memory")
+    if board is not None:
+        from zeroedge.planner import target
+
+        t = target(board)
+        return t.memory - t.os_reserve
+    return None
 
 
 def _read_prompt(prompt, prompt_file) -> str:

@@ -1,7 +1,7 @@
 """Thermal KV as the decode step's attention strategy (zeroedge.runtime.fast.Decoder composes it
 with an FFN strategy): per layer and kv head the device keeps one contiguous window = [sink page |
-recent window | generated tokens | `slots` pages], the low-rank int4 key sketch of every prefix page
-and its bases; every prefix page also lives in the cold store (host memory, pinned and mapped on a
+recent window | generated tokens | `slots` pages], the low-rank quantized key sketch of every prefix
+page and its bases (settings: zeroedge.kv.policy.THERMAL, shared with the evaluation contract); every prefix page also lives in the cold store (host memory, pinned and mapped on a
 discrete GPU; with cold="int8", int8 codes with one fp16 scale per 32 values kept in device memory,
 which on a Jetson is the same DRAM: the cold store then takes about half the bytes instead of all of
 them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zeroedge.kv.policy import COLD_GROUP, THERMAL, ThermalSettings, thermal_device_bytes, window_pages
 
-COLD_GROUP = 32   # values per fp16 scale in the int8 cold store (along the head dimension)
 
 
 def additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
@@ -38,8 +38,11 @@ def host_mapped(t: torch.Tensor) -> torch.Tensor:
 
 
 def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2):
-    """(A, B, mu) for keys k (nkv, P, hd): coords = (k - mu) @ B, query side q @ A (see
-    zeroedge.kv.evaluate.Sketch: query-aware when the query covariance is given)."""
+    """(A, B, mu) for keys k (nkv, P, hd): coords = (k - mu) @ B, query side q @ A. With the query
+    covariance Cq the basis is query-aware: q.k = (Cq^-1/2 q) . (Cq^1/2 k), and the top `rank`
+    principal directions of Cq^1/2 k minimise the expected squared score error over the queries;
+    without it, plain key PCA. (A per-query constant shift does not change a softmax ranking, so
+    keys are centred on their mean.)"""
     nkv, P, hd = k.shape
     kf = k.float()
     mu = kf.mean(1, keepdim=True)
@@ -58,21 +61,45 @@ def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2):
     return Wi @ U, W @ U, mu
 
 
+def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None):
+    """The key sketch of keys k (nkv, P, hd): (A (nkv, hd, rank) fp32 query bases, codes (nkv, P,
+    rank) signed integers in float, scales (nkv, P // page_size, rank) fp16). The score of query q
+    against key t is (q @ A) . (codes[t] * scales[page of t]), up to a per-query constant. Codes are
+    round-to-nearest on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the page's max |coord| over
+    that), or signs with a mean-|coord| scale when bits = 1. A rank above hd is hd."""
+    nkv, P, hd = k.shape
+    n = P // page_size
+    rank = min(rank, hd)
+    A, B, mu = sketch_bases(k, qcov, rank)
+    coords = ((k.float() - mu) @ B).view(nkv, n, page_size, rank)
+    if bits == 1:
+        sc = coords.abs().mean(2, keepdim=True).clamp_min(1e-8).half()
+        codes = torch.where(coords >= 0, 1.0, -1.0)
+    else:
+        qmax = 2 ** (bits - 1) - 1
+        sc = (coords.abs().amax(2, keepdim=True) / qmax).clamp_min(1e-8).half()
+        codes = torch.round(coords / sc.float()).clamp(-qmax, qmax)
+    return A, codes.view(nkv, P, rank), sc.view(nkv, n, rank)
+
+
 class ThermalAttention:
     """Attention over a prefix of P tokens with a thermal cache (see the module doc); the decoder
     gives it the model's shapes, device and dtype through `bind`."""
 
     COLD = ("host", "int8")    # host: full precision in (pinned) host memory; int8: compressed, on the device
 
-    def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = 16, rank: int = 16,
-                 recent_pages: int = 2, sink_pages: int = 1, fetch: int = 4, refresh_every: int = 1,
-                 cold: str = "host", scheduler=None):
+    def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = THERMAL.page_size,
+                 rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int = THERMAL.recent_pages,
+                 sink_pages: int = THERMAL.sink_pages, fetch: int = THERMAL.fetch,
+                 refresh_every: int = THERMAL.refresh_every, cold: str = "host", scheduler=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if not 0 < budget <= 1:
             raise ValueError("budget must be in (0, 1]")
         if rank % 2:
-            raise ValueError("rank must be even (int4 codes are packed two a byte)")
+            raise ValueError("rank must be even (sketch codes are packed two a byte)")
+        if bits not in (1, 2, 3, 4):
+            raise ValueError(f"sketch bits must be 1..4 (codes are stored two a byte), got {bits}")
         if cold not in self.COLD:
             raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
         self.cold = cold
@@ -83,18 +110,18 @@ class ThermalAttention:
         self._owed = False
         self.max_len = prefix_len + gen_len
         self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
-        self.budget, self.rank, self.refresh_every = budget, rank, max(1, refresh_every)
+        self.budget, self.rank, self.bits, self.refresh_every = budget, rank, bits, max(1, refresh_every)
         self.sink_pages, self.recent_pages, self.fetch_wanted = sink_pages, recent_pages, fetch
+        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every)
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
         from zeroedge.kv.kernels import part_blocks
 
         self.L, self.nkv, self.H, self.hd, self.device, self.dtype = L, nkv, H, hd, device, dtype
+        self.rank = min(self.rank, hd)                 # small heads: a full-rank sketch
         ps, n = self.ps, self.n
-        total_pages = max(1, int(round(self.budget * self.P)) // ps)
-        self.fixed = self.sink_pages + self.recent_pages
-        self.slots = max(1, min(total_pages - self.fixed, n - self.fixed))
+        self.fixed, self.slots = window_pages(self.P, self.budget, self.settings)
         self.fetch = min(self.fetch_wanted, self.slots)
         pin = device.type == "cuda"
         # cold store: every prefix page, in host memory at full precision, or int8 on the device
@@ -138,15 +165,9 @@ class ThermalAttention:
         return self.device_kv_bytes()["hot"]
 
     def device_kv_bytes(self) -> dict:
-        el = self.wk.element_size()
-        L, nkv, hd, ps = self.L, self.nkv, self.hd, self.ps
-        hot = 2 * L * nkv * (self.fixed + self.slots) * ps * hd * el
-        summ = (self.codes.numel() + self.scales.numel() * 2 + self.A.numel() * 2)
-        full = 2 * L * nkv * self.P * hd * el
-        # the int8 cold store lives on the device (a Jetson's one DRAM); the host one does not
-        cold = (2 * (self.cold_k.numel() + self.cold_ks.numel() * 2) if self.cold == "int8" else 0)
-        return {"hot": hot, "summaries": summ, "generated": 2 * L * nkv * (self.fix_len - self.fixed * ps) * hd * el,
-                "prefix_full": full, "page_table": 8 * L * nkv * self.n, "cold_on_device": cold}
+        """zeroedge.kv.policy.thermal_device_bytes of this window (tests check it against the tensors)."""
+        return thermal_device_bytes(self.L, self.nkv, self.hd, self.P, self.gen_len, self.wk.element_size(),
+                                    self.budget, self.settings, self.cold)
 
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
@@ -162,23 +183,19 @@ class ThermalAttention:
                              device=dev).clamp_min(self.sink_pages)
         for li, (k, v) in enumerate(zip(ks, vs)):
             kd, vd = k.to(dev), v.to(dev)
-            self._store_cold(li, kd.view(self.nkv, n, ps, self.hd), vd.view(self.nkv, n, ps, self.hd))
+            pk, pv = self._store_cold(li, kd.view(self.nkv, n, ps, self.hd), vd.view(self.nkv, n, ps, self.hd))
             self.wk[li, :, :nf] = kd[:, fix_idx]
             self.wv[li, :, :nf] = vd[:, fix_idx]
-            A, B, mu = sketch_bases(kd, None if qcovs is None else qcovs[li].to(dev), r)
-            coords = ((kd.float() - mu) @ B).view(self.nkv, n, ps, r)
-            sc = (coords.abs().amax(2, keepdim=True) / 7).clamp_min(1e-8).half()
-            codes = torch.round(coords / sc.float()).clamp(-7, 7)
+            A, codes, sc = quantized_sketch(kd, ps, r, self.bits, None if qcovs is None else qcovs[li].to(dev))
             self.A[li] = A
-            self.scales[li] = sc.view(self.nkv, n, r)
-            self.codes[li] = pack_int4(codes.view(self.nkv, self.P, r))
+            self.scales[li] = sc
+            self.codes[li] = pack_int4(codes)
             self.slot_page[li] = first[None].expand(self.nkv, -1)
             self.page_slot[li].fill_(-1)
             self.page_slot[li].scatter_(1, self.slot_page[li], self.ar_slots[None].expand(self.nkv, -1).contiguous())
-            sl = self.wk[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd)
-            sl.copy_(kd.view(self.nkv, n, ps, self.hd)[:, first])
-            self.wv[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(
-                vd.view(self.nkv, n, ps, self.hd)[:, first])
+            # slot pages always hold what a fetch from the cold store would bring (int8: dequantized)
+            self.wk[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(pk[:, first])
+            self.wv[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(pv[:, first])
         self.wpos[self.fix_len:] = 0                    # slot tokens are prefix positions: valid
         if dev.type == "cuda" and self.cold == "host":
             self.hk, self.hv = host_mapped(self.cold_k), host_mapped(self.cold_v)
@@ -186,17 +203,21 @@ class ThermalAttention:
             self.hk, self.hv = self.cold_k, self.cold_v
 
     def _store_cold(self, li, k, v):
-        """Layer li's prefix pages (nkv, n, ps, hd) into the cold store."""
+        """Layer li's prefix pages (nkv, n, ps, hd) into the cold store; returns the pages as a fetch
+        reads them back (K, V in the window's dtype)."""
         if self.cold == "host":
             self.cold_k[li].copy_(k)
             self.cold_v[li].copy_(v)
-            return
-        from zeroedge.kv.tiers import quantize
+            return k, v
+        from zeroedge.kv.tiers import dequantize, quantize
 
+        back = []
         for x, codes, scales in ((k, self.cold_k, self.cold_ks), (v, self.cold_v, self.cold_vs)):
             c, sc = quantize(x, 8, self.group)
             codes[li].copy_(c)
             scales[li].copy_(sc)
+            back.append(dequantize(c, sc, 8, self.group, self.dtype))
+        return back
 
     # -- the decoder's per-step hooks ----------------------------------------------------------
     def before(self, pos: int):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from zeroedge.errors import UserError
+from zeroedge.kv.policy import THERMAL
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
 
@@ -148,52 +149,20 @@ def static_mask(method, layer, pre, budget, P, page_size=16, sinks=4, window=32,
 
 
 class Sketch:
-    """Per-layer, per-kv-head low-rank quantized key sketch: the summaries that stay on device.
+    """Per-layer, per-kv-head low-rank quantized key sketch (the summaries that stay on device):
+    zeroedge.kv.attention.quantized_sketch, the serving decoder's own, held dequantized.
+    nbytes: what the decoder stores (zeroedge.kv.policy.sketch_nbytes)."""
 
-    The score to approximate is q.k. Keys are centred on their mean (a per-query constant shift
-    does not change a softmax ranking). With a query covariance Cq (accumulated over the prefill's
-    queries of the kv head's group) the basis is query-aware: whiten the queries, q.k = (Cq^-1/2 q)
-    . (Cq^1/2 k), and keep the top `rank` principal directions of Cq^1/2 k: the rank-r sketch that
-    minimises the expected squared score error over the query distribution. Without Cq it is
-    plain key PCA. Coordinates are stored as signed `bits`-bit codes with one fp16 scale per
-    (page, direction). Bytes per kv head: P*rank*bits/8 + pages*rank*2 + two hd x rank bases."""
-
-    def __init__(self, k, page_size: int, rank: int = 16, bits: int = 4, qcov=None,
-                 eps: float = 1e-2):
-        import torch
+    def __init__(self, k, page_size: int, rank: int = THERMAL.rank, bits: int = THERMAL.bits, qcov=None):
+        from zeroedge.kv.attention import quantized_sketch
+        from zeroedge.kv.policy import sketch_nbytes
 
         nkv, P, hd = k.shape
-        rank = min(rank, hd)
-        self.page_size, self.rank, self.bits = page_size, rank, bits
-        kf = k.float()
-        self.mu = kf.mean(1, keepdim=True)                          # (nkv, 1, hd)
-        c = kf - self.mu
-        if qcov is not None:
-            cq = qcov.float() / qcov.float().diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
-            cq = cq + eps * torch.eye(hd)
-            e, V = torch.linalg.eigh(cq)
-            W = V @ torch.diag_embed(e.sqrt()) @ V.transpose(1, 2)       # Cq^1/2
-            Wi = V @ torch.diag_embed(e.rsqrt()) @ V.transpose(1, 2)     # Cq^-1/2
-        else:
-            W = Wi = torch.eye(hd).expand(nkv, hd, hd)
-        cw = c @ W
-        evals, evecs = torch.linalg.eigh(cw.transpose(1, 2) @ cw)   # ascending
-        U = evecs[:, :, -rank:].flip(-1)
-        self.B = (W @ U).contiguous()                               # keys -> coords
-        self.A = (Wi @ U).contiguous()                              # queries -> coords
-        coords = c @ self.B                                         # (nkv, P, r)
+        self.page_size, self.rank, self.bits = page_size, min(rank, hd), bits
+        self.A, codes, scales = quantized_sketch(k, page_size, self.rank, bits, qcov)
         n = P // page_size
-        cp = coords.view(nkv, n, page_size, rank)
-        if bits == 1:                                               # sign bits, mean-abs scale
-            scale = cp.abs().mean(2, keepdim=True).clamp_min(1e-8).half().float()
-            codes = torch.where(cp >= 0, 1.0, -1.0)
-        else:
-            qmax = 2 ** (bits - 1) - 1
-            scale = cp.abs().amax(2, keepdim=True).clamp_min(1e-8) / qmax
-            scale = scale.half().float()
-            codes = torch.round(cp / scale).clamp(-qmax, qmax)
-        self.coords = (codes * scale).view(nkv, P, rank)            # dequantised view
-        self.nbytes_per_head = P * rank * bits / 8 + n * rank * 2 + 2 * hd * rank * 2 + hd * 2
+        self.coords = (codes.view(nkv, n, page_size, -1) * scales.float()[:, :, None]).view(nkv, P, -1)
+        self.nbytes_per_head = sketch_nbytes(P, page_size, self.rank, hd)
 
     def nbytes(self) -> int:
         return int(self.nbytes_per_head * self.A.shape[0])
@@ -298,8 +267,10 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
             a = blk.self_attn
             q, k, v = a.project(blk.input_layernorm(x), cos, sin)
             kv_index = a.kept_heads // grp
-            kall = torch.cat([pre["k"][li][None], k], 2).index_select(1, kv_index)
-            vall = torch.cat([pre["v"][li][None], v], 2).index_select(1, kv_index)
+            pk, pv = (cold_readback(pre, li, page_size, opts) if method == "thermal" and opts.get("cold") == "int8"
+                      else (pre["k"][li], pre["v"][li]))
+            kall = torch.cat([pk[None], k], 2).index_select(1, kv_index)
+            vall = torch.cat([pv[None], v], 2).index_select(1, kv_index)
             pmask = _prefix_mask(model.cfg, method, li, q, kall, kv_index, pre, budget, page_size, opts, stats)
             o = _masked_attention(q, kall, vall, pmask, causal, P, chunk)
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
@@ -335,8 +306,8 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
     kpages = max(1, B // page_size)
     forced = torch.zeros(n_pages, dtype=torch.bool)
     if method == "thermal":
-        forced[: opts.get("sink_pages", 1)] = True
-        rp = opts.get("recent_pages", 2)
+        forced[: opts.get("sink_pages", THERMAL.sink_pages)] = True
+        rp = opts.get("recent_pages", THERMAL.recent_pages)
         if rp:
             forced[-rp:] = True
     if method == "oracle_page":
@@ -356,6 +327,30 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
     return m.index_select(0, kv_index)
 
 
+def cold_readback(pre, li, page_size, opts):
+    """Layer li's prefix K and V as the serving decoder reads them with the int8 cold store: the
+    sink and recent pages (always in the window) exact, every other page as a fetch brings it back
+    (zeroedge.kv.tiers int8 codes, one fp16 scale per COLD_GROUP values)."""
+    import torch
+
+    from zeroedge.kv.policy import COLD_GROUP
+    from zeroedge.kv.tiers import dequantize, quantize
+
+    key = ("_cold", li, page_size, opts.get("sink_pages"), opts.get("recent_pages"))
+    if key not in pre:
+        k, v = pre["k"][li], pre["v"][li]
+        P, hd = k.shape[1], k.shape[2]
+        g = COLD_GROUP if hd % COLD_GROUP == 0 else hd
+        exact = torch.zeros(P, dtype=torch.bool)
+        exact[: opts.get("sink_pages", THERMAL.sink_pages) * page_size] = True
+        rp = opts.get("recent_pages", THERMAL.recent_pages)
+        if rp:
+            exact[P - rp * page_size:] = True
+        pre[key] = tuple(torch.where(exact[None, :, None], x, dequantize(*quantize(x, 8, g), 8, g, x.dtype))
+                         for x in (k, v))
+    return pre[key]
+
+
 def _sketch(cfg, li, pre, page_size, opts, stats):
     """Layer li's key sketch (built once: the prefix is frozen), query-aware unless qaware = 0,
     optionally blending in the observation window's queries; its bytes go to stats."""
@@ -368,10 +363,10 @@ def _sketch(cfg, li, pre, page_size, opts, stats):
         cw = (qw.transpose(1, 2) @ qw).view(nkv, cfg.n_heads // nkv, hd, hd).sum(1)
         nrm = lambda c: c / c.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]  # noqa: E731
         qcov = nrm(qcov) + w * nrm(cw)
-    key = ("_sketch", li, page_size, opts.get("rank", 16), opts.get("bits", 4), opts.get("qaware", 1), w)
+    key = ("_sketch", li, page_size, opts.get("rank", THERMAL.rank), opts.get("bits", THERMAL.bits), opts.get("qaware", 1), w)
     sk = pre.get(key)
     if sk is None:
-        sk = pre[key] = Sketch(pre["k"][li], page_size, opts.get("rank", 16), opts.get("bits", 4), qcov)
+        sk = pre[key] = Sketch(pre["k"][li], page_size, opts.get("rank", THERMAL.rank), opts.get("bits", THERMAL.bits), qcov)
     stats["summary_bytes"] = stats.get("summary_bytes", 0) + sk.nbytes()
     return sk
 
@@ -425,8 +420,12 @@ def fetch_stats(chosen, slots: int) -> dict:
 # --------------------------------------------------------------------------------------------
 # the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
 # --------------------------------------------------------------------------------------------
-DEFAULTS = {"rank": 32, "bits": 3, "recent_pages": 2, "sink_pages": 1, "how": "mass", "qaware": 1,
-            "recent_cov": 0.0, "refresh_every": 1, "fetch": 0}
+# the serving decoder's policy and sketch (kv.policy.THERMAL) and its cold store ("host": exact
+# pages; "int8": compressed, a Jetson's); research options: how (page score "mass" is the decoder's,
+# "max"), qaware (0: plain key PCA), recent_cov, fetch 0 (no cap on swaps a refresh)
+DEFAULTS = {"rank": THERMAL.rank, "bits": THERMAL.bits, "recent_pages": THERMAL.recent_pages,
+            "sink_pages": THERMAL.sink_pages, "fetch": THERMAL.fetch, "refresh_every": THERMAL.refresh_every,
+            "cold": "host", "how": "mass", "qaware": 1, "recent_cov": 0.0}
 
 
 def kv_bytes(model, tokens: int) -> int:
@@ -453,8 +452,10 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     o = dict(DEFAULTS, **{k: v for k, v in opts.items() if k in DEFAULTS})
     if "rank" not in opts and model is not None:
         o["rank"] = min(o["rank"], model.cfg.head_dim)      # small heads: full-rank sketch
-    if o["bits"] not in (1, 2, 3, 4, 8) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
-        raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4, 8")
+    if o["bits"] not in (1, 2, 3, 4) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
+        raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4")
+    if o["cold"] not in ("host", "int8"):
+        raise UserError(f"cold store must be host or int8, got {o['cold']!r}")
     if model.training:
         raise ValueError("thermal KV is inference-only: call model.eval() first")
     t0 = time.perf_counter()

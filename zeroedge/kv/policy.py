@@ -8,10 +8,10 @@ Release levels (switchable at run time):
 Circuit breaker: when `trip_requests` (5) consecutive requests each migrate more than
 `trip_pages` (1200) pages, drop one level and raise an alert (a log line and a metric).
 
-Tier policy: on a Jetson device, host and pinned memory are the same DRAM,
-so moving a page to pinned host memory frees nothing and costs the bandwidth decode needs. There
-the cold side must be compressed (int8 / int4) or on NVMe. On a discrete GPU pinned host memory is
-a real tier; long streams spill to a file.
+Tier policy: on a Jetson device, host and pinned memory are the same DRAM (and on a CPU host memory
+is the only memory), so moving a page to host memory frees nothing and costs the bandwidth decode
+needs. There the cold side must be compressed (int8 / int4) or on NVMe. On a discrete GPU pinned
+host memory is a real tier; long streams spill to a file.
 """
 from __future__ import annotations
 
@@ -25,6 +25,65 @@ from zeroedge.errors import UserError
 from zeroedge.kv.pages import Tier
 
 log = logging.getLogger("zeroedge.kv")
+
+@dataclass(frozen=True)
+class ThermalSettings:
+    """The thermal KV policy and sketch: one set of defaults for the serving decoder
+    (zeroedge.kv.attention.ThermalAttention) and the evaluation contract (zeroedge.kv.evaluate),
+    which simulates that decoder's arithmetic step by step. Chosen in benchmarks/thermal_kv.md §2h.
+
+    page_size      tokens a page
+    rank, bits     the key sketch: rank-`rank` query-aware basis, signed `bits`-bit codes (1..4;
+                   stored two a byte) with one fp16 scale per (page, direction)
+    sink_pages, recent_pages   always in the window
+    fetch          at most this many pages swapped into the window a refresh, per kv head and layer
+    refresh_every  steps between refreshes (page scoring + swaps)"""
+    page_size: int = 16
+    rank: int = 32
+    bits: int = 4
+    sink_pages: int = 1
+    recent_pages: int = 2
+    fetch: int = 4
+    refresh_every: int = 1
+
+
+THERMAL = ThermalSettings()
+COLD_GROUP = 32   # values per fp16 scale in the int8 cold store (along the head dimension)
+
+
+def sketch_nbytes(prefix_len: int, page_size: int, rank: int, hd: int) -> int:
+    """Device bytes of one kv head's sketch as the decoder stores it: codes two a byte, an fp16
+    scale per (page, direction), the fp32 query basis."""
+    return prefix_len * rank // 2 + (prefix_len // page_size) * rank * 2 + hd * rank * 4
+
+
+def window_pages(prefix_len: int, budget: float, s: ThermalSettings = THERMAL) -> tuple:
+    """(fixed, slots): the window's always-kept pages (sink + recent) and its slot pages for a prefix
+    of prefix_len tokens at hot fraction `budget` (at least one slot)."""
+    n = prefix_len // s.page_size
+    total = max(1, int(round(budget * prefix_len)) // s.page_size)
+    fixed = s.sink_pages + s.recent_pages
+    return fixed, max(1, min(total - fixed, n - fixed))
+
+
+def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: int, element: int,
+                         budget: float, s: ThermalSettings = THERMAL, cold: str = "host") -> dict:
+    """What zeroedge.kv.attention.ThermalAttention holds in device memory (bytes): hot (the window's
+    prefix pages), generated (the window's positions for new tokens), summaries (the sketch:
+    codes two a byte, fp16 scales, fp32 query basis), page_table, cold_on_device (the int8 cold
+    store: on the device, which on a Jetson is the one DRAM; a "host" cold store is in pinned host
+    memory), and prefix_full (the dense KV of the prefix, for comparison)."""
+    ps = s.page_size
+    n = prefix_len // ps
+    fixed, slots = window_pages(prefix_len, budget, s)
+    group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
+    kv = 2 * L * nkv * hd
+    return {"hot": kv * (fixed + slots) * ps * element,
+            "generated": kv * gen_len * element,
+            "summaries": L * nkv * sketch_nbytes(prefix_len, ps, min(s.rank, hd), hd),
+            "page_table": 8 * L * nkv * n,
+            "cold_on_device": kv * n * ps + kv * n * ps // group * 2 if cold == "int8" else 0,
+            "prefix_full": kv * prefix_len * element}
 
 LEVELS = {0: "off", 1: "requests < 512 tokens", 2: "requests < 4096 tokens, temperature 0",
           3: "all requests"}
@@ -102,14 +161,14 @@ def plan_tiers(memory: str, stream: bool = False, cold_path: Optional[str] = Non
     if cold_bits not in (4, 8):
         raise UserError(f"cold pages are stored in int8 or int4, not {cold_bits} bits")
     warm = Tier.WARM8 if cold_bits == 8 else Tier.WARM4
-    if memory == "jetson":
+    if memory in ("jetson", "cpu"):
+        what = "Jetson: unified DRAM" if memory == "jetson" else "CPU: host memory is the only memory"
         if stream or cold_path:
             return TierPlan(memory, warm, Tier.FILE, True, check_cold_path(cold_path),
-                            "Jetson: unified DRAM; long streams spill compressed pages to NVMe")
+                            f"{what}; long streams spill compressed pages to NVMe")
         return TierPlan(memory, warm, warm, True, None,
-                        "Jetson: unified DRAM; pinned host memory frees nothing, so cold pages "
-                        "stay compressed in place")
-    if memory in ("discrete", "cpu"):
+                        f"{what}; a host cold store frees nothing, so cold pages stay compressed in place")
+    if memory == "discrete":
         if stream or cold_path:
             return TierPlan(memory, warm, Tier.FILE, False, check_cold_path(cold_path),
                             "long stream: cold pages go to a file store")

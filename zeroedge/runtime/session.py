@@ -42,6 +42,10 @@ from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
 
 MIN_THERMAL_TOKENS = 32
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
 
 
@@ -106,23 +110,26 @@ PREFILL_CHUNK = 2048   # prompt tokens a prefill step runs at once: activations 
 
 
 def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK):
-    """K/V (rope applied) of ids per layer, (nkv, T, hd) each, running the prompt through the model
-    `chunk` tokens at a time against its KV cache, so a long prompt's activations (the attention
-    scores above all) are those of one chunk, not of the whole prompt."""
+    """K/V (rope applied) of ids per layer, (nkv, T, hd) each, and each layer's query covariance
+    (nkv, hd, hd) (the thermal sketch's), running the prompt through the model `chunk` tokens at a
+    time against its KV cache, so a long prompt's activations (the attention scores above all) are
+    those of one chunk, not of the whole prompt."""
     import torch
 
     dev = next(model.parameters()).device
-    model.setup_cache(1, len(ids))
+    model.setup_cache(1, len(ids), track_queries=True)
     try:
         t = torch.tensor([ids], device=dev)
         with torch.inference_mode():
             for s in range(0, len(ids), chunk):
                 model.hidden_states(t[:, s:s + chunk], start=s)
-        ks = [b.self_attn.kv_cache.k[0].clone() for b in model.layers]
-        vs = [b.self_attn.kv_cache.v[0].clone() for b in model.layers]
+        caches = [b.self_attn.kv_cache for b in model.layers]
+        ks = [c.k[0] for c in caches]               # the cache's own memory: no second copy
+        vs = [c.v[0] for c in caches]
+        qcovs = [c.qcov / len(ids) for c in caches]
     finally:
         model.drop_cache()
-    return ks, vs
+    return ks, vs, qcovs
 
 
 class ServingSession:
@@ -131,7 +138,7 @@ class ServingSession:
                  paths_level: Optional[int] = None, trip_pages: int = 1200, trip_requests: int = 5,
                  on_alert: Optional[Callable[[str], None]] = None, graph: bool = True,
                  threads: Optional[int] = None, thermal_opts: Optional[dict] = None,
-                 model_cfg=None, engines=None, plugin_lib=None):
+                 model_cfg=None, engines=None, plugin_lib=None, device_memory: Optional[int] = None):
         if backend not in BACKENDS:
             raise UserError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
         if kv_budget is not None:
@@ -151,11 +158,17 @@ class ServingSession:
         self.graph, self.thermal_opts = graph, dict(thermal_opts or {})
         self._check_thermal_opts()
         self.model, self.runner, self.policies = model, None, None
+        self.device_memory = device_memory
+        if device_memory is not None and backend != "torch":
+            raise UserError(f"a device memory cap applies to the torch backend; for a bundle, "
+                            f"`zeroedge plan BUNDLE --board B --ctx N` forecasts the {backend} runtime")
         if backend == "torch":
             if model is None:
                 raise UserError("the torch backend needs a model")
             if model.training:
                 raise UserError("the serving session is inference-only: call model.eval() first")
+            if device_memory is not None:
+                self._cap_memory(device_memory)
         else:
             if bundle is None:
                 raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
@@ -190,6 +203,69 @@ class ServingSession:
             self._bw_scheduler = BandwidthScheduler(copy_bandwidth(device), sample_every=0.02,
                                                     sampler=hardware_sampler(memory_kind(device)))
         return self._bw_scheduler
+
+    def _cap_memory(self, cap: int):
+        """The weights must fit under the cap; on CUDA the caching allocator is held to it too, so a
+        forecast that falls short fails as an out-of-memory error, not by taking memory beyond it."""
+        from zeroedge.runtime.memory import weights_bytes
+
+        p = next(self.model.parameters())
+        w = weights_bytes(self.model.cfg, p.element_size())
+        if w >= cap:
+            raise UserError(f"the model's weights ({_gib(w)} with the decoder's fused copies) do not fit "
+                            f"the device memory cap of {_gib(cap)}")
+        if p.device.type == "cuda":
+            import torch
+
+            total = torch.cuda.get_device_properties(p.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), p.device)
+
+    def _cold_store(self, device) -> str:
+        """Where cold pages live follows the memory (kv.policy.plan_tiers): compressed where host memory
+        frees nothing (a Jetson's unified DRAM, a CPU), full precision in pinned host memory beside a
+        discrete GPU; unless the session's thermal options say."""
+        return self.thermal_opts.get("cold") or ("int8" if plan_tiers(memory_kind(device)).cold_compressed
+                                                 else "host")
+
+    def _fit_memory(self, T: int, max_new: int, thermal: bool, mech: dict):
+        """Under a device memory cap: the request's forecast (zeroedge.runtime.memory) with the KV the
+        gates chose must fit; dense KV that does not fit is replaced by thermal KV (the session's
+        budget, else 10 %) when the thermal gate allows it; otherwise a UserError names both
+        forecasts. Returns (thermal or not, the hot fraction)."""
+        from zeroedge.runtime.memory import request_bytes
+
+        m = self.model
+        p = next(m.parameters())
+        budget = self.kv_budget or 0.1
+        kw = dict(settings=self._settings(), cold=self._cold_store(p.device),
+                  cold_shares_memory=memory_kind(p.device) != "discrete")
+        dense = request_bytes(m.cfg, p.element_size(), T, max_new)["peak"]
+        therm = request_bytes(m.cfg, p.element_size(), T, max_new, budget, **kw)["peak"]
+        cap = self.device_memory
+        mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm,
+                                 "thermal_budget": budget}
+        if (therm if thermal else dense) <= cap:
+            return thermal, budget
+        allowed = self.thermal_gate.allows(T + max_new) and (T - 1) // self.page_size >= 4
+        if not thermal and allowed and therm <= cap:
+            mech.update(thermal_kv=True, thermal_kv_reason=(
+                f"dense KV needs {_gib(dense)}, over the {_gib(cap)} device memory cap; thermal KV at "
+                f"{budget:.0%} hot needs {_gib(therm)}"))
+            return True, budget
+        why = "" if allowed else " (thermal KV is not allowed for this request: " + (
+            mech.get("thermal_kv_reason") or "release level") + ")"
+        raise UserError(f"{T} prompt + {max_new} new tokens do not fit the {_gib(cap)} device memory cap: "
+                        f"dense KV needs {_gib(dense)}, thermal KV at {budget:.0%} hot {_gib(therm)}{why}")
+
+    def _settings(self):
+        from dataclasses import fields
+
+        from zeroedge.kv.policy import THERMAL, ThermalSettings
+
+        known = {f.name for f in fields(ThermalSettings)}
+        return ThermalSettings(**{**{f: getattr(THERMAL, f) for f in known},
+                                  **{k: v for k, v in self.thermal_opts.items() if k in known},
+                                  "page_size": self.page_size})
 
     def _check_thermal_opts(self):
         import inspect
@@ -280,7 +356,13 @@ class ServingSession:
             raise UserError(f"temperature must be >= 0 (got {temperature})")
         mech = self.decide(len(prompt), max_new, temperature, paths)
         if self.backend == "torch":
-            res = self._torch(prompt, max_new, temperature, mech, eos, seed)
+            try:
+                res = self._torch(prompt, max_new, temperature, mech, eos, seed)
+            except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
+                if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
+                    raise
+                raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
+                                f"(the forecast said {mech.get('device_memory')}): {str(e).splitlines()[0]}") from None
         else:
             res = self._ort(prompt, max_new, temperature, mech, eos, seed)
         if mech["thermal_kv"]:
@@ -313,15 +395,8 @@ class ServingSession:
 
     # -- torch ---------------------------------------------------------------------------------
     def _prefill(self, ids):
-        """K/V (rope applied) of ids per layer, and the query covariances on CPU."""
-        m = self.model
-        if next(m.parameters()).device.type == "cpu":
-            from zeroedge.kv.evaluate import prefill
-
-            pre = prefill(m, ids, stats=False)          # chunked too, with the query covariances
-            return pre["k"], pre["v"], pre["qcov"]
-        ks, vs = chunked_prefill(m, ids, PREFILL_CHUNK)
-        return ks, vs, None
+        """K/V (rope applied) of ids per layer, and the query covariances (chunked_prefill)."""
+        return chunked_prefill(self.model, ids, PREFILL_CHUNK)
 
     def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
         import torch
@@ -339,15 +414,16 @@ class ServingSession:
         if thermal and P // ps < 4:
             mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under 4 pages of {ps}")
             thermal = False
+        budget = self.kv_budget
+        if self.device_memory is not None:
+            thermal, budget = self._fit_memory(T, max_new, thermal, mech)
         t0 = time.perf_counter()
         ks, vs, qcov = self._prefill(prompt[:P]) if P > 0 else (None, None, None)
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
+        dev = next(m.parameters()).device
         if thermal:
-            kw = dict(budget=self.kv_budget, page_size=ps, **self.thermal_opts)
-            # where cold pages live follows the memory: compressed on a Jetson's unified DRAM (host
-            # memory frees nothing there), full precision in pinned host memory elsewhere
-            dev = next(m.parameters()).device
-            kw.setdefault("cold", "int8" if plan_tiers(memory_kind(dev)).cold_compressed else "host")
+            kw = dict(budget=budget, page_size=ps, **self.thermal_opts)
+            kw["cold"] = self._cold_store(dev)
             if dev.type == "cuda":              # refreshes wait while memory bandwidth is busy
                 kw.setdefault("scheduler", self._scheduler(dev))
             G = T - P + max_new
@@ -359,6 +435,7 @@ class ServingSession:
                    else DenseDecoder(m, T + max_new, graph=self.graph))
             if P > 0:
                 dec.load_prefix(ks, vs)
+        del ks, vs, qcov                                          # the prefill cache goes here
         pick = self._sampler(temperature, seed)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
         slot_page = dec.attention.slot_page if thermal else None

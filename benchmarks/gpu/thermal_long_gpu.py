@@ -1,0 +1,60 @@
+"""Thermal decode against dense at 32K and 128K on a GPU (H200): llama-3.2-1b shape, bf16, random
+weights and prefix (speed and bytes only; quality of the same settings: benchmarks/thermal_one_path.py
+on SmolLM2). Each row: tok/s of the graphed decode loop, x the dense loop in the same run, and the
+device KV (hot window + sketch + page table) as a fraction of the dense prefix KV.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--json OUT]
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_setup as bs  # noqa: E402
+
+GEN = 400          # decode_step_ms takes 3 + 5 x 64 steps
+SETTINGS = [       # (rank, fetch, refresh_every)
+    (16, 4, 1), (32, 4, 1), (32, 8, 2), (32, 8, 4), (32, 8, 8), (32, 16, 8), (16, 8, 8)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", default="32768,131072")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+    dt = torch.bfloat16
+    m = bs.build_model("llama-3.2-1b", "cuda", dt)
+    rows = []
+    for ctx in bs.int_list(a.ctx):
+        dense = DenseDecoder(m, ctx + GEN)
+        dense.attention.kv.normal_()
+        d_ms = bs.decode_step_ms(dense, start=ctx, n=64)
+        del dense
+        torch.cuda.empty_cache()
+        rows.append({"ctx": ctx, "decoder": "dense", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
+        print(json.dumps(rows[-1]), flush=True)
+        ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", dt)
+        for rank, fetch, every in SETTINGS:
+            t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every)
+            t.load_prefix(ks, vs)
+            ms = bs.decode_step_ms(t, start=ctx, n=64)
+            kb = t.device_kv_bytes()
+            rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every,
+                         "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
+                         "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4)})
+            print(json.dumps(rows[-1]), flush=True)
+            del t
+            torch.cuda.empty_cache()
+        del ks, vs
+        torch.cuda.empty_cache()
+    if a.json:
+        bs.write_json(a.json, {"device": bs.device_info(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Which policy and sketch the serving decoder and the evaluation contract share (kv.policy.THERMAL):
+SmolLM2-135M on this CPU, the eval contract's protocol (prefill N - 1024 tokens, score the last
+1024 teacher-forced, kv.evaluate.score_continuation, which computes what the serving decoder does:
+tests/test_kv_runtime.py checks it token for token), 10 % hot, per text and setting.
+
+    python benchmarks/thermal_one_path.py --ctx 4096 --json benchmarks/thermal_one_path.json
+"""
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
+    "r16 int4, fetch 4 (serving, session 5)": dict(rank=16, bits=4, fetch=4),
+    "r32 int3, no fetch cap (eval, session 5)": dict(rank=32, bits=3, fetch=0),
+    "r16 int4, no fetch cap": dict(rank=16, bits=4, fetch=0),
+    "r32 int4, fetch 4": dict(rank=32, bits=4, fetch=4),
+    "r32 int4, fetch 8": dict(rank=32, bits=4, fetch=8),
+    "r32 int4, no fetch cap": dict(rank=32, bits=4, fetch=0),
+    "r32 int4, fetch 8, int8 cold": dict(rank=32, bits=4, fetch=8, cold="int8"),
+    "r32 int4, fetch 8, every 4 steps": dict(rank=32, bits=4, fetch=8, refresh_every=4),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--texts", default="kjv,essays,licenses")
+    ap.add_argument("--only", default=None, help="comma-separated setting names")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    from zeroedge import texts, weights
+    from zeroedge.kv import evaluate as E
+
+    torch.set_num_threads(2)
+    m, folder = weights.load("smollm2-135m")
+    tok = weights.tokenizer(folder)
+    names = a.only.split(",") if a.only else list(SETTINGS)
+    rows = []
+    for text in a.texts.split(","):
+        ids = texts.tokens(tok, texts.load_text(text), a.ctx, what=text)
+        P = E.validate(len(ids), a.budget, 16, 1024)
+        pre = E.prefill(m, ids[:P], stats=False)
+        full = math.exp(E.score_continuation(m, ids[P:], pre, "full", 1.0).mean().item())
+        for name in names:
+            o = dict(E.DEFAULTS, **SETTINGS[name])
+            t0 = time.perf_counter()
+            st = {}
+            nll = E.score_continuation(m, ids[P:], pre, "thermal", a.budget, 16, opts=o, stats=st)
+            ppl = math.exp(nll.mean().item())
+            row = {"text": text, "ctx": a.ctx, "budget": a.budget, "setting": name, "options": o,
+                   "full_kv_ppl": full, "thermal_ppl": ppl, "ppl_rise": ppl / full - 1,
+                   "summary_bytes": st.get("summary_bytes", 0), "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("text", "setting", "full_kv_ppl", "thermal_ppl", "ppl_rise")}),
+                  flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

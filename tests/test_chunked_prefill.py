@@ -156,3 +156,48 @@ def test_tensorrt_rtx_builds_the_chunked_prefill(rtx, plugin_lib, dense, tmp_pat
     assert "prefix_k.0" not in meta["engines"]["decode"]["profiles"]
     on_disk = json.loads((tmp_path / "e" / "engines.json").read_text())
     assert on_disk["prefill_chunk"] == 64 and (tmp_path / "e" / "prefill.engine").stat().st_size > 0
+
+
+def test_trt_runner_feeds_the_engine_chunks(rtx, plugin_lib, dense, tmp_path, monkeypatch):
+    """TrtRunner on engines built for chunks of 64 (the real TensorRT-RTX build; they cannot run
+    here): with each engine stood in for by the same graph in onnxruntime, a 200-token prompt goes
+    through in chunks within the profile and gives one pass's logits and window."""
+    import onnxruntime as ort
+
+    from zeroedge.backends import tensorrt as T
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    eng = tmp_path / "e"
+    meta = T.build_bundle_engines(dense, plugin_lib, eng, max_tokens=256, cc="8.6", log=lambda s: None)
+    prof = meta["engines"]["prefill"]["profiles"]
+    seen = []
+
+    class Session:                                     # the engine's graph, run by onnxruntime
+        def __init__(self, path, plugin_lib=None, output_order=None):
+            g = path.name.split(".")[0]
+            self.s = ort.InferenceSession(str(dense / f"{g}.trt.onnx"), providers=["CPUExecutionProvider"])
+            self.inputs = [i.name for i in self.s.get_inputs()]
+            self.buffers = {}
+
+        def run(self, names, feed):
+            if "prefix_k.0" in feed:
+                seen.append((feed["tokens"].shape[1], feed["prefix_k.0"].shape[1]))
+            return self.s.run(names, feed)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(T, "TrtSession", Session)
+    monkeypatch.setattr(T, "check_engines", lambda bundle, engines: json.loads((engines / "engines.json").read_text()))
+    p = _prompt(200, 4)
+    with T.TrtRunner(dense, eng, plugin_lib, slots=48) as r:
+        assert r.chunk == 64 and "engine's profile" in r.prefill_mode
+        got = r.prefill(p)
+        window = [k.copy() for k in r.k]
+    assert seen == [(64, 0), (64, 64), (64, 128), (8, 192)]
+    (tok_lo, _, tok_hi), (pre_lo, _, pre_hi) = prof["tokens"], prof["prefix_k.0"]
+    assert all(tok_lo[1] <= t <= tok_hi[1] and pre_lo[1] <= q <= pre_hi[1] for t, q in seen)
+    one = OrtRunner(dense, slots=48, chunk=10 ** 6)
+    np.testing.assert_allclose(got, one.prefill(p), rtol=1e-5, atol=1e-5)
+    for a, b in zip(window, one.k):
+        np.testing.assert_allclose(a, b, atol=1e-5)

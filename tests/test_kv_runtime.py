@@ -50,9 +50,13 @@ def test_run_eval_contract_on_tiny_model(tiny):
     assert r["hot_page_bytes"] == r["full_kv_bytes"] * 4 // 16     # 4 of 16 pages
     assert r["hot_kv_bytes"] == r["hot_page_bytes"] + r["summary_bytes"]
     assert r["fetch_pages_per_step_mean"] >= 0
-    # at budget 1 every page is read: thermal is exactly full attention
-    r1 = E.run_eval(tiny, ids_(288), 1.0, page_size=16, continuation=32)
+    # at budget 1 every page is read: with exact cold pages thermal is full attention; with the int8
+    # cold store (the default) the pages fetched back are int8
+    r1 = E.run_eval(tiny, ids_(288), 1.0, page_size=16, continuation=32, cold="host")
     assert r1["thermal_ppl"] == pytest.approx(r1["full_kv_ppl"], rel=1e-5)
+    r8 = E.run_eval(tiny, ids_(288), 1.0, page_size=16, continuation=32)
+    assert r8["options"]["cold"] == "int8" and r8["thermal_ppl"] != r1["thermal_ppl"]
+    assert r8["thermal_ppl"] == pytest.approx(r1["full_kv_ppl"], rel=1e-3)
 
 
 def test_full_method_matches_the_reference_model(tiny):
@@ -335,3 +339,24 @@ def test_the_byte_forecast_is_what_the_thermal_window_allocates(tiny, cold):
     assert got["summaries"] == nb(a.codes, a.scales, a.A)
     assert got["page_table"] == nb(a.page_slot)
     assert got["cold_on_device"] == (nb(a.cold_k, a.cold_v, a.cold_ks, a.cold_vs) if cold == "int8" else 0)
+
+
+def test_the_fast_decoder_keeps_one_copy_of_the_weights():
+    """The fused q/k/v and gate/up matrices are the model's own storage (no second copy), and the
+    model still computes what it did."""
+    from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.runtime.memory import weights_bytes
+
+    m = M.build("tiny", seed=1)
+    ids = torch.tensor([ids_(12, 2)])
+    with torch.no_grad():
+        before = m(ids)[0]
+    nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    d = DenseDecoder(m, 16, graph=False)
+    a, w = m.layers[0].self_attn, d.W.layers[0]
+    assert a.k_proj.weight.untyped_storage().data_ptr() == w["wqkv"].untyped_storage().data_ptr()
+    assert m.layers[0].mlp.up_proj.weight.untyped_storage().data_ptr() == w["w13"].untyped_storage().data_ptr()
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in m.parameters()}
+    assert sum(storages.values()) == nbytes == weights_bytes(m.cfg, 4)
+    with torch.no_grad():
+        assert torch.equal(m(ids)[0], before)

@@ -402,15 +402,15 @@ def test_a_device_memory_cap_admits_serves_thermal_or_refuses():
     dense; dense that does not but thermal does runs thermal (int8 cold store: on a CPU, host memory
     is the only memory) and says why; neither: a UserError naming both forecasts."""
     from zeroedge.model import ModelConfig, build
-    from zeroedge.runtime.memory import request_bytes
+    from zeroedge.runtime.memory import HEADROOM, request_bytes
     from zeroedge.runtime.session import ServingSession
 
-    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=128,
+    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=48, n_heads=8, n_kv_heads=8, ffn_dim=128,
                       max_seq_len=8192, name="long-kv")
     m = build(cfg, seed=0).eval()
     T, new = 4000, 4
-    dense = request_bytes(cfg, 4, T, new)["peak"]
-    thermal = request_bytes(cfg, 4, T, new, 0.1, cold="int8", cold_shares_memory=True)["peak"]
+    dense = int(request_bytes(cfg, 4, T, new)["peak"] * (1 + HEADROOM))
+    thermal = int(request_bytes(cfg, 4, T, new, 0.1, cold="int8", cold_shares_memory=True)["peak"] * (1 + HEADROOM))
     assert thermal < dense
     ids = ids_(T, 5)
     r = ServingSession(m, device_memory=dense + 1).generate(ids, new)

@@ -14,7 +14,9 @@ bundle's decode graph (zeroedge export MODEL --calib PATHS_ARTIFACT): such a bun
 every request, so a request its level excludes is refused. The bundle backends need no MODEL (the
 bundle has its shapes and tokenizer); a MODEL given with them is checked against the bundle.
 --backend tensorrt serves the engines `zeroedge build BUNDLE -o ENGINES` made from that bundle, on
-the GPU they were built for.
+the GPU they were built for. --device-memory SIZE / --board B (torch backend) cap the device memory:
+each request is admitted from a byte forecast (zeroedge.runtime.memory), served with thermal KV when
+dense KV would not fit, or refused with both forecasts.
 """
 import click
 

@@ -420,12 +420,13 @@ def fetch_stats(chosen, slots: int) -> dict:
 # --------------------------------------------------------------------------------------------
 # the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
 # --------------------------------------------------------------------------------------------
-# the serving decoder's policy and sketch (kv.policy.THERMAL) and its cold store ("host": exact
-# pages; "int8": compressed, a Jetson's); research options: how (page score "mass" is the decoder's,
-# "max"), qaware (0: plain key PCA), recent_cov, fetch 0 (no cap on swaps a refresh)
+# the serving decoder's policy and sketch (kv.policy.THERMAL) and its cold store ("int8": compressed,
+# what serving uses on a Jetson and on a CPU; "host": exact pages, beside a discrete GPU); research
+# options: how (page score "mass" is the decoder's, "max"), qaware (0: plain key PCA), recent_cov,
+# fetch 0 (no cap on swaps a refresh)
 DEFAULTS = {"rank": THERMAL.rank, "bits": THERMAL.bits, "recent_pages": THERMAL.recent_pages,
             "sink_pages": THERMAL.sink_pages, "fetch": THERMAL.fetch, "refresh_every": THERMAL.refresh_every,
-            "cold": "host", "how": "mass", "qaware": 1, "recent_cov": 0.0}
+            "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
 
 
 def kv_bytes(model, tokens: int) -> int:

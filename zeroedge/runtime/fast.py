@@ -28,20 +28,32 @@ from zeroedge.paths.ffn import PathsFFN
 
 
 class _Weights:
-    """Per-layer fused weights (views of nothing: concatenated copies, built once per model)."""
+    """Per-layer fused weights, built once per model: q/k/v and gate/up concatenated, and the model's
+    own Linear weights re-pointed at row slices of them, so the model holds one copy (on a 1B model
+    in bf16, 1.3 GB less than keeping both)."""
 
     def __init__(self, model):
         self.layers = []
         for blk in model.layers:
             a, mlp = blk.self_attn, blk.mlp
-            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
-            bqkv = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-                    if a.q_proj.bias is not None else None)
-            w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
+            wqkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
+            bqkv = (_fuse(a.q_proj, a.k_proj, a.v_proj, name="bias") if a.q_proj.bias is not None else None)
+            w13 = _fuse(mlp.gate_proj, mlp.up_proj)
             self.layers.append(dict(
                 ln1=blk.input_layernorm.weight, eps1=blk.input_layernorm.eps, wqkv=wqkv, bqkv=bqkv,
                 wo=a.o_proj.weight, ln2=blk.post_attention_layernorm.weight,
                 eps2=blk.post_attention_layernorm.eps, w13=w13, w2=mlp.down_proj.weight))
+
+
+def _fuse(*linears, name: str = "weight"):
+    """The linears' `name` tensors stacked along rows; each linear's own becomes a view of its rows."""
+    parts = [getattr(lin, name) for lin in linears]
+    fused = torch.cat([p.detach() for p in parts], 0)
+    row = 0
+    for lin, p in zip(linears, parts):
+        setattr(lin, name, torch.nn.Parameter(fused[row:row + p.shape[0]], requires_grad=p.requires_grad))
+        row += p.shape[0]
+    return fused
 
 
 def fused_weights(model) -> _Weights:

@@ -169,6 +169,9 @@ class ServingSession:
                 raise UserError("the serving session is inference-only: call model.eval() first")
             if device_memory is not None:
                 self._cap_memory(device_memory)
+            dev = next(model.parameters()).device
+            if dev.type == "cuda" and (kv_budget is not None or device_memory is not None):
+                self._scheduler(dev)            # its bandwidth probe runs now, not at a request's memory peak
         else:
             if bundle is None:
                 raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
@@ -212,7 +215,7 @@ class ServingSession:
         p = next(self.model.parameters())
         w = weights_bytes(self.model.cfg, p.element_size())
         if w >= cap:
-            raise UserError(f"the model's weights ({_gib(w)} with the decoder's fused copies) do not fit "
+            raise UserError(f"the model's weights ({_gib(w)}) do not fit "
                             f"the device memory cap of {_gib(cap)}")
         if p.device.type == "cuda":
             import torch
@@ -232,15 +235,15 @@ class ServingSession:
         gates chose must fit; dense KV that does not fit is replaced by thermal KV (the session's
         budget, else 10 %) when the thermal gate allows it; otherwise a UserError names both
         forecasts. Returns (thermal or not, the hot fraction)."""
-        from zeroedge.runtime.memory import request_bytes
+        from zeroedge.runtime.memory import HEADROOM, request_bytes
 
         m = self.model
         p = next(m.parameters())
         budget = self.kv_budget or 0.1
         kw = dict(settings=self._settings(), cold=self._cold_store(p.device),
                   cold_shares_memory=memory_kind(p.device) != "discrete")
-        dense = request_bytes(m.cfg, p.element_size(), T, max_new)["peak"]
-        therm = request_bytes(m.cfg, p.element_size(), T, max_new, budget, **kw)["peak"]
+        dense = int(request_bytes(m.cfg, p.element_size(), T, max_new)["peak"] * (1 + HEADROOM))
+        therm = int(request_bytes(m.cfg, p.element_size(), T, max_new, budget, **kw)["peak"] * (1 + HEADROOM))
         cap = self.device_memory
         mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm,
                                  "thermal_budget": budget}
@@ -421,6 +424,8 @@ class ServingSession:
         ks, vs, qcov = self._prefill(prompt[:P]) if P > 0 else (None, None, None)
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         dev = next(m.parameters()).device
+        if self.device_memory is not None and dev.type == "cuda":
+            torch.cuda.empty_cache()            # the prefill's freed blocks back, before the decoder's big ones
         if thermal:
             kw = dict(budget=budget, page_size=ps, **self.thermal_opts)
             kw["cold"] = self._cold_store(dev)

@@ -1,0 +1,90 @@
+"""The device memory cap on a GPU (H200), llama-3.2-1b shape, bf16, random weights:
+
+1. forecast vs allocation: the serving session's peak (torch.cuda.max_memory_allocated over one
+   request: prefill, decoder, 16 new tokens) against zeroedge.runtime.memory.request_bytes, dense
+   and thermal (10 % hot; int8 cold store as on a Jetson, and the pinned-host one of a discrete GPU);
+2. the largest context served under a Jetson board's cap (its DRAM less the OS reserve and the CUDA
+   runtime the planner assumes): dense KV only (release level 0) against thermal allowed (int8
+   cold), each found by the forecast and then served for real under the cap
+   (ServingSession(device_memory=...) holds the CUDA allocator to it).
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu/memory_cap_gpu.py [--json OUT]
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_setup as bs  # noqa: E402
+
+NEW = 16
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", default="8192,32768")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    from zeroedge.planner import RUNTIME, TARGETS
+    from zeroedge.runtime.memory import HEADROOM, request_bytes
+    from zeroedge.runtime.session import ServingSession
+
+    m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16).eval()
+    cfg = m.cfg
+    ServingSession(m).generate(list(range(1, 40)), 2)             # fused weights (shared storage) built
+    g = torch.Generator().manual_seed(0)
+    rows = []
+
+    def measure(T, **kw):
+        ids = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        r = ServingSession(m, **kw).generate(ids, NEW)
+        torch.cuda.synchronize()
+        return r, torch.cuda.max_memory_allocated()
+
+    for T in bs.int_list(a.ctx):
+        for mode, kw, fk in (("dense", {}, {}),
+                             ("thermal int8 cold", dict(kv_budget=0.1, thermal_opts={"cold": "int8"}),
+                              dict(budget=0.1, cold="int8")),
+                             ("thermal host cold", dict(kv_budget=0.1, thermal_opts={"cold": "host"}),
+                              dict(budget=0.1, cold="host"))):
+            r, peak = measure(T, **kw)
+            fc = request_bytes(cfg, 2, T, NEW, **fk)["peak"]
+            rows.append({"part": "forecast", "ctx": T, "mode": mode, "measured_peak": peak, "forecast_peak": fc,
+                         "forecast_over_measured": round(fc / peak, 3), "thermal": r.mechanisms["thermal_kv"]})
+            print(json.dumps(rows[-1]), flush=True)
+
+    limit = cfg.max_seq_len - NEW
+    for board in ("orin-nano-8gb", "orin-nx-16gb"):
+        t = TARGETS[board]
+        cap = t.memory - t.os_reserve - RUNTIME
+        for mode, fk, kw in (("dense", {}, dict(release_level=0)),
+                             ("thermal int8 cold", dict(budget=0.1, cold="int8"),
+                              dict(kv_budget=0.1, thermal_opts={"cold": "int8"}))):
+            lo, hi = 64, limit
+            while lo < hi:                                 # the largest prompt whose forecast fits
+                mid = (lo + hi + 1) // 2
+                if request_bytes(cfg, 2, mid, NEW, **fk)["peak"] * (1 + HEADROOM) <= cap:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            row = {"part": "cap", "board": board, "cap": cap, "mode": mode, "largest_prompt": lo,
+                   "limited_by": "model context" if lo == limit else "memory"}
+            try:
+                r, peak = measure(lo, device_memory=cap, **kw)
+                row.update(served=True, measured_peak=peak, thermal=r.mechanisms["thermal_kv"])
+            except Exception as e:       # noqa: BLE001 - the row says what failed
+                row.update(served=False, error=str(e).splitlines()[0][:300])
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.json:
+        bs.write_json(a.json, {"device": bs.device_info(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

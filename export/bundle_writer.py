@@ -17,6 +17,11 @@ bundle/
                           so the graphs compute as before from half the bytes (onnxruntime and
                           TensorRT fold the Cast when they load or build); a tensor float16 cannot
                           hold (|w| > 65504) stays float32
+                          weights="int4" (export.quantize_graph): every linear layer 4-bit, group-wise;
+                          the portable graphs read them through onnxruntime's MatMulNBits, the TensorRT
+                          ones through blocked INT4 DequantizeLinear (opset 21); the two store different
+                          nibbles (TensorRT reads signed ones with no zero point) and share the scales;
+                          the rest (embedding = tied LM head, norms, scales) is stored as float16
   tokenizer files         when the model folder has them
   manifest.json           hashes, versions, opset, target, plugin ABI, calibration summary (incl. the
                           decode path layers and thresholds), graph I/O
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from zeroedge.errors import UserError
+from zeroedge.export import quantize_graph
 
 WEIGHTS = "weights.bin"
 ALIGN = 64
@@ -80,7 +86,7 @@ class WeightFile:
         self.f.close()
 
 
-WEIGHT_DTYPES = ("float16", "float32")
+WEIGHT_DTYPES = ("float16", "float32", "int4")
 FP16_MAX = 65504.0
 
 
@@ -113,6 +119,49 @@ def half_weights(model, min_bytes: int = 1024) -> int:
         nodes = list(g.node)
         del g.node[:]
         g.node.extend(casts + nodes)
+    return n
+
+
+def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_level, calib=None):
+    """The 4-bit scheme to export with (None: float weights). An artifact's weights section decides
+    bits / group / symmetric / method; an explicit --group / --symmetric that disagrees is refused."""
+    from zeroedge.export.quantize_graph import Scheme
+
+    ws = (meta or {}).get("weights")
+    if ws:
+        from zeroedge import calib_artifact
+
+        sec = calib_artifact.Calibration.from_meta(meta, str(calib)).weights
+        if weights not in ("int4", "float16"):
+            raise UserError(f"{calib} quantizes the weights ({sec.describe()}); --weights {weights} contradicts it")
+        for what, mine, theirs in (("--group", group, sec.group), ("--symmetric", symmetric, sec.symmetric)):
+            if mine is not None and mine != theirs:
+                raise UserError(f"{what} {mine} contradicts {calib} ({sec.describe()})")
+        return Scheme(sec.bits, sec.group, sec.symmetric, sec.method, accuracy_level).check()
+    if weights != "int4":
+        if group is not None or symmetric:
+            raise UserError("--group / --symmetric apply to --weights int4 only")
+        return None
+    return Scheme(4, 32 if group is None else int(group), bool(symmetric), "rtn", accuracy_level).check()
+
+
+def _quantize_flavours(per: dict, scheme):
+    """{"portable": MatMulNBits graph, "trt": DequantizeLinear graph}; per is one proto for both or
+    one per flavour (decode paths)."""
+    pq, n = quantize_graph.quantize_portable(per["portable"], scheme)
+    src = pq if per["trt"] is per["portable"] else quantize_graph.quantize_portable(per["trt"], scheme)[0]
+    tq, _ = quantize_graph.trt_from_portable(src)
+    return {"portable": pq, "trt": tq}, n
+
+
+def _quantized_params(model) -> int:
+    from onnx import helper
+
+    n = 0
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            at = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            n += int(at["K"]) * int(at["N"])
     return n
 
 
@@ -189,10 +238,14 @@ def calibration_summary(meta: Optional[dict], path, paths: Optional[dict] = None
 
 def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", window: int = 1024,
                   progress=None, force: bool = False, weights: str = "float16",
-                  prefill_chunk: Optional[int] = None) -> dict:
+                  prefill_chunk: Optional[int] = None, group: Optional[int] = None,
+                  symmetric: Optional[bool] = None, accuracy_level: Optional[int] = None) -> dict:
     """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
     (WEIGHT_DTYPES; see the module docstring). prefill_chunk: the runners' prefill chunk, recorded in
-    the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK)."""
+    the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK). int4: group (default
+    the artifact's, else 32), symmetric (default the artifact's, else asymmetric), accuracy_level
+    (MatMulNBits' attribute; None leaves it out); an artifact with a weights section folds its AWQ
+    scales into the model first and sets the scheme (weights="int4" is then implied)."""
     import onnx
     import torch
 
@@ -215,6 +268,9 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     meta = tensors = None
     if calib is not None:
         meta, tensors = calib_artifact.load(calib)
+    scheme = quant_scheme(weights, meta, group, symmetric, accuracy_level, calib)
+    if scheme is not None:
+        weights = "int4"
     # decode paths: refused (predictor) or read before anything is written
     paths = rewrite.paths_from_artifact(meta, tensors) if meta else {}
     tmp = out.with_name(out.name + ".tmp")
@@ -226,10 +282,11 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             graphs, info, model_cfg, folder = _foreign_graphs(model, meta, tensors, bool(paths), step)
             paths_graphs = []
         else:
-            graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step)
+            graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step,
+                                                            fold_awq=scheme is not None and scheme.method == "awq")
             paths_graphs = ["decode"] if paths else []
         step("write bundle")
-        files, opsets, params, halved = _write_graphs(graphs, tmp, weights, info)
+        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step)
         if folder is not None:
             for f in TOKENIZER_FILES:
                 if (Path(folder) / f).is_file():
@@ -240,7 +297,8 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
             "window": int(window), "dtype": "float32", "graph_files": files,
             "prefill": prefill_section(chunk, meta, foreign=isinstance(model, str) and model.endswith(".onnx")),
-            "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved},
+            "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved,
+                        **({"quantization": qinfo} if qinfo else {})},
             "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
                        "torch": torch.__version__, "onnx": onnx.__version__}})
         if out.exists():
@@ -287,9 +345,10 @@ def _foreign_graphs(path: str, meta, tensors, has_paths: bool, step):
     return {"prefill": pre}, info, cfg_d, None
 
 
-def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step):
+def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step, fold_awq: bool = False):
     """The model exported and rewritten: ({"prefill": proto, "decode": proto or {flavour: proto}},
-    info, model config, tokenizer folder)."""
+    info, model config, tokenizer folder). fold_awq: fold the artifact's AWQ scales into the weights
+    first (an identity of the fp model; the quantizer then sees W * s)."""
     from zeroedge import calib_artifact
     from zeroedge.export import onnx_export, rewrite
 
@@ -300,6 +359,11 @@ def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step
         for li, heads in (meta.get("pruned_heads") or {}).items():
             if heads:
                 m.layers[int(li)].self_attn.prune_heads(heads)
+        if fold_awq:
+            from zeroedge.quant.apply import apply_artifact
+
+            step("fold AWQ scales")
+            apply_artifact(m, meta, tensors, quantize=False, where=str(calib))
     model_cfg = m.cfg.to_dict()
     step("torch -> onnx")
     pre, dec, secs = onnx_export.export_model_protos(m, tmp / "_raw")
@@ -327,26 +391,37 @@ def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step
     return {"prefill": pre, "decode": dec}, info, model_cfg, folder
 
 
-def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict):
+def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None, step=None):
     """Every graph in its portable and TensorRT flavours, weights once in weights.bin; returns
-    (files, opsets, float parameters, tensors stored as fp16) and fills info["graphs"]."""
+    (files, opsets, float parameters, tensors stored as fp16, quantization summary or None) and fills
+    info["graphs"]. scheme (quantize_graph.Scheme): 4-bit linear layers, the rest as float16."""
     import onnx
 
     from zeroedge.export import rewrite
 
     wf = WeightFile(tmp / WEIGHTS)
     files, opsets, params, halved = {}, {}, None, 0
+    qinfo = scheme.to_dict() if scheme is not None else None
     for name in list(graphs):
         g = graphs.pop(name)                             # one proto, or one per flavour
         per = g if isinstance(g, dict) else {"portable": g, "trt": g}
         if params is None:                               # the prefill graph holds every weight
             params = _float_params(per["portable"])
+        if scheme is not None:
+            if step:
+                step(f"{name}: int4 weights (onnxruntime MatMulNBitsQuantizer)")
+            per, qn = _quantize_flavours(per, scheme)
+            qinfo.setdefault("nodes", {})[name] = qn
+            if name == "prefill" or "quantized_params" not in qinfo:
+                qinfo["quantized_params"] = _quantized_params(per["portable"])
         done = {}
         for src in per.values():                         # weights out first: copies are cheap
             if id(src) not in done:
-                if weights == "float16":
+                if weights in ("float16", "int4"):
                     halved += half_weights(src)
                 done[id(src)] = wf.externalize(src)
+        if scheme is not None and name == "prefill":    # bytes of the quantized layers, as stored
+            qinfo["bytes"] = {f: quantize_graph.stored_bytes(done[id(per[f])]) for f in ("portable", "trt")}
         proto = done[id(per["portable"])]
         for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
             p = onnx.ModelProto()
@@ -358,4 +433,4 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict):
         info.setdefault("graphs", {})[name] = graph_io(proto)
         opsets[name] = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     wf.close()
-    return files, opsets, params, halved
+    return files, opsets, params, halved, qinfo

@@ -11,6 +11,10 @@ Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
                  that bundle are ~55 MB, TensorRT-RTX build). One copy needs one graph serving both
                  roles (not done). onnxruntime CPU with a tied lm_head also keeps ~2 packed
                  [V, D] fp32 copies per session
+                 4-bit bundles (manifest weights.quantization): the quantized linear layers count the
+                 bytes weights.bin really stores for the flavour that runs (TensorRT: signed INT4 +
+                 scales + zero-point offsets; onnxruntime: MatMulNBits' blobs + scales + zero points),
+                 the rest (embedding, norms) params at the plan dtype
   hot_kv         2 * L * Hkv * hd * min(context, window) * dtype bytes (post-RoPE keys + values)
   compressed     the rest of the context in the int8 tier: 1 byte per value + an fp16 scale per 64
   activations    the larger of prefill and one decode step. Prefill runs in chunks of C tokens
@@ -87,10 +91,21 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
     weights.bin's bytes / 4 (bundles from before it: float32 weights)."""
     c = manifest["model"]
     hd = c["dim"] // c["n_heads"]
-    params = int((manifest.get("weights") or {}).get("params") or weight_bytes // 4)
+    w = manifest.get("weights") or {}
+    params = int(w.get("params") or weight_bytes // 4)
+    q = w.get("quantization") or {}
     return {"L": c["n_layers"], "D": c["dim"], "F": c["ffn_dim"], "h": c["n_heads"], "hkv": c["n_kv_heads"],
             "hd": hd, "V": c["vocab_size"], "params": params,
-            "tied": bool(c.get("tie_embeddings", True))}
+            "tied": bool(c.get("tie_embeddings", True)),
+            "quant_params": int(q.get("quantized_params") or 0),
+            "quant_bytes": {k: int(v) for k, v in (q.get("bytes") or {}).items()}}
+
+
+def linear_bytes_per_param(m: dict, b: int, device: bool) -> float:
+    """Bytes per parameter of the linear layers as the runtime reads them: the stored 4-bit bytes of
+    the flavour that runs (trt on a device, portable in an onnxruntime process), else the plan dtype."""
+    qb = (m.get("quant_bytes") or {}).get("trt" if device else "portable")
+    return qb / m["quant_params"] if qb and m.get("quant_params") else float(b)
 
 
 SCORE_COPIES_HOST = 9     # onnxruntime CPU, one pass: live [h, T, T] fp32 tensors at the peak (measured 8.7-10.5)
@@ -130,7 +145,10 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     # original stays and the MatMul kernel keeps its own transposed/packed copies (measured ~2 per
     # session). TensorRT: counted once (assumption).
     tied = 2 * m["V"] * m["D"] * 4 if (m.get("tied") and not device) else 0
-    out = {"weights": engines * (m["params"] * b + tied), "weight_copies": engines, "prefill_chunk": C,
+    qp = m.get("quant_params", 0)
+    w_one = qp * linear_bytes_per_param(m, b, device) + (m["params"] - qp) * b
+    out = {"weights": engines * (w_one + tied), "weight_copies": engines, "prefill_chunk": C,
+           "weights_quantized": int(qp * linear_bytes_per_param(m, b, device)) if qp else 0,
            "prefill_activations": act_prefill,
            "hot_kv": per_tok_kv * hot * b,
            "compressed_kv": per_tok_kv * max(context - window, 0) * (1 + 2 / 64),
@@ -163,11 +181,13 @@ def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip
     qk = sum(min(C, T - i * C) * min(T, (i + 1) * C) for i in range(n))   # query x key pairs scored
     pf_flops = 2 * T * (ffn * (1 - ffn_skip) + other + 0) + 4 * qk * h * hd * L + 2 * m["V"] * D
     per_tok_kv = 2 * L * m["hkv"] * hd * b
-    pf_bytes = n * m["params"] * b + per_tok_kv * (T + C * n * (n - 1) // 2)
+    qp = m.get("quant_params", 0)
+    pf_bytes = n * (qp * linear_bytes_per_param(m, b, True) + (m["params"] - qp) * b) + per_tok_kv * (T + C * n * (n - 1) // 2)
     pf_t = max(pf_flops / (peak * COMPUTE_EFF), pf_bytes / (t.bandwidth * BANDWIDTH_EFF))
     S = min(context, window)
     ffn_read = ffn if decode_ffn_bytes_skip == 0 else ffn * (1 - decode_ffn_bytes_skip) / sparse_eff
-    dec_bytes = (ffn_read + other + m["V"] * D) * b + 2 * L * m["hkv"] * hd * S * b
+    lb = linear_bytes_per_param(m, b, True)          # roofline: the device's (TensorRT) bytes
+    dec_bytes = (ffn_read + other) * lb + m["V"] * D * b + 2 * L * m["hkv"] * hd * S * b
     dec_flops = 2 * (ffn + other + m["V"] * D) + 4 * S * h * hd * L
     dec_t = max(dec_flops / (peak * COMPUTE_EFF), dec_bytes / (t.bandwidth * BANDWIDTH_EFF))
     return {"prefill_s": pf_t, "prefill_tok_s": T / pf_t, "prefill_passes": n,

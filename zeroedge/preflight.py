@@ -92,7 +92,15 @@ def check_model(model, target: str = "jetpack-6.2", fname: str = "model.onnx") -
     lo, hi = t["opset"]
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     v = opsets.get("ai.onnx")
-    if v is None or not lo <= v <= hi:
+    blocked_dq = any(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
+                     for n in model.graph.node)
+    if v == 21 and hi == 20 and blocked_dq:
+        # 4-bit bundles (export.quantize_graph): DequantizeLinear's block_size exists from opset 21 only;
+        # TensorRT 10's parser imports it (its INT4 weight-only quantization; built with TensorRT-RTX here)
+        add("warning", "opset", "", f"default-domain opset 21 (blocked INT4 DequantizeLinear) is past TensorRT "
+            f"{t['tensorrt']}'s documented range {lo}..{hi}; its parser imports it for weight-only INT4",
+            "none needed; if the device's parser refuses it, export with --weights fp16")
+    elif v is None or not lo <= v <= hi:
         add("error", "opset", "", f"default-domain opset {v} is outside TensorRT {t['tensorrt']}'s "
             f"range {lo}..{hi}", f"re-export with opset_version={min(max(v or lo, lo), hi)}")
     if model.ir_version > t["max_ir"]:

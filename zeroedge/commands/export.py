@@ -14,14 +14,24 @@ from zeroedge.commands.common import check_model, output_option, target_option
 @target_option
 @click.option("--window", default=1024, show_default=True, type=int,
               help="hot KV slots the decode runner allocates by default")
-@click.option("--weights", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True,
+@click.option("--weights", type=click.Choice(["fp16", "fp32", "int4"]), default="fp16", show_default=True,
               help="how weights.bin stores the weights: fp16 (what the Jetson engines run; half the bundle), "
-                   "or fp32 (the graphs then match the PyTorch model bit for bit in onnxruntime)")
+                   "fp32 (the graphs then match the PyTorch model bit for bit in onnxruntime), or int4 (every "
+                   "linear layer 4-bit group-wise: MatMulNBits in the portable graphs, INT4 DequantizeLinear in "
+                   "the TensorRT ones; the rest fp16). An artifact with a weights section implies int4")
+@click.option("--group", type=int, default=None,
+              help="int4: weights per quantization group along the input dimension [default: 32, or the artifact's]")
+@click.option("--symmetric", is_flag=True, default=None,
+              help="int4: symmetric grid (no zero point) [default: asymmetric, or the artifact's]")
+@click.option("--accuracy-level", "accuracy_level", type=click.IntRange(0, 4), default=None,
+              help="int4: MatMulNBits' accuracy_level in the portable graphs (4: int8 activations; "
+                   "default: onnxruntime's)")
 @click.option("--force", is_flag=True, help="replace a non-empty output directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
 @click.option("--sign", "sign_key", type=click.Path(dir_okay=False), metavar="KEY",
               help="sign the manifest with this key (zeroedge keygen); same as `zeroedge sign` after")
-def cmd(model, calib, out, target, window, weights, force, as_json, sign_key):
+def cmd(model, calib, out, target, window, weights, group, symmetric, accuracy_level, force, as_json,
+        sign_key):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
@@ -36,6 +46,10 @@ def cmd(model, calib, out, target, window, weights, force, as_json, sign_key):
     if window < 1:
         raise UserError("--window must be >= 1")
     check_model(model, presets=True, onnx=True)        # a missing model: refused before torch loads
+    if weights != "int4" and calib is None and (group is not None or symmetric or accuracy_level is not None):
+        raise UserError("--group / --symmetric / --accuracy-level apply to --weights int4 only")
+    if group is not None and group not in (16, 32, 64, 128, 256):
+        raise UserError(f"--group must be a power of two from 16 to 256 (got {group})")
     if sign_key:
         from zeroedge.bundle import load_signing_key
 
@@ -56,7 +70,9 @@ def cmd(model, calib, out, target, window, weights, force, as_json, sign_key):
                 console.log(msg)
         try:
             mf = export_bundle(model, out, calib=calib, target=target, window=window,
-                               progress=step, force=force, weights={"fp16": "float16", "fp32": "float32"}[weights])
+                               progress=step, force=force,
+                               weights={"fp16": "float16", "fp32": "float32", "int4": "int4"}[weights],
+                               group=group, symmetric=symmetric, accuracy_level=accuracy_level)
         except NoPattern as e:
             r = e.report
             console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "
@@ -82,6 +98,13 @@ def cmd(model, calib, out, target, window, weights, force, as_json, sign_key):
         click.echo(f"wrote {out}: {len(mf['files'])} files, {total / 1e6:.1f} MB in "
                    f"{mf['export']['seconds']:.1f} s" + (f"; signed with key {summary['signed_by']}"
                                                           if sign_key else ""))
+        q = mf["weights"].get("quantization")
+        if q:
+            b = q.get("bytes", {})
+            click.echo(f"weights: int{q['bits']} g{q['group']} {'sym' if q['symmetric'] else 'asym'} "
+                       f"{q['method'].upper()} on {q['quantized_params'] / 1e6:.1f} M params; "
+                       f"{b.get('portable', 0) / 1e6:.1f} MB read by the portable graphs (MatMulNBits), "
+                       f"{b.get('trt', 0) / 1e6:.1f} MB by the TensorRT ones; the rest fp16")
         if summary["rewrite"]:
             rw = summary["rewrite"]
             click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")

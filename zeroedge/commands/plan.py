@@ -48,7 +48,10 @@ def cmd(bundle, board, ctx, window, dtype, ort_process, chunk, as_json):
         return
     m, r, f = p["memory"], p["roofline"], p["figures"]
     click.echo(f"{p['target']}  context {ctx}  window {p['window']}  {dtype}")
-    notes = {"weights": f"{m['weight_copies']} copies: the prefill and decode graphs each hold them",
+    wnote = f"{m['weight_copies']} copies: the prefill and decode graphs each hold them"
+    if m.get("weights_quantized"):
+        wnote += f"; 4-bit linear layers at their stored {_mb(m['weights_quantized'])} each"
+    notes = {"weights": wnote,
              "activations": (f"prefill in chunks of {m['prefill_chunk']:,} tokens"
                              if m["prefill_chunk"] < ctx else "prefill in one pass")}
     for k in ("weights", "hot_kv", "compressed_kv", "activations", "workspace", "runtime"):

@@ -1,0 +1,234 @@
+"""4-bit bundles (`zeroedge export --weights int4`, export.quantize_graph): MatMulNBits in the portable
+graphs, blocked INT4 DequantizeLinear in the TensorRT ones, the same weights in both; onnxruntime
+runs them; the real TensorRT-RTX builder builds them (plugins included); check / plan / CLI errors.
+
+Tiny preset (random weights) for the structure, one SmolLM2 test for the logits error and greedy
+tokens against the fp16 bundle."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+
+SCHEMES = {"asym32": {"group": 32}, "sym16": {"group": 16, "symmetric": True}}
+
+
+@pytest.fixture(scope="module")
+def b4(tmp_path_factory):
+    from zeroedge.export.bundle_writer import export_bundle
+
+    d = tmp_path_factory.mktemp("b4")
+    export_bundle("tiny", d / "fp32", window=32, weights="float32")
+    export_bundle("tiny", d / "fp16", window=32)
+    for name, kw in SCHEMES.items():
+        export_bundle("tiny", d / name, window=32, weights="int4", **kw)
+    return d
+
+
+def _graph(path):
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def _const_matmuls(g):
+    inits = {t.name for t in g.initializer}
+    cast_from_init = {n.output[0] for n in g.node if n.op_type == "Cast" and n.input[0] in inits}
+    return [n.name for n in g.node if n.op_type == "MatMul" and (n.input[1] in inits or n.input[1] in cast_from_init)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
+    from zeroedge import bundle
+
+    mf = bundle.verify(b4 / name)
+    q = mf["weights"]["quantization"]
+    kw = SCHEMES[name]
+    assert (q["bits"], q["group"], q["symmetric"], q["method"]) == (4, kw["group"], kw.get("symmetric", False), "rtn")
+    L = mf["model"]["n_layers"]
+    for graph in ("prefill", "decode"):
+        p = _graph(b4 / name / f"{graph}.portable.onnx")
+        nb = [n for n in p.node if n.op_type == "MatMulNBits"]
+        assert len(nb) == 7 * L == q["nodes"][graph]
+        assert all(n.domain == "com.microsoft" for n in nb)
+        assert _const_matmuls(p) == []                     # no float linear layer left
+        assert all(len(n.input) == (3 if kw.get("symmetric") else 4) for n in nb)
+        t = _graph(b4 / name / f"{graph}.trt.onnx")
+        assert not any(n.domain == "com.microsoft" for n in t.node)
+        dq = [n for n in t.node if n.op_type == "DequantizeLinear"]
+        assert len(dq) == 7 * L
+        inits = {i.name: i for i in t.initializer}
+        for n in dq:
+            assert inits[n.input[0]].data_type == onnx.TensorProto.INT4    # signed: TensorRT has no UINT4
+            assert len(n.input) == 2                                         # no zero point (TensorRT refuses one)
+            at = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            assert at == {"axis": 1, "block_size": kw["group"]}
+        ops = {o.domain or "ai.onnx": o.version for o in onnx.load(str(b4 / name / f"{graph}.trt.onnx"),
+                                                                     load_external_data=False).opset_import}
+        assert ops["ai.onnx"] == 21
+    assert q["quantized_params"] == L * (3 * 64 * 128 + 64 * 64 * 2 + 2 * 64 * 32)
+
+
+def _logits(bundle, flavour, tokens, steps=3):
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    with OrtRunner(bundle, slots=32, flavour=flavour) as r:
+        out = [r.prefill(tokens)]
+        for _ in range(steps):
+            out.append(r.step(int(np.argmax(out[-1]))))
+    return np.stack(out)
+
+
+def _dequantized_reference(model, bundle):
+    """The torch model with each linear weight replaced by MatMulNBits' own dequantization (unpacked
+    here from the portable prefill graph's blobs, scales and zero points)."""
+    from onnx import helper, numpy_helper
+
+    g = onnx.load(str(bundle / "prefill.portable.onnx")).graph
+    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    cast = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Cast"}
+    val = lambda name: inits[cast.get(name, name)].astype(np.float32) if cast.get(name, name) in inits else None
+    ws = []
+    for n in g.node:
+        if n.op_type != "MatMulNBits":
+            continue
+        at = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        K, N, bs = at["K"], at["N"], at["block_size"]
+        blob = inits[n.input[1]].reshape(N, -1)
+        u = np.stack([blob & 15, blob >> 4], -1).reshape(N, -1)[:, :K].astype(np.float32)
+        s = val(n.input[2]).reshape(N, -1)
+        if len(n.input) > 3:
+            zp = inits[n.input[3]].reshape(N, -1)
+            z = np.stack([zp & 15, zp >> 4], -1).reshape(N, -1)[:, :s.shape[1]].astype(np.float32)
+        else:
+            z = np.full_like(s, 8.0)
+        ws.append((n.name, (u - np.repeat(z, bs, 1)[:, :K]) * np.repeat(s, bs, 1)[:, :K]))   # W [out, in]
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert len(ws) == 7 * len(model.layers)
+    it = iter(ws)                                         # the graph holds them layer by layer in this order
+    with torch.no_grad():
+        for blk in model.layers:
+            for n in names:
+                node, w = next(it)
+                assert f"/{n.split('.')[-1]}" in node, (node, n)
+                blk.get_submodule(n).weight.copy_(torch.from_numpy(w))
+    return model
+
+
+def test_portable_and_trt_graphs_compute_the_same_4bit_weights(b4):
+    """The TensorRT graph (run by onnxruntime: it reads INT4 DequantizeLinear) and MatMulNBits give
+    the same logits, both asymmetric (offset product) and symmetric."""
+    tokens = np.arange(3, 15)
+    for name in SCHEMES:
+        p, t = _logits(b4 / name, "portable", tokens), _logits(b4 / name, "trt", tokens)
+        assert np.abs(p - t).max() <= 1e-4 * np.abs(p).max(), name
+
+
+def test_4bit_logits_match_the_dequantized_model_and_differ_from_fp32(b4):
+    from zeroedge.model import build
+
+    tokens = torch.arange(3, 15)[None]
+    fp = _logits(b4 / "fp32", "portable", tokens.numpy())
+    q = _logits(b4 / "asym32", "portable", tokens.numpy())
+    m = _dequantized_reference(build("tiny", seed=0).float().eval(), b4 / "asym32")
+    with torch.no_grad():
+        ref = m(tokens)[0, -1].numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(q[0] - ref).max() <= 2e-3 * scale           # fp16-stored scales: ~1e-3 relative
+    err = np.abs(q[0] - fp[0]).max() / np.abs(fp[0]).max()
+    assert 1e-4 < err < 0.5, err                               # really 4-bit, still the same model
+
+
+def test_trt_graphs_build_with_tensorrt_rtx(rtx, plugin_lib, b4):
+    from zeroedge.backends.tensorrt import EngineFromOnnx
+
+    for name in SCHEMES:
+        for graph in ("prefill", "decode"):
+            st = EngineFromOnnx(b4 / name / f"{graph}.trt.onnx", plugin_lib, max_tokens=64, window=32,
+                                cc="8.6", log=lambda s: None)
+            blob = st()
+            assert st.parser_errors == [] and len(blob) > 0, (name, graph)
+
+
+def test_sih_pad_prefill_4bit_builds_with_its_plugins(rtx, plugin_lib, tmp_path):
+    """A SIH/PAD artifact: the prefill graph carries zeroedge plugins and 4-bit layers together."""
+    from artifacts import sih_artifact
+    from zeroedge.backends.tensorrt import EngineFromOnnx
+    from zeroedge.export.bundle_writer import export_bundle
+
+    sih_artifact(tmp_path / "c", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, block={2: 8})
+    export_bundle("tiny", tmp_path / "b", calib=tmp_path / "c", window=32, weights="int4")
+    g = _graph(tmp_path / "b" / "prefill.trt.onnx")
+    plugins = [n for n in g.node if n.domain == "zeroedge"]
+    assert plugins and sum(n.op_type == "DequantizeLinear" for n in g.node) > 0
+    st = EngineFromOnnx(tmp_path / "b" / "prefill.trt.onnx", plugin_lib, max_tokens=64, window=32, cc="8.6",
+                        log=lambda s: None)
+    assert len(st()) > 0 and st.parser_errors == [] and st.plugin_layers == len(plugins)
+    r = _logits(tmp_path / "b", "portable", np.arange(40) % 200 + 3, steps=1)
+    assert np.isfinite(r).all()
+
+
+def test_check_passes_and_plan_counts_the_stored_bytes(b4):
+    p = run_cli("check", b4 / "asym32", check_rc=0)
+    assert "0 error(s)" in p.stdout
+    plans = {n: json.loads(run_cli("plan", b4 / n, "--board", "orin-nano-8gb", "--ctx", "256", "--json",
+                                   check_rc=0).stdout) for n in ("asym32", "fp16")}
+    mf = json.loads((b4 / "asym32" / "manifest.json").read_text())
+    w, q = mf["weights"], mf["weights"]["quantization"]
+    V, D = mf["model"]["vocab_size"], mf["model"]["dim"]
+    # device: TensorRT's stored bytes + the rest at fp16, two engines (tied: no extra on a device)
+    assert plans["asym32"]["memory"]["weights"] == 2 * (q["bytes"]["trt"] + (w["params"] - q["quantized_params"]) * 2)
+    assert plans["asym32"]["memory"]["weights"] < plans["fp16"]["memory"]["weights"]
+    assert q["bytes"]["trt"] < q["quantized_params"] * 2 * 0.45          # < 0.45x the fp16 bytes
+    host = json.loads(run_cli("plan", b4 / "asym32", "--board", "orin-nano-8gb", "--ctx", "256", "--json",
+                              "--onnxruntime-process", check_rc=0).stdout)
+    assert host["memory"]["weights"] == 2 * (q["bytes"]["portable"] + (w["params"] - q["quantized_params"]) * 2
+                                             + 2 * V * D * 4)
+    assert plans["asym32"]["roofline"]["decode_tok_s"] > plans["fp16"]["roofline"]["decode_tok_s"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--weights", "int4", "--group", "48"], "--group must be"),
+    (["--group", "32"], "apply to --weights int4 only"),
+    (["--weights", "fp16", "--symmetric"], "apply to --weights int4 only"),
+])
+def test_bad_int4_options_are_one_line_exit_2(tmp_path, args, msg):
+    p = run_cli("export", "tiny", "-o", tmp_path / "b", *args)
+    assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
+
+
+def test_smollm2_4bit_bundle_logits_and_greedy_tokens(smollm2, tmp_path):
+    """Real weights: the 4-bit (asym g32 RTN) bundle against the fp16 bundle on one short prompt:
+    the logits' relative error and how many of 16 greedy tokens agree (teacher-forced on fp16's)."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.export.bundle_writer import export_bundle
+
+    _, folder = smollm2
+    export_bundle(str(folder), tmp_path / "fp16", window=64)
+    export_bundle(str(folder), tmp_path / "int4", window=64, weights="int4")
+    mf = json.loads((tmp_path / "int4" / "manifest.json").read_text())
+    size = sum(f["bytes"] for f in mf["files"].values())
+    tokens = np.array([504, 2114, 15988, 282, 1978, 253, 6121, 1025, 30, 1387, 314, 253])
+    runs = {}
+    for name in ("fp16", "int4"):
+        with OrtRunner(tmp_path / name, slots=64) as r:
+            out = [r.prefill(tokens)]
+            ids = [int(np.argmax(out[-1]))]
+            for _ in range(15):
+                nxt = ids[-1] if name == "fp16" else runs["fp16"][1][len(ids) - 1]   # teacher-forced
+                out.append(r.step(nxt))
+                ids.append(int(np.argmax(out[-1])))
+            runs[name] = (np.stack(out), ids)
+    a, b = runs["fp16"][0], runs["int4"][0]
+    rel = float(np.abs(a - b).max() / np.abs(a).max())
+    agree = sum(x == y for x, y in zip(runs["fp16"][1], runs["int4"][1]))
+    print(f"SmolLM2 int4 vs fp16: max rel logits error {rel:.4f}, greedy agreement {agree}/16, "
+          f"bundle {size / 1e6:.1f} MB, portable 4-bit bytes {mf['weights']['quantization']['bytes']}")
+    assert 1e-3 < rel < 0.25, rel
+    assert agree >= 12, (agree, runs["fp16"][1], runs["int4"][1])

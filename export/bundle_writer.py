@@ -63,7 +63,7 @@ class WeightFile:
             raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
             if len(raw) < min_bytes:
                 continue
-            key = (t.data_type, tuple(t.dims), hashlib.sha1(raw).hexdigest())
+            key = (len(raw), hashlib.sha1(raw).hexdigest())     # bytes only: one copy for every view
             if key not in self.index:
                 pad = (-self.offset) % ALIGN
                 self.f.write(b"\0" * pad)
@@ -154,12 +154,23 @@ def _quantize_flavours(per: dict, scheme):
     return {"portable": pq, "trt": tq}, n
 
 
+def _embedding_params(model) -> int:
+    from onnx import helper
+
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and quantize_graph._bits(node) == 8:
+            at = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            return int(at["K"]) * int(at["N"])
+    return 0
+
+
 def _quantized_params(model) -> int:
+    """Parameters of the 4-bit linear layers."""
     from onnx import helper
 
     n = 0
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
+        if node.op_type == "MatMulNBits" and quantize_graph._bits(node) == 4:
             at = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             n += int(at["K"]) * int(at["N"])
     return n
@@ -422,6 +433,12 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
                 done[id(src)] = wf.externalize(src)
         if scheme is not None and name == "prefill":    # bytes of the quantized layers, as stored
             qinfo["bytes"] = {f: quantize_graph.stored_bytes(done[id(per[f])]) for f in ("portable", "trt")}
+            emb = {f: quantize_graph.stored_bytes(done[id(per[f])], "embedding") for f in ("portable", "trt")}
+            if emb["portable"]:
+                qinfo["embedding"] = {"bits": scheme.embedding_bits, "group": scheme.embedding_group,
+                                      "params": _embedding_params(per["portable"]), "bytes": emb}
+            else:
+                qinfo["embedding"] = {"bits": 0, "why": "no tied embedding / LM head pair whose width the group divides"}
         proto = done[id(per["portable"])]
         for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
             p = onnx.ModelProto()

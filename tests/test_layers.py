@@ -3,7 +3,7 @@ ones inside functions included):
 
     core         model, weights, texts, errors, bundle, trust, plugin_spec, calib_artifact, planner,
                  preflight, device (the probe)
-    mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor
+    mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only)
     workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation, generate
     backends     backends (onnxruntime, tensorrt, the plugin reference)
     serving      runtime (the serving session and decoders), daemon
@@ -21,7 +21,7 @@ from conftest import REPO
 LAYERS = [
     ("core", {"zeroedge", "model", "weights", "texts", "errors", "bundle", "trust", "plugin_spec", "calib_artifact",
               "planner", "preflight", "device", "systemd", "data"}),
-    ("mechanisms", {"mechanisms", "paths", "kv", "sensor"}),
+    ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant"}),
     ("workstation", {"export", "evaluation", "generate"}),
     ("backends", {"backends"}),
     ("serving", {"runtime", "daemon"}),

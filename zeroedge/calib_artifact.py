@@ -22,7 +22,20 @@ meta = {
     "predictor": {"kind": "input-magnitude" | "whitened-lowrank-swiglu", ...},
     "layers": [{"index": i, "sparse": bool, "threshold": float, ...}],   one per model layer
     "quality": {...}},
+  "weights": {                                     (optional: zeroedge calibrate --weights)
+    "format": "zeroedge-weights", "version": 1, "layout": "onnxruntime-matmulnbits",
+    "scheme": "int4" | "int8", "bits": 4 | 8, "group": 32 | 64 | 128, "symmetric": bool,
+    "method": "rtn" | "awq", "embedding": {"bits": 8, "group": int, "symmetric": true} | null,
+    "awq": {"alpha": [[qkv, o, gate_up, down] per layer], "grid": int, "tokens": int} (method awq),
+    "quality": {...}},
 }
+  tensors of the weights section (method awq), the per input channel scales s > 0 folded into the
+  model before quantizing (zeroedge.quant.apply):
+                        layers.{i}.awq.qkv      [dim]     q/k/v columns * s, input_layernorm / s
+                        layers.{i}.awq.o        [n_kv_heads * head_dim]  o_proj columns of every
+                                                          query head of a kv head * s, v_proj rows / s
+                        layers.{i}.awq.gate_up  [dim]     gate/up columns * s, post_attention_layernorm / s
+                        layers.{i}.awq.down     [ffn_dim] down_proj columns * s, up_proj rows / s
 
 `read_meta` validates every section once (UserError naming what is wrong) and `read` gives the typed
 view, `Calibration`, that the exporter, the evaluators and the serving session use; defaults of the
@@ -46,6 +59,11 @@ FORMAT_VERSION = 1
 META, TENSORS = "calib.json", "calib.safetensors"
 PATHS_FORMAT, PATHS_VERSION = "zeroedge-paths", 1
 PATH_KINDS = ("input-magnitude", "whitened-lowrank-swiglu")
+WEIGHTS_FORMAT, WEIGHTS_VERSION, WEIGHTS_LAYOUT = "zeroedge-weights", 1, "onnxruntime-matmulnbits"
+WEIGHT_METHODS = ("rtn", "awq")
+WEIGHT_BITS = (4, 8)
+WEIGHT_GROUPS = (32, 64, 128)
+AWQ_GROUPS = ("qkv", "o", "gate_up", "down")   # the scaled layer groups of a block, in this order
 
 SIH_DEFAULTS = plugin_spec.SIH_DEFAULTS
 
@@ -96,6 +114,51 @@ class PathsSection:
 
 
 @dataclass(frozen=True)
+class WeightsSection:
+    """meta["weights"]: weight-only quantization of every linear layer of the blocks (MatMulNBits'
+    numerics, zeroedge.quant.groupwise), RTN or AWQ-scaled; the embedding (= tied LM head) int8 or
+    kept (embedding_bits 0)."""
+    bits: int
+    group: int
+    symmetric: bool
+    method: str
+    embedding_bits: int
+    embedding_group: int
+    meta: dict
+
+    @property
+    def scheme(self) -> str:
+        return f"int{self.bits}"
+
+    def describe(self) -> str:
+        emb = f"embedding int{self.embedding_bits}" if self.embedding_bits else "embedding kept"
+        return (f"{self.scheme} g{self.group} {'sym' if self.symmetric else 'asym'} {self.method.upper()}, "
+                f"{emb}")
+
+    def awq_scales(self, tensors: dict, cfg: dict, where: str = "calibration artifact") -> Dict[int, Dict[str, object]]:
+        """layer -> {qkv, o, gate_up, down: scale tensor}, checked: every layer present, the right
+        length for the model (cfg: the artifact's model config), finite and > 0. {} for RTN."""
+        if self.method != "awq":
+            return {}
+        hd = cfg["dim"] // cfg["n_heads"]
+        size = {"qkv": cfg["dim"], "o": cfg["n_kv_heads"] * hd, "gate_up": cfg["dim"], "down": cfg["ffn_dim"]}
+        out = {}
+        for i in range(cfg["n_layers"]):
+            out[i] = {}
+            for g in AWQ_GROUPS:
+                name = f"layers.{i}.awq.{g}"
+                t = tensors.get(name)
+                if t is None:
+                    raise UserError(f"{where}: AWQ scales {name} missing")
+                if tuple(t.shape) != (size[g],):
+                    raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, the model needs ({size[g]},)")
+                if not bool((t > 0).all()) or not bool(t.isfinite().all()):
+                    raise UserError(f"{where}: {name} must be finite and > 0")
+                out[i][g] = t
+        return out
+
+
+@dataclass(frozen=True)
 class Calibration:
     """The typed view of an artifact's meta (validated by `from_meta`)."""
     where: str
@@ -106,6 +169,7 @@ class Calibration:
     pruned_heads: Dict[int, List[int]]
     paths: Optional[PathsSection]
     quality: dict
+    weights: Optional[WeightsSection] = None
 
     @classmethod
     def from_meta(cls, meta: dict, where: str = "calibration artifact") -> "Calibration":
@@ -151,7 +215,13 @@ class Calibration:
         except (AttributeError, TypeError, ValueError):
             raise bad("artifact 'pruned_heads' must map a layer to a list of heads") from None
         return cls(where, str(model.get("name") or "?"), cfg, sih, tuple(skips), pruned,
-                   _paths_section(meta.get("paths"), n_layers, bad), dict(meta.get("quality") or {}))
+                   _paths_section(meta.get("paths"), n_layers, bad), dict(meta.get("quality") or {}),
+                   _weights_section(meta.get("weights"), bad))
+
+    @property
+    def has_sih(self) -> bool:
+        """Whether the artifact carries SIH/PAD policies (a weights-only artifact does not)."""
+        return bool(self.skip_layers or self.pruned_heads)
 
     def require_paths(self) -> PathsSection:
         """The paths section, or the one error that says it is missing."""
@@ -186,6 +256,51 @@ def _paths_section(p, n_layers, bad) -> Optional[PathsSection]:
     if kind not in PATH_KINDS:
         raise bad(f"unknown path predictor kind {kind!r}")
     return PathsSection(kind, sparse, n, p)
+
+
+def _weights_section(w, bad) -> Optional[WeightsSection]:
+    if not w:
+        return None
+    if not isinstance(w, dict):
+        raise bad("artifact 'weights' section is not an object")
+    if w.get("format", WEIGHTS_FORMAT) != WEIGHTS_FORMAT or w.get("version", WEIGHTS_VERSION) != WEIGHTS_VERSION:
+        raise bad(f"'weights' section format {w.get('format')} v{w.get('version')} is not "
+                  f"{WEIGHTS_FORMAT} v{WEIGHTS_VERSION}; re-run zeroedge calibrate --weights")
+    if w.get("layout", WEIGHTS_LAYOUT) != WEIGHTS_LAYOUT:
+        raise bad(f"'weights' layout {w.get('layout')!r} is not {WEIGHTS_LAYOUT!r}")
+    emb = w.get("embedding")
+    try:
+        bits, group, sym = int(w["bits"]), int(w["group"]), w["symmetric"]
+        eb, eg = (int(emb["bits"]), int(emb["group"])) if emb else (0, 0)
+    except (KeyError, TypeError, ValueError):
+        raise bad("'weights' needs integer 'bits' and 'group', 'symmetric', and an embedding of "
+                  "integer 'bits' and 'group' or null") from None
+    if bits not in WEIGHT_BITS or group not in WEIGHT_GROUPS:
+        raise bad(f"'weights' int{bits} group {group} unsupported (bits {WEIGHT_BITS}, groups {WEIGHT_GROUPS})")
+    if not isinstance(sym, bool):
+        raise bad("'weights.symmetric' must be true or false")
+    if emb and (eb != 8 or eg not in WEIGHT_GROUPS):
+        raise bad(f"'weights.embedding' int{eb} group {eg} unsupported (int8, groups {WEIGHT_GROUPS})")
+    method = w.get("method")
+    if method not in WEIGHT_METHODS:
+        raise bad(f"'weights.method' {method!r} is not one of {', '.join(WEIGHT_METHODS)}")
+    return WeightsSection(bits, group, sym, method, eb, eg, w)
+
+
+def weights_meta(bits: int, group: int, symmetric: bool, method: str, embedding_group: Optional[int],
+                 **extra) -> dict:
+    """A weights section (meta["weights"]) as `zeroedge calibrate --weights` writes it; checked."""
+    w = {"format": WEIGHTS_FORMAT, "version": WEIGHTS_VERSION, "layout": WEIGHTS_LAYOUT, "scheme": f"int{bits}",
+         "bits": bits, "group": group, "symmetric": symmetric, "method": method,
+         "embedding": {"bits": 8, "group": embedding_group, "symmetric": True} if embedding_group else None,
+         **extra}
+    weights_section(w)
+    return w
+
+
+def weights_section(w: dict, where: str = "weights section") -> WeightsSection:
+    """The typed view of one weights section (UserError naming what is wrong)."""
+    return _weights_section(w, lambda msg: UserError(f"{where}: {msg}"))
 
 
 def read_meta(path) -> dict:

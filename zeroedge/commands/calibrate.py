@@ -1,4 +1,9 @@
-"""zeroedge calibrate: fit SIH heads and anchors, gate thresholds on held-out text, write the artifact."""
+"""zeroedge calibrate: fit SIH heads and anchors, gate thresholds on held-out text, write the artifact.
+
+With --weights int4|int8 the model's linear layers are quantized first (group-wise, onnxruntime
+MatMulNBits' numerics; --method awq searches activation-aware scales on the same texts, rtn does not),
+and the SIH/PAD (and --paths) calibrations then run on the fake-quantized model, so their thresholds
+see the weights the bundle ships; one artifact holds both sections. --weights-only skips SIH/PAD."""
 import click
 
 from zeroedge.commands.common import check_model, fraction_option, output_option
@@ -29,9 +34,22 @@ from zeroedge.commands.common import check_model, fraction_option, output_option
               show_default=True,
               help="Per-layer path costs: first-order estimates, or each layer measured alone "
                    "(slower; better allocation, benchmarks/paths.md).")
+@click.option("--weights", "wbits", type=click.Choice(["int4", "int8"]),
+              help="Quantize the linear layers' weights (group-wise, weight-only) before calibrating.")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="With --weights: weights per scale along the input dimension.")
+@click.option("--symmetric/--asymmetric", default=False, show_default=True,
+              help="With --weights: symmetric grid (no zero point) or scale + zero point.")
+@click.option("--method", type=click.Choice(["awq", "rtn"]), default="awq", show_default=True,
+              help="With --weights: activation-aware scale search (AWQ) or plain round-to-nearest.")
+@click.option("--embedding", type=click.Choice(["int8", "keep"]), default="int8", show_default=True,
+              help="With --weights: the embedding (and tied LM head) int8 (groups along the hidden size), or kept.")
+@click.option("--weights-only", is_flag=True,
+              help="With --weights: write the weights section only (no SIH/PAD prefill calibration).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
-        anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json):
+        anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json,
+        wbits=None, group="128", symmetric=False, method="awq", embedding="int8", weights_only=False):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import json
     import sys
@@ -44,6 +62,11 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
         raise UserError(f"--continuation ({continuation}) must be in [1, seq-len) and --seq-len >= 64")
     if anchor_rank < 0:
         raise UserError("--anchor-rank must be >= 0")
+    ctx = click.get_current_context()
+    wopts = [f"--{n.replace('_', '-')}" for n in ("group", "symmetric", "method", "embedding", "weights_only")
+             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    if wbits is None and wopts:
+        raise UserError(f"{', '.join(wopts)} only apply with --weights int4|int8")
     from zeroedge.texts import check_spec
 
     for t in texts_:
@@ -74,6 +97,10 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
                       gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
                       importance_samples=importance_samples, gate_steps=gate_steps,
                       log=lambda s: print(s, file=sys.stderr))
+    wmeta, tensors = None, {}
+    if wbits:
+        wmeta, tensors = quantize_weights(m, lists, cfg, int(wbits[3:]), int(group), symmetric, method,
+                                          embedding, seed)
     budget_errors = (BudgetError,)
     if with_paths:
         from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
@@ -81,7 +108,12 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
         budget_errors += (PathBudgetError,)
     step = "prefill (SIH/PAD)"
     try:   # the one place a budget that cannot be met becomes a user error (nothing is written)
-        meta, tensors, _ = calibrate(m, lists, cfg)
+        if weights_only:
+            meta = {"model": {"name": m.cfg.name, "config": m.cfg.to_dict()}, "sih": {}, "layers": [],
+                    "pruned_heads": {}, "quality": {}}
+        else:
+            meta, ptensors, _ = calibrate(m, lists, cfg)
+            tensors.update(ptensors)
         if with_paths:
             step = "decode paths"
             pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
@@ -91,11 +123,52 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     except budget_errors as e:
         raise UserError(f"{step}: {e}; nothing written (try a larger --budget)") from None
     meta["texts"] = list(texts_)
+    if wmeta is not None:
+        meta["weights"] = wmeta
     calib_artifact.save(out, meta, tensors)
     q = meta["quality"]
+    wq = wmeta["quality"] if wmeta else None
     if as_json:
-        click.echo(json.dumps({"artifact": str(out), **q}))
-    else:
+        click.echo(json.dumps({"artifact": str(out), **q, **({"weights": wq} if wq else {})}))
+        return
+    if wq:
+        click.echo(f"weights {calib_artifact.weights_section(wmeta).describe()}: held-out ppl "
+                   f"{wq['heldout_ppl_fp']:.3f} -> {wq['heldout_ppl']:.3f} ({wq['ppl_rise']:+.2%}), "
+                   f"{wq['bytes'] / 2**20:,.1f} MiB of weights ({wq['bytes_fp16'] / 2**20:,.1f} MiB as fp16)")
+    if "zero_ppl" in q:
         click.echo(f"wrote {out}: held-out ppl {q['dense_ppl']:.3f} -> {q['zero_ppl']:.3f} "
                    f"({q['ppl_rise']:+.2%}, budget {b:.2%}), prefill FFN FLOPs skipped "
-                   f"{q['ffn_flops_skipped']:.1%} net of anchors")
+                   f"{q['ffn_flops_skipped']:.1%} net of anchors" + (" (on the quantized model)" if wq else ""))
+    else:
+        click.echo(f"wrote {out}")
+
+
+def quantize_weights(m, lists, cfg, bits, group, symmetric, method, embedding, seed):
+    """Quantize m in place (AWQ search first when asked); returns (meta["weights"], its tensors).
+    Quality: held-out perplexity before and after, on the SIH gate's held-out sequences."""
+    import torch
+
+    from zeroedge import calib_artifact
+    from zeroedge.export.awq import AwqConfig, search
+    from zeroedge.export.calibrate import heldout_ppl, split_sequences
+    from zeroedge.quant import apply as qa
+    from zeroedge.quant.groupwise import Scheme
+
+    _, held = split_sequences(lists, cfg)
+    P = cfg.seq_len - cfg.continuation
+    fp = heldout_ppl(m, held, P)
+    extra, tensors, scales = {}, {}, None
+    if method == "awq":
+        scales, alphas, report = search(m, lists, Scheme(bits, group, symmetric), AwqConfig(seed=seed, seq_len=min(512, cfg.seq_len), log=cfg.log))
+        tensors = {f"layers.{i}.awq.{g}": t for i, sc in scales.items() for g, t in sc.items()}
+        extra["awq"] = {"alpha": alphas, **report}
+    w = calib_artifact.weights_meta(bits, group, symmetric, method, qa.embedding_group(m.cfg.dim) if embedding == "int8" else None, **extra)
+    section = calib_artifact.weights_section(w)
+    qa.apply(m, section, scales)
+    torch.manual_seed(seed)
+    q = heldout_ppl(m, held, P)
+    w["quality"] = {"heldout_ppl_fp": fp, "heldout_ppl": q, "ppl_rise": q / fp - 1,
+                    "bytes": qa.weight_bytes(m.cfg, section)["total"],
+                    "bytes_fp16": qa.weight_bytes(m.cfg, None, 2)["total"]}
+    cfg.log(f"[weights] {section.describe()}: held-out ppl {fp:.3f} -> {q:.3f} ({q / fp - 1:+.2%})")
+    return w, tensors

@@ -5,6 +5,12 @@
   --kv-budget F      thermal KV (F = 10% or 0.1): full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
   --paths            with --calib: decode paths instead of SIH/PAD: dense_ppl, paths_ppl,
                      ffn_bytes_skipped (every token teacher-forced with the paths on)
+  an artifact with a weights section (zeroedge calibrate --weights): dense_ppl (the model as loaded),
+                     weights_ppl (its weights quantized as the artifact says, zeroedge.quant.apply),
+                     weights_ppl_rise, weights (the scheme), weight_bytes, weight_bytes_fp16; then
+                     every other mechanism above runs on the quantized model, so zero_ppl's and
+                     paths_ppl's ppl_rise is over weights_ppl (SIH/PAD is skipped when the artifact
+                     has no SIH layers)
 
 Without --json it prints a short table (perplexities, % and MiB); --json prints the keys above.
 """
@@ -47,11 +53,12 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     from zeroedge.texts import check_spec
 
     check_spec(text)
-    meta = None
+    meta = cal = None
     if calib is not None:
         from zeroedge import calib_artifact
 
         meta = calib_artifact.read_meta(calib)  # fail fast, before loading the model
+        cal = calib_artifact.Calibration.from_meta(meta, calib)
     if paths:
         if meta is None:
             raise UserError("--paths needs --calib ARTIFACT (an artifact with path predictors)")
@@ -73,6 +80,9 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     tok = weights.tokenizer(folder)
     ids = texts.tokens(tok, texts.load_text(text), ctx, offset=offset, what=f"text {text}")
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
+    if cal is not None and cal.weights is not None:
+        stage(f"weights {cal.weights.describe()}: dense and quantized perplexity (2 passes)")
+        result.update(weights_eval(m, ids, calib, meta))
     if meta is not None and paths:
         stage(f"decode paths: dense and paths perplexity over {ctx} tokens (teacher-forced)")
         from zeroedge import calib_artifact
@@ -81,9 +91,10 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         calib_artifact.check_model(meta, m.cfg, calib)
         result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
                                  continuation=CONTINUATION))
-    elif meta is not None:
+    elif meta is not None and (cal.has_sih or cal.weights is None):
         stage(f"SIH/PAD: dense and zero passes over {ctx} tokens (4 passes)")
-        result.update(zero_eval(m, ids, calib, meta))
+        result.update({k: v for k, v in zero_eval(m, ids, calib, meta).items()
+                       if not (cal.weights is not None and k == "dense_ppl")})
     if kv_budget is not None:
         try:
             from zeroedge.kv.evaluate import run_eval
@@ -97,6 +108,24 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     else:
         for line in table(result, calib=calib, paths=paths):
             click.echo(line)
+
+
+def weights_eval(m, ids, calib, meta) -> dict:
+    """dense_ppl of m as loaded, then m's weights quantized in place (the artifact's weights section)
+    and weights_ppl: the last CONTINUATION tokens after a prefill of the rest, as everywhere here."""
+    import torch
+
+    from zeroedge import calib_artifact
+    from zeroedge.evaluation import continuation_ppl
+    from zeroedge.quant.apply import apply_artifact, weight_bytes
+
+    calib_artifact.check_model(meta, m.cfg, calib)
+    t = torch.tensor([ids])
+    dense = continuation_ppl(m, t, CONTINUATION)["ppl"]
+    section = apply_artifact(m, meta, calib_artifact.load_tensors(calib), where=str(calib))
+    q = continuation_ppl(m, t, CONTINUATION)["ppl"]
+    return {"dense_ppl": dense, "weights_ppl": q, "weights_ppl_rise": q / dense - 1, "weights": section.describe(),
+            "weight_bytes": weight_bytes(m.cfg, section)["total"], "weight_bytes_fp16": weight_bytes(m.cfg)["total"]}
 
 
 def zero_eval(m, ids, calib, meta) -> dict:
@@ -141,9 +170,15 @@ def table(r: dict, calib=None, paths=False) -> list:
     """The text output of `zeroedge eval`: a few lines with units; the keys are --json's."""
     n = r["ctx"] - r["tokens"]
     out = [f"{r['model']} on {r['text']}: {r['ctx']} tokens, prefill {n}, the last {r['tokens']} scored"]
+    if "weights_ppl" in r:
+        out += ["", f"weights {r['weights']} ({calib})",
+                _ppl(f"perplexity, last {r['tokens']} tokens", "dense", r["dense_ppl"], "quantized", r["weights_ppl"]),
+                f"  {'weights':<30} {_mib(r['weight_bytes'])} ({_mib(r['weight_bytes_fp16'])} as fp16); the "
+                "mechanisms below run on the quantized model"]
     if "zero_ppl" in r:
+        base = r["weights_ppl"] if "weights_ppl" in r else r["dense_ppl"]
         out += ["", f"SIH/PAD in prefill ({calib})",
-                _ppl(f"perplexity, last {r['tokens']} tokens", "dense", r["dense_ppl"], "zero", r["zero_ppl"]),
+                _ppl(f"perplexity, last {r['tokens']} tokens", "dense", base, "zero", r["zero_ppl"]),
                 _ppl("perplexity, all tokens", "dense", r["dense_ppl_all_tokens"], "zero", r["zero_ppl_all_tokens"]),
                 *(f"  {'':<30} {line}" for line in ALL_TOKENS_NOTE),
                 f"  {'prefill FFN FLOPs skipped':<30} {r['ffn_flops_skipped']:.1%} net of anchors "

@@ -304,12 +304,20 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     P, T, ps, budget = 256, 48, 16, 0.375
     ids = ids_(P + T, 7)
     o = dict(E.DEFAULTS, **opts)
-    pre = E.prefill(tiny, ids[:P], stats=False)
+    # the int8 cold store: the prefill itself writes int8 K/V (serving: into the decoder's cold store)
+    pre = E.int8_prefill(tiny, ids[:P]) if o["cold"] == "int8" else E.prefill(tiny, ids[:P], stats=False)
     nll_eval = E.score_continuation(tiny, ids[P:], pre, "thermal", budget, ps, opts=o)
     serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "cold")}
     dec = ThermalDecoder(tiny, P, T, budget=budget, page_size=ps, graph=False,
                          fetch=o["fetch"] or P // ps, **serving)
-    dec.load_prefix(pre["k"], pre["v"], pre["qcov"])
+    if o["cold"] == "int8":
+        from zeroedge.model import chunked_prefill
+
+        ks, vs, qcov = chunked_prefill(tiny, ids[:P], caches=dec.attention.prefill_caches())
+        assert all(torch.equal(a, b) for a, b in zip(ks, pre["k"]))
+        dec.load_prefix(ks, vs, qcov)
+    else:
+        dec.load_prefix(pre["k"], pre["v"], pre["qcov"])
     start = dec.attention.slot_page.clone()
     logits = [pre["last_logits"]]
     for t in range(P, P + T - 1):
@@ -360,3 +368,19 @@ def test_the_fast_decoder_keeps_one_copy_of_the_weights():
     assert sum(storages.values()) == nbytes == weights_bytes(m.cfg, 4)
     with torch.no_grad():
         assert torch.equal(m(ids)[0], before)
+
+
+def test_the_sketch_is_fitted_in_chunks_with_the_same_result():
+    """quantized_sketch reads the keys a chunk at a time (bounded fp32 copies at 128K): the basis is
+    the centred key PCA's, and the codes do not depend on the chunk."""
+    from zeroedge.kv.attention import quantized_sketch, sketch_bases
+
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 512, 16, generator=g) * torch.linspace(0.2, 3, 16) + 5.0    # far from centred
+    A, B, mu = sketch_bases(k, rank=4)
+    c = k - k.mean(1, keepdim=True)
+    top = torch.linalg.eigh(c.transpose(1, 2) @ c)[1][:, :, -4:].flip(-1)
+    assert torch.allclose((B.transpose(1, 2) @ top).abs(), torch.eye(4).expand(2, 4, 4), atol=1e-3)
+    one = quantized_sketch(k, 16, 4, 4, chunk=4096)
+    many = quantized_sketch(k, 16, 4, 4, chunk=64)
+    assert torch.equal(one[1], many[1]) and torch.equal(one[2], many[2])

@@ -383,13 +383,13 @@ def test_an_artifact_s_sih_section_is_said_not_applied_by_the_torch_backend(mode
 def test_chunked_prefill_gives_the_whole_prompt_s_kv(model):
     """The serving prefill on a GPU runs the prompt in chunks against the KV cache (activations of one
     chunk): the K/V it leaves are the one-pass prefill's."""
-    from zeroedge.runtime.session import chunked_prefill
+    from zeroedge.model import chunked_prefill
 
     ids = ids_(100)
     whole_k, whole_v, whole_q = chunked_prefill(model, ids, chunk=len(ids))
     k, v, q = chunked_prefill(model, ids, chunk=16)
     assert len(k) == len(model.layers) and k[0].shape[1] == len(ids)
-    assert max(float((a - b).abs().max()) for a, b in zip(k + v, whole_k + whole_v)) < 1e-4
+    assert max(float((a - b).abs().max()) for a, b in zip([*k, *v], [*whole_k, *whole_v])) < 1e-4
     # the query covariances (the thermal sketch's) are the evaluator's, whatever the chunk
     from zeroedge.kv.evaluate import prefill
 

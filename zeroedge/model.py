@@ -117,11 +117,15 @@ class KVCache(nn.Module):
     query covariance the thermal KV sketch is fitted to."""
 
     def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device=None,
-                 track_queries: bool = False):
+                 track_queries: bool = False, buffers=None):
         super().__init__()
         shape = (batch, n_kv, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        k, v = buffers if buffers is not None else (torch.zeros(shape, dtype=dtype, device=device),
+                                                    torch.zeros(shape, dtype=dtype, device=device))
+        if k.shape[:2] != shape[:2] or k.shape[2] < max_len or k.shape != v.shape:
+            raise ValueError(f"cache buffers of shape {tuple(k.shape)} do not hold {shape}")
+        self.register_buffer("k", k, persistent=False)     # given buffers: written in place, not copied
+        self.register_buffer("v", v, persistent=False)
         self.qcov = (torch.zeros(n_kv, head_dim, head_dim, device=device, dtype=torch.float32)
                      if track_queries else None)
 
@@ -133,6 +137,10 @@ class KVCache(nn.Module):
             qf = q[0].float()
             self.qcov.index_add_(0, kv_index, qf.transpose(1, 2) @ qf)
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def layer_kv(self, n: int, which: int):
+        """K (which 0) or V (1) of the first n positions, batch 0: (n_kv, n, hd), a view."""
+        return (self.k if which == 0 else self.v)[0, :, :n]
 
 
 class Attention(nn.Module):
@@ -189,11 +197,18 @@ class Attention(nn.Module):
         kv_index = self.kept_heads // group
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start, k, v, q, kv_index)
+        if h == self.cfg.n_heads and not self.record_probs:
+            # every head kept: SDPA shares each kv head with its query group (no copy of the past per query head)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 enable_gqa=group > 1)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, h * hd))
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
         if self.record_probs:
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
             if mask is None:
                 mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            elif not isinstance(mask, torch.Tensor):                   # a lower-right causal bias
+                mask = mask._materialize(q.device)
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = scores.float().softmax(-1).to(q.dtype)
             self.last_probs = probs
@@ -233,12 +248,17 @@ class Transformer(nn.Module):
         self.cache_len = 0
 
     # --- cache ---------------------------------------------------------------------------------
-    def setup_cache(self, batch: int, max_len: int, dtype=None, track_queries: bool = False):
+    def setup_cache(self, batch: int, max_len: int, dtype=None, track_queries: bool = False, buffers=None,
+                    caches=None):
+        """A KV cache per layer; `buffers`: per layer (k, v) tensors (batch, n_kv, >= max_len, hd) the
+        cache writes into (a decoder's own cache), else new zeros; `caches`: per layer cache objects
+        to use as they are (KVCache's update / layer_kv / qcov, e.g. zeroedge.kv.tiers.Int8KVCache)."""
         dtype = dtype or self.embed_tokens.weight.dtype
         dev = self.embed_tokens.weight.device
-        for b in self.layers:
-            b.self_attn.kv_cache = KVCache(batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim,
-                                           dtype, dev, track_queries)
+        for i, b in enumerate(self.layers):
+            b.self_attn.kv_cache = caches[i] if caches is not None else KVCache(
+                batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, dtype, dev, track_queries,
+                None if buffers is None else buffers[i])
         self.cache_len = max_len
 
     def drop_cache(self):
@@ -255,11 +275,12 @@ class Transformer(nn.Module):
         return emb.cos().to(dt), emb.sin().to(dt)
 
     def causal_mask(self, start: int, T: int):
-        """Boolean (T, start+T) mask, True where attention is allowed; None lets SDPA skip it."""
-        dev = self.inv_freq.device
-        q = torch.arange(start, start + T, device=dev)[:, None]
-        k = torch.arange(start + T, device=dev)[None, :]
-        return k <= q
+        """Queries at start..start+T over keys 0..start+T, causal: a lower-right causal bias that SDPA
+        applies without materialising a (T, start+T) mask (a chunk of 2048 over a 128K cache would
+        take 0.75 GB in bf16)."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(T, start + T)
 
     def hidden_states(self, tokens: torch.Tensor, start: int = 0, return_all: bool = False,
                       first_layer: int = 0, x: Optional[torch.Tensor] = None):
@@ -284,6 +305,50 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         return self.lm_head(self.hidden_states(tokens, start))
+
+
+PREFILL_CHUNK = 2048   # prompt tokens a prefill step runs at once: activations are bounded by it
+
+
+class LayerKV:
+    """The prefill's K (which 0) or V (1) per layer, (n_kv, n, hd) each, read from its caches when
+    indexed: a compressed cache dequantizes one layer at a time."""
+
+    def __init__(self, caches, n: int, which: int):
+        self.caches, self.n, self.which = caches, n, which
+
+    def __len__(self):
+        return len(self.caches)
+
+    def __getitem__(self, i):
+        return self.caches[i].layer_kv(self.n, self.which)
+
+
+def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK, into=None, caches=None, return_last: bool = False):
+    """K and V (rope applied) of ids per layer (LayerKV, (n_kv, T, hd) each) and each layer's query
+    covariance (n_kv, hd, hd) (the thermal sketch's), running the prompt through the model `chunk`
+    tokens at a time against its KV cache, so a long prompt's activations (the attention scores
+    above all) are those of one chunk, not of the whole prompt. `into`: per layer (k, v) tensors
+    (n_kv, >= T, hd) to write into (a dense decoder's cache: no second copy); `caches`: per layer
+    cache objects to prefill into (a thermal decoder's int8 cold store, Int8KVCache). With
+    return_last, also the final normalised hidden state of the last token (D,)."""
+    dev = next(model.parameters()).device
+    T = len(ids)
+    if caches is None:
+        model.setup_cache(1, T, track_queries=True,
+                          buffers=None if into is None else [(k[None], v[None]) for k, v in into])
+    else:
+        model.setup_cache(1, T, caches=caches)
+    try:
+        t = torch.tensor([ids], device=dev)
+        with torch.inference_mode():
+            for s in range(0, T, chunk):
+                x = model.hidden_states(t[:, s:s + chunk], start=s)
+        used = [b.self_attn.kv_cache for b in model.layers]
+    finally:
+        model.drop_cache()
+    out = (LayerKV(used, T, 0), LayerKV(used, T, 1), [c.qcov / T for c in used])
+    return out + (x[0, -1],) if return_last else out
 
 
 def build(cfg_or_name, dtype=torch.float32, seed: Optional[int] = None) -> Transformer:

@@ -1,4 +1,4 @@
-"""The serving prefill in chunks (zeroedge.runtime.session.chunked_prefill) against one pass on a GPU:
+"""The serving prefill in chunks (zeroedge.model.chunked_prefill) against one pass on a GPU:
 the same K/V, and the peak memory of each (random weights, llama-3.2-1b shape, bf16).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/chunked_prefill_gpu.py
@@ -14,7 +14,7 @@ import bench_setup as bs  # noqa: E402
 def main():
     import torch
 
-    from zeroedge.runtime.session import chunked_prefill
+    from zeroedge.model import chunked_prefill
 
     m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16)
     for T in (8192, 32768):
@@ -30,7 +30,7 @@ def main():
             row[f"peak_extra_gib_chunk{chunk}"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
         a, b = kv[T], kv[2048]
         row["kv_max_rel_diff"] = max(float((x.float() - y.float()).norm() / y.float().norm())
-                                     for x, y in zip(a[0] + a[1], b[0] + b[1]))
+                                     for x, y in zip([*a[0], *a[1]], [*b[0], *b[1]]))
         print(json.dumps(row), flush=True)
         del kv, a, b
 

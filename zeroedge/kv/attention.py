@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroedge.kv.policy import COLD_GROUP, THERMAL, ThermalSettings, thermal_device_bytes, window_pages
+from zeroedge.kv.policy import (COLD_GROUP, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes,
+                                window_pages)
 
 
 
@@ -37,16 +38,21 @@ def host_mapped(t: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(_CAI(), device="cuda").view(t.dtype)
 
 
-def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2):
+def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2, chunk: int = SKETCH_CHUNK):
     """(A, B, mu) for keys k (nkv, P, hd): coords = (k - mu) @ B, query side q @ A. With the query
     covariance Cq the basis is query-aware: q.k = (Cq^-1/2 q) . (Cq^1/2 k), and the top `rank`
     principal directions of Cq^1/2 k minimise the expected squared score error over the queries;
     without it, plain key PCA. (A per-query constant shift does not change a softmax ranking, so
-    keys are centred on their mean.)"""
+    keys are centred on their mean.) The key moments are summed `chunk` keys at a time, in fp64."""
     nkv, P, hd = k.shape
-    kf = k.float()
-    mu = kf.mean(1, keepdim=True)
-    c = kf - mu
+    s = torch.zeros(nkv, 1, hd, device=k.device, dtype=torch.float64)
+    S = torch.zeros(nkv, hd, hd, device=k.device, dtype=torch.float64)
+    for i in range(0, P, chunk):
+        kc = k[:, i:i + chunk].double()
+        s += kc.sum(1, keepdim=True)
+        S += kc.transpose(1, 2) @ kc
+    mu = s / P
+    cov = (S - P * mu.transpose(1, 2) @ mu).float()     # sum over keys of (k - mu)^T (k - mu)
     if qcov is not None:
         cq = qcov.float() / qcov.float().diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
         cq = cq + eps * torch.eye(hd, device=k.device)
@@ -55,31 +61,37 @@ def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2):
         Wi = V @ torch.diag_embed(e.rsqrt()) @ V.transpose(1, 2)
     else:
         W = Wi = torch.eye(hd, device=k.device).expand(nkv, hd, hd)
-    cw = c @ W
-    _, U = torch.linalg.eigh(cw.transpose(1, 2) @ cw)
+    _, U = torch.linalg.eigh(W.transpose(1, 2) @ cov @ W)
     U = U[:, :, -rank:].flip(-1)
-    return Wi @ U, W @ U, mu
+    return Wi @ U, W @ U, mu.float()
 
 
-def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None):
+def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None, chunk: int = SKETCH_CHUNK):
     """The key sketch of keys k (nkv, P, hd): (A (nkv, hd, rank) fp32 query bases, codes (nkv, P,
-    rank) signed integers in float, scales (nkv, P // page_size, rank) fp16). The score of query q
-    against key t is (q @ A) . (codes[t] * scales[page of t]), up to a per-query constant. Codes are
-    round-to-nearest on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the page's max |coord| over
-    that), or signs with a mean-|coord| scale when bits = 1. A rank above hd is hd."""
+    rank) int8, scales (nkv, P // page_size, rank) fp16). The score of query q against key t is
+    (q @ A) . (codes[t] * scales[page of t]), up to a per-query constant. Codes are round-to-nearest
+    on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the page's max |coord| over that), or signs
+    with a mean-|coord| scale when bits = 1. A rank above hd is hd. Coordinates are made a chunk
+    of whole pages at a time."""
     nkv, P, hd = k.shape
     n = P // page_size
     rank = min(rank, hd)
-    A, B, mu = sketch_bases(k, qcov, rank)
-    coords = ((k.float() - mu) @ B).view(nkv, n, page_size, rank)
-    if bits == 1:
-        sc = coords.abs().mean(2, keepdim=True).clamp_min(1e-8).half()
-        codes = torch.where(coords >= 0, 1.0, -1.0)
-    else:
-        qmax = 2 ** (bits - 1) - 1
-        sc = (coords.abs().amax(2, keepdim=True) / qmax).clamp_min(1e-8).half()
-        codes = torch.round(coords / sc.float()).clamp(-qmax, qmax)
-    return A, codes.view(nkv, P, rank), sc.view(nkv, n, rank)
+    A, B, mu = sketch_bases(k, qcov, rank, chunk=chunk)
+    codes = torch.empty(nkv, P, rank, dtype=torch.int8, device=k.device)
+    scales = torch.empty(nkv, n, rank, dtype=torch.float16, device=k.device)
+    step = max(1, chunk // page_size) * page_size
+    for i in range(0, P, step):
+        coords = ((k[:, i:i + step].float() - mu) @ B).view(nkv, -1, page_size, rank)
+        if bits == 1:
+            sc = coords.abs().mean(2, keepdim=True).clamp_min(1e-8).half()
+            c = torch.where(coords >= 0, 1, -1)
+        else:
+            qmax = 2 ** (bits - 1) - 1
+            sc = (coords.abs().amax(2, keepdim=True) / qmax).clamp_min(1e-8).half()
+            c = torch.round(coords / sc.float()).clamp(-qmax, qmax)
+        codes[:, i:i + step] = c.view(nkv, -1, rank).to(torch.int8)
+        scales[:, i // page_size:(i + step) // page_size] = sc.view(nkv, -1, rank)
+    return A, codes, scales
 
 
 class ThermalAttention:
@@ -103,6 +115,7 @@ class ThermalAttention:
         if cold not in self.COLD:
             raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
         self.cold = cold
+        self.cold_filled = False
         # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
         # memory bandwidth is busy, and made up at the next step it is not
         self.scheduler = scheduler
@@ -169,6 +182,18 @@ class ThermalAttention:
         return thermal_device_bytes(self.L, self.nkv, self.hd, self.P, self.gen_len, self.wk.element_size(),
                                     self.budget, self.settings, self.cold)
 
+    def prefill_caches(self):
+        """int8 cold store only: per layer a zeroedge.kv.tiers.Int8KVCache writing straight into the
+        cold store, for zeroedge.model.chunked_prefill; load_prefix then takes the prefix from there."""
+        from zeroedge.kv.tiers import Int8KVCache
+
+        if self.cold != "int8":
+            raise ValueError("only the int8 cold store takes the prefill in place")
+        self.cold_filled = True
+        flat = lambda t, li: t[li].view(self.nkv, self.P, -1)  # noqa: E731
+        return [Int8KVCache(flat(self.cold_k, li), flat(self.cold_ks, li), flat(self.cold_v, li),
+                            flat(self.cold_vs, li), self.group, self.dtype) for li in range(self.L)]
+
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
         covariances (query-aware sketch). Fills cold store, fixed window, slots, summaries."""
@@ -183,7 +208,11 @@ class ThermalAttention:
                              device=dev).clamp_min(self.sink_pages)
         for li, (k, v) in enumerate(zip(ks, vs)):
             kd, vd = k.to(dev), v.to(dev)
-            pk, pv = self._store_cold(li, kd.view(self.nkv, n, ps, self.hd), vd.view(self.nkv, n, ps, self.hd))
+            kd, vd = kd.view(self.nkv, n, ps, self.hd), vd.view(self.nkv, n, ps, self.hd)
+            # the cold store already holds the prefix when the prefill wrote it (prefill_caches): ks
+            # and vs are then its dequantized pages
+            pk, pv = (kd, vd) if self.cold_filled else self._store_cold(li, kd, vd)
+            kd, vd = kd.view(self.nkv, self.P, self.hd), vd.view(self.nkv, self.P, self.hd)
             self.wk[li, :, :nf] = kd[:, fix_idx]
             self.wv[li, :, :nf] = vd[:, fix_idx]
             A, codes, sc = quantized_sketch(kd, ps, r, self.bits, None if qcovs is None else qcovs[li].to(dev))

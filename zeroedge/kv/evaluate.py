@@ -4,7 +4,9 @@ Protocol ("compress after prefill", as the peers publish it): prefill the first 
 full attention, then score the last C tokens teacher-forced. The budget F applies to the prefix: a
 continuation token may read F * (N - C) prefix tokens (the continuation's own keys stay hot).
 
-Methods (all see the same prefill, all read the same number of prefix tokens a step):
+Methods (all see the same prefill, except thermal with the int8 cold store, which sees the serving
+decoder's: chunks attending to the int8 past, int8_prefill; all read the same number of prefix
+tokens a step):
 
   full          every prefix token
   streaming     StreamingLLM: 4 sink tokens + the most recent prefix tokens
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 
 from zeroedge.errors import UserError
-from zeroedge.kv.policy import THERMAL
+from zeroedge.kv.policy import COLD_GROUP, THERMAL
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
 
@@ -161,7 +163,7 @@ class Sketch:
         self.page_size, self.rank, self.bits = page_size, min(rank, hd), bits
         self.A, codes, scales = quantized_sketch(k, page_size, self.rank, bits, qcov)
         n = P // page_size
-        self.coords = (codes.view(nkv, n, page_size, -1) * scales.float()[:, :, None]).view(nkv, P, -1)
+        self.coords = (codes.float().view(nkv, n, page_size, -1) * scales.float()[:, :, None]).view(nkv, P, -1)
         self.nbytes_per_head = sketch_nbytes(P, page_size, self.rank, hd)
 
     def nbytes(self) -> int:
@@ -327,13 +329,31 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
     return m.index_select(0, kv_index)
 
 
+def int8_prefill(model, ids) -> dict:
+    """The serving prefill of a thermal decoder with the int8 cold store (zeroedge.model.chunked_prefill
+    into zeroedge.kv.tiers.Int8KVCache: chunks attend to the int8 past): k, v (per layer, dequantized),
+    qcov and last_logits, as prefill() gives them."""
+    import torch
+
+    from zeroedge.kv.tiers import Int8KVCache
+    from zeroedge.model import chunked_prefill
+
+    cfg = model.cfg
+    g = COLD_GROUP if cfg.head_dim % COLD_GROUP == 0 else cfg.head_dim
+    dt = next(model.parameters()).dtype
+    caches = [Int8KVCache.empty(cfg.n_kv_heads, len(ids), cfg.head_dim, g, dt) for _ in model.layers]
+    ks, vs, qcov, last = chunked_prefill(model, ids, caches=caches, return_last=True)
+    with torch.no_grad():
+        logits = model.lm_head(last)
+    return {"k": list(ks), "v": list(vs), "qcov": qcov, "last_logits": logits}
+
+
 def cold_readback(pre, li, page_size, opts):
     """Layer li's prefix K and V as the serving decoder reads them with the int8 cold store: the
     sink and recent pages (always in the window) exact, every other page as a fetch brings it back
     (zeroedge.kv.tiers int8 codes, one fp16 scale per COLD_GROUP values)."""
     import torch
 
-    from zeroedge.kv.policy import COLD_GROUP
     from zeroedge.kv.tiers import dequantize, quantize
 
     key = ("_cold", li, page_size, opts.get("sink_pages"), opts.get("recent_pages"))
@@ -464,7 +484,8 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     cont = ids[P:]
     nll_full = score_continuation(model, cont, pre, "full", 1.0, page_size)
     st = {}
-    nll_th = score_continuation(model, cont, pre, "thermal", float(budget), page_size, opts=o,
+    pre_th = int8_prefill(model, ids[:P]) if o["cold"] == "int8" else pre
+    nll_th = score_continuation(model, cont, pre_th, "thermal", float(budget), page_size, opts=o,
                                 stats=st)
     n_pages = P // page_size
     pages = max(max(1, _budget_tokens(P, float(budget)) // page_size),

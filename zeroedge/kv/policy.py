@@ -49,6 +49,7 @@ class ThermalSettings:
 
 THERMAL = ThermalSettings()
 COLD_GROUP = 32   # values per fp16 scale in the int8 cold store (along the head dimension)
+SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
 
 
 def sketch_nbytes(prefix_len: int, page_size: int, rank: int, hd: int) -> int:

@@ -4,27 +4,29 @@ thermal KV when dense KV would not fit, from these numbers.
 
   weights      the model's parameters (the fast decoder's fused q/k/v and gate/up matrices are
                the model's own storage: zeroedge.runtime.fast._Weights)
-  prefill_kv   the prompt's K/V in the prefill cache (zeroedge.runtime.session.chunked_prefill),
-               alive until the decoder has taken it
-  activations  one prefill chunk's hidden states, q/k/v and MLP intermediates, and its attention
-               mask over the cache (bool + additive in the model's dtype)
+  prefill_kv   the prompt's K/V in a prefill cache of its own (zeroedge.model.chunked_prefill), alive
+               until the decoder has taken it: thermal with the pinned-host cold store only (dense
+               prefills into the decoder's cache, thermal int8 into its cold store)
+  activations  one prefill chunk's hidden states, q/k/v and MLP intermediates (its causal mask is
+               a lower-right bias, never materialised)
   decoder      dense: the static cache of prompt + new tokens; thermal: the window, sketch, page
                table and (int8, or any cold store on a memory the host shares) the cold store
                (zeroedge.kv.policy.thermal_device_bytes), plus what loading a layer's prefix takes
-               for a moment (fp32 copies of its keys while the sketch is fitted); both: the RoPE
+               for a moment (the sketch fit's fp64 / fp32 copies of a chunk of keys); both: the RoPE
                tables of the decode positions
-  peak         weights + prefill_kv + max(activations, decoder); a cap admits peak x (1 + HEADROOM)
+  peak         dense: weights + decoder + activations; thermal int8: weights + decoder + one layer's
+               dequantized past + max(activations, sketch copies); thermal host: weights + prefill_kv
+               + max(activations, decoder + sketch copies); a cap admits peak x (1 + HEADROOM)
 Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from zeroedge.kv.policy import THERMAL, ThermalSettings, thermal_device_bytes
+from zeroedge.kv.policy import SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes
 
 
-HEADROOM = 0.06  # the forecast falls 2-5 % short of the H200's measured peaks: a cap admits forecast x 1.06
-LOAD_COPIES = 6   # fp32 copies of one layer's prefix keys alive while ThermalAttention loads it (fitted on the H200)
+HEADROOM = 0.12  # the forecast falls 3-9 % short of the H200's measured peaks (8K-64K): a cap admits forecast x 1.12
 
 
 def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:
@@ -48,17 +50,24 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     P = ((prompt_len - 1) // ps) * ps               # prefilled; the prompt's tail runs through decode
     kv_token = 2 * L * nkv * hd * element
     C = min(chunk, max(P, 1))
-    act = C * (4 * cfg.dim + 3 * cfg.ffn_dim + (cfg.n_heads + 2 * nkv) * hd) * element + C * P * (1 + element)
+    act = C * (4 * cfg.dim + 3 * cfg.ffn_dim + (cfg.n_heads + 2 * nkv) * hd) * element
     rope = (prompt_len + max_new) * hd * (2 * element + 2)
+    layer_kv = 2 * nkv * P * hd * element           # one layer's K/V at full precision
+    dequant = nkv * P * hd * 4                       # the fp32 step of dequantizing one of them
+    load = 3 * min(P, SKETCH_CHUNK) * nkv * hd * 8   # the sketch fit's copies of a chunk of keys
+    w = weights_bytes(cfg, element)
     if budget is None:
         decoder = kv_token * (prompt_len + max_new) + rope
-    else:
-        kb = thermal_device_bytes(L, nkv, hd, P, prompt_len - P + max_new, element, budget, settings, cold)
-        decoder = (kb["hot"] + kb["generated"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"]
-                   + rope + LOAD_COPIES * nkv * P * hd * 4)
-        if cold == "host" and cold_shares_memory:
-            decoder += kb["prefix_full"]
-    out = {"weights": weights_bytes(cfg, element), "prefill_kv": kv_token * P, "activations": act,
-           "decoder": decoder}
-    out["peak"] = out["weights"] + out["prefill_kv"] + max(act, decoder)
+        out = {"weights": w, "prefill_kv": 0, "activations": act, "decoder": decoder, "peak": w + decoder + act}
+        return out
+    kb = thermal_device_bytes(L, nkv, hd, P, prompt_len - P + max_new, element, budget, settings, cold)
+    decoder = kb["hot"] + kb["generated"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"] + rope
+    if cold == "int8":      # the prefill writes into the cold store; one layer's past is dequantized at a time
+        out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant, "decoder": decoder}
+        out["peak"] = w + decoder + layer_kv + dequant + max(act, load)
+        return out
+    if cold_shares_memory:
+        decoder += kb["prefix_full"]
+    out = {"weights": w, "prefill_kv": kv_token * P, "activations": act, "decoder": decoder}
+    out["peak"] = w + out["prefill_kv"] + max(act, decoder + load)
     return out

@@ -106,32 +106,6 @@ def path_policies(model, paths, where="artifact") -> dict:
     return policies_from_artifact(model, meta, tensors, where)
 
 
-PREFILL_CHUNK = 2048   # prompt tokens a prefill step runs at once: activations are bounded by it
-
-
-def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK):
-    """K/V (rope applied) of ids per layer, (nkv, T, hd) each, and each layer's query covariance
-    (nkv, hd, hd) (the thermal sketch's), running the prompt through the model `chunk` tokens at a
-    time against its KV cache, so a long prompt's activations (the attention scores above all) are
-    those of one chunk, not of the whole prompt."""
-    import torch
-
-    dev = next(model.parameters()).device
-    model.setup_cache(1, len(ids), track_queries=True)
-    try:
-        t = torch.tensor([ids], device=dev)
-        with torch.inference_mode():
-            for s in range(0, len(ids), chunk):
-                model.hidden_states(t[:, s:s + chunk], start=s)
-        caches = [b.self_attn.kv_cache for b in model.layers]
-        ks = [c.k[0] for c in caches]               # the cache's own memory: no second copy
-        vs = [c.v[0] for c in caches]
-        qcovs = [c.qcov / len(ids) for c in caches]
-    finally:
-        model.drop_cache()
-    return ks, vs, qcovs
-
-
 class ServingSession:
     def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
                  page_size: int = 16, paths=None, release_level: int = 3,
@@ -397,13 +371,10 @@ class ServingSession:
         return pick
 
     # -- torch ---------------------------------------------------------------------------------
-    def _prefill(self, ids):
-        """K/V (rope applied) of ids per layer, and the query covariances (chunked_prefill)."""
-        return chunked_prefill(self.model, ids, PREFILL_CHUNK)
-
     def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
         import torch
 
+        from zeroedge.model import PREFILL_CHUNK, chunked_prefill
         from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
 
         m, T, ps = self.model, len(prompt), self.page_size
@@ -421,26 +392,33 @@ class ServingSession:
         if self.device_memory is not None:
             thermal, budget = self._fit_memory(T, max_new, thermal, mech)
         t0 = time.perf_counter()
-        ks, vs, qcov = self._prefill(prompt[:P]) if P > 0 else (None, None, None)
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         dev = next(m.parameters()).device
-        if self.device_memory is not None and dev.type == "cuda":
-            torch.cuda.empty_cache()            # the prefill's freed blocks back, before the decoder's big ones
         if thermal:
             kw = dict(budget=budget, page_size=ps, **self.thermal_opts)
             kw["cold"] = self._cold_store(dev)
             if dev.type == "cuda":              # refreshes wait while memory bandwidth is busy
                 kw.setdefault("scheduler", self._scheduler(dev))
             G = T - P + max_new
-            dec = (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
-                   else ThermalDecoder(m, P, G, graph=self.graph, **kw))
+
+            def decoder():
+                return (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
+                        else ThermalDecoder(m, P, G, graph=self.graph, **kw))
+
+            if kw["cold"] == "int8":            # the prefill writes int8 K/V straight into the cold store
+                dec = decoder()
+                ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK, caches=dec.attention.prefill_caches())
+            else:                               # full-precision K/V, copied to pinned host memory
+                ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK)
+                dec = decoder()
             dec.load_prefix(ks, vs, qcov)
+            del ks, vs, qcov                    # the prefill cache goes here
         else:
             dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph) if mech["paths"]
                    else DenseDecoder(m, T + max_new, graph=self.graph))
-            if P > 0:
-                dec.load_prefix(ks, vs)
-        del ks, vs, qcov                                          # the prefill cache goes here
+            if P > 0:                           # the prefill writes straight into the decoder's cache
+                att = dec.attention
+                chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
         pick = self._sampler(temperature, seed)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
         slot_page = dec.attention.slot_page if thermal else None

@@ -23,6 +23,11 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "r32 int4, no fetch cap": dict(rank=32, bits=4, fetch=0),
     "r32 int4, fetch 8, int8 cold": dict(rank=32, bits=4, fetch=8, cold="int8"),
     "r32 int4, fetch 8, every 4 steps": dict(rank=32, bits=4, fetch=8, refresh_every=4),
+    # session 6, the cold store with the default policy (r32 int4, fetch 4, every step); a compressed
+    # store is also what the prefill writes (chunks attend to the compressed past, kv.evaluate.quant_prefill)
+    "default, exact cold pages (host)": dict(cold="host"),
+    "default, int8 cold store": dict(cold="int8"),
+    "default, int4 cold store": dict(cold="int4"),
 }
 
 
@@ -31,7 +36,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--texts", default="kjv,essays,licenses")
-    ap.add_argument("--only", default=None, help="comma-separated setting names")
+    ap.add_argument("--only", default=None, help="setting names separated by ;")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import torch
@@ -42,7 +47,7 @@ def main():
     torch.set_num_threads(2)
     m, folder = weights.load("smollm2-135m")
     tok = weights.tokenizer(folder)
-    names = a.only.split(",") if a.only else list(SETTINGS)
+    names = a.only.split(";") if a.only else list(SETTINGS)
     rows = []
     for text in a.texts.split(","):
         ids = texts.tokens(tok, texts.load_text(text), a.ctx, what=text)
@@ -53,7 +58,8 @@ def main():
             o = dict(E.DEFAULTS, **SETTINGS[name])
             t0 = time.perf_counter()
             st = {}
-            nll = E.score_continuation(m, ids[P:], pre, "thermal", a.budget, 16, opts=o, stats=st)
+            pre_th = E.quant_prefill(m, ids[:P], o["cold"]) if o["cold"] != "host" else pre
+            nll = E.score_continuation(m, ids[P:], pre_th, "thermal", a.budget, 16, opts=o, stats=st)
             ppl = math.exp(nll.mean().item())
             row = {"text": text, "ctx": a.ctx, "budget": a.budget, "setting": name, "options": o,
                    "full_kv_ppl": full, "thermal_ppl": ppl, "ppl_rise": ppl / full - 1,

@@ -76,3 +76,30 @@ def test_artifact_for_another_model_is_refused(tiny_hf, text_file, tmp_path):
                                             ffn_dim=64, name="other"))
     p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200")
     assert p.returncode == 2 and "calibrated for other" in p.stderr
+
+
+def test_eval_under_a_device_memory_cap(tiny_hf, text_file):
+    """eval --device-memory / --board: what run would serve at --ctx under the cap (the serving
+    forecast on a bf16 device with the int8 cold store): dense, thermal (then evaluated), or exit 2."""
+    import pytest
+
+    from zeroedge.commands.evaluate import served_under
+    from zeroedge.errors import UserError
+    from zeroedge.model import PRESETS
+    from zeroedge.planner import TARGETS
+
+    r = json.loads(run_cli("eval", tiny_hf, "--text", text_file, "--ctx", "1200", "--board", "orin-nano-8gb",
+                           "--json", check_rc=0).stdout)
+    d = r["device_memory"]
+    assert d["served"] == "dense" and d["cap"] == TARGETS["orin-nano-8gb"].memory - TARGETS["orin-nano-8gb"].os_reserve
+    assert 0 < d["dense_forecast"] < d["cap"] and "thermal_ppl" not in r
+    small = run_cli("eval", tiny_hf, "--text", text_file, "--ctx", "1200", "--device-memory",
+                    str(d["dense_forecast"] - 1), check_rc=2)
+    assert "does not fit" in small.stderr and "Traceback" not in small.stderr
+    # a 1B shape on an Orin Nano: dense up to ~90K tokens, thermal beyond, nothing past ~100K
+    cfg, cap = PRESETS["llama-3.2-1b"], int(5.9 * 2**30)
+    assert served_under(cfg, 60000, cap)["served"] == "dense"
+    t = served_under(cfg, 96000, cap)
+    assert t["served"] == "thermal" and t["thermal_forecast"] <= cap < t["dense_forecast"]
+    with pytest.raises(UserError, match="does not fit"):
+        served_under(cfg, 131000, cap)

@@ -1,7 +1,7 @@
 """The thermal decoder's Triton kernels (zeroedge/kv/kernels.py) run in Triton's CPU
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
-shares, and the two-stage page swap against the reference's decisions, from a full-precision and
-from an int8 cold store (dequantized by the copy). scripts/setup
+shares, and the two-stage page swap against the reference's decisions, from a full-precision, an
+int8 and an int4 cold store (dequantized by the copy). scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
 checks run on the GPU in benchmarks/gpu/thermal_kv_gpu.py (check_swap_kernel)."""
 import os
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent('''
             ps0[h, sp[h]] = torch.arange(S)
         hk, hv = torch.randn(nkv, n, PE, generator=g), torch.randn(nkv, n, PE, generator=g)
         wk, wv = torch.randn(nkv, S, PE, generator=g), torch.randn(nkv, S, PE, generator=g)
-        (hk8, ks), (hv8, vs) = quantize(hk, 8, 4), quantize(hv, 8, 4)   # the int8 cold store
+        cold_stores = {b: (quantize(hk, b, 4), quantize(hv, b, 4)) for b in (8, 4)}   # int8 / int4 cold stores
         nb = -(-n // 16)
         pad = torch.full((nkv, grp, nb * 16), float("-inf"))
         pad[..., :n] = pl
@@ -54,11 +54,11 @@ SCRIPT = textwrap.dedent('''
         psum = (blk - pm[..., None]).exp().sum(-1)
         FP = 1 << max(0, (F - 1).bit_length())
         nc = -(-n // C)
-        for cold in ("full", "int8"):
-            scales = (ks, vs) if cold == "int8" else None
-            ck, cv = (hk8, hv8) if cold == "int8" else (hk, hv)
+        for bits in (0, 8, 4):
+            (ck, ks), (cv, vs) = cold_stores[bits] if bits else ((hk, None), (hv, None))
+            scales = (ks, vs) if bits else None
             ref = [t.clone() for t in (ps0, sp, wk, wv)]
-            K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, ck, cv, F, scales)
+            K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, ck, cv, F, scales, bits or 8)
             got = [t.clone() for t in (ps0, sp, wk, wv)]
             cm, cmi = torch.empty(nkv, nc * FP), torch.empty(nkv, nc * FP, dtype=torch.int64)
             cr, cri = torch.empty_like(cm), torch.empty_like(cmi)
@@ -67,17 +67,18 @@ SCRIPT = textwrap.dedent('''
             swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), n, S,
                            got[2].stride(0), nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP,
                            PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1,
-                           QUANT=scales is not None)
+                           QUANT=bits)
             assert int((ref[1] != sp).sum()) > 0                   # something moved
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
-            if scales:   # the fetched pages are the cold pages, dequantized: within int8 rounding
+            if scales:   # the fetched pages are the cold pages, dequantized: within int8 / int4 rounding
                 moved = ref[1] != sp
+                qmax = 2 ** (bits - 1) - 1
                 for h in range(nkv):
                     for s in moved[h].nonzero().flatten().tolist():
                         page = int(ref[1][h, s])
                         err = (got[2][h, s] - hk[h, page]).abs().max()
-                        assert float(err) <= float(hk[h, page].abs().max()) / 127 * 0.51 + 1e-6
+                        assert float(err) <= float(hk[h, page].abs().max()) / qmax * 0.51 + 1e-6
     print("OK")
 ''')
 

@@ -290,6 +290,7 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
 
 @pytest.mark.parametrize("opts", [dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4),
                                   dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3),
+                                  dict(cold="int4", fetch=2, refresh_every=1, rank=8, bits=4),
                                   dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2)])
 def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
@@ -305,12 +306,12 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     ids = ids_(P + T, 7)
     o = dict(E.DEFAULTS, **opts)
     # the int8 cold store: the prefill itself writes int8 K/V (serving: into the decoder's cold store)
-    pre = E.int8_prefill(tiny, ids[:P]) if o["cold"] == "int8" else E.prefill(tiny, ids[:P], stats=False)
+    pre = E.quant_prefill(tiny, ids[:P], o["cold"]) if o["cold"] != "host" else E.prefill(tiny, ids[:P], stats=False)
     nll_eval = E.score_continuation(tiny, ids[P:], pre, "thermal", budget, ps, opts=o)
     serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "cold")}
     dec = ThermalDecoder(tiny, P, T, budget=budget, page_size=ps, graph=False,
                          fetch=o["fetch"] or P // ps, **serving)
-    if o["cold"] == "int8":
+    if o["cold"] != "host":
         from zeroedge.model import chunked_prefill
 
         ks, vs, qcov = chunked_prefill(tiny, ids[:P], caches=dec.attention.prefill_caches())
@@ -329,7 +330,7 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     assert (nll_eval - E.score_continuation(tiny, ids[P:], pre, "full", 1.0, ps)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("cold", ["host", "int8"])
+@pytest.mark.parametrize("cold", ["host", "int8", "int4"])
 def test_the_byte_forecast_is_what_the_thermal_window_allocates(tiny, cold):
     """kv.policy.thermal_device_bytes (the planner's and the memory cap's forecast) against the
     tensors ThermalAttention really holds."""
@@ -346,7 +347,7 @@ def test_the_byte_forecast_is_what_the_thermal_window_allocates(tiny, cold):
     assert got["hot"] + got["generated"] == nb(a.wk, a.wv)
     assert got["summaries"] == nb(a.codes, a.scales, a.A)
     assert got["page_table"] == nb(a.page_slot)
-    assert got["cold_on_device"] == (nb(a.cold_k, a.cold_v, a.cold_ks, a.cold_vs) if cold == "int8" else 0)
+    assert got["cold_on_device"] == (nb(a.cold_k, a.cold_v, a.cold_ks, a.cold_vs) if cold != "host" else 0)
 
 
 def test_the_fast_decoder_keeps_one_copy_of_the_weights():

@@ -252,7 +252,7 @@ class Transformer(nn.Module):
                     caches=None):
         """A KV cache per layer; `buffers`: per layer (k, v) tensors (batch, n_kv, >= max_len, hd) the
         cache writes into (a decoder's own cache), else new zeros; `caches`: per layer cache objects
-        to use as they are (KVCache's update / layer_kv / qcov, e.g. zeroedge.kv.tiers.Int8KVCache)."""
+        to use as they are (KVCache's update / layer_kv / qcov, e.g. zeroedge.kv.tiers.QuantKVCache)."""
         dtype = dtype or self.embed_tokens.weight.dtype
         dev = self.embed_tokens.weight.device
         for i, b in enumerate(self.layers):
@@ -330,7 +330,7 @@ def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK, into=None, caches=No
     tokens at a time against its KV cache, so a long prompt's activations (the attention scores
     above all) are those of one chunk, not of the whole prompt. `into`: per layer (k, v) tensors
     (n_kv, >= T, hd) to write into (a dense decoder's cache: no second copy); `caches`: per layer
-    cache objects to prefill into (a thermal decoder's int8 cold store, Int8KVCache). With
+    cache objects to prefill into (a thermal decoder's compressed cold store, QuantKVCache). With
     return_last, also the final normalised hidden state of the last token (D,)."""
     dev = next(model.parameters()).device
     T = len(ids)

@@ -211,3 +211,32 @@ def check_model(model: str, presets: bool = False, onnx: bool = False) -> None:
     if p.is_file() and (p.suffix == ".gguf" or (onnx and p.suffix == ".onnx")):
         return
     raise UserError(f"{model}: not a model (expected {kinds})")
+
+
+def memory_cap_options(help: str):
+    """--device-memory SIZE and --board BOARD (a board's DRAM less its OS reserve) as a memory cap
+    (run, eval); memory_cap() turns them into bytes."""
+
+    def wrap(f):
+        f = board_option(f, required=False, help="cap device memory at what a Jetson board leaves a model (its "
+                                                 "DRAM less the OS reserve): " + BOARDS_HELP.split(": ")[1])
+        return click.option("--device-memory", "device_memory", metavar="SIZE", help=help)(f)
+
+    return wrap
+
+
+def memory_cap(device_memory, board):
+    """--device-memory SIZE, or --board B (the memory the planner leaves a model there: the board's
+    DRAM less its OS reserve), or None. Both at once are refused."""
+    from zeroedge.errors import UserError
+
+    if device_memory is not None and board is not None:
+        raise UserError("give --device-memory SIZE or --board BOARD, not both")
+    if device_memory is not None:
+        return parse_size(device_memory, "--device-memory")
+    if board is not None:
+        from zeroedge.planner import target
+
+        t = target(board)
+        return t.memory - t.os_reserve
+    return None

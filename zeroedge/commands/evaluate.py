@@ -5,6 +5,10 @@
   --kv-budget F      thermal KV (F = 10% or 0.1): full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
   --paths            with --calib: decode paths instead of SIH/PAD: dense_ppl, paths_ppl,
                      ffn_bytes_skipped (every token teacher-forced with the paths on)
+  --device-memory SIZE / --board B   what `zeroedge run` would serve at --ctx under that cap on a
+                     bf16 device with the int8 cold store (zeroedge.runtime.memory): device_memory
+                     (cap, dense and thermal forecasts, served); dense KV that does not fit is
+                     evaluated as thermal KV (--kv-budget, else 10 %); neither: exit 2
   an artifact with a weights section (zeroedge calibrate --weights): dense_ppl (the model as loaded),
                      weights_ppl (its weights quantized as the artifact says, zeroedge.quant.apply),
                      weights_ppl_rise, weights (the scheme), weight_bytes, weight_bytes_fp16; then
@@ -16,7 +20,7 @@ Without --json it prints a short table (perplexities, % and MiB); --json prints 
 """
 import click
 
-from zeroedge.commands.common import check_model, ctx_option, fraction_option
+from zeroedge.commands.common import check_model, ctx_option, fraction_option, memory_cap, memory_cap_options
 
 CONTINUATION = 1024
 
@@ -32,15 +36,19 @@ CONTINUATION = 1024
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--paths", "paths", is_flag=True,
               help="Evaluate the artifact's decode path predictors (needs --calib).")
+@memory_cap_options("What `zeroedge run` would serve at --ctx under this device memory cap (e.g. 8G): "
+                    "dense, thermal KV, or exit 2.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False):
+def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
+        device_memory=None, board=None):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
     from zeroedge.errors import UserError
 
-    if calib is None and kv_budget is None:
-        raise UserError("nothing to evaluate: give --calib ARTIFACT and/or --kv-budget F")
+    cap = memory_cap(device_memory, board)
+    if calib is None and kv_budget is None and cap is None:
+        raise UserError("nothing to evaluate: give --calib ARTIFACT, --kv-budget F and/or --device-memory SIZE")
     if ctx <= CONTINUATION + 32:
         raise UserError(f"--ctx must exceed {CONTINUATION + 32} (the last {CONTINUATION} tokens are scored)")
     if offset < 0:
@@ -80,6 +88,10 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     tok = weights.tokenizer(folder)
     ids = texts.tokens(tok, texts.load_text(text), ctx, offset=offset, what=f"text {text}")
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
+    if cap is not None:
+        result["device_memory"] = served_under(m.cfg, ctx, cap, kv_budget)
+        if result["device_memory"]["served"] == "thermal" and kv_budget is None:
+            kv_budget = result["device_memory"]["thermal_budget"]
     if cal is not None and cal.weights is not None:
         stage(f"weights {cal.weights.describe()}: dense and quantized perplexity (2 passes)")
         result.update(weights_eval(m, ids, calib, meta))
@@ -126,6 +138,26 @@ def weights_eval(m, ids, calib, meta) -> dict:
     q = continuation_ppl(m, t, CONTINUATION)["ppl"]
     return {"dense_ppl": dense, "weights_ppl": q, "weights_ppl_rise": q / dense - 1, "weights": section.describe(),
             "weight_bytes": weight_bytes(m.cfg, section)["total"], "weight_bytes_fp16": weight_bytes(m.cfg)["total"]}
+
+
+def served_under(cfg, ctx: int, cap: int, kv_budget=None) -> dict:
+    """What the torch serving session would do with a ctx-token prompt under the cap, on a bf16 device
+    with the int8 cold store (a Jetson's): the forecasts with the session's headroom, and "dense" or
+    "thermal"; a UserError when neither fits."""
+    from zeroedge.errors import UserError
+    from zeroedge.runtime.memory import HEADROOM, request_bytes
+
+    budget = kv_budget or 0.1
+    dense, thermal = (int(request_bytes(cfg, 2, ctx, 1, **kw)["peak"] * (1 + HEADROOM))
+                      for kw in ({}, dict(budget=budget, cold="int8", cold_shares_memory=True)))
+    out = {"cap": cap, "dense_forecast": dense, "thermal_forecast": thermal, "thermal_budget": budget,
+           "dtype": "bf16", "cold_store": "int8"}
+    if dense <= cap:
+        return dict(out, served="dense")
+    if thermal <= cap:
+        return dict(out, served="thermal")
+    raise UserError(f"a {ctx}-token prompt does not fit the {cap / 2**30:.2f} GiB device memory cap: dense KV needs "
+                    f"{dense / 2**30:.2f} GiB, thermal KV at {budget:.0%} hot {thermal / 2**30:.2f} GiB")
 
 
 def zero_eval(m, ids, calib, meta) -> dict:
@@ -191,6 +223,11 @@ def table(r: dict, calib=None, paths=False) -> list:
                 f"  {'decode FFN bytes skipped':<30} {r['ffn_bytes_skipped']:.1%} net of predictors "
                 f"({r['ffn_bytes_skipped_gross']:.1%} gross), {r['paths_sparse_layers']} sparse layer(s), "
                 f"{r['paths_channels_kept']:.1%} of channels kept"]
+    if "device_memory" in r:
+        d = r["device_memory"]
+        out += ["", f"device memory cap {_mib(d['cap'])} ({d['dtype']} device, {d['cold_store']} cold store)",
+                f"  {'forecast':<30} dense {_mib(d['dense_forecast'])}   thermal at {d['thermal_budget']:.0%} hot "
+                f"{_mib(d['thermal_forecast'])}: run serves it {d['served']}"]
     if "thermal_ppl" in r:
         o = r.get("options") or {}
         out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens)",

@@ -20,7 +20,7 @@ dense KV would not fit, or refused with both forecasts.
 """
 import click
 
-from zeroedge.commands.common import board_option, check_model, fraction_option
+from zeroedge.commands.common import check_model, fraction_option, memory_cap, memory_cap_options
 
 
 class ByteTokenizer:
@@ -110,11 +110,8 @@ def bundle_config(bundle):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="torch backend device.")
 @click.option("--threads", type=int, default=0, help="CPU threads (0 = default).")
-@click.option("--device-memory", "device_memory", metavar="SIZE",
-              help="torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
-                   "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
-@board_option(required=False, help="torch backend: cap device memory at what a Jetson board leaves a model "
-              "(its DRAM less the OS reserve): orin-nano-8gb | orin-nx-16gb | orin-agx-64gb")
+@memory_cap_options("torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
+                    "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib, release_level,
         backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
@@ -172,25 +169,6 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
     click.echo(text)
     for line in summary(res, asked_kv=budget is not None, asked_paths=bool(paths)):
         click.echo(line, err=True)
-
-
-def memory_cap(device_memory, board):
-    """--device-memory SIZE, or --board B (the memory the planner leaves a model there: the board's
-    DRAM less its OS reserve), or None. Both at once are refused."""
-    from zeroedge.errors import UserError
-
-    if device_memory is not None and board is not None:
-        raise UserError("give --device-memory SIZE or --board BOARD, not both")
-    if device_memory is not None:
-        from zeroedge.commands.common import parse_size
-
-        return parse_size(device_memory, "--device-memory")
-    if board is not None:
-        from zeroedge.planner import target
-
-        t = target(board)
-        return t.memory - t.os_reserve
-    return None
 
 
 def _read_prompt(prompt, prompt_file) -> str:

@@ -2,9 +2,9 @@
 with an FFN strategy): per layer and kv head the device keeps one contiguous window = [sink page |
 recent window | generated tokens | `slots` pages], the low-rank quantized key sketch of every prefix
 page and its bases (settings: zeroedge.kv.policy.THERMAL, shared with the evaluation contract); every prefix page also lives in the cold store (host memory, pinned and mapped on a
-discrete GPU; with cold="int8", int8 codes with one fp16 scale per 32 values kept in device memory,
-which on a Jetson is the same DRAM: the cold store then takes about half the bytes instead of all of
-them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
+discrete GPU; with cold="int8" / "int4", codes with one fp16 scale per 32 values kept in device
+memory, which on a Jetson is the same DRAM: the cold store then takes about a half / a quarter of the
+bytes instead of all of them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
 Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
 out while the new one scores higher), copying them straight from host memory into the window in the
 same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroedge.kv.policy import (COLD_GROUP, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes,
+from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes,
                                 window_pages)
 
 
@@ -98,7 +98,7 @@ class ThermalAttention:
     """Attention over a prefix of P tokens with a thermal cache (see the module doc); the decoder
     gives it the model's shapes, device and dtype through `bind`."""
 
-    COLD = ("host", "int8")    # host: full precision in (pinned) host memory; int8: compressed, on the device
+    COLD = ("host", "int8", "int4")   # host: full precision in (pinned) host memory; int8 / int4: compressed, on the device
 
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = THERMAL.page_size,
                  rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int = THERMAL.recent_pages,
@@ -138,9 +138,11 @@ class ThermalAttention:
         self.fetch = min(self.fetch_wanted, self.slots)
         pin = device.type == "cuda"
         # cold store: every prefix page, in host memory at full precision, or int8 on the device
-        if self.cold == "int8":
+        if self.cold != "host":
+            self.cold_bits = COLD_BITS[self.cold]
             self.group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
-            self.cold_k = torch.zeros(L, nkv, n, ps, hd, dtype=torch.int8, device=device)
+            self.cold_k = torch.zeros(L, nkv, n, ps, hd * self.cold_bits // 8,
+                                      dtype=torch.int8 if self.cold_bits == 8 else torch.uint8, device=device)
             self.cold_v = torch.zeros_like(self.cold_k)
             self.cold_ks = torch.zeros(L, nkv, n, ps, hd // self.group, dtype=torch.float16, device=device)
             self.cold_vs = torch.zeros_like(self.cold_ks)
@@ -183,16 +185,17 @@ class ThermalAttention:
                                     self.budget, self.settings, self.cold)
 
     def prefill_caches(self):
-        """int8 cold store only: per layer a zeroedge.kv.tiers.Int8KVCache writing straight into the
-        cold store, for zeroedge.model.chunked_prefill; load_prefix then takes the prefix from there."""
-        from zeroedge.kv.tiers import Int8KVCache
+        """A compressed cold store only: per layer a zeroedge.kv.tiers.QuantKVCache writing straight
+        into the cold store, for zeroedge.model.chunked_prefill; load_prefix then takes the prefix
+        from there."""
+        from zeroedge.kv.tiers import QuantKVCache
 
-        if self.cold != "int8":
-            raise ValueError("only the int8 cold store takes the prefill in place")
+        if self.cold == "host":
+            raise ValueError("only a compressed cold store takes the prefill in place")
         self.cold_filled = True
         flat = lambda t, li: t[li].view(self.nkv, self.P, -1)  # noqa: E731
-        return [Int8KVCache(flat(self.cold_k, li), flat(self.cold_ks, li), flat(self.cold_v, li),
-                            flat(self.cold_vs, li), self.group, self.dtype) for li in range(self.L)]
+        return [QuantKVCache(flat(self.cold_k, li), flat(self.cold_ks, li), flat(self.cold_v, li),
+                             flat(self.cold_vs, li), self.cold_bits, self.group, self.dtype) for li in range(self.L)]
 
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
@@ -242,10 +245,10 @@ class ThermalAttention:
 
         back = []
         for x, codes, scales in ((k, self.cold_k, self.cold_ks), (v, self.cold_v, self.cold_vs)):
-            c, sc = quantize(x, 8, self.group)
+            c, sc = quantize(x, self.cold_bits, self.group)
             codes[li].copy_(c)
             scales[li].copy_(sc)
-            back.append(dequantize(c, sc, 8, self.group, self.dtype))
+            back.append(dequantize(c, sc, self.cold_bits, self.group, self.dtype))
         return back
 
     # -- the decoder's per-step hooks ----------------------------------------------------------
@@ -308,12 +311,13 @@ class ThermalAttention:
         S, pe = self.slots, self.ps * self.hd
         wk = self.wk[li, :, self.fix_len:].view(self.nkv, S, pe)
         wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, pe)
-        hk = self.hk[li].view(self.nkv, self.n, pe)
-        hv = self.hv[li].view(self.nkv, self.n, pe)
+        hk = self.hk[li].view(self.nkv, self.n, -1)
+        hv = self.hv[li].view(self.nkv, self.n, -1)
         scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
                                                     self.cold_vs[li].view(self.nkv, self.n, -1))
         swap_pages(self._page_lse(li, q, self.lse_part), self.page_bias, self.page_slot[li],
-                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales)
+                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales,
+                   bits=None if self.cold == "host" else self.cold_bits)
 
     def attend(self, li, q, kv, flag):
         """q (H, hd), kv (2, nkv, hd) of the new token -> (H, hd)."""

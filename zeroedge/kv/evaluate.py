@@ -4,9 +4,9 @@ Protocol ("compress after prefill", as the peers publish it): prefill the first 
 full attention, then score the last C tokens teacher-forced. The budget F applies to the prefix: a
 continuation token may read F * (N - C) prefix tokens (the continuation's own keys stay hot).
 
-Methods (all see the same prefill, except thermal with the int8 cold store, which sees the serving
-decoder's: chunks attending to the int8 past, int8_prefill; all read the same number of prefix
-tokens a step):
+Methods (all see the same prefill, except thermal with a compressed cold store, which sees the
+serving decoder's: chunks attending to the int8 / int4 past, quant_prefill; all read the same number
+of prefix tokens a step):
 
   full          every prefix token
   streaming     StreamingLLM: 4 sink tokens + the most recent prefix tokens
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from zeroedge.errors import UserError
-from zeroedge.kv.policy import COLD_GROUP, THERMAL
+from zeroedge.kv.policy import COLD_BITS, COLD_GROUP, THERMAL
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
 
@@ -269,8 +269,8 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
             a = blk.self_attn
             q, k, v = a.project(blk.input_layernorm(x), cos, sin)
             kv_index = a.kept_heads // grp
-            pk, pv = (cold_readback(pre, li, page_size, opts) if method == "thermal" and opts.get("cold") == "int8"
-                      else (pre["k"][li], pre["v"][li]))
+            pk, pv = (cold_readback(pre, li, page_size, opts)
+                      if method == "thermal" and opts.get("cold", "host") != "host" else (pre["k"][li], pre["v"][li]))
             kall = torch.cat([pk[None], k], 2).index_select(1, kv_index)
             vall = torch.cat([pv[None], v], 2).index_select(1, kv_index)
             pmask = _prefix_mask(model.cfg, method, li, q, kall, kv_index, pre, budget, page_size, opts, stats)
@@ -329,19 +329,20 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
     return m.index_select(0, kv_index)
 
 
-def int8_prefill(model, ids) -> dict:
-    """The serving prefill of a thermal decoder with the int8 cold store (zeroedge.model.chunked_prefill
-    into zeroedge.kv.tiers.Int8KVCache: chunks attend to the int8 past): k, v (per layer, dequantized),
-    qcov and last_logits, as prefill() gives them."""
+def quant_prefill(model, ids, cold: str = "int8") -> dict:
+    """The serving prefill of a thermal decoder with a compressed cold store (zeroedge.model.chunked_prefill
+    into zeroedge.kv.tiers.QuantKVCache: chunks attend to the int8 / int4 past): k, v (per layer,
+    dequantized), qcov and last_logits, as prefill() gives them."""
     import torch
 
-    from zeroedge.kv.tiers import Int8KVCache
+    from zeroedge.kv.tiers import QuantKVCache
     from zeroedge.model import chunked_prefill
 
     cfg = model.cfg
     g = COLD_GROUP if cfg.head_dim % COLD_GROUP == 0 else cfg.head_dim
     dt = next(model.parameters()).dtype
-    caches = [Int8KVCache.empty(cfg.n_kv_heads, len(ids), cfg.head_dim, g, dt) for _ in model.layers]
+    caches = [QuantKVCache.empty(COLD_BITS[cold], cfg.n_kv_heads, len(ids), cfg.head_dim, g, dt)
+              for _ in model.layers]
     ks, vs, qcov, last = chunked_prefill(model, ids, caches=caches, return_last=True)
     with torch.no_grad():
         logits = model.lm_head(last)
@@ -349,14 +350,15 @@ def int8_prefill(model, ids) -> dict:
 
 
 def cold_readback(pre, li, page_size, opts):
-    """Layer li's prefix K and V as the serving decoder reads them with the int8 cold store: the
-    sink and recent pages (always in the window) exact, every other page as a fetch brings it back
-    (zeroedge.kv.tiers int8 codes, one fp16 scale per COLD_GROUP values)."""
+    """Layer li's prefix K and V as the serving decoder reads them with a compressed cold store: the
+    sink and recent pages (always in the window) as the prefill left them, every other page as a
+    fetch brings it back (zeroedge.kv.tiers int8 / int4 codes, one fp16 scale per COLD_GROUP values)."""
     import torch
 
     from zeroedge.kv.tiers import dequantize, quantize
 
-    key = ("_cold", li, page_size, opts.get("sink_pages"), opts.get("recent_pages"))
+    bits = COLD_BITS[opts["cold"]]
+    key = ("_cold", li, page_size, bits, opts.get("sink_pages"), opts.get("recent_pages"))
     if key not in pre:
         k, v = pre["k"][li], pre["v"][li]
         P, hd = k.shape[1], k.shape[2]
@@ -366,7 +368,7 @@ def cold_readback(pre, li, page_size, opts):
         rp = opts.get("recent_pages", THERMAL.recent_pages)
         if rp:
             exact[P - rp * page_size:] = True
-        pre[key] = tuple(torch.where(exact[None, :, None], x, dequantize(*quantize(x, 8, g), 8, g, x.dtype))
+        pre[key] = tuple(torch.where(exact[None, :, None], x, dequantize(*quantize(x, bits, g), bits, g, x.dtype))
                          for x in (k, v))
     return pre[key]
 
@@ -441,7 +443,7 @@ def fetch_stats(chosen, slots: int) -> dict:
 # the contract used by `zeroedge eval MODEL --text FILE --ctx N --kv-budget F --json`
 # --------------------------------------------------------------------------------------------
 # the serving decoder's policy and sketch (kv.policy.THERMAL) and its cold store ("int8": compressed,
-# what serving uses on a Jetson and on a CPU; "host": exact pages, beside a discrete GPU); research
+# what serving uses on a Jetson and on a CPU; "int4"; "host": exact pages, beside a discrete GPU); research
 # options: how (page score "mass" is the decoder's, "max"), qaware (0: plain key PCA), recent_cov,
 # fetch 0 (no cap on swaps a refresh)
 DEFAULTS = {"rank": THERMAL.rank, "bits": THERMAL.bits, "recent_pages": THERMAL.recent_pages,
@@ -475,8 +477,8 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
         o["rank"] = min(o["rank"], model.cfg.head_dim)      # small heads: full-rank sketch
     if o["bits"] not in (1, 2, 3, 4) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
         raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4")
-    if o["cold"] not in ("host", "int8"):
-        raise UserError(f"cold store must be host or int8, got {o['cold']!r}")
+    if o["cold"] not in ("host", *COLD_BITS):
+        raise UserError(f"cold store must be host, int8 or int4, got {o['cold']!r}")
     if model.training:
         raise ValueError("thermal KV is inference-only: call model.eval() first")
     t0 = time.perf_counter()
@@ -484,7 +486,7 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     cont = ids[P:]
     nll_full = score_continuation(model, cont, pre, "full", 1.0, page_size)
     st = {}
-    pre_th = int8_prefill(model, ids[:P]) if o["cold"] == "int8" else pre
+    pre_th = quant_prefill(model, ids[:P], o["cold"]) if o["cold"] != "host" else pre
     nll_th = score_continuation(model, cont, pre_th, "thermal", float(budget), page_size, opts=o,
                                 stats=st)
     n_pages = P // page_size

@@ -176,10 +176,11 @@ def page_scores_ref(pl, page_bias):
     return (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + page_bias
 
 
-def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales=None):
-    """In place. (int8 pages: zeroedge.kv.tiers.quantize / dequantize.) score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S);
-    wk / wv (nkv, S, PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store, int8 codes
-    when `scales` = (key scales, value scales) (nkv, n, PE // G) is given."""
+def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales=None, bits: int = 8):
+    """In place. score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S); wk / wv (nkv, S,
+    PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store, or its int8 / int4 codes
+    (nkv, n, PE * bits / 8; zeroedge.kv.tiers.quantize) when `scales` = (key scales, value scales)
+    (nkv, n, PE // G) is given."""
     from zeroedge.kv.tiers import dequantize
 
     inf = float("inf")
@@ -199,9 +200,9 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
                     wk[h, s] = hk[h, bm]
                     wv[h, s] = hv[h, bm]
                 else:
-                    g = hk.shape[-1] // scales[0].shape[-1]
-                    wk[h, s] = dequantize(hk[h, bm], scales[0][h, bm], 8, g, wk.dtype)
-                    wv[h, s] = dequantize(hv[h, bm], scales[1][h, bm], 8, g, wv.dtype)
+                    g = wk.shape[-1] // scales[0].shape[-1]
+                    wk[h, s] = dequantize(hk[h, bm], scales[0][h, bm], bits, g, wk.dtype)
+                    wv[h, s] = dequantize(hv[h, bm], scales[1][h, bm], bits, g, wv.dtype)
 
 
 def _build_swap():
@@ -213,13 +214,20 @@ def _build_swap():
     def copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE: tl.constexpr,
                    PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
         """Pages src (cold store, -1: none) of kv head h into window slots dst: PE values a page; with
-        QUANT the cold pages are int8 codes with one scale per G values, dequantized on the way."""
+        QUANT = 8 / 4 the cold pages are int8 codes / int4 codes two a byte (low nibble first, +8)
+        with one scale per G values, dequantized on the way."""
         e = tl.arange(0, PEB)
         ok = (src >= 0)[:, None] & (e < PE)[None, :]
-        so = (h * n + src)[:, None] * PE + e[None, :]
         do = (h * w_head + dst * PE)[:, None] + e[None, :]
-        kk = tl.load(hk_ptr + so, mask=ok)
-        vv = tl.load(hv_ptr + so, mask=ok)
+        if QUANT == 4:
+            so = (h * n + src)[:, None] * (PE // 2) + (e // 2)[None, :]
+            sh = ((e % 2) * 4)[None, :]
+            kk = ((tl.load(hk_ptr + so, mask=ok) >> sh) & 15).to(tl.float32) - 8.0
+            vv = ((tl.load(hv_ptr + so, mask=ok) >> sh) & 15).to(tl.float32) - 8.0
+        else:
+            so = (h * n + src)[:, None] * PE + e[None, :]
+            kk = tl.load(hk_ptr + so, mask=ok)
+            vv = tl.load(hv_ptr + so, mask=ok)
         if QUANT:
             go = (h * n + src)[:, None] * (PE // G) + (e // G)[None, :]
             kk = kk.to(tl.float32) * tl.load(ks_ptr + go, mask=ok).to(tl.float32)
@@ -350,15 +358,16 @@ SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
 
 
 def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, part=None,
-               chunk: int | None = None, scales=None):
+               chunk: int | None = None, scales=None, bits: int | None = None):
     """pl (nkv, grp, n) from sketch_page_lse; the rest as in swap_pages_ref, except wk / wv are the
     slot part of the window as (nkv, S, PE) views with any head stride (contiguous within a head).
     CUDA: one fused Triton kernel, or with `part` (the sketch kernel's per-block log-sum-exp
     shares) and more than `chunk` pages the two-stage kernels; elsewhere the torch reference.
-    `scales`: the cold store is int8 (see swap_pages_ref), dequantized by the copy."""
+    `scales`, `bits`: the cold store is int8 / int4 (see swap_pages_ref), dequantized by the copy."""
     global _swap_kernel
+    bits = bits or 8
     if not pl.is_cuda:
-        swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch, scales)
+        swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch, scales, bits)
         return
     if _swap_kernel is None:
         _swap_kernel = _build_swap()
@@ -370,7 +379,7 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, 
     F, FP = int(fetch), 1 << max(0, (int(fetch) - 1).bit_length())
     PEB = 1 << max(0, (PE - 1).bit_length())
     ks, vs = scales if scales is not None else (hk, hv)       # unread without QUANT
-    quant = dict(G=PE // ks.shape[-1] if scales is not None else 1, QUANT=scales is not None)
+    quant = dict(G=PE // ks.shape[-1] if scales is not None else 1, QUANT=bits if scales is not None else 0)
     if part is not None and n > chunk:
         pm, psum = part
         nc = (n + chunk - 1) // chunk

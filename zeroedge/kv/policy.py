@@ -48,7 +48,8 @@ class ThermalSettings:
 
 
 THERMAL = ThermalSettings()
-COLD_GROUP = 32   # values per fp16 scale in the int8 cold store (along the head dimension)
+COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
+COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)
 SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
 
 
@@ -71,7 +72,7 @@ def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: in
                          budget: float, s: ThermalSettings = THERMAL, cold: str = "host") -> dict:
     """What zeroedge.kv.attention.ThermalAttention holds in device memory (bytes): hot (the window's
     prefix pages), generated (the window's positions for new tokens), summaries (the sketch:
-    codes two a byte, fp16 scales, fp32 query basis), page_table, cold_on_device (the int8 cold
+    codes two a byte, fp16 scales, fp32 query basis), page_table, cold_on_device (an int8 / int4 cold
     store: on the device, which on a Jetson is the one DRAM; a "host" cold store is in pinned host
     memory), and prefix_full (the dense KV of the prefix, for comparison)."""
     ps = s.page_size
@@ -83,7 +84,7 @@ def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: in
             "generated": kv * gen_len * element,
             "summaries": L * nkv * sketch_nbytes(prefix_len, ps, min(s.rank, hd), hd),
             "page_table": 8 * L * nkv * n,
-            "cold_on_device": kv * n * ps + kv * n * ps // group * 2 if cold == "int8" else 0,
+            "cold_on_device": (kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2) if cold in COLD_BITS else 0,
             "prefix_full": kv * prefix_len * element}
 
 LEVELS = {0: "off", 1: "requests < 512 tokens", 2: "requests < 4096 tokens, temperature 0",

@@ -44,30 +44,35 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, group: int =
     return g.reshape(*lead, d).to(dtype)
 
 
-class Int8KVCache(torch.nn.Module):
-    """A prefill KV cache (zeroedge.model.chunked_prefill) that keeps K and V as int8 codes with one
-    fp16 scale per `group` values: the thermal decoder's cold store, written in place, so a long
-    prompt never holds its K/V at full precision. Attention reads the dequantized past (the current
-    chunk included): int8 KV, as the decoder's fetches read it. codes (n_kv, P, hd) int8, scales
-    (n_kv, P, hd // group) fp16; with track_queries, the sum of q^T q per kv head (KVCache's)."""
+class QuantKVCache(torch.nn.Module):
+    """A prefill KV cache (zeroedge.model.chunked_prefill) that keeps K and V as int8 or int4 codes
+    (int4: two a byte) with one fp16 scale per `group` values: the thermal decoder's cold store,
+    written in place, so a long prompt never holds its K/V at full precision. Attention reads the
+    dequantized past (the current chunk included), as the decoder's fetches read it. codes
+    (n_kv, P, hd * bits / 8) int8 / uint8, scales (n_kv, P, hd // group) fp16; with track_queries,
+    the sum of q^T q per kv head (KVCache's)."""
 
-    def __init__(self, codes_k, scales_k, codes_v, scales_v, group: int, dtype, track_queries: bool = True):
+    def __init__(self, codes_k, scales_k, codes_v, scales_v, bits: int, group: int, dtype,
+                 track_queries: bool = True):
         super().__init__()      # a module, as the attention's kv_cache slot wants (its tensors: views it does not own)
-        self.ck, self.sk, self.cv, self.sv, self.group, self.dtype = codes_k, scales_k, codes_v, scales_v, group, dtype
-        nkv, _, hd = codes_k.shape
+        self.ck, self.sk, self.cv, self.sv = codes_k, scales_k, codes_v, scales_v
+        self.bits, self.group, self.dtype = bits, group, dtype
+        nkv, _, d = codes_k.shape
+        hd = d * 8 // bits
         self.qcov = (torch.zeros(nkv, hd, hd, device=codes_k.device, dtype=torch.float32)
                      if track_queries else None)
 
     @classmethod
-    def empty(cls, n_kv: int, length: int, hd: int, group: int, dtype, device=None):
+    def empty(cls, bits: int, n_kv: int, length: int, hd: int, group: int, dtype, device=None):
         c = lambda d, t: torch.zeros(n_kv, length, d, dtype=t, device=device)  # noqa: E731
-        return cls(c(hd, torch.int8), c(hd // group, torch.float16), c(hd, torch.int8),
-                   c(hd // group, torch.float16), group, dtype)
+        ct = torch.int8 if bits == 8 else torch.uint8
+        return cls(c(hd * bits // 8, ct), c(hd // group, torch.float16), c(hd * bits // 8, ct),
+                   c(hd // group, torch.float16), bits, group, dtype)
 
     def update(self, start: int, k, v, q=None, kv_index=None):
         end = start + k.shape[2]
         for x, codes, scales in ((k, self.ck, self.sk), (v, self.cv, self.sv)):
-            c, sc = quantize(x[0], 8, self.group)
+            c, sc = quantize(x[0], self.bits, self.group)
             codes[:, start:end] = c
             scales[:, start:end] = sc
         if self.qcov is not None and q is not None:
@@ -78,7 +83,7 @@ class Int8KVCache(torch.nn.Module):
     def layer_kv(self, n: int, which: int):
         """K (which 0) or V (1) of the first n positions, dequantized: (n_kv, n, hd)."""
         c, s = (self.ck, self.sk) if which == 0 else (self.cv, self.sv)
-        return dequantize(c[:, :n], s[:, :n], 8, self.group, self.dtype)
+        return dequantize(c[:, :n], s[:, :n], self.bits, self.group, self.dtype)
 
 
 def quantized_nbytes(numel: int, bits: int, group: int) -> int:

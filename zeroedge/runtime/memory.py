@@ -6,15 +6,15 @@ thermal KV when dense KV would not fit, from these numbers.
                the model's own storage: zeroedge.runtime.fast._Weights)
   prefill_kv   the prompt's K/V in a prefill cache of its own (zeroedge.model.chunked_prefill), alive
                until the decoder has taken it: thermal with the pinned-host cold store only (dense
-               prefills into the decoder's cache, thermal int8 into its cold store)
+               prefills into the decoder's cache, thermal int8 / int4 into its cold store)
   activations  one prefill chunk's hidden states, q/k/v and MLP intermediates (its causal mask is
                a lower-right bias, never materialised)
   decoder      dense: the static cache of prompt + new tokens; thermal: the window, sketch, page
-               table and (int8, or any cold store on a memory the host shares) the cold store
+               table and (int8 / int4, or any cold store on a memory the host shares) the cold store
                (zeroedge.kv.policy.thermal_device_bytes), plus what loading a layer's prefix takes
                for a moment (the sketch fit's fp64 / fp32 copies of a chunk of keys); both: the RoPE
                tables of the decode positions
-  peak         dense: weights + decoder + activations; thermal int8: weights + decoder + one layer's
+  peak         dense: weights + decoder + activations; thermal int8 / int4: weights + decoder + one layer's
                dequantized past + max(activations, sketch copies); thermal host: weights + prefill_kv
                + max(activations, decoder + sketch copies); a cap admits peak x (1 + HEADROOM)
 Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
@@ -43,7 +43,7 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
                   settings: ThermalSettings = THERMAL, cold: str = "host", cold_shares_memory: bool = False,
                   chunk: int = 2048) -> dict:
     """The forecast (bytes) for one request: dense KV when budget is None, else thermal KV at hot
-    fraction `budget`. cold: "host" or "int8"; cold_shares_memory: a "host" cold store is in the
+    fraction `budget`. cold: "host", "int8" or "int4"; cold_shares_memory: a "host" cold store is in the
     same memory (CPU serving, or a Jetson's unified DRAM) and counts."""
     L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     ps = settings.page_size
@@ -62,7 +62,7 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
         return out
     kb = thermal_device_bytes(L, nkv, hd, P, prompt_len - P + max_new, element, budget, settings, cold)
     decoder = kb["hot"] + kb["generated"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"] + rope
-    if cold == "int8":      # the prefill writes into the cold store; one layer's past is dequantized at a time
+    if cold != "host":      # the prefill writes into the cold store; one layer's past is dequantized at a time
         out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant, "decoder": decoder}
         out["peak"] = w + decoder + layer_kv + dequant + max(act, load)
         return out

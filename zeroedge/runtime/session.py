@@ -405,7 +405,7 @@ class ServingSession:
                 return (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
                         else ThermalDecoder(m, P, G, graph=self.graph, **kw))
 
-            if kw["cold"] == "int8":            # the prefill writes int8 K/V straight into the cold store
+            if kw["cold"] != "host":            # the prefill writes int8 / int4 K/V straight into the cold store
                 dec = decoder()
                 ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK, caches=dec.attention.prefill_caches())
             else:                               # full-precision K/V, copied to pinned host memory

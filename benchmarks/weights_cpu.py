@@ -3,8 +3,9 @@ running the Q4_1 GGUF the model ships as, on the same KJV token ids.
 
 Per runner and prompt length T: prefill tok/s (T tokens), then decode tok/s (64 greedy tokens, one
 at a time). Runs are interleaved (rep -> length -> runner) so load drift hits every runner alike; the
-median of the reps is reported. The onnxruntime runner gets T + 64 hot slots (no eviction: the same
-attention as llama.cpp) and prefills in the bundle's chunks, as `zeroedge run` does.
+median of the reps is reported. The onnxruntime runner gets exactly T + 64 hot slots (no eviction and
+no empty slots: the same attention as llama.cpp) and prefills in the bundle's chunks, as `zeroedge
+run` does. llama.cpp gets n_ctx = max T + 72, n_batch 512, the same thread count.
 
   zeroedge export smollm2-135m --weights fp16 -o /tmp/b16          # and fp32, int4 (see weights_cpu.md)
   python benchmarks/weights_cpu.py --bundle fp16=/tmp/b16 --bundle int4=/tmp/b4 ... -o benchmarks/weights_cpu.json
@@ -45,6 +46,7 @@ class OrtCase:
     def run(self, tokens, new):
         import numpy as np
 
+        self.r.slots = len(tokens) + new        # a window of exactly the tokens this run holds
         self.r.reset()
         t0 = time.perf_counter()
         logits = self.r.prefill(np.asarray(tokens))
@@ -68,13 +70,18 @@ class LlamaCase:
         import numpy as np
 
         llm = self.llm
+        V = llm.n_vocab()
+
+        def last_logits():              # the last evaluated token's (llama-cpp-python keeps no scores
+            return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(V,))   # without logits_all)
+
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(tokens)
         t1 = time.perf_counter()
         ids = []
         for _ in range(new):
-            ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            ids.append(int(np.argmax(last_logits())))
             llm.eval([ids[-1]])
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, ids

@@ -137,7 +137,8 @@ def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_
         for what, mine, theirs in (("--group", group, sec.group), ("--symmetric", symmetric, sec.symmetric)):
             if mine is not None and mine != theirs:
                 raise UserError(f"{what} {mine} contradicts {calib} ({sec.describe()})")
-        return Scheme(sec.bits, sec.group, sec.symmetric, sec.method, accuracy_level).check()
+        return Scheme(sec.bits, sec.group, sec.symmetric, sec.method, accuracy_level,
+                      sec.embedding_bits, sec.embedding_group).check()
     if weights != "int4":
         if group is not None or symmetric:
             raise UserError("--group / --symmetric apply to --weights int4 only")

@@ -105,9 +105,9 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup):
     assert kb["hot"] < kb["prefix_full"] / 2
 
 
-def test_int8_cold_store_in_the_graph_matches_the_host_store(setup):
-    """cold="int8": the swap kernel dequantizes int8 cold pages (device memory) into the window inside
-    the CUDA graph: every page fetched into a slot holds exactly its dequantized cold page, and the
+def test_int8_and_int4_cold_stores_in_the_graph_match_the_host_store(setup):
+    """cold="int8" / "int4": the swap kernel dequantizes int8 / int4 cold pages (device memory) into
+    the window inside the CUDA graph: every page fetched into a slot holds exactly its dequantized cold page, and the
     distance to the dense logits stays that of the pinned host store. (Which pages move may differ:
     on random weights many page scores are near ties.)"""
     from zeroedge.kv.tiers import dequantize
@@ -117,21 +117,21 @@ def test_int8_cold_store_in_the_graph_matches_the_host_store(setup):
     k, v = _kv(pre, torch.bfloat16)
     qcov = [q.to("cuda") for q in pre["qcov"]]
     decs = {}
-    for cold in ("host", "int8"):
+    for cold in ("host", "int8", "int4"):
         decs[cold] = ThermalDecoder(m, P, G, budget=0.25, fetch=4, cold=cold)
         decs[cold].load_prefix(k, v, qcov)
-    att = decs["int8"].attention
-    start = att.slot_page.clone()
+    starts = {c: decs[c].attention.slot_page.clone() for c in ("int8", "int4")}
     err = {cold: _run(dec, ids, ref) for cold, dec in decs.items()}    # against the dense decoder
-    assert err["int8"] <= err["host"] + 0.05, err
-    fetched = 0
-    for li in range(len(m.layers)):
-        win = att.wk[li, :, att.fix_len:].view(att.nkv, att.slots, att.ps, att.hd)
-        for h in range(att.nkv):
-            for s in (att.slot_page[li, h] != start[li, h]).nonzero().flatten().tolist():
-                page = int(att.slot_page[li, h, s])
-                want = dequantize(att.cold_k[li, h, page], att.cold_ks[li, h, page], 8, att.group, win.dtype)
-                assert torch.equal(win[h, s], want), (li, h, s)
-                fetched += 1
-    assert fetched > 0
-    assert att.device_kv_bytes()["cold_on_device"] > 0 == decs["host"].device_kv_bytes()["cold_on_device"]
+    assert err["int8"] <= err["host"] + 0.05 and err["int4"] <= err["host"] + 0.15, err
+    for cold, bits in (("int8", 8), ("int4", 4)):
+        att, start, fetched = decs[cold].attention, starts[cold], 0
+        for li in range(len(m.layers)):
+            win = att.wk[li, :, att.fix_len:].view(att.nkv, att.slots, att.ps, att.hd)
+            for h in range(att.nkv):
+                for s in (att.slot_page[li, h] != start[li, h]).nonzero().flatten().tolist():
+                    page = int(att.slot_page[li, h, s])
+                    want = dequantize(att.cold_k[li, h, page], att.cold_ks[li, h, page], bits, att.group, win.dtype)
+                    assert torch.equal(win[h, s], want), (cold, li, h, s)
+                    fetched += 1
+        assert fetched > 0, cold
+        assert att.device_kv_bytes()["cold_on_device"] > 0 == decs["host"].device_kv_bytes()["cold_on_device"]

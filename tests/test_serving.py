@@ -418,8 +418,15 @@ def test_a_device_memory_cap_admits_serves_thermal_or_refuses():
     r = ServingSession(m, device_memory=(dense + thermal) // 2).generate(ids, new)
     assert r.mechanisms["thermal_kv"] and "device memory cap" in r.mechanisms["thermal_kv_reason"]
     assert r.detail["cold_store"] == "int8" and r.device_kv_bytes < r.full_kv_bytes
+    int4 = int(request_bytes(cfg, 4, T, new, 0.1, cold="int4", cold_shares_memory=True)["peak"] * (1 + HEADROOM))
+    assert int4 < thermal
+    r = ServingSession(m, device_memory=(int4 + thermal) // 2).generate(ids, new)   # int8 no longer fits
+    assert r.mechanisms["thermal_kv"] and r.detail["cold_store"] == "int4"
+    assert r.mechanisms["device_memory"]["cold_store"] == "int4"
     with pytest.raises(UserError, match="do not fit the .* device memory cap: dense KV needs"):
-        ServingSession(m, device_memory=thermal - 1).generate(ids, new)
+        ServingSession(m, device_memory=int4 - 1).generate(ids, new)
+    with pytest.raises(UserError, match="do not fit"):                    # the session pinned int8
+        ServingSession(m, device_memory=(int4 + thermal) // 2, thermal_opts={"cold": "int8"}).generate(ids, new)
     with pytest.raises(UserError, match="thermal KV is not allowed"):      # L0: thermal off
         ServingSession(m, device_memory=(dense + thermal) // 2, release_level=0).generate(ids, new)
     with pytest.raises(UserError, match="weights .* do not fit"):

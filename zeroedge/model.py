@@ -198,9 +198,17 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start, k, v, q, kv_index)
         if h == self.cfg.n_heads and not self.record_probs:
-            # every head kept: SDPA shares each kv head with its query group (no copy of the past per query head)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                 enable_gqa=group > 1)
+            # every head kept: each kv head serves its query group without a copy of the past per query
+            # head. A chunk over a cache (mask: a lower-right causal bias) runs one SDPA per position in
+            # the group (query heads g, g + group, ... pair one to one with the kv heads), as the
+            # kernels that take such a bias would otherwise expand K/V to every query head
+            if mask is not None and group > 1:
+                out = torch.empty_like(q)
+                for g in range(group):
+                    out[:, g::group] = F.scaled_dot_product_attention(q[:, g::group], k, v, attn_mask=mask)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                     enable_gqa=group > 1)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, h * hd))
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
         if self.record_probs:

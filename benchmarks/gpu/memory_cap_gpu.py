@@ -4,8 +4,8 @@
    request: prefill, decoder, 16 new tokens) against zeroedge.runtime.memory.request_bytes, dense
    and thermal (10 % hot; int8 cold store as on a Jetson, and the pinned-host one of a discrete GPU);
 2. the largest context served under a Jetson board's cap (its DRAM less the OS reserve and the CUDA
-   runtime the planner assumes): dense KV only (release level 0) against thermal allowed (int8
-   cold), each found by the forecast and then served for real under the cap
+   runtime the planner assumes): dense KV only (release level 0) against thermal allowed (int8 /
+   int4 cold), each found by the forecast and then served for real under the cap
    (ServingSession(device_memory=...) holds the CUDA allocator to it).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/memory_cap_gpu.py [--json OUT]
@@ -25,6 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", default="8192,32768")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cap-only", action="store_true", help="part 2 only")
     a = ap.parse_args()
     import torch
 
@@ -46,10 +47,12 @@ def main():
         torch.cuda.synchronize()
         return r, torch.cuda.max_memory_allocated()
 
-    for T in bs.int_list(a.ctx):
+    for T in bs.int_list(a.ctx) if not a.cap_only else []:
         for mode, kw, fk in (("dense", {}, {}),
                              ("thermal int8 cold", dict(kv_budget=0.1, thermal_opts={"cold": "int8"}),
                               dict(budget=0.1, cold="int8")),
+                             ("thermal int4 cold", dict(kv_budget=0.1, thermal_opts={"cold": "int4"}),
+                              dict(budget=0.1, cold="int4")),
                              ("thermal host cold", dict(kv_budget=0.1, thermal_opts={"cold": "host"}),
                               dict(budget=0.1, cold="host"))):
             r, peak = measure(T, **kw)
@@ -64,7 +67,9 @@ def main():
         cap = t.memory - t.os_reserve - RUNTIME
         for mode, fk, kw in (("dense", {}, dict(release_level=0)),
                              ("thermal int8 cold", dict(budget=0.1, cold="int8"),
-                              dict(kv_budget=0.1, thermal_opts={"cold": "int8"}))):
+                              dict(kv_budget=0.1, thermal_opts={"cold": "int8"})),
+                             ("thermal int4 cold", dict(budget=0.1, cold="int4"),
+                              dict(kv_budget=0.1, thermal_opts={"cold": "int4"}))):
             lo, hi = 64, limit
             while lo < hi:                                 # the largest prompt whose forecast fits
                 mid = (lo + hi + 1) // 2

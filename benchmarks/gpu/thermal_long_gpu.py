@@ -14,14 +14,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_setup as bs  # noqa: E402
 
 GEN = 400          # decode_step_ms takes 3 + 5 x 64 steps
-SETTINGS = [       # (rank, fetch, refresh_every)
-    (16, 4, 1), (32, 4, 1), (32, 8, 2), (32, 8, 4), (32, 8, 8), (32, 16, 8), (16, 8, 8)]
+SETTINGS = [       # (rank, fetch, refresh_every, cold store)
+    (16, 4, 1, "host"), (32, 4, 1, "host"), (32, 8, 2, "host"), (32, 8, 4, "host"), (32, 8, 8, "host"),
+    (32, 16, 8, "host"), (16, 8, 8, "host"), (32, 4, 1, "int8"), (32, 4, 1, "int4")]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", default="32768,131072")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only-cold", action="store_true", help="the default setting with each cold store only")
     a = ap.parse_args()
     import torch
 
@@ -39,14 +41,16 @@ def main():
         rows.append({"ctx": ctx, "decoder": "dense", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
         print(json.dumps(rows[-1]), flush=True)
         ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", dt)
-        for rank, fetch, every in SETTINGS:
-            t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every)
+        for rank, fetch, every, cold in SETTINGS if not a.only_cold else [s for s in SETTINGS if s[:3] == (32, 4, 1)]:
+            t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
-            rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every,
+            rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
-                         "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4)})
+                         "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),
+                         "with_cold_on_device_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]
+                                                            + kb["cold_on_device"]) / kb["prefix_full"], 4)})
             print(json.dumps(rows[-1]), flush=True)
             del t
             torch.cuda.empty_cache()

@@ -6,9 +6,10 @@
   --paths            with --calib: decode paths instead of SIH/PAD: dense_ppl, paths_ppl,
                      ffn_bytes_skipped (every token teacher-forced with the paths on)
   --device-memory SIZE / --board B   what `zeroedge run` would serve at --ctx under that cap on a
-                     bf16 device with the int8 cold store (zeroedge.runtime.memory): device_memory
-                     (cap, dense and thermal forecasts, served); dense KV that does not fit is
-                     evaluated as thermal KV (--kv-budget, else 10 %); neither: exit 2
+                     bf16 device with a compressed cold store (zeroedge.runtime.memory): device_memory
+                     (cap, dense and thermal forecasts, served, cold_store); dense KV that does not fit
+                     is evaluated as thermal KV (--kv-budget, else 10 %; int8 cold store, int4 if int8
+                     does not fit); nothing fits: exit 2
   an artifact with a weights section (zeroedge calibrate --weights): dense_ppl (the model as loaded),
                      weights_ppl (its weights quantized as the artifact says, zeroedge.quant.apply),
                      weights_ppl_rise, weights (the scheme), weight_bytes, weight_bytes_fp16; then
@@ -114,7 +115,8 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
             raise UserError("thermal KV is not available in this build (zeroedge.kv missing)") from None
         stage(f"thermal KV: full-KV prefill of {ctx - CONTINUATION} tokens, then the methods over the last "
               f"{CONTINUATION}")
-        result.update(run_eval(m, ids, kv_budget, page_size=page_size, continuation=CONTINUATION))
+        cold = {"cold": result["device_memory"]["cold_store"]} if cap is not None else {}
+        result.update(run_eval(m, ids, kv_budget, page_size=page_size, continuation=CONTINUATION, **cold))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -142,22 +144,24 @@ def weights_eval(m, ids, calib, meta) -> dict:
 
 def served_under(cfg, ctx: int, cap: int, kv_budget=None) -> dict:
     """What the torch serving session would do with a ctx-token prompt under the cap, on a bf16 device
-    with the int8 cold store (a Jetson's): the forecasts with the session's headroom, and "dense" or
-    "thermal"; a UserError when neither fits."""
+    with a compressed cold store (a Jetson's: int8, int4 when int8 does not fit): the forecasts with
+    the session's headroom, and "dense" or "thermal"; a UserError when nothing fits."""
     from zeroedge.errors import UserError
     from zeroedge.runtime.memory import HEADROOM, request_bytes
 
     budget = kv_budget or 0.1
-    dense, thermal = (int(request_bytes(cfg, 2, ctx, 1, **kw)["peak"] * (1 + HEADROOM))
-                      for kw in ({}, dict(budget=budget, cold="int8", cold_shares_memory=True)))
-    out = {"cap": cap, "dense_forecast": dense, "thermal_forecast": thermal, "thermal_budget": budget,
-           "dtype": "bf16", "cold_store": "int8"}
+    dense, int8, int4 = (int(request_bytes(cfg, 2, ctx, 1, **kw)["peak"] * (1 + HEADROOM))
+                         for kw in ({}, *(dict(budget=budget, cold=c, cold_shares_memory=True)
+                                          for c in ("int8", "int4"))))
+    out = {"cap": cap, "dense_forecast": dense, "thermal_forecast": int8, "thermal_int4_forecast": int4,
+           "thermal_budget": budget, "dtype": "bf16", "cold_store": "int8"}
     if dense <= cap:
         return dict(out, served="dense")
-    if thermal <= cap:
-        return dict(out, served="thermal")
+    if int8 <= cap or int4 <= cap:
+        return dict(out, served="thermal", cold_store="int8" if int8 <= cap else "int4")
     raise UserError(f"a {ctx}-token prompt does not fit the {cap / 2**30:.2f} GiB device memory cap: dense KV needs "
-                    f"{dense / 2**30:.2f} GiB, thermal KV at {budget:.0%} hot {thermal / 2**30:.2f} GiB")
+                    f"{dense / 2**30:.2f} GiB, thermal KV at {budget:.0%} hot {int8 / 2**30:.2f} GiB (int8 cold "
+                    f"store) or {int4 / 2**30:.2f} GiB (int4)")
 
 
 def zero_eval(m, ids, calib, meta) -> dict:

@@ -206,33 +206,44 @@ class ServingSession:
 
     def _fit_memory(self, T: int, max_new: int, thermal: bool, mech: dict):
         """Under a device memory cap: the request's forecast (zeroedge.runtime.memory) with the KV the
-        gates chose must fit; dense KV that does not fit is replaced by thermal KV (the session's
-        budget, else 10 %) when the thermal gate allows it; otherwise a UserError names both
-        forecasts. Returns (thermal or not, the hot fraction)."""
+        gates chose must fit. Dense KV that does not fit is replaced by thermal KV (the session's
+        budget, else 10 %) when the thermal gate allows it; a thermal request whose int8 cold store
+        does not fit gets the int4 one (unless the session's options name the cold store);
+        otherwise a UserError names the forecasts. Returns (thermal or not, the hot fraction, the
+        cold store)."""
         from zeroedge.runtime.memory import HEADROOM, request_bytes
 
         m = self.model
         p = next(m.parameters())
         budget = self.kv_budget or 0.1
-        kw = dict(settings=self._settings(), cold=self._cold_store(p.device),
-                  cold_shares_memory=memory_kind(p.device) != "discrete")
-        dense = int(request_bytes(m.cfg, p.element_size(), T, max_new)["peak"] * (1 + HEADROOM))
-        therm = int(request_bytes(m.cfg, p.element_size(), T, max_new, budget, **kw)["peak"] * (1 + HEADROOM))
+        cold = self._cold_store(p.device)
+        colds = [cold] + (["int4"] if cold == "int8" and "cold" not in self.thermal_opts else [])
+        forecast = lambda **kw: int(request_bytes(m.cfg, p.element_size(), T, max_new, **kw)["peak"]  # noqa: E731
+                                    * (1 + HEADROOM))
+        dense = forecast()
+        therm = {c: forecast(budget=budget, settings=self._settings(), cold=c,
+                             cold_shares_memory=memory_kind(p.device) != "discrete") for c in colds}
         cap = self.device_memory
-        mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm,
-                                 "thermal_budget": budget}
-        if (therm if thermal else dense) <= cap:
-            return thermal, budget
-        allowed = self.thermal_gate.allows(T + max_new) and (T - 1) // self.page_size >= 4
-        if not thermal and allowed and therm <= cap:
-            mech.update(thermal_kv=True, thermal_kv_reason=(
-                f"dense KV needs {_gib(dense)}, over the {_gib(cap)} device memory cap; thermal KV at "
-                f"{budget:.0%} hot needs {_gib(therm)}"))
-            return True, budget
+        fits = [c for c in colds if therm[c] <= cap]
+        mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
+                                 "thermal_budget": budget, "cold_store": fits[0] if thermal and fits else cold}
+        if len(colds) > 1:
+            mech["device_memory"]["thermal_int4_forecast"] = therm["int4"]
+        if not thermal and dense <= cap:
+            return False, budget, cold
+        allowed = thermal or (self.thermal_gate.allows(T + max_new) and (T - 1) // self.page_size >= 4)
+        if allowed and fits:
+            mech["device_memory"]["cold_store"] = fits[0]
+            if not thermal:
+                mech.update(thermal_kv=True, thermal_kv_reason=(
+                    f"dense KV needs {_gib(dense)}, over the {_gib(cap)} device memory cap; thermal KV at "
+                    f"{budget:.0%} hot with the {fits[0]} cold store needs {_gib(therm[fits[0]])}"))
+            return True, budget, fits[0]
         why = "" if allowed else " (thermal KV is not allowed for this request: " + (
             mech.get("thermal_kv_reason") or "release level") + ")"
+        options = ", ".join(f"{c} cold store {_gib(therm[c])}" for c in colds)
         raise UserError(f"{T} prompt + {max_new} new tokens do not fit the {_gib(cap)} device memory cap: "
-                        f"dense KV needs {_gib(dense)}, thermal KV at {budget:.0%} hot {_gib(therm)}{why}")
+                        f"dense KV needs {_gib(dense)}, thermal KV at {budget:.0%} hot: {options}{why}")
 
     def _settings(self):
         from dataclasses import fields
@@ -388,15 +399,15 @@ class ServingSession:
         if thermal and P // ps < 4:
             mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under 4 pages of {ps}")
             thermal = False
-        budget = self.kv_budget
+        budget, cold = self.kv_budget, None
         if self.device_memory is not None:
-            thermal, budget = self._fit_memory(T, max_new, thermal, mech)
+            thermal, budget, cold = self._fit_memory(T, max_new, thermal, mech)
         t0 = time.perf_counter()
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         dev = next(m.parameters()).device
         if thermal:
             kw = dict(budget=budget, page_size=ps, **self.thermal_opts)
-            kw["cold"] = self._cold_store(dev)
+            kw["cold"] = cold or self._cold_store(dev)
             if dev.type == "cuda":              # refreshes wait while memory bandwidth is busy
                 kw.setdefault("scheduler", self._scheduler(dev))
             G = T - P + max_new

@@ -10,13 +10,14 @@ run` does. llama.cpp gets n_ctx = max T + 72, n_batch 512, the same thread count
   zeroedge export smollm2-135m --weights fp16 -o /tmp/b16          # and fp32, int4 (see weights_cpu.md)
   python benchmarks/weights_cpu.py --bundle fp16=/tmp/b16 --bundle int4=/tmp/b4 ... -o benchmarks/weights_cpu.json
 
-llama.cpp is the `llama_cpp` module of llama-cpp-python (`pip install llama-cpp-python`: it compiles
+llama.cpp (in a worker process of its own) is the `llama_cpp` module of llama-cpp-python (`pip install llama-cpp-python`: it compiles
 llama.cpp, ~17 min on this machine; not part of CI); --no-llama skips it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -59,22 +60,25 @@ class OrtCase:
         return t1 - t0, t2 - t1, ids
 
 
-class LlamaCase:
-    def __init__(self, path, threads, n_ctx):
-        from llama_cpp import Llama
+def _llama_worker(conn, path, threads, n_ctx):
+    """llama.cpp in its own process: onnxruntime's idle pool threads spin in the benchmark's process,
+    and llama.cpp's per-op thread barriers collapse when they lose a core (measured: 0.8 tok/s decode
+    in-process right after an onnxruntime run, 14 tok/s alone)."""
+    import numpy as np
+    from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+    V = llm.n_vocab()
 
-    def run(self, tokens, new):
-        import numpy as np
+    def last_logits():              # the last evaluated token's (llama-cpp-python keeps no scores
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(V,))   # without logits_all)
 
-        llm = self.llm
-        V = llm.n_vocab()
-
-        def last_logits():              # the last evaluated token's (llama-cpp-python keeps no scores
-            return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(V,))   # without logits_all)
-
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        tokens, new = msg
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(tokens)
@@ -84,7 +88,25 @@ class LlamaCase:
             ids.append(int(np.argmax(last_logits())))
             llm.eval([ids[-1]])
         t2 = time.perf_counter()
-        return t1 - t0, t2 - t1, ids
+        conn.send((t1 - t0, t2 - t1, ids))
+
+
+class LlamaCase:
+    def __init__(self, path, threads, n_ctx):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_llama_worker, args=(child, str(path), threads, n_ctx), daemon=True)
+        self.proc.start()
+
+    def run(self, tokens, new):
+        self.conn.send((list(tokens), new))
+        return self.conn.recv()
+
+    def close(self):
+        self.conn.send(None)
+        self.proc.join(10)
 
 
 def main(argv=None):
@@ -95,6 +117,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--pause", type=float, default=1.0, help="seconds of idle before each measurement")
     ap.add_argument("-o", "--output", type=Path, default=None)
     a = ap.parse_args(argv)
     toks = kjv_tokens(max(a.lengths))
@@ -111,6 +134,7 @@ def main(argv=None):
     for rep in range(a.reps):
         for T in a.lengths:
             for name, c in cases.items():
+                time.sleep(a.pause)             # the last runner's pool threads stop spinning
                 pf, dc, ids = c.run(toks[:T], a.new)
                 raw.append({"runner": name, "rep": rep, "T": T, "prefill_s": pf, "decode_s": dc,
                             "prefill_tok_s": T / pf, "decode_tok_s": a.new / dc, "ids": ids})
@@ -126,7 +150,7 @@ def main(argv=None):
     first = {name: {str(T): next(r["ids"] for r in raw if r["runner"] == name and r["T"] == T) for T in a.lengths}
              for name in cases}
     out = {"model": "smollm2-135m", "text": "kjv", "lengths": a.lengths, "new": a.new, "reps": a.reps,
-           "threads": a.threads, "bundles": dict(s.partition("=")[::2] for s in a.bundle),
+           "threads": a.threads, "pause_s": a.pause, "loadavg_end": list(os.getloadavg()), "bundles": dict(s.partition("=")[::2] for s in a.bundle),
            "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
            "median": table, "greedy_ids": first, "runs": raw}
     print("\n| runner | " + " | ".join(f"decode tok/s @{T}" for T in a.lengths) + " | "
@@ -134,6 +158,9 @@ def main(argv=None):
     for name, row in table.items():
         print(f"| {name} | " + " | ".join(f"{row[str(T)]['decode_tok_s']:.1f}" for T in a.lengths) + " | "
               + " | ".join(f"{row[str(T)]['prefill_tok_s']:.1f}" for T in a.lengths) + " |")
+    for c in cases.values():
+        if hasattr(c, "close"):
+            c.close()
     if a.output:
         a.output.write_text(json.dumps(out, indent=1))
     return out

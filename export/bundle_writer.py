@@ -122,7 +122,8 @@ def half_weights(model, min_bytes: int = 1024) -> int:
     return n
 
 
-def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_level, calib=None):
+def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_level, calib=None,
+                 zero_point: Optional[str] = None):
     """The 4-bit scheme to export with (None: float weights). An artifact's weights section decides
     bits / group / symmetric / method; an explicit --group / --symmetric that disagrees is refused."""
     from zeroedge.export.quantize_graph import Scheme
@@ -138,12 +139,13 @@ def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_
             if mine is not None and mine != theirs:
                 raise UserError(f"{what} {mine} contradicts {calib} ({sec.describe()})")
         return Scheme(sec.bits, sec.group, sec.symmetric, sec.method, accuracy_level,
-                      sec.embedding_bits, sec.embedding_group).check()
+                      sec.embedding_bits, sec.embedding_group, zero_point or "int").check()
     if weights != "int4":
-        if group is not None or symmetric:
-            raise UserError("--group / --symmetric apply to --weights int4 only")
+        if group is not None or symmetric or zero_point:
+            raise UserError("--group / --symmetric / --zero-point apply to --weights int4 only")
         return None
-    return Scheme(4, 32 if group is None else int(group), bool(symmetric), "rtn", accuracy_level).check()
+    return Scheme(4, 32 if group is None else int(group), bool(symmetric), "rtn", accuracy_level,
+                  zero_point=zero_point or "int").check()
 
 
 def _quantize_flavours(per: dict, scheme):
@@ -251,12 +253,14 @@ def calibration_summary(meta: Optional[dict], path, paths: Optional[dict] = None
 def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", window: int = 1024,
                   progress=None, force: bool = False, weights: str = "float16",
                   prefill_chunk: Optional[int] = None, group: Optional[int] = None,
-                  symmetric: Optional[bool] = None, accuracy_level: Optional[int] = None) -> dict:
+                  symmetric: Optional[bool] = None, accuracy_level: Optional[int] = None,
+                  zero_point: Optional[str] = None) -> dict:
     """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
     (WEIGHT_DTYPES; see the module docstring). prefill_chunk: the runners' prefill chunk, recorded in
     the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK). int4: group (default
     the artifact's, else 32), symmetric (default the artifact's, else asymmetric), accuracy_level
-    (MatMulNBits' attribute; None leaves it out); an artifact with a weights section folds its AWQ
+    (MatMulNBits' attribute; None leaves it out), zero_point ("int", the default, or "float":
+    quantize_graph.Scheme); an artifact with a weights section folds its AWQ
     scales into the model first and sets the scheme (weights="int4" is then implied)."""
     import onnx
     import torch
@@ -280,7 +284,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     meta = tensors = None
     if calib is not None:
         meta, tensors = calib_artifact.load(calib)
-    scheme = quant_scheme(weights, meta, group, symmetric, accuracy_level, calib)
+    scheme = quant_scheme(weights, meta, group, symmetric, accuracy_level, calib, zero_point)
     if scheme is not None:
         weights = "int4"
     # decode paths: refused (predictor) or read before anything is written

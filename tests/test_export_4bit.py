@@ -15,7 +15,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
-SCHEMES = {"asym32": {"group": 32}, "sym16": {"group": 16, "symmetric": True}}
+SCHEMES = {"asym32": {"group": 32}, "sym16": {"group": 16, "symmetric": True},
+           "float32": {"group": 32, "zero_point": "float"}}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
     q = mf["weights"]["quantization"]
     kw = SCHEMES[name]
     assert (q["bits"], q["group"], q["symmetric"], q["method"]) == (4, kw["group"], kw.get("symmetric", False), "rtn")
+    assert q["zero_point"] == kw.get("zero_point", "int")
     L = mf["model"]["n_layers"]
     for graph in ("prefill", "decode"):
         p = _graph(b4 / name / f"{graph}.portable.onnx")
@@ -55,8 +57,11 @@ def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
         nb = [n for n in p.node if n.op_type == "MatMulNBits" and bits(n) == 4]
         assert len(nb) == 7 * L == q["nodes"][graph]
         assert all(n.domain == "com.microsoft" for n in nb)
-        assert _const_matmuls(p) == []                     # no float linear layer left
-        assert all(len(n.input) == (3 if kw.get("symmetric") else 4) for n in nb)
+        # no float linear layer left (the offset products of a float zero point are [K, K/g] / [K/g, N])
+        assert [n for n in _const_matmuls(p) if not n.endswith(("_BlockSum", "_Offset"))] == []
+        int_zp = not kw.get("symmetric") and kw.get("zero_point", "int") == "int"
+        assert all(len(n.input) == (4 if int_zp else 3) for n in nb)       # float zp: an offset product
+        assert sum(n.name.endswith("_Offset") for n in p.node) == (7 * L if kw.get("zero_point") == "float" else 0)
         # the tied embedding / LM head: one uint8 table read by an 8-bit MatMulNBits and a GatherBlockQuantized
         head = [n for n in p.node if n.op_type == "MatMulNBits" and bits(n) == 8]
         gbq = [n for n in p.node if n.op_type == "GatherBlockQuantized"]
@@ -113,12 +118,16 @@ def _dequantized_reference(model, bundle):
         blob = inits[n.input[1]].reshape(N, -1)
         u = np.stack([blob & 15, blob >> 4], -1).reshape(N, -1)[:, :K].astype(np.float32)
         s = val(n.input[2]).reshape(N, -1)
-        if len(n.input) > 3:
+        if len(n.input) > 3 and inits.get(n.input[3]) is not None and inits[n.input[3]].dtype == np.uint8:
             zp = inits[n.input[3]].reshape(N, -1)
             z = np.stack([zp & 15, zp >> 4], -1).reshape(N, -1)[:, :s.shape[1]].astype(np.float32)
         else:
             z = np.full_like(s, 8.0)
-        ws.append((n.name, (u - np.repeat(z, bs, 1)[:, :K]) * np.repeat(s, bs, 1)[:, :K]))   # W [out, in]
+        w = (u - np.repeat(z, bs, 1)[:, :K]) * np.repeat(s, bs, 1)[:, :K]                 # W [out, in]
+        off = val(n.name + "_zp_offset") if cast.get(n.name + "_zp_offset", n.name + "_zp_offset") in inits else None
+        if off is not None:                                     # float zero point: + s * (8 - z) per block
+            w = w + np.repeat(off.T, bs, 1)[:, :K]
+        ws.append((n.name, w))
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     assert len(ws) == 7 * len(model.layers) and emb is not None
@@ -146,6 +155,34 @@ def _exact_head(bundle):
         onnx.save(m, str(bundle / f"{graph}.exact.onnx"))
 
 
+def test_float_zero_point_reproduces_a_q4_1_block_exactly():
+    """GGUF Q4_1: w = d * q + m per block of 32 along K (llama.cpp puts the block's min at q = 0 and
+    its max at q = 15); the float-zero-point grid gives back exactly those values, onnxruntime's
+    integer zero point does not."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    from zeroedge.export.quantize_graph import minmax_float_zp
+
+    rng = np.random.default_rng(1)
+    K, N, g = 96, 8, 32
+    q = rng.integers(0, 16, size=(N, K // g, g))
+    q[..., 0], q[..., 1] = 0, 15
+    d = rng.uniform(0.01, 0.05, size=(N, K // g, 1)).astype(np.float32)
+    m = rng.uniform(-0.4, -0.1, size=(N, K // g, 1)).astype(np.float32)
+    w = (d * q + m).reshape(N, K).T.astype(np.float32)                          # [K, N]
+
+    def deq(blob, s, z):
+        u = np.stack([blob & 15, blob >> 4], -1).reshape(N, -1).astype(np.float32)
+        return ((u - np.repeat(z, g, 1)) * np.repeat(s, g, 1)).T
+
+    blob, s, z = minmax_float_zp(w, g)
+    assert np.abs(deq(blob, s, z) - w).max() <= 1e-6
+    cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=g, is_symmetric=False)
+    blob, s, zp = mnq.DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(w)
+    zi = np.stack([zp & 15, zp >> 4], -1).reshape(N, -1)[:, :K // g].astype(np.float32)
+    assert np.abs(deq(blob.reshape(N, K // g, -1), s.reshape(N, -1), zi) - w).max() > 1e-3
+
+
 def test_portable_and_trt_graphs_compute_the_same_4bit_weights(b4):
     """The TensorRT graph (run by onnxruntime: it reads INT4 / INT8 DequantizeLinear) and MatMulNBits
     give the same logits, both asymmetric (offset product) and symmetric, once the LM head's int8
@@ -159,14 +196,15 @@ def test_portable_and_trt_graphs_compute_the_same_4bit_weights(b4):
         assert 0 < np.abs(a4 - t).max() <= 0.03 * np.abs(t).max(), name
 
 
-def test_4bit_logits_match_the_dequantized_model_and_differ_from_fp32(b4):
+@pytest.mark.parametrize("name", ["asym32", "float32"])
+def test_4bit_logits_match_the_dequantized_model_and_differ_from_fp32(b4, name):
     from zeroedge.model import build
 
     tokens = torch.arange(3, 15)[None]
     fp = _logits(b4 / "fp32", "portable", tokens.numpy())
-    _exact_head(b4 / "asym32")
-    q = _logits(b4 / "asym32", "exact", tokens.numpy())
-    m = _dequantized_reference(build("tiny", seed=0).float().eval(), b4 / "asym32")
+    _exact_head(b4 / name)
+    q = _logits(b4 / name, "exact", tokens.numpy())
+    m = _dequantized_reference(build("tiny", seed=0).float().eval(), b4 / name)
     with torch.no_grad():
         ref = m(tokens)[0, -1].numpy()
     scale = np.abs(ref).max()
@@ -246,11 +284,12 @@ def test_smollm2_4bit_bundle_logits_and_greedy_tokens(smollm2, tmp_path):
     _, folder = smollm2
     export_bundle(str(folder), tmp_path / "fp16", window=64)
     export_bundle(str(folder), tmp_path / "int4", window=64, weights="int4")
+    export_bundle(str(folder), tmp_path / "float", window=64, weights="int4", zero_point="float")
     mf = json.loads((tmp_path / "int4" / "manifest.json").read_text())
     size = sum(f["bytes"] for f in mf["files"].values())
     tokens = np.array([504, 2114, 15988, 282, 1978, 253, 6121, 1025, 30, 1387, 314, 253])
     runs = {}
-    for name in ("fp16", "int4"):
+    for name in ("fp16", "int4", "float"):
         with OrtRunner(tmp_path / name, slots=64) as r:
             out = [r.prefill(tokens)]
             ids = [int(np.argmax(out[-1]))]
@@ -272,3 +311,10 @@ def test_smollm2_4bit_bundle_logits_and_greedy_tokens(smollm2, tmp_path):
     assert agree >= 12 and top5 >= 15, (agree, top5, runs["fp16"][1], runs["int4"][1])
     q = mf["weights"]["quantization"]
     assert q["bytes"]["portable"] + q["embedding"]["bytes"]["portable"] < 120e6      # what onnxruntime reads
+    # the float zero point reproduces the Q4_1 weights SmolLM2 ships as: left, the int8 embedding / LM
+    # head (and its int8 activations) and fp16-stored scales / zero points
+    c = runs["float"][0]
+    rel_f = float(np.abs(a - c).max() / np.abs(a).max())
+    agree_f = sum(x == y for x, y in zip(runs["fp16"][1], runs["float"][1]))
+    print(f"float zero point vs fp16: max rel logits error {rel_f:.4f}, greedy agreement {agree_f}/16")
+    assert rel_f < rel / 3 and agree_f >= agree, (rel_f, rel, agree_f, agree)

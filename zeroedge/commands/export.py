@@ -23,6 +23,10 @@ from zeroedge.commands.common import check_model, output_option, target_option
               help="int4: weights per quantization group along the input dimension [default: 32, or the artifact's]")
 @click.option("--symmetric", is_flag=True, default=None,
               help="int4: symmetric grid (no zero point) [default: asymmetric, or the artifact's]")
+@click.option("--zero-point", "zero_point", type=click.Choice(["int", "float"]), default=None,
+              help="int4 asymmetric: int (onnxruntime's quantizer, a uint4 zero point; default) or float "
+                   "(min/max grid with a float zero point per group: reproduces a Q4_1 GGUF such as "
+                   "the bundled SmolLM2's exactly)")
 @click.option("--accuracy-level", "accuracy_level", type=click.IntRange(0, 4), default=None,
               help="int4: MatMulNBits' accuracy_level in the portable graphs (4: int8 activations; "
                    "default: onnxruntime's)")
@@ -30,8 +34,8 @@ from zeroedge.commands.common import check_model, output_option, target_option
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
 @click.option("--sign", "sign_key", type=click.Path(dir_okay=False), metavar="KEY",
               help="sign the manifest with this key (zeroedge keygen); same as `zeroedge sign` after")
-def cmd(model, calib, out, target, window, weights, group, symmetric, accuracy_level, force, as_json,
-        sign_key):
+def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point, accuracy_level, force,
+        as_json, sign_key):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
@@ -46,8 +50,11 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, accuracy_l
     if window < 1:
         raise UserError("--window must be >= 1")
     check_model(model, presets=True, onnx=True)        # a missing model: refused before torch loads
-    if weights != "int4" and calib is None and (group is not None or symmetric or accuracy_level is not None):
-        raise UserError("--group / --symmetric / --accuracy-level apply to --weights int4 only")
+    if weights != "int4" and calib is None and (group is not None or symmetric or accuracy_level is not None
+                                                or zero_point):
+        raise UserError("--group / --symmetric / --zero-point / --accuracy-level apply to --weights int4 only")
+    if zero_point == "float" and symmetric:
+        raise UserError("--zero-point float is for an asymmetric grid (leave out --symmetric)")
     if group is not None and group not in (16, 32, 64, 128, 256):
         raise UserError(f"--group must be a power of two from 16 to 256 (got {group})")
     if sign_key:
@@ -72,7 +79,8 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, accuracy_l
             mf = export_bundle(model, out, calib=calib, target=target, window=window,
                                progress=step, force=force,
                                weights={"fp16": "float16", "fp32": "float32", "int4": "int4"}[weights],
-                               group=group, symmetric=symmetric, accuracy_level=accuracy_level)
+                               group=group, symmetric=symmetric, accuracy_level=accuracy_level,
+                               zero_point=zero_point)
         except NoPattern as e:
             r = e.report
             console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "
@@ -101,7 +109,8 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, accuracy_l
         q = mf["weights"].get("quantization")
         if q:
             b = q.get("bytes", {})
-            click.echo(f"weights: int{q['bits']} g{q['group']} {'sym' if q['symmetric'] else 'asym'} "
+            zp = "" if q["symmetric"] else f" ({q.get('zero_point', 'int')} zero point)"
+            click.echo(f"weights: int{q['bits']} g{q['group']} {'sym' if q['symmetric'] else 'asym'}{zp} "
                        f"{q['method'].upper()} on {q['quantized_params'] / 1e6:.1f} M params; "
                        f"{b.get('portable', 0) / 1e6:.1f} MB read by the portable graphs (MatMulNBits), "
                        f"{b.get('trt', 0) / 1e6:.1f} MB by the TensorRT ones; the rest fp16")

@@ -73,6 +73,95 @@ def test_on_real_weights_rounding_matches_onnxruntime(smollm2):
         assert np.array_equal(fake_quantize(w, Scheme(bits, group, sym)).T.numpy(), ref), (bits, group, sym)
 
 
+def _ort_float_zero_point(q, s, z, K: int):
+    """A one-node MatMulNBits (4-bit) with float32 zero points (the op's zero_points of type T) run on
+    the identity: the weight [K, N] onnxruntime computes with."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    N, kb, g = q.shape
+    q = q.numpy()
+    blob = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=K, N=N,
+                            bits=4, block_size=g)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [K, K])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [K, N])],
+                              [numpy_helper.from_array(blob, "B"),
+                               numpy_helper.from_array(s.numpy().reshape(-1), "S"),
+                               numpy_helper.from_array(z.numpy().reshape(-1), "Z")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"A": np.eye(K, dtype=np.float32)})[0]
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_float_zero_point_equals_onnxruntime_matmulnbits(group):
+    """The float zero point's dequantization is onnxruntime's for zero_points of type float, bit for
+    bit (fl(q * s) - fl(s * z)); the textbook (q - z) * s is not (so the test can tell)."""
+    from zeroedge.quant.groupwise import Scheme, dequantize_float, fake_quantize, quantize_float
+
+    K, N = 200, 24                       # a short last block: its padding is not in its min / max
+    B = _weight(K, N, seed=7 + group)
+    B[:, 5] = 0.125                      # a constant column: constant blocks
+    w = torch.from_numpy(B.T.copy())
+    sch = Scheme(4, group, zero_point="float")
+    q, s, z, m = quantize_float(w, sch)
+    assert torch.equal(s, s.half().float()) and torch.equal(m, m.half().float())     # fp16 values
+    assert int(q.max()) == 15 and int(q.min()) == 0
+    ref = _ort_float_zero_point(q, s, z, q.shape[1] * group)[:K]
+    mine = fake_quantize(w, sch)
+    assert np.array_equal(mine.T.numpy(), ref), float(np.abs(mine.T.numpy() - ref).max())
+    textbook = ((q.float() - z[..., None]) * s[..., None]).reshape(N, -1)[:, :K]
+    assert not torch.equal(textbook, mine)
+    assert torch.equal(dequantize_float(q, s, z, K), mine)
+    assert torch.equal(mine[5], torch.full((K,), 0.125))        # a constant block is kept exactly
+    blocks_min = torch.stack([w[:, i:i + group].amin(1) for i in range(0, K, group)], 1)
+    assert torch.equal(m, blocks_min.half().float())            # the padding is not the minimum
+    err = (mine - w).abs().max()
+    assert 0 < err <= float(s.max()) / 2 + float((m - blocks_min).abs().max()) + 1e-6
+    assert Scheme(4, group, zero_point="float").nbytes(K, N) == N * q.shape[1] * (group // 2 + 8)
+
+
+def test_float_zero_point_recovers_a_q4_1_weight():
+    """A weight born on a Q4_1 grid (w = fl(fl(d * q) + m), d and m fp16, the block's min at q = 0 and
+    max at q = 15, as llama.cpp quantizes): the float zero point finds its q, d and m exactly, and
+    onnxruntime's fl(q * d) - fl(d * z) gives w back bit for bit in every block where a float32 z has
+    fl(d * z) = -m (most of them; the others are off by about an ulp of m, not a grid step); the
+    integer zero point does not come close."""
+    from zeroedge.quant.groupwise import Scheme, fake_quantize, quantize_float
+
+    g = torch.Generator().manual_seed(3)
+    N, K = 64, 256
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g)
+    q[..., 0], q[..., 7] = 0, 15
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = -(torch.rand(N, K // 32, 1, generator=g) * 0.2 + 0.01).half().float()
+    w = (d * q.float() + m).reshape(N, K)
+    sch = Scheme(4, 32, zero_point="float")
+    qq, s, z, mm = quantize_float(w, sch)
+    assert torch.equal(qq.long(), q) and torch.equal(s, d[..., 0]) and torch.equal(mm, m[..., 0])
+    exact = (s * z == -mm)                                          # [N, blocks]
+    assert 0.5 < float(exact.float().mean()) < 1.0                  # both kinds of block occur here
+    mine = fake_quantize(w, sch)
+    assert np.array_equal(_ort_float_zero_point(qq, s, z, K), mine.T.numpy())
+    same = (mine == w).reshape(N, -1, 32)
+    assert bool(same[exact].all())
+    ulp = torch.finfo(torch.float32).eps * m.abs().max()
+    assert 0 < float((mine - w).abs().max()) <= 4 * float(ulp)
+    assert float((fake_quantize(w, Scheme(4, 32)) - w).abs().max()) > 1e4 * float(ulp)
+
+
+def test_scheme_refuses_a_float_zero_point_on_a_symmetric_grid():
+    from zeroedge.quant.groupwise import Scheme, quantize
+
+    with pytest.raises(ValueError, match="asymmetric"):
+        Scheme(4, 32, True, zero_point="float")
+    with pytest.raises(ValueError, match="zero point"):
+        Scheme(4, 32, zero_point="half")
+    with pytest.raises(ValueError, match="quantize_float"):
+        quantize(torch.zeros(4, 32), Scheme(4, 32, zero_point="float"))
+
+
 def _tiny(seed=0):
     from zeroedge.model import build
 

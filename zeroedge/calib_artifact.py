@@ -25,6 +25,7 @@ meta = {
   "weights": {                                     (optional: zeroedge calibrate --weights)
     "format": "zeroedge-weights", "version": 1, "layout": "onnxruntime-matmulnbits",
     "scheme": "int4" | "int8", "bits": 4 | 8, "group": 32 | 64 | 128, "symmetric": bool,
+    "zero_point": "int" | "float" (optional, default int; float: asymmetric int4, fp16 min/max grid),
     "method": "rtn" | "awq", "embedding": {"bits": 8, "group": int, "symmetric": true} | null,
     "awq": {"alpha": [[qkv, o, gate_up, down] per layer], "grid": int, "tokens": int} (method awq),
     "quality": {...}},
@@ -125,6 +126,7 @@ class WeightsSection:
     embedding_bits: int
     embedding_group: int
     meta: dict
+    zero_point: str = "int"         # asymmetric: "int" (MatMulNBitsQuantizer's) or "float" (Q4_1's form)
 
     @property
     def scheme(self) -> str:
@@ -132,7 +134,8 @@ class WeightsSection:
 
     def describe(self) -> str:
         emb = f"embedding int{self.embedding_bits}" if self.embedding_bits else "embedding kept"
-        return (f"{self.scheme} g{self.group} {'sym' if self.symmetric else 'asym'} {self.method.upper()}, "
+        zp = " float-zp" if self.zero_point == "float" else ""
+        return (f"{self.scheme} g{self.group} {'sym' if self.symmetric else 'asym'}{zp} {self.method.upper()}, "
                 f"{emb}")
 
     def awq_scales(self, tensors: dict, cfg: dict, where: str = "calibration artifact") -> Dict[int, Dict[str, object]]:
@@ -284,7 +287,10 @@ def _weights_section(w, bad) -> Optional[WeightsSection]:
     method = w.get("method")
     if method not in WEIGHT_METHODS:
         raise bad(f"'weights.method' {method!r} is not one of {', '.join(WEIGHT_METHODS)}")
-    return WeightsSection(bits, group, sym, method, eb, eg, w)
+    zp = w.get("zero_point", "int")
+    if zp not in ("int", "float") or (zp == "float" and (sym or bits != 4)):
+        raise bad(f"'weights.zero_point' {zp!r}: 'int', or 'float' for an asymmetric int4 grid")
+    return WeightsSection(bits, group, sym, method, eb, eg, w, zp)
 
 
 def weights_meta(bits: int, group: int, symmetric: bool, method: str, embedding_group: Optional[int],

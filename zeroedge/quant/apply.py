@@ -105,7 +105,8 @@ def apply(model, section, scales: Optional[dict] = None, quantize: bool = True) 
         if scales:
             fold_scales(model, scales)
         if quantize:
-            quantize_linears(model, Scheme(section.bits, section.group, section.symmetric))
+            quantize_linears(model, Scheme(section.bits, section.group, section.symmetric,
+                                                getattr(section, "zero_point", "int")))
             if section.embedding_bits:
                 quantize_embedding(model, section.embedding_group)
     setattr(model, MARK, section.describe() + ("" if quantize else " (scales folded only)"))
@@ -133,7 +134,7 @@ def weight_bytes(cfg, section=None, dtype_bytes: int = 2) -> dict:
     if section is None:
         linear = sum(k * n for k, n in shapes) * cfg.n_layers * dtype_bytes
     else:
-        sch = Scheme(section.bits, section.group, section.symmetric)
+        sch = Scheme(section.bits, section.group, section.symmetric, getattr(section, "zero_point", "int"))
         linear = sum(sch.nbytes(k, n) for k, n in shapes) * cfg.n_layers
     heads = 1 if cfg.tie_embeddings else 2
     if section is not None and section.embedding_bits:

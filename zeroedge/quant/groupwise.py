@@ -19,6 +19,27 @@ the identity and asserts these functions give the same weights bit for bit. Note
 SmolLM2's Q4_1 GGUF (blocks of 32 along K, w = d * q + m with a float minimum m): onnxruntime's zero
 point is an integer, so an asymmetric group-32 grid has the GGUF block's step but is shifted by
 frac(-m / d) steps; it does not reproduce Q4_1 exactly (benchmarks/weights.md measures by how much).
+
+Float zero point (Scheme(zero_point="float"), asymmetric, 4-bit): the Q4_1 grid, expressed in what
+MatMulNBits takes for a zero point of the scales' type T (contrib op spec: zero_points uint8-packed or
+T). Per block of `group` rows of K (the padding of a short last block is left out of its min / max):
+
+  s = fp16((max - min) / 15)           the step, fp16-representable (Q4_1 stores d in fp16);
+                                       a constant block: s = 1
+  m = fp16(min)                        the block's minimum, fp16-representable (Q4_1's m)
+  q = clamp(roundf((w - m) / s), 0, 15)
+  z = a float32 with fl(s * z) == -m   (the one nearest -m / s; when no float32 has that product,
+                                       which SmolLM2 never needs, the nearest: w then differs from
+                                       d * q + m by an ulp)
+  dequantized w = fl(q * s) - fl(s * z)   fp32, no fused multiply-add: onnxruntime's CPU kernel for
+                                       a float zero point (T = float) computes exactly this
+                                       (scale * q + (-scale * zp)); with fl(s * z) = -m it is
+                                       fl(fl(d * q) + m), a Q4_1 block dequantized the way llama.cpp /
+                                       gguf-py do, so a model born on that grid is reproduced bit for bit.
+
+tests/test_quant.py runs a one-node MatMulNBits with float zero points on the identity and asserts
+`dequantize_float` equals its output bit for bit, and that a synthetic Q4_1 weight comes back exactly.
+(T = float16: onnxruntime computes in fp32 and rounds the product to fp16; not what zeroedge ships.)
 """
 from __future__ import annotations
 
@@ -36,12 +57,18 @@ class Scheme:
     bits: int = 4
     group: int = 128
     symmetric: bool = False
+    zero_point: str = "int"     # asymmetric: "int" (MatMulNBitsQuantizer's uint zero point, 0.0 on the
+    #                             grid) or "float" (min/max grid with an fp16 minimum: Q4_1's form)
 
     def __post_init__(self):
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {self.bits}")
         if self.group < 16 or self.group & (self.group - 1):
             raise ValueError(f"group must be a power of two >= 16, got {self.group}")
+        if self.zero_point not in ("int", "float"):
+            raise ValueError(f"zero point must be 'int' or 'float', got {self.zero_point!r}")
+        if self.zero_point == "float" and self.symmetric:
+            raise ValueError("a float zero point is for an asymmetric grid")
 
     @property
     def qmax(self) -> int:
@@ -50,10 +77,13 @@ class Scheme:
     def nbytes(self, k: int, n: int, scale_bytes: int = 4) -> int:
         """Bytes of one [K, N] weight in MatMulNBits' layout: packed q [N, blocks, group*bits/8],
         scales [N, blocks] (fp32 by default: what the quantizer writes for an fp32 weight), zero
-        points packed per column (asymmetric only)."""
+        points packed per column (asymmetric only; a float zero point: scale_bytes per block)."""
         blocks = -(-k // self.group)
         data = n * blocks * self.group * self.bits // 8
-        zp = 0 if self.symmetric else n * (-(-blocks * self.bits // 8))
+        if self.zero_point == "float":
+            zp = n * blocks * scale_bytes
+        else:
+            zp = 0 if self.symmetric else n * (-(-blocks * self.bits // 8))
         return data + n * blocks * scale_bytes + zp
 
 
@@ -73,9 +103,58 @@ def _blocks(w: torch.Tensor, group: int) -> torch.Tensor:
     return wf.reshape(n, -1, group)
 
 
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to the nearest fp16 value, kept in fp32 (saturating at fp16's largest finite)."""
+    return x.clamp(-65504.0, 65504.0).half().float()
+
+
+def _product_zero_point(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """A float32 z per block with fl(s * z) == -m where one exists near -m / s (else -m / s)."""
+    z0 = -m / s
+    best = z0.clone()
+    found = (s * z0) == -m
+    up, down = z0.clone(), z0.clone()
+    for _ in range(4):                                  # a few ulps either side
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        for c in (up, down):
+            ok = ~found & ((s * c) == -m)
+            best = torch.where(ok, c, best)
+            found = found | ok
+    return best
+
+
+def quantize_float(w: torch.Tensor, scheme: Scheme):
+    """Float zero point (module docstring): nn.Linear weight [N, K] -> (q uint8 [N, blocks, group],
+    scale fp32 [N, blocks] (fp16 values), zero point fp32 [N, blocks], minimum fp32 [N, blocks]
+    (fp16 values))."""
+    n, k = w.shape
+    g = scheme.group
+    wf = w.detach().float()
+    pad = (-k) % g
+    if pad:                                             # repeat the last column: min / max unchanged
+        wf = torch.cat([wf, wf[:, -1:].expand(n, pad)], 1)
+    b = wf.reshape(n, -1, g)
+    lo, hi = b.amin(-1), b.amax(-1)
+    s = _fp16((hi - lo) / float(scheme.qmax))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    m = _fp16(lo)
+    q = roundf((b - m[..., None]) / s[..., None]).clamp(0, scheme.qmax)
+    return q.to(torch.uint8), s, _product_zero_point(s, m), m
+
+
+def dequantize_float(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, k: int) -> torch.Tensor:
+    """onnxruntime MatMulNBits with a float zero point (T = float): fl(q * s) - fl(s * z), fp32."""
+    w = q.float() * scale[..., None] - (scale * zp)[..., None]
+    return w.reshape(w.shape[0], -1)[:, :k]
+
+
 def quantize(w: torch.Tensor, scheme: Scheme):
     """nn.Linear weight [N, K] (out, in) -> (q uint8 [N, blocks, group], scale fp32 [N, blocks],
-    zero point uint8 [N, blocks]); q and zero points unpacked (one value a byte)."""
+    zero point uint8 [N, blocks]); q and zero points unpacked (one value a byte). A float zero point:
+    `quantize_float`."""
+    if scheme.zero_point == "float":
+        raise ValueError("a float zero point: quantize_float")
     b = _blocks(w, scheme.group)
     if scheme.symmetric:
         hi, lo = b.amax(-1), b.amin(-1)
@@ -101,4 +180,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, k: int) -
 
 def fake_quantize(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     """The weight MatMulNBits computes with, in w's dtype and shape."""
+    if scheme.zero_point == "float":
+        q, s, z, _ = quantize_float(w, scheme)
+        return dequantize_float(q, s, z, w.shape[1]).to(w.dtype)
     return dequantize(*quantize(w, scheme), w.shape[1]).to(w.dtype)

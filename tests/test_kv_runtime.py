@@ -289,6 +289,7 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
 
 
 @pytest.mark.parametrize("opts", [dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4),
+                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, budget=0.1875),
                                   dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3),
                                   dict(cold="int4", fetch=2, refresh_every=1, rank=8, bits=4),
                                   dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2)])
@@ -302,7 +303,8 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     from zeroedge.runtime.fast import ThermalDecoder
 
     tiny = M.build("tiny", seed=0).double()
-    P, T, ps, budget = 256, 48, 16, 0.375
+    opts = dict(opts)
+    P, T, ps, budget = 256, 48, 16, opts.pop("budget", 0.375)   # 0.1875: a window of the fixed pages + 1 slot
     ids = ids_(P + T, 7)
     o = dict(E.DEFAULTS, **opts)
     # the int8 cold store: the prefill itself writes int8 K/V (serving: into the decoder's cold store)

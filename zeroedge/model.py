@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# SDPA shares kv heads among query heads (enable_gqa) from torch 2.5; before, K/V are expanded
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -197,7 +200,7 @@ class Attention(nn.Module):
         kv_index = self.kept_heads // group
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start, k, v, q, kv_index)
-        if h == self.cfg.n_heads and not self.record_probs:
+        if h == self.cfg.n_heads and not self.record_probs and SDPA_GQA:
             # every head kept: each kv head serves its query group without a copy of the past per query
             # head. A chunk over a cache (mask: a lower-right causal bias) runs one SDPA per position in
             # the group (query heads g, g + group, ... pair one to one with the kv heads), as the

@@ -3,8 +3,8 @@ with an FFN strategy): per layer and kv head the device keeps one contiguous win
 recent window | generated tokens | `slots` pages], the low-rank quantized key sketch of every prefix
 page and its bases (settings: zeroedge.kv.policy.THERMAL, shared with the evaluation contract); every prefix page also lives in the cold store (host memory, pinned and mapped on a
 discrete GPU; with cold="int8" / "int4", codes with one fp16 scale per 32 values kept in device
-memory, which on a Jetson is the same DRAM: the cold store then takes about a half / a quarter of the
-bytes instead of all of them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
+memory (one scale per head_dim when it is not a multiple of 32), which on a Jetson is the same DRAM:
+the cold store then takes about a half / a quarter of the bytes instead of all of them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
 Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
 out while the new one scores higher), copying them straight from host memory into the window in the
 same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
@@ -114,6 +114,9 @@ class ThermalAttention:
             raise ValueError(f"sketch bits must be 1..4 (codes are stored two a byte), got {bits}")
         if cold not in self.COLD:
             raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
+        if sink_pages + recent_pages + 1 > prefix_len // page_size:
+            raise ValueError(f"a prefix of {prefix_len // page_size} pages cannot hold {sink_pages} sink + "
+                             f"{recent_pages} recent pages and a slot")
         self.cold = cold
         self.cold_filled = False
         # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
@@ -137,7 +140,7 @@ class ThermalAttention:
         self.fixed, self.slots = window_pages(self.P, self.budget, self.settings)
         self.fetch = min(self.fetch_wanted, self.slots)
         pin = device.type == "cuda"
-        # cold store: every prefix page, in host memory at full precision, or int8 on the device
+        # cold store: every prefix page, in host memory at full precision, or int8 / int4 on the device
         if self.cold != "host":
             self.cold_bits = COLD_BITS[self.cold]
             self.group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
@@ -209,8 +212,8 @@ class ThermalAttention:
         self.wpos[:nf] = fix_idx
         first = torch.arange(self.n - self.recent_pages - self.slots, self.n - self.recent_pages,
                              device=dev).clamp_min(self.sink_pages)
-        for li, (k, v) in enumerate(zip(ks, vs)):
-            kd, vd = k.to(dev), v.to(dev)
+        for li in range(self.L):                # one layer's K/V alive at a time (a compressed prefill's
+            kd, vd = ks[li].to(dev), vs[li].to(dev)  # are dequantized when read)
             kd, vd = kd.view(self.nkv, n, ps, self.hd), vd.view(self.nkv, n, ps, self.hd)
             # the cold store already holds the prefix when the prefill wrote it (prefill_caches): ks
             # and vs are then its dequantized pages
@@ -228,6 +231,7 @@ class ThermalAttention:
             # slot pages always hold what a fetch from the cold store would bring (int8: dequantized)
             self.wk[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(pk[:, first])
             self.wv[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(pv[:, first])
+            del kd, vd, pk, pv, codes
         self.wpos[self.fix_len:] = 0                    # slot tokens are prefix positions: valid
         if dev.type == "cuda" and self.cold == "host":
             self.hk, self.hv = host_mapped(self.cold_k), host_mapped(self.cold_v)

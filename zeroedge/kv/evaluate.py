@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 
 from zeroedge.errors import UserError
-from zeroedge.kv.policy import COLD_BITS, COLD_GROUP, THERMAL
+from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, THERMAL, ThermalSettings, thermal_device_bytes,
+                                window_pages)
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
 
@@ -306,6 +307,9 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
         raise ValueError(f"unknown method {method}")
     n_pages, grp = P // page_size, cfg.n_heads // cfg.n_kv_heads
     kpages = max(1, B // page_size)
+    if method == "thermal":             # the serving decoder's window: its fixed pages and slots
+        fixed, slots = window_pages(P, budget, _settings(opts, page_size))
+        kpages = fixed + slots
     forced = torch.zeros(n_pages, dtype=torch.bool)
     if method == "thermal":
         forced[: opts.get("sink_pages", THERMAL.sink_pages)] = True
@@ -347,6 +351,12 @@ def quant_prefill(model, ids, cold: str = "int8") -> dict:
     with torch.no_grad():
         logits = model.lm_head(last)
     return {"k": list(ks), "v": list(vs), "qcov": qcov, "last_logits": logits}
+
+
+def _settings(opts, page_size: int) -> ThermalSettings:
+    """The serving decoder's settings for these options (kv.policy.THERMAL where they are silent)."""
+    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every")
+    return ThermalSettings(page_size, **{k: int(opts.get(k, getattr(THERMAL, k))) for k in names})
 
 
 def cold_readback(pre, li, page_size, opts):
@@ -459,12 +469,14 @@ def kv_bytes(model, tokens: int) -> int:
 
 def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int = 1024,
              **opts) -> dict:
-    """Prefill ids[:N-continuation] with full attention, then score the last `continuation`
-    tokens teacher-forced twice: with the full prefix KV and with thermal KV at hot fraction
-    `budget` of the prefix (the continuation's own tokens stay hot). Returns full_kv_ppl,
-    thermal_ppl, hot_kv_bytes (peak prefix KV on device while scoring: hot window of pinned +
-    slot pages, into which retrieved pages are fetched, plus the key summaries), full_kv_bytes
-    and details. Raises UserError for bad arguments before any work."""
+    """Prefill ids[:N-continuation], then score the last `continuation` tokens teacher-forced
+    twice: with the full prefix KV (exact prefill) and with thermal KV at hot fraction `budget` of
+    the prefix, as the serving decoder runs it (its prefill into a compressed cold store, its
+    window, sketch and swaps; the continuation's own tokens stay hot). Returns full_kv_ppl,
+    thermal_ppl, hot_kv_bytes (the window's prefix pages, into which retrieved pages are fetched,
+    plus the key summaries), cold_on_device_bytes (a compressed cold store: on a Jetson's one
+    DRAM), device_kv_bytes (their sum with the page table), full_kv_bytes and details, every byte
+    count from kv.policy.thermal_device_bytes. Raises UserError for bad arguments before any work."""
     import time
 
     ids = list(ids)
@@ -475,8 +487,12 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     o = dict(DEFAULTS, **{k: v for k, v in opts.items() if k in DEFAULTS})
     if "rank" not in opts and model is not None:
         o["rank"] = min(o["rank"], model.cfg.head_dim)      # small heads: full-rank sketch
-    if o["bits"] not in (1, 2, 3, 4) or not 1 <= int(o["rank"]) <= model.cfg.head_dim:
-        raise UserError(f"sketch rank must be 1..{model.cfg.head_dim} and bits one of 1, 2, 3, 4")
+    if o["bits"] not in (1, 2, 3, 4) or not 2 <= int(o["rank"]) <= model.cfg.head_dim or int(o["rank"]) % 2:
+        raise UserError(f"sketch rank must be even, 2..{model.cfg.head_dim}, and bits one of 1, 2, 3, 4 "
+                        "(the decoder stores two codes a byte)")
+    if o["sink_pages"] + o["recent_pages"] + 1 > P // page_size:
+        raise UserError(f"a prefix of {P // page_size} pages cannot hold {o['sink_pages']} sink + "
+                        f"{o['recent_pages']} recent pages and a slot")
     if o["cold"] not in ("host", *COLD_BITS):
         raise UserError(f"cold store must be host, int8 or int4, got {o['cold']!r}")
     if model.training:
@@ -489,27 +505,28 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     pre_th = quant_prefill(model, ids[:P], o["cold"]) if o["cold"] != "host" else pre
     nll_th = score_continuation(model, cont, pre_th, "thermal", float(budget), page_size, opts=o,
                                 stats=st)
-    n_pages = P // page_size
-    pages = max(max(1, _budget_tokens(P, float(budget)) // page_size),
-                o["sink_pages"] + o["recent_pages"])
-    pages = min(pages, n_pages)
     cfg = model.cfg
-    hot = kv_bytes(model, pages * page_size)
-    full = kv_bytes(model, P)
+    fixed, slots = window_pages(P, float(budget), _settings(o, page_size))
+    kb = thermal_device_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, P, 0,
+                              next(model.parameters()).element_size(), float(budget), _settings(o, page_size),
+                              o["cold"])
     out = {
         "full_kv_ppl": math.exp(nll_full.mean().item()),
         "thermal_ppl": math.exp(nll_th.mean().item()),
-        "hot_kv_bytes": hot + st.get("summary_bytes", 0),
-        "full_kv_bytes": full,
-        "hot_page_bytes": hot,
-        "summary_bytes": st.get("summary_bytes", 0),
-        "page_table_bytes": 8 * cfg.n_layers * cfg.n_kv_heads * n_pages,
+        "hot_kv_bytes": kb["hot"] + kb["summaries"],
+        "full_kv_bytes": kb["prefix_full"],
+        "hot_page_bytes": kb["hot"],
+        "summary_bytes": kb["summaries"],
+        "page_table_bytes": kb["page_table"],
+        "cold_store": o["cold"],
+        "cold_on_device_bytes": kb["cold_on_device"],
+        "device_kv_bytes": kb["hot"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"],
         "budget": float(budget), "page_size": page_size, "prefix_tokens": P,
-        "scored_tokens": len(cont), "hot_pages_per_head": pages, "options": o,
+        "scored_tokens": len(cont), "hot_pages_per_head": fixed + slots, "options": o,
     }
     out["ppl_rise"] = out["thermal_ppl"] / out["full_kv_ppl"] - 1
-    out["hot_fraction"] = out["hot_kv_bytes"] / full
+    out["hot_fraction"] = out["hot_kv_bytes"] / kb["prefix_full"]
     if opts.get("with_traffic", True) and st.get("chosen"):
-        out.update(fetch_stats(st["chosen"], pages - o["sink_pages"] - o["recent_pages"]))
+        out.update(fetch_stats(st["chosen"], slots))
     out["seconds"] = time.perf_counter() - t0
     return out

@@ -34,12 +34,15 @@ def quantize(x: torch.Tensor, bits: int = 8, group: int = 32):
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, group: int = 32,
                dtype=torch.float16):
-    if bits == 4:
-        lo = (q & 0xF).to(torch.int8) - 8
-        hi = (q >> 4).to(torch.int8) - 8
-        q = torch.stack([lo, hi], -1).flatten(-2)
-    *lead, d = q.shape
-    g = q.float().reshape(*lead, d // group, group)
+    if bits == 4:                                     # unpack straight into the fp32 buffer
+        g = torch.empty(*q.shape[:-1], q.shape[-1], 2, dtype=torch.float32, device=q.device)
+        g[..., 0] = q & 0xF
+        g[..., 1] = q >> 4
+        g = g.flatten(-2).sub_(8)
+    else:
+        g = q.float()
+    *lead, d = g.shape
+    g = g.reshape(*lead, d // group, group)
     g.mul_(scale.float()[..., None])                  # in place: one fp32 copy, not two
     return g.reshape(*lead, d).to(dtype)
 

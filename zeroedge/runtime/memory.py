@@ -26,7 +26,7 @@ from typing import Optional
 from zeroedge.kv.policy import SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes
 
 
-HEADROOM = 0.2   # the forecast falls 3-12 % short of the H200's measured peaks (8K-64K), more with the context: a cap admits forecast x 1.2
+HEADROOM = 0.1   # the forecast falls 2-6 % short of the H200's measured peaks (32K-64K): a cap admits forecast x 1.1
 
 
 def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:

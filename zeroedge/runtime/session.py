@@ -42,11 +42,11 @@ from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
 
 MIN_THERMAL_TOKENS = 32
+BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass
@@ -204,13 +204,13 @@ class ServingSession:
         return self.thermal_opts.get("cold") or ("int8" if plan_tiers(memory_kind(device)).cold_compressed
                                                  else "host")
 
-    def _fit_memory(self, T: int, max_new: int, thermal: bool, mech: dict):
+    def _fit_memory(self, T: int, max_new: int, temperature: float, thermal: bool, mech: dict):
         """Under a device memory cap: the request's forecast (zeroedge.runtime.memory) with the KV the
         gates chose must fit. Dense KV that does not fit is replaced by thermal KV (the session's
         budget, else 10 %) when the thermal gate allows it; a thermal request whose int8 cold store
         does not fit gets the int4 one (unless the session's options name the cold store);
-        otherwise a UserError names the forecasts. Returns (thermal or not, the hot fraction, the
-        cold store)."""
+        a thermal request that fits no cold store runs dense if dense fits; otherwise a UserError
+        names the forecasts. Returns (thermal or not, the hot fraction, the cold store)."""
         from zeroedge.runtime.memory import HEADROOM, request_bytes
 
         m = self.model
@@ -226,12 +226,19 @@ class ServingSession:
         cap = self.device_memory
         fits = [c for c in colds if therm[c] <= cap]
         mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
-                                 "thermal_budget": budget, "cold_store": fits[0] if thermal and fits else cold}
+                                 "thermal_budget": budget, "cold_store": cold}
         if len(colds) > 1:
             mech["device_memory"]["thermal_int4_forecast"] = therm["int4"]
         if not thermal and dense <= cap:
             return False, budget, cold
-        allowed = thermal or (self.thermal_gate.allows(T + max_new) and (T - 1) // self.page_size >= 4)
+        s = self._settings()
+        allowed = thermal or (self.thermal_gate.allows(T + max_new, temperature)
+                              and (T - 1) // self.page_size > s.sink_pages + s.recent_pages)
+        if thermal and not fits and dense <= cap:
+            mech.update(thermal_kv=False, thermal_kv_reason=(
+                f"thermal KV at {budget:.0%} hot needs {_gib(min(therm.values()))}, over the {_gib(cap)} device "
+                f"memory cap; dense KV fits ({_gib(dense)})"))
+            return False, budget, cold
         if allowed and fits:
             mech["device_memory"]["cold_store"] = fits[0]
             if not thermal:
@@ -393,15 +400,17 @@ class ServingSession:
             raise UserError(f"{T} prompt + {max_new} new tokens exceed the model's context "
                             f"({m.cfg.max_seq_len})")
         thermal = mech["thermal_kv"]
-        # the prompt is prefilled dense up to its last whole page; the rest of it runs through the
-        # decode loop (with the decode mechanisms), whichever mechanisms the gates chose
+        # the prompt is prefilled up to its last whole page (exact, or into a compressed cold store);
+        # the rest of it runs through the decode loop (with the decode mechanisms)
         P = ((T - 1) // ps) * ps
-        if thermal and P // ps < 4:
-            mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under 4 pages of {ps}")
+        st = self._settings()
+        least = st.sink_pages + st.recent_pages + 1        # the window's fixed pages and a slot
+        if thermal and P // ps < least:
+            mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under {least} pages of {ps}")
             thermal = False
         budget, cold = self.kv_budget, None
         if self.device_memory is not None:
-            thermal, budget, cold = self._fit_memory(T, max_new, thermal, mech)
+            thermal, budget, cold = self._fit_memory(T, max_new, temperature, thermal, mech)
         t0 = time.perf_counter()
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         dev = next(m.parameters()).device

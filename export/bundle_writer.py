@@ -135,11 +135,12 @@ def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_
         sec = calib_artifact.Calibration.from_meta(meta, str(calib)).weights
         if weights not in ("int4", "float16"):
             raise UserError(f"{calib} quantizes the weights ({sec.describe()}); --weights {weights} contradicts it")
-        for what, mine, theirs in (("--group", group, sec.group), ("--symmetric", symmetric, sec.symmetric)):
+        for what, mine, theirs in (("--group", group, sec.group), ("--symmetric", symmetric, sec.symmetric),
+                                   ("--zero-point", zero_point, sec.zero_point)):
             if mine is not None and mine != theirs:
                 raise UserError(f"{what} {mine} contradicts {calib} ({sec.describe()})")
         return Scheme(sec.bits, sec.group, sec.symmetric, sec.method, accuracy_level,
-                      sec.embedding_bits, sec.embedding_group, zero_point or "int").check()
+                      sec.embedding_bits, sec.embedding_group, sec.zero_point).check()
     if weights != "int4":
         if group is not None or symmetric or zero_point:
             raise UserError("--group / --symmetric / --zero-point apply to --weights int4 only")

@@ -68,6 +68,12 @@ class Scheme:
         d = asdict(self)
         d["format"] = {"portable": "MatMulNBits (com.microsoft)",
                        "trt": f"DequantizeLinear INT4 block_size {self.group} (opset {TRT_OPSET})"}
+        if self.zero_point == "float":      # the same weights in both flavours: (q - 8) * s + s * (8 - z)
+            side = " + (x @ E) @ C: the float zero point's offset s * (8 - z) per group (C fp16-stored)"
+            d["format"] = {"portable": "MatMulNBits (com.microsoft), no zero point" + side,
+                           "trt": d["format"]["trt"] + side,
+                           "grid": "per group: s = fp16((max - min) / 15), m = fp16(min), q = roundf((w - m) / s), "
+                                   "w = m + q * s (zeroedge.quant.groupwise.quantize_float)"}
         if self.embedding_bits:
             d["format"]["embedding"] = {
                 "portable": f"uint8 [V, D]: GatherBlockQuantized + 8-bit MatMulNBits (accuracy_level {LM_HEAD_ACCURACY})",
@@ -199,24 +205,22 @@ def quantize_portable(model, scheme: Scheme):
 
 def minmax_float_zp(w, group: int):
     """W [K, N] -> (blob [N, K/g, g/2] uint8, scales [N, K/g], zero points [N, K/g] float32) on the
-    min/max grid of each block: s = (max - min) / 15, z = -min / s, q = round((w - min) / s), so that
-    (q - z) * s = min + q * s: a Q4_1 block (w = d * q + m, its min and max on the grid) exactly."""
+    min/max grid of each block, zeroedge.quant.groupwise.quantize_float (the codes and grid `zeroedge
+    eval` fake-quantizes with): s = fp16((max - min) / 15), m = fp16(min), q = roundf((w - m) / s),
+    z with s * z = -m, so that q * s - s * z = m + q * s: a Q4_1 block (w = d * q + m, its min and max
+    on the grid) exactly, up to an ulp of m where no float32 z has that product."""
     import numpy as np
+    import torch
+
+    from zeroedge.quant.groupwise import Scheme as QScheme, quantize_float
 
     K, N = w.shape
-    kb = -(-K // group)
-    wt = np.full((N, kb * group), np.nan, np.float32)
-    wt[:, :K] = w.T
-    b = wt.reshape(N, kb, group)
-    lo, hi = np.nanmin(b, -1), np.nanmax(b, -1)
-    s = (hi - lo) / 15.0
-    flat = s == 0                                           # a constant block: q = 0, (0 - z) * 1 = lo
-    s = np.where(flat, 1.0, s).astype(np.float32)
-    z = (-lo / s).astype(np.float32)
-    q = np.clip(np.rint((b - lo[..., None]) / s[..., None]), 0, 15)
-    q = np.where(np.isnan(q), 0, q).astype(np.uint8).reshape(N, -1)
+    q, s, z, _ = quantize_float(torch.from_numpy(np.ascontiguousarray(w.T, np.float32)),
+                                QScheme(4, group, zero_point="float"))
+    q = q.numpy().reshape(N, -1)
+    kb = q.shape[1] // group
     blob = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(N, kb, group // 2)
-    return blob, s, z
+    return blob, s.numpy(), z.numpy()
 
 
 def _offset_nodes(x: str, y_sym: str, y: str, K: int, N: int, bs: int, s, z, base: str, extra: dict) -> tuple:

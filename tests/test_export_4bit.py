@@ -167,8 +167,8 @@ def test_float_zero_point_reproduces_a_q4_1_block_exactly():
     K, N, g = 96, 8, 32
     q = rng.integers(0, 16, size=(N, K // g, g))
     q[..., 0], q[..., 1] = 0, 15
-    d = rng.uniform(0.01, 0.05, size=(N, K // g, 1)).astype(np.float32)
-    m = rng.uniform(-0.4, -0.1, size=(N, K // g, 1)).astype(np.float32)
+    d = rng.uniform(0.01, 0.05, size=(N, K // g, 1)).astype(np.float16).astype(np.float32)   # Q4_1: fp16 d, m
+    m = rng.uniform(-0.4, -0.1, size=(N, K // g, 1)).astype(np.float16).astype(np.float32)
     w = (d * q + m).reshape(N, K).T.astype(np.float32)                          # [K, N]
 
     def deq(blob, s, z):
@@ -211,6 +211,48 @@ def test_4bit_logits_match_the_dequantized_model_and_differ_from_fp32(b4, name):
     assert np.abs(q[0] - ref).max() <= 2e-3 * scale           # fp16-stored scales: ~1e-3 relative
     err = np.abs(q[0] - fp[0]).max() / np.abs(fp[0]).max()
     assert 1e-4 < err < 0.5, err                               # really 4-bit, still the same model
+
+
+def test_float_zero_point_bundle_is_what_eval_fake_quantizes(b4):
+    """The float-zero-point bundle holds zeroedge.quant's codes and scales (quantize_float: the ones
+    `zeroedge eval` fake-quantizes with), the scales losslessly in fp16 (they are fp16 values), and
+    its logits are those of the torch model quantized by zeroedge.quant.apply (float zero point,
+    int8 embedding), up to the fp16-stored offsets."""
+    from onnx import helper, numpy_helper
+
+    from zeroedge.model import build
+    from zeroedge.quant import apply as qa
+    from zeroedge.quant.groupwise import Scheme, quantize_float
+
+    mf = json.loads((b4 / "float32" / "manifest.json").read_text())["weights"]["quantization"]
+    sch = Scheme(4, mf["group"], zero_point="float")
+    model = build("tiny", seed=0).float().eval()
+    g = onnx.load(str(b4 / "float32" / "prefill.portable.onnx")).graph
+    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    cast = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Cast"}
+    nodes = [n for n in g.node if n.op_type == "MatMulNBits" and helper.get_attribute_value(n.attribute[
+        [a.name for a in n.attribute].index("bits")]) == 4]
+    weights = [blk.get_submodule(name).weight.data for blk in model.layers for name in qa.LINEARS]
+    assert len(nodes) == len(weights)
+    for n, w in zip(nodes, weights):
+        q, s, z, m = quantize_float(w, sch)
+        N = w.shape[0]
+        blob = inits[n.input[1]].reshape(N, -1)
+        u = np.stack([blob & 15, blob >> 4], -1).reshape(N, -1)
+        assert np.array_equal(u, q.numpy().reshape(N, -1)), n.name
+        stored = inits[cast.get(n.input[2], n.input[2])]
+        assert np.array_equal(stored.astype(np.float32).reshape(N, -1), s.numpy()), n.name
+    _exact_head(b4 / "float32")
+    tokens = torch.arange(3, 15)[None]
+    got = _logits(b4 / "float32", "exact", tokens.numpy())[0]
+    with torch.no_grad():
+        qa.quantize_linears(model, sch)
+        qa.quantize_embedding(model, mf["embedding"]["group"])
+        ref = model(tokens)[0, -1].numpy()
+        fp = build("tiny", seed=0).float().eval()(tokens)[0, -1].numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 2e-3 * scale
+    assert np.abs(fp - ref).max() > 10 * np.abs(got - ref).max()    # the match is not the fp model's
 
 
 def test_trt_graphs_build_with_tensorrt_rtx(rtx, plugin_lib, b4):

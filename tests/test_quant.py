@@ -249,10 +249,15 @@ def test_weights_section_bad_input_is_a_user_error():
     good = calib_artifact.weights_meta(4, 128, False, "awq", None)
     for patch, msg in [({"bits": 3}, "unsupported"), ({"group": 100}, "unsupported"), ({"method": "gptq"}, "method"),
                        ({"symmetric": "yes"}, "true or false"), ({"version": 9}, "re-run"),
-                       ({"embedding": {"bits": 4, "group": 32}}, "embedding")]:
+                       ({"embedding": {"bits": 4, "group": 32}}, "embedding"),
+                       ({"zero_point": "half"}, "zero_point"), ({"zero_point": "float", "symmetric": True}, "zero_point"),
+                       ({"zero_point": "float", "bits": 8}, "zero_point")]:
         with pytest.raises(UserError, match=msg):
             calib_artifact.weights_section({**good, **patch})
+    assert calib_artifact.weights_section({**good, "zero_point": "float"}).zero_point == "float"
+    assert "float-zp" in calib_artifact.weights_section({**good, "zero_point": "float"}).describe()
     sec = calib_artifact.weights_section(good)
+    assert sec.zero_point == "int"                              # an older artifact: the integer zero point
     cfg = _tiny().cfg.to_dict()
     scales = {f"layers.{i}.awq.{k}": t for i, d in _random_scales(_tiny(), 0).items() for k, t in d.items()}
     assert len(sec.awq_scales(scales, cfg)) == cfg["n_layers"]

@@ -26,6 +26,7 @@ from zeroedge.kv.pages import Tier
 
 log = logging.getLogger("zeroedge.kv")
 
+
 @dataclass(frozen=True)
 class ThermalSettings:
     """The thermal KV policy and sketch: one set of defaults for the serving decoder
@@ -84,8 +85,10 @@ def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: in
             "generated": kv * gen_len * element,
             "summaries": L * nkv * sketch_nbytes(prefix_len, ps, min(s.rank, hd), hd),
             "page_table": 8 * L * nkv * n,
-            "cold_on_device": (kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2) if cold in COLD_BITS else 0,
+            "cold_on_device": ((kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2)
+                               if cold in COLD_BITS else 0),
             "prefix_full": kv * prefix_len * element}
+
 
 LEVELS = {0: "off", 1: "requests < 512 tokens", 2: "requests < 4096 tokens, temperature 0",
           3: "all requests"}

@@ -1,6 +1,6 @@
 """The thermal decoder's Triton kernels (zeroedge/kv/kernels.py) run in Triton's CPU
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
-shares, and the two-stage page swap against the reference's decisions, from a full-precision, an
+shares, and the one-program and two-stage page swaps against the reference's decisions, from a full-precision, an
 int8 and an int4 cold store (dequantized by the copy). scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
 checks run on the GPU in benchmarks/gpu/thermal_kv_gpu.py (check_swap_kernel)."""
@@ -71,6 +71,12 @@ SCRIPT = textwrap.dedent('''
             assert int((ref[1] != sp).sum()) > 0                   # something moved
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
+            one = [t.clone() for t in (ps0, sp, wk, wv)]          # the one-program kernel decides the same
+            swk[0][(nkv,)](pl, bias, one[0], one[1], one[2], one[3], ck, cv, *(scales or (ck, cv)), n, S,
+                           one[2].stride(0), GRP=grp, NP=1 << max(0, (n - 1).bit_length()), F=F, FP=FP, PE=PE,
+                           PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1, QUANT=bits)
+            assert all(torch.equal(a, b) for a, b in zip(ref[:2], one[:2]))
+            assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], one[2:]))
             if scales:   # the fetched pages are the cold pages, dequantized: within int8 / int4 rounding
                 moved = ref[1] != sp
                 qmax = 2 ** (bits - 1) - 1

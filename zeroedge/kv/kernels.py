@@ -206,9 +206,22 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 
 def _build_swap():
-    global copy_pages  # Triton looks a jit function's callees up in its module's globals
+    global copy_pages, commit_swap  # Triton looks a jit function's callees up in its module's globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def commit_swap(i, bm, wr, vm, vr, h, n, S, pslot_ptr, spage_ptr, fi, src, dst):
+        """The i-th greedy decision of a kv head: when the best missing page bm outscores the worst
+        resident wr, bm takes wr's slot in the page tables and (src, dst)[i] records the copy."""
+        if vm > vr:
+            s = tl.load(pslot_ptr + h * n + wr)
+            tl.store(pslot_ptr + h * n + wr, -1)
+            tl.store(pslot_ptr + h * n + bm, s)
+            tl.store(spage_ptr + h * S + s, bm)
+            src = tl.where(fi == i, bm, src)
+            dst = tl.where(fi == i, s, dst)
+        return src, dst
 
     @triton.jit
     def copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE: tl.constexpr,
@@ -263,13 +276,7 @@ def _build_swap():
             vr = tl.min(rs, 0)
             ms = tl.where(offs == bm, float("-inf"), ms)
             rs = tl.where(offs == wr, float("inf"), rs)
-            if vm > vr:
-                s = tl.sum(tl.where(offs == wr, slot, 0), 0)
-                tl.store(pslot_ptr + h * n + wr, -1)
-                tl.store(pslot_ptr + h * n + bm, s)
-                tl.store(spage_ptr + h * S + s, bm)
-                src = tl.where(fi == i, bm, src)
-                dst = tl.where(fi == i, s, dst)
+            src, dst = commit_swap(i, bm, wr, vm, vr, h, n, S, pslot_ptr, spage_ptr, fi, src, dst)
         copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
@@ -342,13 +349,7 @@ def _build_swap():
             wr = tl.sum(tl.where(offs == b, ri, 0), 0)
             ms = tl.where(offs == a, float("-inf"), ms)
             rs = tl.where(offs == b, float("inf"), rs)
-            if vm > vr:
-                s = tl.load(pslot_ptr + h * n + wr)
-                tl.store(pslot_ptr + h * n + wr, -1)
-                tl.store(pslot_ptr + h * n + bm, s)
-                tl.store(spage_ptr + h * S + s, bm)
-                src = tl.where(fi == i, bm, src)
-                dst = tl.where(fi == i, s, dst)
+            src, dst = commit_swap(i, bm, wr, vm, vr, h, n, S, pslot_ptr, spage_ptr, fi, src, dst)
         copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     return k, sel, dec

@@ -234,14 +234,22 @@ class Calibration:
         return self.paths
 
 
+def _section(d, name: str, fmt: str, version, bad) -> bool:
+    """Whether the artifact has section `name` (absent or empty: False); one that is not an object
+    or of another format / version is refused."""
+    if not d:
+        return False
+    if not isinstance(d, dict):
+        raise bad(f"artifact '{name}' section is not an object")
+    if d.get("format", fmt) != fmt or d.get("version", version) != version:
+        raise bad(f"'{name}' section format {d.get('format')} v{d.get('version')} is not {fmt} v{version}; "
+                  f"re-run zeroedge calibrate --{name}")
+    return True
+
+
 def _paths_section(p, n_layers, bad) -> Optional[PathsSection]:
-    if not p:
+    if not _section(p, "paths", PATHS_FORMAT, PATHS_VERSION, bad):
         return None
-    if not isinstance(p, dict):
-        raise bad("artifact 'paths' section is not an object")
-    if p.get("format", PATHS_FORMAT) != PATHS_FORMAT or p.get("version", PATHS_VERSION) != PATHS_VERSION:
-        raise bad(f"'paths' section format {p.get('format')} v{p.get('version')} is not "
-                  f"{PATHS_FORMAT} v{PATHS_VERSION}; re-run zeroedge calibrate --paths")
     layers = p.get("layers")
     n = n_layers if n_layers is not None else (len(layers) if isinstance(layers, list) else None)
     if not isinstance(layers, list) or len(layers) != n:
@@ -262,13 +270,8 @@ def _paths_section(p, n_layers, bad) -> Optional[PathsSection]:
 
 
 def _weights_section(w, bad) -> Optional[WeightsSection]:
-    if not w:
+    if not _section(w, "weights", WEIGHTS_FORMAT, WEIGHTS_VERSION, bad):
         return None
-    if not isinstance(w, dict):
-        raise bad("artifact 'weights' section is not an object")
-    if w.get("format", WEIGHTS_FORMAT) != WEIGHTS_FORMAT or w.get("version", WEIGHTS_VERSION) != WEIGHTS_VERSION:
-        raise bad(f"'weights' section format {w.get('format')} v{w.get('version')} is not "
-                  f"{WEIGHTS_FORMAT} v{WEIGHTS_VERSION}; re-run zeroedge calibrate --weights")
     if w.get("layout", WEIGHTS_LAYOUT) != WEIGHTS_LAYOUT:
         raise bad(f"'weights' layout {w.get('layout')!r} is not {WEIGHTS_LAYOUT!r}")
     emb = w.get("embedding")

@@ -33,6 +33,10 @@ def test_bad_input_is_a_user_error_before_any_work(budget, page, cont, n, msg):
 def test_unknown_option_and_training_mode_are_refused(tiny):
     with pytest.raises(UserError, match="unknown thermal KV option"):
         E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, colour="red")
+    for opts, msg in ((dict(rank=7), "even"), (dict(bits=8), "bits one of"), (dict(cold="int2"), "host, int8 or int4"),
+                      (dict(recent_pages=7), "cannot hold")):      # what the serving decoder cannot run
+        with pytest.raises(UserError, match=msg):
+            E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, **opts)
     tiny.train()
     try:
         with pytest.raises(ValueError, match="inference-only"):

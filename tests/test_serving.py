@@ -431,6 +431,11 @@ def test_a_device_memory_cap_admits_serves_thermal_or_refuses():
         ServingSession(m, device_memory=(dense + thermal) // 2, release_level=0).generate(ids, new)
     with pytest.raises(UserError, match="weights .* do not fit"):
         ServingSession(m, device_memory=1 << 20)
+    # a thermal request (budget 0.9: its window alone is nearly dense) that fits no cold store runs dense
+    big = int(request_bytes(cfg, 4, T, new, 0.9, cold="int4", cold_shares_memory=True)["peak"] * (1 + HEADROOM))
+    assert big > dense
+    r = ServingSession(m, kv_budget=0.9, device_memory=dense + 1).generate(ids, new)
+    assert not r.mechanisms["thermal_kv"] and "dense KV fits" in r.mechanisms["thermal_kv_reason"]
 
 
 def test_run_takes_a_memory_cap_or_a_board(tmp_path):
@@ -439,7 +444,9 @@ def test_run_takes_a_memory_cap_or_a_board(tmp_path):
     assert json.loads(out.stdout.splitlines()[-1])["mechanisms"]["device_memory"]["cap"] == int(6.5 * 2**30)
     for args, msg in ((["--device-memory", "1M"], "do not fit"), (["--device-memory", "lots"], "not a size"),
                       (["--device-memory", "1G", "--board", "orin-nano-8gb"], "not both"),
-                      (["--board", "orin-nano-4gb"], "unknown board")):
+                      (["--board", "orin-nano-4gb"], "unknown board"),
+                      (["--backend", "onnxruntime", "--bundle", str(tmp_path), "--device-memory", "1G"],
+                       "cap the torch backend")):
         r = run_cli("run", "tiny", "--prompt", "hello " * 30, "--max-new", "2", *args, check_rc=2)
         errors = [x for x in r.stderr.splitlines() if x.startswith("zeroedge: error")]
         assert len(errors) == 1 and msg in errors[0] and "Traceback" not in r.stderr

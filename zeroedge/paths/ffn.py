@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from zeroedge.paths import triton_gemv as tg
+from zeroedge.quant import packed
 
 
 def _use_triton(device) -> bool:
@@ -138,7 +139,7 @@ class PathsFFN:
         p = self.paths.get(li)
         if p is None:
             return None
-        x = x + F.linear(o.reshape(1, -1), w["wo"])
+        x = packed.linear(o.reshape(1, -1), w.get("packed", w)["wo"], residual=x)
         h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
         return x + self._paths_ffn(p, h)
 

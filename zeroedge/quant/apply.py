@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from zeroedge.quant.groupwise import Scheme, fake_quantize
+from zeroedge.quant.packed import PackedLinear
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -71,19 +72,32 @@ def fold_scales(model, scales: dict) -> None:
         _scale_rows(mlp.up_proj.weight, s)
 
 
-def quantize_linears(model, scheme: Scheme) -> None:
+def _quantize(lin, scheme: Scheme, pack: bool) -> None:
+    """Fake-quantize lin's weight; with pack, keep its packed form as lin.packed (zeroedge.quant.packed,
+    what the CUDA decode GEMV reads) and make the weight that form's, so prefill and decode compute
+    with one set of weights (fp16 steps: within 2^-10 of a group's largest magnitude of
+    onnxruntime's fp32-step weight; the same for a float zero point)."""
+    if pack:
+        lin.packed = PackedLinear.from_weight(lin.weight.data, scheme)
+        lin.weight.data = lin.packed.dequantize().to(lin.weight.dtype)
+    else:
+        lin.weight.data = fake_quantize(lin.weight.data, scheme)
+
+
+def quantize_linears(model, scheme: Scheme, pack: bool = False) -> None:
     for b in model.layers:
         for name in LINEARS:
-            lin = b.get_submodule(name)
-            lin.weight.data = fake_quantize(lin.weight.data, scheme)
+            _quantize(b.get_submodule(name), scheme, pack)
 
 
-def quantize_embedding(model, group: int) -> None:
-    """int8 symmetric in groups along the hidden dimension; a separate LM head the same way."""
+def quantize_embedding(model, group: int, pack: bool = False) -> None:
+    """int8 symmetric in groups along the hidden dimension; a separate LM head the same way. With
+    pack, the LM head keeps its packed form (model.lm_head.packed)."""
+    sch = Scheme(8, group, True)
     e = model.embed_tokens.weight
-    e.data = fake_quantize(e.data, Scheme(8, group, True))
+    _quantize(model.lm_head, sch, pack)                 # tied: this is the embedding's weight too
     if model.lm_head.weight is not e:
-        model.lm_head.weight.data = fake_quantize(model.lm_head.weight.data, Scheme(8, group, True))
+        e.data = fake_quantize(e.data, sch)
 
 
 def embedding_group(dim: int) -> int:
@@ -94,9 +108,10 @@ def embedding_group(dim: int) -> int:
     return next((g for g in sorted(GROUPS, reverse=True) if dim % g == 0), 128)
 
 
-def apply(model, section, scales: Optional[dict] = None, quantize: bool = True) -> None:
+def apply(model, section, scales: Optional[dict] = None, quantize: bool = True, pack: bool = False) -> None:
     """Fold `scales` (AWQ; None for RTN) and, with quantize, fake-quantize per `section`
-    (a calib_artifact.WeightsSection). Once per model: a second call is refused."""
+    (a calib_artifact.WeightsSection); with pack, also keep each linear's packed form for the torch
+    decode loop (zeroedge.runtime.fast reads them). Once per model: a second call is refused."""
     if getattr(model, MARK, None):
         raise ValueError(f"weights already applied to this model ({getattr(model, MARK)})")
     if section.method == "awq" and not scales:
@@ -106,13 +121,14 @@ def apply(model, section, scales: Optional[dict] = None, quantize: bool = True) 
             fold_scales(model, scales)
         if quantize:
             quantize_linears(model, Scheme(section.bits, section.group, section.symmetric,
-                                                getattr(section, "zero_point", "int")))
+                                           getattr(section, "zero_point", "int")), pack)
             if section.embedding_bits:
-                quantize_embedding(model, section.embedding_group)
+                quantize_embedding(model, section.embedding_group, pack)
     setattr(model, MARK, section.describe() + ("" if quantize else " (scales folded only)"))
 
 
-def apply_artifact(model, meta: dict, tensors: dict, quantize: bool = True, where: str = "calibration artifact"):
+def apply_artifact(model, meta: dict, tensors: dict, quantize: bool = True, where: str = "calibration artifact",
+                   pack: bool = False):
     """Apply an artifact's weights section (if any) to `model` in place; returns the WeightsSection
     or None. The artifact must have been made for this model's shape (calib_artifact.check_model)."""
     from zeroedge import calib_artifact
@@ -121,7 +137,8 @@ def apply_artifact(model, meta: dict, tensors: dict, quantize: bool = True, wher
     if cal.weights is None:
         return None
     calib_artifact.check_model(meta, model.cfg, where)
-    apply(model, cal.weights, cal.weights.awq_scales(tensors, cal.model_config, where), quantize=quantize)
+    apply(model, cal.weights, cal.weights.awq_scales(tensors, cal.model_config, where), quantize=quantize,
+          pack=pack)
     return cal.weights
 
 

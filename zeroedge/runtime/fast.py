@@ -25,24 +25,38 @@ import torch.nn.functional as F
 
 from zeroedge.kv.attention import ThermalAttention, additive_mask
 from zeroedge.paths.ffn import PathsFFN
+from zeroedge.quant import packed
+from zeroedge.quant.packed import PackedLinear
 
 
 class _Weights:
     """Per-layer fused weights, built once per model: q/k/v and gate/up concatenated, and the model's
     own Linear weights re-pointed at row slices of them, so the model holds one copy (on a 1B model
-    in bf16, 1.3 GB less than keeping both)."""
+    in bf16, 1.3 GB less than keeping both). A model whose weights section was applied with packing
+    (zeroedge.quant.apply, pack=True) also gets the packed 4- / 8-bit forms, fused the same way, on
+    the model's device: the step reads those (`packed`); the fp ones stay for paths and prefill."""
 
     def __init__(self, model):
         self.layers = []
+        dev = next(model.parameters()).device
         for blk in model.layers:
             a, mlp = blk.self_attn, blk.mlp
             wqkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
             bqkv = (_fuse(a.q_proj, a.k_proj, a.v_proj, name="bias") if a.q_proj.bias is not None else None)
             w13 = _fuse(mlp.gate_proj, mlp.up_proj)
-            self.layers.append(dict(
+            layer = dict(
                 ln1=blk.input_layernorm.weight, eps1=blk.input_layernorm.eps, wqkv=wqkv, bqkv=bqkv,
                 wo=a.o_proj.weight, ln2=blk.post_attention_layernorm.weight,
-                eps2=blk.post_attention_layernorm.eps, w13=w13, w2=mlp.down_proj.weight))
+                eps2=blk.post_attention_layernorm.eps, w13=w13, w2=mlp.down_proj.weight)
+            if getattr(a.q_proj, "packed", None) is not None:
+                cat = PackedLinear.cat
+                layer["packed"] = dict(
+                    wqkv=cat([lin.packed.to(dev) for lin in (a.q_proj, a.k_proj, a.v_proj)]),
+                    wo=a.o_proj.packed.to(dev), w13=cat([mlp.gate_proj.packed.to(dev), mlp.up_proj.packed.to(dev)]),
+                    w2=mlp.down_proj.packed.to(dev))
+            self.layers.append(layer)
+        head = getattr(model.lm_head, "packed", None)
+        self.lm_head = head.to(dev) if head is not None else None
 
 
 def _fuse(*linears, name: str = "weight"):
@@ -70,18 +84,18 @@ def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd:
     -> q (H, hd) after RoPE, kv (2, nkv, hd): the new token's key (after RoPE) and value stacked,
     so the cache takes them in one write (and compiled, the stack fuses into the RoPE kernel)."""
     h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
-    qkv = F.linear(h, wqkv, bqkv).view(H + 2 * nkv, hd)
+    qkv = packed.linear(h, wqkv, bqkv).view(H + 2 * nkv, hd)
     qk = qkv[: H + nkv]
     qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
     return qk[:H], torch.stack((qk[H:], qkv[H + nkv:]))
 
 
 def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2):
-    """The rest of zeroedge.model.Block.forward for one token: o_proj, residual, RMSNorm, SwiGLU FFN."""
-    x = x + F.linear(o.reshape(1, -1), wo)
+    """The rest of zeroedge.model.Block.forward for one token: o_proj, residual, RMSNorm, SwiGLU FFN
+    (weights fp or packed: zeroedge.quant.packed fuses the residuals and the SwiGLU into its GEMVs)."""
+    x = packed.linear(o.reshape(1, -1), wo, residual=x)
     h = F.rms_norm(x, (x.shape[-1],), ln2, eps)
-    g, u = F.linear(h, w13).chunk(2, -1)
-    return x + F.linear(F.silu(g) * u, w2)
+    return packed.linear(packed.swiglu(h, w13), w2, residual=x)
 
 
 _COMPILED = {}
@@ -149,14 +163,17 @@ class Decoder:
         sin = self.sin_signed.index_select(0, self.pos)
         x = m.embed_tokens(self.tok)                     # (1, dim)
         self.attention.per_step(self.pos)
-        f_in = _compiled(_layer_in_fn) if self.compile else _layer_in_fn
-        f_out = _compiled(_layer_out_fn) if self.compile else _layer_out_fn
+        compiled = self.compile and self.W.lm_head is None     # packed GEMVs run as they are
+        f_in = _compiled(_layer_in_fn) if compiled else _layer_in_fn
+        f_out = _compiled(_layer_out_fn) if compiled else _layer_out_fn
         for li, w in enumerate(self.W.layers):
-            q, kv = f_in(x, w["ln1"], w["eps1"], w["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
+            pw = w.get("packed", w)
+            q, kv = f_in(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
             o = self.attention.attend(li, q, kv, flag)   # (H, hd)
             y = self.ffn.out(li, w, x, o) if self.ffn is not None else None
-            x = f_out(x, o, w["wo"], w["ln2"], w["eps2"], w["w13"], w["w2"]) if y is None else y
-        return m.lm_head(m.norm(x))[0]
+            x = f_out(x, o, pw["wo"], w["ln2"], w["eps2"], pw["w13"], pw["w2"]) if y is None else y
+        h = m.norm(x)
+        return (m.lm_head(h) if self.W.lm_head is None else packed.linear(h, self.W.lm_head))[0]
 
     def step(self, token: int, pos: int):
         """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA)."""

@@ -1,0 +1,245 @@
+"""4-bit weights in the torch decode loop on a GPU (written for the H200): the packed GEMV
+(zeroedge.quant.triton_gemv) checked against its fp32 reference, its launch settings swept per matrix
+of the llama-3.2-1b shape (against cuBLAS bf16 on the same shape), then batch-1 decode tok/s of the
+bf16 DenseDecoder against the same loop over packed weights (int4 group 32 with a float zero point --
+Q4_1's grid -- and int4 group 128 symmetric; the LM head int8), at each context, beside the bandwidth
+roofline of the bytes each step really reads; and the thermal decoder (10 % hot) bf16 vs int4.
+Random weights (speed and bytes only; quality: benchmarks/weights_quality.py on SmolLM2).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/weights_gpu.py [--ctx 8192,32768] [--out DIR]
+
+Timing: CUDA graphs, device events, medians (bench_setup); the GEMV sweep rotates over enough copies
+of each matrix to pass 256 MB (far past the 60 MB L2).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+
+import bench_setup as bs
+
+GEN = 400
+SCHEMES = {"int4-g32-fzp": (4, 32, False, "float"), "int4-g128-sym": (4, 128, True, "int")}
+
+
+def parse_args(argv=None):
+    ap = bs.parser(__doc__)
+    bs.add_out(ap, "/tmp/weights_gpu_out")
+    bs.add_ctx(ap, "8192,32768")
+    ap.add_argument("--no-sweep", action="store_true", help="use the CONFIG in triton_gemv as it is")
+    return ap.parse_args(argv)
+
+
+def section(bits, group, sym, zp, emb_group):
+    from zeroedge.calib_artifact import WeightsSection
+
+    return WeightsSection(bits=bits, group=group, symmetric=sym, method="rtn", embedding_bits=8,
+                          embedding_group=emb_group, meta={}, zero_point=zp)
+
+
+def shapes(cfg) -> dict:
+    hd = cfg.head_dim
+    return {"qkv": (cfg.n_heads * hd + 2 * cfg.n_kv_heads * hd, cfg.dim, False),
+            "o": (cfg.dim, cfg.n_heads * hd, False), "w13": (2 * cfg.ffn_dim, cfg.dim, True),
+            "w2": (cfg.dim, cfg.ffn_dim, False), "lm": (cfg.vocab_size, cfg.dim, False)}
+
+
+def random_packed(n, k, bits, group, seed):
+    import torch
+
+    from zeroedge.quant.packed import PackedLinear
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kp = -(-k // group) * group
+    q = torch.randint(0, 256, (n, kp * bits // 8), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+    s = (torch.rand(n, kp // group, generator=g, device="cuda") * 1e-3).half()
+    o = (-torch.rand(n, kp // group, generator=g, device="cuda") * 8e-3).half()
+    return PackedLinear(q, s, o, bits, group, k)
+
+
+def check_gemv(cfg) -> dict:
+    """rel error of the kernel (bf16 in, bf16 out) against x @ W^T in fp32, per shape and scheme."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.quant import triton_gemv as tg
+    from zeroedge.quant.groupwise import Scheme
+    from zeroedge.quant.packed import PackedLinear
+
+    out = {}
+    for (name, (n, k, sw)), (sname, sch) in itertools.product(shapes(cfg).items(), SCHEMES.items()):
+        if name == "lm":
+            sch = (8, 128, True, "int")
+        w = torch.randn(n, k, device="cuda") * 0.02
+        p = PackedLinear.from_weight(w, Scheme(*sch))
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        ref = x.float() @ p.dequantize().T
+        if sw:
+            g, u = ref.chunk(2, -1)
+            ref = F.silu(g) * u
+        r = torch.randn(1, ref.shape[1], device="cuda").bfloat16()
+        y = tg.gemv(x, p, swiglu=sw)
+        y2 = tg.gemv(x, p, residual=r) if not sw else y
+        torch.cuda.synchronize()
+        out[f"{name}/{sname}"] = {"rel": bs.rel(y, ref), "rel_residual": bs.rel(y2, ref + r.float()) if not sw else None}
+    return out
+
+
+def _grid(n, swiglu, bits, group):
+    """Rows a program (BN) x code bytes a row an iteration (128-512: NG groups) x input splits."""
+    splits = (1,) if swiglu or n > 8192 else (1, 2, 4)
+    per_group = group * bits // 8
+    return [dict(BN=bn, NG=max(1, rb // per_group), SPLIT=sp, num_warps=4)
+            for bn, rb, sp in itertools.product((2, 4, 8, 16), (128, 256, 512), splits)]
+
+
+def sweep_shape(name, n, k, swiglu, bits, group) -> dict:
+    """Best launch settings for one shape: µs a call (rotating copies), bytes/s, against cuBLAS bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.quant import triton_gemv as tg
+
+    one = random_packed(n, k, bits, group, 0)
+    copies = max(2, min(64, -(-256 * 2**20 // one.nbytes())))
+    ws = [one] + [random_packed(n, k, bits, group, i) for i in range(1, copies)]
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    res = {"n": n, "k": k, "bits": bits, "group": group, "bytes": one.nbytes(), "configs": []}
+    best = None
+    for c in _grid(n, swiglu, bits, group):
+        try:
+            ms = bs.graph_ms(lambda: [tg.gemv(x, w, swiglu=swiglu, config=c) for w in ws], reps=10)
+        except Exception as e:       # a tile the compiler refuses (registers, shared memory)
+            res["configs"].append({**c, "error": str(e).splitlines()[0][:120]})
+            continue
+        us = ms * 1e3 / copies
+        res["configs"].append({**c, "us": us})
+        if best is None or us < best[0]:
+            best = (us, c)
+    res["best"] = dict(best[1])
+    res["us"] = best[0]
+    res["GBs"] = one.nbytes() / (best[0] * 1e-6) / 1e9
+    del ws
+    wb = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(max(2, min(64, -(-256 * 2**20 // (n * k * 2)))))]
+    ms = bs.graph_ms(lambda: [F.linear(x, w) for w in wb], reps=10)
+    res["cublas_bf16_us"] = ms * 1e3 / len(wb)
+    res["cublas_bf16_GBs"] = n * k * 2 / (res["cublas_bf16_us"] * 1e-6) / 1e9
+    res["x_cublas"] = res["cublas_bf16_us"] / res["us"]
+    del wb
+    torch.cuda.empty_cache()
+    return res
+
+
+def step_bytes(m, dec, ctx) -> dict:
+    """Bytes one decode step reads: the weights as the step reads them, and the KV cache (the dense
+    cache's SDPA reads every one of its positions)."""
+    W = dec.W
+    cfg = m.cfg
+    if W.lm_head is None:
+        lin = sum(w[k].numel() * 2 for w in W.layers for k in ("wqkv", "wo", "w13", "w2"))
+        head = m.lm_head.weight.numel() * 2
+    else:
+        lin = sum(w["packed"][k].nbytes() for w in W.layers for k in ("wqkv", "wo", "w13", "w2"))
+        head = W.lm_head.nbytes()
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * (ctx + GEN) * cfg.head_dim * 2
+    return {"linear": lin, "lm_head": head, "kv": kv, "total": lin + head + kv}
+
+
+def decode(cfg_name, ctxs, bw) -> list:
+    import torch
+
+    from zeroedge.quant import packed
+    from zeroedge.quant.apply import apply, embedding_group
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+    rows = []
+    for variant in ["bf16", *SCHEMES]:
+        m = bs.build_model(cfg_name, "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
+        if variant != "bf16":
+            apply(m, section(*SCHEMES[variant], embedding_group(m.cfg.dim)), pack=True)
+        for ctx in ctxs:
+            dec = DenseDecoder(m, ctx + GEN)
+            dec.attention.kv.normal_()
+            check = None
+            if variant != "bf16":       # the graphed kernels against the torch reference, 3 steps
+                ref = DenseDecoder(m, ctx + GEN, graph=False)
+                ref.attention.kv.copy_(dec.attention.kv)
+                use = packed._use_kernel
+                errs = []
+                for s in range(3):
+                    a = dec.step(5 + s, ctx - 10 + s).float().clone()
+                    packed._use_kernel = lambda x: False
+                    try:
+                        b = ref.step(5 + s, ctx - 10 + s).float()
+                    finally:
+                        packed._use_kernel = use
+                    errs.append(bs.rel(a, b))
+                check = max(errs)
+                del ref
+            ms = bs.decode_step_ms(dec, start=ctx, n=64)
+            by = step_bytes(m, dec, ctx)
+            rows.append({"ctx": ctx, "decoder": "dense", "weights": variant, "tok_s": round(1e3 / ms, 1),
+                         "ms": ms, "bytes": by, "roofline_tok_s": round(bw / by["total"], 1),
+                         "of_roofline": round((1e3 / ms) / (bw / by["total"]), 3), "rel_vs_reference": check})
+            print(json.dumps(rows[-1]), flush=True)
+            del dec
+            torch.cuda.empty_cache()
+        if variant in ("bf16", "int4-g32-fzp"):
+            ctx = max(ctxs)
+            ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", torch.bfloat16)
+            t = ThermalDecoder(m, ctx, GEN, budget=0.1)
+            t.load_prefix(ks, vs)
+            del ks, vs
+            ms = bs.decode_step_ms(t, start=ctx, n=64)
+            rows.append({"ctx": ctx, "decoder": "thermal", "weights": variant, "tok_s": round(1e3 / ms, 1), "ms": ms})
+            print(json.dumps(rows[-1]), flush=True)
+            del t
+        del m
+        torch.cuda.empty_cache()
+    base = {(r["ctx"], r["decoder"]): r["ms"] for r in rows if r["weights"] == "bf16"}
+    for r in rows:
+        r["x_bf16"] = round(base[(r["ctx"], r["decoder"])] / r["ms"], 3)
+    return rows
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if not bs.cuda_or_skip("weights_gpu: skipped, no CUDA GPU here"):
+        return
+    import torch
+
+    from zeroedge.model import PRESETS
+    from zeroedge.quant import triton_gemv as tg
+
+    out = bs.out_dir(a.out)
+    torch.manual_seed(0)
+    cfg = PRESETS["llama-3.2-1b"]
+    res = bs.device_info()
+    res["copy_bw_GBs"] = bs.copy_bw() / 1e9
+    res["checks"] = check_gemv(cfg)
+    print("checks", json.dumps(res["checks"]), flush=True)
+    if not a.no_sweep:
+        res["sweep"] = {}
+        for (name, (n, k, sw)), sname in itertools.product(shapes(cfg).items(), SCHEMES):
+            bits, group = (8, 128) if name == "lm" else SCHEMES[sname][:2]
+            key = f"{name}/{bits}b-g{group}"
+            if key in res["sweep"]:
+                continue
+            r = sweep_shape(name, n, k, sw, bits, group)
+            res["sweep"][key] = r
+            tg.CONFIG[(n, k, bits, group)] = r["best"]
+            print(key, {x: r[x] for x in ("best", "us", "GBs", "cublas_bf16_us", "x_cublas")}, flush=True)
+    res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9)
+    bs.write_json(out / "weights_gpu.json", res)
+    print("\nSUMMARY  copy %.0f GB/s" % res["copy_bw_GBs"])
+    print("checks max rel", max(v["rel"] for v in res["checks"].values()))
+    for k, r in res.get("sweep", {}).items():
+        print(f"| {k} | {r['best']} | {r['us']:.1f} us | {r['GBs']:.0f} GB/s | cuBLAS bf16 {r['cublas_bf16_us']:.1f} us "
+              f"| x{r['x_cublas']:.2f} |")
+    for r in res["decode"]:
+        print(f"| {r['ctx']} | {r['decoder']} | {r['weights']} | {r['tok_s']} tok/s | x{r['x_bf16']} bf16 "
+              f"| roofline {r.get('roofline_tok_s')} ({r.get('of_roofline')}) | rel {r.get('rel_vs_reference')} |")
+
+
+if __name__ == "__main__":
+    main()

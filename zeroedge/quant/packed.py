@@ -1,0 +1,135 @@
+"""Packed group-wise weights for the torch decode loop: what the CUDA GEMV (zeroedge.quant.triton_gemv)
+reads, with a torch reference that runs anywhere.
+
+One form, `PackedLinear`, for an nn.Linear weight W [N, K] (out, in) quantized per `Scheme`
+(zeroedge.quant.groupwise: groups of `group` consecutive inputs per output row, K zero-padded to a
+multiple of the group):
+
+  q       uint8 [N, Kp * bits / 8]   row-major; 4 bits: byte j of a row holds input 2j in its low
+                                     nibble and 2j + 1 in its high nibble; 8 bits: one a byte
+  scale   fp16  [N, Kp / group]      the step s of each group
+  offset  fp16  [N, Kp / group]      o, so that the weight is  w = q * s + o   (fp32)
+
+  asymmetric, float zero point  s and o = m are fp16 values by construction (Q4_1's d and m): the
+                                weight is fl(q * s) + m, groupwise.dequantize_float's (an ulp apart
+                                in a block whose zero point has no exact product)
+  asymmetric / symmetric, int   s rounded to fp16 (onnxruntime keeps fp32 scales; llama.cpp fp16
+                                ones), o = -zp * s (exact for a symmetric grid): a weight moves by
+                                under 2^-10 of its group's largest magnitude, under the bf16
+                                rounding of the activations it multiplies
+
+The GEMV computes y_n = sum_g (s_ng * sum_{k in g} q_nk x_k + o_ng * sum_{k in g} x_k) in fp32.
+A 4-bit group of 32 costs 4 + 32 / 32 = 5 bits a weight; of 128, 4.25.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from zeroedge.quant.groupwise import Scheme, quantize, quantize_float
+
+
+@dataclass
+class PackedLinear:
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    bits: int
+    group: int
+    k: int                      # the real input size (the packed rows hold Kp >= k)
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def groups(self) -> int:
+        return self.scale.shape[1]
+
+    @property
+    def device(self):
+        return self.q.device
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, scheme: Scheme) -> "PackedLinear":
+        """nn.Linear weight [N, K] -> its packed form (quantized in fp32 on w's device)."""
+        n, k = w.shape
+        if scheme.zero_point == "float":
+            q, s, _, m = quantize_float(w, scheme)
+            off = m
+        else:
+            q, s, zp = quantize(w, scheme)
+            s = s.half().float()
+            off = -zp.float() * s                       # exact in fp16 for a symmetric grid (zp 2^(b-1))
+        q = q.reshape(n, -1)                            # [N, Kp] one value a byte
+        if scheme.bits == 4:
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        return cls(q.contiguous(), s.half().contiguous(), off.half().contiguous(), scheme.bits,
+                   scheme.group, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: q * s + o."""
+        q = self.q
+        if self.bits == 4:
+            q = torch.stack((q & 15, q >> 4), -1).reshape(q.shape[0], -1)
+        w = q.float().view(self.n, self.groups, self.group) * self.scale.float()[..., None] \
+            + self.offset.float()[..., None]
+        return w.reshape(self.n, -1)[:, : self.k]
+
+    def to(self, device) -> "PackedLinear":
+        return PackedLinear(self.q.to(device), self.scale.to(device), self.offset.to(device), self.bits,
+                            self.group, self.k)
+
+    @staticmethod
+    def cat(parts) -> "PackedLinear":
+        """Stacked along the output rows (fused q/k/v or gate/up): one scheme, one input size."""
+        p0 = parts[0]
+        if any((p.bits, p.group, p.k) != (p0.bits, p0.group, p0.k) for p in parts):
+            raise ValueError("packed weights stacked together need one scheme and one input size")
+        return PackedLinear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                            torch.cat([p.offset for p in parts]), p0.bits, p0.group, p0.k)
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def linear(x: torch.Tensor, w, bias=None, residual=None):
+    """x (1, K) @ w^T (+ bias) (+ residual): w a tensor (F.linear) or a PackedLinear (the CUDA GEMV
+    on a GPU with Triton, else the torch reference). Output in x's dtype."""
+    if not isinstance(w, PackedLinear):
+        y = F.linear(x, w, bias)
+    elif _use_kernel(x):
+        from zeroedge.quant import triton_gemv
+
+        y = triton_gemv.gemv(x, w, residual=residual)
+        residual = None
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.linear(x.float(), w.dequantize()).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+    return y if residual is None else residual + y
+
+
+def swiglu(x: torch.Tensor, w13) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) with w13 = [W_gate; W_up] (a tensor or a PackedLinear); packed on
+    a GPU, one kernel computes both halves and the product."""
+    if isinstance(w13, PackedLinear) and _use_kernel(x):
+        from zeroedge.quant import triton_gemv
+
+        return triton_gemv.gemv(x, w13, swiglu=True)
+    g, u = linear(x, w13).chunk(2, -1)
+    return F.silu(g) * u

@@ -157,9 +157,52 @@ def test_packed_int4_decoders_in_the_graph_match_the_quantized_model():
     with torch.no_grad():
         ref = m(ids[None].cuda())[0].float().cpu()
     dense = DenseDecoder(m, P + G)
-    assert "packed" in dense.W.layers[0] and dense.W.lm_head is not None
+    assert dense.packed_layers is not None and dense.packed_head is not None
     dense.load_prefix(*_kv(pre, torch.bfloat16))
     assert _run(dense, ids, ref) < 5e-2 and dense.graphs
     thermal = ThermalDecoder(m, P, G, budget=1.0)
     thermal.load_prefix(*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
     assert _run(thermal, ids, ref) < 5e-2
+
+
+def test_int8_input_gemv_is_dp4a_on_the_rounded_inputs():
+    """The int8-input kernel's inline dp4a on a GPU computes exactly the product of the weights with
+    the inputs rounded as zeroedge.quant.packed.round_inputs_int8 says (up to fp32 summation order), with
+    the norm, SwiGLU and residual fused as in the exact-input kernel."""
+    import torch.nn.functional as F
+
+    from zeroedge.quant import triton_gemv as tg
+    from zeroedge.quant.groupwise import Scheme
+    from zeroedge.quant.packed import PackedLinear, round_inputs_int8
+
+    torch.manual_seed(2)
+    for sch in (Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 128, True)):
+        p = PackedLinear.from_weight(torch.randn(3072, 2048, device="cuda") * 0.02, sch)
+        wd = p.dequantize()
+        x = torch.randn(1, 2048, device="cuda") * 2
+        ln = torch.rand(2048, device="cuda") + 0.5
+        r = torch.randn(1, 3072, device="cuda")
+        xi = round_inputs_int8(F.rms_norm(x, (2048,), ln, 1e-5), sch.bits)
+        ref = xi @ wd.T
+        y = tg.gemv(x, p, norm=(ln, 1e-5), residual=r, int8_inputs=True)
+        assert float((y - ref - r).norm() / (ref + r).norm()) < 1e-5, sch
+        g, u = ref.chunk(2, -1)
+        y = tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), int8_inputs=True)
+        assert float((y - F.silu(g) * u).norm() / (F.silu(g) * u).norm()) < 1e-5, sch
+
+
+def test_serving_a_weights_artifact_on_the_gpu_runs_the_int8_input_gemv():
+    """ServingSession with an artifact's weights section on CUDA: the model is quantized and packed,
+    and the request decodes through the packed GEMV on int8 inputs inside the CUDA graph."""
+    from zeroedge import calib_artifact
+    from zeroedge.model import build
+    from zeroedge.runtime.session import ServingSession
+
+    m = build("smollm2-135m", seed=3).eval()
+    meta = {"model": {"name": m.cfg.name, "config": m.cfg.to_dict()}, "layers": [], "sih": {},
+            "weights": calib_artifact.weights_meta(4, 32, False, "rtn", 64, zero_point="float")}
+    m = m.to("cuda", torch.bfloat16)
+    s = ServingSession(m, paths=(meta, {}))
+    r = s.generate(list(range(100, 400)), 16)
+    assert r.mechanisms["weights"].startswith("int4 g32") and len(r.tokens) == 16
+    assert r.mechanisms["weights_decode"] == "packed GEMV, int8 inputs (dp4a)"

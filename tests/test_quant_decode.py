@@ -68,18 +68,27 @@ def test_decoders_over_packed_weights_compute_the_quantized_model():
         full = m(ids)[0]
     P = 56
     pre = E.prefill(m, ids[0, :P].tolist(), stats=False)
-    dense = DenseDecoder(m, 72, graph=False)
+    dense = DenseDecoder(m, 72, graph=False, packed=True)      # the packed path through the torch reference
     dense.load_prefix(pre["k"], pre["v"])
-    thermal = ThermalDecoder(m, P, 16, budget=1.0, page_size=8, rank=8, graph=False)
+    thermal = ThermalDecoder(m, P, 16, budget=1.0, page_size=8, rank=8, graph=False, packed=True)
     thermal.load_prefix(pre["k"], pre["v"], pre["qcov"])
-    w = dense.W.layers[0]["packed"]
+    auto = DenseDecoder(m, 72, graph=False)                   # on a CPU: the fp weights, the same values
+    auto.load_prefix(pre["k"], pre["v"])
+    assert auto.packed_layers is None
+    w = dense.packed_layers[0]
     assert isinstance(w["wqkv"], PackedLinear) and w["wqkv"].n == 64 + 2 * 32
     assert isinstance(w["w13"], PackedLinear) and w["w13"].n == 2 * 128
-    assert isinstance(dense.W.lm_head, PackedLinear) and dense.W.lm_head.bits == 8
+    assert isinstance(dense.packed_head, PackedLinear) and dense.packed_head.bits == 8
+    i8 = DenseDecoder(m, 72, graph=False, packed=True, int8_inputs=True)   # int8-rounded GEMV inputs
+    i8.load_prefix(pre["k"], pre["v"])
     for t in range(P, 72):
         tok = ids[0, t].item()
-        assert torch.allclose(dense.step(tok, t), full[t], atol=1e-4)
-        assert torch.allclose(thermal.step(tok, t), full[t], atol=1e-4)
+        for dec in (dense, thermal, auto):
+            assert torch.allclose(dec.step(tok, t), full[t], atol=1e-4)
+        y = i8.step(tok, t)
+        assert not torch.equal(y, full[t]) and float((y - full[t]).norm() / full[t].norm()) < 2e-2
+    with pytest.raises(ValueError, match="int8_inputs"):
+        DenseDecoder(M.build("tiny", seed=4), 16, graph=False, int8_inputs=True)
 
 
 def test_packing_without_a_weights_section_changes_nothing():
@@ -87,13 +96,16 @@ def test_packing_without_a_weights_section_changes_nothing():
 
     m = M.build("tiny", seed=4).eval()
     d = DenseDecoder(m, 16, graph=False)
-    assert "packed" not in d.W.layers[0] and d.W.lm_head is None
+    assert d.packed_layers is None and d.packed_head is None
+    with pytest.raises(ValueError, match="packed weights"):
+        DenseDecoder(m, 16, graph=False, packed=True)
 
 
 SCRIPT = r'''
 import torch
-from zeroedge.quant.groupwise import Scheme, fake_quantize
-from zeroedge.quant.packed import PackedLinear
+import torch.nn.functional as F
+from zeroedge.quant.groupwise import Scheme
+from zeroedge.quant.packed import PackedLinear, round_inputs_int8
 from zeroedge.quant import triton_gemv as tg
 
 torch.manual_seed(0)
@@ -102,19 +114,32 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
     w = torch.randn(N, K) * 0.05
     p = PackedLinear.from_weight(w, sch)
     wd = p.dequantize()
-    x = torch.randn(1, K)
+    x = torch.randn(1, K) * 3
     r = torch.randn(1, N)
-    ref = x @ wd.T
-    for cfg in [dict(BN=8, NG=2, SPLIT=1, num_warps=4), dict(BN=16, NG=1, SPLIT=3, num_warps=4), None]:
+    ln = torch.rand(K) + 0.5
+    xn = F.rms_norm(x, (K,), ln, 1e-5)
+    ref, refn = x @ wd.T, xn @ wd.T
+    for cfg in [dict(BN=8, BW=4, SPLIT=1, num_warps=4), dict(BN=16, BW=2, SPLIT=3, num_warps=4), None]:
         y = tg.gemv(x, p, config=cfg)
         assert y.shape == (1, N) and torch.allclose(y, ref, atol=1e-5), (sch, cfg, (y - ref).abs().max())
         y = tg.gemv(x, p, residual=r, config=cfg)
         assert torch.allclose(y, ref + r, atol=1e-5), (sch, cfg)
-    g, u = ref.chunk(2, -1)
-    y = tg.gemv(x, p, swiglu=True, config=dict(BN=8, NG=4, SPLIT=2, num_warps=4))
-    assert y.shape == (1, N // 2) and torch.allclose(y, torch.nn.functional.silu(g) * u, atol=1e-5), sch
+        y = tg.gemv(x, p, residual=r, norm=(ln, 1e-5), config=cfg)
+        assert torch.allclose(y, refn + r, atol=1e-5), (sch, cfg)
+        for nrm, want in ((None, ref), ((ln, 1e-5), refn)):
+            g, u = want.chunk(2, -1)
+            y = tg.gemv(x, p, swiglu=True, norm=nrm, config=cfg)
+            assert y.shape == (1, N // 2) and torch.allclose(y, F.silu(g) * u, atol=1e-5), (sch, cfg)
+    xi = round_inputs_int8(xn, sch.bits)                 # the dp4a kernel (emulated here: no inline PTX)
+    for cfg in [dict(BN=8, BW=16, SPLIT=1, num_warps=4), dict(BN=4, BW=16, SPLIT=2, num_warps=4)]:
+        y = tg.gemv(x, p, residual=r, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
+        assert torch.allclose(y, xi @ wd.T + r, atol=1e-5), (sch, cfg, (y - xi @ wd.T - r).abs().max())
+        g, u = (xi @ wd.T).chunk(2, -1)
+        y = tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
+        assert torch.allclose(y, F.silu(g) * u, atol=1e-5), (sch, cfg)
+    assert not torch.equal(xi, xn) and torch.allclose(xi, xn, atol=float(xn.abs().max()) / 250)
     yb = tg.gemv(x.bfloat16(), p)
-    assert yb.dtype == torch.bfloat16 and torch.allclose(yb.float(), x.bfloat16().float() @ wd.T, atol=2e-2)
+    assert yb.dtype == torch.bfloat16 and torch.allclose(yb.float(), x.bfloat16().float() @ wd.T, atol=5e-2)
 try:
     tg.gemv(torch.randn(1, 10), p)
 except ValueError as e:
@@ -129,3 +154,36 @@ def test_packed_gemv_kernel_in_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_file, tmp_path):
+    """`zeroedge run MODEL --calib ART` with a weights section: the torch session quantizes the model
+    (packed forms kept; on this CPU the decoder reads their values as fp weights) and says so; the
+    same artifact cannot give --paths (it has none); a second quantization of one model is refused."""
+    import json
+
+    from conftest import run_cli
+
+    from zeroedge import weights
+    from zeroedge.errors import UserError
+    from zeroedge.runtime.session import ServingSession
+
+    art = tmp_path / "w.calib"
+    run_cli("calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--group", "32", "--weights-only",
+            "-o", art, "--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gate-seqs", "1",
+            "--tokens", "4000", check_rc=0)
+    r = json.loads(run_cli("run", tiny_hf, "--calib", art, "--prompt", "the quick brown fox", "--max-new", "4",
+                           "--json", check_rc=0).stdout)
+    assert r["mechanisms"]["weights"].startswith("int4 g32") and r["new_tokens"] == 4
+    assert r["mechanisms"]["weights_decode"].startswith("dequantized weights")
+    p = run_cli("run", tiny_hf, "--calib", art, "--paths", "--prompt", "hi", check_rc=2)
+    assert "no decode path predictors" in p.stderr and "Traceback" not in p.stderr
+
+    m, _ = weights.load(tiny_hf)
+    m.eval()
+    s = ServingSession(m, paths=art)
+    lin = m.layers[0].mlp.down_proj
+    assert torch.equal(lin.weight, lin.packed.dequantize().to(lin.weight.dtype))
+    assert s.generate(list(range(5, 30)), 3).mechanisms["weights"] == s.weights.describe()
+    with pytest.raises(UserError, match="already quantized"):
+        ServingSession(m, paths=art)

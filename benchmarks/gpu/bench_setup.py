@@ -210,11 +210,11 @@ def recording_paths_decoder(model, max_len: int, policies: dict, **ffn_kw):
     class RecordingPathsFFN(PathsFFN):
         record = None
 
-        def out(self, li, w, x, o):
+        def out(self, li, w, wo, x, o):
             if self.record is not None and li in self.paths:
                 h = F.rms_norm(x + F.linear(o.reshape(1, -1), w["wo"]), (x.shape[-1],), w["ln2"], w["eps2"])
                 self.record[li].append(h.detach().clone())
-            return super().out(li, w, x, o)
+            return super().out(li, w, wo, x, o)
 
     ffn = RecordingPathsFFN(policies, **ffn_kw)
     return Decoder(model, DenseAttention(max_len), ffn, graph=True), ffn

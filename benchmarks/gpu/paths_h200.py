@@ -284,7 +284,7 @@ def random_predictor_decoder(m, max_len, keeps, R, D, Fd, dt):
                            part=torch.empty(tg.CONFIG["down"]["splits"], 1, D, device="cuda", dtype=torch.float32),
                            thr=0.0) for w in layers]
 
-        def out(self, li, w, x, o):
+        def out(self, li, w, wo, x, o):
             x = x + F.linear(o.reshape(1, -1), w["wo"])
             h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
             p = self.P[li]

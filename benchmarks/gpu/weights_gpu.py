@@ -80,20 +80,21 @@ def check_gemv(cfg) -> dict:
         r = torch.randn(1, ref.shape[1], device="cuda").bfloat16()
         y = tg.gemv(x, p, swiglu=sw)
         y2 = tg.gemv(x, p, residual=r) if not sw else y
+        y8 = tg.gemv(x, p, swiglu=sw, int8_inputs=True)
         torch.cuda.synchronize()
-        out[f"{name}/{sname}"] = {"rel": bs.rel(y, ref), "rel_residual": bs.rel(y2, ref + r.float()) if not sw else None}
+        out[f"{name}/{sname}"] = {"rel": bs.rel(y, ref), "rel_residual": bs.rel(y2, ref + r.float()) if not sw else None,
+                                  "rel_int8_inputs": bs.rel(y8, ref)}
     return out
 
 
-def _grid(n, swiglu, bits, group):
-    """Rows a program (BN) x code bytes a row an iteration (128-512: NG groups) x input splits."""
-    splits = (1,) if swiglu or n > 8192 else (1, 2, 4)
-    per_group = group * bits // 8
-    return [dict(BN=bn, NG=max(1, rb // per_group), SPLIT=sp, num_warps=4)
-            for bn, rb, sp in itertools.product((2, 4, 8, 16), (128, 256, 512), splits)]
+def _grid(n, swiglu):
+    """Rows a program (BN) x words a row an iteration (BW) x input splits."""
+    splits = (1,) if n > 8192 else (1, 2, 4)
+    return [dict(BN=bn, BW=bw, SPLIT=sp, num_warps=nw)
+            for bn, bw, sp, nw in itertools.product((2, 4, 8, 16), (64, 128, 256), splits, (4, 8))]
 
 
-def sweep_shape(name, n, k, swiglu, bits, group) -> dict:
+def sweep_shape(name, n, k, swiglu, bits, group, int8_inputs=False) -> dict:
     """Best launch settings for one shape: µs a call (rotating copies), bytes/s, against cuBLAS bf16."""
     import torch
     import torch.nn.functional as F
@@ -106,9 +107,10 @@ def sweep_shape(name, n, k, swiglu, bits, group) -> dict:
     x = torch.randn(1, k, device="cuda").bfloat16()
     res = {"n": n, "k": k, "bits": bits, "group": group, "bytes": one.nbytes(), "configs": []}
     best = None
-    for c in _grid(n, swiglu, bits, group):
+    for c in _grid(n, swiglu):
         try:
-            ms = bs.graph_ms(lambda: [tg.gemv(x, w, swiglu=swiglu, config=c) for w in ws], reps=10)
+            ms = bs.graph_ms(lambda: [tg.gemv(x, w, swiglu=swiglu, config=c, int8_inputs=int8_inputs) for w in ws],
+                             reps=10)
         except Exception as e:       # a tile the compiler refuses (registers, shared memory)
             res["configs"].append({**c, "error": str(e).splitlines()[0][:120]})
             continue
@@ -133,19 +135,18 @@ def sweep_shape(name, n, k, swiglu, bits, group) -> dict:
 def step_bytes(m, dec, ctx) -> dict:
     """Bytes one decode step reads: the weights as the step reads them, and the KV cache (the dense
     cache's SDPA reads every one of its positions)."""
-    W = dec.W
     cfg = m.cfg
-    if W.lm_head is None:
-        lin = sum(w[k].numel() * 2 for w in W.layers for k in ("wqkv", "wo", "w13", "w2"))
+    if dec.packed_layers is None:
+        lin = sum(w[k].numel() * 2 for w in dec.W.layers for k in ("wqkv", "wo", "w13", "w2"))
         head = m.lm_head.weight.numel() * 2
     else:
-        lin = sum(w["packed"][k].nbytes() for w in W.layers for k in ("wqkv", "wo", "w13", "w2"))
-        head = W.lm_head.nbytes()
+        lin = sum(w[k].nbytes() for w in dec.packed_layers for k in ("wqkv", "wo", "w13", "w2"))
+        head = dec.packed_head.nbytes()
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * (ctx + GEN) * cfg.head_dim * 2
     return {"linear": lin, "lm_head": head, "kv": kv, "total": lin + head + kv}
 
 
-def decode(cfg_name, ctxs, bw) -> list:
+def decode(cfg_name, ctxs, bw, compile_too: bool = True) -> list:
     import torch
 
     from zeroedge.quant import packed
@@ -153,16 +154,19 @@ def decode(cfg_name, ctxs, bw) -> list:
     from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
 
     rows = []
-    for variant in ["bf16", *SCHEMES]:
+    for variant in ["bf16", *SCHEMES, "int4-g32-fzp/int8-inputs", "int4-g128-sym/int8-inputs"]:
+        i8 = variant.endswith("/int8-inputs")
+        scheme = variant.split("/")[0]
         m = bs.build_model(cfg_name, "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
         if variant != "bf16":
-            apply(m, section(*SCHEMES[variant], embedding_group(m.cfg.dim)), pack=True)
-        for ctx in ctxs:
-            dec = DenseDecoder(m, ctx + GEN)
+            apply(m, section(*SCHEMES[scheme], embedding_group(m.cfg.dim)), pack=True)
+        for ctx, compiled in [(c, False) for c in ctxs] + ([(min(ctxs), True)] if compile_too else []):
+            dec = DenseDecoder(m, ctx + GEN, int8_inputs=i8)
+            dec.compile = compiled
             dec.attention.kv.normal_()
             check = None
-            if variant != "bf16":       # the graphed kernels against the torch reference, 3 steps
-                ref = DenseDecoder(m, ctx + GEN, graph=False)
+            if variant != "bf16" and not compiled:       # the graphed kernels against the torch reference, 3 steps
+                ref = DenseDecoder(m, ctx + GEN, graph=False, int8_inputs=i8)
                 ref.attention.kv.copy_(dec.attention.kv)
                 use = packed._use_kernel
                 errs = []
@@ -178,7 +182,7 @@ def decode(cfg_name, ctxs, bw) -> list:
                 del ref
             ms = bs.decode_step_ms(dec, start=ctx, n=64)
             by = step_bytes(m, dec, ctx)
-            rows.append({"ctx": ctx, "decoder": "dense", "weights": variant, "tok_s": round(1e3 / ms, 1),
+            rows.append({"ctx": ctx, "decoder": "dense compiled" if compiled else "dense", "weights": variant, "tok_s": round(1e3 / ms, 1),
                          "ms": ms, "bytes": by, "roofline_tok_s": round(bw / by["total"], 1),
                          "of_roofline": round((1e3 / ms) / (bw / by["total"]), 3), "rel_vs_reference": check})
             print(json.dumps(rows[-1]), flush=True)
@@ -225,14 +229,16 @@ def main(argv=None):
             key = f"{name}/{bits}b-g{group}"
             if key in res["sweep"]:
                 continue
-            r = sweep_shape(name, n, k, sw, bits, group)
-            res["sweep"][key] = r
-            tg.CONFIG[(n, k, bits, group)] = r["best"]
-            print(key, {x: r[x] for x in ("best", "us", "GBs", "cublas_bf16_us", "x_cublas")}, flush=True)
+            for i8 in (False, True):
+                r = sweep_shape(name, n, k, sw, bits, group, int8_inputs=i8)
+                res["sweep"][key + ("/int8-inputs" if i8 else "")] = r
+                (tg.CONFIG_I8 if i8 else tg.CONFIG)[(n, k, bits, group)] = r["best"]   # what decode uses
+                print(key, i8, {x: r[x] for x in ("best", "us", "GBs", "cublas_bf16_us", "x_cublas")}, flush=True)
     res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9)
     bs.write_json(out / "weights_gpu.json", res)
     print("\nSUMMARY  copy %.0f GB/s" % res["copy_bw_GBs"])
-    print("checks max rel", max(v["rel"] for v in res["checks"].values()))
+    print("checks max rel", max(v["rel"] for v in res["checks"].values()),
+          "int8 inputs", max(v["rel_int8_inputs"] for v in res["checks"].values()))
     for k, r in res.get("sweep", {}).items():
         print(f"| {k} | {r['best']} | {r['us']:.1f} us | {r['GBs']:.0f} GB/s | cuBLAS bf16 {r['cublas_bf16_us']:.1f} us "
               f"| x{r['x_cublas']:.2f} |")

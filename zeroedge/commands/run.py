@@ -98,7 +98,8 @@ def bundle_config(bundle):
 @fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction, in (0, 1].")
 @click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
-@click.option("--calib", type=click.Path(), help="Calibration artifact with path predictors.")
+@click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
+              "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")
 @click.option("--release-level", type=int, default=3, show_default=True,
               help="0 off, 1 < 512 tokens, 2 < 4096 tokens at temperature 0, 3 all.")
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch",
@@ -218,7 +219,9 @@ def _check_options(model, max_new, page_size, paths, calib, release_level, backe
                             "paths its bundle was exported with (zeroedge export MODEL --calib ARTIFACT)")
         from zeroedge import calib_artifact
 
-        calib_artifact.read(calib).require_paths()
+        cal = calib_artifact.read(calib)
+        if paths or cal.weights is None:
+            cal.require_paths()
     if backend != "torch":
         if bundle is None:
             raise UserError(f"--backend {backend} needs --bundle DIR (made by zeroedge export)")

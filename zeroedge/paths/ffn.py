@@ -134,12 +134,13 @@ class PathsFFN:
         p["act"].copy_(act)
         return tg.paths_down_ref(act, p["wdt"])
 
-    def out(self, li: int, w: dict, x, o):
-        """The layer's output after attention (residuals included), or None for a dense layer."""
+    def out(self, li: int, w: dict, wo, x, o):
+        """The layer's output after attention (residuals included), or None for a dense layer; wo the
+        o_proj weight the step reads (fp or packed)."""
         p = self.paths.get(li)
         if p is None:
             return None
-        x = packed.linear(o.reshape(1, -1), w.get("packed", w)["wo"], residual=x)
+        x = packed.linear(o.reshape(1, -1), wo, residual=x)
         h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
         return x + self._paths_ffn(p, h)
 

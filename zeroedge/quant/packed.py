@@ -66,7 +66,7 @@ class PackedLinear:
             q, s, zp = quantize(w, scheme)
             s = s.half().float()
             off = -zp.float() * s                       # exact in fp16 for a symmetric grid (zp 2^(b-1))
-        q = q.reshape(n, -1)                            # [N, Kp] one value a byte
+        q = q.reshape(n, -1)                            # [N, Kp] one code a byte
         if scheme.bits == 4:
             q = q[:, 0::2] | (q[:, 1::2] << 4)
         return cls(q.contiguous(), s.half().contiguous(), off.half().contiguous(), scheme.bits,
@@ -105,31 +105,45 @@ def _use_kernel(x: torch.Tensor) -> bool:
     return True
 
 
-def linear(x: torch.Tensor, w, bias=None, residual=None):
-    """x (1, K) @ w^T (+ bias) (+ residual): w a tensor (F.linear) or a PackedLinear (the CUDA GEMV
-    on a GPU with Triton, else the torch reference). Output in x's dtype."""
-    if not isinstance(w, PackedLinear):
-        y = F.linear(x, w, bias)
-    elif _use_kernel(x):
+def round_inputs_int8(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """What the int8-input GEMV multiplies (zeroedge.quant.triton_gemv, int8_inputs): the inputs in
+    runs of 32 / bits (one 32-bit word of codes), each run rounded to int8 with the scale max|x| / 127
+    (floor(v + 0.5)), as fp32."""
+    v = 32 // bits
+    k = x.shape[-1]
+    xf = F.pad(x.float(), (0, (-k) % v)).reshape(*x.shape[:-1], -1, v)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.floor(xf * inv + 0.5) * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs: bool = False):
+    """x (1, K) @ w^T (+ bias) (+ residual), after RMSNorm when norm = (weight, eps): w a tensor
+    (F.linear) or a PackedLinear (the CUDA GEMV on a GPU with Triton, the norm and the residual fused
+    into it; else the torch reference). int8_inputs (packed only): the inputs rounded to int8 a word
+    at a time first (round_inputs_int8; the dp4a kernel). Output in x's dtype."""
+    if isinstance(w, PackedLinear) and _use_kernel(x):
         from zeroedge.quant import triton_gemv
 
-        y = triton_gemv.gemv(x, w, residual=residual)
-        residual = None
-        if bias is not None:
-            y = y + bias
+        y = triton_gemv.gemv(x, w, residual=residual, norm=norm, int8_inputs=int8_inputs)
+        return y if bias is None else y + bias
+    if norm is not None:
+        x = F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
+    if isinstance(w, PackedLinear):
+        xf = round_inputs_int8(x, w.bits) if int8_inputs else x.float()
+        y = F.linear(xf, w.dequantize(), None if bias is None else bias.float()).to(x.dtype)
     else:
-        y = F.linear(x.float(), w.dequantize()).to(x.dtype)
-        if bias is not None:
-            y = y + bias
+        y = F.linear(x, w, bias)
     return y if residual is None else residual + y
 
 
-def swiglu(x: torch.Tensor, w13) -> torch.Tensor:
-    """silu(x W_gate^T) * (x W_up^T) with w13 = [W_gate; W_up] (a tensor or a PackedLinear); packed on
-    a GPU, one kernel computes both halves and the product."""
+def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) with w13 = [W_gate; W_up] (a tensor or a PackedLinear), after
+    RMSNorm when norm = (weight, eps); packed on a GPU, one kernel computes the norm, both halves
+    and the product."""
     if isinstance(w13, PackedLinear) and _use_kernel(x):
         from zeroedge.quant import triton_gemv
 
-        return triton_gemv.gemv(x, w13, swiglu=True)
-    g, u = linear(x, w13).chunk(2, -1)
+        return triton_gemv.gemv(x, w13, swiglu=True, norm=norm, int8_inputs=int8_inputs)
+    g, u = linear(x, w13, norm=norm, int8_inputs=int8_inputs).chunk(2, -1)
     return F.silu(g) * u

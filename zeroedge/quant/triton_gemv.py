@@ -1,126 +1,83 @@
 """The decode GEMV over packed group-wise weights (zeroedge.quant.packed.PackedLinear), in Triton, for
 one token: y (1, N) = x (1, K) @ W^T, W read as 4- or 8-bit codes with an fp16 step and offset a group.
 
-A program owns BN output rows and walks the input NG groups at a time: per group it loads the rows'
-code bytes (4 bits: two inputs a byte, the even inputs in the low nibbles), sums codes x inputs and
-the inputs themselves in fp32, and adds  s * sum(q x) + o * sum(x). With SPLIT > 1 a second grid
-axis splits the input into SPLIT ranges whose fp32 partial sums are added after (rows too few to
-fill the GPU: o_proj, down_proj); with SPLIT == 1 the epilogue is fused:
+The codes are read as 32-bit words (8 four-bit or 4 eight-bit codes, the first input in the low
+bits). A program owns BN output rows and walks the input BW words a row at a time: a [BN, BW] tile
+of words (contiguous, 16-byte loads), unpacked code by code against the matching inputs, each word's
+partial sum scaled by its group's step and the group's offset times the inputs' sum:
+y_n = sum_g (s_ng * sum_{k in g} q_nk x_k + o_ng * sum_{k in g} x_k), in fp32. Fused around it:
 
+  norm      x is RMS-normalised first (x * rsqrt(mean(x^2) + eps) * ln): every program computes the
+            norm of x itself, so no separate RMSNorm launch and no normalised copy of x
   swiglu    the rows are [W_gate; W_up]: a program computes gate row n and up row n + N/2 and stores
-            silu(g) * u (one launch, N/2 outputs)
+            silu(g) * u (N/2 outputs)
   residual  y = r + x W^T
 
-Configurations per matrix shape (CONFIG) are the best of an H200 sweep (benchmarks/weights_gpu.md);
-`pick` falls back on a rule for other shapes.
+With SPLIT > 1 a second grid axis splits the input into SPLIT ranges (matrices with few rows);
+each writes fp32 partial sums and one more launch adds them in a fixed order (deterministic) and
+applies the epilogue.
+
+int8 inputs (gemv_i8_kernel, `int8_inputs=True`): each word's inputs (8 for 4-bit codes, 4 for
+8-bit) rounded to int8 with one scale (zeroedge.quant.packed.round_inputs_int8), and the codes x
+inputs summed by dp4a, four products an instruction -- the unpack-convert-multiply of every code is
+what bounds the fp32 kernel (Nsight Compute on gate/up: ~78 instructions a 32-bit word, 119 registers,
+25 % occupancy; 0.5-1.1 TB/s). On the H200: 1.1-1.8x cuBLAS's bf16 GEMV of the same shape, decode
+1.30-1.46x bf16 at 8K; on SmolLM2 the rounding costs under 0.3 % of perplexity (benchmarks/weights.md).
+Triton's interpreter has no inline PTX: there (DP4A False) the same integer sums by shifts.
+
+Launch settings per matrix shape (CONFIG, CONFIG_I8) are the best of an H200 sweep
+(benchmarks/gpu/weights_gpu.py); `pick` falls back on the common choice for other shapes.
+The kernels are in zeroedge.quant.gemv_kernels (imported on first use: it imports Triton).
 """
 from __future__ import annotations
 
 import torch
 
-_K = None
+def _kernels():
+    from zeroedge.quant import gemv_kernels      # imports triton
+
+    return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
 
 
-def _build():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGROUPS, ROWB, GPS,
-                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
-                    SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr):
-        pid = tl.program_id(0)
-        sid = tl.program_id(1)
-        rows = pid * BN + tl.arange(0, BN)
-        rmask = rows < N
-        acc = tl.zeros([BN], dtype=tl.float32)
-        acc2 = tl.zeros([BN], dtype=tl.float32)
-        g_lo = sid * GPS
-        for g0 in range(g_lo, g_lo + GPS, NG):
-            gi = g0 + tl.arange(0, NG)
-            gmask = gi < NGROUPS
-            m2 = rmask[:, None] & gmask[None, :]
-            if BITS == 4:
-                j = tl.arange(0, G // 2)
-                k = gi[:, None] * G + 2 * j[None, :]                                  # [NG, G/2]
-                xe = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + k + 1, mask=k + 1 < K, other=0.0).to(tl.float32)
-                xs = tl.sum(xe + xo, axis=1)                                          # [NG]
-                boff = gi[:, None] * (G // 2) + j[None, :]
-                qb = tl.load(q_ptr + rows[:, None, None] * ROWB + boff[None, :, :],
-                             mask=m2[:, :, None], other=0)                            # [BN, NG, G/2]
-                dot = tl.sum((qb & 15).to(tl.float32) * xe[None, :, :]
-                             + (qb >> 4).to(tl.float32) * xo[None, :, :], axis=2)     # [BN, NG]
-                if SWIGLU:
-                    qb2 = tl.load(q_ptr + (rows + N)[:, None, None] * ROWB + boff[None, :, :],
-                                  mask=m2[:, :, None], other=0)
-                    dot2 = tl.sum((qb2 & 15).to(tl.float32) * xe[None, :, :]
-                                  + (qb2 >> 4).to(tl.float32) * xo[None, :, :], axis=2)
-            else:
-                j = tl.arange(0, G)
-                k = gi[:, None] * G + j[None, :]                                      # [NG, G]
-                xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                xs = tl.sum(xk, axis=1)
-                qb = tl.load(q_ptr + rows[:, None, None] * ROWB + k[None, :, :],
-                             mask=m2[:, :, None], other=0)
-                dot = tl.sum(qb.to(tl.float32) * xk[None, :, :], axis=2)
-                if SWIGLU:
-                    qb2 = tl.load(q_ptr + (rows + N)[:, None, None] * ROWB + k[None, :, :],
-                                  mask=m2[:, :, None], other=0)
-                    dot2 = tl.sum(qb2.to(tl.float32) * xk[None, :, :], axis=2)
-            so = rows[:, None] * NGROUPS + gi[None, :]
-            s = tl.load(s_ptr + so, mask=m2, other=0.0).to(tl.float32)
-            o = tl.load(o_ptr + so, mask=m2, other=0.0).to(tl.float32)
-            acc += tl.sum(dot * s + o * xs[None, :], axis=1)
-            if SWIGLU:
-                so2 = (rows + N)[:, None] * NGROUPS + gi[None, :]
-                s2 = tl.load(s_ptr + so2, mask=m2, other=0.0).to(tl.float32)
-                o2 = tl.load(o_ptr + so2, mask=m2, other=0.0).to(tl.float32)
-                acc2 += tl.sum(dot2 * s2 + o2 * xs[None, :], axis=1)
-        if SPLIT > 1:
-            tl.store(y_ptr + sid * N + rows, acc, mask=rmask)            # fp32 partial sums
-        else:
-            if SWIGLU:
-                acc = acc * tl.sigmoid(acc) * acc2
-            if RES:
-                acc += tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
-
-    return gemv_kernel
+# (rows N, inputs K, bits, group) -> launch settings: the best of the H200 sweep at llama-3.2-1b's
+# shapes (benchmarks/gpu/weights_gpu.py, benchmarks/weights_gpu.json)
+CONFIG: dict = {
+    (3072, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=2, num_warps=4),      # q/k/v
+    (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=4),
+    (2048, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=4),      # o_proj
+    (2048, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=2, num_warps=4),
+    (16384, 2048, 4, 32): dict(BN=4, BW=128, SPLIT=1, num_warps=4),     # gate/up
+    (16384, 2048, 4, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),
+    (2048, 8192, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=4),      # down_proj
+    (2048, 8192, 4, 128): dict(BN=4, BW=256, SPLIT=1, num_warps=4),
+    (128256, 2048, 8, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),   # LM head, int8
+}
+CONFIG_I8: dict = {     # the same for the int8-input kernel
+    (3072, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=4),
+    (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=4),
+    (2048, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=2, num_warps=8),
+    (2048, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=2, num_warps=4),
+    (16384, 2048, 4, 32): dict(BN=2, BW=256, SPLIT=1, num_warps=4),
+    (16384, 2048, 4, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),
+    (2048, 8192, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=8),
+    (2048, 8192, 4, 128): dict(BN=4, BW=256, SPLIT=1, num_warps=8),
+    (128256, 2048, 8, 128): dict(BN=8, BW=256, SPLIT=1, num_warps=4),
+}
 
 
-def _kernel():
-    global _K
-    if _K is None:
-        _K = _build()
-    return _K
-
-
-# (rows N, inputs K) -> launch settings; filled from the H200 sweep (benchmarks/gpu/weights_gpu.py)
-CONFIG: dict = {}
-
-
-def pick(n: int, k: int, bits: int, group: int) -> dict:
-    """Launch settings for an [n, k] weight: the sweep's where it measured this shape, else a rule:
-    ~1/4 KiB of codes a row an iteration, 8 rows a program, the input split while there are fewer
-    than ~1024 programs."""
-    c = CONFIG.get((n, k, bits, group))
+def pick(n: int, k: int, bits: int, group: int, int8_inputs: bool = False) -> dict:
+    """Launch settings for an [n, k] weight: the sweep's where it measured this shape, else its
+    common choice: 4 rows a program, 256 words (1 KiB) a row an iteration, the input split in two
+    while there are fewer than ~600 programs and each split keeps a whole iteration."""
+    c = (CONFIG_I8 if int8_inputs else CONFIG).get((n, k, bits, group))
     if c is not None:
         return dict(c)
-    ng = max(1, min(_pow2_floor(256 * 8 // (group * bits)), _pow2_ceil(-(-k // group))))
-    bn = 8
-    split = 1
-    groups = -(-k // group)
-    while -(-n // bn) * split < 1024 and groups // (split * 2) >= ng and split < 16:
-        split *= 2
-    return dict(BN=bn, NG=ng, SPLIT=split, num_warps=4)
-
-
-def _pow2_floor(n: int) -> int:
-    p = 1
-    while p * 2 <= n:
-        p *= 2
-    return p
+    words = -(-k // group) * group * bits // 32
+    bw = min(256, _pow2_ceil(words))
+    bn, split = 4, 1
+    if -(-n // bn) < 600 and words >= 2 * bw:
+        split = 2
+    return dict(BN=bn, BW=bw, SPLIT=split, num_warps=4)
 
 
 def _pow2_ceil(n: int) -> int:
@@ -130,31 +87,34 @@ def _pow2_ceil(n: int) -> int:
     return p
 
 
-def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, out=None, config=None) -> torch.Tensor:
-    """x (1, K) or (K,) -> (1, N) (swiglu: (1, N / 2)) in x's dtype; w a PackedLinear on x's device."""
+def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out=None,
+         config=None, int8_inputs: bool = False) -> torch.Tensor:
+    """x (1, K) or (K,) -> (1, N) (swiglu: (1, N / 2)) in x's dtype; w a PackedLinear on x's device;
+    norm: (ln weight, eps) to RMS-normalise x first; residual: added to the output; int8_inputs: the
+    dp4a kernel (each word's inputs rounded to int8, zeroedge.quant.packed.int8_inputs)."""
     xf = x.reshape(-1)
     if xf.numel() != w.k:
         raise ValueError(f"gemv: x has {xf.numel()} inputs, the weight takes {w.k}")
     n = w.n // 2 if swiglu else w.n
-    c = dict(config) if config else pick(w.n, w.k, w.bits, w.group)
+    c = dict(config) if config else pick(w.n, w.k, w.bits, w.group, int8_inputs)
     split = c.pop("SPLIT", 1)
-    if swiglu and split > 1:
-        split = 1                      # the fused product needs whole sums
-    gps = -(-w.groups // split)
-    gps = -(-gps // c["NG"]) * c["NG"]
-    split = -(-w.groups // gps)
-    if split > 1:
-        part = torch.empty(split, n, device=x.device, dtype=torch.float32)
-        _kernel()[(-(-n // c["BN"]), split)](xf, w.q, w.scale, w.offset, part, part, n, w.k, w.groups,
-                                            w.q.shape[1], gps, BITS=w.bits, G=w.group, SWIGLU=False,
-                                            RES=False, SPLIT=split, **c)
-        y = part.sum(0, keepdim=True)
-        if residual is not None:
-            y = y + residual.reshape(1, -1).float()
-        return y.to(x.dtype) if out is None else out.copy_(y)
+    roww = w.q.shape[1] // 4
+    c["BW"] = min(c["BW"], _pow2_ceil(roww))
+    wps = -(-roww // split)
+    wps = -(-wps // c["BW"]) * c["BW"]               # whole tiles a split
+    split = -(-roww // wps)
+    ln, eps = norm if norm is not None else (xf, 0.0)
     y = out if out is not None else torch.empty(1, n, device=x.device, dtype=x.dtype)
     r = residual.reshape(-1) if residual is not None else y
-    _kernel()[(-(-n // c["BN"]), 1)](xf, w.q, w.scale, w.offset, y, r, n, w.k, w.groups, w.q.shape[1], gps,
-                                    BITS=w.bits, G=w.group, SWIGLU=swiglu, RES=residual is not None,
-                                    SPLIT=1, **c)
+    gk, fk, ik = _kernels()
+    extra = {}
+    if int8_inputs:
+        gk, extra = ik, dict(DP4A=x.device.type == "cuda")
+    dst = torch.empty(split, 2 * n if swiglu else n, device=x.device, dtype=torch.float32) if split > 1 else y
+    gk[(-(-n // c["BN"]), split)](xf, ln, float(eps), w.q.view(torch.int32), w.scale, w.offset, dst, r, n, w.k,
+                                  w.groups, roww, wps, BITS=w.bits, G=w.group, NB=min(1024, _pow2_ceil(w.k)),
+                                  NORM=norm is not None, SWIGLU=swiglu, RES=residual is not None and split == 1,
+                                  SPLIT=split, **c, **extra)
+    if split > 1:
+        fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024)
     return y

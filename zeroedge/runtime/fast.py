@@ -33,30 +33,40 @@ class _Weights:
     """Per-layer fused weights, built once per model: q/k/v and gate/up concatenated, and the model's
     own Linear weights re-pointed at row slices of them, so the model holds one copy (on a 1B model
     in bf16, 1.3 GB less than keeping both). A model whose weights section was applied with packing
-    (zeroedge.quant.apply, pack=True) also gets the packed 4- / 8-bit forms, fused the same way, on
-    the model's device: the step reads those (`packed`); the fp ones stay for paths and prefill."""
+    (zeroedge.quant.apply, pack=True) also has packed 4- / 8-bit forms: `packed()` fuses them the
+    same way, on the model's device, once."""
 
     def __init__(self, model):
+        self.model = model
         self.layers = []
-        dev = next(model.parameters()).device
+        self._packed = None
         for blk in model.layers:
             a, mlp = blk.self_attn, blk.mlp
             wqkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
             bqkv = (_fuse(a.q_proj, a.k_proj, a.v_proj, name="bias") if a.q_proj.bias is not None else None)
             w13 = _fuse(mlp.gate_proj, mlp.up_proj)
-            layer = dict(
+            self.layers.append(dict(
                 ln1=blk.input_layernorm.weight, eps1=blk.input_layernorm.eps, wqkv=wqkv, bqkv=bqkv,
                 wo=a.o_proj.weight, ln2=blk.post_attention_layernorm.weight,
-                eps2=blk.post_attention_layernorm.eps, w13=w13, w2=mlp.down_proj.weight)
-            if getattr(a.q_proj, "packed", None) is not None:
-                cat = PackedLinear.cat
-                layer["packed"] = dict(
-                    wqkv=cat([lin.packed.to(dev) for lin in (a.q_proj, a.k_proj, a.v_proj)]),
-                    wo=a.o_proj.packed.to(dev), w13=cat([mlp.gate_proj.packed.to(dev), mlp.up_proj.packed.to(dev)]),
-                    w2=mlp.down_proj.packed.to(dev))
-            self.layers.append(layer)
-        head = getattr(model.lm_head, "packed", None)
-        self.lm_head = head.to(dev) if head is not None else None
+                eps2=blk.post_attention_layernorm.eps, w13=w13, w2=mlp.down_proj.weight))
+
+    def has_packed(self) -> bool:
+        return getattr(self.model.layers[0].self_attn.q_proj, "packed", None) is not None
+
+    def packed(self):
+        """(per layer {wqkv, wo, w13, w2: PackedLinear}, the LM head's PackedLinear or None)."""
+        if self._packed is None:
+            dev = next(self.model.parameters()).device
+            layers = []
+            for blk in self.model.layers:
+                a, mlp = blk.self_attn, blk.mlp
+                layers.append(dict(
+                    wqkv=PackedLinear.cat([lin.packed.to(dev) for lin in (a.q_proj, a.k_proj, a.v_proj)]),
+                    wo=a.o_proj.packed.to(dev), w2=mlp.down_proj.packed.to(dev),
+                    w13=PackedLinear.cat([mlp.gate_proj.packed.to(dev), mlp.up_proj.packed.to(dev)])))
+            head = getattr(self.model.lm_head, "packed", None)
+            self._packed = (layers, head.to(dev) if head is not None else None)
+        return self._packed
 
 
 def _fuse(*linears, name: str = "weight"):
@@ -68,6 +78,11 @@ def _fuse(*linears, name: str = "weight"):
         setattr(lin, name, torch.nn.Parameter(fused[row:row + p.shape[0]], requires_grad=p.requires_grad))
         row += p.shape[0]
     return fused
+
+
+def forget_fused_weights(model) -> None:
+    """Drop the model's fused-weight cache (its weights changed: the next decoder fuses them anew)."""
+    model.__dict__.pop("_zeroedge_fused", None)
 
 
 def fused_weights(model) -> _Weights:
@@ -83,19 +98,22 @@ def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd:
     """zeroedge.model.Attention.project for one token on fused weights (RMSNorm first):
     -> q (H, hd) after RoPE, kv (2, nkv, hd): the new token's key (after RoPE) and value stacked,
     so the cache takes them in one write (and compiled, the stack fuses into the RoPE kernel)."""
-    h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
-    qkv = packed.linear(h, wqkv, bqkv).view(H + 2 * nkv, hd)
+    return _rope_fn(packed.linear(x, wqkv, bqkv, norm=(ln1, eps)), cos, sin, H, nkv, hd)
+
+
+def _rope_fn(qkv, cos, sin, H: int, nkv: int, hd: int):
+    qkv = qkv.view(H + 2 * nkv, hd)
     qk = qkv[: H + nkv]
     qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
     return qk[:H], torch.stack((qk[H:], qkv[H + nkv:]))
 
 
-def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2):
+def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2, i8: bool = False):
     """The rest of zeroedge.model.Block.forward for one token: o_proj, residual, RMSNorm, SwiGLU FFN
-    (weights fp or packed: zeroedge.quant.packed fuses the residuals and the SwiGLU into its GEMVs)."""
-    x = packed.linear(o.reshape(1, -1), wo, residual=x)
-    h = F.rms_norm(x, (x.shape[-1],), ln2, eps)
-    return packed.linear(packed.swiglu(h, w13), w2, residual=x)
+    (weights fp or packed: zeroedge.quant.packed fuses the norm, the residuals and the SwiGLU into
+    its GEMVs; i8: packed GEMVs on int8-rounded inputs)."""
+    x = packed.linear(o.reshape(1, -1), wo, residual=x, int8_inputs=i8)
+    return packed.linear(packed.swiglu(x, w13, norm=(ln2, eps), int8_inputs=i8), w2, residual=x, int8_inputs=i8)
 
 
 _COMPILED = {}
@@ -114,7 +132,8 @@ class Decoder:
 
     compile = False
 
-    def __init__(self, model, attention, ffn=None, graph: bool = True):
+    def __init__(self, model, attention, ffn=None, graph: bool = True, packed: Optional[bool] = None,
+                 int8_inputs: bool = False):
         self.m = model
         cfg = model.cfg
         self.cfg = cfg
@@ -125,6 +144,17 @@ class Decoder:
             raise ValueError("the fast decoders need unpruned attention heads")
         self.max_len = max_len = attention.max_len
         self.W = fused_weights(model)
+        # packed weights (zeroedge.quant.packed) where the GEMV kernel runs: a CUDA device. Elsewhere
+        # the fp weights, which apply(pack=True) made equal to the packed ones (packed=True forces
+        # them: the torch reference dequantizes every step, for tests)
+        if packed is None:
+            packed = self.W.has_packed() and self.device.type == "cuda"
+        if packed and not self.W.has_packed():
+            raise ValueError("packed=True needs a model with packed weights (zeroedge.quant.apply, pack=True)")
+        self.packed_layers, self.packed_head = self.W.packed() if packed else (None, None)
+        if int8_inputs and not packed:
+            raise ValueError("int8_inputs is an option of the packed GEMV (a model with packed weights)")
+        self.int8_inputs = int8_inputs          # dp4a on int8-rounded inputs (zeroedge.quant.triton_gemv)
         pos = torch.arange(max_len, device=self.device, dtype=torch.float32)
         f = torch.outer(pos, model.inv_freq.to(self.device).float())
         self.cos = torch.cat((f, f), -1).cos().to(self.dtype)
@@ -163,17 +193,28 @@ class Decoder:
         sin = self.sin_signed.index_select(0, self.pos)
         x = m.embed_tokens(self.tok)                     # (1, dim)
         self.attention.per_step(self.pos)
-        compiled = self.compile and self.W.lm_head is None     # packed GEMVs run as they are
-        f_in = _compiled(_layer_in_fn) if compiled else _layer_in_fn
-        f_out = _compiled(_layer_out_fn) if compiled else _layer_out_fn
+        if self.packed_layers is None:
+            f_in = _compiled(_layer_in_fn) if self.compile else _layer_in_fn
+            f_out = _compiled(_layer_out_fn) if self.compile else _layer_out_fn
+        else:                                   # packed: the GEMVs run as they are, RoPE compiled
+            rope = _compiled(_rope_fn) if self.compile else _rope_fn
+
+            i8 = self.int8_inputs
+
+            def f_in(x, ln1, eps, wqkv, bqkv, cos, sin, H, nkv, hd):
+                return rope(packed.linear(x, wqkv, bqkv, norm=(ln1, eps), int8_inputs=i8), cos, sin, H, nkv, hd)
+
+            def f_out(*args):
+                return _layer_out_fn(*args, i8=i8)
         for li, w in enumerate(self.W.layers):
-            pw = w.get("packed", w)
+            pw = w if self.packed_layers is None else self.packed_layers[li]
             q, kv = f_in(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
             o = self.attention.attend(li, q, kv, flag)   # (H, hd)
-            y = self.ffn.out(li, w, x, o) if self.ffn is not None else None
+            y = self.ffn.out(li, w, pw["wo"], x, o) if self.ffn is not None else None
             x = f_out(x, o, pw["wo"], w["ln2"], w["eps2"], pw["w13"], pw["w2"]) if y is None else y
-        h = m.norm(x)
-        return (m.lm_head(h) if self.W.lm_head is None else packed.linear(h, self.W.lm_head))[0]
+        if self.packed_head is None:
+            return m.lm_head(m.norm(x))[0]
+        return packed.linear(x, self.packed_head, norm=(m.norm.weight, m.norm.eps), int8_inputs=self.int8_inputs)[0]
 
     def step(self, token: int, pos: int):
         """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA)."""
@@ -251,29 +292,32 @@ class DenseAttention:
 
 
 class DenseDecoder(Decoder):
-    def __init__(self, model, max_len: int, graph: bool = True, attn: str = "sdpa"):
-        super().__init__(model, DenseAttention(max_len, attn), None, graph)
+    def __init__(self, model, max_len: int, graph: bool = True, attn: str = "sdpa", packed: Optional[bool] = None,
+                 int8_inputs: bool = False):
+        super().__init__(model, DenseAttention(max_len, attn), None, graph, packed, int8_inputs)
 
 
 class ThermalDecoder(Decoder):
     """Decode over a prefix of P tokens with a thermal cache (zeroedge.kv.attention)."""
 
-    def __init__(self, model, prefix_len: int, gen_len: int, graph: bool = True, **thermal):
-        super().__init__(model, ThermalAttention(prefix_len, gen_len, **thermal), None, graph)
+    def __init__(self, model, prefix_len: int, gen_len: int, graph: bool = True, packed: Optional[bool] = None,
+                 int8_inputs: bool = False, **thermal):
+        super().__init__(model, ThermalAttention(prefix_len, gen_len, **thermal), None, graph, packed, int8_inputs)
 
 
 class PathsDecoder(Decoder):
     """The dense cache with decode paths on the policies' layers (zeroedge.paths.ffn)."""
 
     def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa",
-                 kernels: str = "auto", kernels_lib=None):
-        super().__init__(model, DenseAttention(max_len, attn), PathsFFN(policies, kernels, kernels_lib), graph)
+                 kernels: str = "auto", kernels_lib=None, packed: Optional[bool] = None, int8_inputs: bool = False):
+        super().__init__(model, DenseAttention(max_len, attn), PathsFFN(policies, kernels, kernels_lib), graph,
+                         packed, int8_inputs)
 
 
 class ThermalPathsDecoder(Decoder):
     """Thermal KV and decode paths in one step."""
 
     def __init__(self, model, prefix_len: int, gen_len: int, policies: dict, graph: bool = True,
-                 kernels: str = "auto", **thermal):
+                 kernels: str = "auto", packed: Optional[bool] = None, int8_inputs: bool = False, **thermal):
         super().__init__(model, ThermalAttention(prefix_len, gen_len, **thermal), PathsFFN(policies, kernels),
-                         graph)
+                         graph, packed, int8_inputs)

@@ -88,22 +88,47 @@ def _sih_not_applied(paths) -> List[str]:
             "them (zeroedge export MODEL --calib ARTIFACT, then run --backend onnxruntime or tensorrt)"]
 
 
-def path_policies(model, paths, where="artifact") -> dict:
-    """paths: an artifact folder, or (meta, tensors). Returns the per-layer policies for `model`,
-    or UserError naming what is missing / which model the artifact was made for."""
+def _artifact(calib, where="artifact"):
+    """calib: an artifact folder, or (meta, tensors) -> (meta, tensors, where), checked to hold a
+    paths or a weights section and to say which model it was made for."""
     from zeroedge import calib_artifact
-    from zeroedge.paths.policies import policies_from_artifact
 
-    if isinstance(paths, (tuple, list)):
-        meta, tensors = paths
+    if isinstance(calib, (tuple, list)):
+        meta, tensors = calib
     else:
-        where = str(paths)
-        calib_artifact.read(paths).require_paths()        # before the tensors are loaded
-        meta, tensors = calib_artifact.load(paths)
+        where = str(calib)
+        cal = calib_artifact.read(calib)
+        if cal.weights is None:
+            cal.require_paths()                           # before the tensors are loaded
+        meta, tensors = calib_artifact.load(calib)
     if "model" not in meta:
         raise UserError(f"{where} does not say which model it was made for (meta section 'model' is "
                         "missing)")
+    return meta, tensors, where
+
+
+def path_policies(model, paths, where="artifact") -> dict:
+    """paths: an artifact folder, or (meta, tensors). Returns the per-layer policies for `model`,
+    or UserError naming what is missing / which model the artifact was made for."""
+    from zeroedge.paths.policies import policies_from_artifact
+
+    meta, tensors, where = _artifact(paths, where)
     return policies_from_artifact(model, meta, tensors, where)
+
+
+def quantize_weights(model, calib, where="artifact"):
+    """Apply the artifact's weights section to `model` in place, packed (zeroedge.quant.apply with
+    pack=True: the decoders read the 4-bit forms with the CUDA GEMV, and prefill the same weights);
+    returns the WeightsSection, or None when the artifact has none."""
+    from zeroedge.quant.apply import MARK, apply_artifact
+
+    meta, tensors, where = _artifact(calib, where)
+    if getattr(model, MARK, None):
+        raise UserError(f"{where}: this model's weights are already quantized ({getattr(model, MARK)})")
+    from zeroedge.runtime.fast import forget_fused_weights
+
+    forget_fused_weights(model)                        # decoders built before fuse the new weights
+    return apply_artifact(model, meta, tensors, where=where, pack=True)
 
 
 class ServingSession:
@@ -152,10 +177,18 @@ class ServingSession:
             self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg, engines, plugin_lib)
         self.bundle_paths = []
         self.not_applied: List[str] = []   # what the artifact holds that this backend does not run
+        self.weights = None                # the artifact's weights section, applied (torch backend)
         if backend == "torch":
             if paths is not None:
-                self.policies = path_policies(model, paths)
-                self.not_applied = _sih_not_applied(paths)
+                from zeroedge import calib_artifact
+
+                meta, tensors, where = _artifact(paths)
+                cal = calib_artifact.Calibration.from_meta(meta, where)
+                if cal.weights is not None:
+                    self.weights = quantize_weights(model, (meta, tensors), where)
+                if cal.paths is not None or cal.weights is None:
+                    self.policies = path_policies(model, (meta, tensors), where)
+                self.not_applied = _sih_not_applied((meta, tensors))
         else:
             # bundle backends: decode paths are nodes of the bundle's decode graph (zeroedge export with
             # a paths artifact), on for every request; a paths artifact here would be a second source
@@ -304,6 +337,8 @@ class ServingSession:
                "paths_level": self.paths_gate.level}
         if self.not_applied:
             out["not_applied"] = list(self.not_applied)
+        if self.weights is not None:
+            out["weights"] = self.weights.describe()
         if self.kv_budget is None:
             out["thermal_kv_reason"] = "no KV budget given"
         elif not self.thermal_gate.allows(n, temperature):
@@ -414,6 +449,8 @@ class ServingSession:
         t0 = time.perf_counter()
         # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
         dev = next(m.parameters()).device
+        # packed weights on a GPU: the GEMV on int8-rounded inputs (dp4a; benchmarks/weights.md: +0.1 % ppl)
+        i8 = self.weights is not None and dev.type == "cuda"
         if thermal:
             kw = dict(budget=budget, page_size=ps, **self.thermal_opts)
             kw["cold"] = cold or self._cold_store(dev)
@@ -422,8 +459,8 @@ class ServingSession:
             G = T - P + max_new
 
             def decoder():
-                return (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, **kw) if mech["paths"]
-                        else ThermalDecoder(m, P, G, graph=self.graph, **kw))
+                return (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, int8_inputs=i8, **kw)
+                        if mech["paths"] else ThermalDecoder(m, P, G, graph=self.graph, int8_inputs=i8, **kw))
 
             if kw["cold"] != "host":            # the prefill writes int8 / int4 K/V straight into the cold store
                 dec = decoder()
@@ -434,11 +471,15 @@ class ServingSession:
             dec.load_prefix(ks, vs, qcov)
             del ks, vs, qcov                    # the prefill cache goes here
         else:
-            dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph) if mech["paths"]
-                   else DenseDecoder(m, T + max_new, graph=self.graph))
+            dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph, int8_inputs=i8) if mech["paths"]
+                   else DenseDecoder(m, T + max_new, graph=self.graph, int8_inputs=i8))
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
                 chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
+        if self.weights is not None:
+            mech["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
+                                      else "packed GEMV" if dec.packed_layers is not None
+                                      else "dequantized weights (no packed GEMV on this device)")
         pick = self._sampler(temperature, seed)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
         slot_page = dec.attention.slot_page if thermal else None

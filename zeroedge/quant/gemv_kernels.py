@@ -1,0 +1,159 @@
+"""The Triton kernels of zeroedge.quant.triton_gemv (what they compute and how: its docstring). This
+module imports Triton; triton_gemv imports it on first use."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rstd(x_ptr, eps, K, NB: tl.constexpr):
+    """1 / RMS of x (K values), eps inside the root."""
+    ss = tl.zeros([NB], dtype=tl.float32)
+    for k0 in range(0, K, NB):
+        kk = k0 + tl.arange(0, NB)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        ss += xv * xv
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """Store a program's row sums y (and y2, the up rows): fp32 partials with SPLIT > 1 ([SPLIT, N],
+    swiglu [SPLIT, 2N]), else the output after the fused SwiGLU / residual."""
+    if SPLIT > 1:
+        if SWIGLU:
+            tl.store(y_ptr + sid * 2 * N + rows, y, mask=rmask)
+            tl.store(y_ptr + sid * 2 * N + N + rows, y2, mask=rmask)
+        else:
+            tl.store(y_ptr + sid * N + rows, y, mask=rmask)
+    else:
+        if SWIGLU:
+            y = y * tl.sigmoid(y) * y2
+        if RES:
+            y += tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGROUPS, ROWW, WPS,
+                BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
+                SPLIT: tl.constexpr):
+    VALS: tl.constexpr = 32 // BITS          # codes a word
+    WG: tl.constexpr = G // VALS             # words a group
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
+    acc = tl.zeros([BN], dtype=tl.float32)
+    acc2 = tl.zeros([BN], dtype=tl.float32)
+    w_lo = sid * WPS
+    for w0 in range(w_lo, w_lo + WPS, BW):
+        wi = w0 + tl.arange(0, BW)
+        m2 = rmask[:, None] & (wi < ROWW)[None, :]
+        qw = tl.load(q_ptr + rows[:, None] * ROWW + wi[None, :], mask=m2, other=0)      # [BN, BW]
+        if SWIGLU:
+            qw2 = tl.load(q_ptr + (rows + N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
+        part = tl.zeros([BN, BW], dtype=tl.float32)
+        part2 = tl.zeros([BN, BW], dtype=tl.float32)
+        xs = tl.zeros([BW], dtype=tl.float32)
+        for i in tl.static_range(VALS):      # code i of every word meets input VALS * word + i
+            k = wi * VALS + i
+            xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            if NORM:
+                xv = xv * tl.load(ln_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            xs += xv
+            part += ((qw >> (BITS * i)) & MASK).to(tl.float32) * xv[None, :]
+            if SWIGLU:
+                part2 += ((qw2 >> (BITS * i)) & MASK).to(tl.float32) * xv[None, :]
+        so = rows[:, None] * NGROUPS + (wi // WG)[None, :]                              # a word's group
+        s = tl.load(s_ptr + so, mask=m2, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + so, mask=m2, other=0.0).to(tl.float32)
+        acc += tl.sum(part * s + o * xs[None, :], axis=1)
+        if SWIGLU:
+            s2 = tl.load(s_ptr + so + N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
+            o2 = tl.load(o_ptr + so + N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
+            acc2 += tl.sum(part2 * s2 + o2 * xs[None, :], axis=1)
+    _finish(acc * rstd, acc2 * rstd, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU, RES, SPLIT)
+
+
+@triton.jit
+def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGROUPS, ROWW, WPS,
+                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                   NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
+                   SPLIT: tl.constexpr, DP4A: tl.constexpr):
+    # each word's inputs rounded to int8 (one scale a word), packed four to a 32-bit word in the byte
+    # order of the codes they meet, codes x inputs summed by dp4a (DP4A False: the same integers by
+    # shifts, for Triton's interpreter, which has no inline PTX)
+    VALS: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = G // VALS
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
+    acc = tl.zeros([BN], dtype=tl.float32)
+    acc2 = tl.zeros([BN], dtype=tl.float32)
+    sh = tl.arange(0, 4) * 8
+    w_lo = sid * WPS
+    for w0 in range(w_lo, w_lo + WPS, BW):
+        wi = w0 + tl.arange(0, BW)
+        m2 = rmask[:, None] & (wi < ROWW)[None, :]
+        k8 = wi[:, None] * VALS + tl.arange(0, VALS)[None, :]                          # [BW, VALS]
+        xv = tl.load(x_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
+        if NORM:
+            xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(xv), axis=1)                                               # [BW]
+        xq = tl.floor(xv * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
+        dx = (amax / 127.0)[None, :]
+        xs = tl.sum(xq, axis=1).to(tl.float32) * (amax / 127.0)      # the offsets see the same inputs
+        if BITS == 4:       # low nibbles of a word's bytes meet the even inputs, high nibbles the odd
+            xe, xo = tl.split(tl.reshape(xq, [BW, VALS // 2, 2]))
+            pa = tl.broadcast_to(tl.sum((xe & 255) << sh[None, :], axis=1)[None, :], [BN, BW])
+            pb = tl.broadcast_to(tl.sum((xo & 255) << sh[None, :], axis=1)[None, :], [BN, BW])
+        else:
+            pa = tl.broadcast_to(tl.sum((xq & 255) << sh[None, :], axis=1)[None, :], [BN, BW])
+            pb = pa
+        so = rows[:, None] * NGROUPS + (wi // WG)[None, :]
+        for h in tl.static_range(2 if SWIGLU else 1):                    # h 1: the up rows
+            qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
+            d = tl.zeros([BN, BW], dtype=tl.int32)
+            for t in tl.static_range(2 if BITS == 4 else 1):
+                a = (qw if BITS == 8 else qw & 0x0F0F0F0F) if t == 0 else (qw >> 4) & 0x0F0F0F0F
+                b = pa if t == 0 else pb
+                if DP4A:        # four byte products summed into d, one instruction
+                    d = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, d],
+                                                  dtype=tl.int32, is_pure=True, pack=1)
+                else:
+                    for j in tl.static_range(4):
+                        d += ((a >> (8 * j)) & 255) * ((b << (24 - 8 * j)) >> 24)
+            s = tl.load(s_ptr + so + h * N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + so + h * N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
+            contrib = tl.sum(d.to(tl.float32) * dx * s + o * xs[None, :], axis=1)
+            if h == 0:
+                acc += contrib
+            else:
+                acc2 += contrib
+    _finish(acc * rstd, acc2 * rstd, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU, RES, SPLIT)
+
+
+@triton.jit
+def finish_kernel(part_ptr, y_ptr, r_ptr, N, SPLIT: tl.constexpr, SWIGLU: tl.constexpr,
+                  RES: tl.constexpr, BLOCK: tl.constexpr):
+    """Adds the SPLIT partial sums in a fixed order and applies the SwiGLU / residual epilogue."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    width = 2 * N if SWIGLU else N
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    u = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        y += tl.load(part_ptr + s * width + offs, mask=m, other=0.0)
+        if SWIGLU:
+            u += tl.load(part_ptr + s * width + N + offs, mask=m, other=0.0)
+    if SWIGLU:
+        y = y * tl.sigmoid(y) * u
+    if RES:
+        y += tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)

@@ -79,6 +79,8 @@ def test_decoders_over_packed_weights_compute_the_quantized_model():
     assert isinstance(w["wqkv"], PackedLinear) and w["wqkv"].n == 64 + 2 * 32
     assert isinstance(w["w13"], PackedLinear) and w["w13"].n == 2 * 128
     assert isinstance(dense.packed_head, PackedLinear) and dense.packed_head.bits == 8
+    k = m.layers[0].self_attn.k_proj.packed                    # one copy: the linears' forms are row views
+    assert k.q.untyped_storage().data_ptr() == w["wqkv"].q.untyped_storage().data_ptr() and k.n == 32
     i8 = DenseDecoder(m, 72, graph=False, packed=True, int8_inputs=True)   # int8-rounded GEMV inputs
     i8.load_prefix(pre["k"], pre["v"])
     for t in range(P, 72):
@@ -187,3 +189,11 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
     assert s.generate(list(range(5, 30)), 3).mechanisms["weights"] == s.weights.describe()
     with pytest.raises(UserError, match="already quantized"):
         ServingSession(m, paths=art)
+    # under a memory cap the packed forms count beside the model's own weights
+    from zeroedge.runtime.memory import weights_bytes
+
+    packed = s._packed_bytes()
+    assert packed > 0
+    m2, _ = weights.load(tiny_hf)
+    with pytest.raises(UserError, match="do not fit"):
+        ServingSession(m2.eval(), paths=art, device_memory=weights_bytes(m2.cfg, 4) + packed // 2)

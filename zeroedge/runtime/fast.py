@@ -60,10 +60,9 @@ class _Weights:
             layers = []
             for blk in self.model.layers:
                 a, mlp = blk.self_attn, blk.mlp
-                layers.append(dict(
-                    wqkv=PackedLinear.cat([lin.packed.to(dev) for lin in (a.q_proj, a.k_proj, a.v_proj)]),
-                    wo=a.o_proj.packed.to(dev), w2=mlp.down_proj.packed.to(dev),
-                    w13=PackedLinear.cat([mlp.gate_proj.packed.to(dev), mlp.up_proj.packed.to(dev)])))
+                a.o_proj.packed, mlp.down_proj.packed = a.o_proj.packed.to(dev), mlp.down_proj.packed.to(dev)
+                layers.append(dict(wqkv=_fuse_packed(a.q_proj, a.k_proj, a.v_proj, dev=dev), wo=a.o_proj.packed,
+                                   w13=_fuse_packed(mlp.gate_proj, mlp.up_proj, dev=dev), w2=mlp.down_proj.packed))
             head = getattr(self.model.lm_head, "packed", None)
             self._packed = (layers, head.to(dev) if head is not None else None)
         return self._packed
@@ -77,6 +76,19 @@ def _fuse(*linears, name: str = "weight"):
     for lin, p in zip(linears, parts):
         setattr(lin, name, torch.nn.Parameter(fused[row:row + p.shape[0]], requires_grad=p.requires_grad))
         row += p.shape[0]
+    return fused
+
+
+def _fuse_packed(*linears, dev):
+    """The linears' packed forms stacked along rows on `dev`; each linear's own becomes a view of its
+    rows (one copy, as _fuse for the fp weights)."""
+    fused = PackedLinear.cat([lin.packed.to(dev) for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.packed.n
+        lin.packed = PackedLinear(fused.q[row:row + n], fused.scale[row:row + n], fused.offset[row:row + n],
+                                  fused.bits, fused.group, fused.k)
+        row += n
     return fused
 
 

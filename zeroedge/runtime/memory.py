@@ -3,7 +3,8 @@
 thermal KV when dense KV would not fit, from these numbers.
 
   weights      the model's parameters (the fast decoder's fused q/k/v and gate/up matrices are
-               the model's own storage: zeroedge.runtime.fast._Weights)
+               the model's own storage: zeroedge.runtime.fast._Weights), plus the packed 4- / 8-bit
+               forms of a model whose weights section was applied (`packed`, zeroedge.quant.packed)
   prefill_kv   the prompt's K/V in a prefill cache of its own (zeroedge.model.chunked_prefill), alive
                until the decoder has taken it: thermal with the pinned-host cold store only (dense
                prefills into the decoder's cache, thermal int8 / int4 into its cold store)
@@ -41,7 +42,7 @@ def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:
 
 def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Optional[float] = None,
                   settings: ThermalSettings = THERMAL, cold: str = "host", cold_shares_memory: bool = False,
-                  chunk: int = 2048) -> dict:
+                  chunk: int = 2048, packed: int = 0) -> dict:
     """The forecast (bytes) for one request: dense KV when budget is None, else thermal KV at hot
     fraction `budget`. cold: "host", "int8" or "int4"; cold_shares_memory: a "host" cold store is in the
     same memory (CPU serving, or a Jetson's unified DRAM) and counts."""
@@ -55,7 +56,7 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     layer_kv = 2 * nkv * P * hd * element           # one layer's K/V at full precision
     dequant = nkv * P * hd * 4                       # the fp32 step of dequantizing one of them
     load = 3 * min(P, SKETCH_CHUNK) * nkv * hd * 8   # the sketch fit's copies of a chunk of keys
-    w = weights_bytes(cfg, element)
+    w = weights_bytes(cfg, element) + packed
     if budget is None:
         decoder = kv_token * (prompt_len + max_new) + rope
         out = {"weights": w, "prefill_kv": 0, "activations": act, "decoder": decoder, "peak": w + decoder + act}

@@ -166,11 +166,6 @@ class ServingSession:
                 raise UserError("the torch backend needs a model")
             if model.training:
                 raise UserError("the serving session is inference-only: call model.eval() first")
-            if device_memory is not None:
-                self._cap_memory(device_memory)
-            dev = next(model.parameters()).device
-            if dev.type == "cuda" and (kv_budget is not None or device_memory is not None):
-                self._scheduler(dev)            # its bandwidth probe runs now, not at a request's memory peak
         else:
             if bundle is None:
                 raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
@@ -184,11 +179,16 @@ class ServingSession:
 
                 meta, tensors, where = _artifact(paths)
                 cal = calib_artifact.Calibration.from_meta(meta, where)
-                if cal.weights is not None:
-                    self.weights = quantize_weights(model, (meta, tensors), where)
                 if cal.paths is not None or cal.weights is None:
                     self.policies = path_policies(model, (meta, tensors), where)
+                if cal.weights is not None:     # the model changes in place: after every check
+                    self.weights = quantize_weights(model, (meta, tensors), where)
                 self.not_applied = _sih_not_applied((meta, tensors))
+            if device_memory is not None:       # after the weights section: its packed forms count
+                self._cap_memory(device_memory)
+            dev = next(model.parameters()).device
+            if dev.type == "cuda" and (kv_budget is not None or device_memory is not None):
+                self._scheduler(dev)            # its bandwidth probe runs now, not at a request's memory peak
         else:
             # bundle backends: decode paths are nodes of the bundle's decode graph (zeroedge export with
             # a paths artifact), on for every request; a paths artifact here would be a second source
@@ -220,7 +220,7 @@ class ServingSession:
         from zeroedge.runtime.memory import weights_bytes
 
         p = next(self.model.parameters())
-        w = weights_bytes(self.model.cfg, p.element_size())
+        w = weights_bytes(self.model.cfg, p.element_size()) + self._packed_bytes()
         if w >= cap:
             raise UserError(f"the model's weights ({_gib(w)}) do not fit "
                             f"the device memory cap of {_gib(cap)}")
@@ -229,6 +229,13 @@ class ServingSession:
 
             total = torch.cuda.get_device_properties(p.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), p.device)
+
+    def _packed_bytes(self) -> int:
+        """Bytes of the packed weights the model holds beside its own (a weights section applied)."""
+        from zeroedge.quant.apply import LINEARS
+
+        mods = [b.get_submodule(n) for b in self.model.layers for n in LINEARS] + [self.model.lm_head]
+        return sum(mod.packed.nbytes() for mod in mods if getattr(mod, "packed", None) is not None)
 
     def _cold_store(self, device) -> str:
         """Where cold pages live follows the memory (kv.policy.plan_tiers): compressed where host memory
@@ -251,8 +258,9 @@ class ServingSession:
         budget = self.kv_budget or 0.1
         cold = self._cold_store(p.device)
         colds = [cold] + (["int4"] if cold == "int8" and "cold" not in self.thermal_opts else [])
-        forecast = lambda **kw: int(request_bytes(m.cfg, p.element_size(), T, max_new, **kw)["peak"]  # noqa: E731
-                                    * (1 + HEADROOM))
+        packed = self._packed_bytes()
+        forecast = lambda **kw: int(request_bytes(m.cfg, p.element_size(), T, max_new, packed=packed,  # noqa: E731
+                                                  **kw)["peak"] * (1 + HEADROOM))
         dense = forecast()
         therm = {c: forecast(budget=budget, settings=self._settings(), cold=c,
                              cold_shares_memory=memory_kind(p.device) != "discrete") for c in colds}

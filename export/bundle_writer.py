@@ -87,6 +87,7 @@ class WeightFile:
 
 
 WEIGHT_DTYPES = ("float16", "float32", "int4")
+FLAVOURS = ("portable", "trt")      # onnxruntime's graphs and TensorRT's
 FP16_MAX = 65504.0
 
 
@@ -150,12 +151,15 @@ def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_
 
 
 def _quantize_flavours(per: dict, scheme):
-    """{"portable": MatMulNBits graph, "trt": DequantizeLinear graph}; per is one proto for both or
-    one per flavour (decode paths)."""
-    pq, n = quantize_graph.quantize_portable(per["portable"], scheme)
-    src = pq if per["trt"] is per["portable"] else quantize_graph.quantize_portable(per["trt"], scheme)[0]
-    tq, _ = quantize_graph.trt_from_portable(src)
-    return {"portable": pq, "trt": tq}, n
+    """{"portable": MatMulNBits graph, "trt": DequantizeLinear graph} for the flavours in per (one
+    proto for both, or one per flavour: decode paths), and the number of quantized nodes."""
+    out, done, n = {}, {}, None
+    for f, src in per.items():
+        if id(src) not in done:
+            done[id(src)], count = quantize_graph.quantize_portable(src, scheme)
+            n = count if n is None else n
+        out[f] = done[id(src)] if f == "portable" else quantize_graph.trt_from_portable(done[id(src)])[0]
+    return out, n
 
 
 def _embedding_params(model) -> int:
@@ -255,14 +259,16 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
                   progress=None, force: bool = False, weights: str = "float16",
                   prefill_chunk: Optional[int] = None, group: Optional[int] = None,
                   symmetric: Optional[bool] = None, accuracy_level: Optional[int] = None,
-                  zero_point: Optional[str] = None) -> dict:
+                  zero_point: Optional[str] = None, flavours=FLAVOURS) -> dict:
     """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
     (WEIGHT_DTYPES; see the module docstring). prefill_chunk: the runners' prefill chunk, recorded in
     the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK). int4: group (default
     the artifact's, else 32), symmetric (default the artifact's, else asymmetric), accuracy_level
     (MatMulNBits' attribute; None leaves it out), zero_point ("int", the default, or "float":
     quantize_graph.Scheme); an artifact with a weights section folds its AWQ
-    scales into the model first and sets the scheme (weights="int4" is then implied)."""
+    scales into the model first and sets the scheme (weights="int4" is then implied). flavours: the
+    graph flavours written (FLAVOURS, or one of them: a bundle for one runtime, weights.bin only
+    holding what that runtime reads)."""
     import onnx
     import torch
 
@@ -278,6 +284,9 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
         raise UserError(f"prefill chunk must be >= 1 (got {chunk})")
     if weights not in WEIGHT_DTYPES:
         raise UserError(f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {weights!r})")
+    flavours = tuple(flavours)
+    if not flavours or any(f not in FLAVOURS for f in flavours) or len(set(flavours)) != len(flavours):
+        raise UserError(f"graph flavours must be some of {', '.join(FLAVOURS)} (got {', '.join(flavours) or 'none'})")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise UserError(f"{out} exists and is not empty (use --force to replace it)")
@@ -303,7 +312,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
                                                             fold_awq=scheme is not None and scheme.method == "awq")
             paths_graphs = ["decode"] if paths else []
         step("write bundle")
-        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step)
+        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step, flavours)
         if folder is not None:
             for f in TOKENIZER_FILES:
                 if (Path(folder) / f).is_file():
@@ -408,8 +417,8 @@ def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step
     return {"prefill": pre, "decode": dec}, info, model_cfg, folder
 
 
-def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None, step=None):
-    """Every graph in its portable and TensorRT flavours, weights once in weights.bin; returns
+def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None, step=None, flavours=FLAVOURS):
+    """Every graph in each of `flavours` (portable, TensorRT), weights once in weights.bin; returns
     (files, opsets, float parameters, tensors stored as fp16, quantization summary or None) and fills
     info["graphs"]. scheme (quantize_graph.Scheme): 4-bit linear layers, the rest as float16."""
     import onnx
@@ -422,15 +431,16 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
     for name in list(graphs):
         g = graphs.pop(name)                             # one proto, or one per flavour
         per = g if isinstance(g, dict) else {"portable": g, "trt": g}
+        per = {f: per[f] for f in flavours}
         if params is None:                               # the prefill graph holds every weight
-            params = _float_params(per["portable"])
+            params = _float_params(per[flavours[0]])
         if scheme is not None:
             if step:
                 step(f"{name}: int4 weights (onnxruntime MatMulNBitsQuantizer)")
             per, qn = _quantize_flavours(per, scheme)
             qinfo.setdefault("nodes", {})[name] = qn
             if name == "prefill" or "quantized_params" not in qinfo:
-                qinfo["quantized_params"] = _quantized_params(per["portable"])
+                qinfo["quantized_params"] = _quantized_params(per[flavours[0]])
         done = {}
         for src in per.values():                         # weights out first: copies are cheap
             if id(src) not in done:
@@ -438,15 +448,16 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
                     halved += half_weights(src)
                 done[id(src)] = wf.externalize(src)
         if scheme is not None and name == "prefill":    # bytes of the quantized layers, as stored
-            qinfo["bytes"] = {f: quantize_graph.stored_bytes(done[id(per[f])]) for f in ("portable", "trt")}
-            emb = {f: quantize_graph.stored_bytes(done[id(per[f])], "embedding") for f in ("portable", "trt")}
-            if emb["portable"]:
+            qinfo["bytes"] = {f: quantize_graph.stored_bytes(done[id(per[f])]) for f in flavours}
+            emb = {f: quantize_graph.stored_bytes(done[id(per[f])], "embedding") for f in flavours}
+            if emb[flavours[0]]:
                 qinfo["embedding"] = {"bits": scheme.embedding_bits, "group": scheme.embedding_group,
-                                      "params": _embedding_params(per["portable"]), "bytes": emb}
+                                      "params": _embedding_params(per[flavours[0]]), "bytes": emb}
             else:
                 qinfo["embedding"] = {"bits": 0, "why": "no tied embedding / LM head pair whose width the group divides"}
-        proto = done[id(per["portable"])]
-        for flavour, conv in (("portable", rewrite.to_portable), ("trt", rewrite.to_trt)):
+        proto = done[id(per[flavours[0]])]
+        for flavour in flavours:
+            conv = rewrite.to_portable if flavour == "portable" else rewrite.to_trt
             p = onnx.ModelProto()
             p.CopyFrom(done[id(per[flavour])])
             conv(p)

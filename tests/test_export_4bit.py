@@ -360,3 +360,36 @@ def test_smollm2_4bit_bundle_logits_and_greedy_tokens(smollm2, tmp_path):
     agree_f = sum(x == y for x, y in zip(runs["fp16"][1], runs["float"][1]))
     print(f"float zero point vs fp16: max rel logits error {rel_f:.4f}, greedy agreement {agree_f}/16")
     assert rel_f < rel / 3 and agree_f >= agree, (rel_f, rel, agree_f, agree)
+
+
+def test_single_flavour_bundles_hold_only_what_their_runtime_reads(b4, tmp_path):
+    """`export --graphs portable` / `--graphs trt`: only that flavour's graphs, a smaller weights.bin
+    than the two-flavour bundle, the same logits in onnxruntime as the two-flavour bundle's portable
+    graphs; `zeroedge build` refuses the portable-only bundle in one line, the onnxruntime runner the
+    TensorRT-only one; plan counts the one flavour's bytes."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.bundle import verify
+
+    for fl in ("portable", "trt"):
+        run_cli("export", "tiny", "-o", tmp_path / fl, "--window", "32", "--weights", "int4", "--group", "32",
+                "--graphs", fl, check_rc=0)
+        mf = json.loads((tmp_path / fl / "manifest.json").read_text())
+        assert sorted(mf["graph_files"]) == [f"decode.{fl}.onnx", f"prefill.{fl}.onnx"]
+        assert set(mf["weights"]["quantization"]["bytes"]) == {fl}
+        verify(tmp_path / fl)
+        both = (b4 / "asym32" / "weights.bin").stat().st_size
+        assert (tmp_path / fl / "weights.bin").stat().st_size < both
+    ids = np.arange(1, 20, dtype=np.int64)
+    a, b = OrtRunner(tmp_path / "portable"), OrtRunner(b4 / "asym32")
+    assert np.allclose(a.prefill(ids)[0], b.prefill(ids)[0], atol=1e-5)
+    p = run_cli("build", tmp_path / "portable", "-o", tmp_path / "eng")
+    assert p.returncode == 2 and "no *.trt.onnx" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("run", "--backend", "onnxruntime", "--bundle", tmp_path / "trt", "--prompt", "hi")
+    assert p.returncode == 2 and "no prefill.portable.onnx" in p.stderr and "Traceback" not in p.stderr
+    plan = json.loads(run_cli("plan", tmp_path / "portable", "--board", "orin-nano-8gb", "--ctx", "256", "--json",
+                              check_rc=0).stdout)
+    host = json.loads(run_cli("plan", b4 / "asym32", "--board", "orin-nano-8gb", "--ctx", "256", "--json",
+                              "--onnxruntime-process", check_rc=0).stdout)
+    assert plan["memory"]["weights"] == host["memory"]["weights"]
+    p = run_cli("export", "tiny", "-o", tmp_path / "x", "--graphs", "onnx")
+    assert p.returncode == 2 and not (tmp_path / "x").exists()

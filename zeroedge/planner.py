@@ -103,16 +103,23 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
             "emb_bytes": {k: int(v) for k, v in ((q.get("embedding") or {}).get("bytes") or {}).items()}}
 
 
+def _flavour_bytes(by_flavour, device: bool):
+    """The stored bytes of the flavour that runs (trt on a device, portable in an onnxruntime process),
+    or of the one flavour a single-flavour bundle has."""
+    by_flavour = by_flavour or {}
+    return by_flavour.get("trt" if device else "portable") or next(iter(by_flavour.values()), None)
+
+
 def linear_bytes_per_param(m: dict, b: int, device: bool) -> float:
     """Bytes per parameter of the linear layers as the runtime reads them: the stored 4-bit bytes of
     the flavour that runs (trt on a device, portable in an onnxruntime process), else the plan dtype."""
-    qb = (m.get("quant_bytes") or {}).get("trt" if device else "portable")
+    qb = _flavour_bytes(m.get("quant_bytes"), device)
     return qb / m["quant_params"] if qb and m.get("quant_params") else float(b)
 
 
 def embedding_bytes(m: dict, b: int, device: bool) -> float:
     """The embedding (= tied LM head) as stored when it is int8, else V * D at the plan dtype."""
-    eb = (m.get("emb_bytes") or {}).get("trt" if device else "portable")
+    eb = _flavour_bytes(m.get("emb_bytes"), device)
     return float(eb) if eb and m.get("emb_params") else float(m["V"] * m["D"] * b)
 
 

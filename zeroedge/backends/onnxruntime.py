@@ -75,6 +75,11 @@ class OrtRunner:
         if "decode" not in {g["graph"] for g in self.manifest.get("graph_files", {}).values()}:
             raise UserError(f"{bundle}: the bundle has no decode graph (a rewritten foreign graph); "
                             "run its prefill graph directly")
+        missing = [f"{g}.{flavour}.onnx" for g in ("prefill", "decode")
+                   if f"{g}.{flavour}.onnx" not in self.manifest.get("graph_files", {})]
+        if missing:
+            raise UserError(f"{bundle}: the bundle has no {' or '.join(missing)} (exported with other --graphs): "
+                            "run it with the backend it was exported for, or export it with --graphs both")
         cfg = self.manifest["model"]
         self.L, self.nkv = cfg["n_layers"], cfg["n_kv_heads"]
         self.hd = cfg["dim"] // cfg["n_heads"]

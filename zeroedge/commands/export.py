@@ -30,12 +30,15 @@ from zeroedge.commands.common import check_model, output_option, target_option
 @click.option("--accuracy-level", "accuracy_level", type=click.IntRange(0, 4), default=None,
               help="int4: MatMulNBits' accuracy_level in the portable graphs (4: int8 activations; "
                    "default: onnxruntime's)")
+@click.option("--graphs", "flavours", type=click.Choice(["both", "portable", "trt"]), default="both",
+              show_default=True, help="graph flavours in the bundle: both, portable (onnxruntime only) or trt "
+                                      "(TensorRT only); one flavour leaves weights.bin only what its runtime reads")
 @click.option("--force", is_flag=True, help="replace a non-empty output directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
 @click.option("--sign", "sign_key", type=click.Path(dir_okay=False), metavar="KEY",
               help="sign the manifest with this key (zeroedge keygen); same as `zeroedge sign` after")
-def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point, accuracy_level, force,
-        as_json, sign_key):
+def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point, accuracy_level, flavours,
+        force, as_json, sign_key):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
@@ -80,7 +83,8 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
                                progress=step, force=force,
                                weights={"fp16": "float16", "fp32": "float32", "int4": "int4"}[weights],
                                group=group, symmetric=symmetric, accuracy_level=accuracy_level,
-                               zero_point=zero_point)
+                               zero_point=zero_point,
+                               flavours=("portable", "trt") if flavours == "both" else (flavours,))
         except NoPattern as e:
             r = e.report
             console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "

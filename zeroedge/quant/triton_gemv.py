@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+
 def _kernels():
     from zeroedge.quant import gemv_kernels      # imports triton
 
@@ -91,7 +92,7 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
          config=None, int8_inputs: bool = False) -> torch.Tensor:
     """x (1, K) or (K,) -> (1, N) (swiglu: (1, N / 2)) in x's dtype; w a PackedLinear on x's device;
     norm: (ln weight, eps) to RMS-normalise x first; residual: added to the output; int8_inputs: the
-    dp4a kernel (each word's inputs rounded to int8, zeroedge.quant.packed.int8_inputs)."""
+    dp4a kernel (each word's inputs rounded to int8: zeroedge.quant.packed.round_inputs_int8)."""
     xf = x.reshape(-1)
     if xf.numel() != w.k:
         raise ValueError(f"gemv: x has {xf.numel()} inputs, the weight takes {w.k}")

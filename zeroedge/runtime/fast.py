@@ -13,7 +13,9 @@ step captured in one CUDA graph per attention flag and replayed. Two strategies 
 
 DenseDecoder, ThermalDecoder, PathsDecoder and ThermalPathsDecoder are the four compositions. They
 take a `zeroedge.model.Transformer` (cast it with `.to(device, dtype)` first) and read its weights;
-on CPU they run eagerly (tests), on CUDA `graph=True` captures.
+on CPU they run eagerly (tests), on CUDA `graph=True` captures. A model with packed 4-bit weights
+(zeroedge.quant.apply, pack=True) is read through the packed GEMVs on CUDA (`packed`; RMSNorm,
+SwiGLU and the residuals fused into them; `int8_inputs`: the dp4a kernel), as fp weights elsewhere.
 """
 from __future__ import annotations
 
@@ -210,7 +212,6 @@ class Decoder:
             f_out = _compiled(_layer_out_fn) if self.compile else _layer_out_fn
         else:                                   # packed: the GEMVs run as they are, RoPE compiled
             rope = _compiled(_rope_fn) if self.compile else _rope_fn
-
             i8 = self.int8_inputs
 
             def f_in(x, ln1, eps, wqkv, bqkv, cos, sin, H, nkv, hd):

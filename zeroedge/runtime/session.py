@@ -17,6 +17,10 @@ temperature 0 / L3 all) decide per request, from (prompt + new tokens, temperatu
 The pages a thermal request migrated go to the thermal gate's circuit breaker (5 requests in a row
 over `trip_pages` -> one level down, an alert).
 
+The artifact (`paths=`: a folder or (meta, tensors)) may also hold a weights section (4-bit weights):
+the torch backend applies it to the model when the session starts (zeroedge.quant.apply, packed), and
+on CUDA the decoders read the packed GEMVs with int8 inputs (mechanisms "weights", "weights_decode").
+
 Backends: "torch" runs zeroedge.runtime.fast's Decoder with the attention (dense or thermal) and FFN
 (dense or paths) the gates chose: DenseDecoder, ThermalDecoder, PathsDecoder or ThermalPathsDecoder;
 on CUDA with CUDA graphs. "onnxruntime" runs OrtRunner over a bundle's

@@ -323,7 +323,10 @@ def test_weights_options_bad_input_one_line_exit_2(tiny_hf, text_file, tmp_path)
     for args, msg in [(["--group", "32"], "only apply with --weights"),
                       (["--weights-only"], "only apply with --weights"),
                       (["--weights", "int3"], "int3"),
-                      (["--weights", "int4", "--group", "48"], "48")]:
+                      (["--weights", "int4", "--group", "48"], "48"),
+                      (["--zero-point", "float"], "only apply with --weights"),
+                      (["--weights", "int4", "--symmetric", "--zero-point", "float"], "asymmetric int4"),
+                      (["--weights", "int8", "--zero-point", "float"], "asymmetric int4")]:
         p = run_cli("calibrate", tiny_hf, "--text", text_file, "-o", out, *args)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

@@ -159,7 +159,8 @@ def test_packed_gemv_kernel_in_the_triton_interpreter():
 
 
 def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_file, tmp_path):
-    """`zeroedge run MODEL --calib ART` with a weights section: the torch session quantizes the model
+    """`zeroedge calibrate --weights int4 --zero-point float` then `zeroedge run MODEL --calib ART`: the
+    artifact says the float zero point; the torch session quantizes the model
     (packed forms kept; on this CPU the decoder reads their values as fp weights) and says so; the
     same artifact cannot give --paths (it has none); a second quantization of one model is refused."""
     import json
@@ -171,12 +172,12 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
     from zeroedge.runtime.session import ServingSession
 
     art = tmp_path / "w.calib"
-    run_cli("calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--group", "32", "--weights-only",
-            "-o", art, "--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gate-seqs", "1",
+    run_cli("calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--group", "32", "--zero-point", "float",
+            "--weights-only", "-o", art, "--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gate-seqs", "1",
             "--tokens", "4000", check_rc=0)
     r = json.loads(run_cli("run", tiny_hf, "--calib", art, "--prompt", "the quick brown fox", "--max-new", "4",
                            "--json", check_rc=0).stdout)
-    assert r["mechanisms"]["weights"].startswith("int4 g32") and r["new_tokens"] == 4
+    assert r["mechanisms"]["weights"].startswith("int4 g32 asym float-zp") and r["new_tokens"] == 4
     assert r["mechanisms"]["weights_decode"].startswith("dequantized weights")
     p = run_cli("run", tiny_hf, "--calib", art, "--paths", "--prompt", "hi", check_rc=2)
     assert "no decode path predictors" in p.stderr and "Traceback" not in p.stderr

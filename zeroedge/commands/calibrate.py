@@ -40,6 +40,10 @@ from zeroedge.commands.common import check_model, fraction_option, output_option
               help="With --weights: weights per scale along the input dimension.")
 @click.option("--symmetric/--asymmetric", default=False, show_default=True,
               help="With --weights: symmetric grid (no zero point) or scale + zero point.")
+@click.option("--zero-point", "zero_point", type=click.Choice(["int", "float"]), default="int", show_default=True,
+              help="With --weights int4 asymmetric: int (onnxruntime's quantizer) or float (a min/max grid "
+                   "with an fp16 minimum: Q4_1's form, which reproduces a Q4_1 GGUF such as the bundled "
+                   "SmolLM2's exactly).")
 @click.option("--method", type=click.Choice(["awq", "rtn"]), default="awq", show_default=True,
               help="With --weights: activation-aware scale search (AWQ) or plain round-to-nearest.")
 @click.option("--embedding", type=click.Choice(["int8", "keep"]), default="int8", show_default=True,
@@ -49,7 +53,8 @@ from zeroedge.commands.common import check_model, fraction_option, output_option
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
         anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json,
-        wbits=None, group="128", symmetric=False, method="awq", embedding="int8", weights_only=False):
+        wbits=None, group="128", symmetric=False, method="awq", embedding="int8", weights_only=False,
+        zero_point="int"):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import json
     import sys
@@ -63,10 +68,13 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     if anchor_rank < 0:
         raise UserError("--anchor-rank must be >= 0")
     ctx = click.get_current_context()
-    wopts = [f"--{n.replace('_', '-')}" for n in ("group", "symmetric", "method", "embedding", "weights_only")
+    wopts = [f"--{n.replace('_', '-')}" for n in ("group", "symmetric", "method", "embedding", "weights_only",
+                                                  "zero_point")
              if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
     if wbits is None and wopts:
         raise UserError(f"{', '.join(wopts)} only apply with --weights int4|int8")
+    if zero_point == "float" and (wbits != "int4" or symmetric):
+        raise UserError("--zero-point float is for an asymmetric int4 grid (--weights int4, no --symmetric)")
     from zeroedge.texts import check_spec
 
     for t in texts_:
@@ -100,7 +108,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     wmeta, tensors = None, {}
     if wbits:
         wmeta, tensors = quantize_weights(m, lists, cfg, int(wbits[3:]), int(group), symmetric, method,
-                                          embedding, seed)
+                                          embedding, seed, zero_point)
     budget_errors = (BudgetError,)
     if with_paths:
         from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
@@ -143,7 +151,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
         click.echo(f"wrote {out}")
 
 
-def quantize_weights(m, lists, cfg, bits, group, symmetric, method, embedding, seed):
+def quantize_weights(m, lists, cfg, bits, group, symmetric, method, embedding, seed, zero_point="int"):
     """Quantize m in place (AWQ search first when asked); returns (meta["weights"], its tensors).
     Quality: held-out perplexity before and after, on the SIH gate's held-out sequences."""
     import torch
@@ -159,9 +167,11 @@ def quantize_weights(m, lists, cfg, bits, group, symmetric, method, embedding, s
     fp = heldout_ppl(m, held, P)
     extra, tensors, scales = {}, {}, None
     if method == "awq":
-        scales, alphas, report = search(m, lists, Scheme(bits, group, symmetric), AwqConfig(seed=seed, seq_len=min(512, cfg.seq_len), log=cfg.log))
+        scales, alphas, report = search(m, lists, Scheme(bits, group, symmetric, zero_point), AwqConfig(seed=seed, seq_len=min(512, cfg.seq_len), log=cfg.log))
         tensors = {f"layers.{i}.awq.{g}": t for i, sc in scales.items() for g, t in sc.items()}
         extra["awq"] = {"alpha": alphas, **report}
+    if zero_point == "float":
+        extra["zero_point"] = "float"
     w = calib_artifact.weights_meta(bits, group, symmetric, method, qa.embedding_group(m.cfg.dim) if embedding == "int8" else None, **extra)
     section = calib_artifact.weights_section(w)
     qa.apply(m, section, scales)

@@ -198,3 +198,54 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
     m2, _ = weights.load(tiny_hf)
     with pytest.raises(UserError, match="do not fit"):
         ServingSession(m2.eval(), paths=art, device_memory=weights_bytes(m2.cfg, 4) + packed // 2)
+
+
+def test_magnitude_paths_gather_rows_of_the_4bit_codes():
+    """PathsDecoder on packed weights: the magnitude rule's sparse layers gather rows of the
+    input-major 4-bit codes (the kernel checked in Triton's interpreter below) and compute what the
+    same decoder computes over the fp weights (the same values); channels really are skipped."""
+    from zeroedge.paths.sparse import PathPolicy
+    from zeroedge.quant.apply import apply
+    from zeroedge.quant.packed import PackedInputs
+    from zeroedge.runtime.fast import PathsDecoder
+
+    m = M.build("tiny", seed=6).eval()
+    apply(m, _section(Scheme(4, 32, False, "float")), pack=True)
+    pol = {i: PathPolicy(method="magnitude", threshold_in=0.5, threshold=0.02) for i in (1, 2)}
+    packed_dec = PathsDecoder(m, 40, pol, graph=False, packed=True)
+    fp_dec = PathsDecoder(m, 40, pol, graph=False, packed=False)
+    assert isinstance(packed_dec.ffn.paths[1]["w13t"], PackedInputs)
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(7))
+    for t in range(30):
+        a, b = packed_dec.step(int(ids[t]), t), fp_dec.step(int(ids[t]), t)
+        assert torch.allclose(a, b, atol=1e-4), t
+    kept = packed_dec.kept()
+    assert set(kept) == {1, 2} and all(0 < v < 1 for v in kept.values()) and kept == fp_dec.kept()
+
+
+GATHER = r'''
+import torch
+from zeroedge.quant.groupwise import Scheme
+from zeroedge.quant.packed import PackedLinear, PackedInputs
+from zeroedge.quant import triton_gemv as tg
+
+torch.manual_seed(0)
+for sch in [Scheme(4, 32, False, "float"), Scheme(4, 32, True), Scheme(8, 64, True)]:
+    p = PackedLinear.from_weight(torch.randn(48, 200) * 0.05, sch)
+    pi = PackedInputs.of(p)
+    assert torch.equal(pi.dequantize(), p.dequantize().t())
+    x = torch.randn(1, 200)
+    x[0, 10:150] = 0                      # whole groups of zero inputs, and a partial one
+    ref = x @ p.dequantize().t()
+    for split in (1, 3, None):
+        for bc in (8, 64):
+            y = tg.gather_inputs(x, pi, BC=bc, split=split)
+            assert y.shape == (1, 48) and torch.allclose(y, ref, atol=1e-5), (sch, split, bc)
+print("OK")
+'''
+
+
+def test_input_major_gather_kernel_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", GATHER], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

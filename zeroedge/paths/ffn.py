@@ -6,7 +6,10 @@ function), so the CPU tests check the loop end to end.
 
 Magnitude policies (|x| / |a| thresholds) run the row-gather kernel twice: over [W_gate; W_up]^T
 with the small |x_k| zeroed (their rows are never read), then over W_down^T with the small |a_j|
-zeroed. Dense layers (no policy) keep the dense FFN.
+zeroed. Dense layers (no policy) keep the dense FFN. In a decoder that reads packed 4-bit weights
+(zeroedge.quant.packed) the magnitude rule gathers the same rows from input-major 4-bit codes
+(quant.packed.PackedInputs; a group of inputs that are all 0 is not read at all); the predictor rule
+still reads the fp weights there (no 4-bit row gather for it yet).
 
 kernels="cuda" runs the plugin library's CUDA C kernels instead (zeroedge.paths.cuda_gemv: two
 launches an FFN, the code the TensorRT plugin runs; on the H200 the magnitude rule decodes 1.03-1.14x
@@ -48,11 +51,13 @@ class PathsFFN:
             raise ValueError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
         self.policies, self.kernels_wanted, self.kernels_lib = policies, kernels, kernels_lib
 
-    def bind(self, layers: list, cfg, device, dtype):
-        """layers: the decoder's fused weights per layer (w13 = [W_gate; W_up], w2 = W_down, ...)."""
+    def bind(self, layers: list, cfg, device, dtype, packed_layers=None):
+        """layers: the decoder's fused weights per layer (w13 = [W_gate; W_up], w2 = W_down, ...);
+        packed_layers: the decoder's packed 4-bit forms (zeroedge.quant.packed), when it reads them:
+        magnitude layers then gather rows of their input-major forms."""
         self.device, self.dtype = device, dtype
         self._pick_kernels(self.kernels_wanted, self.kernels_lib)
-        self._build_paths(layers, cfg, self.policies)
+        self._build_paths(layers, cfg, self.policies, packed_layers)
 
     def _pick_kernels(self, kernels: str, kernels_lib=None):
         """Sets self.kernels / self.triton / self.cuda_lib."""
@@ -71,9 +76,9 @@ class PathsFFN:
             from zeroedge.paths import cuda_gemv
             self.cuda_lib = cuda_gemv.load(kernels_lib)
 
-    def _build_paths(self, layers: list, cfg, policies: dict):
+    def _build_paths(self, layers: list, cfg, policies: dict, packed_layers=None):
         """Per sparse layer: the predictor / thresholds and the transposed weights the gather
-        kernels read."""
+        kernels read (4-bit, input-major, for a magnitude layer of a packed decoder)."""
         D, Fd = cfg.dim, cfg.ffn_dim
         self.paths = {}
         if self.cuda_lib is not None:  # one scratch for every layer: the kernels leave it zeroed
@@ -82,6 +87,13 @@ class PathsFFN:
             self.cuda_out = torch.zeros(1, D, device=self.device, dtype=self.dtype)
         for i, pol in policies.items():
             pr, w = pol.predictor, layers[i]
+            if pol.method == "magnitude" and packed_layers is not None:
+                self.paths[i] = dict(
+                    kind="magnitude_packed", thr_in=float(pol.threshold_in), thr=float(pol.threshold),
+                    w13t=packed.PackedInputs.of(packed_layers[i]["w13"]),
+                    wdt=packed.PackedInputs.of(packed_layers[i]["w2"]),
+                    act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype))
+                continue
             if pol.method == "magnitude":
                 self.paths[i] = dict(
                     kind="magnitude", thr_in=float(pol.threshold_in), thr=float(pol.threshold),
@@ -105,6 +117,11 @@ class PathsFFN:
                                  dtype=torch.float32))
 
     def _paths_ffn(self, p, h):
+        if p["kind"] == "magnitude_packed":   # rows of the 4-bit codes, only for surviving inputs
+            g, u = packed.gather_inputs(h * (h.abs() >= p["thr_in"]), p["w13t"]).chunk(2, -1)
+            a = F.silu(g) * u
+            p["act"].copy_(a * (a.abs() >= p["thr"]))
+            return packed.gather_inputs(p["act"], p["wdt"])
         if self.cuda_lib is not None:
             from zeroedge.paths import cuda_gemv
             if p["kind"] == "magnitude":

@@ -95,6 +95,59 @@ class PackedLinear:
                             torch.cat([p.offset for p in parts]), p0.bits, p0.group, p0.k)
 
 
+@dataclass
+class PackedInputs:
+    """A PackedLinear transposed for gathers over the inputs (decode paths' magnitude rule: only the
+    rows of inputs that survive are read): the same codes and groups, stored input-major.
+
+      q       uint8 [Kp, N * bits / 8]   row k: input k's codes for every output, two outputs a byte
+                                         (4 bits: output 2c in the low nibble of byte c, 2c + 1 high)
+      scale   fp16  [Kp / group, N]      the step of output n's group g (the PackedLinear's, transposed)
+      offset  fp16  [Kp / group, N]
+    """
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    bits: int
+    group: int
+    k: int
+    n: int
+
+    @classmethod
+    def of(cls, w: PackedLinear) -> "PackedInputs":
+        if w.bits == 4 and w.n % 2:
+            raise ValueError("input-major 4-bit codes need an even number of outputs")
+        q = w.q
+        if w.bits == 4:
+            q = torch.stack((q & 15, q >> 4), -1).reshape(w.n, -1)       # [N, Kp] one code a byte
+        q = q.t()                                                        # [Kp, N]
+        if w.bits == 4:
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        return cls(q.contiguous(), w.scale.t().contiguous(), w.offset.t().contiguous(), w.bits, w.group,
+                   w.k, w.n)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [K, N] (= the PackedLinear's dequantized weight, transposed)."""
+        q = self.q
+        if self.bits == 4:
+            q = torch.stack((q & 15, q >> 4), -1).reshape(q.shape[0], -1)
+        w = q.float().view(-1, self.group, self.n) * self.scale.float()[:, None] + self.offset.float()[:, None]
+        return w.reshape(-1, self.n)[: self.k]
+
+
+def gather_inputs(x: torch.Tensor, w: PackedInputs) -> torch.Tensor:
+    """x (1, K) @ W^T for W's input-major form, reading only the rows of inputs that are not 0 (on a
+    GPU with Triton: zeroedge.quant.triton_gemv.gather_inputs; else the torch reference). x's dtype."""
+    if _use_kernel(x):
+        from zeroedge.quant import triton_gemv
+
+        return triton_gemv.gather_inputs(x, w)
+    return (x.float() @ w.dequantize()).to(x.dtype)
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
     if x.device.type != "cuda":
         return False

@@ -40,6 +40,12 @@ def _kernels():
     return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
 
 
+def _gather_kernel():
+    from zeroedge.quant import gemv_kernels
+
+    return gemv_kernels.gather_inputs_kernel
+
+
 # (rows N, inputs K, bits, group) -> launch settings: the best of the H200 sweep at llama-3.2-1b's
 # shapes (benchmarks/gpu/weights_gpu.py, benchmarks/weights_gpu.json)
 CONFIG: dict = {
@@ -118,4 +124,27 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
                                   SPLIT=split, **c, **extra)
     if split > 1:
         fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024)
+    return y
+
+
+def gather_inputs(x: torch.Tensor, w, out=None, BC: int = 64, split=None, num_warps: int = 4) -> torch.Tensor:
+    """x (1, K) @ W^T over W's input-major form (a PackedInputs): rows of inputs that are 0 are not
+    read (decode paths' magnitude rule). -> (1, N) in x's dtype. split: input ranges run in parallel
+    (default: enough for ~1024 programs), added after in a fixed order."""
+    xf = x.reshape(-1)
+    if xf.numel() != w.k:
+        raise ValueError(f"gather_inputs: x has {xf.numel()} inputs, the weight takes {w.k}")
+    rowb = w.q.shape[1]
+    BC = min(BC, _pow2_ceil(rowb))
+    groups = w.scale.shape[0]
+    cols = -(-rowb // BC)
+    split = split or max(1, min(groups, 1024 // cols))
+    gps = -(-groups // split)
+    split = -(-groups // gps)
+    y = out if out is not None else torch.empty(1, w.n, device=x.device, dtype=x.dtype)
+    dst = torch.empty(split, w.n, device=x.device, dtype=torch.float32) if split > 1 else y
+    _gather_kernel()[(cols, split)](xf, w.q, w.scale, w.offset, dst, w.n, w.k, rowb, gps, BITS=w.bits,
+                                    G=w.group, BC=BC, SPLIT=split, num_warps=num_warps)
+    if split > 1:
+        _kernels()[1][(-(-w.n // 1024),)](dst, y, y, w.n, SPLIT=split, SWIGLU=False, RES=False, BLOCK=1024)
     return y

@@ -76,7 +76,7 @@ class OrtRunner:
             raise UserError(f"{bundle}: the bundle has no decode graph (a rewritten foreign graph); "
                             "run its prefill graph directly")
         missing = [f"{g}.{flavour}.onnx" for g in ("prefill", "decode")
-                   if f"{g}.{flavour}.onnx" not in self.manifest.get("graph_files", {})]
+                   if not (self.dir / f"{g}.{flavour}.onnx").is_file()]
         if missing:
             raise UserError(f"{bundle}: the bundle has no {' or '.join(missing)} (exported with other --graphs): "
                             "run it with the backend it was exported for, or export it with --graphs both")

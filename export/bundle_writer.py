@@ -286,7 +286,8 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
         raise UserError(f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {weights!r})")
     flavours = tuple(flavours)
     if not flavours or any(f not in FLAVOURS for f in flavours) or len(set(flavours)) != len(flavours):
-        raise UserError(f"graph flavours must be some of {', '.join(FLAVOURS)} (got {', '.join(flavours) or 'none'})")
+        raise UserError(f"graph flavours must be some of {', '.join(FLAVOURS)} "
+                        f"(got {', '.join(flavours) or 'none'})")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise UserError(f"{out} exists and is not empty (use --force to replace it)")

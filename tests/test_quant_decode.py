@@ -173,7 +173,8 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
 
     art = tmp_path / "w.calib"
     run_cli("calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--group", "32", "--zero-point", "float",
-            "--weights-only", "-o", art, "--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gate-seqs", "1",
+            "--weights-only", "-o", art, "--seq-len", "256", "--continuation", "64", "--train-seqs", "2",
+            "--gate-seqs", "1",
             "--tokens", "4000", check_rc=0)
     r = json.loads(run_cli("run", tiny_hf, "--calib", art, "--prompt", "the quick brown fox", "--max-new", "4",
                            "--json", check_rc=0).stdout)

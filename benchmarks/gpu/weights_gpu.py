@@ -182,7 +182,8 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True) -> list:
                 del ref
             ms = bs.decode_step_ms(dec, start=ctx, n=64)
             by = step_bytes(m, dec, ctx)
-            rows.append({"ctx": ctx, "decoder": "dense compiled" if compiled else "dense", "weights": variant, "tok_s": round(1e3 / ms, 1),
+            rows.append({"ctx": ctx, "decoder": "dense compiled" if compiled else "dense", "weights": variant,
+                         "tok_s": round(1e3 / ms, 1),
                          "ms": ms, "bytes": by, "roofline_tok_s": round(bw / by["total"], 1),
                          "of_roofline": round((1e3 / ms) / (bw / by["total"]), 3), "rel_vs_reference": check})
             print(json.dumps(rows[-1]), flush=True)

@@ -167,12 +167,14 @@ def quantize_weights(m, lists, cfg, bits, group, symmetric, method, embedding, s
     fp = heldout_ppl(m, held, P)
     extra, tensors, scales = {}, {}, None
     if method == "awq":
-        scales, alphas, report = search(m, lists, Scheme(bits, group, symmetric, zero_point), AwqConfig(seed=seed, seq_len=min(512, cfg.seq_len), log=cfg.log))
+        scales, alphas, report = search(m, lists, Scheme(bits, group, symmetric, zero_point),
+                                        AwqConfig(seed=seed, seq_len=min(512, cfg.seq_len), log=cfg.log))
         tensors = {f"layers.{i}.awq.{g}": t for i, sc in scales.items() for g, t in sc.items()}
         extra["awq"] = {"alpha": alphas, **report}
     if zero_point == "float":
         extra["zero_point"] = "float"
-    w = calib_artifact.weights_meta(bits, group, symmetric, method, qa.embedding_group(m.cfg.dim) if embedding == "int8" else None, **extra)
+    w = calib_artifact.weights_meta(bits, group, symmetric, method,
+                                    qa.embedding_group(m.cfg.dim) if embedding == "int8" else None, **extra)
     section = calib_artifact.weights_section(w)
     qa.apply(m, section, scales)
     torch.manual_seed(seed)

@@ -1,7 +1,9 @@
 """Packed 4- / 8-bit weights in the torch decode loop (zeroedge.quant.packed, quant.triton_gemv,
-runtime.fast): the packed form is the group-wise weight, the decoders over packed weights compute
-what the fake-quantized model computes, and the Triton GEMV (run in Triton's interpreter on this CPU)
-computes the reference product with every epilogue and split."""
+runtime.fast): the packed form is the group-wise weight; the decoders over packed weights (dense,
+thermal, magnitude paths gathering 4-bit rows, int8 inputs) compute what the quantized model computes;
+the Triton kernels (run in Triton's interpreter on this CPU: exact and int8 inputs, every epilogue and
+split, the input-major gather) compute their references; `calibrate --zero-point float` then `run
+--calib` serves the quantized model, under a memory cap that counts the packed bytes."""
 import os
 import subprocess
 import sys

@@ -244,6 +244,18 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 32, True), Scheme(8, 64, Tr
         for bc in (8, 64):
             y = tg.gather_inputs(x, pi, BC=bc, split=split)
             assert y.shape == (1, 48) and torch.allclose(y, ref, atol=1e-5), (sch, split, bc)
+try:
+    tg.gather_inputs(torch.randn(1, 10), pi)
+except ValueError as e:
+    assert "inputs" in str(e)
+else:
+    raise AssertionError("a wrong input size was accepted")
+try:
+    PackedInputs.of(PackedLinear.from_weight(torch.randn(7, 64), Scheme(4, 32, True)))
+except ValueError as e:
+    assert "even number of outputs" in str(e)
+else:
+    raise AssertionError("odd outputs were packed two a byte")
 print("OK")
 '''
 

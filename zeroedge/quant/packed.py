@@ -31,6 +31,16 @@ import torch.nn.functional as F
 from zeroedge.quant.groupwise import Scheme, quantize, quantize_float
 
 
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes one a byte -> two a byte along the last dim (the first in the low nibble)."""
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def _unpack4(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of _pack4."""
+    return torch.stack((q & 15, q >> 4), -1).flatten(-2)
+
+
 @dataclass
 class PackedLinear:
     q: torch.Tensor
@@ -68,15 +78,13 @@ class PackedLinear:
             off = -zp.float() * s                       # exact in fp16 for a symmetric grid (zp 2^(b-1))
         q = q.reshape(n, -1)                            # [N, Kp] one code a byte
         if scheme.bits == 4:
-            q = q[:, 0::2] | (q[:, 1::2] << 4)
+            q = _pack4(q)
         return cls(q.contiguous(), s.half().contiguous(), off.half().contiguous(), scheme.bits,
                    scheme.group, k)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K]: q * s + o."""
-        q = self.q
-        if self.bits == 4:
-            q = torch.stack((q & 15, q >> 4), -1).reshape(q.shape[0], -1)
+        q = _unpack4(self.q) if self.bits == 4 else self.q
         w = q.float().view(self.n, self.groups, self.group) * self.scale.float()[..., None] \
             + self.offset.float()[..., None]
         return w.reshape(self.n, -1)[:, : self.k]
@@ -117,12 +125,9 @@ class PackedInputs:
     def of(cls, w: PackedLinear) -> "PackedInputs":
         if w.bits == 4 and w.n % 2:
             raise ValueError("input-major 4-bit codes need an even number of outputs")
-        q = w.q
+        q = (_unpack4(w.q) if w.bits == 4 else w.q).t()                  # [Kp, N] one code a byte
         if w.bits == 4:
-            q = torch.stack((q & 15, q >> 4), -1).reshape(w.n, -1)       # [N, Kp] one code a byte
-        q = q.t()                                                        # [Kp, N]
-        if w.bits == 4:
-            q = q[:, 0::2] | (q[:, 1::2] << 4)
+            q = _pack4(q)
         return cls(q.contiguous(), w.scale.t().contiguous(), w.offset.t().contiguous(), w.bits, w.group,
                    w.k, w.n)
 
@@ -131,9 +136,7 @@ class PackedInputs:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [K, N] (= the PackedLinear's dequantized weight, transposed)."""
-        q = self.q
-        if self.bits == 4:
-            q = torch.stack((q & 15, q >> 4), -1).reshape(q.shape[0], -1)
+        q = _unpack4(self.q) if self.bits == 4 else self.q
         w = q.float().view(-1, self.group, self.n) * self.scale.float()[:, None] + self.offset.float()[:, None]
         return w.reshape(-1, self.n)[: self.k]
 

@@ -42,6 +42,8 @@ def _wrappers():
     import torch
     from torch import nn
 
+    from zeroedge.model import rope_matrix
+
     def layer_attn(blk, x, cos, sin):
         """The attention's input side (zeroedge.model.Attention.project): a, q, k, v, query heads."""
         a = blk.self_attn
@@ -105,38 +107,42 @@ def _wrappers():
             self.cfg = model.cfg
 
         def forward(self, tokens, pos, slot_pos, *past):
+            """Written for a short graph (a decode step is ~40 nodes a layer): the batch is traced as
+            -1 (no shape arithmetic), RoPE is one rotation matrix for the step (model.rope_matrix)
+            with q's 1/sqrt(hd) folded in, and the new token's own score is one more product."""
             m, cfg = self.m, self.cfg
-            B = tokens.shape[0]
             hd, nkv = cfg.head_dim, cfg.n_kv_heads
             group = cfg.n_heads // nkv
             f = pos.float()[:, None] * m.inv_freq[None, :]               # (B, hd/2)
-            emb = torch.cat((f, f), dim=-1)[:, None, None, :]            # (B, 1, 1, hd)
-            cos, sin = emb.cos(), emb.sin()
+            emb = torch.cat((f, f), dim=-1)[:, None, :]                  # (B, 1, hd)
+            rot = rope_matrix(emb.cos(), emb.sin())                      # (B, 1, hd, hd)
+            rope = (rot * (1.0 / math.sqrt(hd)), rot)                    # q's scale folded in
             neg = torch.where(slot_pos >= 0, 0.0, float("-inf"))[:, None, None, :]  # (B,1,1,S)
             x = m.embed_tokens(tokens)
             news, masses = [], []
-            scale = 1.0 / math.sqrt(hd)
             for li, blk in enumerate(m.layers):
                 pk, pv = past[2 * li], past[2 * li + 1]
-                a, q, k, v, h = layer_attn(blk, blk.input_layernorm(x), cos, sin)
+                a = blk.self_attn
+                q, k, v = a.project(blk.input_layernorm(x), None, None, rope)
+                h = q.shape[1]
                 news += [k, v]
                 if h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
-                    qg = q.view(B, nkv, group, hd)                       # (B, Hkv, g, hd)
-                    s_old = (qg @ pk.transpose(-1, -2)) * scale + neg    # (B, Hkv, g, S)
-                    s_new = (qg * k).sum(-1, keepdim=True) * scale       # (B, Hkv, g, 1)
+                    qg = q.reshape(-1, nkv, group, hd)                   # (B, Hkv, g, hd)
+                    s_old = qg @ pk.transpose(-1, -2) + neg              # (B, Hkv, g, S)
+                    s_new = qg @ k.transpose(-1, -2)                     # (B, Hkv, g, 1)
                     p = torch.cat((s_old, s_new), -1).softmax(-1)
                     out = p[..., :-1] @ pv + p[..., -1:] * v             # (B, Hkv, g, hd)
-                    masses.append(p[..., :-1].reshape(B, nkv * group, -1).mean(1))
+                    masses.append(p[..., :-1].mean((1, 2)))
                 else:
                     kv_index = a.kept_heads // group
                     kk, vv = pk.index_select(1, kv_index), pv.index_select(1, kv_index)
                     kn, vn = k.index_select(1, kv_index), v.index_select(1, kv_index)
-                    s_old = (q @ kk.transpose(-1, -2)) * scale + neg     # (B, h, 1, S)
-                    s_new = (q * kn).sum(-1, keepdim=True) * scale
+                    s_old = q @ kk.transpose(-1, -2) + neg               # (B, h, 1, S)
+                    s_new = q @ kn.transpose(-1, -2)                     # (B, h, 1, 1)
                     p = torch.cat((s_old, s_new), -1).softmax(-1)
                     out = p[..., :-1] @ vv + p[..., -1:] * vn            # (B, h, 1, hd)
                     masses.append(p[..., 0, :-1].mean(1))
-                x = x + a.o_proj(out.reshape(B, 1, h * hd))
+                x = x + a.o_proj(out.reshape(-1, 1, h * hd))
                 x = x + blk.mlp(blk.post_attention_layernorm(x))
             return (_lm_head(m, x[:, 0]), *news, torch.stack(masses, 1))
 

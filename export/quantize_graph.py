@@ -162,9 +162,57 @@ def quantize_embedding_portable(model, scheme: "Scheme") -> int:
     return done
 
 
+def fuse_sibling_linears(model, linear: list) -> list:
+    """Linear MatMuls that read the same input (q / k / v, gate / up) -> one MatMul on the weights
+    side by side + Split into the original outputs, in place. A decode step then runs one 4-bit GEMV
+    of N = 960 instead of three of 576 / 192 / 192 (SmolLM2, 2 threads: 26 vs 19 GB/s over every
+    layer), one side product of the float zero point, and fewer nodes. Exact: each output column is
+    the same dot product. linear: the linear MatMuls' names (linear_matmuls); returns them after
+    the fusion (fused ones replaced by their one node)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    linear = list(linear)
+    groups = {}
+    for n in g.node:
+        if n.name in linear:
+            groups.setdefault(n.input[0], []).append(n)
+    used = {}
+    for n in g.node:
+        for x in n.input:
+            used[x] = used.get(x, 0) + 1
+    for x, members in groups.items():
+        weights = [inits[n.input[1]] for n in members]
+        if len(members) < 2 or len({t.data_type for t in weights}) > 1 or any(used[t.name] > 1 for t in weights):
+            continue
+        arrays = [numpy_helper.to_array(t) for t in weights]
+        if len({a.shape[0] for a in arrays}) > 1:
+            continue
+        first = members[0]
+        base = first.name + "_fused"
+        w = numpy_helper.from_array(np.concatenate(arrays, axis=1), base + "_weight")
+        sizes = numpy_helper.from_array(np.array([a.shape[1] for a in arrays], np.int64), base + "_split")
+        fused = helper.make_node("MatMul", [x, w.name], [base + "_out"], name=base)
+        split = helper.make_node("Split", [fused.output[0], sizes.name], [n.output[0] for n in members],
+                                 name=base + "_Split", axis=-1)
+        at = list(g.node).index(first)
+        for n in members:
+            g.node.remove(n)
+        for t in weights:
+            g.initializer.remove(t)
+        g.node.insert(at, split)
+        g.node.insert(at, fused)
+        g.initializer.extend([w, sizes])
+        linear = [n for n in linear if n not in {m.name for m in members}] + [base]
+    return linear
+
+
 def quantize_portable(model, scheme: Scheme):
     """The graph with every linear MatMul replaced by MatMulNBits (onnxruntime's quantizer), in place
-    where it can be; returns (model, number of nodes quantized)."""
+    where it can be (sibling linears fused first: fuse_sibling_linears); returns (model, number of
+    linear layers quantized, fused siblings counted one by one)."""
     import logging
 
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
@@ -176,7 +224,8 @@ def quantize_portable(model, scheme: Scheme):
     for n in model.graph.node:                          # the quantizer needs named nodes
         if not n.name:
             n.name = f"{n.op_type}_{id(n)}"
-    names = linear_matmuls(model)
+    before = linear_matmuls(model)
+    names = fuse_sibling_linears(model, before)
     if scheme.zero_point == "float":
         from onnx import numpy_helper
 
@@ -200,7 +249,7 @@ def quantize_portable(model, scheme: Scheme):
     if scheme.zero_point == "float":
         _float_zero_points(out, original, scheme.group)
     quantize_embedding_portable(out, scheme)
-    return out, done
+    return out, len(before)
 
 
 def minmax_float_zp(w, group: int):

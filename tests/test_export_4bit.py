@@ -55,13 +55,15 @@ def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
         p = _graph(b4 / name / f"{graph}.portable.onnx")
         bits = lambda n: next(a.i for a in n.attribute if a.name == "bits")
         nb = [n for n in p.node if n.op_type == "MatMulNBits" and bits(n) == 4]
-        assert len(nb) == 7 * L == q["nodes"][graph]
+        assert 7 * L == q["nodes"][graph]
+        # q / k / v and gate / up read one input each: fused into one node + Split (fuse_sibling_linears)
+        assert len(nb) == 4 * L and sum(n.op_type == "Split" and n.name.endswith("_fused_Split") for n in p.node) == 2 * L
         assert all(n.domain == "com.microsoft" for n in nb)
         # no float linear layer left (the offset products of a float zero point are [K, K/g] / [K/g, N])
         assert [n for n in _const_matmuls(p) if not n.endswith(("_BlockSum", "_Offset"))] == []
         int_zp = not kw.get("symmetric") and kw.get("zero_point", "int") == "int"
         assert all(len(n.input) == (4 if int_zp else 3) for n in nb)       # float zp: an offset product
-        assert sum(n.name.endswith("_Offset") for n in p.node) == (7 * L if kw.get("zero_point") == "float" else 0)
+        assert sum(n.name.endswith("_Offset") for n in p.node) == (4 * L if kw.get("zero_point") == "float" else 0)
         # the tied embedding / LM head: one uint8 table read by an 8-bit MatMulNBits and a GatherBlockQuantized
         head = [n for n in p.node if n.op_type == "MatMulNBits" and bits(n) == 8]
         gbq = [n for n in p.node if n.op_type == "GatherBlockQuantized"]
@@ -73,7 +75,7 @@ def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
         dq8 = [n for n in t.node if n.op_type == "DequantizeLinear" and inits[n.input[0]].data_type == onnx.TensorProto.INT8]
         assert len(dq8) == 1                               # the embedding table, once for Gather and Gemm
         dq = [n for n in t.node if n.op_type == "DequantizeLinear" and n not in dq8]
-        assert len(dq) == 7 * L
+        assert len(dq) == 4 * L
         for n in dq:
             assert inits[n.input[0]].data_type == onnx.TensorProto.INT4    # signed: TensorRT has no UINT4
             assert len(n.input) == 2                                         # no zero point (TensorRT refuses one)
@@ -93,6 +95,18 @@ def _logits(bundle, flavour, tokens, steps=3):
         for _ in range(steps):
             out.append(r.step(int(np.argmax(out[-1]))))
     return np.stack(out)
+
+
+def _parts(g, node) -> list:
+    """Output widths of the linear layers a 4-bit node holds side by side (fused siblings: the sizes
+    of the Split after it), else [N]."""
+    from onnx import helper, numpy_helper
+
+    split = next((n for n in g.node if n.op_type == "Split" and n.name == node.name[:-3] + "_Split"), None)
+    if split is None:
+        return [next(helper.get_attribute_value(a) for a in node.attribute if a.name == "N")]
+    sizes = next(t for t in g.initializer if t.name == split.input[1])
+    return [int(x) for x in numpy_helper.to_array(sizes)]
 
 
 def _dequantized_reference(model, bundle):
@@ -127,7 +141,8 @@ def _dequantized_reference(model, bundle):
         off = val(n.name + "_zp_offset") if cast.get(n.name + "_zp_offset", n.name + "_zp_offset") in inits else None
         if off is not None:                                     # float zero point: + s * (8 - z) per block
             w = w + np.repeat(off.T, bs, 1)[:, :K]
-        ws.append((n.name, w))
+        for i, part in enumerate(np.split(w, np.cumsum(_parts(g, n))[:-1], 0)):
+            ws.append((n.name if i == 0 else None, part))
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     assert len(ws) == 7 * len(model.layers) and emb is not None
@@ -138,7 +153,7 @@ def _dequantized_reference(model, bundle):
         for blk in model.layers:
             for n in names:
                 node, w = next(it)
-                assert f"/{n.split('.')[-1]}" in node, (node, n)
+                assert node is None or f"/{n.split('.')[-1]}" in node, (node, n)
                 blk.get_submodule(n).weight.copy_(torch.from_numpy(w))
     return model
 
@@ -232,8 +247,9 @@ def test_float_zero_point_bundle_is_what_eval_fake_quantizes(b4):
     cast = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Cast"}
     nodes = [n for n in g.node if n.op_type == "MatMulNBits" and helper.get_attribute_value(n.attribute[
         [a.name for a in n.attribute].index("bits")]) == 4]
-    weights = [blk.get_submodule(name).weight.data for blk in model.layers for name in qa.LINEARS]
-    assert len(nodes) == len(weights)
+    it = iter([blk.get_submodule(name).weight.data for blk in model.layers for name in qa.LINEARS])
+    weights = [torch.cat([next(it) for _ in _parts(g, n)]) for n in nodes]      # fused siblings side by side
+    assert next(it, None) is None
     for n, w in zip(nodes, weights):
         q, s, z, m = quantize_float(w, sch)
         N = w.shape[0]

@@ -303,7 +303,7 @@ def test_smollm2_bundle_graphs_build(rtx, plugin_lib, smollm2, tmp_path):
     for graph, e in rows.items():
         nodes = _plugin_nodes(tmp_path / "b" / f"{graph}.trt.onnx")
         assert nodes, graph
-        assert e["plugin_layers"] == len(nodes) and e["layers"] > 9000
+        assert e["plugin_layers"] == len(nodes) and e["layers"] > 30 * 100     # every block (30) is in it
         assert e["bytes"] == Path(e["file"]).stat().st_size > 100 << 20
         print(f"smollm2/{graph}: {e['layers']} layers, {e['plugin_layers']} plugin layers, {e['bytes']} bytes, "
               f"built in {e['seconds']:.2f} s with a {e['workspace_bytes'] >> 20} MiB workspace")

@@ -90,6 +90,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope at one position as a matrix: cos/sin (..., hd) -> M (..., hd, hd) with
+    x @ M == apply_rope(x, cos, sin) (up to float rounding): diag(cos) + R diag(sin), R the signed
+    permutation of the half split. A decode step builds it once and rotates q and k with one small
+    MatMul each (the ONNX decode graph) instead of slices, a negation and a concat per head tensor."""
+    hd = cos.shape[-1]
+    r = torch.zeros(hd, hd, dtype=cos.dtype, device=cos.device)
+    half = torch.arange(hd // 2, device=cos.device)
+    r[half + hd // 2, half] = -1.0
+    r[half, half + hd // 2] = 1.0
+    return torch.eye(hd, dtype=cos.dtype, device=cos.device) * cos[..., None, :] + r * sin[..., None, :]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -179,13 +192,19 @@ class Attention(nn.Module):
         self.q_proj, self.o_proj = q.to(self.q_proj.weight), o.to(self.o_proj.weight)
         self.kept_heads = self.kept_heads[keep_local]
 
-    def project(self, x, cos, sin):
+    def project(self, x, cos, sin, rope=None):
         """x (B, T, D) -> q (B, h, T, hd), k, v (B, nkv, T, hd), RoPE applied to q and k: the one
         definition of the attention's input side (the ONNX export and the KV evaluator call it; the
-        fast decoder runs the same arithmetic on fused weights, zeroedge.runtime.fast)."""
-        B, T, _ = x.shape
+        fast decoder runs the same arithmetic on fused weights, zeroedge.runtime.fast). One token
+        (T = 1) may give the rotation as rope = (M for q, M for k), (B, 1, hd, hd) rope_matrix's
+        (the ONNX decode graph: the batch is traced as -1, so no shape arithmetic)."""
         hd, nkv = self.cfg.head_dim, self.cfg.n_kv_heads
         h = self.kept_heads.numel()
+        if rope is not None:
+            q = self.q_proj(x).reshape(-1, h, 1, hd) @ rope[0]
+            k = self.k_proj(x).reshape(-1, nkv, 1, hd) @ rope[1]
+            return q, k, self.v_proj(x).reshape(-1, nkv, 1, hd)
+        B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, h, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)

@@ -146,12 +146,33 @@ def step_bytes(m, dec, ctx) -> dict:
     return {"linear": lin, "lm_head": head, "kv": kv, "total": lin + head + kv}
 
 
-def decode(cfg_name, ctxs, bw, compile_too: bool = True) -> list:
+def paths_policies(m, keep: float) -> dict:
+    """Magnitude-rule paths on every layer, thresholds keeping about `keep` of the FFN inputs and of
+    the intermediate channels on a synthetic normed input (random weights: a speed setting; the rows
+    report the fractions the timed steps really kept)."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedge.paths.sparse import PathPolicy
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    pol = {}
+    for i, blk in enumerate(m.layers):
+        h = torch.randn(64, m.cfg.dim, generator=g, device="cuda")
+        h = F.rms_norm(h, (m.cfg.dim,), blk.post_attention_layernorm.weight.float(), 1e-5)
+        t_in = float(h.abs().quantile(1 - keep))
+        hm = h * (h.abs() >= t_in)
+        act = F.silu(hm @ blk.mlp.gate_proj.weight.float().T) * (hm @ blk.mlp.up_proj.weight.float().T)
+        pol[i] = PathPolicy(method="magnitude", threshold_in=t_in, threshold=float(act.abs().flatten().quantile(1 - keep)))
+    return pol
+
+
+def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5) -> list:
     import torch
 
     from zeroedge.quant import packed
     from zeroedge.quant.apply import apply, embedding_group
-    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+    from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder
 
     rows = []
     for variant in ["bf16", *SCHEMES, "int4-g32-fzp/int8-inputs", "int4-g128-sym/int8-inputs"]:
@@ -189,6 +210,18 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True) -> list:
             print(json.dumps(rows[-1]), flush=True)
             del dec
             torch.cuda.empty_cache()
+        if variant in ("bf16", "int4-g32-fzp/int8-inputs"):  # decode paths (magnitude rule) on every layer
+            pol = paths_policies(m, paths_keep)
+            for ctx in ctxs:
+                dec = PathsDecoder(m, ctx + GEN, pol, int8_inputs=i8)
+                dec.attention.kv.normal_()
+                ms = bs.decode_step_ms(dec, start=ctx, n=64)
+                kept = list(dec.kept().values())
+                rows.append({"ctx": ctx, "decoder": f"paths keep~{paths_keep}", "weights": variant,
+                             "tok_s": round(1e3 / ms, 1), "ms": ms, "kept_mean": round(sum(kept) / len(kept), 3)})
+                print(json.dumps(rows[-1]), flush=True)
+                del dec
+                torch.cuda.empty_cache()
         if variant in ("bf16", "int4-g32-fzp"):
             ctx = max(ctxs)
             ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", torch.bfloat16)
@@ -202,8 +235,10 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True) -> list:
         del m
         torch.cuda.empty_cache()
     base = {(r["ctx"], r["decoder"]): r["ms"] for r in rows if r["weights"] == "bf16"}
+    dense = {r["ctx"]: r["ms"] for r in rows if r["weights"] == "bf16" and r["decoder"] == "dense"}
     for r in rows:
         r["x_bf16"] = round(base[(r["ctx"], r["decoder"])] / r["ms"], 3)
+        r["x_bf16_dense"] = round(dense[r["ctx"]] / r["ms"], 3)
     return rows
 
 

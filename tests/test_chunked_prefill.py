@@ -184,6 +184,10 @@ def test_trt_runner_feeds_the_engine_chunks(rtx, plugin_lib, dense, tmp_path, mo
                 seen.append((feed["tokens"].shape[1], feed["prefix_k.0"].shape[1]))
             return self.s.run(names, feed)
 
+        def input_dtype(self, name):                   # as TrtSession's: the graph's own dtype
+            kind = next(i.type for i in self.s.get_inputs() if i.name == name)
+            return np.float16 if kind == "tensor(float16)" else np.float32
+
         def close(self):
             pass
 

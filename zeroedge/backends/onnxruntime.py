@@ -109,8 +109,8 @@ class OrtRunner:
     def reset(self):
         np = self.np
         shape = (1, self.nkv, self.slots, self.hd)
-        self.k = [np.zeros(shape, np.float32) for _ in range(self.L)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(self.L)]
+        self.k = [np.zeros(shape, self._input_dtype("past_k.0")) for _ in range(self.L)]
+        self.v = [np.zeros(shape, self._input_dtype("past_v.0")) for _ in range(self.L)]
         self.slot_pos = np.full((1, self.slots), -1, np.int64)
         self.heat = np.zeros(self.slots, np.float64)
         self.pos = 0
@@ -118,8 +118,17 @@ class OrtRunner:
         if getattr(self, "policy", None) is not None:
             self.policy.reset(self)
 
+    def _input_dtype(self, name: str):
+        """numpy dtype of a decode-graph input: the window's V is float16 in bundles exported since
+        it was made so (export.onnx_export), float32 in older ones."""
+        dtype = getattr(self.dec, "input_dtype", None)    # a TrtSession
+        if dtype is not None:
+            return dtype(name)
+        kind = next(i.type for i in self.dec.get_inputs() if i.name == name)
+        return self.np.float16 if kind == "tensor(float16)" else self.np.float32
+
     def window_bytes(self) -> int:
-        return 2 * self.L * self.nkv * self.slots * self.hd * 4
+        return self.L * (self.k[0].nbytes + self.v[0].nbytes)
 
     def _coldest(self, runner) -> int:
         np = self.np

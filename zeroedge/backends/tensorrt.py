@@ -940,6 +940,13 @@ class TrtSession:
         self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.buffers: Dict[str, Tuple[int, int]] = {}  # name -> (device pointer, bytes)
 
+    def input_dtype(self, name: str):
+        """numpy dtype the engine takes for input `name` (OrtRunner sizes its window by it;
+        float32 for a name the engine does not take)."""
+        if name not in self.inputs:
+            return self.np.float32
+        return self.np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name))).type
+
     def _buffer(self, name: str, nbytes: int) -> int:
         ptr, size = self.buffers.get(name, (0, 0))
         if size < nbytes:

@@ -241,7 +241,7 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 32, True), Scheme(8, 64, Tr
     x[0, 10:150] = 0                      # whole groups of zero inputs, and a partial one
     ref = x @ p.dequantize().t()
     for split in (1, 3, None):
-        for bc in (8, 64):
+        for bc in (8, 64, None):           # None: the launcher's own tile
             y = tg.gather_inputs(x, pi, BC=bc, split=split)
             assert y.shape == (1, 48) and torch.allclose(y, ref, atol=1e-5), (sch, split, bc)
 try:

@@ -143,39 +143,42 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, 
 def gather_inputs_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, N, K, ROWB, GPS,
                          BITS: tl.constexpr, G: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr):
     # input-major codes (zeroedge.quant.packed.PackedInputs): a program owns BC bytes of outputs and
-    # walks its split's groups of inputs; a group whose inputs are all 0 is skipped, and in the others
-    # the rows of the 0 inputs are never loaded (predicated off)
+    # walks its split's groups of inputs one row at a time (each thread sums its own columns: no
+    # reduction across threads); the row of an input that is 0 is never loaded (predicated off), so
+    # a step reads the kept rows plus each group's scales and offsets
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     cb = pid * BC + tl.arange(0, BC)                                     # byte columns
     cmask = cb < ROWB
-    acc = tl.zeros([BC], dtype=tl.float32)
-    acc_hi = tl.zeros([BC], dtype=tl.float32)
+    VALS: tl.constexpr = 8 // BITS                                       # outputs a byte
+    nb = pid * BC * VALS + tl.arange(0, BC * VALS)                       # output columns
+    nmask = nb < N
+    acc = tl.zeros([BC * VALS], dtype=tl.float32)
     for g in range(sid * GPS, sid * GPS + GPS):
-        k = g * G + tl.arange(0, G)
-        xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        live = xv != 0.0
-        if tl.max(live.to(tl.int32), axis=0) > 0:
-            qb = tl.load(q_ptr + k[:, None] * ROWB + cb[None, :], mask=live[:, None] & cmask[None, :], other=0)
-            xs = tl.sum(xv, axis=0)
+        lo = tl.zeros([BC], dtype=tl.float32)
+        hi = tl.zeros([BC], dtype=tl.float32)
+        xs = 0.0
+        for r in tl.static_range(G):
+            k = g * G + r
+            xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            xb = tl.zeros([BC], dtype=tl.float32) + xk                     # a vector: a mask needs one
+            qb = tl.load(q_ptr + k * ROWB + cb, mask=cmask & (xb != 0.0), other=0)
             if BITS == 4:
-                n_lo = 2 * cb
-                s = tl.load(s_ptr + g * N + n_lo, mask=cmask, other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + g * N + n_lo, mask=cmask, other=0.0).to(tl.float32)
-                acc += tl.sum((qb & 15).to(tl.float32) * xv[:, None], axis=0) * s + o * xs
-                s = tl.load(s_ptr + g * N + n_lo + 1, mask=cmask, other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + g * N + n_lo + 1, mask=cmask, other=0.0).to(tl.float32)
-                acc_hi += tl.sum((qb >> 4).to(tl.float32) * xv[:, None], axis=0) * s + o * xs
+                lo += (qb & 15).to(tl.float32) * xb
+                hi += (qb >> 4).to(tl.float32) * xb
             else:
-                s = tl.load(s_ptr + g * N + cb, mask=cmask, other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + g * N + cb, mask=cmask, other=0.0).to(tl.float32)
-                acc += tl.sum(qb.to(tl.float32) * xv[:, None], axis=0) * s + o * xs
+                lo += qb.to(tl.float32) * xb
+            xs += xk
+        if BITS == 4:
+            part = tl.reshape(tl.join(lo, hi), [BC * VALS])                # outputs 2c, 2c + 1
+        else:
+            part = lo
+        gmask = nmask & (nb * 0 + g * G < K)                               # the last split's spare groups
+        sc = tl.load(s_ptr + g * N + nb, mask=gmask, other=0.0).to(tl.float32)
+        of = tl.load(o_ptr + g * N + nb, mask=gmask, other=0.0).to(tl.float32)
+        acc += part * sc + of * xs
     dst = y_ptr + sid * N if SPLIT > 1 else y_ptr                          # fp32 partials, [SPLIT, N]
-    if BITS == 4:
-        tl.store(dst + 2 * cb, acc.to(dst.dtype.element_ty), mask=cmask)
-        tl.store(dst + 2 * cb + 1, acc_hi.to(dst.dtype.element_ty), mask=cmask)
-    else:
-        tl.store(dst + cb, acc.to(dst.dtype.element_ty), mask=cmask)
+    tl.store(dst + nb, acc.to(dst.dtype.element_ty), mask=nmask)
 
 
 @triton.jit

@@ -19,8 +19,9 @@ decode   inputs : tokens int64 [B, 1], pos int64 [B]    (position of the new tok
                   slot_pos int64 [B, S]                 position held by each slot, -1 = empty
                   past_k.{i} [B, Hkv, S, hd]           the fixed-slot hot window (keys post-RoPE, fp32)
                   past_v.{i} [B, Hkv, S, hd] float16   its values: half the bytes the attention reads
-                                                        (onnxruntime's CPU GEMM reads fp16 V ~1.7x faster
-                                                        at 2K slots; fp16 K is slower there, so K stays fp32)
+                                                        (onnxruntime on x86 casts them to fp32 into cache
+                                                        first, still ~1.7x faster at 2K slots than an fp32
+                                                        window; the same for K is slower, so K stays fp32)
          outputs: logits [B, 1, V]
                   new_k.{i}, new_v.{i} [B, Hkv, 1, hd]   the runner writes them into a free slot
                   attn_mass [B, L, S]                   mass each slot received this step
@@ -110,7 +111,7 @@ def _wrappers():
             self.cfg = model.cfg
 
         def forward(self, tokens, pos, slot_pos, *past):
-            """Written for a short graph (a decode step is ~40 nodes a layer): the batch is traced as
+            """Written for a short graph (~47 onnxruntime nodes a layer, was ~88): the batch is traced as
             -1 (no shape arithmetic), RoPE is one rotation matrix for the step (model.rope_matrix)
             with q's 1/sqrt(hd) folded in, and the new token's own score is one more product."""
             m, cfg = self.m, self.cfg

@@ -60,6 +60,21 @@ def test_memory_matches_onnxruntime(bundle, context, chunk):
     assert abs(planned - measured) / measured <= 0.15, (planned, measured)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_hot_window_is_what_the_runner_allocates(bundle, dtype):
+    """The window's K / V bytes come from the decode graph's inputs (fp32 K, fp16 V), whatever the
+    plan dtype: the same bytes OrtRunner allocates for that window."""
+    p = run_cli("plan", bundle, "--board", "orin-nano-8gb", "--ctx", 200, "--dtype", dtype,
+                "--onnxruntime-process", "--json", check_rc=0)
+    import numpy as np
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    with OrtRunner(bundle, slots=200) as r:
+        assert r.k[0].dtype == np.float32 and r.v[0].dtype == np.float16
+        assert json.loads(p.stdout)["memory"]["hot_kv"] == r.window_bytes()
+
+
 def test_chunked_prefill_bounds_the_forecast(bundle):
     """At 3000 tokens the bundle's chunks (512) need a fraction of one pass's activations, the plan
     says which it assumed, and the weights are the same two copies either way."""

@@ -15,7 +15,8 @@ Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
                  bytes weights.bin really stores for the flavour that runs (TensorRT: signed INT4 +
                  scales + zero-point offsets; onnxruntime: MatMulNBits' blobs + scales + zero points),
                  the rest (embedding, norms) params at the plan dtype
-  hot_kv         2 * L * Hkv * hd * min(context, window) * dtype bytes (post-RoPE keys + values)
+  hot_kv         L * Hkv * hd * min(context, window) * (K + V element bytes as the decode graph takes
+                 them: fp32 K + fp16 V; the plan dtype's for bundles that do not record it)
   compressed     the rest of the context in the int8 tier: 1 byte per value + an fp16 scale per 64
   activations    the larger of prefill and one decode step. Prefill runs in chunks of C tokens
                  (the bundle's prefill.chunk; one pass, C = T, for bundles from before chunking and
@@ -100,7 +101,20 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
             "quant_params": int(q.get("quantized_params") or 0),
             "quant_bytes": {k: int(v) for k, v in (q.get("bytes") or {}).items()},
             "emb_params": int((q.get("embedding") or {}).get("params") or 0),
-            "emb_bytes": {k: int(v) for k, v in ((q.get("embedding") or {}).get("bytes") or {}).items()}}
+            "emb_bytes": {k: int(v) for k, v in ((q.get("embedding") or {}).get("bytes") or {}).items()},
+            "window_bytes": _window_bytes(manifest)}
+
+
+ONNX_DTYPE_BYTES = {1: 4, 10: 2, 16: 2, 11: 8}     # float, float16, bfloat16, double
+
+
+def _window_bytes(manifest: dict):
+    """Bytes of one key + one value element in the hot window, as the decode graph takes them (since
+    session 8: fp32 K + fp16 V = 6), or None (no decode graph recorded: the plan dtype then)."""
+    inputs = {i["name"]: i["dtype"] for i in
+              ((manifest.get("export") or {}).get("graphs") or {}).get("decode", {}).get("inputs", [])}
+    k, v = (ONNX_DTYPE_BYTES.get(inputs.get(n)) for n in ("past_k.0", "past_v.0"))
+    return k + v if k and v else None
 
 
 def _flavour_bytes(by_flavour, device: bool):
@@ -172,7 +186,7 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     out = {"weights": engines * (w_one + tied), "weight_copies": engines, "prefill_chunk": C,
            "weights_quantized": int(qp * linear_bytes_per_param(m, b, device)) if qp else 0,
            "prefill_activations": act_prefill,
-           "hot_kv": per_tok_kv * hot * b,
+           "hot_kv": per_tok_kv // 2 * hot * m["window_bytes"] if m.get("window_bytes") else per_tok_kv * hot * b,
            "compressed_kv": per_tok_kv * max(context - window, 0) * (1 + 2 / 64),
            "activations": max(act_prefill, act_decode),
            "workspace": WORKSPACE if device else 0,

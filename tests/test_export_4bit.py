@@ -409,3 +409,35 @@ def test_single_flavour_bundles_hold_only_what_their_runtime_reads(b4, tmp_path)
     assert plan["memory"]["weights"] == host["memory"]["weights"]
     p = run_cli("export", "tiny", "-o", tmp_path / "x", "--graphs", "onnx")
     assert p.returncode == 2 and not (tmp_path / "x").exists()
+
+
+def test_fuse_sibling_linears_is_exact_and_leaves_shared_weights():
+    """Three linears on one input become one MatMul + Split with the same outputs; a weight that a
+    second node also reads, and a lone linear, are left as they are."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from zeroedge.export.quantize_graph import fuse_sibling_linears, linear_matmuls
+
+    rng = np.random.default_rng(0)
+    w = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+         (("wq", (8, 6)), ("wk", (8, 4)), ("wv", (8, 4)), ("ws", (8, 8)), ("wo", (6, 8)))}
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="k"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="v"),
+             helper.make_node("MatMul", ["y", "ws"], ["s1"], name="s1"),     # ws shared: not fused
+             helper.make_node("MatMul", ["y", "ws"], ["s2"], name="s2"),
+             helper.make_node("MatMul", ["q", "wo"], ["o"], name="o")]       # alone on its input
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, d]) for n, d in
+            (("k", 4), ("v", 4), ("s1", 8), ("s2", 8), ("o", 8))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 8]) for n in "xy"],
+                          outs, [numpy_helper.from_array(a, n) for n, a in w.items()])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    feed = {"x": rng.standard_normal((2, 8)).astype(np.float32), "y": rng.standard_normal((2, 8)).astype(np.float32)}
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    names = fuse_sibling_linears(model, linear_matmuls(model))
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMul") == 4 and ops.count("Split") == 1 and sorted(names) == ["o", "q_fused", "s1", "s2"]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

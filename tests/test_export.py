@@ -187,6 +187,18 @@ def test_tampered_and_partial_bundle_refused(tiny_dense, tmp_path):
     (b / "decode.portable.onnx").unlink()
     with pytest.raises(UserError, match="missing decode.portable.onnx"):
         OrtRunner(b)
+    # a consistent bundle whose decode graph is not ours (its window input renamed): one line, no traceback
+    shutil.rmtree(b)
+    shutil.copytree(tiny_dense, b)
+    g = onnx.load(str(b / "decode.portable.onnx"), load_external_data=False)
+    for x in [*g.graph.input, *g.graph.node]:
+        if getattr(x, "name", None) == "past_v.0":
+            x.name = "other"
+        if hasattr(x, "input"):
+            x.input[:] = ["other" if i == "past_v.0" else i for i in x.input]
+    onnx.save(g, str(b / "decode.portable.onnx"))
+    with pytest.raises(UserError, match="takes no float input past_v.0"):
+        OrtRunner(b, verify=False)
 
 
 def test_export_cli_and_bad_inputs(tmp_path):

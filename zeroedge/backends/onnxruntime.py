@@ -124,7 +124,10 @@ class OrtRunner:
         dtype = getattr(self.dec, "input_dtype", None)    # a TrtSession
         if dtype is not None:
             return dtype(name)
-        kind = next(i.type for i in self.dec.get_inputs() if i.name == name)
+        kind = next((i.type for i in self.dec.get_inputs() if i.name == name), None)
+        if kind not in ("tensor(float)", "tensor(float16)"):
+            raise UserError(f"{self.dir}: the decode graph takes no float input {name} "
+                            f"({kind or 'missing'}): not a zeroedge decode graph; re-export the bundle")
         return self.np.float16 if kind == "tensor(float16)" else self.np.float32
 
     def window_bytes(self) -> int:

@@ -154,10 +154,15 @@ print("OK")
 '''
 
 
-def test_packed_gemv_kernel_in_the_triton_interpreter():
+def _in_triton_interpreter(script: str):
+    """Run a kernel script in a child process with TRITON_INTERPRET=1 (Triton reads it at import)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_packed_gemv_kernel_in_the_triton_interpreter():
+    _in_triton_interpreter(SCRIPT)
 
 
 def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_file, tmp_path):
@@ -261,6 +266,4 @@ print("OK")
 
 
 def test_input_major_gather_kernel_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", GATHER], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    _in_triton_interpreter(GATHER)

@@ -179,9 +179,10 @@ def fuse_sibling_linears(model, linear: list) -> list:
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     linear = list(linear)
+    wanted = set(linear)
     groups = {}
     for n in g.node:
-        if n.name in linear:
+        if n.name in wanted:
             groups.setdefault(n.input[0], []).append(n)
     used = {}
     for n in g.node:
@@ -209,7 +210,8 @@ def fuse_sibling_linears(model, linear: list) -> list:
         g.node.insert(at, split)
         g.node.insert(at, fused)
         g.initializer.extend([w, sizes])
-        linear = [n for n in linear if n not in {m.name for m in members}] + [base]
+        gone = {m.name for m in members}
+        linear = [n for n in linear if n not in gone] + [base]
     return linear
 
 

@@ -110,6 +110,11 @@ def test_plan_board_ctx_and_the_old_target_context(tmp_path):
     ["export", "tiny"],                                   # -o missing
     ["eval", "x", "--text", "kjv", "--ctx", "ten"],
     ["run", "tiny", "--prompt", "x", "--kv-budget", "lots"],
+    ["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-spill", "/tmp"],          # torch backend
+    ["run", "tiny", "--prompt", "x", "--kv-store-pages", "3"],                             # without --kv-spill
+    ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-spill", "/tmp"],  # no --kv-budget
+    ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1",
+     "--kv-spill", "/dev/null/sub"],                                                       # not a folder
     ["no-such-command"],
 ])
 def test_usage_errors_are_one_line_exit_2(argv):

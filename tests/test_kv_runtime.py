@@ -125,7 +125,7 @@ def test_file_store_round_trip_and_refuses_bad_paths(tmp_path):
         FileStore(str(blocker / "sub"), 4, (2, 16, 8))
     with pytest.raises(UserError, match="bytes free"):
         FileStore(str(tmp_path / "big"), 1 << 40, (2, 16, 8))
-    assert not list((tmp_path / "big").glob("kv-*"))                  # nothing half-written
+    assert not list((tmp_path / "big").glob("zeroedge-kv-*"))         # nothing half-written
 
 
 def test_transfer_handler_reports_to_scheduler():

@@ -151,6 +151,76 @@ def test_ort_policy_brings_a_stored_page_back_when_heat_says_so(bundle):
     _greedy(r, prompt, 2, pol.check)
 
 
+@pytest.mark.parametrize("store", ["fp32", "int8"])
+def test_ort_policy_file_tier_is_lossless_private_and_removed(bundle, tmp_path, store):
+    """Stored pages beyond store_pages go to the page file and come back bit for bit: the same
+    greedy tokens and windows as without the file tier; the file is 0600, ours, and gone after."""
+    import os
+    import stat
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    prompt, P = ids_(70, 4), 4
+    ref_pol = OrtThermalPolicy(page_size=P, store=store)
+    ref = OrtRunner(bundle, slots=32, policy=ref_pol)
+    want = _greedy(ref, prompt, 30)
+    pol = OrtThermalPolicy(page_size=P, store=store, spill_dir=tmp_path / "spill", store_pages=1)
+    r = OrtRunner(bundle, slots=32, policy=pol)
+    got = _greedy(r, prompt, 30, pol.check)
+    assert got == want
+    for i in range(r.L):
+        np.testing.assert_array_equal(r.k[i], ref.k[i])
+    st = pol.stats()
+    assert st["spilled"] > 0 and st["stored_pages"] <= 1 and st["file_pages"] == st["spilled"] - st["file_reads"]
+    assert st["stored_pages"] + st["file_pages"] == ref_pol.stats()["stored_pages"]
+    path = pol.file.path
+    assert os.path.dirname(path) == str(tmp_path / "spill")
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600 and not os.path.islink(path)
+    # a page in the file comes back into the window as the reference store holds it
+    page = pol.table.pages_in(Tier.FILE)[0]
+    pol.heat.step({page: 50.0})
+    swaps = pol._migrate(r, (r.pos - 1) // P)
+    assert [u for u, _ in swaps] == [page] and pol.file_reads == st["file_reads"] + 1
+    block = pol.table.lookup(page)[1]
+    k_ref, _ = ref_pol._unpack(ref_pol.store[ref_pol.table.lookup(page)[1]])
+    for i in range(r.L):
+        np.testing.assert_array_equal(r.k[i][0, :, block * P:(block + 1) * P], k_ref[i])
+    pol.check(r)
+    pol.file.close()
+    assert not os.path.exists(path) and os.listdir(tmp_path / "spill") == []
+
+
+def test_ort_policy_file_tier_on_a_full_disk_keeps_every_page(bundle, tmp_path):
+    """The file may not grow past 3 pages (RLIMIT_FSIZE, a real EFBIG from the kernel, in a child
+    process): the spills that do not fit leave their pages in the store, and decoding is unchanged."""
+    import subprocess
+    import sys
+
+    code = f"""
+import json, resource, signal, sys
+sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / "tests")!r})
+import numpy as np
+from zeroedge.backends.onnxruntime import OrtRunner
+from zeroedge.kv.ort_policy import OrtThermalPolicy
+from test_serving import _greedy, ids_
+prompt = ids_(70, 5)
+ref = OrtThermalPolicy(page_size=4)
+want = _greedy(OrtRunner({str(bundle)!r}, slots=32, policy=ref), prompt, 20)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)               # EFBIG instead of the signal
+lim = 3 * ref.page_bytes()
+resource.setrlimit(resource.RLIMIT_FSIZE, (lim, lim))
+pol = OrtThermalPolicy(page_size=4, spill_dir={str(tmp_path / "full")!r}, store_pages=0)
+r = OrtRunner({str(bundle)!r}, slots=32, policy=pol)
+got = _greedy(r, prompt, 20, pol.check)
+print(json.dumps({{"same": got == want, **pol.stats()}}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    st = json.loads(p.stdout.strip().splitlines()[-1])
+    assert st["same"] and st["spill_failed"] > 0 and st["file_pages"] <= 3 and st["stored_pages"] > 0
+
+
 def test_ort_policy_bad_window_is_refused_before_any_work(bundle):
     from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.kv.ort_policy import OrtThermalPolicy

@@ -97,6 +97,11 @@ def bundle_config(bundle):
 @click.option("--max-new", type=int, default=32, show_default=True, help="New tokens to generate.")
 @fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction, in (0, 1].")
 @click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
+@click.option("--kv-spill", "kv_spill", type=click.Path(file_okay=False),
+              help="onnxruntime / tensorrt thermal KV: a folder (NVMe on a Jetson) for the file tier; "
+                   "stored pages beyond --kv-store-pages go to one private file there, deleted at the end.")
+@click.option("--kv-store-pages", "kv_store_pages", type=int, default=0, show_default=True,
+              help="With --kv-spill: stored pages kept in memory before the coldest go to the file.")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")
@@ -114,8 +119,8 @@ def bundle_config(bundle):
 @memory_cap_options("torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
                     "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib, release_level,
-        backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
+def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, paths, calib,
+        release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
 
@@ -124,6 +129,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
     prompt = _read_prompt(prompt, prompt_file)
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
+    spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend)
     budget = kv_budget
     cap = memory_cap(device_memory, board)
     if cap is not None and backend != "torch":
@@ -158,7 +164,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, paths, calib,
                           kv_budget=budget, page_size=page_size,
                           paths=calib if backend == "torch" else (True if paths else None),
                           release_level=release_level, threads=threads or None,
-                          model_cfg=cfg if model is not None else None, device_memory=cap,
+                          model_cfg=cfg if model is not None else None, device_memory=cap, thermal_opts=spill,
                           on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
     res = sess.generate(ids, max_new, paths=True if paths else None,
                         eos=getattr(tok, "eos_token_id", None))
@@ -190,6 +196,24 @@ def _read_prompt(prompt, prompt_file) -> str:
     if not prompt:
         raise UserError("the prompt is empty")
     return prompt
+
+
+def _spill_options(kv_spill, store_pages, kv_budget, backend) -> dict:
+    """--kv-spill / --kv-store-pages -> the thermal policy's options, the folder checked now."""
+    from zeroedge.errors import UserError
+    from zeroedge.kv.policy import check_cold_path
+
+    if kv_spill is None:
+        if store_pages:
+            raise UserError("--kv-store-pages goes with --kv-spill DIR")
+        return {}
+    if backend == "torch":
+        raise UserError("--kv-spill is for --backend onnxruntime or tensorrt (their thermal KV pages)")
+    if kv_budget is None:
+        raise UserError("--kv-spill needs thermal KV: give --kv-budget F")
+    if store_pages < 0:
+        raise UserError(f"--kv-store-pages must be >= 0 (got {store_pages})")
+    return {"spill_dir": check_cold_path(kv_spill), "store_pages": store_pages}
 
 
 def _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,

@@ -17,6 +17,10 @@ bookkeeping (numpy only):
   page's by more than `threshold`, at most `fetch` swaps a step (the fetch budget).
 - the store keeps pages int8 with one fp16 scale per group of the head dim (Tier.WARM8; the
   scheme of zeroedge.kv.tiers, in numpy), or exact fp32 copies (`store="fp32"`, Tier.COLD).
+- the file tier (`spill_dir`, Tier.FILE; NVMe on a Jetson): when the store holds more than
+  `store_pages` pages, the coldest go, in the store's own bytes, to a zeroedge.kv.spill.PageFile
+  there, and a page fetched back is read from it straight into the window. A write the disk
+  refuses (full) leaves the page in the store (counted in `spill_failed`): nothing is lost.
   Every move goes through PageTable.prepare / complete, so its event log counts each page
   migrated; `migrated` is per request (reset at prefill).
 
@@ -25,6 +29,7 @@ all of them (the torch ThermalDecoder pages one (layer, kv head) stream at a tim
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Dict, List
 
@@ -53,13 +58,18 @@ def dequantize(q: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
 
 class OrtThermalPolicy:
     def __init__(self, page_size: int = 16, store: str = "int8", threshold: float = DEFAULT_THRESHOLD,
-                 recent_pages: int = 1, fetch: int = 2, cos_window: int = 8, max_pages: int = 1 << 16):
+                 recent_pages: int = 1, fetch: int = 2, cos_window: int = 8, max_pages: int = 1 << 16,
+                 spill_dir=None, store_pages: int = 0):
         if not isinstance(page_size, int) or page_size < 1:
             raise UserError(f"page size must be a positive integer (got {page_size!r})")
         if store not in ("int8", "fp32"):
             raise UserError(f"store must be int8 or fp32 (got {store!r})")
         if threshold < 0 or fetch < 0 or recent_pages < 0 or cos_window < 1:
             raise UserError("threshold, fetch and recent_pages must be >= 0, cos_window >= 1")
+        if not isinstance(store_pages, int) or store_pages < 0:
+            raise UserError(f"store_pages must be an integer >= 0 (got {store_pages!r})")
+        self.spill_dir, self.store_pages = spill_dir, store_pages
+        self.file = None
         self.P, self.store_kind, self.threshold = page_size, store, float(threshold)
         self.recent, self.fetch, self.cos_window, self.max_pages = recent_pages, fetch, cos_window, max_pages
         self.store_tier = Tier.WARM8 if store == "int8" else Tier.COLD
@@ -81,7 +91,16 @@ class OrtThermalPolicy:
                             "recent, one more)")
         self.L, self.nkv, self.hd = runner.L, runner.nkv, runner.hd
         self.group = 32 if self.hd % 32 == 0 else self.hd
-        self.table = PageTable(P, {Tier.HOT: self.blocks, self.store_tier: self.max_pages})
+        self.table = PageTable(P, {Tier.HOT: self.blocks, self.store_tier: self.max_pages,
+                                   Tier.FILE: self.max_pages})
+        if self.file is not None:
+            self.file.close()
+        if self.spill_dir is not None:
+            from zeroedge.kv.spill import PageFile
+
+            self.file = PageFile(self.spill_dir, self.page_bytes(), reserve_pages=1)   # grows by doubling
+        self.spilled = self.spill_failed = self.file_reads = self.file_read_failed = 0
+        self.file_read_s = 0.0
         self.heat = HeatTracker()
         self.store: Dict[int, tuple] = {}
         self.ksum = np.zeros((64, self.L * self.nkv, self.hd), np.float32)   # per-page key sums
@@ -106,8 +125,8 @@ class OrtThermalPolicy:
         return n + (n // self.group) * 2 if self.store_kind == "int8" else 4 * n
 
     def _pack(self, k, v):
-        if self.store_kind == "fp32":
-            return (k.copy(), v.copy())
+        if self.store_kind == "fp32":               # exact: a float16 window's V widens losslessly
+            return (k.astype(np.float32), v.astype(np.float32))
         return quantize(k, self.group) + quantize(v, self.group)
 
     def _unpack(self, item):
@@ -115,6 +134,24 @@ class OrtThermalPolicy:
             return item
         kq, ks, vq, vs = item
         return dequantize(kq, ks, self.group), dequantize(vq, vs, self.group)
+
+    def _layout(self):
+        """(dtype, shape) of each array of a stored page, in _pack's order."""
+        kv = (self.L, self.nkv, self.P, self.hd)
+        if self.store_kind == "fp32":
+            return [(np.float32, kv)] * 2
+        return [(np.int8, kv), (np.float16, kv[:-1] + (self.hd // self.group,))] * 2
+
+    def _to_bytes(self, item) -> np.ndarray:
+        return np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in item])
+
+    def _from_bytes(self, raw: np.ndarray) -> tuple:
+        out, at = [], 0
+        for dtype, shape in self._layout():
+            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            out.append(raw[at:at + n].view(dtype).reshape(shape))
+            at += n
+        return tuple(out)
 
     def _block_kv(self, runner, block):
         sl = slice(block * self.P, (block + 1) * self.P)
@@ -154,6 +191,7 @@ class OrtThermalPolicy:
                 self.store[self.table.lookup(p)[1]] = self._pack(K[:, :, lo:hi], V[:, :, lo:hi])
                 self.stored_at_prefill += 1
         self.heat.step({p: pm[p] for p in range(n)})
+        self._spill()
 
     def slot_for(self, runner, out) -> int:
         """After a decode graph run: record heat, then the slot the new token goes to."""
@@ -230,23 +268,54 @@ class OrtThermalPolicy:
         runner.heat[block * self.P:(block + 1) * self.P] = 0.0
         self.migrated += 1
         self.demoted += 1
+        self._spill()
+
+    def _spill(self):
+        """The coldest stored pages to the file tier while the store holds more than store_pages."""
+        if self.file is None:
+            return
+        stored = self.table.pages_in(self.store_tier)
+        for page in sorted(stored, key=lambda p: (self.heat.heat(p), p))[: max(0, len(stored) - self.store_pages)]:
+            sslot = self.table.lookup(page)[1]
+            _, fslot = self.table.prepare(page, Tier.FILE)
+            try:
+                self.file.write(fslot, self._to_bytes(self.store[sslot]))
+            except OSError:                      # the disk is full or failing: the page stays stored
+                self.table.complete(page, ok=False)
+                self.spill_failed += 1
+                return
+            del self.store[sslot]
+            self.table.complete(page, self.page_bytes())
+            self.migrated += 1
+            self.spilled += 1
 
     def _promote(self, runner, page: int):
-        _, sslot, _, _ = self.table.lookup(page)
+        tier, sslot, _, _ = self.table.lookup(page)
         _, block = self.table.prepare(page, Tier.HOT)
-        k, v = self._unpack(self.store[sslot])
+        if tier == Tier.FILE:
+            t0 = time.perf_counter()
+            try:
+                item = self._from_bytes(self.file.read(sslot))
+            except OSError:                      # an unreadable page stays in the file, the step goes on
+                self.table.complete(page, ok=False)
+                self.file_read_failed += 1
+                return
+            self.file_read_s += time.perf_counter() - t0
+            self.file_reads += 1
+        else:
+            item = self.store.pop(sslot)
+        k, v = self._unpack(item)
         sl = slice(block * self.P, (block + 1) * self.P)
         for i in range(self.L):
             runner.k[i][0, :, sl] = k[i]
             runner.v[i][0, :, sl] = v[i]
         runner.slot_pos[0, sl] = np.arange(page * self.P, (page + 1) * self.P)
-        del self.store[sslot]
         self.table.complete(page, self.page_bytes())
         self.migrated += 1
         self.promoted += 1
 
     def _migrate(self, runner, tail: int):
-        cold = self.table.pages_in(self.store_tier)
+        cold = self.table.pages_in(self.store_tier) + self.table.pages_in(Tier.FILE)
         if not cold or not self.fetch:
             return []
         hot = self._movable(tail)
@@ -266,6 +335,10 @@ class OrtThermalPolicy:
                 "migrated_bytes": t.log.bytes.get("migrate", 0),
                 "stored_at_prefill": self.stored_at_prefill,
                 "store_bytes": len(self.store) * self.page_bytes(),
+                "file_pages": len(t.pages_in(Tier.FILE)), "file_bytes": self.file.nbytes if self.file else 0,
+                "spilled": self.spilled, "spill_failed": self.spill_failed, "file_reads": self.file_reads,
+                "file_read_failed": self.file_read_failed,
+                "file_read_s": round(self.file_read_s, 6),
                 "summary_bytes": len(t) * self.L * self.nkv * self.hd * 4, "page_table_bytes": t.nbytes()}
 
     def check(self, runner):
@@ -282,6 +355,9 @@ class OrtThermalPolicy:
                 pos = runner.slot_pos[0, slot * P:(slot + 1) * P]
                 valid = pos[pos >= 0]
                 assert valid.size and (valid == p * P + np.arange(valid.size)).all(), (p, pos)
+            elif tier == Tier.FILE:
+                assert self.file is not None and slot < self.file.capacity, (p, slot)
+                assert not flags & PINNED
             else:
                 assert tier == self.store_tier and slot in self.store, (p, tier, slot)
                 assert not flags & PINNED

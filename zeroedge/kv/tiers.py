@@ -5,12 +5,9 @@ ThermalAttention's own, zeroedge.kv.attention.)
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
-
-from zeroedge.errors import UserError
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,45 +94,26 @@ def quantized_nbytes(numel: int, bits: int, group: int) -> int:
 # cold stores
 # --------------------------------------------------------------------------------------------
 class FileStore:
-    """A preallocated file of page slots (NVMe on a Jetson, long streams elsewhere). Space is
-    checked and reserved before any page is written; a failed write leaves the page where it was
-    (the page table entry changes only after the write returned)."""
+    """Torch pages of one shape and dtype in a zeroedge.kv.spill.PageFile (its checks: a folder with
+    room, a private file of our own, never a link; n_slots reserved before any page is written)."""
 
     def __init__(self, path: str, n_slots: int, page_shape, dtype=torch.float16):
-        from zeroedge.kv.policy import check_cold_path
-
-        import numpy as np
+        from zeroedge.kv.spill import PageFile
 
         self.page_shape, self.dtype = tuple(page_shape), dtype
         self.page_bytes = int(torch.empty(page_shape, dtype=dtype).numel()
                               * torch.empty((), dtype=dtype).element_size())
-        need = self.page_bytes * n_slots
-        folder = check_cold_path(path, need)
-        self.path = os.path.join(folder, f"kv-{os.getpid()}-{id(self):x}.bin")
-        try:
-            with open(self.path, "wb") as f:
-                f.truncate(need)
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(f.fileno(), 0, need)
-        except OSError as e:
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-            raise UserError(f"cold store {folder}: cannot reserve {need} bytes ({e.strerror})") from None
-        self.mm = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(n_slots, self.page_bytes))
-        self.n_slots = n_slots
+        self.file = PageFile(path, self.page_bytes, n_slots)
+        self.path, self.n_slots = self.file.path, n_slots
 
     def write(self, slot: int, page: torch.Tensor):
-        raw = page.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
-        self.mm[slot, :] = raw
+        self.file.write(slot, page.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
 
     def read(self, slot: int) -> torch.Tensor:
-        raw = torch.from_numpy(self.mm[slot].copy())
-        return raw.view(self.dtype).reshape(self.page_shape)
+        return torch.from_numpy(self.file.read(slot)).view(self.dtype).reshape(self.page_shape)
 
     def close(self):
-        del self.mm
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        self.file.close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -142,6 +142,30 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
         y = tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
         assert torch.allclose(y, F.silu(g) * u, atol=1e-5), (sch, cfg)
     assert not torch.equal(xi, xn) and torch.allclose(xi, xn, atol=float(xn.abs().max()) / 250)
+    # the predictor rule: rows decided in the kernel from z, bg, bu (rank 5: not a power of two)
+    z, bg, bu = torch.randn(1, 5), torch.randn(5, N // 2), torch.randn(5, N // 2)
+    score = (F.silu(z @ bg) * (z @ bu)).abs()
+    thr = float(score.median())
+    live = score >= thr
+    g, u = ref.chunk(2, -1)
+    flags = torch.zeros(N // 2, dtype=torch.uint8)
+    for cfg in [dict(BN=8, BW=4, SPLIT=1, num_warps=4), dict(BN=4, BW=2, SPLIT=3, num_warps=4)]:
+        y = tg.gemv(x, p, swiglu=True, config=cfg, predictor=(z, bg, bu, thr))
+        assert torch.allclose(y, F.silu(g) * u * live, atol=1e-5) and (y[~live] == 0).all(), (sch, cfg)
+        assert 0 < int(live.sum()) < N // 2
+        gi, ui = (round_inputs_int8(x, sch.bits) @ wd.T).chunk(2, -1)
+        y = tg.gemv(x, p, swiglu=True, config=dict(cfg, BW=16), int8_inputs=True, predictor=(z, bg, bu, thr))
+        assert torch.allclose(y, F.silu(gi) * ui * live, atol=1e-5), (sch, cfg)
+        y = tg.gemv(x, p, swiglu=True, config=cfg, live=flags)          # no live row: nothing read, all 0
+        assert (y == 0).all()
+    for bad in (dict(live=flags[:-1]), dict(predictor=(z, bg[:, :-1], bu, thr)),
+                dict(predictor=(z, bg.double(), bu, thr))):
+        try:
+            tg.gemv(x, p, swiglu=True, **bad)
+        except ValueError as e:
+            assert "live" in str(e) or "predictor" in str(e)
+        else:
+            raise AssertionError(f"accepted {list(bad)}")
     yb = tg.gemv(x.bfloat16(), p)
     assert yb.dtype == torch.bfloat16 and torch.allclose(yb.float(), x.bfloat16().float() @ wd.T, atol=5e-2)
 try:
@@ -229,6 +253,39 @@ def test_magnitude_paths_gather_rows_of_the_4bit_codes():
         assert torch.allclose(a, b, atol=1e-4), t
     kept = packed_dec.kept()
     assert set(kept) == {1, 2} and all(0 < v < 1 for v in kept.values()) and kept == fp_dec.kept()
+
+
+def test_predictor_paths_read_live_rows_of_the_4bit_weights():
+    """PathsDecoder on packed weights with the predictor rule: the live channels' gate / up rows of
+    the 4-bit [W_gate; W_up] (the row-masked GEMV, checked in Triton's interpreter above), then their
+    down rows from the input-major codes; the same values as the decoder over the fp weights (which
+    holds the same dequantized numbers), and channels really are skipped."""
+    from zeroedge.paths.predictor import fit_predictor
+    from zeroedge.paths.sparse import PathPolicy
+    from zeroedge.quant.apply import apply
+    from zeroedge.quant.packed import PackedInputs, PackedLinear
+    from zeroedge.runtime.fast import PathsDecoder
+
+    m = M.build("tiny", seed=8).eval()
+    apply(m, _section(Scheme(4, 32, False, "float")), pack=True)
+    g = torch.Generator().manual_seed(9)
+    pol = {}
+    for i in (0, 2):
+        x = torch.randn(256, m.cfg.dim, generator=g)
+        pr = fit_predictor(x, m.layers[i].mlp, rank=8)
+        pr.threshold = float(pr.scores(x).flatten().quantile(0.5))
+        pol[i] = PathPolicy(method="predictor", predictor=pr)
+    packed_dec = PathsDecoder(m, 40, pol, graph=False, packed=True)
+    fp_dec = PathsDecoder(m, 40, pol, graph=False, packed=False)
+    p = packed_dec.ffn.paths[0]
+    assert p["kind"] == "predictor_packed" and isinstance(p["w13"], PackedLinear)
+    assert isinstance(p["wdt"], PackedInputs)
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(10))
+    for t in range(30):
+        a, b = packed_dec.step(int(ids[t]), t), fp_dec.step(int(ids[t]), t)
+        assert torch.allclose(a, b, atol=1e-4), t
+    kept = packed_dec.kept()
+    assert set(kept) == {0, 2} and all(0 < v < 1 for v in kept.values()) and kept == fp_dec.kept()
 
 
 GATHER = r'''

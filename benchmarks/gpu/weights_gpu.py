@@ -27,6 +27,8 @@ def parse_args(argv=None):
     bs.add_out(ap, "/tmp/weights_gpu_out")
     bs.add_ctx(ap, "8192,32768")
     ap.add_argument("--no-sweep", action="store_true", help="use the CONFIG in triton_gemv as it is")
+    ap.add_argument("--paths-only", action="store_true",
+                    help="decode rows of bf16 and int4 g32 float-zp (int8 inputs) only: dense and both paths rules")
     return ap.parse_args(argv)
 
 
@@ -167,7 +169,47 @@ def paths_policies(m, keep: float) -> dict:
     return pol
 
 
-def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5) -> list:
+def predictor_policies(m, keep: float, ctx: int, int8_inputs: bool, rank: int = 32) -> dict:
+    """Predictor-rule paths on every layer: random rank-`rank` maps (random weights: a speed setting,
+    no fit) whose per-layer thresholds are bisected on the decoder itself (eager steps over the same
+    random cache the timed steps read) until each layer keeps about `keep` of its channels; the rows
+    report the fractions the timed steps really kept."""
+    import torch
+
+    from zeroedge.paths.predictor import PathPredictor
+    from zeroedge.paths.sparse import PathPolicy
+    from zeroedge.runtime.fast import PathsDecoder
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    D, F_ = m.cfg.dim, m.cfg.ffn_dim
+    pol = {i: PathPolicy(method="predictor", predictor=PathPredictor(
+        torch.randn(D, rank, generator=g, device="cuda") / D ** 0.5,
+        torch.randn(rank, F_, generator=g, device="cuda") / rank ** 0.5,
+        torch.randn(rank, F_, generator=g, device="cuda") / rank ** 0.5, torch.ones(F_, device="cuda")))
+        for i in range(len(m.layers))}
+    dec = PathsDecoder(m, ctx + GEN, pol, graph=False, int8_inputs=int8_inputs)
+    dec.attention.kv.normal_()
+    lo, hi = {i: 1e-6 for i in pol}, {i: 1e3 for i in pol}
+    for it in range(14):                      # bisection in log space, 4 steps a probe
+        for i, p in dec.ffn.paths.items():
+            p["thr"] = (lo[i] * hi[i]) ** 0.5
+        kept = {i: 0.0 for i in pol}
+        for t in range(4):
+            dec.step(100 + t, ctx + t)
+            for i, v in dec.kept().items():
+                kept[i] += v / 4
+        for i, p in dec.ffn.paths.items():
+            if kept[i] > keep:
+                lo[i] = p["thr"]
+            else:
+                hi[i] = p["thr"]
+    for i, p in dec.ffn.paths.items():
+        pol[i].predictor.threshold = p["thr"]
+    del dec
+    return pol
+
+
+def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5, paths_only: bool = False) -> list:
     import torch
 
     from zeroedge.quant import packed
@@ -175,7 +217,10 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
     from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder
 
     rows = []
-    for variant in ["bf16", *SCHEMES, "int4-g32-fzp/int8-inputs", "int4-g128-sym/int8-inputs"]:
+    variants = ["bf16", *SCHEMES, "int4-g32-fzp/int8-inputs", "int4-g128-sym/int8-inputs"]
+    if paths_only:
+        variants, compile_too = ["bf16", "int4-g32-fzp/int8-inputs"], False
+    for variant in variants:
         i8 = variant.endswith("/int8-inputs")
         scheme = variant.split("/")[0]
         m = bs.build_model(cfg_name, "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
@@ -210,19 +255,21 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
             print(json.dumps(rows[-1]), flush=True)
             del dec
             torch.cuda.empty_cache()
-        if variant in ("bf16", "int4-g32-fzp/int8-inputs"):  # decode paths (magnitude rule) on every layer
-            pol = paths_policies(m, paths_keep)
-            for ctx in ctxs:
-                dec = PathsDecoder(m, ctx + GEN, pol, int8_inputs=i8)
-                dec.attention.kv.normal_()
-                ms = bs.decode_step_ms(dec, start=ctx, n=64)
-                kept = list(dec.kept().values())
-                rows.append({"ctx": ctx, "decoder": f"paths keep~{paths_keep}", "weights": variant,
-                             "tok_s": round(1e3 / ms, 1), "ms": ms, "kept_mean": round(sum(kept) / len(kept), 3)})
-                print(json.dumps(rows[-1]), flush=True)
-                del dec
-                torch.cuda.empty_cache()
-        if variant in ("bf16", "int4-g32-fzp"):
+        if variant in ("bf16", "int4-g32-fzp/int8-inputs"):  # decode paths on every layer, both rules
+            for rule in ("", "predictor "):
+                for ctx in ctxs:
+                    pol = (predictor_policies(m, paths_keep, ctx, i8) if rule else paths_policies(m, paths_keep))
+                    dec = PathsDecoder(m, ctx + GEN, pol, int8_inputs=i8)
+                    dec.attention.kv.normal_()
+                    ms = bs.decode_step_ms(dec, start=ctx, n=64)
+                    kept = list(dec.kept().values())
+                    rows.append({"ctx": ctx, "decoder": f"paths {rule}keep~{paths_keep}", "weights": variant,
+                                 "tok_s": round(1e3 / ms, 1), "ms": ms,
+                                 "kept_mean": round(sum(kept) / len(kept), 3)})
+                    print(json.dumps(rows[-1]), flush=True)
+                    del dec
+                    torch.cuda.empty_cache()
+        if variant in ("bf16", "int4-g32-fzp") and not paths_only:
             ctx = max(ctxs)
             ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", torch.bfloat16)
             t = ThermalDecoder(m, ctx, GEN, budget=0.1)
@@ -270,7 +317,7 @@ def main(argv=None):
                 res["sweep"][key + ("/int8-inputs" if i8 else "")] = r
                 (tg.CONFIG_I8 if i8 else tg.CONFIG)[(n, k, bits, group)] = r["best"]   # what decode uses
                 print(key, i8, {x: r[x] for x in ("best", "us", "GBs", "cublas_bf16_us", "x_cublas")}, flush=True)
-    res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9)
+    res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9, paths_only=a.paths_only)
     bs.write_json(out / "weights_gpu.json", res)
     print("\nSUMMARY  copy %.0f GB/s" % res["copy_bw_GBs"])
     print("checks max rel", max(v["rel"] for v in res["checks"].values()),

@@ -9,7 +9,8 @@ with the small |x_k| zeroed (their rows are never read), then over W_down^T with
 zeroed. Dense layers (no policy) keep the dense FFN. In a decoder that reads packed 4-bit weights
 (zeroedge.quant.packed) the magnitude rule gathers the same rows from input-major 4-bit codes
 (quant.packed.PackedInputs; a group of inputs that are all 0 is not read at all); the predictor rule
-still reads the fp weights there (no 4-bit row gather for it yet).
+reads only its live channels' rows of the 4-bit [W_gate; W_up] (the packed GEMV with a row mask)
+and then gathers the down rows as the magnitude rule does.
 
 kernels="cuda" runs the plugin library's CUDA C kernels instead (zeroedge.paths.cuda_gemv: two
 launches an FFN, the code the TensorRT plugin runs; on the H200 the magnitude rule decodes 1.03-1.14x
@@ -51,11 +52,12 @@ class PathsFFN:
             raise ValueError(f"kernels must be auto, triton, cuda or torch, not {kernels!r}")
         self.policies, self.kernels_wanted, self.kernels_lib = policies, kernels, kernels_lib
 
-    def bind(self, layers: list, cfg, device, dtype, packed_layers=None):
+    def bind(self, layers: list, cfg, device, dtype, packed_layers=None, int8_inputs: bool = False):
         """layers: the decoder's fused weights per layer (w13 = [W_gate; W_up], w2 = W_down, ...);
         packed_layers: the decoder's packed 4-bit forms (zeroedge.quant.packed), when it reads them:
-        magnitude layers then gather rows of their input-major forms."""
-        self.device, self.dtype = device, dtype
+        sparse layers then read rows of those (magnitude: input-major forms; predictor: live rows);
+        int8_inputs: the decoder's packed GEMVs round their inputs to int8 (dp4a), these too."""
+        self.device, self.dtype, self.int8_inputs = device, dtype, int8_inputs
         self._pick_kernels(self.kernels_wanted, self.kernels_lib)
         self._build_paths(layers, cfg, self.policies, packed_layers)
 
@@ -94,6 +96,14 @@ class PathsFFN:
                     wdt=packed.PackedInputs.of(packed_layers[i]["w2"]),
                     act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype))
                 continue
+            if pol.method == "predictor" and packed_layers is not None:
+                self.paths[i] = dict(
+                    kind="predictor_packed", at=pr.a.T.contiguous().to(self.device, self.dtype),
+                    bg=pr.bg.to(self.device, torch.float32), thr=float(pr.threshold),
+                    bu=tg.fold_down_norm(pr.bu, pr.wd_norm).to(self.device, torch.float32),
+                    w13=packed_layers[i]["w13"], wdt=packed.PackedInputs.of(packed_layers[i]["w2"]),
+                    act=torch.zeros(1, Fd, device=self.device, dtype=self.dtype))
+                continue
             if pol.method == "magnitude":
                 self.paths[i] = dict(
                     kind="magnitude", thr_in=float(pol.threshold_in), thr=float(pol.threshold),
@@ -117,6 +127,11 @@ class PathsFFN:
                                  dtype=torch.float32))
 
     def _paths_ffn(self, p, h):
+        if p["kind"] == "predictor_packed":   # the live channels' 4-bit gate / up rows, then their down rows
+            z = F.linear(h, p["at"])
+            p["act"].copy_(packed.swiglu(h, p["w13"], predictor=(z, p["bg"], p["bu"], p["thr"]),
+                                         int8_inputs=self.int8_inputs))
+            return packed.gather_inputs(p["act"], p["wdt"])
         if p["kind"] == "magnitude_packed":   # rows of the 4-bit codes, only for surviving inputs
             g, u = packed.gather_inputs(h * (h.abs() >= p["thr_in"]), p["w13t"]).chunk(2, -1)
             a = F.silu(g) * u
@@ -157,7 +172,7 @@ class PathsFFN:
         p = self.paths.get(li)
         if p is None:
             return None
-        x = packed.linear(o.reshape(1, -1), wo, residual=x)
+        x = packed.linear(o.reshape(1, -1), wo, residual=x, int8_inputs=self.int8_inputs)
         h = F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])
         return x + self._paths_ffn(p, h)
 

@@ -16,6 +16,24 @@ def _rstd(x_ptr, eps, K, NB: tl.constexpr):
 
 
 @triton.jit
+def _live_rows(live_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE: tl.constexpr, R: tl.constexpr):
+    """The rows whose codes are read (the others sum to 0): LIVE 0 every row; 1 the rows whose flag
+    (uint8 [N]) is set; 2 decode paths' predictor rule, computed here: z = live_ptr's RK values,
+    score_j = |silu(z . bg[:, j]) * (z . bu[:, j])| >= thr (bg, bu fp32 [RK, N]), so a dead
+    channel's gate / up rows are never loaded."""
+    if LIVE == 1:
+        rmask = rmask & (tl.load(live_ptr + rows, mask=rmask, other=0) != 0)
+    if LIVE == 2:
+        rr = tl.arange(0, R)
+        z = tl.load(live_ptr + rr, mask=rr < RK, other=0.0).to(tl.float32)
+        m = (rr < RK)[:, None] & rmask[None, :]
+        g = tl.sum(z[:, None] * tl.load(bg_ptr + rr[:, None] * N + rows[None, :], mask=m, other=0.0), axis=0)
+        u = tl.sum(z[:, None] * tl.load(bu_ptr + rr[:, None] * N + rows[None, :], mask=m, other=0.0), axis=0)
+        rmask = rmask & (tl.abs(g * tl.sigmoid(g) * u) >= thr)
+    return rmask
+
+
+@triton.jit
 def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES: tl.constexpr,
             SPLIT: tl.constexpr):
     """Store a program's row sums y (and y2, the up rows): fp32 partials with SPLIT > 1 ([SPLIT, N],
@@ -35,10 +53,11 @@ def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES:
 
 
 @triton.jit
-def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGROUPS, ROWW, WPS,
+def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_ptr, bg_ptr, bu_ptr, thr, RK,
+                N, K, NGROUPS, ROWW, WPS,
                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                 NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr):
     VALS: tl.constexpr = 32 // BITS          # codes a word
     WG: tl.constexpr = G // VALS             # words a group
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -46,13 +65,14 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGR
     sid = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
+    lmask = _live_rows(live_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
     rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
     acc = tl.zeros([BN], dtype=tl.float32)
     acc2 = tl.zeros([BN], dtype=tl.float32)
     w_lo = sid * WPS
     for w0 in range(w_lo, w_lo + WPS, BW):
         wi = w0 + tl.arange(0, BW)
-        m2 = rmask[:, None] & (wi < ROWW)[None, :]
+        m2 = lmask[:, None] & (wi < ROWW)[None, :]
         qw = tl.load(q_ptr + rows[:, None] * ROWW + wi[None, :], mask=m2, other=0)      # [BN, BW]
         if SWIGLU:
             qw2 = tl.load(q_ptr + (rows + N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
@@ -80,10 +100,11 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGR
 
 
 @triton.jit
-def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, NGROUPS, ROWW, WPS,
+def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_ptr, bg_ptr, bu_ptr, thr, RK,
+                   N, K, NGROUPS, ROWW, WPS,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                    NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
-                   SPLIT: tl.constexpr, DP4A: tl.constexpr):
+                   SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, DP4A: tl.constexpr):
     # each word's inputs rounded to int8 (one scale a word), packed four to a 32-bit word in the byte
     # order of the codes they meet, codes x inputs summed by dp4a (DP4A False: the same integers by
     # shifts, for Triton's interpreter, which has no inline PTX)
@@ -93,6 +114,7 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, 
     sid = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
+    lmask = _live_rows(live_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
     rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
     acc = tl.zeros([BN], dtype=tl.float32)
     acc2 = tl.zeros([BN], dtype=tl.float32)
@@ -100,7 +122,7 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, N, K, 
     w_lo = sid * WPS
     for w0 in range(w_lo, w_lo + WPS, BW):
         wi = w0 + tl.arange(0, BW)
-        m2 = rmask[:, None] & (wi < ROWW)[None, :]
+        m2 = lmask[:, None] & (wi < ROWW)[None, :]
         k8 = wi[:, None] * VALS + tl.arange(0, VALS)[None, :]                          # [BW, VALS]
         xv = tl.load(x_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
         if NORM:

@@ -193,13 +193,20 @@ def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs:
     return y if residual is None else residual + y
 
 
-def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False, predictor=None) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) with w13 = [W_gate; W_up] (a tensor or a PackedLinear), after
     RMSNorm when norm = (weight, eps); packed on a GPU, one kernel computes the norm, both halves
-    and the product."""
+    and the product. predictor = (z [1, r], bg [r, F], bu [r, F] fp32, threshold): only the channels
+    with |silu(z bg) * (z bu)| >= threshold, 0 for the others (packed on a GPU the kernel decides
+    and never reads the dead channels' rows)."""
     if isinstance(w13, PackedLinear) and _use_kernel(x):
         from zeroedge.quant import triton_gemv
 
-        return triton_gemv.gemv(x, w13, swiglu=True, norm=norm, int8_inputs=int8_inputs)
+        return triton_gemv.gemv(x, w13, swiglu=True, norm=norm, int8_inputs=int8_inputs, predictor=predictor)
     g, u = linear(x, w13, norm=norm, int8_inputs=int8_inputs).chunk(2, -1)
-    return F.silu(g) * u
+    a = F.silu(g) * u
+    if predictor is None:
+        return a
+    z, bg, bu, thr = predictor
+    zf = z.float().reshape(1, -1)
+    return a * ((F.silu(zf @ bg) * (zf @ bu)).abs() >= thr)

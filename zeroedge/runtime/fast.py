@@ -182,7 +182,7 @@ class Decoder:
         self.attention, self.ffn = attention, ffn
         attention.bind(len(model.layers), self.nkv, self.H, self.hd, self.device, self.dtype)
         if ffn is not None:
-            ffn.bind(self.W.layers, cfg, self.device, self.dtype, self.packed_layers)
+            ffn.bind(self.W.layers, cfg, self.device, self.dtype, self.packed_layers, int8_inputs)
 
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd) keys (rope applied) and values; qcovs: per layer query

@@ -247,12 +247,18 @@ def test_magnitude_paths_gather_rows_of_the_4bit_codes():
     packed_dec = PathsDecoder(m, 40, pol, graph=False, packed=True)
     fp_dec = PathsDecoder(m, 40, pol, graph=False, packed=False)
     assert isinstance(packed_dec.ffn.paths[1]["w13t"], PackedInputs)
-    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(7))
+    _same_steps_and_kept(packed_dec, fp_dec, 7, {1, 2})
+
+
+def _same_steps_and_kept(packed_dec, fp_dec, seed: int, layers: set):
+    """30 decode steps of both decoders give the same logits, and the same channels kept (some,
+    not all) in the sparse layers."""
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(seed))
     for t in range(30):
         a, b = packed_dec.step(int(ids[t]), t), fp_dec.step(int(ids[t]), t)
         assert torch.allclose(a, b, atol=1e-4), t
     kept = packed_dec.kept()
-    assert set(kept) == {1, 2} and all(0 < v < 1 for v in kept.values()) and kept == fp_dec.kept()
+    assert set(kept) == layers and all(0 < v < 1 for v in kept.values()) and kept == fp_dec.kept()
 
 
 def test_predictor_paths_read_live_rows_of_the_4bit_weights():
@@ -280,12 +286,7 @@ def test_predictor_paths_read_live_rows_of_the_4bit_weights():
     p = packed_dec.ffn.paths[0]
     assert p["kind"] == "predictor_packed" and isinstance(p["w13"], PackedLinear)
     assert isinstance(p["wdt"], PackedInputs)
-    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(10))
-    for t in range(30):
-        a, b = packed_dec.step(int(ids[t]), t), fp_dec.step(int(ids[t]), t)
-        assert torch.allclose(a, b, atol=1e-4), t
-    kept = packed_dec.kept()
-    assert set(kept) == {0, 2} and all(0 < v < 1 for v in kept.values()) and kept == fp_dec.kept()
+    _same_steps_and_kept(packed_dec, fp_dec, 10, {0, 2})
 
 
 GATHER = r'''

@@ -17,12 +17,12 @@ bookkeeping (numpy only):
   page's by more than `threshold`, at most `fetch` swaps a step (the fetch budget).
 - the store keeps pages int8 with one fp16 scale per group of the head dim (Tier.WARM8; the
   scheme of zeroedge.kv.tiers, in numpy), or exact fp32 copies (`store="fp32"`, Tier.COLD).
+  Every move goes through PageTable.prepare / complete, so its event log counts each page
+  migrated; `migrated` is per request (reset at prefill).
 - the file tier (`spill_dir`, Tier.FILE; NVMe on a Jetson): when the store holds more than
   `store_pages` pages, the coldest go, in the store's own bytes, to a zeroedge.kv.spill.PageFile
   there, and a page fetched back is read from it straight into the window. A write the disk
   refuses (full) leaves the page in the store (counted in `spill_failed`): nothing is lost.
-  Every move goes through PageTable.prepare / complete, so its event log counts each page
-  migrated; `migrated` is per request (reset at prefill).
 
 A page here is P positions of every layer and kv head together: the runner's window is shared by
 all of them (the torch ThermalDecoder pages one (layer, kv head) stream at a time).

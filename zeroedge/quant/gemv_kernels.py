@@ -16,16 +16,13 @@ def _rstd(x_ptr, eps, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _live_rows(live_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE: tl.constexpr, R: tl.constexpr):
-    """The rows whose codes are read (the others sum to 0): LIVE 0 every row; 1 the rows whose flag
-    (uint8 [N]) is set; 2 decode paths' predictor rule, computed here: z = live_ptr's RK values,
-    score_j = |silu(z . bg[:, j]) * (z . bu[:, j])| >= thr (bg, bu fp32 [RK, N]), so a dead
-    channel's gate / up rows are never loaded."""
-    if LIVE == 1:
-        rmask = rmask & (tl.load(live_ptr + rows, mask=rmask, other=0) != 0)
-    if LIVE == 2:
+def _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE: tl.constexpr, R: tl.constexpr):
+    """The rows whose codes are read (the others sum to 0): every row, or with LIVE decode paths'
+    predictor rule, decided here: z = the RK values at z_ptr, score_j = |silu(z . bg[:, j]) *
+    (z . bu[:, j])| >= thr (bg, bu fp32 [RK, N]), so a dead channel's gate / up rows are never loaded."""
+    if LIVE:
         rr = tl.arange(0, R)
-        z = tl.load(live_ptr + rr, mask=rr < RK, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rr, mask=rr < RK, other=0.0).to(tl.float32)
         m = (rr < RK)[:, None] & rmask[None, :]
         g = tl.sum(z[:, None] * tl.load(bg_ptr + rr[:, None] * N + rows[None, :], mask=m, other=0.0), axis=0)
         u = tl.sum(z[:, None] * tl.load(bu_ptr + rr[:, None] * N + rows[None, :], mask=m, other=0.0), axis=0)
@@ -53,7 +50,7 @@ def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES:
 
 
 @triton.jit
-def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_ptr, bg_ptr, bu_ptr, thr, RK,
+def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
                 N, K, NGROUPS, ROWW, WPS,
                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                 NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
@@ -65,7 +62,7 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_ptr,
     sid = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
-    lmask = _live_rows(live_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
+    lmask = _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
     rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
     acc = tl.zeros([BN], dtype=tl.float32)
     acc2 = tl.zeros([BN], dtype=tl.float32)
@@ -100,7 +97,7 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_ptr,
 
 
 @triton.jit
-def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_ptr, bg_ptr, bu_ptr, thr, RK,
+def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
                    N, K, NGROUPS, ROWW, WPS,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                    NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
@@ -114,7 +111,7 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, live_p
     sid = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
-    lmask = _live_rows(live_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
+    lmask = _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
     rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
     acc = tl.zeros([BN], dtype=tl.float32)
     acc2 = tl.zeros([BN], dtype=tl.float32)

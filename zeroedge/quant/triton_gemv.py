@@ -95,13 +95,13 @@ def _pow2_ceil(n: int) -> int:
 
 
 def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out=None,
-         config=None, int8_inputs: bool = False, live=None, predictor=None) -> torch.Tensor:
+         config=None, int8_inputs: bool = False, predictor=None) -> torch.Tensor:
     """x (1, K) or (K,) -> (1, N) (swiglu: (1, N / 2)) in x's dtype; w a PackedLinear on x's device;
     norm: (ln weight, eps) to RMS-normalise x first; residual: added to the output; int8_inputs: the
     dp4a kernel (each word's inputs rounded to int8: zeroedge.quant.packed.round_inputs_int8).
-    Only some rows read, the others give 0 (plus the residual), per output row (swiglu: a channel's
-    gate and up row together): live, bool / uint8 [N]; or predictor = (z [r], bg [r, N], bu [r, N],
-    threshold), the rows whose |silu(z bg) * (z bu)| >= threshold, decided in the kernel."""
+    predictor = (z [r], bg [r, N], bu [r, N] fp32, threshold): only the rows (swiglu: a channel's gate
+    and up row together) whose |silu(z bg) * (z bu)| >= threshold are read, decided in the kernel;
+    the others give 0 (plus the residual)."""
     xf = x.reshape(-1)
     if xf.numel() != w.k:
         raise ValueError(f"gemv: x has {xf.numel()} inputs, the weight takes {w.k}")
@@ -117,27 +117,21 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     y = out if out is not None else torch.empty(1, n, device=x.device, dtype=x.dtype)
     r = residual.reshape(-1) if residual is not None else y
     gk, fk, ik = _kernels()
-    mode, bg, bu, thr, rk = 0, xf, xf, 0.0, 1
-    if live is not None:
-        live = live.reshape(-1)
-        if live.numel() != n:
-            raise ValueError(f"gemv: live has {live.numel()} flags for {n} rows")
-        mode, live = 1, live.to(torch.uint8)
-    elif predictor is not None:
+    z, bg, bu, thr, rk = xf, xf, xf, 0.0, 1              # no predictor: every row (unused pointers)
+    if predictor is not None:
         z, bg, bu, thr = predictor
-        live, rk = z.reshape(-1).float(), z.numel()
+        z, rk, thr = z.reshape(-1).float(), z.numel(), float(thr)
         if bg.shape != (rk, n) or bu.shape != (rk, n) or bg.dtype != torch.float32 or bu.dtype != torch.float32:
             raise ValueError(f"gemv: the predictor's maps must be fp32 [{rk}, {n}]")
-        mode, thr = 2, float(thr)
     extra = {}
     if int8_inputs:
         gk, extra = ik, dict(DP4A=x.device.type == "cuda")
     dst = torch.empty(split, 2 * n if swiglu else n, device=x.device, dtype=torch.float32) if split > 1 else y
     gk[(-(-n // c["BN"]), split)](xf, ln, float(eps), w.q.view(torch.int32), w.scale, w.offset, dst, r,
-                                  live if live is not None else xf, bg, bu, thr, rk, n, w.k,
+                                  z, bg, bu, thr, rk, n, w.k,
                                   w.groups, roww, wps, BITS=w.bits, G=w.group, NB=min(1024, _pow2_ceil(w.k)),
                                   NORM=norm is not None, SWIGLU=swiglu, RES=residual is not None and split == 1,
-                                  SPLIT=split, LIVE=mode, R=_pow2_ceil(rk), **c, **extra)
+                                  SPLIT=split, LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
     if split > 1:
         fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024)
     return y

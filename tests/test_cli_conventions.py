@@ -115,6 +115,7 @@ def test_plan_board_ctx_and_the_old_target_context(tmp_path):
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-spill", "/tmp"],  # no --kv-budget
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1",
      "--kv-spill", "/dev/null/sub"],                                                       # not a folder
+    ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-spill", ""],
     ["no-such-command"],
 ])
 def test_usage_errors_are_one_line_exit_2(argv):

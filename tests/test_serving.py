@@ -154,7 +154,9 @@ def test_ort_policy_brings_a_stored_page_back_when_heat_says_so(bundle):
 @pytest.mark.parametrize("store", ["fp32", "int8"])
 def test_ort_policy_file_tier_is_lossless_private_and_removed(bundle, tmp_path, store):
     """Stored pages beyond store_pages go to the page file and come back bit for bit: the same
-    greedy tokens and windows as without the file tier; the file is 0600, ours, and gone after."""
+    greedy tokens and windows as without the file tier. The file is 0600 and unlinked from the
+    start (nothing is ever left in the folder); once closed it refuses reads, and a page that cannot
+    be read costs no eviction: its swap is skipped."""
     import os
     import stat
 
@@ -174,11 +176,11 @@ def test_ort_policy_file_tier_is_lossless_private_and_removed(bundle, tmp_path, 
     st = pol.stats()
     assert st["spilled"] > 0 and st["stored_pages"] <= 1 and st["file_pages"] == st["spilled"] - st["file_reads"]
     assert st["stored_pages"] + st["file_pages"] == ref_pol.stats()["stored_pages"]
-    path = pol.file.path
-    assert os.path.dirname(path) == str(tmp_path / "spill")
-    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600 and not os.path.islink(path)
+    fs = os.fstat(pol.file.fd)
+    assert stat.S_IMODE(fs.st_mode) == 0o600 and fs.st_nlink == 0 and os.listdir(tmp_path / "spill") == []
+    assert fs.st_size == st["file_bytes"] >= st["file_pages"] * pol.page_bytes()
     # a page in the file comes back into the window as the reference store holds it
-    page = pol.table.pages_in(Tier.FILE)[0]
+    page, other = pol.table.pages_in(Tier.FILE)[:2]
     pol.heat.step({page: 50.0})
     swaps = pol._migrate(r, (r.pos - 1) // P)
     assert [u for u, _ in swaps] == [page] and pol.file_reads == st["file_reads"] + 1
@@ -187,13 +189,20 @@ def test_ort_policy_file_tier_is_lossless_private_and_removed(bundle, tmp_path, 
     for i in range(r.L):
         np.testing.assert_array_equal(r.k[i][0, :, block * P:(block + 1) * P], k_ref[i])
     pol.check(r)
+    # a closed file: the read fails, the swap is skipped and no page leaves the window
     pol.file.close()
-    assert not os.path.exists(path) and os.listdir(tmp_path / "spill") == []
+    hot = sorted(pol.table.pages_in(Tier.HOT))
+    pol.heat.step({other: 100.0})
+    assert pol._migrate(r, (r.pos - 1) // P) == [] and pol.file_read_failed == 1
+    assert sorted(pol.table.pages_in(Tier.HOT)) == hot and pol.table.tier(other) == Tier.FILE
+    with pytest.raises(OSError):
+        pol.file.write(0, np.zeros(pol.page_bytes(), np.uint8))
 
 
 def test_ort_policy_file_tier_on_a_full_disk_keeps_every_page(bundle, tmp_path):
     """The file may not grow past 3 pages (RLIMIT_FSIZE, a real EFBIG from the kernel, in a child
-    process): the spills that do not fit leave their pages in the store, and decoding is unchanged."""
+    process): a growth that does not fit is retried for the one page needed, the spills past the
+    limit leave their pages in the store, and decoding is unchanged."""
     import subprocess
     import sys
 
@@ -213,12 +222,13 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (lim, lim))
 pol = OrtThermalPolicy(page_size=4, spill_dir={str(tmp_path / "full")!r}, store_pages=0)
 r = OrtRunner({str(bundle)!r}, slots=32, policy=pol)
 got = _greedy(r, prompt, 20, pol.check)
-print(json.dumps({{"same": got == want, **pol.stats()}}))
+print(json.dumps({{"same": got == want, "page_bytes": pol.page_bytes(), **pol.stats()}}))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     st = json.loads(p.stdout.strip().splitlines()[-1])
     assert st["same"] and st["spill_failed"] > 0 and st["file_pages"] <= 3 and st["stored_pages"] > 0
+    assert st["file_bytes"] == 3 * st["page_bytes"]     # the doubling to 4 did not fit, the 3rd page did
 
 
 def test_ort_policy_bad_window_is_refused_before_any_work(bundle):

@@ -207,6 +207,8 @@ def _spill_options(kv_spill, store_pages, kv_budget, backend) -> dict:
         if store_pages:
             raise UserError("--kv-store-pages goes with --kv-spill DIR")
         return {}
+    if not kv_spill.strip():
+        raise UserError("--kv-spill needs a folder (got an empty path)")
     if backend == "torch":
         raise UserError("--kv-spill is for --backend onnxruntime or tensorrt (their thermal KV pages)")
     if kv_budget is None:

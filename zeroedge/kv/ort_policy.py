@@ -40,6 +40,9 @@ from zeroedge.kv.heat import DEFAULT_THRESHOLD, HeatTracker, plan_migration
 from zeroedge.kv.pages import PINNED, PageTable, Tier
 
 
+SPILL_RETRY_STEPS = 64     # a refused file write: decode steps before the file tier is tried again
+
+
 def quantize(x: np.ndarray, group: int):
     """Symmetric int8, one fp16 scale per `group` values of the last dim."""
     *lead, d = x.shape
@@ -95,12 +98,14 @@ class OrtThermalPolicy:
                                    Tier.FILE: self.max_pages})
         if self.file is not None:
             self.file.close()
+            self.file = None
         if self.spill_dir is not None:
             from zeroedge.kv.spill import PageFile
 
             self.file = PageFile(self.spill_dir, self.page_bytes(), reserve_pages=1)   # grows by doubling
         self.spilled = self.spill_failed = self.file_reads = self.file_read_failed = 0
         self.file_read_s = 0.0
+        self.spill_retry_at = 0             # after a refused write: the step the file is tried again
         self.heat = HeatTracker()
         self.store: Dict[int, tuple] = {}
         self.ksum = np.zeros((64, self.L * self.nkv, self.hd), np.float32)   # per-page key sums
@@ -272,7 +277,7 @@ class OrtThermalPolicy:
 
     def _spill(self):
         """The coldest stored pages to the file tier while the store holds more than store_pages."""
-        if self.file is None:
+        if self.file is None or self.steps < self.spill_retry_at:
             return
         stored = self.table.pages_in(self.store_tier)
         for page in sorted(stored, key=lambda p: (self.heat.heat(p), p))[: max(0, len(stored) - self.store_pages)]:
@@ -280,35 +285,49 @@ class OrtThermalPolicy:
             _, fslot = self.table.prepare(page, Tier.FILE)
             try:
                 self.file.write(fslot, self._to_bytes(self.store[sslot]))
-            except OSError:                      # the disk is full or failing: the page stays stored
+            except BaseException as e:           # the page stays stored
                 self.table.complete(page, ok=False)
-                self.spill_failed += 1
+                if not isinstance(e, OSError):
+                    raise
+                self.spill_failed += 1           # the disk is full or failing: try again in 64 steps
+                self.spill_retry_at = self.steps + SPILL_RETRY_STEPS
                 return
             del self.store[sslot]
             self.table.complete(page, self.page_bytes())
             self.migrated += 1
             self.spilled += 1
 
-    def _promote(self, runner, page: int):
+    def _load(self, page: int):
+        """A stored page's arrays (from the store or the file), or None when its file read fails
+        (the page stays in the file; the swap is skipped, the step goes on)."""
+        tier, slot, _, _ = self.table.lookup(page)
+        if tier != Tier.FILE:
+            return self.store[slot]
+        t0 = time.perf_counter()
+        try:
+            item = self._from_bytes(self.file.read(slot))
+        except OSError:
+            self.file_read_failed += 1
+            return None
+        self.file_read_s += time.perf_counter() - t0
+        self.file_reads += 1
+        return item
+
+    def _promote(self, runner, page: int, item):
+        """A stored page (its arrays: _load) into a free window block."""
         tier, sslot, _, _ = self.table.lookup(page)
         _, block = self.table.prepare(page, Tier.HOT)
-        if tier == Tier.FILE:
-            t0 = time.perf_counter()
-            try:
-                item = self._from_bytes(self.file.read(sslot))
-            except OSError:                      # an unreadable page stays in the file, the step goes on
-                self.table.complete(page, ok=False)
-                self.file_read_failed += 1
-                return
-            self.file_read_s += time.perf_counter() - t0
-            self.file_reads += 1
-        else:
-            item = self.store.pop(sslot)
-        k, v = self._unpack(item)
         sl = slice(block * self.P, (block + 1) * self.P)
-        for i in range(self.L):
-            runner.k[i][0, :, sl] = k[i]
-            runner.v[i][0, :, sl] = v[i]
+        try:
+            k, v = self._unpack(item)
+            for i in range(self.L):
+                runner.k[i][0, :, sl] = k[i]
+                runner.v[i][0, :, sl] = v[i]
+        except BaseException:
+            self.table.complete(page, ok=False)
+            raise
+        if tier != Tier.FILE:
+            del self.store[sslot]
         runner.slot_pos[0, sl] = np.arange(page * self.P, (page + 1) * self.P)
         self.table.complete(page, self.page_bytes())
         self.migrated += 1
@@ -321,10 +340,15 @@ class OrtThermalPolicy:
         hot = self._movable(tail)
         swaps = plan_migration(self.heat.heats(hot), self.heat.heats(cold), self.threshold,
                                max_moves=self.fetch)
+        done = []
         for up, down in swaps:
-            self._demote(runner, down)
-            self._promote(runner, up)
-        return swaps
+            item = self._load(up)                # first: a page that cannot be read costs no eviction
+            if item is None:
+                continue
+            self._demote(runner, down)           # may spill `up` to the file: _promote looks it up again
+            self._promote(runner, up, item)
+            done.append((up, down))
+        return done
 
     # -- reporting / checks ---------------------------------------------------------------------
     def stats(self) -> dict:
@@ -345,7 +369,7 @@ class OrtThermalPolicy:
         """Invariants (tests): HOT pages <-> window blocks, stored pages <-> store slots, sinks
         resident, the event log's migrations equal the count."""
         P, t = self.P, self.table
-        seen = set()
+        seen, file_slots = set(), set()
         for p in range(len(t)):
             tier, slot, off, flags = t.lookup(p)
             assert off == p * P, (p, off)
@@ -357,6 +381,8 @@ class OrtThermalPolicy:
                 assert valid.size and (valid == p * P + np.arange(valid.size)).all(), (p, pos)
             elif tier == Tier.FILE:
                 assert self.file is not None and slot < self.file.capacity, (p, slot)
+                assert slot not in file_slots, f"file slot {slot} holds two pages"
+                file_slots.add(slot)
                 assert not flags & PINNED
             else:
                 assert tier == self.store_tier and slot in self.store, (p, tier, slot)
@@ -368,4 +394,5 @@ class OrtThermalPolicy:
             assert (runner.slot_pos[0, b * P:(b + 1) * P] < 0).all(), f"free block {b} holds positions"
         assert t.pools[Tier.HOT].free == len(free)
         assert len(self.store) == len(t.pages_in(self.store_tier))
+        assert t.pools[Tier.FILE].free == self.max_pages - len(file_slots)
         assert t.log.counts.get("migrate", 0) == self.migrated

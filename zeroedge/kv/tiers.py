@@ -94,8 +94,8 @@ def quantized_nbytes(numel: int, bits: int, group: int) -> int:
 # cold stores
 # --------------------------------------------------------------------------------------------
 class FileStore:
-    """Torch pages of one shape and dtype in a zeroedge.kv.spill.PageFile (its checks: a folder with
-    room, a private file of our own, never a link; n_slots reserved before any page is written)."""
+    """n_slots torch pages of one shape and dtype in a zeroedge.kv.spill.PageFile (its checks: a folder
+    with room, a private unlinked file, never a link; n_slots reserved before any page is written)."""
 
     def __init__(self, path: str, n_slots: int, page_shape, dtype=torch.float16):
         from zeroedge.kv.spill import PageFile
@@ -104,9 +104,11 @@ class FileStore:
         self.page_bytes = int(torch.empty(page_shape, dtype=dtype).numel()
                               * torch.empty((), dtype=dtype).element_size())
         self.file = PageFile(path, self.page_bytes, n_slots)
-        self.path, self.n_slots = self.file.path, n_slots
+        self.n_slots = n_slots
 
     def write(self, slot: int, page: torch.Tensor):
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} outside the store's {self.n_slots}")
         self.file.write(slot, page.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
 
     def read(self, slot: int) -> torch.Tensor:

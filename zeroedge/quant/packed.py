@@ -209,4 +209,4 @@ def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False, predictor
         return a
     z, bg, bu, thr = predictor
     zf = z.float().reshape(1, -1)
-    return a * ((F.silu(zf @ bg) * (zf @ bu)).abs() >= thr)
+    return torch.where((F.silu(zf @ bg) * (zf @ bu)).abs() >= thr, a, torch.zeros_like(a))

@@ -120,9 +120,12 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     z, bg, bu, thr, rk = xf, xf, xf, 0.0, 1              # no predictor: every row (unused pointers)
     if predictor is not None:
         z, bg, bu, thr = predictor
+        if z.dim() > 1 and z.shape[0] != 1:
+            raise ValueError(f"gemv: the predictor's z is one token's (1, r), got {tuple(z.shape)}")
         z, rk, thr = z.reshape(-1).float(), z.numel(), float(thr)
-        if bg.shape != (rk, n) or bu.shape != (rk, n) or bg.dtype != torch.float32 or bu.dtype != torch.float32:
-            raise ValueError(f"gemv: the predictor's maps must be fp32 [{rk}, {n}]")
+        for m in (bg, bu):
+            if m.shape != (rk, n) or m.dtype != torch.float32 or not m.is_contiguous() or m.device != x.device:
+                raise ValueError(f"gemv: the predictor's maps must be contiguous fp32 [{rk}, {n}] on {x.device}")
     extra = {}
     if int8_inputs:
         gk, extra = ik, dict(DP4A=x.device.type == "cuda")

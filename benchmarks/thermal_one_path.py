@@ -28,6 +28,11 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "default, exact cold pages (host)": dict(cold="host"),
     "default, int8 cold store": dict(cold="int8"),
     "default, int4 cold store": dict(cold="int4"),
+    # session 9: the page-retrieval limit (the exact top pages by max score, per query and kv head) and
+    # 8-token pages with the same 32 recent tokens (page_size / method are this script's keys)
+    "oracle pages of 16 (exact, a limit)": dict(method="oracle_page"),
+    "oracle pages of 8 (exact, a limit)": dict(method="oracle_page", page_size=8, recent_pages=4),
+    "pages of 8, 4 recent, int8 cold store": dict(cold="int8", page_size=8, recent_pages=4),
 }
 
 
@@ -56,12 +61,14 @@ def main():
         full = math.exp(E.score_continuation(m, ids[P:], pre, "full", 1.0).mean().item())
         for name in names:
             o = dict(E.DEFAULTS, **SETTINGS[name])
+            method, ps = o.pop("method", "thermal"), o.pop("page_size", 16)
             t0 = time.perf_counter()
             st = {}
-            pre_th = E.quant_prefill(m, ids[:P], o["cold"]) if o["cold"] != "host" else pre
-            nll = E.score_continuation(m, ids[P:], pre_th, "thermal", a.budget, 16, opts=o, stats=st)
+            pre_th = E.quant_prefill(m, ids[:P], o["cold"]) if o["cold"] != "host" and method == "thermal" else pre
+            nll = E.score_continuation(m, ids[P:], pre_th, method, a.budget, ps, opts=o, stats=st)
             ppl = math.exp(nll.mean().item())
             row = {"text": text, "ctx": a.ctx, "budget": a.budget, "setting": name, "options": o,
+                   "method": method, "page_size": ps,
                    "full_kv_ppl": full, "thermal_ppl": ppl, "ppl_rise": ppl / full - 1,
                    "summary_bytes": st.get("summary_bytes", 0), "seconds": time.perf_counter() - t0}
             rows.append(row)

@@ -17,6 +17,9 @@ GEN = 400          # decode_step_ms takes 3 + 5 x 64 steps
 SETTINGS = [       # (rank, fetch, refresh_every, cold store)
     (16, 4, 1, "host"), (32, 4, 1, "host"), (32, 8, 2, "host"), (32, 8, 4, "host"), (32, 8, 8, "host"),
     (32, 16, 8, "host"), (16, 8, 8, "host"), (32, 4, 1, "int8"), (32, 4, 1, "int4")]
+# --page-sizes (session 9): the default policy with the int8 cold store at pages of 16 (2 recent) and
+# of 8 (4 recent: the same 32 recent tokens; fetch 4 and 8 pages) -- (page size, recent pages, fetch)
+PAGE_SETTINGS = [(16, 2, 4), (8, 4, 4), (8, 4, 8)]
 
 
 def main():
@@ -24,6 +27,7 @@ def main():
     ap.add_argument("--ctx", default="32768,131072")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-cold", action="store_true", help="the default setting with each cold store only")
+    ap.add_argument("--page-sizes", action="store_true", help="the default setting, int8 cold, at PAGE_SETTINGS only")
     a = ap.parse_args()
     import torch
 
@@ -41,12 +45,17 @@ def main():
         rows.append({"ctx": ctx, "decoder": "dense", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
         print(json.dumps(rows[-1]), flush=True)
         ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", dt)
-        for rank, fetch, every, cold in SETTINGS if not a.only_cold else [s for s in SETTINGS if s[:3] == (32, 4, 1)]:
-            t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold)
+        runs = [(*s, 16, 2) for s in SETTINGS if not a.only_cold or s[:3] == (32, 4, 1)]
+        if a.page_sizes:
+            runs = [(32, f, 1, "int8", ps, rp) for ps, rp, f in PAGE_SETTINGS]
+        for rank, fetch, every, cold, ps, recent in runs:
+            t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
+                               page_size=ps, recent_pages=recent)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
             rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
+                         "page_size": ps, "recent_pages": recent,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
                          "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),
                          "with_cold_on_device_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]

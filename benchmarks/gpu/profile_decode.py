@@ -61,7 +61,7 @@ def main(argv=None):
             profile(d, ctx, f"dense compiled ctx {ctx}", top=40)
             del d
             continue
-        for attn in ("sdpa", "bmm"):
+        for attn in ("triton", "sdpa", "bmm"):
             d = DenseDecoder(m, ctx + 16, graph=False, attn=attn)
             d.load_prefix(ks, vs)
             profile(d, ctx, f"dense {attn} ctx {ctx}")

@@ -27,6 +27,8 @@ def parse_args(argv=None):
     bs.add_out(ap, "/tmp/weights_gpu_out")
     bs.add_ctx(ap, "8192,32768")
     ap.add_argument("--no-sweep", action="store_true", help="use the CONFIG in triton_gemv as it is")
+    ap.add_argument("--attn-compare", action="store_true",
+                    help="each dense row also with the torch attention (attn='sdpa') beside the Triton one")
     ap.add_argument("--paths-only", action="store_true",
                     help="decode rows of bf16 and int4 g32 float-zp (int8 inputs) only: dense and both paths rules")
     return ap.parse_args(argv)
@@ -135,8 +137,8 @@ def sweep_shape(name, n, k, swiglu, bits, group, int8_inputs=False) -> dict:
 
 
 def step_bytes(m, dec, ctx) -> dict:
-    """Bytes one decode step reads: the weights as the step reads them, and the KV cache (the dense
-    cache's SDPA reads every one of its positions)."""
+    """Bytes one decode step reads: the weights as the step reads them, and the KV cache (SDPA over
+    the dense cache reads every one of its positions; the Triton attention those up to the token)."""
     cfg = m.cfg
     if dec.packed_layers is None:
         lin = sum(w[k].numel() * 2 for w in dec.W.layers for k in ("wqkv", "wo", "w13", "w2"))
@@ -144,7 +146,7 @@ def step_bytes(m, dec, ctx) -> dict:
     else:
         lin = sum(w[k].nbytes() for w in dec.packed_layers for k in ("wqkv", "wo", "w13", "w2"))
         head = dec.packed_head.nbytes()
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * (ctx + GEN) * cfg.head_dim * 2
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * (ctx if dec.attention.takes_qkv else ctx + GEN) * cfg.head_dim * 2
     return {"linear": lin, "lm_head": head, "kv": kv, "total": lin + head + kv}
 
 
@@ -209,7 +211,8 @@ def predictor_policies(m, keep: float, ctx: int, int8_inputs: bool, rank: int = 
     return pol
 
 
-def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5, paths_only: bool = False) -> list:
+def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5, paths_only: bool = False,
+           attn_compare: bool = False) -> list:
     import torch
 
     from zeroedge.quant import packed
@@ -226,13 +229,16 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
         m = bs.build_model(cfg_name, "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
         if variant != "bf16":
             apply(m, section(*SCHEMES[scheme], embedding_group(m.cfg.dim)), pack=True)
-        for ctx, compiled in [(c, False) for c in ctxs] + ([(min(ctxs), True)] if compile_too else []):
-            dec = DenseDecoder(m, ctx + GEN, int8_inputs=i8)
+        runs = [(c, False, "auto") for c in ctxs] + ([(min(ctxs), True, "auto")] if compile_too else [])
+        if attn_compare:
+            runs += [(c, False, "sdpa") for c in ctxs]
+        for ctx, compiled, attn in runs:
+            dec = DenseDecoder(m, ctx + GEN, int8_inputs=i8, attn=attn)
             dec.compile = compiled
             dec.attention.kv.normal_()
             check = None
             if variant != "bf16" and not compiled:       # the graphed kernels against the torch reference, 3 steps
-                ref = DenseDecoder(m, ctx + GEN, graph=False, int8_inputs=i8)
+                ref = DenseDecoder(m, ctx + GEN, graph=False, int8_inputs=i8, attn=attn)
                 ref.attention.kv.copy_(dec.attention.kv)
                 use = packed._use_kernel
                 errs = []
@@ -248,7 +254,8 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
                 del ref
             ms = bs.decode_step_ms(dec, start=ctx, n=64)
             by = step_bytes(m, dec, ctx)
-            rows.append({"ctx": ctx, "decoder": "dense compiled" if compiled else "dense", "weights": variant,
+            name = "dense compiled" if compiled else "dense" if attn == "auto" else "dense " + attn
+            rows.append({"ctx": ctx, "decoder": name, "attn": dec.attention.attn, "weights": variant,
                          "tok_s": round(1e3 / ms, 1),
                          "ms": ms, "bytes": by, "roofline_tok_s": round(bw / by["total"], 1),
                          "of_roofline": round((1e3 / ms) / (bw / by["total"]), 3), "rel_vs_reference": check})
@@ -317,7 +324,8 @@ def main(argv=None):
                 res["sweep"][key + ("/int8-inputs" if i8 else "")] = r
                 (tg.CONFIG_I8 if i8 else tg.CONFIG)[(n, k, bits, group)] = r["best"]   # what decode uses
                 print(key, i8, {x: r[x] for x in ("best", "us", "GBs", "cublas_bf16_us", "x_cublas")}, flush=True)
-    res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9, paths_only=a.paths_only)
+    res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9, paths_only=a.paths_only,
+                           attn_compare=a.attn_compare)
     bs.write_json(out / "weights_gpu.json", res)
     print("\nSUMMARY  copy %.0f GB/s" % res["copy_bw_GBs"])
     print("checks max rel", max(v["rel"] for v in res["checks"].values()),

@@ -20,6 +20,7 @@ SwiGLU and the residuals fused into them; `int8_inputs`: the dp4a kernel), as fp
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -108,11 +109,16 @@ def fused_weights(model) -> _Weights:
     return w
 
 
+def _layer_qkv_fn(x, ln1, eps: float, wqkv, bqkv):
+    """RMSNorm and the fused q/k/v projection of one token (before RoPE)."""
+    return packed.linear(x, wqkv, bqkv, norm=(ln1, eps))
+
+
 def _layer_in_fn(x, ln1, eps: float, wqkv, bqkv, cos, sin, H: int, nkv: int, hd: int):
     """zeroedge.model.Attention.project for one token on fused weights (RMSNorm first):
     -> q (H, hd) after RoPE, kv (2, nkv, hd): the new token's key (after RoPE) and value stacked,
     so the cache takes them in one write (and compiled, the stack fuses into the RoPE kernel)."""
-    return _rope_fn(packed.linear(x, wqkv, bqkv, norm=(ln1, eps)), cos, sin, H, nkv, hd)
+    return _rope_fn(_layer_qkv_fn(x, ln1, eps, wqkv, bqkv), cos, sin, H, nkv, hd)
 
 
 def _rope_fn(qkv, cos, sin, H: int, nkv: int, hd: int):
@@ -209,20 +215,29 @@ class Decoder:
         self.attention.per_step(self.pos)
         if self.packed_layers is None:
             f_in = _compiled(_layer_in_fn) if self.compile else _layer_in_fn
+            f_qkv = _compiled(_layer_qkv_fn) if self.compile else _layer_qkv_fn
             f_out = _compiled(_layer_out_fn) if self.compile else _layer_out_fn
         else:                                   # packed: the GEMVs run as they are, RoPE compiled
             rope = _compiled(_rope_fn) if self.compile else _rope_fn
             i8 = self.int8_inputs
 
+            def f_qkv(x, ln1, eps, wqkv, bqkv):
+                return packed.linear(x, wqkv, bqkv, norm=(ln1, eps), int8_inputs=i8)
+
             def f_in(x, ln1, eps, wqkv, bqkv, cos, sin, H, nkv, hd):
-                return rope(packed.linear(x, wqkv, bqkv, norm=(ln1, eps), int8_inputs=i8), cos, sin, H, nkv, hd)
+                return rope(f_qkv(x, ln1, eps, wqkv, bqkv), cos, sin, H, nkv, hd)
 
             def f_out(*args):
                 return _layer_out_fn(*args, i8=i8)
+        rope_inside = getattr(self.attention, "takes_qkv", False)   # RoPE and the cache write in its kernel
         for li, w in enumerate(self.W.layers):
             pw = w if self.packed_layers is None else self.packed_layers[li]
-            q, kv = f_in(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
-            o = self.attention.attend(li, q, kv, flag)   # (H, hd)
+            if rope_inside:
+                qkv = f_qkv(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"])
+                o = self.attention.attend_qkv(li, qkv, self.cos, self.sin_signed)
+            else:
+                q, kv = f_in(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
+                o = self.attention.attend(li, q, kv, flag)   # (H, hd)
             y = self.ffn.out(li, w, pw["wo"], x, o) if self.ffn is not None else None
             x = f_out(x, o, pw["wo"], w["ln2"], w["eps2"], pw["w13"], pw["w2"]) if y is None else y
         if self.packed_head is None:
@@ -254,19 +269,32 @@ class Decoder:
 
 
 class DenseAttention:
-    """A static KV cache of max_len positions; attention over every position up to the current one."""
+    """A static KV cache of max_len positions; attention over every position up to the current one.
+    attn: "sdpa" (RoPE, the cache write, an additive mask and SDPA in torch), "bmm" (two batched
+    matmuls), "triton" (RoPE, the cache write and split attention in two kernels:
+    zeroedge.kv.decode_attention; CUDA with Triton) or "auto" (triton where it runs, else sdpa)."""
 
-    def __init__(self, max_len: int, attn: str = "sdpa"):
-        if attn not in ("bmm", "sdpa"):
-            raise ValueError("attn must be 'bmm' or 'sdpa'")
+    def __init__(self, max_len: int, attn: str = "auto"):
+        if attn not in ("auto", "bmm", "sdpa", "triton"):
+            raise ValueError("attn must be 'auto', 'bmm', 'sdpa' or 'triton'")
         self.max_len, self.attn = max_len, attn
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         self.L, self.nkv, self.H, self.hd, self.dtype = L, nkv, H, hd, dtype
+        if self.attn == "auto":
+            self.attn = "triton" if _triton_runs(torch.device(device), hd) else "sdpa"
+        if self.attn == "triton" and not _triton_runs(torch.device(device), hd, interpreter=True):
+            raise ValueError("attn='triton' needs a CUDA device with Triton and a power-of-two head size >= 16")
+        self.takes_qkv = self.attn == "triton"
         # K and V of a layer side by side, so one index_copy writes the new token's pair
         self.kv = torch.zeros((L, 2, nkv, self.max_len, hd), device=device, dtype=dtype)
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.kpos = torch.arange(self.max_len, device=device)
+        if self.takes_qkv:
+            from zeroedge.kv.decode_attention import Shares
+
+            self.shares = Shares(H, hd, device)
+            self.o = torch.empty(H, hd, device=device, dtype=dtype)
 
     def kv_bytes(self, n_tokens: Optional[int] = None) -> int:
         n = self.max_len if n_tokens is None else n_tokens
@@ -285,6 +313,8 @@ class DenseAttention:
 
     def per_step(self, pos: torch.Tensor):
         self.pos = pos
+        if self.takes_qkv:
+            return
         self.mask = (self.kpos <= pos)
         if self.attn == "sdpa":  # additive, built once a step (SDPA would convert a bool mask per layer)
             self.amask = additive_mask(self.mask, self.dtype).view(1, 1, 1, -1)
@@ -303,9 +333,29 @@ class DenseAttention:
         s = s.masked_fill(~self.mask, float("-inf"))
         return torch.bmm(s.softmax(-1).to(self.dtype), V).view(self.H, self.hd)
 
+    def attend_qkv(self, li, qkv, cos, sin):
+        """The new token's raw q/k/v projection -> (H, hd): RoPE, the cache write and the attention
+        in zeroedge.kv.decode_attention's kernels (cos / sin: the decoder's whole tables)."""
+        from zeroedge.kv.decode_attention import rope_attend
+
+        return rope_attend(qkv, cos, sin, self.pos, self.kv[li], self.H, self.shares, self.o)
+
+
+def _triton_runs(device: torch.device, hd: int, interpreter: bool = False) -> bool:
+    """Triton kernels run here: a CUDA device (or, when asked, Triton's CPU interpreter) and a head
+    size tl.dot takes (a power of two >= 16)."""
+    on_device = device.type == "cuda" or (interpreter and os.environ.get("TRITON_INTERPRET") == "1")
+    if not on_device or hd < 16 or hd & (hd - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 class DenseDecoder(Decoder):
-    def __init__(self, model, max_len: int, graph: bool = True, attn: str = "sdpa", packed: Optional[bool] = None,
+    def __init__(self, model, max_len: int, graph: bool = True, attn: str = "auto", packed: Optional[bool] = None,
                  int8_inputs: bool = False):
         super().__init__(model, DenseAttention(max_len, attn), None, graph, packed, int8_inputs)
 
@@ -321,7 +371,7 @@ class ThermalDecoder(Decoder):
 class PathsDecoder(Decoder):
     """The dense cache with decode paths on the policies' layers (zeroedge.paths.ffn)."""
 
-    def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "sdpa",
+    def __init__(self, model, max_len: int, policies: dict, graph: bool = True, attn: str = "auto",
                  kernels: str = "auto", kernels_lib=None, packed: Optional[bool] = None, int8_inputs: bool = False):
         super().__init__(model, DenseAttention(max_len, attn), PathsFFN(policies, kernels, kernels_lib), graph,
                          packed, int8_inputs)

@@ -1,0 +1,78 @@
+"""The dense decoder's fused attention (zeroedge/kv/decode_attention.py: RoPE, the cache write and
+split attention in two Triton kernels) in Triton's CPU interpreter: the kernels against the torch
+reference at positions that fall on share and block edges, GQA groups that are not powers of two
+and fp16 caches; and a whole DenseDecoder(attn="triton") against the model's own forward, token by
+token after a prefix. The same decoder runs on CUDA in device_tests/test_decoders_gpu.py."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from zeroedge.kv import decode_attention as DA
+    from zeroedge import model as M
+    from zeroedge.kv import evaluate as E
+    from zeroedge.runtime.fast import DenseDecoder
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(8, 2, 64, 300, p, 4, 16, torch.float32) for p in (0, 15, 16, 63, 64, 131, 299)]
+    cases += [(9, 3, 32, 200, 199, 8, 16, torch.float32), (6, 6, 16, 100, 57, 3, 32, torch.float16),
+              (4, 1, 16, 40, 39, 64, 16, torch.float32)]          # more shares than blocks
+    for H, nkv, hd, L, pos, S, BN, dt in cases:
+        qkv = torch.randn((H + 2 * nkv) * hd, generator=g).to(dt)
+        f = torch.outer(torch.arange(L).float(), torch.rand(hd // 2, generator=g))
+        cos = torch.cat((f, f), -1).cos().to(dt)
+        sin = torch.cat((-f.sin(), f.sin()), -1).to(dt)
+        kv = torch.randn(2, nkv, L, hd, generator=g).to(dt)
+        kv[:, :, pos + 1:] = float("nan")                 # never read: positions after pos
+        got_kv = kv.clone()
+        want = DA.rope_attend_ref(qkv, cos, sin, pos, kv, H)
+        got = DA.rope_attend(qkv, cos, sin, torch.tensor([pos]), got_kv, H, DA.Shares(H, hd, "cpu", S), block=BN)
+        tol = 1e-5 if dt == torch.float32 else 2e-3
+        assert float((got.float() - want.float()).abs().max()) < tol, (H, nkv, pos, S)
+        assert torch.equal(got_kv[:, :, : pos + 1], kv[:, :, : pos + 1])       # the new token written
+        assert got_kv[:, :, pos + 1:].isnan().all()                              # nothing after it
+    try:
+        DA.rope_attend(qkv, cos, sin, torch.tensor([0]), torch.zeros(2, 2, 8, 24), 4, DA.Shares(4, 24, "cpu"))
+        raise SystemExit("a head size of 24 was accepted")
+    except ValueError as e:
+        assert "power-of-two" in str(e)
+
+    m = M.build("tiny", seed=0)
+    ids = torch.randint(0, m.cfg.vocab_size, (1, 90), generator=g)
+    with torch.no_grad():
+        full = m(ids)[0]
+    P = 70
+    pre = E.prefill(m, ids[0, :P].tolist(), stats=False)
+    dec = DenseDecoder(m, 96, graph=False, attn="triton")
+    assert dec.attention.takes_qkv
+    dec.load_prefix(pre["k"], pre["v"])
+    for t in range(P, 90):
+        assert torch.allclose(dec.step(ids[0, t].item(), t), full[t], atol=1e-4), t
+    print("OK")
+''')
+
+
+def test_fused_decode_attention_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_the_triton_attention_is_refused_where_it_cannot_run():
+    import torch
+    from zeroedge import model as M
+    from zeroedge.runtime.fast import DenseDecoder
+
+    m = M.build("tiny", seed=0)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="CUDA device with Triton"):
+            DenseDecoder(m, 16, graph=False, attn="triton")
+    assert not DenseDecoder(m, 16, graph=False).attention.takes_qkv      # auto on a CPU: sdpa
+    with pytest.raises(ValueError, match="attn must be"):
+        DenseDecoder(m, 16, graph=False, attn="flash")
+    assert torch.get_default_dtype() == torch.float32

@@ -1,0 +1,143 @@
+"""One decode step's attention over a static KV cache in two Triton kernels (imported lazily; CUDA only),
+with a torch reference.
+
+`rope_attend(qkv, cos, sin, pos, kv, H, parts)`: qkv is the q/k/v GEMV's raw output for the new token
+((H + 2 nkv) * hd, before RoPE); cos / sin the decoder's tables (max_len, hd), sin with rotate_half's
+sign folded in; pos a one-element device tensor; kv the layer's cache (2, nkv, max_len, hd). The split
+kernel applies RoPE to q and the new key, writes the new key and value at `pos`, and lets each of S
+programs a kv head attend over its share of positions 0..pos for every query head of the group
+(flash-decoding: a running max, sum and weighted value per share); the combine kernel merges the S
+shares into (H, hd). The shares adapt to `pos` inside the kernel, so one launch shape serves every
+position and the pair captures in a CUDA graph. Before: RoPE, the cache write, the mask and SDPA were
+~10 small kernels a layer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SPLITS = 32       # programs a kv head
+BLOCK = 64        # positions a program reads at a time
+
+_kernels = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def rope_attend_ref(qkv, cos, sin, pos: int, kv, H: int):
+    """The torch reference: writes the new key / value into kv at pos; returns (H, hd)."""
+    nkv, hd = kv.shape[1], kv.shape[3]
+    x = qkv.reshape(H + 2 * nkv, hd).float()
+    qk = x[: H + nkv] * cos[pos].float() + x[: H + nkv].roll(hd // 2, -1) * sin[pos].float()
+    kv[0, :, pos] = qk[H:].to(kv.dtype)
+    kv[1, :, pos] = x[H + nkv:].to(kv.dtype)
+    q = qk[:H].to(kv.dtype).float().view(nkv, H // nkv, hd)
+    K, V = kv[0, :, : pos + 1].float(), kv[1, :, : pos + 1].float()
+    p = torch.softmax(q @ K.transpose(1, 2) / math.sqrt(hd), -1)
+    return (p @ V).reshape(H, hd).to(kv.dtype)
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr, pacc_ptr,
+                     scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr,
+                     HD: tl.constexpr, BN: tl.constexpr):
+        h = tl.program_id(0)
+        s = tl.program_id(1)
+        pos = tl.load(pos_ptr).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(pos + 1, S), BN) * BN     # every share a whole number of blocks
+        start = s * chunk
+        end = tl.minimum(start + chunk, pos + 1)
+        d = tl.arange(0, HD)
+        rd = (d + HD // 2) % HD                              # rotate_half's source (its sign is in sin)
+        c = tl.load(cos_ptr + pos * HD + d).to(tl.float32)
+        sn = tl.load(sin_ptr + pos * HD + d).to(tl.float32)
+        g = tl.arange(0, GP)
+        gm = g < GRP
+        row = h * GRP + g
+        q = tl.load(qkv_ptr + row[:, None] * HD + d[None, :], mask=gm[:, None], other=0.).to(tl.float32)
+        qr = tl.load(qkv_ptr + row[:, None] * HD + rd[None, :], mask=gm[:, None], other=0.).to(tl.float32)
+        dt = kv_ptr.dtype.element_ty
+        q = (q * c[None, :] + qr * sn[None, :]).to(dt)       # rounded as the cache's keys are
+        kn = (tl.load(qkv_ptr + (H + h) * HD + d).to(tl.float32) * c
+              + tl.load(qkv_ptr + (H + h) * HD + rd).to(tl.float32) * sn).to(dt)
+        vn = tl.load(qkv_ptr + (H + NKV + h) * HD + d).to(dt)
+        kb = kv_ptr + h * s_h
+        vb = kv_ptr + s_kv + h * s_h
+        if (start <= pos) & (pos < end):                     # the share holding pos writes the new token
+            tl.store(kb + pos * s_n + d, kn)
+            tl.store(vb + pos * s_n + d, vn)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for n0 in range(start, end, BN):
+            n = n0 + tl.arange(0, BN)
+            nm = n < end
+            new = (n == pos)[:, None]                        # taken from registers, not the cache
+            k = tl.where(new, kn[None, :], tl.load(kb + n[:, None] * s_n + d[None, :], mask=nm[:, None], other=0.))
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(nm[None, :], sc, float("-inf"))
+            mn = tl.maximum(m, tl.max(sc, 1))
+            p = tl.exp2(sc - mn[:, None])
+            alpha = tl.exp2(m - mn)
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.where(new, vn[None, :], tl.load(vb + n[:, None] * s_n + d[None, :], mask=nm[:, None], other=0.))
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+            m = mn
+        tl.store(pm_ptr + s * H + row, m, mask=gm)
+        tl.store(pl_ptr + s * H + row, lsum, mask=gm)
+        tl.store(pacc_ptr + (s * H + row[:, None]) * HD + d[None, :], acc, mask=gm[:, None])
+
+    @triton.jit
+    def combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, H: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr):
+        hq = tl.program_id(0)
+        si = tl.arange(0, SP)
+        sm = si < S
+        d = tl.arange(0, HD)
+        m = tl.load(pm_ptr + si * H + hq, mask=sm, other=float("-inf"))
+        w = tl.where(sm & (m > float("-inf")), tl.exp2(m - tl.max(m, 0)), 0.)   # empty shares weigh 0
+        total = tl.sum(w * tl.load(pl_ptr + si * H + hq, mask=sm, other=0.), 0)
+        acc = tl.load(pacc_ptr + (si[:, None] * H + hq) * HD + d[None, :], mask=sm[:, None], other=0.)
+        o = tl.sum(w[:, None] * acc, 0) / total
+        tl.store(out_ptr + hq * HD + d, o.to(out_ptr.dtype.element_ty))
+
+    return split_kernel, combine_kernel
+
+
+class Shares:
+    """The split kernel's per-share buffers for H query heads (fp32; reused every layer and step)."""
+
+    def __init__(self, H: int, hd: int, device, splits: int | None = None):
+        self.splits = splits = splits or SPLITS
+        self.m = torch.empty(splits, H, device=device)
+        self.l = torch.empty(splits, H, device=device)
+        self.acc = torch.empty(splits, H, hd, device=device)
+
+
+def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block: int | None = None):
+    """The two kernels (see the module doc); kv (2, nkv, max_len, hd) with unit stride along hd.
+    Returns out (H, hd) in kv's dtype."""
+    global _kernels
+    if _kernels is None:
+        _kernels = _build()
+    split, combine = _kernels
+    nkv, hd = kv.shape[1], kv.shape[3]
+    if H % nkv or hd & (hd - 1) or kv.stride(3) != 1 or cos.shape[1] != hd:
+        raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size and "
+                         "caches contiguous along it")
+    grp = H // nkv
+    if out is None:
+        out = torch.empty(H, hd, device=kv.device, dtype=kv.dtype)
+    S = shares.splits
+    block = block or BLOCK
+    split[(nkv, S)](qkv, cos, sin, pos, kv, kv.stride(0), kv.stride(1), kv.stride(2), shares.m, shares.l,
+                    shares.acc, math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp,
+                    GP=max(16, _pow2(grp)), HD=hd, BN=block)
+    combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S))
+    return out

@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent('''
         kv[:, :, pos + 1:] = float("nan")                 # never read: positions after pos
         got_kv = kv.clone()
         want = DA.rope_attend_ref(qkv, cos, sin, pos, kv, H)
-        got = DA.rope_attend(qkv, cos, sin, torch.tensor([pos]), got_kv, H, DA.Shares(H, hd, "cpu", S), block=BN)
+        shares = DA.Shares(H, hd, "cpu", S)
+        got = DA.rope_attend(qkv, cos, sin, torch.tensor([pos]), got_kv, H, shares, block=BN)
         tol = 1e-5 if dt == torch.float32 else 2e-3
         assert float((got.float() - want.float()).abs().max()) < tol, (H, nkv, pos, S)
         assert torch.equal(got_kv[:, :, : pos + 1], kv[:, :, : pos + 1])       # the new token written

@@ -135,7 +135,9 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
             y = tg.gemv(x, p, swiglu=True, norm=nrm, config=cfg)
             assert y.shape == (1, N // 2) and torch.allclose(y, F.silu(g) * u, atol=1e-5), (sch, cfg)
     xi = round_inputs_int8(xn, sch.bits)                 # the dp4a kernel (emulated here: no inline PTX)
-    for cfg in [dict(BN=8, BW=16, SPLIT=1, num_warps=4), dict(BN=4, BW=16, SPLIT=2, num_warps=4)]:
+    for cfg in [dict(BN=8, BW=16, SPLIT=1, num_warps=4), dict(BN=4, BW=16, SPLIT=2, num_warps=4),
+                dict(BN=8, BW=16, SPLIT=1, num_warps=4, PREPARED=True),     # inputs rounded by a first kernel
+                dict(BN=4, BW=16, SPLIT=2, num_warps=4, PREPARED=True), dict(BN=4, BW=4, SPLIT=1, PREPARED=True)]:
         y = tg.gemv(x, p, residual=r, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
         assert torch.allclose(y, xi @ wd.T + r, atol=1e-5), (sch, cfg, (y - xi @ wd.T - r).abs().max())
         g, u = (xi @ wd.T).chunk(2, -1)
@@ -153,8 +155,10 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
         y = tg.gemv(x, p, swiglu=True, config=cfg, predictor=(z, bg, bu, thr))
         assert torch.allclose(y, F.silu(g) * u * live, atol=1e-5) and (y[~live] == 0).all(), (sch, cfg)
         gi, ui = (round_inputs_int8(x, sch.bits) @ wd.T).chunk(2, -1)
-        y = tg.gemv(x, p, swiglu=True, config=dict(cfg, BW=16), int8_inputs=True, predictor=(z, bg, bu, thr))
-        assert torch.allclose(y, F.silu(gi) * ui * live, atol=1e-5), (sch, cfg)
+        for prep in (False, True):
+            y = tg.gemv(x, p, swiglu=True, config=dict(cfg, BW=16, PREPARED=prep), int8_inputs=True,
+                        predictor=(z, bg, bu, thr))
+            assert torch.allclose(y, F.silu(gi) * ui * live, atol=1e-5), (sch, cfg, prep)
         y = tg.gemv(x, p, swiglu=True, config=cfg, predictor=(z, bg, bu, float("inf")))   # no live row
         assert (y == 0).all()
     for bad in ((z, bg[:, :-1], bu, thr), (z, bg.double(), bu, thr), (z, bg.t().contiguous().t(), bu, thr),

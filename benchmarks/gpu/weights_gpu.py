@@ -91,11 +91,13 @@ def check_gemv(cfg) -> dict:
     return out
 
 
-def _grid(n, swiglu):
-    """Rows a program (BN) x words a row an iteration (BW) x input splits."""
+def _grid(n, swiglu, int8_inputs=False):
+    """Rows a program (BN) x words a row an iteration (BW) x input splits (x int8 inputs rounded in
+    every program or once by a first kernel)."""
     splits = (1,) if n > 8192 else (1, 2, 4)
-    return [dict(BN=bn, BW=bw, SPLIT=sp, num_warps=nw)
-            for bn, bw, sp, nw in itertools.product((2, 4, 8, 16), (64, 128, 256), splits, (4, 8))]
+    return [dict(BN=bn, BW=bw, SPLIT=sp, num_warps=nw, PREPARED=pr)
+            for bn, bw, sp, nw, pr in itertools.product((2, 4, 8, 16), (64, 128, 256), splits, (4, 8),
+                                                        (False, True) if int8_inputs else (False,))]
 
 
 def sweep_shape(name, n, k, swiglu, bits, group, int8_inputs=False) -> dict:
@@ -111,7 +113,7 @@ def sweep_shape(name, n, k, swiglu, bits, group, int8_inputs=False) -> dict:
     x = torch.randn(1, k, device="cuda").bfloat16()
     res = {"n": n, "k": k, "bits": bits, "group": group, "bytes": one.nbytes(), "configs": []}
     best = None
-    for c in _grid(n, swiglu):
+    for c in _grid(n, swiglu, int8_inputs):
         try:
             ms = bs.graph_ms(lambda: [tg.gemv(x, w, swiglu=swiglu, config=c, int8_inputs=int8_inputs) for w in ws],
                              reps=10)

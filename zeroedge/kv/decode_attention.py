@@ -1,7 +1,7 @@
 """One decode step's attention over a static KV cache in two Triton kernels (imported lazily; CUDA only),
 with a torch reference.
 
-`rope_attend(qkv, cos, sin, pos, kv, H, parts)`: qkv is the q/k/v GEMV's raw output for the new token
+`rope_attend(qkv, cos, sin, pos, kv, H, shares)`: qkv is the q/k/v GEMV's raw output for the new token
 ((H + 2 nkv) * hd, before RoPE); cos / sin the decoder's tables (max_len, hd), sin with rotate_half's
 sign folded in; pos a one-element device tensor; kv the layer's cache (2, nkv, max_len, hd). The split
 kernel applies RoPE to q and the new key, writes the new key and value at `pos`, and lets each of S
@@ -9,7 +9,8 @@ programs a kv head attend over its share of positions 0..pos for every query hea
 (flash-decoding: a running max, sum and weighted value per share); the combine kernel merges the S
 shares into (H, hd). The shares adapt to `pos` inside the kernel, so one launch shape serves every
 position and the pair captures in a CUDA graph. Before: RoPE, the cache write, the mask and SDPA were
-~10 small kernels a layer.
+~10 small kernels a layer. (Merging the shares in the split kernel -- the last program of a kv head,
+by an atomic counter -- measured slower on the H200: 16.1 against 12.7 us a layer at 8K.)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 SPLITS = 32       # programs a kv head
 BLOCK = 64        # positions a program reads at a time
+WARPS, STAGES = 4, 3
 
 _kernels = None
 
@@ -138,6 +140,6 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
     block = block or BLOCK
     split[(nkv, S)](qkv, cos, sin, pos, kv, kv.stride(0), kv.stride(1), kv.stride(2), shares.m, shares.l,
                     shares.acc, math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp,
-                    GP=max(16, _pow2(grp)), HD=hd, BN=block)
+                    GP=max(16, _pow2(grp)), HD=hd, BN=block, num_warps=WARPS, num_stages=STAGES)
     combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S))
     return out

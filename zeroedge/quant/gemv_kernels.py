@@ -50,6 +50,24 @@ def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES:
 
 
 @triton.jit
+def _word_dots(qw, pa, pb, BN: tl.constexpr, BW: tl.constexpr, BITS: tl.constexpr, DP4A: tl.constexpr):
+    """[BN, BW] int32: each word of codes (unsigned bytes; 4-bit: low nibbles meet pa, high nibbles
+    pb) times its packed int8 inputs (signed bytes), by dp4a (four byte products an instruction) or,
+    for Triton's interpreter (no inline PTX), by shifts."""
+    d = tl.zeros([BN, BW], dtype=tl.int32)
+    for t in tl.static_range(2 if BITS == 4 else 1):
+        a = (qw if BITS == 8 else qw & 0x0F0F0F0F) if t == 0 else (qw >> 4) & 0x0F0F0F0F
+        b = tl.broadcast_to(pa if t == 0 else pb, [BN, BW])
+        if DP4A:
+            d = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, d],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            for j in tl.static_range(4):
+                d += ((a >> (8 * j)) & 255) * ((b << (24 - 8 * j)) >> 24)
+    return d
+
+
+@triton.jit
 def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
                 N, K, NGROUPS, ROWW, WPS,
                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
@@ -102,9 +120,8 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                    NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
                    SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, DP4A: tl.constexpr):
-    # each word's inputs rounded to int8 (one scale a word), packed four to a 32-bit word in the byte
-    # order of the codes they meet, codes x inputs summed by dp4a (DP4A False: the same integers by
-    # shifts, for Triton's interpreter, which has no inline PTX)
+    # each word's inputs rounded to int8 (one scale a word) in every program, packed four to a 32-bit
+    # word in the byte order of the codes they meet, codes x inputs summed by _word_dots
     VALS: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // VALS
     pid = tl.program_id(0)
@@ -130,24 +147,15 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr,
         xs = tl.sum(xq, axis=1).to(tl.float32) * (amax / 127.0)      # the offsets see the same inputs
         if BITS == 4:       # low nibbles of a word's bytes meet the even inputs, high nibbles the odd
             xe, xo = tl.split(tl.reshape(xq, [BW, VALS // 2, 2]))
-            pa = tl.broadcast_to(tl.sum((xe & 255) << sh[None, :], axis=1)[None, :], [BN, BW])
-            pb = tl.broadcast_to(tl.sum((xo & 255) << sh[None, :], axis=1)[None, :], [BN, BW])
+            pa = tl.sum((xe & 255) << sh[None, :], axis=1)[None, :]
+            pb = tl.sum((xo & 255) << sh[None, :], axis=1)[None, :]
         else:
-            pa = tl.broadcast_to(tl.sum((xq & 255) << sh[None, :], axis=1)[None, :], [BN, BW])
+            pa = tl.sum((xq & 255) << sh[None, :], axis=1)[None, :]
             pb = pa
         so = rows[:, None] * NGROUPS + (wi // WG)[None, :]
         for h in tl.static_range(2 if SWIGLU else 1):                    # h 1: the up rows
             qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
-            d = tl.zeros([BN, BW], dtype=tl.int32)
-            for t in tl.static_range(2 if BITS == 4 else 1):
-                a = (qw if BITS == 8 else qw & 0x0F0F0F0F) if t == 0 else (qw >> 4) & 0x0F0F0F0F
-                b = pa if t == 0 else pb
-                if DP4A:        # four byte products summed into d, one instruction
-                    d = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, d],
-                                                  dtype=tl.int32, is_pure=True, pack=1)
-                else:
-                    for j in tl.static_range(4):
-                        d += ((a >> (8 * j)) & 255) * ((b << (24 - 8 * j)) >> 24)
+            d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
             s = tl.load(s_ptr + so + h * N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + so + h * N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
             contrib = tl.sum(d.to(tl.float32) * dx * s + o * xs[None, :], axis=1)
@@ -218,3 +226,84 @@ def finish_kernel(part_ptr, y_ptr, r_ptr, N, SPLIT: tl.constexpr, SWIGLU: tl.con
     if RES:
         y += tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xg_ptr, W, NGROUPS,
+                           BITS: tl.constexpr, G: tl.constexpr, BWQ: tl.constexpr, NB: tl.constexpr,
+                           NORM: tl.constexpr):
+    # the int8-input GEMV's inputs, once per call instead of in every program: each word's inputs
+    # (x * ln when NORM) rounded to int8 with one scale and packed four to a 32-bit word in the byte
+    # order of the codes they meet (4-bit codes: even inputs in xq[0:W], odd in xq[W:2W]); dx: the
+    # word's step; xg: each group's sum of the rounded inputs (for the offsets); 1 / RMS folded
+    # into both
+    VALS: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = G // VALS
+    wi = tl.program_id(0) * BWQ + tl.arange(0, BWQ)
+    k8 = wi[:, None] * VALS + tl.arange(0, VALS)[None, :]
+    xv = tl.load(x_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
+    rstd = 1.0
+    if NORM:
+        xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
+        rstd = _rstd(x_ptr, eps, K, NB)
+    amax = tl.max(tl.abs(xv), axis=1)
+    xq = tl.floor(xv * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
+    dx = amax / 127.0 * rstd
+    sh = tl.arange(0, 4) * 8
+    wm = wi < W
+    if BITS == 4:
+        xe, xo = tl.split(tl.reshape(xq, [BWQ, VALS // 2, 2]))
+        tl.store(xq_ptr + wi, tl.sum((xe & 255) << sh[None, :], axis=1), mask=wm)
+        tl.store(xq_ptr + W + wi, tl.sum((xo & 255) << sh[None, :], axis=1), mask=wm)
+    else:
+        tl.store(xq_ptr + wi, tl.sum((xq & 255) << sh[None, :], axis=1), mask=wm)
+    tl.store(dx_ptr + wi, dx, mask=wm)
+    xs = tl.sum(tl.reshape(tl.sum(xq, axis=1).to(tl.float32) * dx, [BWQ // WG, WG]), axis=1)
+    gi = tl.program_id(0) * (BWQ // WG) + tl.arange(0, BWQ // WG)
+    tl.store(xg_ptr + gi, xs, mask=gi < NGROUPS)
+
+
+@triton.jit
+def gemv_q_kernel(xq_ptr, dx_ptr, xg_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
+                  N, NGROUPS, ROWW, WPS,
+                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                  SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
+                  R: tl.constexpr, DP4A: tl.constexpr):
+    # codes x the prepared int8 inputs (quantize_inputs_kernel) by _word_dots; each word's integer
+    # sum scaled by its input step, summed over the group's words, then the group's weight step and
+    # offset applied once a group (not once a word)
+    VALS: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = G // VALS
+    GT: tl.constexpr = BW // WG              # groups a tile
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    lmask = _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
+    acc = tl.zeros([BN], dtype=tl.float32)
+    acc2 = tl.zeros([BN], dtype=tl.float32)
+    w_lo = sid * WPS
+    for w0 in range(w_lo, w_lo + WPS, BW):
+        wi = w0 + tl.arange(0, BW)
+        wm = wi < ROWW
+        m2 = lmask[:, None] & wm[None, :]
+        pa = tl.load(xq_ptr + wi, mask=wm, other=0)[None, :]
+        pb = tl.load(xq_ptr + ROWW + wi, mask=wm, other=0)[None, :] if BITS == 4 else pa
+        dx = tl.load(dx_ptr + wi, mask=wm, other=0.0)[None, :]
+        gi = w0 // WG + tl.arange(0, GT)
+        gm = gi < NGROUPS
+        xg = tl.load(xg_ptr + gi, mask=gm, other=0.0)[None, :]
+        so = rows[:, None] * NGROUPS + gi[None, :]
+        sm = lmask[:, None] & gm[None, :]
+        for h in tl.static_range(2 if SWIGLU else 1):                    # h 1: the up rows
+            qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
+            d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
+            f = tl.sum(tl.reshape(d.to(tl.float32) * dx, [BN, GT, WG]), axis=2)          # [BN, GT]
+            s = tl.load(s_ptr + so + h * N * NGROUPS, mask=sm, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + so + h * N * NGROUPS, mask=sm, other=0.0).to(tl.float32)
+            contrib = tl.sum(f * s + o * xg, axis=1)
+            if h == 0:
+                acc += contrib
+            else:
+                acc2 += contrib
+    _finish(acc, acc2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU, RES, SPLIT)

@@ -21,9 +21,16 @@ int8 inputs (gemv_i8_kernel, `int8_inputs=True`): each word's inputs (8 for 4-bi
 8-bit) rounded to int8 with one scale (zeroedge.quant.packed.round_inputs_int8), and the codes x
 inputs summed by dp4a, four products an instruction -- the unpack-convert-multiply of every code is
 what bounds the fp32 kernel (Nsight Compute on gate/up: ~78 instructions a 32-bit word, 119 registers,
-25 % occupancy; 0.5-1.1 TB/s). On the H200: 1.1-1.8x cuBLAS's bf16 GEMV of the same shape, decode
-1.30-1.46x bf16 at 8K; on SmolLM2 the rounding costs under 0.3 % of perplexity (benchmarks/weights.md).
+25 % occupancy; 0.5-1.1 TB/s). On the H200, with the prepared inputs below: 1.3-1.9x cuBLAS's bf16
+GEMV of the same shape, decode 1.73-1.85x our bf16 loop at 8K; on SmolLM2 the rounding costs under
+0.3 % of perplexity (benchmarks/weights.md).
 Triton's interpreter has no inline PTX: there (DP4A False) the same integer sums by shifts.
+Prepared int8 inputs (`PREPARED` in a launch setting): a first kernel (quantize_inputs_kernel) rounds
+and packs each word's inputs once a call -- the norm's 1 / RMS folded into their steps -- and sums
+each group's inputs; the GEMV (gemv_q_kernel) then scales each word's integer sum by its input step,
+adds a group's words and applies the group's weight step and offset once a group instead of once a
+word. Same numbers up to fp32 summation order; one launch more, so it pays on large matrices only
+(H200: gate/up 1.6x, the int8 LM head 1.7x faster; q/k/v and o slower by the launch).
 
 Launch settings per matrix shape (CONFIG, CONFIG_I8) are the best of an H200 sweep
 (benchmarks/gpu/weights_gpu.py); `pick` falls back on the common choice for other shapes.
@@ -38,6 +45,13 @@ def _kernels():
     from zeroedge.quant import gemv_kernels      # imports triton
 
     return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
+
+
+def _prepared_kernels():
+    from zeroedge.quant import gemv_kernels
+
+    return gemv_kernels.quantize_inputs_kernel, gemv_kernels.gemv_q_kernel
+
 
 
 def _gather_kernel():
@@ -59,23 +73,24 @@ CONFIG: dict = {
     (2048, 8192, 4, 128): dict(BN=4, BW=256, SPLIT=1, num_warps=4),
     (128256, 2048, 8, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),   # LM head, int8
 }
-CONFIG_I8: dict = {     # the same for the int8-input kernel
-    (3072, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=4),
-    (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=4),
-    (2048, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=2, num_warps=8),
-    (2048, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=2, num_warps=4),
-    (16384, 2048, 4, 32): dict(BN=2, BW=256, SPLIT=1, num_warps=4),
-    (16384, 2048, 4, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),
-    (2048, 8192, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=8),
-    (2048, 8192, 4, 128): dict(BN=4, BW=256, SPLIT=1, num_warps=8),
-    (128256, 2048, 8, 128): dict(BN=8, BW=256, SPLIT=1, num_warps=4),
+CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once by a first kernel
+    (3072, 2048, 4, 32): dict(BN=8, BW=256, SPLIT=1, num_warps=8, PREPARED=False),
+    (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=8, PREPARED=False),
+    (2048, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=8, PREPARED=False),
+    (2048, 2048, 4, 128): dict(BN=4, BW=256, SPLIT=4, num_warps=8, PREPARED=False),
+    (16384, 2048, 4, 32): dict(BN=16, BW=256, SPLIT=1, num_warps=4, PREPARED=True),
+    (16384, 2048, 4, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
+    (2048, 8192, 4, 32): dict(BN=8, BW=128, SPLIT=4, num_warps=8, PREPARED=True),
+    (2048, 8192, 4, 128): dict(BN=16, BW=128, SPLIT=4, num_warps=8, PREPARED=True),
+    (128256, 2048, 8, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
 }
 
 
 def pick(n: int, k: int, bits: int, group: int, int8_inputs: bool = False) -> dict:
     """Launch settings for an [n, k] weight: the sweep's where it measured this shape, else its
     common choice: 4 rows a program, 256 words (1 KiB) a row an iteration, the input split in two
-    while there are fewer than ~600 programs and each split keeps a whole iteration."""
+    while there are fewer than ~600 programs and each split keeps a whole iteration; int8 inputs
+    prepared by a first kernel from 16M weights up (below, that launch costs more than it saves)."""
     c = (CONFIG_I8 if int8_inputs else CONFIG).get((n, k, bits, group))
     if c is not None:
         return dict(c)
@@ -84,7 +99,7 @@ def pick(n: int, k: int, bits: int, group: int, int8_inputs: bool = False) -> di
     bn, split = 4, 1
     if -(-n // bn) < 600 and words >= 2 * bw:
         split = 2
-    return dict(BN=bn, BW=bw, SPLIT=split, num_warps=4)
+    return dict(BN=bn, BW=bw, SPLIT=split, num_warps=4, PREPARED=int8_inputs and n * k >= 1 << 24)
 
 
 def _pow2_ceil(n: int) -> int:
@@ -108,8 +123,12 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     n = w.n // 2 if swiglu else w.n
     c = dict(config) if config else pick(w.n, w.k, w.bits, w.group, int8_inputs)
     split = c.pop("SPLIT", 1)
+    prepared = c.pop("PREPARED", False) and int8_inputs
     roww = w.q.shape[1] // 4
     c["BW"] = min(c["BW"], _pow2_ceil(roww))
+    wg = w.group * w.bits // 32                       # words a group
+    if prepared:
+        c["BW"] = max(c["BW"], wg)                    # whole groups a tile
     wps = -(-roww // split)
     wps = -(-wps // c["BW"]) * c["BW"]               # whole tiles a split
     split = -(-roww // wps)
@@ -130,11 +149,24 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     if int8_inputs:
         gk, extra = ik, dict(DP4A=x.device.type == "cuda")
     dst = torch.empty(split, 2 * n if swiglu else n, device=x.device, dtype=torch.float32) if split > 1 else y
-    gk[(-(-n // c["BN"]), split)](xf, ln, float(eps), w.q.view(torch.int32), w.scale, w.offset, dst, r,
-                                  z, bg, bu, thr, rk, n, w.k,
-                                  w.groups, roww, wps, BITS=w.bits, G=w.group, NB=min(1024, _pow2_ceil(w.k)),
-                                  NORM=norm is not None, SWIGLU=swiglu, RES=residual is not None and split == 1,
-                                  SPLIT=split, LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
+    if prepared:
+        qk, pk = _prepared_kernels()
+        xq = torch.empty((2 if w.bits == 4 else 1) * roww, device=x.device, dtype=torch.int32)
+        dx = torch.empty(roww, device=x.device, dtype=torch.float32)
+        xg = torch.empty(w.groups, device=x.device, dtype=torch.float32)
+        bwq = max(wg, min(256, _pow2_ceil(roww)))
+        qk[(-(-roww // bwq),)](xf, ln, float(eps), w.k, xq, dx, xg, roww, w.groups, BITS=w.bits, G=w.group,
+                               BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None)
+        pk[(-(-n // c["BN"]), split)](xq, dx, xg, w.q.view(torch.int32), w.scale, w.offset, dst, r,
+                                      z, bg, bu, thr, rk, n, w.groups, roww, wps, BITS=w.bits, G=w.group,
+                                      SWIGLU=swiglu, RES=residual is not None and split == 1, SPLIT=split,
+                                      LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
+    else:
+        gk[(-(-n // c["BN"]), split)](xf, ln, float(eps), w.q.view(torch.int32), w.scale, w.offset, dst, r,
+                                      z, bg, bu, thr, rk, n, w.k, w.groups, roww, wps, BITS=w.bits, G=w.group,
+                                      NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, SWIGLU=swiglu,
+                                      RES=residual is not None and split == 1, SPLIT=split,
+                                      LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
     if split > 1:
         fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024)
     return y

@@ -35,7 +35,7 @@ def main(argv=None):
     res["rows"] = rows = []
     for ctx in ctxs:
         for attn, S, BN in [("sdpa", None, None)] + [("triton", S, BN) for S, BN in
-                                                     itertools.product((16, 32, 64, 128), (32, 64, 128))]:
+                                                     itertools.product((16, 32, 64, 128, 256), (32, 64, 128))]:
             if S:
                 DA.SPLITS, DA.BLOCK = S, BN
             d = DenseDecoder(m, ctx + GEN, attn=attn)

@@ -18,11 +18,18 @@ import math
 
 import torch
 
-SPLITS = 32       # programs a kv head
+SPLITS = None     # programs a kv head; None: default_splits
 BLOCK = 64        # positions a program reads at a time
 WARPS, STAGES = 4, 3
 
 _kernels = None
+
+
+def default_splits(max_len: int) -> int:
+    """Programs a kv head for a cache of max_len positions: the H200 sweep's best whole decode step
+    (benchmarks/gpu/decode_attention_gpu.py) is 32 at 8K and 64 at 128K (32 there is 6 % slower);
+    at 32K they are within 1 %."""
+    return SPLITS or (64 if max_len > 16384 else 32)
 
 
 def _pow2(n: int) -> int:
@@ -115,8 +122,8 @@ def _build():
 class Shares:
     """The split kernel's per-share buffers for H query heads (fp32; reused every layer and step)."""
 
-    def __init__(self, H: int, hd: int, device, splits: int | None = None):
-        self.splits = splits = splits or SPLITS
+    def __init__(self, H: int, hd: int, device, splits: int | None = None, max_len: int = 0):
+        self.splits = splits = splits or default_splits(max_len)
         self.m = torch.empty(splits, H, device=device)
         self.l = torch.empty(splits, H, device=device)
         self.acc = torch.empty(splits, H, hd, device=device)

@@ -293,7 +293,7 @@ class DenseAttention:
         if self.takes_qkv:
             from zeroedge.kv.decode_attention import Shares
 
-            self.shares = Shares(H, hd, device)
+            self.shares = Shares(H, hd, device, max_len=self.max_len)
             self.o = torch.empty(H, hd, device=device, dtype=dtype)
 
     def kv_bytes(self, n_tokens: Optional[int] = None) -> int:

@@ -52,11 +52,15 @@ def rope_attend_ref(qkv, cos, sin, pos: int, kv, H: int):
 def _build():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr, pacc_ptr,
                      scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr,
-                     HD: tl.constexpr, BN: tl.constexpr):
+                     HD: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:     # zeroedge.quant.triton_gemv.pdl: no load or store before the previous kernel is done
+            gdc_launch_dependents()
+            gdc_wait()
         h = tl.program_id(0)
         s = tl.program_id(1)
         pos = tl.load(pos_ptr).to(tl.int32)
@@ -104,7 +108,11 @@ def _build():
         tl.store(pacc_ptr + (s * H + row[:, None]) * HD + d[None, :], acc, mask=gm[:, None])
 
     @triton.jit
-    def combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, H: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr):
+    def combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, H: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr,
+                       PDL: tl.constexpr = False):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         hq = tl.program_id(0)
         si = tl.arange(0, SP)
         sm = si < S
@@ -136,6 +144,9 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
     if _kernels is None:
         _kernels = _build()
     split, combine = _kernels
+    from zeroedge.quant.triton_gemv import pdl
+
+    launch = pdl(kv)
     nkv, hd = kv.shape[1], kv.shape[3]
     if H % nkv or hd & (hd - 1) or kv.stride(3) != 1 or cos.shape[1] != hd:
         raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size and "
@@ -147,6 +158,6 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
     block = block or BLOCK
     split[(nkv, S)](qkv, cos, sin, pos, kv, kv.stride(0), kv.stride(1), kv.stride(2), shares.m, shares.l,
                     shares.acc, math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp,
-                    GP=max(16, _pow2(grp)), HD=hd, BN=block, num_warps=WARPS, num_stages=STAGES)
-    combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S))
+                    GP=max(16, _pow2(grp)), HD=hd, BN=block, num_warps=WARPS, num_stages=STAGES, **launch)
+    combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S), **launch)
     return out

@@ -2,6 +2,16 @@
 module imports Triton; triton_gemv imports it on first use."""
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90 on): the next kernel may launch now, and this one waits
+    here, before any load or store, until the previous kernel has finished and its writes are seen."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -72,7 +82,8 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg
                 N, K, NGROUPS, ROWW, WPS,
                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                 NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
-                SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr):
+                SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS          # codes a word
     WG: tl.constexpr = G // VALS             # words a group
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -119,9 +130,11 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr,
                    N, K, NGROUPS, ROWW, WPS,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                    NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
-                   SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, DP4A: tl.constexpr):
+                   SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, DP4A: tl.constexpr,
+                   PDL: tl.constexpr = False):
     # each word's inputs rounded to int8 (one scale a word) in every program, packed four to a 32-bit
     # word in the byte order of the codes they meet, codes x inputs summed by _word_dots
+    _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // VALS
     pid = tl.program_id(0)
@@ -168,11 +181,13 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr,
 
 @triton.jit
 def gather_inputs_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, N, K, ROWB, GPS,
-                         BITS: tl.constexpr, G: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr):
+                         BITS: tl.constexpr, G: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr,
+                         PDL: tl.constexpr = False):
     # input-major codes (zeroedge.quant.packed.PackedInputs): a program owns BC bytes of outputs and
     # walks its split's groups of inputs one row at a time (each thread sums its own columns: no
     # reduction across threads); the row of an input that is 0 is never loaded (predicated off), so
     # a step reads the kept rows plus each group's scales and offsets
+    _pdl_start(PDL)
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     cb = pid * BC + tl.arange(0, BC)                                     # byte columns
@@ -210,8 +225,9 @@ def gather_inputs_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, N, K, ROWB, GPS,
 
 @triton.jit
 def finish_kernel(part_ptr, y_ptr, r_ptr, N, SPLIT: tl.constexpr, SWIGLU: tl.constexpr,
-                  RES: tl.constexpr, BLOCK: tl.constexpr):
+                  RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Adds the SPLIT partial sums in a fixed order and applies the SwiGLU / residual epilogue."""
+    _pdl_start(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     width = 2 * N if SWIGLU else N
@@ -231,12 +247,13 @@ def finish_kernel(part_ptr, y_ptr, r_ptr, N, SPLIT: tl.constexpr, SWIGLU: tl.con
 @triton.jit
 def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xg_ptr, W, NGROUPS,
                            BITS: tl.constexpr, G: tl.constexpr, BWQ: tl.constexpr, NB: tl.constexpr,
-                           NORM: tl.constexpr):
+                           NORM: tl.constexpr, PDL: tl.constexpr = False):
     # the int8-input GEMV's inputs, once per call instead of in every program: each word's inputs
     # (x * ln when NORM) rounded to int8 with one scale and packed four to a 32-bit word in the byte
     # order of the codes they meet (4-bit codes: even inputs in xq[0:W], odd in xq[W:2W]); dx: the
     # word's step; xg: each group's sum of the rounded inputs (for the offsets); 1 / RMS folded
     # into both
+    _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // VALS
     wi = tl.program_id(0) * BWQ + tl.arange(0, BWQ)
@@ -268,10 +285,11 @@ def gemv_q_kernel(xq_ptr, dx_ptr, xg_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_p
                   N, NGROUPS, ROWW, WPS,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                   SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
-                  R: tl.constexpr, DP4A: tl.constexpr):
+                  R: tl.constexpr, DP4A: tl.constexpr, PDL: tl.constexpr = False):
     # codes x the prepared int8 inputs (quantize_inputs_kernel) by _word_dots; each word's integer
     # sum scaled by its input step, summed over the group's words, then the group's weight step and
     # offset applied once a group (not once a word)
+    _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // VALS
     GT: tl.constexpr = BW // WG              # groups a tile

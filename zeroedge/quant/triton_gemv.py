@@ -38,6 +38,8 @@ The kernels are in zeroedge.quant.gemv_kernels (imported on first use: it import
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -45,6 +47,15 @@ def _kernels():
     from zeroedge.quant import gemv_kernels      # imports triton
 
     return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options for programmatic dependent launch where the GPU has it (sm_90 on; not a Jetson
+    Orin, sm_87): each kernel lets the next one launch at once and waits for the previous one before
+    touching memory, so launches overlap in the step's CUDA graph. ZEROEDGE_PDL=0 turns it off."""
+    if not t.is_cuda or os.environ.get("ZEROEDGE_PDL") == "0" or torch.cuda.get_device_capability(t.device)[0] < 9:
+        return {}
+    return dict(PDL=True, launch_pdl=True)
 
 
 def _prepared_kernels():
@@ -145,9 +156,9 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
         for m in (bg, bu):
             if m.shape != (rk, n) or m.dtype != torch.float32 or not m.is_contiguous() or m.device != x.device:
                 raise ValueError(f"gemv: the predictor's maps must be contiguous fp32 [{rk}, {n}] on {x.device}")
-    extra = {}
+    extra = pdl(x)
     if int8_inputs:
-        gk, extra = ik, dict(DP4A=x.device.type == "cuda")
+        gk, extra = ik, dict(extra, DP4A=x.device.type == "cuda")
     dst = torch.empty(split, 2 * n if swiglu else n, device=x.device, dtype=torch.float32) if split > 1 else y
     if prepared:
         qk, pk = _prepared_kernels()
@@ -156,7 +167,7 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
         xg = torch.empty(w.groups, device=x.device, dtype=torch.float32)
         bwq = max(wg, min(256, _pow2_ceil(roww)))
         qk[(-(-roww // bwq),)](xf, ln, float(eps), w.k, xq, dx, xg, roww, w.groups, BITS=w.bits, G=w.group,
-                               BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None)
+                               BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, **pdl(x))
         pk[(-(-n // c["BN"]), split)](xq, dx, xg, w.q.view(torch.int32), w.scale, w.offset, dst, r,
                                       z, bg, bu, thr, rk, n, w.groups, roww, wps, BITS=w.bits, G=w.group,
                                       SWIGLU=swiglu, RES=residual is not None and split == 1, SPLIT=split,
@@ -168,7 +179,8 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
                                       RES=residual is not None and split == 1, SPLIT=split,
                                       LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
     if split > 1:
-        fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024)
+        fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024,
+                             **pdl(x))
     return y
 
 
@@ -192,7 +204,8 @@ def gather_inputs(x: torch.Tensor, w, out=None, BC=None, split=None, num_warps=N
     y = out if out is not None else torch.empty(1, w.n, device=x.device, dtype=x.dtype)
     dst = torch.empty(split, w.n, device=x.device, dtype=torch.float32) if split > 1 else y
     _gather_kernel()[(cols, split)](xf, w.q, w.scale, w.offset, dst, w.n, w.k, rowb, gps, BITS=w.bits,
-                                    G=w.group, BC=BC, SPLIT=split, num_warps=num_warps)
+                                    G=w.group, BC=BC, SPLIT=split, num_warps=num_warps, **pdl(x))
     if split > 1:
-        _kernels()[1][(-(-w.n // 1024),)](dst, y, y, w.n, SPLIT=split, SWIGLU=False, RES=False, BLOCK=1024)
+        _kernels()[1][(-(-w.n // 1024),)](dst, y, y, w.n, SPLIT=split, SWIGLU=False, RES=False, BLOCK=1024,
+                                          **pdl(x))
     return y

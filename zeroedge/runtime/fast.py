@@ -209,8 +209,10 @@ class Decoder:
 
     def _forward(self, flag):
         m = self.m
-        cos = self.cos.index_select(0, self.pos)
-        sin = self.sin_signed.index_select(0, self.pos)
+        rope_inside = getattr(self.attention, "takes_qkv", False)   # RoPE and the cache write in its kernel
+        if not rope_inside:
+            cos = self.cos.index_select(0, self.pos)
+            sin = self.sin_signed.index_select(0, self.pos)
         x = m.embed_tokens(self.tok)                     # (1, dim)
         self.attention.per_step(self.pos)
         if self.packed_layers is None:
@@ -229,7 +231,6 @@ class Decoder:
 
             def f_out(*args):
                 return _layer_out_fn(*args, i8=i8)
-        rope_inside = getattr(self.attention, "takes_qkv", False)   # RoPE and the cache write in its kernel
         for li, w in enumerate(self.W.layers):
             pw = w if self.packed_layers is None else self.packed_layers[li]
             if rope_inside:

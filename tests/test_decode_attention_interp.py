@@ -73,7 +73,11 @@ def test_the_triton_attention_is_refused_where_it_cannot_run():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="CUDA device with Triton"):
             DenseDecoder(m, 16, graph=False, attn="triton")
-    assert not DenseDecoder(m, 16, graph=False).attention.takes_qkv      # auto on a CPU: sdpa
+    d = DenseDecoder(m, 16, graph=False)
+    assert not d.attention.takes_qkv                                     # auto on a CPU: sdpa
+    for pos in (16, -1):                  # outside the cache: refused before any kernel writes
+        with pytest.raises(ValueError, match="outside the cache"):
+            d.step(1, pos)
     with pytest.raises(ValueError, match="attn must be"):
         DenseDecoder(m, 16, graph=False, attn="flash")
     assert torch.get_default_dtype() == torch.float32

@@ -307,7 +307,8 @@ class DenseAttention:
             self.v[li, :, : v.shape[1]] = v
 
     def before(self, pos: int):
-        pass
+        if not 0 <= pos < self.max_len:     # the Triton kernel would write outside the cache
+            raise ValueError(f"position {pos} is outside the cache of {self.max_len} positions")
 
     def flag(self, pos: int) -> int:
         return 0

@@ -293,6 +293,7 @@ def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, 
         r = s.generate(prompt, 20)
         assert r.mechanisms["thermal_kv"] and r.pages_migrated > 1, r.pages_migrated
         assert s.thermal_gate.level == (3 if i < 4 else 2)
+        assert r.mechanisms.get("attention_decode") == ("thermal window (SDPA)" if backend == "torch" else None)
     # the breaker counts whole-model pages: torch's (layer, kv head) fetches / (layers x kv heads)
     per = len(model.layers) * model.cfg.n_kv_heads if backend == "torch" else 1
     assert s.model_pages(r.pages_migrated) == -(-r.pages_migrated // per)
@@ -383,6 +384,7 @@ def test_paths_are_never_silently_dense(model, bundle, tmp_path):
         s.decide(600, 10, paths=True)                   # 610 tokens: L1 excludes them
     r = s.generate(ids_(40), 4, paths=True)             # 44 tokens < 512: allowed at L1
     assert r.mechanisms["paths"] and r.detail["decoder"] == "PathsDecoder"
+    assert r.mechanisms["attention_decode"] == "sdpa"        # a CPU: the Triton attention is CUDA's
     s.set_level(0, which="paths")
     r = s.generate(ids_(40), 4)                          # not asked: off below its level, said so
     assert not r.mechanisms["paths"] and "L0" in r.mechanisms["paths_reason"]

@@ -23,7 +23,7 @@ on CUDA the decoders read the packed GEMVs with int8 inputs (mechanisms "weights
 
 Backends: "torch" runs zeroedge.runtime.fast's Decoder with the attention (dense or thermal) and FFN
 (dense or paths) the gates chose: DenseDecoder, ThermalDecoder, PathsDecoder or ThermalPathsDecoder;
-on CUDA with CUDA graphs. "onnxruntime" runs OrtRunner over a bundle's
+on CUDA with CUDA graphs and, for the dense cache, the Triton attention (mechanisms "attention_decode"). "onnxruntime" runs OrtRunner over a bundle's
 fixed-slot window, dense (a window of every position) or with OrtThermalPolicy (pages, heat, an
 int8 store); a bundle exported with a magnitude paths artifact runs its ZeroEdgePathsFFN nodes there,
 and a request its release level does not allow sparse is refused, never decoded dense instead.
@@ -488,6 +488,8 @@ class ServingSession:
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
                 chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
+        mech["attention_decode"] = ("thermal window (SDPA)" if thermal else
+                                    "Triton split attention" if dec.attention.takes_qkv else dec.attention.attn)
         if self.weights is not None:
             mech["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
                                       else "packed GEMV" if dec.packed_layers is not None

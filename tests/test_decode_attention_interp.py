@@ -36,11 +36,16 @@ SCRIPT = textwrap.dedent('''
         assert float((got.float() - want.float()).abs().max()) < tol, (H, nkv, pos, S)
         assert torch.equal(got_kv[:, :, : pos + 1], kv[:, :, : pos + 1])       # the new token written
         assert got_kv[:, :, pos + 1:].isnan().all()                              # nothing after it
-    try:
-        DA.rope_attend(qkv, cos, sin, torch.tensor([0]), torch.zeros(2, 2, 8, 24), 4, DA.Shares(4, 24, "cpu"))
-        raise SystemExit("a head size of 24 was accepted")
-    except ValueError as e:
-        assert "power-of-two" in str(e)
+    bad = [(qkv, cos, sin, torch.zeros(2, 2, 8, 24), 4, DA.Shares(4, 24, "cpu"), "power-of-two"),
+           (qkv[:-1], cos, sin, kv, H, DA.Shares(H, hd, "cpu"), "q/k/v of"),
+           (qkv, cos[:-1], sin, kv, H, DA.Shares(H, hd, "cpu"), "cos / sin"),
+           (qkv, cos, sin, kv, H, DA.Shares(H + 1, hd, "cpu"), "shares for")]
+    for q_, c_, s_, kv_, h_, sh_, words in bad:
+        try:
+            DA.rope_attend(q_, c_, s_, torch.tensor([0]), kv_, h_, sh_)
+            raise SystemExit(f"accepted: {words}")
+        except ValueError as e:
+            assert words in str(e), e
 
     m = M.build("tiny", seed=0)
     ids = torch.randint(0, m.cfg.vocab_size, (1, 90), generator=g)
@@ -65,7 +70,6 @@ def test_fused_decode_attention_in_the_triton_interpreter():
 
 
 def test_the_triton_attention_is_refused_where_it_cannot_run():
-    import torch
     from zeroedge import model as M
     from zeroedge.runtime.fast import DenseDecoder
 
@@ -80,4 +84,3 @@ def test_the_triton_attention_is_refused_where_it_cannot_run():
             d.step(1, pos)
     with pytest.raises(ValueError, match="attn must be"):
         DenseDecoder(m, 16, graph=False, attn="flash")
-    assert torch.get_default_dtype() == torch.float32

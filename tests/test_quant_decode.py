@@ -137,13 +137,21 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
     xi = round_inputs_int8(xn, sch.bits)                 # the dp4a kernel (emulated here: no inline PTX)
     for cfg in [dict(BN=8, BW=16, SPLIT=1, num_warps=4), dict(BN=4, BW=16, SPLIT=2, num_warps=4),
                 dict(BN=8, BW=16, SPLIT=1, num_warps=4, PREPARED=True),     # inputs rounded by a first kernel
-                dict(BN=4, BW=16, SPLIT=2, num_warps=4, PREPARED=True), dict(BN=4, BW=4, SPLIT=1, PREPARED=True)]:
+                dict(BN=4, BW=16, SPLIT=2, num_warps=4, PREPARED=True), dict(BN=4, BW=4, SPLIT=1, PREPARED=True),
+                dict(BN=32, BW=16, SPLIT=1, PREPARED=True)]:        # rows not a multiple of the block
         y = tg.gemv(x, p, residual=r, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
         assert torch.allclose(y, xi @ wd.T + r, atol=1e-5), (sch, cfg, (y - xi @ wd.T - r).abs().max())
         g, u = (xi @ wd.T).chunk(2, -1)
         y = tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
         assert torch.allclose(y, F.silu(g) * u, atol=1e-5), (sch, cfg)
     assert not torch.equal(xi, xn) and torch.allclose(xi, xn, atol=float(xn.abs().max()) / 250)
+    xt = x.clone()
+    xt[0, :16] = 1e-38                    # runs of tiny inputs: 127 / max would overflow; they count as 0
+    xt[0, 16:24] = 0.0
+    want = round_inputs_int8(xt, sch.bits) @ wd.T
+    for prep in (False, True):
+        y = tg.gemv(xt, p, config=dict(BN=8, BW=16, SPLIT=1, PREPARED=prep), int8_inputs=True)
+        assert torch.isfinite(y).all() and torch.allclose(y, want, atol=1e-5), (sch, prep)
     # the predictor rule: rows decided in the kernel from z, bg, bu (rank 5: not a power of two)
     z, bg, bu = torch.randn(1, 5), torch.randn(5, N // 2), torch.randn(5, N // 2)
     score = (F.silu(z @ bg) * (z @ bu)).abs()

@@ -33,6 +33,7 @@ def main(argv=None):
     m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
     res = bs.device_info()
     res["rows"] = rows = []
+    saved = DA.SPLITS, DA.BLOCK
     for ctx in ctxs:
         for attn, S, BN in [("sdpa", None, None)] + [("triton", S, BN) for S, BN in
                                                      itertools.product((16, 32, 64, 128, 256), (32, 64, 128))]:
@@ -44,6 +45,7 @@ def main(argv=None):
             print(json.dumps(rows[-1]), flush=True)
             del d
         torch.cuda.empty_cache()
+    DA.SPLITS, DA.BLOCK = saved
     bs.write_json(bs.out_dir(a.out) / "decode_attention_gpu.json", res)
     for ctx in ctxs:
         sdpa = next(r["ms"] for r in rows if r["ctx"] == ctx and r["attn"] == "sdpa")

@@ -49,6 +49,7 @@ def main(argv=None):
                     e.attention.kv.copy_(d.attention.kv)
                     diff = float((d.step(5, ctx + 100).float() - e.step(5, ctx + 100).float()).abs().max())
                     del e
+                    assert diff == 0.0, f"{variant} at {ctx}: logits differ with PDL ({diff})"
                 rows.append(dict(weights=variant + ("/int8-inputs" if i8 else ""), ctx=ctx, pdl=p == "1", ms=ms,
                                  tok_s=1e3 / ms, max_logit_diff=diff))
                 print(json.dumps(rows[-1]), flush=True)

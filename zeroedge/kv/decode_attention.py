@@ -52,15 +52,15 @@ def rope_attend_ref(qkv, cos, sin, pos: int, kv, H: int):
 def _build():
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    global pdl_start                  # a module global: Triton resolves a kernel's callees there
+
+    from zeroedge.triton_launch import pdl_start
 
     @triton.jit
     def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr, pacc_ptr,
                      scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr,
-                     HD: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:     # zeroedge.quant.triton_gemv.pdl: no load or store before the previous kernel is done
-            gdc_launch_dependents()
-            gdc_wait()
+                     HD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)      # zeroedge.triton_launch: no load or store before the previous kernel is done
         h = tl.program_id(0)
         s = tl.program_id(1)
         pos = tl.load(pos_ptr).to(tl.int32)
@@ -94,14 +94,20 @@ def _build():
             nm = n < end
             new = (n == pos)[:, None]                        # taken from registers, not the cache
             k = tl.where(new, kn[None, :], tl.load(kb + n[:, None] * s_n + d[None, :], mask=nm[:, None], other=0.))
-            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            if IEEE:                                         # fp32 caches: no TF32 products
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale_log2
             sc = tl.where(nm[None, :], sc, float("-inf"))
             mn = tl.maximum(m, tl.max(sc, 1))
             p = tl.exp2(sc - mn[:, None])
             alpha = tl.exp2(m - mn)
             lsum = lsum * alpha + tl.sum(p, 1)
             v = tl.where(new, vn[None, :], tl.load(vb + n[:, None] * s_n + d[None, :], mask=nm[:, None], other=0.))
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
             m = mn
         tl.store(pm_ptr + s * H + row, m, mask=gm)
         tl.store(pl_ptr + s * H + row, lsum, mask=gm)
@@ -110,9 +116,7 @@ def _build():
     @triton.jit
     def combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, H: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr,
                        PDL: tl.constexpr = False):
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(PDL)
         hq = tl.program_id(0)
         si = tl.arange(0, SP)
         sm = si < S
@@ -132,25 +136,30 @@ class Shares:
 
     def __init__(self, H: int, hd: int, device, splits: int | None = None, max_len: int = 0):
         self.splits = splits = splits or default_splits(max_len)
-        self.m = torch.empty(splits, H, device=device)
-        self.l = torch.empty(splits, H, device=device)
-        self.acc = torch.empty(splits, H, hd, device=device)
+        self.m = torch.empty(splits, H, device=device, dtype=torch.float32)
+        self.l = torch.empty(splits, H, device=device, dtype=torch.float32)
+        self.acc = torch.empty(splits, H, hd, device=device, dtype=torch.float32)
 
 
 def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block: int | None = None):
-    """The two kernels (see the module doc); kv (2, nkv, max_len, hd) with unit stride along hd.
-    Returns out (H, hd) in kv's dtype."""
+    """The two kernels (see the module doc); kv (2, nkv, max_len, hd) with unit stride along hd;
+    0 <= pos < max_len is the caller's to ensure (DenseAttention.before checks it on the host: the
+    kernel reads it on the device). Returns out (H, hd) in kv's dtype."""
     global _kernels
     if _kernels is None:
         _kernels = _build()
     split, combine = _kernels
-    from zeroedge.quant.triton_gemv import pdl
+    from zeroedge.triton_launch import pdl
 
     launch = pdl(kv)
-    nkv, hd = kv.shape[1], kv.shape[3]
-    if H % nkv or hd & (hd - 1) or kv.stride(3) != 1 or cos.shape[1] != hd:
-        raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size and "
-                         "caches contiguous along it")
+    nkv, L, hd = kv.shape[1], kv.shape[2], kv.shape[3]
+    if H % nkv or hd & (hd - 1) or kv.stride(3) != 1 or 2 * nkv * L * hd >= 2 ** 31:
+        raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size, "
+                         "caches contiguous along it and under 2^31 values a layer (32-bit offsets)")
+    if (qkv.numel() != (H + 2 * nkv) * hd or not qkv.is_contiguous() or shares.acc.shape[1:] != (H, hd)
+            or any(t.shape != (L, hd) or not t.is_contiguous() for t in (cos, sin))):
+        raise ValueError(f"rope_attend: q/k/v of {(H + 2 * nkv) * hd} values, cos / sin tables ({L}, {hd}) "
+                         f"and shares for {H} heads of {hd} expected")
     grp = H // nkv
     if out is None:
         out = torch.empty(H, hd, device=kv.device, dtype=kv.dtype)
@@ -158,6 +167,7 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
     block = block or BLOCK
     split[(nkv, S)](qkv, cos, sin, pos, kv, kv.stride(0), kv.stride(1), kv.stride(2), shares.m, shares.l,
                     shares.acc, math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp,
-                    GP=max(16, _pow2(grp)), HD=hd, BN=block, num_warps=WARPS, num_stages=STAGES, **launch)
+                    GP=max(16, _pow2(grp)), HD=hd, BN=block, IEEE=kv.dtype == torch.float32, num_warps=WARPS,
+                    num_stages=STAGES, **launch)
     combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S), **launch)
     return out

@@ -2,16 +2,11 @@
 module imports Triton; triton_gemv imports it on first use."""
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from zeroedge.quant.packed import TINY_INPUTS
+from zeroedge.triton_launch import pdl_start as _pdl_start
 
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    """Programmatic dependent launch (sm_90 on): the next kernel may launch now, and this one waits
-    here, before any load or store, until the previous kernel has finished and its writes are seen."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+TINY = tl.constexpr(TINY_INPUTS)     # a word whose inputs are all below this is taken as 0
 
 
 @triton.jit
@@ -155,7 +150,7 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr,
         if NORM:
             xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(xv), axis=1)                                               # [BW]
-        xq = tl.floor(xv * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
+        xq = tl.floor(xv * tl.where(amax > TINY, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
         dx = (amax / 127.0)[None, :]
         xs = tl.sum(xq, axis=1).to(tl.float32) * (amax / 127.0)      # the offsets see the same inputs
         if BITS == 4:       # low nibbles of a word's bytes meet the even inputs, high nibbles the odd
@@ -264,7 +259,7 @@ def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xg_ptr, W, NGR
         xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
         rstd = _rstd(x_ptr, eps, K, NB)
     amax = tl.max(tl.abs(xv), axis=1)
-    xq = tl.floor(xv * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
+    xq = tl.floor(xv * tl.where(amax > TINY, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
     dx = amax / 127.0 * rstd
     sh = tl.arange(0, 4) * 8
     wm = wi < W

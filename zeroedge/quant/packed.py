@@ -161,15 +161,18 @@ def _use_kernel(x: torch.Tensor) -> bool:
     return True
 
 
+TINY_INPUTS = 1e-30    # a run of inputs all below this in magnitude rounds to 0 (127 / max would overflow)
+
+
 def round_inputs_int8(x: torch.Tensor, bits: int) -> torch.Tensor:
     """What the int8-input GEMV multiplies (zeroedge.quant.triton_gemv, int8_inputs): the inputs in
     runs of 32 / bits (one 32-bit word of codes), each run rounded to int8 with the scale max|x| / 127
-    (floor(v + 0.5)), as fp32."""
+    (floor(v + 0.5)), as fp32; a run whose largest magnitude is under TINY_INPUTS gives 0."""
     v = 32 // bits
     k = x.shape[-1]
     xf = F.pad(x.float(), (0, (-k) % v)).reshape(*x.shape[:-1], -1, v)
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > TINY_INPUTS, 127.0 / amax, torch.zeros_like(amax))
     return (torch.floor(xf * inv + 0.5) * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
 
 

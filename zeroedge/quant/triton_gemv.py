@@ -38,24 +38,22 @@ The kernels are in zeroedge.quant.gemv_kernels (imported on first use: it import
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options for programmatic dependent launch (zeroedge.triton_launch)."""
+    if not t.is_cuda:
+        return {}
+    from zeroedge.triton_launch import pdl as options
+
+    return options(t)
 
 
 def _kernels():
     from zeroedge.quant import gemv_kernels      # imports triton
 
     return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
-
-
-def pdl(t: torch.Tensor) -> dict:
-    """Launch options for programmatic dependent launch where the GPU has it (sm_90 on; not a Jetson
-    Orin, sm_87): each kernel lets the next one launch at once and waits for the previous one before
-    touching memory, so launches overlap in the step's CUDA graph. ZEROEDGE_PDL=0 turns it off."""
-    if not t.is_cuda or os.environ.get("ZEROEDGE_PDL") == "0" or torch.cuda.get_device_capability(t.device)[0] < 9:
-        return {}
-    return dict(PDL=True, launch_pdl=True)
 
 
 def _prepared_kernels():

@@ -282,10 +282,13 @@ class DenseAttention:
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         self.L, self.nkv, self.H, self.hd, self.dtype = L, nkv, H, hd, dtype
-        if self.attn == "auto":
-            self.attn = "triton" if _triton_runs(torch.device(device), hd) else "sdpa"
-        if self.attn == "triton" and not _triton_runs(torch.device(device), hd, interpreter=True):
-            raise ValueError("attn='triton' needs a CUDA device with Triton and a power-of-two head size >= 16")
+        fits = 2 * nkv * self.max_len * hd < 2 ** 31           # the kernel's 32-bit offsets within a layer
+        if self.attn == "auto":     # fp32 caches keep SDPA's exact fp32 products
+            half = dtype in (torch.float16, torch.bfloat16)
+            self.attn = "triton" if half and fits and _triton_runs(torch.device(device), hd) else "sdpa"
+        if self.attn == "triton" and not (fits and _triton_runs(torch.device(device), hd, interpreter=True)):
+            raise ValueError("attn='triton' needs a CUDA device with Triton >= 3, a power-of-two head size "
+                             ">= 16 and a cache under 2^31 values a layer")
         self.takes_qkv = self.attn == "triton"
         # K and V of a layer side by side, so one index_copy writes the new token's pair
         self.kv = torch.zeros((L, 2, nkv, self.max_len, hd), device=device, dtype=dtype)
@@ -346,14 +349,15 @@ class DenseAttention:
 def _triton_runs(device: torch.device, hd: int, interpreter: bool = False) -> bool:
     """Triton kernels run here: a CUDA device (or, when asked, Triton's CPU interpreter) and a head
     size tl.dot takes (a power of two >= 16)."""
-    on_device = device.type == "cuda" or (interpreter and os.environ.get("TRITON_INTERPRET") == "1")
+    on_device = ((device.type == "cuda" and torch.version.hip is None)
+                 or (interpreter and os.environ.get("TRITON_INTERPRET") == "1"))
     if not on_device or hd < 16 or hd & (hd - 1):
         return False
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return False
-    return True
+    return int(triton.__version__.split(".")[0]) >= 3
 
 
 class DenseDecoder(Decoder):

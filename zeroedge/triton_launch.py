@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL) for zeroedge's Triton kernels (the packed GEMVs, the decode
+attention). On sm_90 and newer each kernel is launched with PDL: it lets the next kernel launch at
+once and waits, before its first load or store, until the previous one has finished and its writes
+are visible, so launches overlap inside a CUDA graph (H200 int4 decode: +2-9 %, benchmarks/weights.md).
+Off on older GPUs (a Jetson Orin is sm_87), on ROCm, with a Triton that has no grid-dependency
+control, and with ZEROEDGE_PDL=0.
+
+`pdl(t)` (no Triton import on a CPU tensor): the launch options for kernels reading `t`'s device.
+`pdl_start(PDL)`: the first statement of every such kernel (this module imports Triton; the kernel
+modules import it, the decoders do not)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:                      # Triton before 3.4
+    HAS_GDC = False
+
+if HAS_GDC:
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+else:
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    import torch
+
+    return HAS_GDC and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t) -> dict:
+    if not t.is_cuda or os.environ.get("ZEROEDGE_PDL") == "0" or not _capable(t.device.index or 0):
+        return {}
+    return dict(PDL=True, launch_pdl=True)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (zeroedge.quant.triton_gemv.pdl) on a GPU: batch-1 decode ms a step of
+"""Programmatic dependent launch (zeroedge.triton_launch) on a GPU: batch-1 decode ms a step of
 the DenseDecoder (llama-3.2-1b shape, random weights; bf16 and packed int4 with int8 inputs) with
 ZEROEDGE_PDL=0 and =1 alternated twice, and the logits of one step with and without it (the same
 kernels in the same order: they must agree bit for bit).

@@ -39,6 +39,16 @@ def add_ctx(ap: argparse.ArgumentParser, default: str) -> None:
     ap.add_argument("--ctx", default=default, help=f"context lengths, comma-separated (default {default})")
 
 
+def out_ctx_args(doc: str, out: str, ctx: str, name: str, argv=None):
+    """The common command line (--out, --ctx) parsed, or None (with a message) where there is no
+    CUDA GPU."""
+    ap = parser(doc)
+    add_out(ap, out)
+    add_ctx(ap, ctx)
+    a = ap.parse_args(argv)
+    return a if cuda_or_skip(f"{name}: skipped, no CUDA GPU here") else None
+
+
 def int_list(text: str) -> list:
     return [int(c) for c in text.split(",")]
 

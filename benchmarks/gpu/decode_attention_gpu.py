@@ -18,11 +18,8 @@ GEN = 400
 
 
 def main(argv=None):
-    ap = bs.parser(__doc__)
-    bs.add_out(ap, "/tmp/decode_attention_out")
-    bs.add_ctx(ap, "8192,32768")
-    a = ap.parse_args(argv)
-    if not bs.cuda_or_skip("decode_attention_gpu: skipped, no CUDA GPU here"):
+    a = bs.out_ctx_args(__doc__, "/tmp/decode_attention_out", "8192,32768", "decode_attention_gpu", argv)
+    if a is None:
         return
     import torch
 

@@ -5,9 +5,8 @@ are visible, so launches overlap inside a CUDA graph (H200 int4 decode: +2-9 %, 
 Off on older GPUs (a Jetson Orin is sm_87), on ROCm, with a Triton that has no grid-dependency
 control, and with ZEROEDGE_PDL=0.
 
-`pdl(t)` (no Triton import on a CPU tensor): the launch options for kernels reading `t`'s device.
-`pdl_start(PDL)`: the first statement of every such kernel (this module imports Triton; the kernel
-modules import it, the decoders do not)."""
+`pdl(t)`: the launch options for kernels on `t`'s device. `pdl_start(PDL)`: the first statement of
+every such kernel. This module imports Triton: the kernel modules import it, the decoders do not."""
 from __future__ import annotations
 
 import functools
@@ -42,6 +41,10 @@ def _capable(index: int) -> bool:
 
 
 def pdl(t) -> dict:
-    if not t.is_cuda or os.environ.get("ZEROEDGE_PDL") == "0" or not _capable(t.device.index or 0):
+    if not t.is_cuda or os.environ.get("ZEROEDGE_PDL") == "0":
+        return {}
+    import torch
+
+    if not _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()):
         return {}
     return dict(PDL=True, launch_pdl=True)

@@ -22,7 +22,7 @@ int8 inputs (gemv_i8_kernel, `int8_inputs=True`): each word's inputs (8 for 4-bi
 inputs summed by dp4a, four products an instruction -- the unpack-convert-multiply of every code is
 what bounds the fp32 kernel (Nsight Compute on gate/up: ~78 instructions a 32-bit word, 119 registers,
 25 % occupancy; 0.5-1.1 TB/s). On the H200, with the prepared inputs below: 1.3-1.9x cuBLAS's bf16
-GEMV of the same shape, decode 1.73-1.85x our bf16 loop at 8K; on SmolLM2 the rounding costs under
+GEMV of the same shape, decode 1.81-1.88x our bf16 loop at 8K (with PDL); on SmolLM2 the rounding costs under
 0.3 % of perplexity (benchmarks/weights.md).
 Triton's interpreter has no inline PTX: there (DP4A False) the same integer sums by shifts.
 Prepared int8 inputs (`PREPARED` in a launch setting): a first kernel (quantize_inputs_kernel) rounds
@@ -42,7 +42,8 @@ import torch
 
 
 def pdl(t: torch.Tensor) -> dict:
-    """Launch options for programmatic dependent launch (zeroedge.triton_launch)."""
+    """Launch options for programmatic dependent launch (zeroedge.triton_launch, imported only for a
+    CUDA tensor: it imports Triton)."""
     if not t.is_cuda:
         return {}
     from zeroedge.triton_launch import pdl as options
@@ -60,7 +61,6 @@ def _prepared_kernels():
     from zeroedge.quant import gemv_kernels
 
     return gemv_kernels.quantize_inputs_kernel, gemv_kernels.gemv_q_kernel
-
 
 
 def _gather_kernel():

@@ -153,8 +153,8 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
 
     launch = pdl(kv)
     nkv, L, hd = kv.shape[1], kv.shape[2], kv.shape[3]
-    if H % nkv or hd & (hd - 1) or kv.stride(3) != 1 or 2 * nkv * L * hd >= 2 ** 31:
-        raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size, "
+    if H % nkv or hd < 16 or hd & (hd - 1) or kv.stride(3) != 1 or 2 * nkv * L * hd >= 2 ** 31:
+        raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size >= 16, "
                          "caches contiguous along it and under 2^31 values a layer (32-bit offsets)")
     if (qkv.numel() != (H + 2 * nkv) * hd or not qkv.is_contiguous() or shares.acc.shape[1:] != (H, hd)
             or any(t.shape != (L, hd) or not t.is_contiguous() for t in (cos, sin))):

@@ -2,7 +2,7 @@
 ones inside functions included):
 
     core         model, weights, texts, errors, bundle, trust, plugin_spec, calib_artifact, planner,
-                 preflight, device (the probe)
+                 preflight, device (the probe), triton_launch (PDL for the Triton kernels)
     mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only)
     workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation, generate
     backends     backends (onnxruntime, tensorrt, the plugin reference)
@@ -20,7 +20,7 @@ from conftest import REPO
 
 LAYERS = [
     ("core", {"zeroedge", "model", "weights", "texts", "errors", "bundle", "trust", "plugin_spec", "calib_artifact",
-              "planner", "preflight", "device", "systemd", "data"}),
+              "planner", "preflight", "device", "systemd", "data", "triton_launch"}),
     ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant"}),
     ("workstation", {"export", "evaluation", "generate"}),
     ("backends", {"backends"}),

@@ -40,12 +40,21 @@ SCRIPT = textwrap.dedent('''
            (qkv[:-1], cos, sin, kv, H, DA.Shares(H, hd, "cpu"), "q/k/v of"),
            (qkv, cos[:-1], sin, kv, H, DA.Shares(H, hd, "cpu"), "cos / sin"),
            (qkv, cos, sin, kv, H, DA.Shares(H + 1, hd, "cpu"), "shares for")]
+    huge = torch.zeros(16).as_strided((2, 1, 2 ** 26, 16), (0, 0, 0, 1))     # 2^31 values, no memory
+    bad.append((torch.zeros(96), torch.zeros(1, 16), torch.zeros(1, 16), huge, 4, DA.Shares(4, 16, "cpu"), "2^31"))
     for q_, c_, s_, kv_, h_, sh_, words in bad:
         try:
             DA.rope_attend(q_, c_, s_, torch.tensor([0]), kv_, h_, sh_)
             raise SystemExit(f"accepted: {words}")
         except ValueError as e:
             assert words in str(e), e
+
+    from zeroedge.runtime.fast import DenseAttention
+    try:                                  # refused before the cache is allocated
+        DenseAttention(2 ** 26, attn="triton").bind(1, 1, 4, 16, "cpu", torch.float16)
+        raise SystemExit("a cache of 2^31 values a layer was accepted")
+    except ValueError as e:
+        assert "2^31" in str(e), e
 
     m = M.build("tiny", seed=0)
     ids = torch.randint(0, m.cfg.vocab_size, (1, 90), generator=g)

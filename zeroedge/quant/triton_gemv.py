@@ -154,7 +154,8 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
         for m in (bg, bu):
             if m.shape != (rk, n) or m.dtype != torch.float32 or not m.is_contiguous() or m.device != x.device:
                 raise ValueError(f"gemv: the predictor's maps must be contiguous fp32 [{rk}, {n}] on {x.device}")
-    extra = pdl(x)
+    launch = pdl(x)
+    extra = dict(launch)
     if int8_inputs:
         gk, extra = ik, dict(extra, DP4A=x.device.type == "cuda")
     dst = torch.empty(split, 2 * n if swiglu else n, device=x.device, dtype=torch.float32) if split > 1 else y
@@ -165,7 +166,7 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
         xg = torch.empty(w.groups, device=x.device, dtype=torch.float32)
         bwq = max(wg, min(256, _pow2_ceil(roww)))
         qk[(-(-roww // bwq),)](xf, ln, float(eps), w.k, xq, dx, xg, roww, w.groups, BITS=w.bits, G=w.group,
-                               BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, **pdl(x))
+                               BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, **launch)
         pk[(-(-n // c["BN"]), split)](xq, dx, xg, w.q.view(torch.int32), w.scale, w.offset, dst, r,
                                       z, bg, bu, thr, rk, n, w.groups, roww, wps, BITS=w.bits, G=w.group,
                                       SWIGLU=swiglu, RES=residual is not None and split == 1, SPLIT=split,
@@ -178,7 +179,7 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
                                       LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
     if split > 1:
         fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024,
-                             **pdl(x))
+                             **launch)
     return y
 
 
@@ -201,9 +202,10 @@ def gather_inputs(x: torch.Tensor, w, out=None, BC=None, split=None, num_warps=N
     split = -(-groups // gps)
     y = out if out is not None else torch.empty(1, w.n, device=x.device, dtype=x.dtype)
     dst = torch.empty(split, w.n, device=x.device, dtype=torch.float32) if split > 1 else y
+    launch = pdl(x)
     _gather_kernel()[(cols, split)](xf, w.q, w.scale, w.offset, dst, w.n, w.k, rowb, gps, BITS=w.bits,
-                                    G=w.group, BC=BC, SPLIT=split, num_warps=num_warps, **pdl(x))
+                                    G=w.group, BC=BC, SPLIT=split, num_warps=num_warps, **launch)
     if split > 1:
         _kernels()[1][(-(-w.n // 1024),)](dst, y, y, w.n, SPLIT=split, SWIGLU=False, RES=False, BLOCK=1024,
-                                          **pdl(x))
+                                          **launch)
     return y

@@ -33,6 +33,11 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "oracle pages of 16 (exact, a limit)": dict(method="oracle_page"),
     "oracle pages of 8 (exact, a limit)": dict(method="oracle_page", page_size=8, recent_pages=4),
     "pages of 8, 4 recent, int8 cold store": dict(cold="int8", page_size=8, recent_pages=4),
+    # session 11: the refresh one step behind (its swaps serve the next step), which lets the GPU
+    # decoder run it beside the rest of the step
+    "default, int8 cold, lag 1": dict(cold="int8", lag=1),
+    "r16, int8 cold, lag 1": dict(cold="int8", rank=16, lag=1),
+    "pages of 8, 4 recent, int8 cold, lag 1": dict(cold="int8", page_size=8, recent_pages=4, lag=1),
 }
 
 

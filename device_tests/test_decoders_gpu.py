@@ -81,16 +81,21 @@ def test_thermal_window_of_every_page_is_dense(setup):
     k, v = _kv(pre, torch.bfloat16)
     qcov = [q.to("cuda") for q in pre["qcov"]]
     for dec in (ThermalDecoder(m, P, G, budget=1.0), ThermalPathsDecoder(m, P, G, _zero_paths(len(m.layers)),
-                                                                         budget=1.0)):
+                                                                         budget=1.0),
+                ThermalDecoder(m, P, G, budget=1.0, lag=1), ThermalDecoder(m, P, G, budget=1.0, attn="sdpa")):
         dec.load_prefix(k, v, qcov)
+        assert dec.attention.takes_qkv == (dec.attention.attn == "triton")
         assert _run(dec, ids, ref) < 2e-2, type(dec).__name__
 
 
-def test_tight_thermal_budget_swaps_pages_in_the_graph(setup):
+@pytest.mark.parametrize("lag,attn", [(0, "auto"), (1, "auto"), (0, "sdpa")])
+def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn):
+    """auto: the Triton window attention, with the sketch kernel rotating the raw query (lag 0); lag 1:
+    the refreshes run on a side stream inside the step's graph, after each layer's attention."""
     from zeroedge.runtime.fast import ThermalDecoder
 
     m, ids, _, ref, pre = setup
-    dec = ThermalDecoder(m, P, G, budget=0.25, fetch=4)
+    dec = ThermalDecoder(m, P, G, budget=0.25, fetch=4, lag=lag, attn=attn)
     dec.load_prefix(*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
     att = dec.attention
     before = att.slot_page.clone()
@@ -101,6 +106,8 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup):
             ps = att.page_slot[li, h]
             assert int((ps >= 0).sum()) == att.slots
             assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
+            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1)
+            assert torch.equal(win.cpu(), att.cold_k[li, h][att.slot_page[li, h].cpu()])   # each slot: its page
     kb = dec.device_kv_bytes()
     assert kb["hot"] < kb["prefix_full"] / 2
 
@@ -126,7 +133,7 @@ def test_int8_and_int4_cold_stores_in_the_graph_match_the_host_store(setup):
     for cold, bits in (("int8", 8), ("int4", 4)):
         att, start, fetched = decs[cold].attention, starts[cold], 0
         for li in range(len(m.layers)):
-            win = att.wk[li, :, att.fix_len:].view(att.nkv, att.slots, att.ps, att.hd)
+            win = att._slots(att.wk, li).view(att.nkv, att.slots, att.ps, att.hd)
             for h in range(att.nkv):
                 for s in (att.slot_page[li, h] != start[li, h]).nonzero().flatten().tolist():
                     page = int(att.slot_page[li, h, s])

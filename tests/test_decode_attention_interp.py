@@ -31,9 +31,13 @@ SCRIPT = textwrap.dedent('''
         got_kv = kv.clone()
         want = DA.rope_attend_ref(qkv, cos, sin, pos, kv, H)
         shares = DA.Shares(H, hd, "cpu", S)
-        got = DA.rope_attend(qkv, cos, sin, torch.tensor([pos]), got_kv, H, shares, block=BN)
+        q_out = torch.empty(H, hd, dtype=dt)
+        got = DA.rope_attend(qkv, cos, sin, torch.tensor([pos]), got_kv, H, shares, block=BN, q_out=q_out)
         tol = 1e-5 if dt == torch.float32 else 2e-3
         assert float((got.float() - want.float()).abs().max()) < tol, (H, nkv, pos, S)
+        x = qkv.view(H + 2 * nkv, hd)[:H].float()
+        q_want = (x * cos[pos].float() + x.roll(hd // 2, -1) * sin[pos].float()).to(dt)
+        assert float((q_out.float() - q_want.float()).abs().max()) < tol
         assert torch.equal(got_kv[:, :, : pos + 1], kv[:, :, : pos + 1])       # the new token written
         assert got_kv[:, :, pos + 1:].isnan().all()                              # nothing after it
     bad = [(qkv, cos, sin, torch.zeros(2, 2, 8, 24), 4, DA.Shares(4, 24, "cpu"), "power-of-two"),
@@ -67,6 +71,25 @@ SCRIPT = textwrap.dedent('''
     dec.load_prefix(pre["k"], pre["v"])
     for t in range(P, 90):
         assert torch.allclose(dec.step(ids[0, t].item(), t), full[t], atol=1e-4), t
+
+    # the thermal window through the same kernel: the new token at its window index, RoPE at its
+    # position (lag 0: the refresh first, from the raw query; lag 1: after, from the kernel's
+    # rotated query), against the same policy with SDPA over the masked window
+    from zeroedge.runtime.fast import ThermalDecoder
+    P = 64
+    pre = E.prefill(m, ids[0, :P].tolist(), stats=False)
+    for lag in (0, 1):
+        decs = [ThermalDecoder(m, P, 14, budget=0.5, page_size=8, rank=8, recent_pages=1, fetch=2, lag=lag,
+                               graph=False, attn=a) for a in ("triton", "sdpa")]
+        assert [d.attention.takes_qkv for d in decs] == [True, False]
+        for d in decs:
+            d.load_prefix(pre["k"], pre["v"], pre["qcov"])
+        start = decs[0].attention.slot_page.clone()
+        for t in range(P, 78):
+            a, b = (d.step(ids[0, t].item(), t) for d in decs)
+            assert torch.allclose(a, b, atol=1e-4), (lag, t)
+            assert torch.equal(decs[0].attention.slot_page, decs[1].attention.slot_page), (lag, t)
+        assert not torch.equal(decs[0].attention.slot_page, start)          # pages moved
     print("OK")
 ''')
 

@@ -25,7 +25,15 @@ SCRIPT = textwrap.dedent('''
         nb, it = K.sketch_blocks(n, PB)
         GP = 1 << max(0, (grp - 1).bit_length())
         qr = torch.empty(nkv, grp, r)
-        qp[(nkv,)](q, A, 1.0 / hd ** 0.5, qr, grp, GP=GP, HD=hd, R=r)
+        qp[(nkv,)](q, A, 1.0 / hd ** 0.5, qr, q, q, q, grp, GP=GP, HD=hd, R=r)
+        # the query before RoPE, rotated by the kernel at a position, against kernels.rope_rows
+        f = torch.outer(torch.arange(9).float(), torch.rand(hd // 2, generator=g))
+        cos, sin = torch.cat((f, f), -1).cos(), torch.cat((-f.sin(), f.sin()), -1)
+        pos = torch.tensor([5])
+        qr_rope = torch.empty(nkv, grp, r)
+        qp[(nkv,)](q, A, 1.0 / hd ** 0.5, qr_rope, cos, sin, pos, grp, GP=GP, HD=hd, R=r, ROPE=True)
+        want_rope = torch.bmm(K.rope_rows(q, cos, sin, pos).view(nkv, grp, hd), A) / hd ** 0.5
+        assert float((qr_rope - want_rope).abs().max()) < 1e-4
         out, pm, ps = torch.empty(nkv, grp, n), torch.empty(nkv, grp, nb), torch.empty(nkv, grp, nb)
         kl[(nkv, nb)](qr, codes, scales, out, pm, ps, P, n, nb, ITER=it, GRP=grp, GP=GP, R2=r // 2, PS=psz,
                       PB=PB, PART=True)

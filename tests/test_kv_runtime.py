@@ -175,7 +175,7 @@ def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
             assert all(ps[p] == s for s, p in enumerate(part.slot_page[li, h].tolist()))
         # and the slot contents are those pages' keys
         K = pre["k"][li].view(part.nkv, part.n, 8, -1)
-        win = part.wk[li, :, part.fix_len:].view(part.nkv, part.slots, 8, -1)
+        win = part._slots(part.wk, li).view(part.nkv, part.slots, 8, -1)
         for h in range(part.nkv):
             assert torch.equal(win[h], K[h, part.slot_page[li, h]])
 
@@ -212,6 +212,12 @@ def test_window_policy_equals_topk_uncapped_and_respects_the_fetch_cap():
         assert all(x <= (2 if t % 3 == 0 else 0) for x in changed), (t, changed)
     assert any(len(set(c[h, 39].tolist()) ^ set(c[h, 0].tolist())) for h in range(2))
     assert not forced[c].any()
+    # lag 1: a step reads the window as the previous step's refresh left it
+    m_lag, c_lag = window_page_mask(ps, 6, forced, 4, refresh_every=1, fetch=2, lag=1)
+    m_now, c_now = window_page_mask(ps, 6, forced, 4, refresh_every=1, fetch=2)
+    assert torch.equal(c_lag[:, 1:], c_now[:, :-1]) and torch.equal(m_lag[:, 1:], m_now[:, :-1])
+    free = torch.nonzero(~forced).view(-1)
+    assert torch.equal(c_lag[:, 0], free[-6:].expand(2, -1))      # the first step: the initial window
 
 
 
@@ -296,7 +302,9 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
                                   dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, budget=0.1875),
                                   dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3),
                                   dict(cold="int4", fetch=2, refresh_every=1, rank=8, bits=4),
-                                  dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2)])
+                                  dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2),
+                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, lag=1),
+                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, lag=1)])
 def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
     decoder (one step at a time, its own sketch, window, swaps and cold store) give the same
@@ -314,7 +322,7 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     # the int8 cold store: the prefill itself writes int8 K/V (serving: into the decoder's cold store)
     pre = E.quant_prefill(tiny, ids[:P], o["cold"]) if o["cold"] != "host" else E.prefill(tiny, ids[:P], stats=False)
     nll_eval = E.score_continuation(tiny, ids[P:], pre, "thermal", budget, ps, opts=o)
-    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "cold")}
+    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "lag", "cold")}
     dec = ThermalDecoder(tiny, P, T, budget=budget, page_size=ps, graph=False,
                          fetch=o["fetch"] or P // ps, **serving)
     if o["cold"] != "host":

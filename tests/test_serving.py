@@ -293,7 +293,7 @@ def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, 
         r = s.generate(prompt, 20)
         assert r.mechanisms["thermal_kv"] and r.pages_migrated > 1, r.pages_migrated
         assert s.thermal_gate.level == (3 if i < 4 else 2)
-        assert r.mechanisms.get("attention_decode") == ("thermal window (SDPA)" if backend == "torch" else None)
+        assert r.mechanisms.get("attention_decode") == ("thermal window, sdpa" if backend == "torch" else None)
     # the breaker counts whole-model pages: torch's (layer, kv head) fetches / (layers x kv heads)
     per = len(model.layers) * model.cfg.n_kv_heads if backend == "torch" else 1
     assert s.model_pages(r.pages_migrated) == -(-r.pages_migrated // per)

@@ -45,7 +45,7 @@ def main(argv=None):
         r["sketch_part"] = per(lambda: [t._page_lse(li, q, t.lse_part) for li in range(L)])
         pls = [t._page_lse(li, q, t.lse_part).clone() for li in range(L)]
         S, pe = t.slots, t.ps * t.hd
-        views = [(t.wk[li, :, t.fix_len:].view(t.nkv, S, pe), t.wv[li, :, t.fix_len:].view(t.nkv, S, pe),
+        views = [(t._slots(t.wk, li).view(t.nkv, S, pe), t._slots(t.wv, li).view(t.nkv, S, pe),
                   t.hk[li].view(t.nkv, t.n, pe), t.hv[li].view(t.nkv, t.n, pe)) for li in range(L)]
         barred = torch.full_like(t.page_bias, float("-inf"))
 

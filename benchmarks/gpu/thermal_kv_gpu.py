@@ -92,7 +92,7 @@ def fetch_latency(dec, dev, pages_per_head):
     hidx = torch.arange(nkv, device=dev)[:, None].expand_as(src)
     views = []
     for win, host in ((dec.wk, dec.hk), (dec.wv, dec.hv)):
-        w = win[li, :, dec.fix_len:].view(nkv, dec.slots, dec.ps * dec.hd).view(torch.int64)
+        w = dec._slots(win, li).view(nkv, dec.slots, dec.ps * dec.hd).view(torch.int64)
         h = host[li].view(nkv, dec.n, dec.ps * dec.hd).view(torch.int64)
         views.append((w, h))
 

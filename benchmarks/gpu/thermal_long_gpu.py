@@ -3,7 +3,7 @@ weights and prefix (speed and bytes only; quality of the same settings: benchmar
 on SmolLM2). Each row: tok/s of the graphed decode loop, x the dense loop in the same run, and the
 device KV (hot window + sketch + page table) as a fraction of the dense prefix KV.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--json OUT]
+    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--lag] [--json OUT]
 """
 import argparse
 import json
@@ -20,6 +20,14 @@ SETTINGS = [       # (rank, fetch, refresh_every, cold store)
 # --page-sizes (session 9): the default policy with the int8 cold store at pages of 16 (2 recent) and
 # of 8 (4 recent: the same 32 recent tokens; fetch 4 and 8 pages) -- (page size, recent pages, fetch)
 PAGE_SETTINGS = [(16, 2, 4), (8, 4, 4), (8, 4, 8)]
+# --lag (session 11): the window's attention by SDPA (before) or the Triton kernel, and the refresh
+# one step behind on a side stream (lag 1) -- (rank, fetch, refresh_every, cold store, lag, page
+# size, recent pages, attention); the refresh_every of 10^6 row is the window alone (one refresh at
+# the first step only)
+LAG_SETTINGS = [(32, 4, 1, "int8", 0, 16, 2, "sdpa"), (32, 4, 1, "int8", 0, 16, 2, "triton"),
+                (16, 4, 1, "int8", 0, 16, 2, "triton"), (32, 4, 1, "int8", 1, 16, 2, "triton"),
+                (16, 4, 1, "int8", 1, 16, 2, "triton"), (32, 4, 1, "int8", 0, 8, 4, "triton"),
+                (32, 4, 10 ** 6, "int8", 0, 16, 2, "triton")]
 
 
 def main():
@@ -28,6 +36,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-cold", action="store_true", help="the default setting with each cold store only")
     ap.add_argument("--page-sizes", action="store_true", help="the default setting, int8 cold, at PAGE_SETTINGS only")
+    ap.add_argument("--lag", action="store_true", help="LAG_SETTINGS only")
     a = ap.parse_args()
     import torch
 
@@ -45,17 +54,19 @@ def main():
         rows.append({"ctx": ctx, "decoder": "dense", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
         print(json.dumps(rows[-1]), flush=True)
         ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", dt)
-        runs = [(*s, 16, 2) for s in SETTINGS if not a.only_cold or s[:3] == (32, 4, 1)]
+        runs = [(*s, 0, 16, 2, "auto") for s in SETTINGS if not a.only_cold or s[:3] == (32, 4, 1)]
         if a.page_sizes:
-            runs = [(32, f, 1, "int8", ps, rp) for ps, rp, f in PAGE_SETTINGS]
-        for rank, fetch, every, cold, ps, recent in runs:
+            runs = [(32, f, 1, "int8", 0, ps, rp, "auto") for ps, rp, f in PAGE_SETTINGS]
+        if a.lag:
+            runs = LAG_SETTINGS
+        for rank, fetch, every, cold, lag, ps, recent, attn in runs:
             t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
-                               page_size=ps, recent_pages=recent)
+                               page_size=ps, recent_pages=recent, lag=lag, attn=attn)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
             rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
-                         "page_size": ps, "recent_pages": recent,
+                         "page_size": ps, "recent_pages": recent, "lag": lag, "attention": t.attention.attn,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
                          "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),
                          "with_cold_on_device_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]

@@ -1,6 +1,6 @@
 """Thermal KV as the decode step's attention strategy (zeroedge.runtime.fast.Decoder composes it
 with an FFN strategy): per layer and kv head the device keeps one contiguous window = [sink page |
-recent window | generated tokens | `slots` pages], the low-rank quantized key sketch of every prefix
+recent window | `slots` pages | generated tokens], the low-rank quantized key sketch of every prefix
 page and its bases (settings: zeroedge.kv.policy.THERMAL, shared with the evaluation contract); every prefix page also lives in the cold store (host memory, pinned and mapped on a
 discrete GPU; with cold="int8" / "int4", codes with one fp16 scale per 32 values kept in device
 memory (one scale per head_dim when it is not a multiple of 32), which on a Jetson is the same DRAM:
@@ -8,6 +8,9 @@ the cold store then takes about a half / a quarter of the bytes instead of all o
 Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
 out while the new one scores higher), copying them straight from host memory into the window in the
 same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
+With lag 1 (kv.policy.ThermalSettings) a layer's refresh runs after its attention and serves the
+next step: on CUDA it then runs on a side stream, beside the rest of the step, and attention is the
+dense decoder's Triton kernel over the window's valid prefix (zeroedge.kv.decode_attention).
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ import torch.nn.functional as F
 
 from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes,
                                 window_pages)
-
 
 
 def additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
@@ -103,7 +105,8 @@ class ThermalAttention:
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = THERMAL.page_size,
                  rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int = THERMAL.recent_pages,
                  sink_pages: int = THERMAL.sink_pages, fetch: int = THERMAL.fetch,
-                 refresh_every: int = THERMAL.refresh_every, cold: str = "host", scheduler=None):
+                 refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag, cold: str = "host",
+                 attn: str = "auto", scheduler=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if not 0 < budget <= 1:
@@ -112,12 +115,16 @@ class ThermalAttention:
             raise ValueError("rank must be even (sketch codes are packed two a byte)")
         if bits not in (1, 2, 3, 4):
             raise ValueError(f"sketch bits must be 1..4 (codes are stored two a byte), got {bits}")
+        if lag not in (0, 1):
+            raise ValueError(f"lag must be 0 or 1, got {lag!r}")
+        if attn not in ("auto", "sdpa", "triton"):
+            raise ValueError("attn must be 'auto', 'sdpa' or 'triton'")
         if cold not in self.COLD:
             raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
         if sink_pages + recent_pages + 1 > prefix_len // page_size:
             raise ValueError(f"a prefix of {prefix_len // page_size} pages cannot hold {sink_pages} sink + "
                              f"{recent_pages} recent pages and a slot")
-        self.cold = cold
+        self.cold, self.lag, self.attn = cold, lag, attn
         self.cold_filled = False
         # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
         # memory bandwidth is busy, and made up at the next step it is not
@@ -128,10 +135,11 @@ class ThermalAttention:
         self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
         self.budget, self.rank, self.bits, self.refresh_every = budget, rank, bits, max(1, refresh_every)
         self.sink_pages, self.recent_pages, self.fetch_wanted = sink_pages, recent_pages, fetch
-        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every)
+        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every, lag)
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
+        from zeroedge.kv.decode_attention import Shares, triton_runs
         from zeroedge.kv.kernels import part_blocks
 
         self.L, self.nkv, self.H, self.hd, self.device, self.dtype = L, nkv, H, hd, device, dtype
@@ -153,11 +161,35 @@ class ThermalAttention:
             self.cold_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
             self.cold_v = torch.zeros_like(self.cold_k, pin_memory=pin) if pin else torch.zeros_like(self.cold_k)
             self.cold_ks = self.cold_vs = None
-        # device window: [fixed tokens | generated tokens | slot pages]
-        self.fix_len = self.fixed * ps + self.gen_len
-        self.win_len = self.fix_len + self.slots * ps
-        self.wk = torch.zeros(L, nkv, self.win_len, hd, device=device, dtype=dtype)
-        self.wv = torch.zeros_like(self.wk)
+        # device window: [fixed tokens | slot pages | generated tokens], K and V of a layer side by side
+        self.slot0 = self.fixed * ps
+        self.gen0 = self.slot0 + self.slots * ps
+        self.win_len = self.gen0 + self.gen_len
+        # (K and V, layer, kv head, position, hd): layer li's pair for the attention kernel is kv[:, li]
+        self.kv = torch.zeros(2, L, nkv, self.win_len, hd, device=device, dtype=dtype)
+        self.wk, self.wv = self.kv[0], self.kv[1]
+        fits = 2 * nkv * self.win_len * hd < 2 ** 31           # the kernel's 32-bit offsets within a layer
+        if self.attn == "auto":
+            half = dtype in (torch.float16, torch.bfloat16)
+            self.attn = "triton" if half and fits and triton_runs(torch.device(device), hd) else "sdpa"
+        if self.attn == "triton" and not (fits and triton_runs(torch.device(device), hd, interpreter=True)):
+            raise ValueError("attn='triton' needs a CUDA device with Triton >= 3, a power-of-two head size "
+                             ">= 16 and a window under 2^31 values a layer")
+        self.takes_qkv = self.attn == "triton"
+        if self.takes_qkv:
+            self.shares = Shares(H, hd, device, max_len=self.win_len)
+            self.o = torch.empty(H, hd, device=device, dtype=dtype)
+        # lag 1: each layer's query after RoPE, read by its refresh (on CUDA on a side stream, joined
+        # at the end of the step by `finish`)
+        self.qbuf = torch.empty(L, H, hd, device=device, dtype=dtype) if self.lag else None
+        # the side stream at the lowest priority and the step's own at the highest: the refreshes fill
+        # the gaps the step leaves (CUDA graphs keep each node's stream priority)
+        self.side = self.main_stream = None
+        if self.lag and pin:
+            low, high = torch.cuda.Stream.priority_range()
+            self.side = torch.cuda.Stream(device, priority=low)
+            self.main_stream = torch.cuda.Stream(device, priority=high)
+        self._forked = False
         self.wpos = torch.full((self.win_len,), -1, dtype=torch.long, device=device)
         self.slot_page = torch.zeros(L, nkv, self.slots, dtype=torch.long, device=device)
         self.page_slot = torch.full((L, nkv, n), -1, dtype=torch.long, device=device)
@@ -229,10 +261,10 @@ class ThermalAttention:
             self.page_slot[li].fill_(-1)
             self.page_slot[li].scatter_(1, self.slot_page[li], self.ar_slots[None].expand(self.nkv, -1).contiguous())
             # slot pages always hold what a fetch from the cold store would bring (int8: dequantized)
-            self.wk[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(pk[:, first])
-            self.wv[li, :, self.fix_len:].view(self.nkv, self.slots, ps, self.hd).copy_(pv[:, first])
+            self._slots(self.wk, li).view(self.nkv, self.slots, ps, self.hd).copy_(pk[:, first])
+            self._slots(self.wv, li).view(self.nkv, self.slots, ps, self.hd).copy_(pv[:, first])
             del kd, vd, pk, pv, codes
-        self.wpos[self.fix_len:] = 0                    # slot tokens are prefix positions: valid
+        self.wpos[self.slot0:self.gen0] = 0             # slot tokens are prefix positions: valid
         if dev.type == "cuda" and self.cold == "host":
             self.hk, self.hv = host_mapped(self.cold_k), host_mapped(self.cold_v)
         else:
@@ -256,10 +288,16 @@ class ThermalAttention:
         return back
 
     # -- the decoder's per-step hooks ----------------------------------------------------------
+    def _slots(self, w, li):
+        """Layer li's slot pages of window w (wk or wv): (nkv, slots * ps, hd)."""
+        return w[li, :, self.slot0:self.gen0]
+
     def before(self, pos: int):
-        i = self.fixed * self.ps + self.gen
-        if i >= self.fix_len:
-            raise ValueError(f"generated more than the {self.fix_len - self.fixed * self.ps} tokens planned")
+        i = self.gen0 + self.gen
+        if i >= self.win_len:
+            raise ValueError(f"generated more than the {self.gen_len} tokens planned")
+        if not 0 <= pos < self.max_len:      # the RoPE tables' rows (the Triton kernel reads them on the device)
+            raise ValueError(f"position {pos} is outside the {self.max_len} positions planned")
         self.wpos[i] = pos
         self.widx.fill_(i)
         self.gen += 1
@@ -293,13 +331,17 @@ class ThermalAttention:
         return out
 
     def per_step(self, pos: torch.Tensor):
+        self.pos = pos
+        if self.takes_qkv:
+            return
         self.mask = additive_mask((self.wpos >= 0) & (self.wpos <= pos), self.dtype).view(1, 1, 1, -1)
 
-    def _page_lse(self, li, q, part=None):
-        """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page."""
+    def _page_lse(self, li, q, part=None, rope=None):
+        """(nkv, grp, n): every query head's sketch log-sum-exp of every prefix page of layer li.
+        rope: (cos, sin, pos) when q is before RoPE."""
         from zeroedge.kv.kernels import sketch_page_lse_q
 
-        return sketch_page_lse_q(q, self.A[li], self.codes[li], self.scales[li], self.ps, part=part)
+        return sketch_page_lse_q(q, self.A[li], self.codes[li], self.scales[li], self.ps, part=part, rope=rope)
 
     def scores(self, li, q):
         """(nkv, n) page scores (-inf for sink and recent pages, which are always in the window)."""
@@ -307,19 +349,20 @@ class ThermalAttention:
 
         return page_scores_ref(self._page_lse(li, q), self.page_bias)
 
-    def _swap(self, li, q):
+    def _swap(self, li, q, rope=None):
         """Up to `fetch` swaps a kv head: best missing page in, worst resident page out while the
-        new one scores higher; the fetched pages' K and V go from the cold store into the slots."""
+        new one scores higher; the fetched pages' K and V go from the cold store into the slots.
+        rope: (cos, sin, pos) when q is before RoPE."""
         from zeroedge.kv.kernels import swap_pages
 
         S, pe = self.slots, self.ps * self.hd
-        wk = self.wk[li, :, self.fix_len:].view(self.nkv, S, pe)
-        wv = self.wv[li, :, self.fix_len:].view(self.nkv, S, pe)
+        wk = self._slots(self.wk, li).view(self.nkv, S, pe)
+        wv = self._slots(self.wv, li).view(self.nkv, S, pe)
         hk = self.hk[li].view(self.nkv, self.n, -1)
         hv = self.hv[li].view(self.nkv, self.n, -1)
         scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
                                                     self.cold_vs[li].view(self.nkv, self.n, -1))
-        swap_pages(self._page_lse(li, q, self.lse_part), self.page_bias, self.page_slot[li],
+        swap_pages(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
                    self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales,
                    bits=None if self.cold == "host" else self.cold_bits)
 
@@ -328,8 +371,45 @@ class ThermalAttention:
         K, V = self.wk[li], self.wv[li]
         K.index_copy_(1, self.widx, kv[0][:, None])
         V.index_copy_(1, self.widx, kv[1][:, None])
-        if flag:
+        if flag and not self.lag:
             self._swap(li, q)
         o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
                                            attn_mask=self.mask, enable_gqa=True)
+        if flag and self.lag:
+            self.qbuf[li].copy_(q)
+            self._refresh_after(li)
         return o.view(self.H, self.hd)
+
+    def attend_qkv(self, li, qkv, cos, sin, flag):
+        """The new token's raw q/k/v projection -> (H, hd): RoPE, the window write and attention over
+        the window's valid prefix in zeroedge.kv.decode_attention's kernels (attn="triton"). Lag 0:
+        the refresh first, its sketch kernel rotating the raw query itself; lag 1: after, from the
+        query after RoPE the attention kernel leaves in qbuf."""
+        from zeroedge.kv.decode_attention import rope_attend
+
+        if flag and not self.lag:
+            self._swap(li, qkv.view(-1, self.hd)[:self.H], rope=(cos, sin, self.pos))
+        o = rope_attend(qkv, cos, sin, self.pos, self.kv[:, li], self.H, self.shares, self.o, at=self.widx,
+                        q_out=self.qbuf[li] if self.lag else None)
+        if flag and self.lag:
+            self._refresh_after(li)
+        return o
+
+    def _refresh_after(self, li):
+        """Lag 1: layer li's refresh from its query in qbuf, after its attention; on CUDA on the side
+        stream (nothing later in the step reads layer li's window or page tables; batching several
+        layers' refreshes into one launch measured no faster on the H200)."""
+        if self.side is None:
+            self._swap(li, self.qbuf[li])
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            self._swap(li, self.qbuf[li])
+        self._forked = True
+
+    def finish(self):
+        """End of a step: the step (and its CUDA graph) waits for the side stream's refreshes (only
+        when it forked any: a graph may not wait on a stream outside its capture)."""
+        if self._forked:
+            torch.cuda.current_stream().wait_stream(self.side)
+            self._forked = False

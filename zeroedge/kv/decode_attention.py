@@ -8,13 +8,16 @@ kernel applies RoPE to q and the new key, writes the new key and value at `pos`,
 programs a kv head attend over its share of positions 0..pos for every query head of the group
 (flash-decoding: a running max, sum and weighted value per share); the combine kernel merges the S
 shares into (H, hd). The shares adapt to `pos` inside the kernel, so one launch shape serves every
-position and the pair captures in a CUDA graph. Before: RoPE, the cache write, the mask and SDPA were
+position and the pair captures in a CUDA graph. `at` (a device index, default pos) puts the new token at
+another cache index than its RoPE position and attends over 0..at: the thermal window
+(zeroedge.kv.attention) keeps its tokens in slot order; `q_out` receives the query after RoPE. Before: RoPE, the cache write, the mask and SDPA were
 ~10 small kernels a layer. (Merging the shares in the split kernel -- the last program of a kv head,
 by an atomic counter -- measured slower on the H200: 16.1 against 12.7 us a layer at 8K.)
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -49,6 +52,20 @@ def rope_attend_ref(qkv, cos, sin, pos: int, kv, H: int):
     return (p @ V).reshape(H, hd).to(kv.dtype)
 
 
+def triton_runs(device: torch.device, hd: int, interpreter: bool = False) -> bool:
+    """Triton kernels run here: a CUDA device (or, when asked, Triton's CPU interpreter) and a head
+    size tl.dot takes (a power of two >= 16)."""
+    on_device = ((device.type == "cuda" and torch.version.hip is None)
+                 or (interpreter and os.environ.get("TRITON_INTERPRET") == "1"))
+    if not on_device or hd < 16 or hd & (hd - 1):
+        return False
+    try:
+        import triton
+    except ImportError:
+        return False
+    return int(triton.__version__.split(".")[0]) >= 3
+
+
 def _build():
     import triton
     import triton.language as tl
@@ -57,16 +74,18 @@ def _build():
     from zeroedge.triton_launch import pdl_start
 
     @triton.jit
-    def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr, pacc_ptr,
-                     scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr,
-                     HD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, at_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr, pacc_ptr,
+                     qout_ptr, scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr,
+                     GP: tl.constexpr, HD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+                     QOUT: tl.constexpr, PDL: tl.constexpr = False):
         pdl_start(PDL)      # zeroedge.triton_launch: no load or store before the previous kernel is done
         h = tl.program_id(0)
         s = tl.program_id(1)
-        pos = tl.load(pos_ptr).to(tl.int32)
-        chunk = tl.cdiv(tl.cdiv(pos + 1, S), BN) * BN     # every share a whole number of blocks
+        pos = tl.load(pos_ptr).to(tl.int32)                 # the new token's RoPE position
+        at = tl.load(at_ptr).to(tl.int32)                   # its cache index: attend over 0..at
+        chunk = tl.cdiv(tl.cdiv(at + 1, S), BN) * BN       # every share a whole number of blocks
         start = s * chunk
-        end = tl.minimum(start + chunk, pos + 1)
+        end = tl.minimum(start + chunk, at + 1)
         d = tl.arange(0, HD)
         rd = (d + HD // 2) % HD                              # rotate_half's source (its sign is in sin)
         c = tl.load(cos_ptr + pos * HD + d).to(tl.float32)
@@ -78,21 +97,24 @@ def _build():
         qr = tl.load(qkv_ptr + row[:, None] * HD + rd[None, :], mask=gm[:, None], other=0.).to(tl.float32)
         dt = kv_ptr.dtype.element_ty
         q = (q * c[None, :] + qr * sn[None, :]).to(dt)       # rounded as the cache's keys are
+        if QOUT:
+            if s == 0:
+                tl.store(qout_ptr + row[:, None] * HD + d[None, :], q, mask=gm[:, None])
         kn = (tl.load(qkv_ptr + (H + h) * HD + d).to(tl.float32) * c
               + tl.load(qkv_ptr + (H + h) * HD + rd).to(tl.float32) * sn).to(dt)
         vn = tl.load(qkv_ptr + (H + NKV + h) * HD + d).to(dt)
         kb = kv_ptr + h * s_h
         vb = kv_ptr + s_kv + h * s_h
-        if (start <= pos) & (pos < end):                     # the share holding pos writes the new token
-            tl.store(kb + pos * s_n + d, kn)
-            tl.store(vb + pos * s_n + d, vn)
+        if (start <= at) & (at < end):                       # the share holding `at` writes the new token
+            tl.store(kb + at * s_n + d, kn)
+            tl.store(vb + at * s_n + d, vn)
         m = tl.full([GP], float("-inf"), tl.float32)
         lsum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
         for n0 in range(start, end, BN):
             n = n0 + tl.arange(0, BN)
             nm = n < end
-            new = (n == pos)[:, None]                        # taken from registers, not the cache
+            new = (n == at)[:, None]                         # taken from registers, not the cache
             k = tl.where(new, kn[None, :], tl.load(kb + n[:, None] * s_n + d[None, :], mask=nm[:, None], other=0.))
             if IEEE:                                         # fp32 caches: no TF32 products
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -141,10 +163,13 @@ class Shares:
         self.acc = torch.empty(splits, H, hd, device=device, dtype=torch.float32)
 
 
-def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block: int | None = None):
+def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block: int | None = None, at=None,
+                q_out=None):
     """The two kernels (see the module doc); kv (2, nkv, max_len, hd) with unit stride along hd;
-    0 <= pos < max_len is the caller's to ensure (DenseAttention.before checks it on the host: the
-    kernel reads it on the device). Returns out (H, hd) in kv's dtype."""
+    0 <= at < max_len (at: pos when None) and pos within the tables are the caller's to ensure
+    (DenseAttention.before and ThermalAttention.before check them on the host: the kernel reads
+    them on the device). q_out: an (H, hd) tensor in kv's dtype that receives the query after
+    RoPE. Returns out (H, hd) in kv's dtype."""
     global _kernels
     if _kernels is None:
         _kernels = _build()
@@ -157,17 +182,20 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
         raise ValueError("rope_attend needs H a multiple of the kv heads, a power-of-two head size >= 16, "
                          "caches contiguous along it and under 2^31 values a layer (32-bit offsets)")
     if (qkv.numel() != (H + 2 * nkv) * hd or not qkv.is_contiguous() or shares.acc.shape[1:] != (H, hd)
-            or any(t.shape != (L, hd) or not t.is_contiguous() for t in (cos, sin))):
-        raise ValueError(f"rope_attend: q/k/v of {(H + 2 * nkv) * hd} values, cos / sin tables ({L}, {hd}) "
-                         f"and shares for {H} heads of {hd} expected")
+            or cos.shape != sin.shape or cos.shape[1:] != (hd,) or not (cos.is_contiguous() and sin.is_contiguous())
+            or (at is None and cos.shape[0] != L)
+            or (q_out is not None and (q_out.shape != (H, hd) or not q_out.is_contiguous() or q_out.dtype != kv.dtype))):
+        raise ValueError(f"rope_attend: q/k/v of {(H + 2 * nkv) * hd} values, cos / sin tables (positions, {hd}) "
+                         f"covering the cache's {L}, shares for {H} heads of {hd} and q_out ({H}, {hd}) expected")
     grp = H // nkv
     if out is None:
         out = torch.empty(H, hd, device=kv.device, dtype=kv.dtype)
     S = shares.splits
     block = block or BLOCK
-    split[(nkv, S)](qkv, cos, sin, pos, kv, kv.stride(0), kv.stride(1), kv.stride(2), shares.m, shares.l,
-                    shares.acc, math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp,
-                    GP=max(16, _pow2(grp)), HD=hd, BN=block, IEEE=kv.dtype == torch.float32, num_warps=WARPS,
+    split[(nkv, S)](qkv, cos, sin, pos, pos if at is None else at, kv, kv.stride(0), kv.stride(1), kv.stride(2),
+                    shares.m, shares.l, shares.acc, out if q_out is None else q_out,
+                    math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)), HD=hd,
+                    BN=block, IEEE=kv.dtype == torch.float32, QOUT=q_out is not None, num_warps=WARPS,
                     num_stages=STAGES, **launch)
     combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S), **launch)
     return out

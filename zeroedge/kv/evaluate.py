@@ -207,11 +207,12 @@ def topk_page_mask(ps, k, forced, page_size):
     return pm.repeat_interleave(page_size, dim=2), chosen
 
 
-def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0):
+def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0, lag=0):
     """The GPU decoder's policy, step by step: a window of k slot pages per kv head (starting with
     the k pages before the forced recent ones), and every `refresh_every` steps up to `fetch`
     swaps (best missing page in, worst resident out while the new one scores higher; fetch 0 =
-    no cap). ps (nkv, T, n). Returns ((nkv, T, P) token mask, (nkv, T, k) resident page ids)."""
+    no cap); with lag 1 a step attends to the window as it was before its own refresh. ps (nkv, T,
+    n). Returns ((nkv, T, P) token mask, (nkv, T, k) resident page ids)."""
     import torch
 
     nkv, T, n = ps.shape
@@ -227,6 +228,10 @@ def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0):
     rows = torch.arange(nkv)
     inf = float("inf")
     for t in range(T):
+        if lag:
+            pm[:, t] = resident | forced[None]
+            if k:
+                chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
         if t % r == 0 and k:
             ms = torch.where(resident | forced[None], -inf, ps[:, t])
             rs = torch.where(resident, ps[:, t], inf)
@@ -239,9 +244,10 @@ def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0):
                 resident[rows[do], wr[do]] = False
                 ms[rows, bm] = -inf
                 rs[rows, wr] = inf
-        pm[:, t] = resident | forced[None]
-        if k:
-            chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
+        if not lag:
+            pm[:, t] = resident | forced[None]
+            if k:
+                chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
     return pm.repeat_interleave(page_size, dim=2), chosen
 
 
@@ -323,9 +329,11 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
         sc = _sketch(cfg, li, pre, page_size, opts, stats).scores(q[0], kv_index)
         how = opts.get("how", "mass")
     ps = page_scores(sc, page_size, grp, how)
-    if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0):
+    if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0
+                                or int(opts.get("lag", 0))):
         m, chosen = window_page_mask(ps, kpages - int(forced.sum()), forced, page_size,
-                                     int(opts.get("refresh_every", 1)), int(opts.get("fetch", 0)))
+                                     int(opts.get("refresh_every", 1)), int(opts.get("fetch", 0)),
+                                     int(opts.get("lag", 0)))
     else:
         m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
     if method == "thermal":
@@ -355,7 +363,7 @@ def quant_prefill(model, ids, cold: str = "int8") -> dict:
 
 def _settings(opts, page_size: int) -> ThermalSettings:
     """The serving decoder's settings for these options (kv.policy.THERMAL where they are silent)."""
-    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every")
+    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every", "lag")
     return ThermalSettings(page_size, **{k: int(opts.get(k, getattr(THERMAL, k))) for k in names})
 
 
@@ -458,7 +466,7 @@ def fetch_stats(chosen, slots: int) -> dict:
 # fetch 0 (no cap on swaps a refresh)
 DEFAULTS = {"rank": THERMAL.rank, "bits": THERMAL.bits, "recent_pages": THERMAL.recent_pages,
             "sink_pages": THERMAL.sink_pages, "fetch": THERMAL.fetch, "refresh_every": THERMAL.refresh_every,
-            "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
+            "lag": THERMAL.lag, "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
 
 
 def kv_bytes(model, tokens: int) -> int:

@@ -51,14 +51,23 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def qp(q_ptr, a_ptr, inv_sqrt, qr_ptr, GRP, GP: tl.constexpr, HD: tl.constexpr, R: tl.constexpr):
-        # qr = q A / sqrt(hd) for every query head of a kv head
+    def qp(q_ptr, a_ptr, inv_sqrt, qr_ptr, cos_ptr, sin_ptr, pos_ptr, GRP, GP: tl.constexpr, HD: tl.constexpr,
+           R: tl.constexpr, ROPE: tl.constexpr = False):
+        # qr = q A / sqrt(hd) for every query head of a kv head; ROPE: q is before RoPE, rotated here
+        # at the position pos_ptr holds (sin with rotate_half's sign folded in) and rounded to its dtype
         h = tl.program_id(0)
         gi = tl.arange(0, GP)
         dd = tl.arange(0, HD)
         ri = tl.arange(0, R)
-        qt = tl.load(q_ptr + (h * GRP + gi[:, None]) * HD + dd[None, :], mask=gi[:, None] < GRP,
-                     other=0.0).to(tl.float32)
+        rows = (h * GRP + gi[:, None]) * HD
+        qt = tl.load(q_ptr + rows + dd[None, :], mask=gi[:, None] < GRP, other=0.0).to(tl.float32)
+        if ROPE:
+            pos = tl.load(pos_ptr)
+            rot = tl.load(q_ptr + rows + ((dd + HD // 2) % HD)[None, :], mask=gi[:, None] < GRP,
+                          other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + pos * HD + dd).to(tl.float32)
+            sn = tl.load(sin_ptr + pos * HD + dd).to(tl.float32)
+            qt = (qt * c[None, :] + rot * sn[None, :]).to(q_ptr.dtype.element_ty).to(tl.float32)
         a = tl.load(a_ptr + h * HD * R + dd[:, None] * R + ri[None, :])
         qr = tl.sum(qt[:, :, None] * a[None, :, :], axis=1) * inv_sqrt
         tl.store(qr_ptr + (h * GRP + gi[:, None]) * R + ri[None, :], qr, mask=gi[:, None] < GRP)
@@ -120,23 +129,37 @@ def part_blocks(n: int, rank: int = 0, pages_per_block: int | None = None) -> in
     return sketch_blocks(n, pages_per_block)[0]
 
 
-def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
+def rope_rows(x, cos, sin, pos):
+    """x (rows, hd) before RoPE -> after, in x's dtype; cos / sin (positions, hd) tables (sin with
+    rotate_half's sign folded in), pos a one-element device tensor."""
+    hd = x.shape[-1]
+    xf = x.float()
+    return (xf * cos[pos].float() + xf.roll(hd // 2, -1) * sin[pos].float()).to(x.dtype)
+
+
+def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None,
+                      rope=None):
     """q (H, hd) queries of one step, A (nkv, hd, r) fp32 query bases -> (nkv, grp, n): the same as
     sketch_page_lse(q @ A / sqrt(hd), ...). part: optional (max, sum) fp32 tensors
     (nkv, grp, part_blocks(n)) that receive each program's share of every query head's
-    log-sum-exp over pages (CUDA only; swap_pages' two-stage path reads them)."""
+    log-sum-exp over pages (CUDA only; swap_pages' two-stage path reads them). rope: (cos, sin,
+    pos) when q is before RoPE (rope_rows)."""
     global _kernel
     nkv, P, r2 = codes.shape
     hd = A.shape[1]
     grp = q.shape[0] // nkv
     if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1):
+        if rope is not None:
+            q = rope_rows(q, *rope)
         qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
         return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
     if _kernel is None:
         _kernel = _build()
     qr = torch.empty(nkv, grp, 2 * r2, device=codes.device, dtype=torch.float32)
-    _kernel[0][(nkv,)](q.contiguous(), A.contiguous(), 1.0 / hd ** 0.5, qr, grp,
-                       GP=1 << max(0, (grp - 1).bit_length()), HD=hd, R=2 * r2)
+    q = q.contiguous()
+    cos, sin, pos = rope if rope is not None else (q, q, q)          # unread without ROPE
+    _kernel[0][(nkv,)](q, A.contiguous(), 1.0 / hd ** 0.5, qr, cos, sin, pos, grp,
+                       GP=1 << max(0, (grp - 1).bit_length()), HD=hd, R=2 * r2, ROPE=rope is not None)
     return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
 
 

@@ -38,7 +38,10 @@ class ThermalSettings:
                    stored two a byte) with one fp16 scale per (page, direction)
     sink_pages, recent_pages   always in the window
     fetch          at most this many pages swapped into the window a refresh, per kv head and layer
-    refresh_every  steps between refreshes (page scoring + swaps)"""
+    refresh_every  steps between refreshes (page scoring + swaps)
+    lag            0: a step's refresh uses its own query and its attention reads the result;
+                   1: the refresh runs after the step's attention, so its swaps serve the next
+                   step (the GPU decoder then overlaps it with the rest of the step)"""
     page_size: int = 16
     rank: int = 32
     bits: int = 4
@@ -46,6 +49,7 @@ class ThermalSettings:
     recent_pages: int = 2
     fetch: int = 4
     refresh_every: int = 1
+    lag: int = 0
 
 
 THERMAL = ThermalSettings()

@@ -20,13 +20,13 @@ SwiGLU and the residuals fused into them; `int8_inputs`: the dp4a kernel), as fp
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from zeroedge.kv.attention import ThermalAttention, additive_mask
+from zeroedge.kv.decode_attention import triton_runs
 from zeroedge.paths.ffn import PathsFFN
 from zeroedge.quant import packed
 from zeroedge.quant.packed import PackedLinear
@@ -148,7 +148,7 @@ def _compiled(fn):
 
 class Decoder:
     """One decode step through `attention` (a strategy with bind / load_prefix / before / flag /
-    per_step / attend) and `ffn` (None: dense; else a strategy with bind / out / kept)."""
+    per_step / attend or attend_qkv / finish) and `ffn` (None: dense; else a strategy with bind / out / kept)."""
 
     compile = False
 
@@ -235,15 +235,19 @@ class Decoder:
             pw = w if self.packed_layers is None else self.packed_layers[li]
             if rope_inside:
                 qkv = f_qkv(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"])
-                o = self.attention.attend_qkv(li, qkv, self.cos, self.sin_signed)
+                o = self.attention.attend_qkv(li, qkv, self.cos, self.sin_signed, flag)
             else:
                 q, kv = f_in(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"], cos, sin, self.H, self.nkv, self.hd)
                 o = self.attention.attend(li, q, kv, flag)   # (H, hd)
             y = self.ffn.out(li, w, pw["wo"], x, o) if self.ffn is not None else None
             x = f_out(x, o, pw["wo"], w["ln2"], w["eps2"], pw["w13"], pw["w2"]) if y is None else y
         if self.packed_head is None:
-            return m.lm_head(m.norm(x))[0]
-        return packed.linear(x, self.packed_head, norm=(m.norm.weight, m.norm.eps), int8_inputs=self.int8_inputs)[0]
+            logits = m.lm_head(m.norm(x))[0]
+        else:
+            logits = packed.linear(x, self.packed_head, norm=(m.norm.weight, m.norm.eps),
+                                   int8_inputs=self.int8_inputs)[0]
+        self.attention.finish()
+        return logits
 
     def step(self, token: int, pos: int):
         """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA)."""
@@ -255,14 +259,15 @@ class Decoder:
             with torch.no_grad():
                 return self._forward(flag)
         if flag not in self.graphs:
-            s = torch.cuda.Stream()
+            # captured on the attention's own stream where it has one (thermal lag 1: a high priority)
+            s = getattr(self.attention, "main_stream", None) or torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s), torch.no_grad():
                 for _ in range(2):
                     self._forward(flag)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g), torch.no_grad():
+            with torch.cuda.graph(g, stream=getattr(self.attention, "main_stream", None)), torch.no_grad():
                 self.outs[flag] = self._forward(flag)
             self.graphs[flag] = g
         self.graphs[flag].replay()
@@ -285,8 +290,8 @@ class DenseAttention:
         fits = 2 * nkv * self.max_len * hd < 2 ** 31           # the kernel's 32-bit offsets within a layer
         if self.attn == "auto":     # fp32 caches keep SDPA's exact fp32 products
             half = dtype in (torch.float16, torch.bfloat16)
-            self.attn = "triton" if half and fits and _triton_runs(torch.device(device), hd) else "sdpa"
-        if self.attn == "triton" and not (fits and _triton_runs(torch.device(device), hd, interpreter=True)):
+            self.attn = "triton" if half and fits and triton_runs(torch.device(device), hd) else "sdpa"
+        if self.attn == "triton" and not (fits and triton_runs(torch.device(device), hd, interpreter=True)):
             raise ValueError("attn='triton' needs a CUDA device with Triton >= 3, a power-of-two head size "
                              ">= 16 and a cache under 2^31 values a layer")
         self.takes_qkv = self.attn == "triton"
@@ -338,26 +343,15 @@ class DenseAttention:
         s = s.masked_fill(~self.mask, float("-inf"))
         return torch.bmm(s.softmax(-1).to(self.dtype), V).view(self.H, self.hd)
 
-    def attend_qkv(self, li, qkv, cos, sin):
+    def finish(self):
+        pass
+
+    def attend_qkv(self, li, qkv, cos, sin, flag=0):
         """The new token's raw q/k/v projection -> (H, hd): RoPE, the cache write and the attention
         in zeroedge.kv.decode_attention's kernels (cos / sin: the decoder's whole tables)."""
         from zeroedge.kv.decode_attention import rope_attend
 
         return rope_attend(qkv, cos, sin, self.pos, self.kv[li], self.H, self.shares, self.o)
-
-
-def _triton_runs(device: torch.device, hd: int, interpreter: bool = False) -> bool:
-    """Triton kernels run here: a CUDA device (or, when asked, Triton's CPU interpreter) and a head
-    size tl.dot takes (a power of two >= 16)."""
-    on_device = ((device.type == "cuda" and torch.version.hip is None)
-                 or (interpreter and os.environ.get("TRITON_INTERPRET") == "1"))
-    if not on_device or hd < 16 or hd & (hd - 1):
-        return False
-    try:
-        import triton
-    except ImportError:
-        return False
-    return int(triton.__version__.split(".")[0]) >= 3
 
 
 class DenseDecoder(Decoder):

@@ -488,8 +488,8 @@ class ServingSession:
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
                 chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
-        mech["attention_decode"] = ("thermal window (SDPA)" if thermal else
-                                    "Triton split attention" if dec.attention.takes_qkv else dec.attention.attn)
+        mech["attention_decode"] = (("thermal window, " if thermal else "")
+                                    + ("Triton split attention" if dec.attention.takes_qkv else dec.attention.attn))
         if self.weights is not None:
             mech["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
                                       else "packed GEMV" if dec.packed_layers is not None

@@ -38,9 +38,6 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "default, int8 cold, lag 1": dict(cold="int8", lag=1),
     "r16, int8 cold, lag 1": dict(cold="int8", rank=16, lag=1),
     "pages of 8, 4 recent, int8 cold, lag 1": dict(cold="int8", page_size=8, recent_pages=4, lag=1),
-    # layer l's pages scored with the query its weights make from layer l-1's input (so the refresh
-    # can run beside layer l-1; layer 0 uses its own)
-    "default, int8 cold, predicted from the previous layer": dict(cold="int8", predict=1),
 }
 
 

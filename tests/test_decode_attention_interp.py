@@ -74,14 +74,13 @@ SCRIPT = textwrap.dedent('''
 
     # the thermal window through the same kernel: the new token at its window index, RoPE at its
     # position (lag 0: the refresh first, from the raw query; lag 1: after, from the kernel's
-    # rotated query; predict: from the previous layer's input), against the same policy with SDPA
-    # over the masked window
+    # rotated query), against the same policy with SDPA over the masked window
     from zeroedge.runtime.fast import ThermalDecoder
     P = 64
     pre = E.prefill(m, ids[0, :P].tolist(), stats=False)
-    for lag, predict in ((0, 0), (1, 0), (0, 1)):
+    for lag in (0, 1):
         decs = [ThermalDecoder(m, P, 14, budget=0.5, page_size=8, rank=8, recent_pages=1, fetch=2, lag=lag,
-                               predict=predict, graph=False, attn=a) for a in ("triton", "sdpa")]
+                               graph=False, attn=a) for a in ("triton", "sdpa")]
         assert [d.attention.takes_qkv for d in decs] == [True, False]
         for d in decs:
             d.load_prefix(pre["k"], pre["v"], pre["qcov"])

@@ -304,9 +304,7 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
                                   dict(cold="int4", fetch=2, refresh_every=1, rank=8, bits=4),
                                   dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2),
                                   dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, lag=1),
-                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, lag=1),
-                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, predict=1),
-                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, predict=1)])
+                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, lag=1)])
 def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
     decoder (one step at a time, its own sketch, window, swaps and cold store) give the same
@@ -324,8 +322,7 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     # the int8 cold store: the prefill itself writes int8 K/V (serving: into the decoder's cold store)
     pre = E.quant_prefill(tiny, ids[:P], o["cold"]) if o["cold"] != "host" else E.prefill(tiny, ids[:P], stats=False)
     nll_eval = E.score_continuation(tiny, ids[P:], pre, "thermal", budget, ps, opts=o)
-    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "lag", "predict",
-                                 "cold")}
+    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "lag", "cold")}
     dec = ThermalDecoder(tiny, P, T, budget=budget, page_size=ps, graph=False,
                          fetch=o["fetch"] or P // ps, **serving)
     if o["cold"] != "host":

@@ -28,9 +28,8 @@ LAG_SETTINGS = [(32, 4, 1, "int8", 0, 16, 2, "sdpa"), (32, 4, 1, "int8", 0, 16, 
                 (16, 4, 1, "int8", 0, 16, 2, "triton"), (32, 4, 1, "int8", 1, 16, 2, "triton"),
                 (16, 4, 1, "int8", 1, 16, 2, "triton"), (32, 4, 1, "int8", 0, 8, 4, "triton"),
                 (32, 4, 10 ** 6, "int8", 0, 16, 2, "triton")]
-# and predict (lag "p": layer l's refresh from layer l-1's input, beside layer l-1)
-PREDICT_SETTINGS = [(32, 4, 1, "int8", "p", 16, 2, "triton"), (16, 4, 1, "int8", "p", 16, 2, "triton"),
-                    (32, 4, 1, "int8", "p", 8, 4, "triton")]
+# (the predict rows of benchmarks/thermal_lag_gpu.json were measured with commit 9d9b594's
+# PREDICT_SETTINGS and ThermalAttention(predict=1), since removed: thermal_kv.md section 2m)
 
 
 def main():
@@ -61,11 +60,10 @@ def main():
         if a.page_sizes:
             runs = [(32, f, 1, "int8", 0, ps, rp, "auto") for ps, rp, f in PAGE_SETTINGS]
         if a.lag:
-            runs = LAG_SETTINGS + PREDICT_SETTINGS
+            runs = LAG_SETTINGS
         for rank, fetch, every, cold, lag, ps, recent, attn in runs:
             t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
-                               page_size=ps, recent_pages=recent, lag=int(lag == 1), predict=int(lag == "p"),
-                               attn=attn)
+                               page_size=ps, recent_pages=recent, lag=lag, attn=attn)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()

@@ -9,10 +9,9 @@ Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing 
 out while the new one scores higher), copying them straight from host memory into the window in the
 same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
 Attention is the dense decoder's Triton kernel over the window's valid prefix on CUDA
-(zeroedge.kv.decode_attention), masked SDPA elsewhere. Two options of kv.policy.ThermalSettings move
-the refresh off the step's critical path, on CUDA to a side stream inside the step's graph: lag 1
-(a layer's refresh runs after its attention and serves the next step) and predict 1 (layer l's
-refresh scores with the query its weights make from layer l-1's input and runs beside layer l-1).
+(zeroedge.kv.decode_attention), masked SDPA elsewhere. With lag 1 (kv.policy.ThermalSettings) a
+layer's refresh runs after its attention and serves the next step; on CUDA it then runs on a side
+stream inside the step's graph, beside the rest of the step.
 """
 from __future__ import annotations
 
@@ -107,8 +106,8 @@ class ThermalAttention:
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = THERMAL.page_size,
                  rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int = THERMAL.recent_pages,
                  sink_pages: int = THERMAL.sink_pages, fetch: int = THERMAL.fetch,
-                 refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag,
-                 predict: int = THERMAL.predict, cold: str = "host", attn: str = "auto", scheduler=None):
+                 refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag, cold: str = "host",
+                 attn: str = "auto", scheduler=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if not 0 < budget <= 1:
@@ -117,8 +116,8 @@ class ThermalAttention:
             raise ValueError("rank must be even (sketch codes are packed two a byte)")
         if bits not in (1, 2, 3, 4):
             raise ValueError(f"sketch bits must be 1..4 (codes are stored two a byte), got {bits}")
-        if lag not in (0, 1) or predict not in (0, 1) or (lag and predict):
-            raise ValueError(f"lag and predict must be 0 or 1, not both 1 (got lag={lag!r}, predict={predict!r})")
+        if lag not in (0, 1):
+            raise ValueError(f"lag must be 0 or 1, got {lag!r}")
         if attn not in ("auto", "sdpa", "triton"):
             raise ValueError("attn must be 'auto', 'sdpa' or 'triton'")
         if cold not in self.COLD:
@@ -126,7 +125,7 @@ class ThermalAttention:
         if sink_pages + recent_pages + 1 > prefix_len // page_size:
             raise ValueError(f"a prefix of {prefix_len // page_size} pages cannot hold {sink_pages} sink + "
                              f"{recent_pages} recent pages and a slot")
-        self.cold, self.lag, self.predict, self.attn = cold, lag, predict, attn
+        self.cold, self.lag, self.attn = cold, lag, attn
         self.cold_filled = False
         # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
         # memory bandwidth is busy, and made up at the next step it is not
@@ -137,8 +136,7 @@ class ThermalAttention:
         self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
         self.budget, self.rank, self.bits, self.refresh_every = budget, rank, bits, max(1, refresh_every)
         self.sink_pages, self.recent_pages, self.fetch_wanted = sink_pages, recent_pages, fetch
-        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every, lag,
-                                        predict)
+        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every, lag)
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
@@ -188,7 +186,7 @@ class ThermalAttention:
         # the side stream at the lowest priority and the step's own at the highest: the refreshes fill
         # the gaps the step leaves (CUDA graphs keep each node's stream priority)
         self.side = self.main_stream = None
-        if (self.lag or self.predict) and pin:
+        if self.lag and pin:
             low, high = torch.cuda.Stream.priority_range()
             self.side = torch.cuda.Stream(device, priority=low)
             self.main_stream = torch.cuda.Stream(device, priority=high)
@@ -374,9 +372,8 @@ class ThermalAttention:
         K, V = self.wk[li], self.wv[li]
         K.index_copy_(1, self.widx, kv[0][:, None])
         V.index_copy_(1, self.widx, kv[1][:, None])
-        if flag and not self.lag and (not self.predict or li == 0):
+        if flag and not self.lag:
             self._swap(li, q)
-        self._join(li, flag)
         o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
                                            attn_mask=self.mask, enable_gqa=True)
         if flag and self.lag:
@@ -391,9 +388,8 @@ class ThermalAttention:
         query after RoPE the attention kernel leaves in qbuf."""
         from zeroedge.kv.decode_attention import rope_attend
 
-        if flag and not self.lag and (not self.predict or li == 0):
+        if flag and not self.lag:
             self._swap(li, qkv.view(-1, self.hd)[:self.H], rope=(cos, sin, self.pos))
-        self._join(li, flag)
         o = rope_attend(qkv, cos, sin, self.pos, self.kv[:, li], self.H, self.shares, self.o, at=self.widx,
                         q_out=self.qbuf[li] if self.lag else None)
         if flag and self.lag:
@@ -411,28 +407,6 @@ class ThermalAttention:
         with torch.cuda.stream(self.side):
             self._swap(li, self.qbuf[li])
         self._forked = True
-
-    def before_layer(self, li, qkv_of, cos, sin, flag):
-        """predict: at the start of layer li, layer li+1's refresh from the raw q/k/v projection
-        qkv_of(li + 1) makes from this layer's input (on CUDA on the side stream, joined before layer
-        li+1's attention)."""
-        if not (self.predict and flag and li + 1 < self.L):
-            return
-
-        def refresh():
-            self._swap(li + 1, qkv_of(li + 1).view(-1, self.hd)[:self.H], rope=(cos, sin, self.pos))
-        if self.side is None:
-            refresh()
-            return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            refresh()
-        self._forked = True
-
-    def _join(self, li, flag):
-        """predict: layer li's attention waits for its refresh on the side stream."""
-        if self.predict and flag and li and self._forked:
-            torch.cuda.current_stream().wait_stream(self.side)
 
     def finish(self):
         """End of a step: the step (and its CUDA graph) waits for the side stream's refreshes (only

@@ -272,20 +272,15 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk
         cos, sin = model.rope(P, T)
         x = model.embed_tokens(tok)
         causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]     # (T, T)
-        x_before = x                      # the previous layer's input (predict: its pages' scores)
         for li, blk in enumerate(model.layers):
             a = blk.self_attn
             q, k, v = a.project(blk.input_layernorm(x), cos, sin)
-            q_pick = q
-            if method == "thermal" and int(opts.get("predict", 0)) and li:
-                q_pick = a.project(blk.input_layernorm(x_before), cos, sin)[0]
-            x_before = x
             kv_index = a.kept_heads // grp
             pk, pv = (cold_readback(pre, li, page_size, opts)
                       if method == "thermal" and opts.get("cold", "host") != "host" else (pre["k"][li], pre["v"][li]))
             kall = torch.cat([pk[None], k], 2).index_select(1, kv_index)
             vall = torch.cat([pv[None], v], 2).index_select(1, kv_index)
-            pmask = _prefix_mask(model.cfg, method, li, q_pick, kall, kv_index, pre, budget, page_size, opts, stats)
+            pmask = _prefix_mask(model.cfg, method, li, q, kall, kv_index, pre, budget, page_size, opts, stats)
             o = _masked_attention(q, kall, vall, pmask, causal, P, chunk)
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
@@ -368,7 +363,7 @@ def quant_prefill(model, ids, cold: str = "int8") -> dict:
 
 def _settings(opts, page_size: int) -> ThermalSettings:
     """The serving decoder's settings for these options (kv.policy.THERMAL where they are silent)."""
-    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every", "lag", "predict")
+    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every", "lag")
     return ThermalSettings(page_size, **{k: int(opts.get(k, getattr(THERMAL, k))) for k in names})
 
 
@@ -471,7 +466,7 @@ def fetch_stats(chosen, slots: int) -> dict:
 # fetch 0 (no cap on swaps a refresh)
 DEFAULTS = {"rank": THERMAL.rank, "bits": THERMAL.bits, "recent_pages": THERMAL.recent_pages,
             "sink_pages": THERMAL.sink_pages, "fetch": THERMAL.fetch, "refresh_every": THERMAL.refresh_every,
-            "lag": THERMAL.lag, "predict": THERMAL.predict, "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
+            "lag": THERMAL.lag, "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
 
 
 def kv_bytes(model, tokens: int) -> int:

@@ -41,10 +41,7 @@ class ThermalSettings:
     refresh_every  steps between refreshes (page scoring + swaps)
     lag            0: a step's refresh uses its own query and its attention reads the result;
                    1: the refresh runs after the step's attention, so its swaps serve the next
-                   step (the GPU decoder then overlaps it with the rest of the step)
-    predict        1 (with lag 0): layer l's pages are scored with the query layer l's weights make
-                   from layer l-1's input (layer 0: its own), so the GPU decoder runs layer l's
-                   refresh beside layer l-1"""
+                   step (the GPU decoder then overlaps it with the rest of the step)"""
     page_size: int = 16
     rank: int = 32
     bits: int = 4
@@ -53,7 +50,6 @@ class ThermalSettings:
     fetch: int = 4
     refresh_every: int = 1
     lag: int = 0
-    predict: int = 0
 
 
 THERMAL = ThermalSettings()

@@ -148,7 +148,7 @@ def _compiled(fn):
 
 class Decoder:
     """One decode step through `attention` (a strategy with bind / load_prefix / before / flag /
-    per_step / before_layer / attend or attend_qkv / finish) and `ffn` (None: dense; else a strategy with bind / out / kept)."""
+    per_step / attend or attend_qkv / finish) and `ffn` (None: dense; else a strategy with bind / out / kept)."""
 
     compile = False
 
@@ -231,14 +231,8 @@ class Decoder:
 
             def f_out(*args):
                 return _layer_out_fn(*args, i8=i8)
-        layers = self.W.layers
-
-        def qkv_of(lj, x):      # layer lj's raw q/k/v projection of x (a thermal predict refresh)
-            pj = layers[lj] if self.packed_layers is None else self.packed_layers[lj]
-            return f_qkv(x, layers[lj]["ln1"], layers[lj]["eps1"], pj["wqkv"], layers[lj]["bqkv"])
-        for li, w in enumerate(layers):
+        for li, w in enumerate(self.W.layers):
             pw = w if self.packed_layers is None else self.packed_layers[li]
-            self.attention.before_layer(li, lambda lj, x=x: qkv_of(lj, x), self.cos, self.sin_signed, flag)
             if rope_inside:
                 qkv = f_qkv(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"])
                 o = self.attention.attend_qkv(li, qkv, self.cos, self.sin_signed, flag)
@@ -348,9 +342,6 @@ class DenseAttention:
         s = torch.bmm(qg, K.transpose(1, 2)).float() / math.sqrt(self.hd)
         s = s.masked_fill(~self.mask, float("-inf"))
         return torch.bmm(s.softmax(-1).to(self.dtype), V).view(self.H, self.hd)
-
-    def before_layer(self, li, qkv_of, cos, sin, flag):
-        pass
 
     def finish(self):
         pass

@@ -106,10 +106,23 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn):
             ps = att.page_slot[li, h]
             assert int((ps >= 0).sum()) == att.slots
             assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
-            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1)
-            assert torch.equal(win.cpu(), att.cold_k[li, h][att.slot_page[li, h].cpu()])   # each slot: its page
+            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
+            named = att.slot_page[li, h].cpu()
+            bad = [s for s in range(att.slots) if not torch.equal(win[s], att.cold_k[li, h, named[s]])]
+            assert not bad, _slot_report(att, li, h, win, named, bad)          # each slot: its page
     kb = dec.device_kv_bytes()
     assert kb["hot"] < kb["prefix_full"] / 2
+
+
+def _slot_report(att, li, h, win, named, bad) -> str:
+    """What a slot that does not hold its named page holds instead: another K page of the same layer
+    and head (a lost or misdirected copy), a V page (an aliased read), or nothing known (a stray write)."""
+    out = []
+    for s in bad[:4]:
+        k_pages = [p for p in range(att.n) if torch.equal(win[s], att.cold_k[li, h, p])]
+        v_pages = [p for p in range(att.n) if torch.equal(win[s], att.cold_v[li, h, p])]
+        out.append(f"layer {li} kv head {h} slot {s}: named page {int(named[s])}, holds K of {k_pages}, V of {v_pages}")
+    return f"{len(bad)} slot(s) off their page table; " + "; ".join(out)
 
 
 def test_int8_and_int4_cold_stores_in_the_graph_match_the_host_store(setup):

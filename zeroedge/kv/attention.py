@@ -140,7 +140,7 @@ class ThermalAttention:
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
-        from zeroedge.kv.decode_attention import Shares, triton_runs
+        from zeroedge.kv.decode_attention import Shares, choose
         from zeroedge.kv.kernels import part_blocks
 
         self.L, self.nkv, self.H, self.hd, self.device, self.dtype = L, nkv, H, hd, device, dtype
@@ -169,13 +169,7 @@ class ThermalAttention:
         # (K and V, layer, kv head, position, hd): layer li's pair for the attention kernel is kv[:, li]
         self.kv = torch.zeros(2, L, nkv, self.win_len, hd, device=device, dtype=dtype)
         self.wk, self.wv = self.kv[0], self.kv[1]
-        fits = 2 * nkv * self.win_len * hd < 2 ** 31           # the kernel's 32-bit offsets within a layer
-        if self.attn == "auto":
-            half = dtype in (torch.float16, torch.bfloat16)
-            self.attn = "triton" if half and fits and triton_runs(torch.device(device), hd) else "sdpa"
-        if self.attn == "triton" and not (fits and triton_runs(torch.device(device), hd, interpreter=True)):
-            raise ValueError("attn='triton' needs a CUDA device with Triton >= 3, a power-of-two head size "
-                             ">= 16 and a window under 2^31 values a layer")
+        self.attn = choose(self.attn, nkv, self.win_len, hd, device, dtype)
         self.takes_qkv = self.attn == "triton"
         if self.takes_qkv:
             self.shares = Shares(H, hd, device, max_len=self.win_len)

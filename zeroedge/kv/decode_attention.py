@@ -66,6 +66,21 @@ def triton_runs(device: torch.device, hd: int, interpreter: bool = False) -> boo
     return int(triton.__version__.split(".")[0]) >= 3
 
 
+def choose(attn: str, nkv: int, length: int, hd: int, device, dtype) -> str:
+    """The attention a decoder runs over a cache of `length` positions: "auto" is "triton" for
+    fp16 / bf16 where the kernels run and the cache is under 2^31 values a layer (the kernel's
+    32-bit offsets), else "sdpa" (fp32 caches keep SDPA's exact fp32 products); an explicit "triton"
+    that cannot run is refused. Other choices pass through."""
+    fits = 2 * nkv * length * hd < 2 ** 31
+    if attn == "auto":
+        half = dtype in (torch.float16, torch.bfloat16)
+        attn = "triton" if half and fits and triton_runs(torch.device(device), hd) else "sdpa"
+    if attn == "triton" and not (fits and triton_runs(torch.device(device), hd, interpreter=True)):
+        raise ValueError("attn='triton' needs a CUDA device with Triton >= 3, a power-of-two head size "
+                         ">= 16 and a cache under 2^31 values a layer")
+    return attn
+
+
 def _build():
     import triton
     import triton.language as tl

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from zeroedge.kv.attention import ThermalAttention, additive_mask
-from zeroedge.kv.decode_attention import triton_runs
+from zeroedge.kv.decode_attention import choose as choose_attention
 from zeroedge.paths.ffn import PathsFFN
 from zeroedge.quant import packed
 from zeroedge.quant.packed import PackedLinear
@@ -287,13 +287,7 @@ class DenseAttention:
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         self.L, self.nkv, self.H, self.hd, self.dtype = L, nkv, H, hd, dtype
-        fits = 2 * nkv * self.max_len * hd < 2 ** 31           # the kernel's 32-bit offsets within a layer
-        if self.attn == "auto":     # fp32 caches keep SDPA's exact fp32 products
-            half = dtype in (torch.float16, torch.bfloat16)
-            self.attn = "triton" if half and fits and triton_runs(torch.device(device), hd) else "sdpa"
-        if self.attn == "triton" and not (fits and triton_runs(torch.device(device), hd, interpreter=True)):
-            raise ValueError("attn='triton' needs a CUDA device with Triton >= 3, a power-of-two head size "
-                             ">= 16 and a cache under 2^31 values a layer")
+        self.attn = choose_attention(self.attn, nkv, self.max_len, hd, device, dtype)
         self.takes_qkv = self.attn == "triton"
         # K and V of a layer side by side, so one index_copy writes the new token's pair
         self.kv = torch.zeros((L, 2, nkv, self.max_len, hd), device=device, dtype=dtype)

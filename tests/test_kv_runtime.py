@@ -1,6 +1,7 @@
 """Thermal KV torch parts on the tiny model: the eval contract, peers' masks, sketches, tiers,
 the decode runtimes. Small and fast (a few seconds on 2 cores)."""
 import math
+import os
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_unknown_option_and_training_mode_are_refused(tiny):
     with pytest.raises(UserError, match="unknown thermal KV option"):
         E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, colour="red")
     for opts, msg in ((dict(rank=7), "even"), (dict(bits=8), "bits one of"), (dict(cold="int2"), "host, int8 or int4"),
-                      (dict(recent_pages=7), "cannot hold")):      # what the serving decoder cannot run
+                      (dict(recent_pages=7), "cannot hold"), (dict(lag=2), "lag must be")):  # what serving cannot run
         with pytest.raises(UserError, match=msg):
             E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, **opts)
     tiny.train()
@@ -178,6 +179,26 @@ def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
         win = part._slots(part.wk, li).view(part.nkv, part.slots, 8, -1)
         for h in range(part.nkv):
             assert torch.equal(win[h], K[h, part.slot_page[li, h]])
+
+
+def test_the_thermal_decoder_refuses_bad_options_and_positions(tiny):
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    for opts, msg in ((dict(lag=2), "lag must be 0 or 1"), (dict(attn="flash"), "attn must be")):
+        with pytest.raises(ValueError, match=msg):
+            ThermalDecoder(tiny, 64, 8, budget=0.5, page_size=8, rank=8, graph=False, **opts)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="CUDA device with Triton"):
+            ThermalDecoder(tiny, 64, 8, budget=0.5, page_size=8, rank=8, graph=False, attn="triton")
+    d = ThermalDecoder(tiny, 64, 8, budget=0.5, page_size=8, rank=8, graph=False)
+    pre = E.prefill(tiny, ids_(64), stats=False)
+    d.load_prefix(pre["k"], pre["v"], pre["qcov"])
+    with pytest.raises(ValueError, match="outside the 72 positions"):  # before any kernel reads the tables
+        d.step(1, 72)
+    for t in range(64, 72):
+        d.step(1, t)
+    with pytest.raises(ValueError, match="more than the 8 tokens planned"):
+        d.step(1, 71)
 
 
 def test_int4_sketch_kernel_reference_matches_unpacked_math():

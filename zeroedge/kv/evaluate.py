@@ -501,6 +501,8 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     if o["sink_pages"] + o["recent_pages"] + 1 > P // page_size:
         raise UserError(f"a prefix of {P // page_size} pages cannot hold {o['sink_pages']} sink + "
                         f"{o['recent_pages']} recent pages and a slot")
+    if o["lag"] not in (0, 1):
+        raise UserError(f"lag must be 0 or 1 (got {o['lag']!r})")
     if o["cold"] not in ("host", *COLD_BITS):
         raise UserError(f"cold store must be host, int8 or int4, got {o['cold']!r}")
     if model.training:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 
 _kernel = None
-SKETCH_PB = 32        # pages a sketch program scores at a time
-SKETCH_PROGRAMS = 64  # programs a kv head at most: each loops over its share of the pages
+# the sketch kernel's launch: the best of an H200 sweep (benchmarks/thermal_kv.md 2m: 33 / 11 / 5 us a
+# layer at 128K / 32K / 8K positions, against 43 / 15 / 6 with 32 pages, 64 programs, 4 warps)
+SKETCH_PB = 4         # pages a sketch program scores at a time
+SKETCH_PROGRAMS = 256  # programs a kv head at most: each loops over its share of the pages
+SKETCH_WARPS = 1      # warps a sketch program
 
 
 def sketch_blocks(n: int, pages_per_block: int | None = None) -> tuple:
@@ -180,7 +183,7 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
     pm, psum = part if part is not None else (out, out)
     _kernel[1][(nkv, nb)](qr.float().contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n,
                           nb, ITER=it, GRP=grp, GP=1 << max(0, (grp - 1).bit_length()), R2=r2, PS=page_size,
-                          PB=pages_per_block, PART=part is not None)
+                          PB=pages_per_block, PART=part is not None, num_warps=SKETCH_WARPS)
     return out
 
 
@@ -229,22 +232,28 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 
 def _build_swap():
-    global copy_pages, commit_swap  # Triton looks a jit function's callees up in its module's globals
+    global copy_pages, commit_swap, store_swaps  # Triton looks a jit function's callees up in its module's globals
     import triton
     import triton.language as tl
 
     @triton.jit
-    def commit_swap(i, bm, wr, vm, vr, h, n, S, pslot_ptr, spage_ptr, fi, src, dst):
+    def commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out):
         """The i-th greedy decision of a kv head: when the best missing page bm outscores the worst
-        resident wr, bm takes wr's slot in the page tables and (src, dst)[i] records the copy."""
-        if vm > vr:
-            s = tl.load(pslot_ptr + h * n + wr)
-            tl.store(pslot_ptr + h * n + wr, -1)
-            tl.store(pslot_ptr + h * n + bm, s)
-            tl.store(spage_ptr + h * S + s, bm)
-            src = tl.where(fi == i, bm, src)
-            dst = tl.where(fi == i, s, dst)
-        return src, dst
+        resident wr (in slot s), (src, dst, out)[i] = (bm, s, wr). Registers only: a scalar load of
+        a page table that this kernel also writes raced across warps (a warp that read a slot after
+        another had freed it copied nowhere: torn slots on the H200), so the tables are read once
+        up front and written once by store_swaps."""
+        take = (fi == i) & ((fi * 0.0 + vm) > vr)           # a vector: Triton's interpreter has no scalar & vector
+        return tl.where(take, bm, src), tl.where(take, s, dst), tl.where(take, wr, out)
+
+    @triton.jit
+    def store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr):
+        """The page tables after the swaps (src into slot dst, out evicted; -1: no swap). Evicted and
+        fetched pages are disjoint, so the stores do not overlap."""
+        ok = dst >= 0
+        tl.store(pslot_ptr + h * n + out, tl.full(out.shape, -1, tl.int64), mask=ok)
+        tl.store(pslot_ptr + h * n + src, dst, mask=ok)
+        tl.store(spage_ptr + h * S + dst, src, mask=ok)
 
     @triton.jit
     def copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE: tl.constexpr,
@@ -292,6 +301,7 @@ def _build_swap():
         fi = tl.arange(0, FP)
         src = tl.full([FP], -1, tl.int64)
         dst = tl.full([FP], -1, tl.int64)
+        out = tl.full([FP], -1, tl.int64)
         for i in tl.static_range(F):
             bm = tl.argmax(ms, 0)
             vm = tl.max(ms, 0)
@@ -299,7 +309,9 @@ def _build_swap():
             vr = tl.min(rs, 0)
             ms = tl.where(offs == bm, float("-inf"), ms)
             rs = tl.where(offs == wr, float("inf"), rs)
-            src, dst = commit_swap(i, bm, wr, vm, vr, h, n, S, pslot_ptr, spage_ptr, fi, src, dst)
+            s = tl.sum(tl.where(offs == wr, slot, 0), 0)
+            src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
+        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
         copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
@@ -360,9 +372,11 @@ def _build_swap():
         mi = tl.load(cmi_ptr + h * NCAND + offs, mask=m, other=0)
         rs = tl.load(cr_ptr + h * NCAND + offs, mask=m, other=float("inf"))
         ri = tl.load(cri_ptr + h * NCAND + offs, mask=m, other=0)
+        rsl = tl.load(pslot_ptr + h * n + ri, mask=m & (rs < float("inf")), other=-1)     # the candidates' slots
         fi = tl.arange(0, FP)
         src = tl.full([FP], -1, tl.int64)
         dst = tl.full([FP], -1, tl.int64)
+        out = tl.full([FP], -1, tl.int64)
         for i in tl.static_range(F):
             a = tl.argmax(ms, 0)
             b = tl.argmin(rs, 0)
@@ -370,9 +384,11 @@ def _build_swap():
             vr = tl.min(rs, 0)
             bm = tl.sum(tl.where(offs == a, mi, 0), 0)
             wr = tl.sum(tl.where(offs == b, ri, 0), 0)
+            s = tl.sum(tl.where(offs == b, rsl, 0), 0)
             ms = tl.where(offs == a, float("-inf"), ms)
             rs = tl.where(offs == b, float("inf"), rs)
-            src, dst = commit_swap(i, bm, wr, vm, vr, h, n, S, pslot_ptr, spage_ptr, fi, src, dst)
+            src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
+        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
         copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     return k, sel, dec

@@ -211,6 +211,44 @@ def test_int8_input_gemv_is_dp4a_on_the_rounded_inputs():
         assert float((y - F.silu(g) * u).norm() / (F.silu(g) * u).norm()) < 1e-5, sch
 
 
+def test_ffn_gemv_prepares_the_down_projections_inputs_inside_a_graph():
+    """llama-3.2-1b's FFN shapes on int8 inputs: the gate/up GEMV's epilogue prepares the down
+    projection's inputs (`then`), which the down GEMV (split-K) reads with no rounding launch.
+    Replayed in a CUDA graph, every replay gives the reference: the rounded inputs times the
+    dequantized weights."""
+    import torch.nn.functional as F
+
+    from zeroedge.quant import triton_gemv as tg
+    from zeroedge.quant.groupwise import Scheme
+    from zeroedge.quant.packed import PackedLinear, round_inputs_int8
+
+    torch.manual_seed(4)
+    for sch in (Scheme(4, 32, False, "float"), Scheme(4, 128, True)):
+        w13 = PackedLinear.from_weight(torch.randn(16384, 2048, device="cuda") * 0.02, sch)
+        w2 = PackedLinear.from_weight(torch.randn(2048, 8192, device="cuda") * 0.02, sch)
+        x = (torch.randn(1, 2048, device="cuda") * 2).bfloat16()
+        ln = (torch.rand(2048, device="cuda") + 0.5).bfloat16()
+        r = torch.randn(1, 2048, device="cuda").bfloat16()
+
+        def ffn():
+            a, a8 = tg.gemv(x, w13, swiglu=True, norm=(ln, 1e-5), int8_inputs=True, then=w2)
+            assert a8 is not None
+            return a, tg.gemv(a, w2, residual=r, int8_inputs=True, inputs=a8)
+
+        ffn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            a, y = ffn()
+        for _ in range(3):
+            x.normal_()
+            g.replay()
+            xi = round_inputs_int8(F.rms_norm(x.float(), (2048,), ln.float(), 1e-5), 4)
+            gr, ur = (xi @ w13.dequantize().T).chunk(2, -1)
+            assert float((a.float() - F.silu(gr) * ur).norm() / (F.silu(gr) * ur).norm()) < 1e-2
+            want = round_inputs_int8(a.float(), 4) @ w2.dequantize().T + r.float()
+            assert float((y.float() - want).norm() / want.norm()) < 1e-2, sch
+
+
 def test_serving_a_weights_artifact_on_the_gpu_runs_the_int8_input_gemv():
     """ServingSession with an artifact's weights section on CUDA: the model is quantized and packed,
     and the request decodes through the packed GEMV on int8 inputs inside the CUDA graph."""

@@ -175,6 +175,26 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
     yb = tg.gemv(x.bfloat16(), p)
     assert yb.dtype == torch.bfloat16 and torch.allclose(yb.float(), x.bfloat16().float() @ wd.T, atol=5e-2)
 refused(lambda: tg.gemv(torch.randn(1, 10), p), "inputs")
+# the down projection's int8 inputs prepared in the gate/up GEMV's epilogue (`then`)
+for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, True)]:
+    F_, K, N2 = 128, 96, 40
+    p13 = PackedLinear.from_weight(torch.randn(2 * F_, K) * 0.05, sch)
+    p2 = PackedLinear.from_weight(torch.randn(N2, F_) * 0.05, sch)
+    x, r2 = torch.randn(1, K) * 3, torch.randn(1, N2)
+    ln = torch.rand(K) + 0.5
+    for cfg in [dict(BN=16, BW=16, SPLIT=1, PREPARED=True), dict(BN=8, BW=4, SPLIT=1, PREPARED=False)]:
+        a, prep = tg.gemv(x, p13, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True, then=p2)
+        assert prep is not None and torch.equal(a, tg.gemv(x, p13, swiglu=True, norm=(ln, 1e-5), config=cfg,
+                                                            int8_inputs=True))
+        want = round_inputs_int8(a, sch.bits) @ p2.dequantize().T + r2
+        for cfg2 in [dict(BN=8, BW=16, SPLIT=1), dict(BN=4, BW=4, SPLIT=3)]:
+            y = tg.gemv(a, p2, residual=r2, config=cfg2, int8_inputs=True, inputs=prep)
+            assert torch.allclose(y, want, atol=1e-5), (sch, cfg, cfg2, (y - want).abs().max())
+    # rows a program not whole words of the next weight's inputs, or split partials: nothing prepared
+    for cfg in (dict(BN=2, BW=16, SPLIT=1), dict(BN=8, BW=4, SPLIT=2)):
+        a, prep = tg.gemv(x, p13, swiglu=True, config=cfg, int8_inputs=True, then=p2)
+        assert prep is None
+    refused(lambda: tg.gemv(a, p2, int8_inputs=False, inputs=tg._prepared_buffers(p2, a.device)), "prepared")
 print("OK")
 '''
 

@@ -1,9 +1,12 @@
-"""Programmatic dependent launch (zeroedge.triton_launch) on a GPU: batch-1 decode ms a step of
-the DenseDecoder (llama-3.2-1b shape, random weights; bf16 and packed int4 with int8 inputs) with
-ZEROEDGE_PDL=0 and =1 alternated twice, and the logits of one step with and without it (the same
-kernels in the same order: they must agree bit for bit).
+"""A decode-loop switch off / on on a GPU: batch-1 decode ms a step of the DenseDecoder (llama-3.2-1b
+shape, random weights; bf16 and packed int4 with int8 inputs), the switch alternated off / on twice
+(three times with --reps 3), and the logits of one step with and without it (the same arithmetic:
+they must agree bit for bit). Switches:
+  pdl           programmatic dependent launch (ZEROEDGE_PDL=0 / 1; session 10)
+  fused-inputs  the down projection's int8 inputs prepared in the gate/up GEMV's epilogue (the
+                `then` of zeroedge.quant.triton_gemv.gemv) or by a launch of their own (session 12)
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--ctx 8192,32768] [--out DIR]
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--switch pdl] [--ctx 8192,32768] [--out DIR]
 """
 from __future__ import annotations
 
@@ -15,9 +18,29 @@ import bench_setup as bs
 GEN = 400
 
 
+def _set(switch: str, on: bool) -> None:
+    from zeroedge.quant import triton_gemv
+
+    if switch == "pdl":
+        os.environ["ZEROEDGE_PDL"] = "1" if on else "0"
+        return
+    gemv = _set.gemv = getattr(_set, "gemv", triton_gemv.gemv)
+
+    def unfused(*args, then=None, **kw):      # the next weight's inputs left to their own launch
+        y = gemv(*args, **kw)
+        return (y, None) if then is not None else y
+
+    triton_gemv.gemv = gemv if on else unfused
+
+
 def main(argv=None):
-    a = bs.out_ctx_args(__doc__, "/tmp/pdl_out", "8192,32768", "pdl_gpu", argv)
-    if a is None:
+    ap = bs.parser(__doc__)
+    bs.add_out(ap, "/tmp/pdl_out")
+    bs.add_ctx(ap, "8192,32768")
+    ap.add_argument("--switch", choices=("pdl", "fused-inputs"), default="pdl")
+    ap.add_argument("--reps", type=int, default=2)
+    a = ap.parse_args(argv)
+    if not bs.cuda_or_skip("pdl_gpu: skipped, no CUDA GPU here"):
         return
     import torch
 
@@ -27,34 +50,37 @@ def main(argv=None):
 
     ctxs = bs.int_list(a.ctx)
     res = bs.device_info()
-    res["rows"] = rows = []
+    res["switch"], res["rows"] = a.switch, []
+    rows = res["rows"]
     for variant in ("bf16", "int4-g128-sym", "int4-g32-fzp"):
         m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
         if variant != "bf16":
             apply(m, W.section(*W.SCHEMES[variant], embedding_group(m.cfg.dim)), pack=True)
         i8 = variant != "bf16"
         for ctx in ctxs:
-            for p in ("0", "1", "0", "1"):
-                os.environ["ZEROEDGE_PDL"] = p
+            for on in (False, True) * a.reps:
+                _set(a.switch, on)
                 d = DenseDecoder(m, ctx + GEN, int8_inputs=i8)
                 d.attention.kv.normal_()
                 ms = bs.decode_step_ms(d, start=ctx, n=64)
                 diff = None
-                if p == "1":
-                    os.environ["ZEROEDGE_PDL"] = "0"
+                if on:
+                    _set(a.switch, False)
                     e = DenseDecoder(m, ctx + GEN, int8_inputs=i8)
                     e.attention.kv.copy_(d.attention.kv)
                     diff = float((d.step(5, ctx + 100).float() - e.step(5, ctx + 100).float()).abs().max())
                     del e
-                    assert diff == 0.0, f"{variant} at {ctx}: logits differ with PDL ({diff})"
-                rows.append(dict(weights=variant + ("/int8-inputs" if i8 else ""), ctx=ctx, pdl=p == "1", ms=ms,
-                                 tok_s=1e3 / ms, max_logit_diff=diff))
+                    assert diff == 0.0, f"{variant} at {ctx}: logits differ with {a.switch} ({diff})"
+                rows.append(dict(weights=variant + ("/int8-inputs" if i8 else ""), ctx=ctx, switch=a.switch,
+                                 on=on, pdl=on if a.switch == "pdl" else None, ms=ms, tok_s=1e3 / ms,
+                                 max_logit_diff=diff))
                 print(json.dumps(rows[-1]), flush=True)
                 del d
         del m
         torch.cuda.empty_cache()
+    _set(a.switch, True)
     os.environ.pop("ZEROEDGE_PDL", None)
-    bs.write_json(bs.out_dir(a.out) / "pdl_gpu.json", res)
+    bs.write_json(bs.out_dir(a.out) / f"{'pdl' if a.switch == 'pdl' else a.switch.replace('-', '_')}_gpu.json", res)
 
 
 if __name__ == "__main__":

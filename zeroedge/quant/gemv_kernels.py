@@ -36,10 +36,52 @@ def _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE: tl.constexp
 
 
 @triton.jit
-def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES: tl.constexpr,
-            SPLIT: tl.constexpr):
+def _epilogue(y, y2, rows, rmask, pid, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW,
+              SWIGLU: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, NEXT_BITS: tl.constexpr):
+    """The output rows from their fp32 sums: SwiGLU, the residual, stored in y's dtype. NEXT_BITS > 0:
+    also the next GEMV's prepared int8 inputs for a BITS-bit weight (what quantize_inputs_kernel
+    writes, no norm), from the stored values: this program's BN rows are whole words of them."""
+    if SWIGLU:
+        y = y * tl.sigmoid(y) * y2
+    if RES:
+        y += tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    yo = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows, yo, mask=rmask)
+    if NEXT_BITS > 0:
+        VALS: tl.constexpr = 32 // NEXT_BITS
+        WN: tl.constexpr = BN // VALS                      # words this program owns
+        _store_words(tl.reshape(tl.where(rmask, yo.to(tl.float32), 0.0), [WN, VALS]),
+                     pid * WN + tl.arange(0, WN), 1.0, nq_ptr, ndx_ptr, nxw_ptr, NW, NEXT_BITS, WN)
+
+
+@triton.jit
+def _store_words(xv, wi, rstd, xq_ptr, dx_ptr, xw_ptr, W, BITS: tl.constexpr, BWQ: tl.constexpr):
+    """Words of inputs xv [BWQ, 32 / BITS] (word indices wi) rounded to int8 with one step a word and
+    packed four to a 32-bit word in the byte order of the codes they meet (4-bit codes: even inputs
+    in xq[0:W], odd in xq[W:2W]); dx: the word's step (times rstd); xw: the word's sum of the
+    rounded inputs (for the group offsets)."""
+    VALS: tl.constexpr = 32 // BITS
+    amax = tl.max(tl.abs(xv), axis=1)
+    xq = tl.floor(xv * tl.where(amax > TINY, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
+    dx = amax / 127.0 * rstd
+    sh = tl.arange(0, 4) * 8
+    wm = wi < W
+    if BITS == 4:
+        xe, xo = tl.split(tl.reshape(xq, [BWQ, VALS // 2, 2]))
+        tl.store(xq_ptr + wi, tl.sum((xe & 255) << sh[None, :], axis=1), mask=wm)
+        tl.store(xq_ptr + W + wi, tl.sum((xo & 255) << sh[None, :], axis=1), mask=wm)
+    else:
+        tl.store(xq_ptr + wi, tl.sum((xq & 255) << sh[None, :], axis=1), mask=wm)
+    tl.store(dx_ptr + wi, dx, mask=wm)
+    tl.store(xw_ptr + wi, tl.sum(xq, axis=1).to(tl.float32) * dx, mask=wm)
+
+
+@triton.jit
+def _finish(y, y2, rows, rmask, pid, sid, N, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW,
+            SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
+            NEXT_BITS: tl.constexpr):
     """Store a program's row sums y (and y2, the up rows): fp32 partials with SPLIT > 1 ([SPLIT, N],
-    swiglu [SPLIT, 2N]), else the output after the fused SwiGLU / residual."""
+    swiglu [SPLIT, 2N]), else the output (_epilogue)."""
     if SPLIT > 1:
         if SWIGLU:
             tl.store(y_ptr + sid * 2 * N + rows, y, mask=rmask)
@@ -47,11 +89,7 @@ def _finish(y, y2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU: tl.constexpr, RES:
         else:
             tl.store(y_ptr + sid * N + rows, y, mask=rmask)
     else:
-        if SWIGLU:
-            y = y * tl.sigmoid(y) * y2
-        if RES:
-            y += tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+        _epilogue(y, y2, rows, rmask, pid, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW, SWIGLU, RES, BN, NEXT_BITS)
 
 
 @triton.jit
@@ -73,11 +111,12 @@ def _word_dots(qw, pa, pb, BN: tl.constexpr, BW: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
-def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
-                N, K, NGROUPS, ROWW, WPS,
+def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, ndx_ptr,
+                nxw_ptr, NW, z_ptr, bg_ptr, bu_ptr, thr, RK, N, K, NGROUPS, ROWW, WPS,
                 BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                 NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
-                SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
+                SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, NEXT_BITS: tl.constexpr = 0,
+                PDL: tl.constexpr = False):
     _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS          # codes a word
     WG: tl.constexpr = G // VALS             # words a group
@@ -117,16 +156,17 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg
             s2 = tl.load(s_ptr + so + N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
             o2 = tl.load(o_ptr + so + N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
             acc2 += tl.sum(part2 * s2 + o2 * xs[None, :], axis=1)
-    _finish(acc * rstd, acc2 * rstd, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU, RES, SPLIT)
+    _finish(acc * rstd, acc2 * rstd, rows, rmask, pid, sid, N, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW,
+            SWIGLU, RES, SPLIT, BN, NEXT_BITS)
 
 
 @triton.jit
-def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
-                   N, K, NGROUPS, ROWW, WPS,
+def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, ndx_ptr,
+                   nxw_ptr, NW, z_ptr, bg_ptr, bu_ptr, thr, RK, N, K, NGROUPS, ROWW, WPS,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                    NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
                    SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, DP4A: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   NEXT_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
     # each word's inputs rounded to int8 (one scale a word) in every program, packed four to a 32-bit
     # word in the byte order of the codes they meet, codes x inputs summed by _word_dots
     _pdl_start(PDL)
@@ -171,7 +211,8 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr,
                 acc += contrib
             else:
                 acc2 += contrib
-    _finish(acc * rstd, acc2 * rstd, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU, RES, SPLIT)
+    _finish(acc * rstd, acc2 * rstd, rows, rmask, pid, sid, N, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW,
+            SWIGLU, RES, SPLIT, BN, NEXT_BITS)
 
 
 @triton.jit
@@ -240,17 +281,14 @@ def finish_kernel(part_ptr, y_ptr, r_ptr, N, SPLIT: tl.constexpr, SWIGLU: tl.con
 
 
 @triton.jit
-def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xg_ptr, W, NGROUPS,
-                           BITS: tl.constexpr, G: tl.constexpr, BWQ: tl.constexpr, NB: tl.constexpr,
-                           NORM: tl.constexpr, PDL: tl.constexpr = False):
-    # the int8-input GEMV's inputs, once per call instead of in every program: each word's inputs
-    # (x * ln when NORM) rounded to int8 with one scale and packed four to a 32-bit word in the byte
-    # order of the codes they meet (4-bit codes: even inputs in xq[0:W], odd in xq[W:2W]); dx: the
-    # word's step; xg: each group's sum of the rounded inputs (for the offsets); 1 / RMS folded
-    # into both
+def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xw_ptr, W,
+                           BITS: tl.constexpr, BWQ: tl.constexpr, NB: tl.constexpr, NORM: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    # the int8-input GEMV's inputs, once per call instead of in every program (_store_words: each
+    # word's inputs, x * ln when NORM, rounded to int8 with one step, packed, the word's sum), 1 / RMS
+    # folded into the steps
     _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS
-    WG: tl.constexpr = G // VALS
     wi = tl.program_id(0) * BWQ + tl.arange(0, BWQ)
     k8 = wi[:, None] * VALS + tl.arange(0, VALS)[None, :]
     xv = tl.load(x_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
@@ -258,32 +296,88 @@ def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xg_ptr, W, NGR
     if NORM:
         xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
         rstd = _rstd(x_ptr, eps, K, NB)
-    amax = tl.max(tl.abs(xv), axis=1)
-    xq = tl.floor(xv * tl.where(amax > TINY, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
-    dx = amax / 127.0 * rstd
-    sh = tl.arange(0, 4) * 8
-    wm = wi < W
-    if BITS == 4:
-        xe, xo = tl.split(tl.reshape(xq, [BWQ, VALS // 2, 2]))
-        tl.store(xq_ptr + wi, tl.sum((xe & 255) << sh[None, :], axis=1), mask=wm)
-        tl.store(xq_ptr + W + wi, tl.sum((xo & 255) << sh[None, :], axis=1), mask=wm)
-    else:
-        tl.store(xq_ptr + wi, tl.sum((xq & 255) << sh[None, :], axis=1), mask=wm)
-    tl.store(dx_ptr + wi, dx, mask=wm)
-    xs = tl.sum(tl.reshape(tl.sum(xq, axis=1).to(tl.float32) * dx, [BWQ // WG, WG]), axis=1)
-    gi = tl.program_id(0) * (BWQ // WG) + tl.arange(0, BWQ // WG)
-    tl.store(xg_ptr + gi, xs, mask=gi < NGROUPS)
+    _store_words(xv, wi, rstd, xq_ptr, dx_ptr, xw_ptr, W, BITS, BWQ)
 
 
 @triton.jit
-def gemv_q_kernel(xq_ptr, dx_ptr, xg_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_ptr, bg_ptr, bu_ptr, thr, RK,
-                  N, NGROUPS, ROWW, WPS,
+def _q_tile(q_ptr, s_ptr, o_ptr, rows, lmask, w0, w_hi, h, N, NGROUPS, ROWW,
+            BW: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+    """One tile's weight bytes: codes [BN, BW] (words w0.., row block h: gate 0 / up 1) and their groups'
+    steps and offsets [BN, GT]; words from w_hi on are masked off (0)."""
+    wi = w0 + tl.arange(0, BW)
+    qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=lmask[:, None] & (wi < w_hi)[None, :],
+                 other=0)
+    gi = w0 // WG + tl.arange(0, GT)
+    sm = lmask[:, None] & ((gi < NGROUPS) & (gi * WG < w_hi))[None, :]
+    so = (rows + h * N)[:, None] * NGROUPS + gi[None, :]
+    return qw, tl.load(s_ptr + so, mask=sm, other=0.0), tl.load(o_ptr + so, mask=sm, other=0.0)
+
+
+@triton.jit
+def _q_tile_sum(qw, s, o, pa, pb, dx, xg, BN: tl.constexpr, BW: tl.constexpr, BITS: tl.constexpr,
+                GT: tl.constexpr, WG: tl.constexpr, DP4A: tl.constexpr):
+    d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
+    f = tl.sum(tl.reshape(d.to(tl.float32) * dx, [BN, GT, WG]), axis=2)                  # [BN, GT]
+    return tl.sum(f * s.to(tl.float32) + o.to(tl.float32) * xg, axis=1)
+
+
+@triton.jit
+def gemv_q_pipe_kernel(xq_ptr, dx_ptr, xw_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, ndx_ptr,
+                       nxw_ptr, NW, z_ptr, bg_ptr, bu_ptr, thr, RK, N, NGROUPS, ROWW, WPS,
+                       BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                       SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
+                       R: tl.constexpr, DP4A: tl.constexpr, NEXT_BITS: tl.constexpr = 0,
+                       PDL: tl.constexpr = False):
+    # gemv_q_kernel with the next tile's weight bytes loaded before this tile's are used (both row
+    # blocks' with SWIGLU): more loads in flight a warp
+    _pdl_start(PDL)
+    VALS: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = G // VALS
+    GT: tl.constexpr = BW // WG
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    lmask = _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    acc2 = tl.zeros([BN], dtype=tl.float32)
+    w_lo = sid * WPS
+    w_hi = tl.minimum(w_lo + WPS, ROWW)
+    qa, sa, oa = _q_tile(q_ptr, s_ptr, o_ptr, rows, lmask, w_lo, w_hi, 0, N, NGROUPS, ROWW, BW, GT, WG)
+    if SWIGLU:
+        qb, sb, ob = _q_tile(q_ptr, s_ptr, o_ptr, rows, lmask, w_lo, w_hi, 1, N, NGROUPS, ROWW, BW, GT, WG)
+    else:
+        qb, sb, ob = qa, sa, oa
+    for w0 in range(w_lo, w_lo + WPS, BW):
+        na, nsa, noa = _q_tile(q_ptr, s_ptr, o_ptr, rows, lmask, w0 + BW, w_hi, 0, N, NGROUPS, ROWW, BW, GT, WG)
+        if SWIGLU:
+            nb, nsb, nob = _q_tile(q_ptr, s_ptr, o_ptr, rows, lmask, w0 + BW, w_hi, 1, N, NGROUPS, ROWW, BW, GT, WG)
+        else:
+            nb, nsb, nob = na, nsa, noa
+        wi = w0 + tl.arange(0, BW)
+        wm = wi < ROWW
+        pa = tl.load(xq_ptr + wi, mask=wm, other=0)[None, :]
+        pb = tl.load(xq_ptr + ROWW + wi, mask=wm, other=0)[None, :] if BITS == 4 else pa
+        dx = tl.load(dx_ptr + wi, mask=wm, other=0.0)[None, :]
+        xg = tl.sum(tl.reshape(tl.load(xw_ptr + wi, mask=wm, other=0.0), [GT, WG]), axis=1)[None, :]
+        acc += _q_tile_sum(qa, sa, oa, pa, pb, dx, xg, BN, BW, BITS, GT, WG, DP4A)
+        if SWIGLU:
+            acc2 += _q_tile_sum(qb, sb, ob, pa, pb, dx, xg, BN, BW, BITS, GT, WG, DP4A)
+        qa, sa, oa, qb, sb, ob = na, nsa, noa, nb, nsb, nob
+    _finish(acc, acc2, rows, rmask, pid, sid, N, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW,
+            SWIGLU, RES, SPLIT, BN, NEXT_BITS)
+
+
+@triton.jit
+def gemv_q_kernel(xq_ptr, dx_ptr, xw_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, ndx_ptr,
+                  nxw_ptr, NW, z_ptr, bg_ptr, bu_ptr, thr, RK, N, NGROUPS, ROWW, WPS,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                   SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
-                  R: tl.constexpr, DP4A: tl.constexpr, PDL: tl.constexpr = False):
-    # codes x the prepared int8 inputs (quantize_inputs_kernel) by _word_dots; each word's integer
-    # sum scaled by its input step, summed over the group's words, then the group's weight step and
-    # offset applied once a group (not once a word)
+                  R: tl.constexpr, DP4A: tl.constexpr, NEXT_BITS: tl.constexpr = 0,
+                  PDL: tl.constexpr = False):
+    # codes x the prepared int8 inputs (quantize_inputs_kernel, or the epilogue of the GEMV that made
+    # them) by _word_dots; each word's integer sum scaled by its input step, summed over the group's
+    # words, then the group's weight step and offset applied once a group (not once a word)
     _pdl_start(PDL)
     VALS: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // VALS
@@ -305,7 +399,7 @@ def gemv_q_kernel(xq_ptr, dx_ptr, xg_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_p
         dx = tl.load(dx_ptr + wi, mask=wm, other=0.0)[None, :]
         gi = w0 // WG + tl.arange(0, GT)
         gm = gi < NGROUPS
-        xg = tl.load(xg_ptr + gi, mask=gm, other=0.0)[None, :]
+        xg = tl.sum(tl.reshape(tl.load(xw_ptr + wi, mask=wm, other=0.0), [GT, WG]), axis=1)[None, :]
         so = rows[:, None] * NGROUPS + gi[None, :]
         sm = lmask[:, None] & gm[None, :]
         for h in tl.static_range(2 if SWIGLU else 1):                    # h 1: the up rows
@@ -319,4 +413,5 @@ def gemv_q_kernel(xq_ptr, dx_ptr, xg_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, z_p
                 acc += contrib
             else:
                 acc2 += contrib
-    _finish(acc, acc2, rows, rmask, sid, N, y_ptr, r_ptr, SWIGLU, RES, SPLIT)
+    _finish(acc, acc2, rows, rmask, pid, sid, N, y_ptr, r_ptr, nq_ptr, ndx_ptr, nxw_ptr, NW,
+            SWIGLU, RES, SPLIT, BN, NEXT_BITS)

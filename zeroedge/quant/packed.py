@@ -176,15 +176,16 @@ def round_inputs_int8(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (torch.floor(xf * inv + 0.5) * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
 
 
-def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs: bool = False):
+def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs: bool = False, inputs=None):
     """x (1, K) @ w^T (+ bias) (+ residual), after RMSNorm when norm = (weight, eps): w a tensor
     (F.linear) or a PackedLinear (the CUDA GEMV on a GPU with Triton, the norm and the residual fused
     into it; else the torch reference). int8_inputs (packed only): the inputs rounded to int8 a word
-    at a time first (round_inputs_int8; the dp4a kernel). Output in x's dtype."""
+    at a time first (round_inputs_int8; the dp4a kernel). inputs: x's int8 inputs as the GEMV that
+    made x prepared them (swiglu's `then`), or None. Output in x's dtype."""
     if isinstance(w, PackedLinear) and _use_kernel(x):
         from zeroedge.quant import triton_gemv
 
-        y = triton_gemv.gemv(x, w, residual=residual, norm=norm, int8_inputs=int8_inputs)
+        y = triton_gemv.gemv(x, w, residual=residual, norm=norm, int8_inputs=int8_inputs, inputs=inputs)
         return y if bias is None else y + bias
     if norm is not None:
         x = F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
@@ -196,20 +197,24 @@ def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs:
     return y if residual is None else residual + y
 
 
-def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False, predictor=None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False, predictor=None, then=None):
     """silu(x W_gate^T) * (x W_up^T) with w13 = [W_gate; W_up] (a tensor or a PackedLinear), after
     RMSNorm when norm = (weight, eps); packed on a GPU, one kernel computes the norm, both halves
     and the product. predictor = (z [1, r], bg [r, F], bu [r, F] fp32, threshold): only the channels
     with |silu(z bg) * (z bu)| >= threshold, 0 for the others (packed on a GPU the kernel decides
-    and never reads the dead channels' rows)."""
+    and never reads the dead channels' rows). then: the weight the output goes into next (W_down);
+    returns (output, its prepared int8 inputs or None: linear's `inputs`)."""
     if isinstance(w13, PackedLinear) and _use_kernel(x):
         from zeroedge.quant import triton_gemv
 
-        return triton_gemv.gemv(x, w13, swiglu=True, norm=norm, int8_inputs=int8_inputs, predictor=predictor)
+        nxt = then if isinstance(then, PackedLinear) else None
+        out = triton_gemv.gemv(x, w13, swiglu=True, norm=norm, int8_inputs=int8_inputs, predictor=predictor,
+                               then=nxt)
+        return (out, None) if then is not None and nxt is None else out
     g, u = linear(x, w13, norm=norm, int8_inputs=int8_inputs).chunk(2, -1)
     a = F.silu(g) * u
-    if predictor is None:
-        return a
-    z, bg, bu, thr = predictor
-    zf = z.float().reshape(1, -1)
-    return torch.where((F.silu(zf @ bg) * (zf @ bu)).abs() >= thr, a, torch.zeros_like(a))
+    if predictor is not None:
+        z, bg, bu, thr = predictor
+        zf = z.float().reshape(1, -1)
+        a = torch.where((F.silu(zf @ bg) * (zf @ bu)).abs() >= thr, a, torch.zeros_like(a))
+    return (a, None) if then is not None else a

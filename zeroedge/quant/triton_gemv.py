@@ -38,6 +38,8 @@ The kernels are in zeroedge.quant.gemv_kernels (imported on first use: it import
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 
@@ -57,10 +59,10 @@ def _kernels():
     return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
 
 
-def _prepared_kernels():
+def _prepared_kernels(pipe: bool = False):
     from zeroedge.quant import gemv_kernels
 
-    return gemv_kernels.quantize_inputs_kernel, gemv_kernels.gemv_q_kernel
+    return gemv_kernels.quantize_inputs_kernel, (gemv_kernels.gemv_q_pipe_kernel if pipe else gemv_kernels.gemv_q_kernel)
 
 
 def _gather_kernel():
@@ -83,14 +85,15 @@ CONFIG: dict = {
     (128256, 2048, 8, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),   # LM head, int8
 }
 CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once by a first kernel
+    # (the FFN rows: session 12's second sweep, each GEMV alone in a graph of 20 calls, weights.md)
     (3072, 2048, 4, 32): dict(BN=8, BW=256, SPLIT=1, num_warps=8, PREPARED=False),
     (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=8, PREPARED=False),
     (2048, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=8, PREPARED=False),
     (2048, 2048, 4, 128): dict(BN=4, BW=256, SPLIT=4, num_warps=8, PREPARED=False),
-    (16384, 2048, 4, 32): dict(BN=16, BW=256, SPLIT=1, num_warps=4, PREPARED=True),
-    (16384, 2048, 4, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
-    (2048, 8192, 4, 32): dict(BN=8, BW=128, SPLIT=4, num_warps=8, PREPARED=True),
-    (2048, 8192, 4, 128): dict(BN=16, BW=128, SPLIT=4, num_warps=8, PREPARED=True),
+    (16384, 2048, 4, 32): dict(BN=16, BW=256, SPLIT=1, num_warps=4, num_stages=1, PREPARED=True),
+    (16384, 2048, 4, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, num_stages=4, PREPARED=True),
+    (2048, 8192, 4, 32): dict(BN=8, BW=128, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True),
+    (2048, 8192, 4, 128): dict(BN=8, BW=256, SPLIT=8, num_warps=4, PREPARED=True),
     (128256, 2048, 8, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
 }
 
@@ -118,21 +121,48 @@ def _pow2_ceil(n: int) -> int:
     return p
 
 
+class Prepared(NamedTuple):
+    """A GEMV's int8 inputs made ahead (quantize_inputs_kernel's outputs, or the epilogue of the GEMV
+    that computed them: gemv(..., then=w)) for a weight of `bits` bits and `k` inputs: xq the packed
+    words, dx each word's step, xw each word's sum of the rounded inputs."""
+    xq: torch.Tensor
+    dx: torch.Tensor
+    xw: torch.Tensor
+    bits: int
+    k: int
+
+
+def _prepared_buffers(w, device) -> Prepared:
+    roww = w.q.shape[1] // 4
+    return Prepared(torch.empty((2 if w.bits == 4 else 1) * roww, device=device, dtype=torch.int32),
+                    torch.empty(roww, device=device, dtype=torch.float32),
+                    torch.empty(roww, device=device, dtype=torch.float32), w.bits, w.k)
+
+
 def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out=None,
-         config=None, int8_inputs: bool = False, predictor=None) -> torch.Tensor:
+         config=None, int8_inputs: bool = False, predictor=None, inputs: Optional[Prepared] = None,
+         then=None):
     """x (1, K) or (K,) -> (1, N) (swiglu: (1, N / 2)) in x's dtype; w a PackedLinear on x's device;
     norm: (ln weight, eps) to RMS-normalise x first; residual: added to the output; int8_inputs: the
     dp4a kernel (each word's inputs rounded to int8: zeroedge.quant.packed.round_inputs_int8).
     predictor = (z [r], bg [r, N], bu [r, N] fp32, threshold): only the rows (swiglu: a channel's gate
     and up row together) whose |silu(z bg) * (z bu)| >= threshold are read, decided in the kernel;
-    the others give 0 (plus the residual)."""
+    the others give 0 (plus the residual).
+    inputs: x's int8 inputs already prepared (a Prepared from `then`; int8_inputs): the prepared-input
+    kernel runs whatever the launch setting says, with no rounding launch.
+    then: the PackedLinear the output goes into next; returns (y, Prepared or None): with int8 inputs
+    the epilogue prepares that weight's inputs where the shapes allow (whole words a program, every
+    word written), else None."""
     xf = x.reshape(-1)
     if xf.numel() != w.k:
         raise ValueError(f"gemv: x has {xf.numel()} inputs, the weight takes {w.k}")
     n = w.n // 2 if swiglu else w.n
     c = dict(config) if config else pick(w.n, w.k, w.bits, w.group, int8_inputs)
     split = c.pop("SPLIT", 1)
-    prepared = c.pop("PREPARED", False) and int8_inputs
+    if inputs is not None and not (int8_inputs and inputs.bits == w.bits and inputs.k == w.k and norm is None):
+        raise ValueError("gemv: prepared inputs need int8_inputs, no norm and the weight's bits and K")
+    prepared = (c.pop("PREPARED", False) and int8_inputs) or inputs is not None
+    pipe = c.pop("PIPE", False)
     roww = w.q.shape[1] // 4
     c["BW"] = min(c["BW"], _pow2_ceil(roww))
     wg = w.group * w.bits // 32                       # words a group
@@ -158,29 +188,34 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     extra = dict(launch)
     if int8_inputs:
         gk, extra = ik, dict(extra, DP4A=x.device.type == "cuda")
+    nxt = None       # the next weight's inputs, prepared in the epilogue: whole words a program, every word
+    if (then is not None and int8_inputs and then.k == n and split == 1
+            and c["BN"] % (32 // then.bits) == 0 and n % then.group == 0):
+        nxt = _prepared_buffers(then, x.device)
+    nq, ndx, nxw = nxt[:3] if nxt is not None else (y, y, y)
+    nw = nxt.dx.numel() if nxt is not None else 0
     dst = torch.empty(split, 2 * n if swiglu else n, device=x.device, dtype=torch.float32) if split > 1 else y
+    common = dict(SWIGLU=swiglu, RES=residual is not None and split == 1, SPLIT=split,
+                  LIVE=predictor is not None, R=_pow2_ceil(rk), NEXT_BITS=then.bits if nxt is not None else 0)
+    grid = (-(-n // c["BN"]), split)
     if prepared:
-        qk, pk = _prepared_kernels()
-        xq = torch.empty((2 if w.bits == 4 else 1) * roww, device=x.device, dtype=torch.int32)
-        dx = torch.empty(roww, device=x.device, dtype=torch.float32)
-        xg = torch.empty(w.groups, device=x.device, dtype=torch.float32)
-        bwq = max(wg, min(256, _pow2_ceil(roww)))
-        qk[(-(-roww // bwq),)](xf, ln, float(eps), w.k, xq, dx, xg, roww, w.groups, BITS=w.bits, G=w.group,
-                               BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, **launch)
-        pk[(-(-n // c["BN"]), split)](xq, dx, xg, w.q.view(torch.int32), w.scale, w.offset, dst, r,
-                                      z, bg, bu, thr, rk, n, w.groups, roww, wps, BITS=w.bits, G=w.group,
-                                      SWIGLU=swiglu, RES=residual is not None and split == 1, SPLIT=split,
-                                      LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
+        qk, pk = _prepared_kernels(pipe)
+        if inputs is None:
+            inputs = _prepared_buffers(w, x.device)
+            bwq = max(wg, min(256, _pow2_ceil(roww)))
+            qk[(-(-roww // bwq),)](xf, ln, float(eps), w.k, inputs.xq, inputs.dx, inputs.xw, roww, BITS=w.bits,
+                                   BWQ=bwq, NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, **launch)
+        pk[grid](inputs.xq, inputs.dx, inputs.xw, w.q.view(torch.int32), w.scale, w.offset, dst, r,
+                 nq, ndx, nxw, nw, z, bg, bu, thr, rk, n, w.groups, roww, wps, BITS=w.bits, G=w.group,
+                 **common, **c, **extra)
     else:
-        gk[(-(-n // c["BN"]), split)](xf, ln, float(eps), w.q.view(torch.int32), w.scale, w.offset, dst, r,
-                                      z, bg, bu, thr, rk, n, w.k, w.groups, roww, wps, BITS=w.bits, G=w.group,
-                                      NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, SWIGLU=swiglu,
-                                      RES=residual is not None and split == 1, SPLIT=split,
-                                      LIVE=predictor is not None, R=_pow2_ceil(rk), **c, **extra)
+        gk[grid](xf, ln, float(eps), w.q.view(torch.int32), w.scale, w.offset, dst, r, nq, ndx, nxw,
+                 nw, z, bg, bu, thr, rk, n, w.k, w.groups, roww, wps, BITS=w.bits, G=w.group,
+                 NB=min(1024, _pow2_ceil(w.k)), NORM=norm is not None, **common, **c, **extra)
     if split > 1:
         fk[(-(-n // 1024),)](dst, y, r, n, SPLIT=split, SWIGLU=swiglu, RES=residual is not None, BLOCK=1024,
                              **launch)
-    return y
+    return (y, nxt) if then is not None else y
 
 
 def gather_inputs(x: torch.Tensor, w, out=None, BC=None, split=None, num_warps=None) -> torch.Tensor:

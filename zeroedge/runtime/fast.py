@@ -133,7 +133,8 @@ def _layer_out_fn(x, o, wo, ln2, eps: float, w13, w2, i8: bool = False):
     (weights fp or packed: zeroedge.quant.packed fuses the norm, the residuals and the SwiGLU into
     its GEMVs; i8: packed GEMVs on int8-rounded inputs)."""
     x = packed.linear(o.reshape(1, -1), wo, residual=x, int8_inputs=i8)
-    return packed.linear(packed.swiglu(x, w13, norm=(ln2, eps), int8_inputs=i8), w2, residual=x, int8_inputs=i8)
+    a, a8 = packed.swiglu(x, w13, norm=(ln2, eps), int8_inputs=i8, then=w2)   # a8: w2's inputs, made in its epilogue
+    return packed.linear(a, w2, residual=x, int8_inputs=i8, inputs=a8)
 
 
 _COMPILED = {}

@@ -2,6 +2,7 @@
 and g32 float zero point): gate/up with the norm, SwiGLU and the down projection's inputs prepared
 in its epilogue, then down on those inputs with the residual. Each launch setting timed as a CUDA
 graph of 20 calls (us a call, TB/s of the weight bytes), the setting in triton_gemv.CONFIG_I8 first.
+(The "pipelined" rows of benchmarks/ffn_gemv_gpu.json ran a kernel variant of commit 291925e, removed.)
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/ffn_gemv_gpu.py [--out DIR]
 """
@@ -14,20 +15,14 @@ import bench_setup as bs
 GATE_UP = [("table", {}), ("bn8 bw256 w8", dict(BN=8, BW=256, num_warps=8)),
            ("bn32 bw128 w8", dict(BN=32, BW=128, num_warps=8)), ("bn16 bw256 w8", dict(BN=16, BW=256, num_warps=8)),
            ("bn16 bw128 w4", dict(BN=16, BW=128, num_warps=4)), ("bn16 bw64 w4", dict(BN=16, BW=64, num_warps=4)),
-           ("table, 1 stage", dict(num_stages=1)), ("table, 4 stages", dict(num_stages=4)),
-           ("table, pipelined", dict(PIPE=True)), ("pipelined bn16 bw64 w4", dict(PIPE=True, BN=16, BW=64, num_warps=4)),
-           ("pipelined bn8 bw128 w4", dict(PIPE=True, BN=8, BW=128, num_warps=4)),
-           ("pipelined bn16 bw64 w8", dict(PIPE=True, BN=16, BW=64, num_warps=8))]
+           ("table, 1 stage", dict(num_stages=1)), ("table, 4 stages", dict(num_stages=4))]
 DOWN = [("table", {}), ("split 2", dict(SPLIT=2)), ("split 8", dict(SPLIT=8)),
         ("bn8 bw256 w8", dict(BN=8, BW=256, num_warps=8)), ("bn8 bw256 w4 split 8", dict(BN=8, BW=256, num_warps=4, SPLIT=8)),
         ("bn32 bw128 w8 split 4", dict(BN=32, BW=128, num_warps=8, SPLIT=4)),
         ("bn16 bw256 w8 split 2", dict(BN=16, BW=256, num_warps=8, SPLIT=2)),
         ("bn4 bw256 w4 split 8", dict(BN=4, BW=256, num_warps=4, SPLIT=8)),
         ("bn16 bw128 w4 split 4", dict(BN=16, BW=128, num_warps=4, SPLIT=4)),
-        ("table, 1 stage", dict(num_stages=1)), ("table, 4 stages", dict(num_stages=4)),
-        ("table, pipelined", dict(PIPE=True)), ("pipelined bn8 bw128 w4 split 8", dict(PIPE=True, BN=8, BW=128, num_warps=4, SPLIT=8)),
-        ("pipelined bn16 bw64 w4 split 4", dict(PIPE=True, BN=16, BW=64, num_warps=4, SPLIT=4)),
-        ("pipelined bn8 bw64 w4 split 4", dict(PIPE=True, BN=8, BW=64, num_warps=4, SPLIT=4))]
+        ("table, 1 stage", dict(num_stages=1)), ("table, 4 stages", dict(num_stages=4))]
 
 
 def main(argv=None):

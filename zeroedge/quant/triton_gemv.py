@@ -59,10 +59,10 @@ def _kernels():
     return gemv_kernels.gemv_kernel, gemv_kernels.finish_kernel, gemv_kernels.gemv_i8_kernel
 
 
-def _prepared_kernels(pipe: bool = False):
+def _prepared_kernels():
     from zeroedge.quant import gemv_kernels
 
-    return gemv_kernels.quantize_inputs_kernel, (gemv_kernels.gemv_q_pipe_kernel if pipe else gemv_kernels.gemv_q_kernel)
+    return gemv_kernels.quantize_inputs_kernel, gemv_kernels.gemv_q_kernel
 
 
 def _gather_kernel():
@@ -162,7 +162,6 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     if inputs is not None and not (int8_inputs and inputs.bits == w.bits and inputs.k == w.k and norm is None):
         raise ValueError("gemv: prepared inputs need int8_inputs, no norm and the weight's bits and K")
     prepared = (c.pop("PREPARED", False) and int8_inputs) or inputs is not None
-    pipe = c.pop("PIPE", False)
     roww = w.q.shape[1] // 4
     c["BW"] = min(c["BW"], _pow2_ceil(roww))
     wg = w.group * w.bits // 32                       # words a group
@@ -199,7 +198,7 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
                   LIVE=predictor is not None, R=_pow2_ceil(rk), NEXT_BITS=then.bits if nxt is not None else 0)
     grid = (-(-n // c["BN"]), split)
     if prepared:
-        qk, pk = _prepared_kernels(pipe)
+        qk, pk = _prepared_kernels()
         if inputs is None:
             inputs = _prepared_buffers(w, x.device)
             bwq = max(wg, min(256, _pow2_ceil(roww)))

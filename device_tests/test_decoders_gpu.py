@@ -249,52 +249,6 @@ def test_ffn_gemv_prepares_the_down_projections_inputs_inside_a_graph():
             assert float((y.float() - want).norm() / want.norm()) < 1e-2, sch
 
 
-def test_cuda_q4_gemv_matches_the_rounded_reference_inside_a_graph():
-    """The plugin library's 4-bit GEMV (zeroedge.quant.cuda_q4; scripts/build_plugins must have built
-    it) at llama-3.2-1b's q/k/v and o shapes and a small SwiGLU, g32 float zero point and g128, fp16
-    and bf16: every CUDA-graph replay equals the rounded inputs times the dequantized weights within
-    the output dtype's rounding, and packed.linear routes these small matrices to it."""
-    import torch.nn.functional as F
-
-    from zeroedge.quant import cuda_q4, packed
-    from zeroedge.quant.groupwise import Scheme
-    from zeroedge.quant.packed import PackedLinear, round_inputs_int8
-
-    assert cuda_q4.library() is not None, f"build the plugin library: scripts/build_plugins ({cuda_q4.library_path()})"
-    torch.manual_seed(5)
-    for sch in (Scheme(4, 32, False, "float"), Scheme(4, 128, True)):
-        for n, k, sw, dt in ((3072, 2048, False, torch.bfloat16), (2048, 2048, False, torch.float16),
-                             (3072, 576, True, torch.bfloat16)):
-            w = PackedLinear.from_weight(torch.randn(n, k, device="cuda") * 0.02, sch)
-            if k % sch.group:
-                continue
-            x = (torch.randn(1, k, device="cuda") * 2).to(dt)
-            ln = (torch.rand(k, device="cuda") + 0.5).to(dt)
-            r = None if sw else torch.randn(1, n, device="cuda").to(dt)
-            assert cuda_q4.takes(x, w, swiglu=sw, norm=(ln, 1e-5))
-
-            def call():
-                if sw:
-                    return packed.swiglu(x, w, norm=(ln, 1e-5), int8_inputs=True)
-                return packed.linear(x, w, residual=r, norm=(ln, 1e-5), int8_inputs=True)
-
-            call()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                y = call()
-            for _ in range(2):
-                x.normal_()
-                g.replay()
-                xi = round_inputs_int8(F.rms_norm(x.float(), (k,), ln.float(), 1e-5), 4)
-                want = xi @ w.dequantize().T
-                if sw:
-                    gw, uw = want.chunk(2, -1)
-                    want = F.silu(gw) * uw
-                else:
-                    want = want + r.float()
-                assert float((y.float() - want).norm() / want.norm()) < 1e-2, (sch, n, k, sw, dt)
-
-
 def test_serving_a_weights_artifact_on_the_gpu_runs_the_int8_input_gemv():
     """ServingSession with an artifact's weights section on CUDA: the model is quantized and packed,
     and the request decodes through the packed GEMV on int8 inputs inside the CUDA graph."""

@@ -178,18 +178,14 @@ def round_inputs_int8(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs: bool = False, inputs=None):
     """x (1, K) @ w^T (+ bias) (+ residual), after RMSNorm when norm = (weight, eps): w a tensor
-    (F.linear) or a PackedLinear (on a GPU with Triton the packed GEMV, the norm and the residual
-    fused into it; with int8 inputs a small 4-bit matrix goes to the plugin library's CUDA GEMV where
-    it is built, zeroedge.quant.cuda_q4; else the torch reference). int8_inputs (packed only): the
-    inputs rounded to int8 a word at a time first (round_inputs_int8; the dp4a kernels). inputs: x's
-    int8 inputs as the GEMV that made x prepared them (swiglu's `then`), or None. Output in x's dtype."""
+    (F.linear) or a PackedLinear (the CUDA GEMV on a GPU with Triton, the norm and the residual fused
+    into it; else the torch reference). int8_inputs (packed only): the inputs rounded to int8 a word
+    at a time first (round_inputs_int8; the dp4a kernel). inputs: x's int8 inputs as the GEMV that
+    made x prepared them (swiglu's `then`), or None. Output in x's dtype."""
     if isinstance(w, PackedLinear) and _use_kernel(x):
-        from zeroedge.quant import cuda_q4, triton_gemv
+        from zeroedge.quant import triton_gemv
 
-        if int8_inputs and inputs is None and cuda_q4.takes(x, w, norm=norm):
-            y = cuda_q4.gemv(x, w, residual=residual, norm=norm)
-        else:
-            y = triton_gemv.gemv(x, w, residual=residual, norm=norm, int8_inputs=int8_inputs, inputs=inputs)
+        y = triton_gemv.gemv(x, w, residual=residual, norm=norm, int8_inputs=int8_inputs, inputs=inputs)
         return y if bias is None else y + bias
     if norm is not None:
         x = F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
@@ -209,11 +205,8 @@ def swiglu(x: torch.Tensor, w13, norm=None, int8_inputs: bool = False, predictor
     and never reads the dead channels' rows). then: the weight the output goes into next (W_down);
     returns (output, its prepared int8 inputs or None: linear's `inputs`)."""
     if isinstance(w13, PackedLinear) and _use_kernel(x):
-        from zeroedge.quant import cuda_q4, triton_gemv
+        from zeroedge.quant import triton_gemv
 
-        if int8_inputs and predictor is None and cuda_q4.takes(x, w13, swiglu=True, norm=norm):
-            a = cuda_q4.gemv(x, w13, norm=norm, swiglu=True)
-            return (a, None) if then is not None else a
         nxt = then if isinstance(then, PackedLinear) else None
         out = triton_gemv.gemv(x, w13, swiglu=True, norm=norm, int8_inputs=int8_inputs, predictor=predictor,
                                then=nxt)

@@ -190,11 +190,33 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
         for cfg2 in [dict(BN=8, BW=16, SPLIT=1), dict(BN=4, BW=4, SPLIT=3)]:
             y = tg.gemv(a, p2, residual=r2, config=cfg2, int8_inputs=True, inputs=prep)
             assert torch.allclose(y, want, atol=1e-5), (sch, cfg, cfg2, (y - want).abs().max())
+            # the same numbers as the rounding launch's: bit for bit
+            assert torch.equal(y, tg.gemv(a, p2, residual=r2, config=dict(cfg2, PREPARED=True), int8_inputs=True))
     # rows a program not whole words of the next weight's inputs, or split partials: nothing prepared
     for cfg in (dict(BN=2, BW=16, SPLIT=1), dict(BN=8, BW=4, SPLIT=2)):
         a, prep = tg.gemv(x, p13, swiglu=True, config=cfg, int8_inputs=True, then=p2)
         assert prep is None
-    refused(lambda: tg.gemv(a, p2, int8_inputs=False, inputs=tg._prepared_buffers(p2, a.device)), "prepared")
+    # the last program's rows past the end (F = 3 groups, 2 groups of rows a program) give zero words
+    Fs = 3 * sch.group
+    p13s, p2s = (PackedLinear.from_weight(torch.randn(2 * Fs, K) * 0.05, sch),
+                 PackedLinear.from_weight(torch.randn(N2, Fs) * 0.05, sch))
+    a, prep = tg.gemv(x, p13s, swiglu=True, config=dict(BN=2 * sch.group, BW=16, SPLIT=1), int8_inputs=True, then=p2s)
+    want = round_inputs_int8(a, sch.bits) @ p2s.dequantize().T
+    assert prep is not None and torch.allclose(tg.gemv(a, p2s, int8_inputs=True, inputs=prep), want, atol=1e-5)
+    prep = tg._prepared_buffers(p2, a.device)
+    a = torch.randn(1, F_)
+    refused(lambda: tg.gemv(a, p2, int8_inputs=False, inputs=prep), "prepared")
+    from zeroedge.quant import packed as PK            # the torch path (here: CPU) refuses the same misuse
+    refused(lambda: PK.linear(a, p2, int8_inputs=True, inputs=prep, norm=(torch.ones(F_), 1e-5)), "prepared")
+    refused(lambda: PK.linear(a, p2, int8_inputs=False, inputs=prep), "prepared")
+    refused(lambda: tg.gemv(a, p2, int8_inputs=True, inputs=prep, norm=(torch.ones(F_), 1e-5)), "prepared")
+    other = PackedLinear.from_weight(torch.randn(N2, F_) * 0.05, Scheme(4 if sch.bits == 8 else 8, 64, True))
+    refused(lambda: tg.gemv(a, other, int8_inputs=True, inputs=prep), "prepared")          # other bits
+    if sch.group == 32:            # the same K at group 64 pads to other words a row (K = 96: 12 vs 16)
+        p96 = PackedLinear.from_weight(torch.randn(N2, 96) * 0.05, sch)
+        g64 = PackedLinear.from_weight(torch.randn(N2, 96) * 0.05, Scheme(sch.bits, 64, sch.symmetric, sch.zero_point))
+        refused(lambda: tg.gemv(torch.randn(1, 96), g64, int8_inputs=True,
+                                inputs=tg._prepared_buffers(p96, a.device)), "prepared")
 print("OK")
 '''
 

@@ -249,7 +249,8 @@ def _build_swap():
     @triton.jit
     def store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr):
         """The page tables after the swaps (src into slot dst, out evicted; -1: no swap). Evicted and
-        fetched pages are disjoint, so the stores do not overlap."""
+        fetched pages are disjoint, so the stores do not overlap. Called after a barrier: no warp may
+        still be reading the tables."""
         ok = dst >= 0
         tl.store(pslot_ptr + h * n + out, tl.full(out.shape, -1, tl.int64), mask=ok)
         tl.store(pslot_ptr + h * n + src, dst, mask=ok)
@@ -262,7 +263,7 @@ def _build_swap():
         QUANT = 8 / 4 the cold pages are int8 codes / int4 codes two a byte (low nibble first, +8)
         with one scale per G values, dequantized on the way."""
         e = tl.arange(0, PEB)
-        ok = (src >= 0)[:, None] & (e < PE)[None, :]
+        ok = ((src >= 0) & (dst >= 0))[:, None] & (e < PE)[None, :]
         do = (h * w_head + dst * PE)[:, None] + e[None, :]
         if QUANT == 4:
             so = (h * n + src)[:, None] * (PE // 2) + (e // 2)[None, :]
@@ -311,6 +312,7 @@ def _build_swap():
             rs = tl.where(offs == wr, float("inf"), rs)
             s = tl.sum(tl.where(offs == wr, slot, 0), 0)
             src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
+        tl.debug_barrier()     # every warp has read the tables (with one warp's reductions, nothing else orders it)
         store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
         copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
@@ -388,6 +390,7 @@ def _build_swap():
             ms = tl.where(offs == a, float("-inf"), ms)
             rs = tl.where(offs == b, float("inf"), rs)
             src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
+        tl.debug_barrier()     # every warp has read the tables (with one warp's reductions, nothing else orders it)
         store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
         copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 

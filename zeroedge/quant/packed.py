@@ -182,6 +182,8 @@ def linear(x: torch.Tensor, w, bias=None, residual=None, norm=None, int8_inputs:
     into it; else the torch reference). int8_inputs (packed only): the inputs rounded to int8 a word
     at a time first (round_inputs_int8; the dp4a kernel). inputs: x's int8 inputs as the GEMV that
     made x prepared them (swiglu's `then`), or None. Output in x's dtype."""
+    if inputs is not None and (not int8_inputs or norm is not None or not isinstance(w, PackedLinear)):
+        raise ValueError("linear: prepared inputs go with a packed weight, int8_inputs and no norm")
     if isinstance(w, PackedLinear) and _use_kernel(x):
         from zeroedge.quant import triton_gemv
 

@@ -22,15 +22,18 @@ int8 inputs (gemv_i8_kernel, `int8_inputs=True`): each word's inputs (8 for 4-bi
 inputs summed by dp4a, four products an instruction -- the unpack-convert-multiply of every code is
 what bounds the fp32 kernel (Nsight Compute on gate/up: ~78 instructions a 32-bit word, 119 registers,
 25 % occupancy; 0.5-1.1 TB/s). On the H200, with the prepared inputs below: 1.3-1.9x cuBLAS's bf16
-GEMV of the same shape, decode 1.81-1.88x our bf16 loop at 8K (with PDL); on SmolLM2 the rounding costs under
-0.3 % of perplexity (benchmarks/weights.md).
+GEMV of the same shape, decode 1.82-1.91x our bf16 loop at 8K (with PDL); on SmolLM2 the rounding
+costs under 0.3 % of perplexity (benchmarks/weights.md).
 Triton's interpreter has no inline PTX: there (DP4A False) the same integer sums by shifts.
 Prepared int8 inputs (`PREPARED` in a launch setting): a first kernel (quantize_inputs_kernel) rounds
 and packs each word's inputs once a call -- the norm's 1 / RMS folded into their steps -- and sums
-each group's inputs; the GEMV (gemv_q_kernel) then scales each word's integer sum by its input step,
-adds a group's words and applies the group's weight step and offset once a group instead of once a
-word. Same numbers up to fp32 summation order; one launch more, so it pays on large matrices only
-(H200: gate/up 1.6x, the int8 LM head 1.7x faster; q/k/v and o slower by the launch).
+each word's rounded inputs; the GEMV (gemv_q_kernel) then scales each word's integer sum by its
+input step, adds a group's words (and their input sums) and applies the group's weight step and
+offset once a group instead of once a word. Same numbers up to fp32 summation order; one launch
+more, so it pays on large matrices only (H200: gate/up 1.6x, the int8 LM head 1.7x faster; q/k/v
+and o slower by the launch). `then=`: the GEMV whose output feeds the next weight (gate/up ->
+down) prepares that weight's inputs in its epilogue instead, so the next GEMV needs no first
+launch (+0.3-1.3 % decode on the H200, the logits bit for bit the same).
 
 Launch settings per matrix shape (CONFIG, CONFIG_I8) are the best of an H200 sweep
 (benchmarks/gpu/weights_gpu.py); `pick` falls back on the common choice for other shapes.
@@ -123,20 +126,22 @@ def _pow2_ceil(n: int) -> int:
 
 class Prepared(NamedTuple):
     """A GEMV's int8 inputs made ahead (quantize_inputs_kernel's outputs, or the epilogue of the GEMV
-    that computed them: gemv(..., then=w)) for a weight of `bits` bits and `k` inputs: xq the packed
-    words, dx each word's step, xw each word's sum of the rounded inputs."""
+    that computed them: gemv(..., then=w)) for a weight of `bits` bits, `k` inputs and `words` words
+    of codes a row (k padded to whole groups): xq the packed words, dx each word's step, xw each
+    word's sum of the rounded inputs."""
     xq: torch.Tensor
     dx: torch.Tensor
     xw: torch.Tensor
     bits: int
     k: int
+    words: int
 
 
 def _prepared_buffers(w, device) -> Prepared:
     roww = w.q.shape[1] // 4
     return Prepared(torch.empty((2 if w.bits == 4 else 1) * roww, device=device, dtype=torch.int32),
                     torch.empty(roww, device=device, dtype=torch.float32),
-                    torch.empty(roww, device=device, dtype=torch.float32), w.bits, w.k)
+                    torch.empty(roww, device=device, dtype=torch.float32), w.bits, w.k, roww)
 
 
 def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out=None,
@@ -159,8 +164,10 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     n = w.n // 2 if swiglu else w.n
     c = dict(config) if config else pick(w.n, w.k, w.bits, w.group, int8_inputs)
     split = c.pop("SPLIT", 1)
-    if inputs is not None and not (int8_inputs and inputs.bits == w.bits and inputs.k == w.k and norm is None):
-        raise ValueError("gemv: prepared inputs need int8_inputs, no norm and the weight's bits and K")
+    if inputs is not None and not (int8_inputs and norm is None and inputs.bits == w.bits and inputs.k == w.k
+                                   and inputs.words == w.q.shape[1] // 4 and inputs.dx.device == x.device):
+        raise ValueError("gemv: prepared inputs need int8_inputs, no norm, and the weight's bits, K, "
+                         "words a row and device")
     prepared = (c.pop("PREPARED", False) and int8_inputs) or inputs is not None
     roww = w.q.shape[1] // 4
     c["BW"] = min(c["BW"], _pow2_ceil(roww))

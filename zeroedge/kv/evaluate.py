@@ -227,11 +227,15 @@ def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0, lag=0):
     pm = torch.zeros(nkv, T, n, dtype=torch.bool)
     rows = torch.arange(nkv)
     inf = float("inf")
+
+    def attended(t):          # step t attends to the window as it is now
+        pm[:, t] = resident | forced[None]
+        if k:
+            chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
+
     for t in range(T):
         if lag:
-            pm[:, t] = resident | forced[None]
-            if k:
-                chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
+            attended(t)
         if t % r == 0 and k:
             ms = torch.where(resident | forced[None], -inf, ps[:, t])
             rs = torch.where(resident, ps[:, t], inf)
@@ -245,9 +249,7 @@ def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0, lag=0):
                 ms[rows, bm] = -inf
                 rs[rows, wr] = inf
         if not lag:
-            pm[:, t] = resident | forced[None]
-            if k:
-                chosen[:, t] = torch.nonzero(resident)[:, 1].view(nkv, k)
+            attended(t)
     return pm.repeat_interleave(page_size, dim=2), chosen
 
 

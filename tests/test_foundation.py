@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, run_cli
 
 
@@ -59,3 +60,18 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
     cfg.write_text(f'[daemon]\nbundle = "{tmp_path / "nope"}"\n[source]\nkind = "stdin"\n')
     p = run_cli("daemon", "--config", cfg)
     assert p.returncode == 2 and "scripts/train_sensor --export-only --bundle" in p.stderr, p.stderr
+
+
+def test_a_text_is_read_only_as_far_as_needed(tmp_path):
+    from zeroedge import texts
+    from zeroedge.errors import UserError
+
+    big = tmp_path / "big.txt"
+    with big.open("wb") as f:                   # 4 GiB, sparse: reading it whole would take minutes and the RAM
+        f.write("é".encode() * 1000)
+        f.truncate(4 << 30)
+    t = texts.load_text(str(big), texts.chars_for(100))
+    assert len(t) == texts.chars_for(100) and t.startswith("é" * 1000)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 " * 10)
+    with pytest.raises(UserError, match="not UTF-8"):
+        texts.load_text(str(tmp_path / "latin1.txt"))

@@ -62,20 +62,29 @@ def check_spec(spec: str) -> None:
         raise UserError(f"text not found: {spec} (a file, or one of: {', '.join(NAMED)})")
 
 
-def load_text(spec: str) -> str:
-    """A named corpus or a UTF-8 file; raises UserError for missing, unreadable or empty input."""
+def load_text(spec: str, max_chars: int | None = None) -> str:
+    """A named corpus or a UTF-8 file (at most its first max_chars characters: a huge file is not
+    read whole); raises UserError for missing, unreadable or empty input."""
     if spec in NAMED:
         return {"kjv": kjv, "essays": essays, "licenses": licenses}[spec]()
     p = Path(spec)
     if not p.is_file():
         raise UserError(f"text not found: {spec} (a file, or one of: {', '.join(NAMED)})")
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open(encoding="utf-8") as f:
+            text = f.read(-1 if max_chars is None else max_chars)
     except UnicodeDecodeError:
         raise UserError(f"{spec}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{spec}: cannot read ({e.strerror or e})") from None
     if not text.strip():
         raise UserError(f"{spec}: empty text")
     return text
+
+
+def chars_for(n_tokens: int) -> int:
+    """Characters of text that surely hold n_tokens tokens of any real text (64 a token)."""
+    return 64 * n_tokens + 10_000
 
 
 def tokens(tok, text: str, n: int, offset: int = 0, what: str = "text"):

@@ -87,7 +87,8 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     if ctx > m.cfg.max_seq_len:
         raise UserError(f"--ctx {ctx} exceeds the model's context ({m.cfg.max_seq_len})")
     tok = weights.tokenizer(folder)
-    ids = texts.tokens(tok, texts.load_text(text), ctx, offset=offset, what=f"text {text}")
+    ids = texts.tokens(tok, texts.load_text(text, texts.chars_for(ctx + offset)), ctx, offset=offset,
+                       what=f"text {text}")
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
     if cap is not None:
         result["device_memory"] = served_under(m.cfg, ctx, cap, kv_budget)
@@ -243,6 +244,9 @@ def table(r: dict, calib=None, paths=False) -> list:
                 f"{o.get('sink_pages', 0)} sink + {o.get('recent_pages', 0)} recent always kept)",
                 f"  {'':<30} + key summaries {_mib(r['summary_bytes'])}"
                 + (": the fixed pages and the summaries can exceed the budget" if r["hot_fraction"] > r["budget"]
-                   else ""),
-                f"  {'time':<30} {r['seconds']:.1f} s"]
+                   else "")]
+        if r.get("tail_tokens"):
+            out.append(f"  {'':<30} prefix of {r['prefix_tokens']} tokens in whole pages; the {r['tail_tokens']} "
+                       "after it are read as a prompt's tail (kept hot, not scored)")
+        out.append(f"  {'time':<30} {r['seconds']:.1f} s")
     return out

@@ -36,7 +36,10 @@ METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", 
 # validation (before any work)
 # --------------------------------------------------------------------------------------------
 def validate(n_ids: int, budget, page_size, continuation) -> int:
-    """Check the arguments; returns the prefix length. Raises UserError with one line."""
+    """Check the arguments; returns the prefix length: the tokens before the scored ones, rounded
+    down to whole pages (the rest, fewer than a page, is read as the serving decoder reads a
+    prompt's tail: teacher-forced steps whose keys stay hot, not scored). Raises UserError with
+    one line."""
     try:
         b = float(budget)
     except (TypeError, ValueError):
@@ -51,10 +54,7 @@ def validate(n_ids: int, budget, page_size, continuation) -> int:
     if prefix < 4 * page_size:
         raise UserError(f"context of {n_ids} tokens leaves a prefix of {prefix} tokens before the "
                         f"{continuation} scored ones; need at least {4 * page_size + continuation}")
-    if prefix % page_size:
-        raise UserError(f"page size {page_size} does not divide the prefix window ({prefix} tokens); "
-                        f"use a divisor of {prefix}")
-    return prefix
+    return prefix - prefix % page_size
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,7 +479,8 @@ def kv_bytes(model, tokens: int) -> int:
 
 def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int = 1024,
              **opts) -> dict:
-    """Prefill ids[:N-continuation], then score the last `continuation` tokens teacher-forced
+    """Prefill ids[:P] (P: N - continuation rounded down to whole pages; validate), then score the
+    last `continuation` tokens teacher-forced
     twice: with the full prefix KV (exact prefill) and with thermal KV at hot fraction `budget` of
     the prefix, as the serving decoder runs it (its prefill into a compressed cold store, its
     window, sketch and swaps; the continuation's own tokens stay hot). Returns full_kv_ppl,
@@ -512,11 +513,12 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     t0 = time.perf_counter()
     pre = prefill(model, ids[:P], stats=False)
     cont = ids[P:]
-    nll_full = score_continuation(model, cont, pre, "full", 1.0, page_size)
+    tail = len(cont) - continuation                  # < a page: read, not scored
+    nll_full = score_continuation(model, cont, pre, "full", 1.0, page_size)[tail:]
     st = {}
     pre_th = quant_prefill(model, ids[:P], o["cold"]) if o["cold"] != "host" else pre
     nll_th = score_continuation(model, cont, pre_th, "thermal", float(budget), page_size, opts=o,
-                                stats=st)
+                                stats=st)[tail:]
     cfg = model.cfg
     fixed, slots = window_pages(P, float(budget), _settings(o, page_size))
     kb = thermal_device_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, P, 0,
@@ -534,7 +536,7 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
         "cold_on_device_bytes": kb["cold_on_device"],
         "device_kv_bytes": kb["hot"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"],
         "budget": float(budget), "page_size": page_size, "prefix_tokens": P,
-        "scored_tokens": len(cont), "hot_pages_per_head": fixed + slots, "options": o,
+        "tail_tokens": tail, "scored_tokens": continuation, "hot_pages_per_head": fixed + slots, "options": o,
     }
     out["ppl_rise"] = out["thermal_ppl"] / out["full_kv_ppl"] - 1
     out["hot_fraction"] = out["hot_kv_bytes"] / kb["prefix_full"]

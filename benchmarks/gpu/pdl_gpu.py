@@ -5,6 +5,8 @@ they must agree bit for bit). Switches:
   pdl           programmatic dependent launch (ZEROEDGE_PDL=0 / 1; session 10)
   fused-inputs  the down projection's int8 inputs prepared in the gate/up GEMV's epilogue (the
                 `then` of zeroedge.quant.triton_gemv.gemv) or by a launch of their own (session 12)
+  qkv-g32       the g32 q/k/v GEMV's launch setting of session 13 or session 12's (CONFIG_I8): its
+                sums run in another order, so the logits may differ by rounding
 (benchmarks/cuda_q4_gpu.json came from a third switch, cuda-q4, in this script at commit 88eab61.)
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--switch pdl] [--ctx 8192,32768] [--out DIR]
@@ -25,6 +27,11 @@ def _set(switch: str, on: bool) -> None:
     if switch == "pdl":
         os.environ["ZEROEDGE_PDL"] = "1" if on else "0"
         return
+    if switch == "qkv-g32":
+        key = (3072, 2048, 4, 32)
+        _set.new = getattr(_set, "new", triton_gemv.CONFIG_I8[key])
+        triton_gemv.CONFIG_I8[key] = _set.new if on else dict(BN=8, BW=256, SPLIT=1, num_warps=8, PREPARED=False)
+        return
     gemv = _set.gemv = getattr(_set, "gemv", triton_gemv.gemv)
 
     def unfused(*args, then=None, **kw):      # the next weight's inputs left to their own launch
@@ -38,7 +45,7 @@ def main(argv=None):
     ap = bs.parser(__doc__)
     bs.add_out(ap, "/tmp/pdl_out")
     bs.add_ctx(ap, "8192,32768")
-    ap.add_argument("--switch", choices=("pdl", "fused-inputs"), default="pdl")
+    ap.add_argument("--switch", choices=("pdl", "fused-inputs", "qkv-g32"), default="pdl")
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args(argv)
     if not bs.cuda_or_skip("pdl_gpu: skipped, no CUDA GPU here"):
@@ -71,7 +78,8 @@ def main(argv=None):
                     e.attention.kv.copy_(d.attention.kv)
                     diff = float((d.step(5, ctx + 100).float() - e.step(5, ctx + 100).float()).abs().max())
                     del e
-                    assert diff == 0.0, f"{variant} at {ctx}: logits differ with {a.switch} ({diff})"
+                    exact = a.switch != "qkv-g32"
+                    assert diff == 0.0 or not exact, f"{variant} at {ctx}: logits differ with {a.switch} ({diff})"
                 rows.append(dict(weights=variant + ("/int8-inputs" if i8 else ""), ctx=ctx, switch=a.switch,
                                  on=on, pdl=on if a.switch == "pdl" else None, ms=ms, tok_s=1e3 / ms,
                                  max_logit_diff=diff))

@@ -5,8 +5,9 @@ they must agree bit for bit). Switches:
   pdl           programmatic dependent launch (ZEROEDGE_PDL=0 / 1; session 10)
   fused-inputs  the down projection's int8 inputs prepared in the gate/up GEMV's epilogue (the
                 `then` of zeroedge.quant.triton_gemv.gemv) or by a launch of their own (session 12)
-  qkv-g32       the g32 q/k/v GEMV's launch setting of session 13 or session 12's (CONFIG_I8): its
-                sums run in another order, so the logits may differ by rounding
+  qkv-g32       the g32 q/k/v GEMV's launch setting of session 13 or session 12's (CONFIG_I8)
+  qkvo-split1   the g128 q/k/v and o GEMVs in one launch each (SPLIT 1) or split 4 with a sum launch
+  (the launch-setting switches sum in another order: the logits may differ by rounding)
 (benchmarks/cuda_q4_gpu.json came from a third switch, cuda-q4, in this script at commit 88eab61.)
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--switch pdl] [--ctx 8192,32768] [--out DIR]
@@ -19,6 +20,13 @@ import os
 import bench_setup as bs
 
 GEN = 400
+LAUNCH = {   # launch-setting switches: CONFIG_I8 key -> (off, on)
+    "qkv-g32": {(3072, 2048, 4, 32): (dict(BN=8, BW=256, SPLIT=1, num_warps=8),
+                                      dict(BN=4, BW=256, SPLIT=1, num_warps=4))},
+    "qkvo-split1": {(3072, 2048, 4, 128): (dict(BN=8, BW=256, SPLIT=4, num_warps=8),
+                                           dict(BN=8, BW=256, SPLIT=1, num_warps=8)),
+                    (2048, 2048, 4, 128): (dict(BN=4, BW=256, SPLIT=4, num_warps=8),
+                                           dict(BN=4, BW=256, SPLIT=1, num_warps=8))}}
 
 
 def _set(switch: str, on: bool) -> None:
@@ -27,10 +35,9 @@ def _set(switch: str, on: bool) -> None:
     if switch == "pdl":
         os.environ["ZEROEDGE_PDL"] = "1" if on else "0"
         return
-    if switch == "qkv-g32":
-        key = (3072, 2048, 4, 32)
-        _set.new = getattr(_set, "new", triton_gemv.CONFIG_I8[key])
-        triton_gemv.CONFIG_I8[key] = _set.new if on else dict(BN=8, BW=256, SPLIT=1, num_warps=8, PREPARED=False)
+    if switch in LAUNCH:
+        for key, (off, on_) in LAUNCH[switch].items():
+            triton_gemv.CONFIG_I8[key] = dict(on_ if on else off, PREPARED=False)
         return
     gemv = _set.gemv = getattr(_set, "gemv", triton_gemv.gemv)
 
@@ -45,7 +52,7 @@ def main(argv=None):
     ap = bs.parser(__doc__)
     bs.add_out(ap, "/tmp/pdl_out")
     bs.add_ctx(ap, "8192,32768")
-    ap.add_argument("--switch", choices=("pdl", "fused-inputs", "qkv-g32"), default="pdl")
+    ap.add_argument("--switch", choices=("pdl", "fused-inputs", *LAUNCH), default="pdl")
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args(argv)
     if not bs.cuda_or_skip("pdl_gpu: skipped, no CUDA GPU here"):
@@ -78,7 +85,7 @@ def main(argv=None):
                     e.attention.kv.copy_(d.attention.kv)
                     diff = float((d.step(5, ctx + 100).float() - e.step(5, ctx + 100).float()).abs().max())
                     del e
-                    exact = a.switch != "qkv-g32"
+                    exact = a.switch not in LAUNCH
                     assert diff == 0.0 or not exact, f"{variant} at {ctx}: logits differ with {a.switch} ({diff})"
                 rows.append(dict(weights=variant + ("/int8-inputs" if i8 else ""), ctx=ctx, switch=a.switch,
                                  on=on, pdl=on if a.switch == "pdl" else None, ms=ms, tok_s=1e3 / ms,

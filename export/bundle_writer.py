@@ -424,7 +424,7 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
     info["graphs"]. scheme (quantize_graph.Scheme): 4-bit linear layers, the rest as float16."""
     import onnx
 
-    from zeroedge.export import rewrite
+    from zeroedge.export import ort_fusions, rewrite
 
     wf = WeightFile(tmp / WEIGHTS)
     files, opsets, params, halved = {}, {}, None, 0
@@ -462,6 +462,10 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
             p = onnx.ModelProto()
             p.CopyFrom(done[id(per[flavour])])
             conv(p)
+            if flavour == "portable":
+                ort_fusions.skip_rmsnorms(p)
+                if name == "decode":                    # 2-D activations
+                    ort_fusions.side_product_gemms(p)
             fn = f"{name}.{flavour}.onnx"
             onnx.save_model(p, str(tmp / fn))
             files[fn] = {"graph": name, "flavour": flavour}

@@ -46,7 +46,7 @@ def _wrappers():
     import torch
     from torch import nn
 
-    from zeroedge.model import apply_rope, rope_matrix
+    from zeroedge.model import apply_rope, rope_basis, rope_matrix
 
     def layer_attn(blk, x, cos, sin):
         """The attention's input side (zeroedge.model.Attention.project): a, q, k, v, query heads."""
@@ -146,6 +146,9 @@ def _wrappers():
             self.m = model
             self.cfg = model.cfg
             grouped_qkv_weights(self, model)
+            eye, r = rope_basis(model.cfg.head_dim)
+            self.register_buffer("rope_eye", eye)
+            self.register_buffer("rope_r", r)
 
         def forward(self, tokens, pos, slot_pos, *past):
             """Written for a short graph (~40 onnxruntime nodes a layer, was ~88): the batch is traced as
@@ -159,7 +162,7 @@ def _wrappers():
             scale = 1.0 / math.sqrt(hd)
             f = pos.float()[:, None] * m.inv_freq[None, :]               # (B, hd/2)
             emb = torch.cat((f, f), dim=-1)[:, None, :]                  # (B, 1, hd)
-            rot = rope_matrix(emb.cos(), emb.sin())                      # (B, 1, hd, hd)
+            rot = rope_matrix(emb.cos(), emb.sin(), (self.rope_eye, self.rope_r))   # (B, 1, hd, hd)
             neg = torch.where(slot_pos >= 0, 0.0, float("-inf"))[:, None, None, :]  # (B,1,1,S)
             x = m.embed_tokens(tokens[:, 0])                                # (B, D): 2-D all the way
             news, masses = [], []

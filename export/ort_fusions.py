@@ -1,5 +1,6 @@
-"""Fusions onnxruntime does not find itself, written into the portable graphs (com.microsoft ops: the
-portable flavour only; the TensorRT graphs keep standard ONNX).
+"""Fusions onnxruntime does not find itself, written into the portable decode graph (com.microsoft
+ops: the portable flavour only; the TensorRT graphs keep standard ONNX, and the prefill graphs keep
+their form). fuse_decode applies both:
 
 skip_rmsnorms: a residual Add whose sum feeds an RMSNorm and the rest of the residual stream ->
 one SkipSimplifiedLayerNormalization (its 4th output is the sum). onnxruntime fuses Add +
@@ -12,6 +13,11 @@ graph). onnxruntime's own MatMul + Add fusion takes most of them, not those whos
 infer (the o_proj's, after the attention's Reshape).
 """
 from __future__ import annotations
+
+
+def fuse_decode(model) -> dict:
+    """Both fusions on a portable decode graph (2-D activations), in place; returns their counts."""
+    return {"skip_rmsnorms": skip_rmsnorms(model), "side_product_gemms": side_product_gemms(model)}
 
 
 def _const(graph, inits: dict, name: str):
@@ -129,7 +135,7 @@ def side_product_gemms(model) -> int:
         y_sym = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
         gone.add(id(mm))
         new[id(add)] = helper.make_node("Gemm", [mm.input[0], mm.input[1], y_sym], list(add.output),
-                                        name=mm.name + "_Gemm")
+                                        name=mm.name)          # still the offset product
     nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]
     del g.node[:]
     g.node.extend(nodes)

@@ -1,8 +1,8 @@
 """torch -> ONNX: the prefill graph and the decode graph of the reference model (zeroedge.model).
 
-Both graphs are exported from small torch wrappers that reuse the model's own modules (RMSNorm,
-q/k/v/o projections, the SwiGLU MLP), so the FFN of every layer keeps the plain RMSNorm -> MLP shape
-the rewrite (export/rewrite.py) looks for. Attention is written out (explicit softmax) because both
+Both graphs are exported from small torch wrappers that reuse the model's own modules (RMSNorm, the
+o projection, the SwiGLU MLP; q/k/v as one product on their weights grouped per kv head), so the FFN
+of every layer keeps the plain RMSNorm -> MLP shape the rewrite (export/rewrite.py) looks for. Attention is written out (explicit softmax) because both
 graphs report the attention mass each cached position received: the thermal KV runtime's heat.
 
 prefill  inputs : tokens int64 [B, T]                  (positions P..P+T-1)
@@ -56,8 +56,8 @@ def _wrappers():
 
     def grouped_qkv_weights(module, model):
         """q / k / v as one product on their weights side by side, grouped per kv head: for each kv
-        head its g query heads, its key and its value. Registered on the wrapper (buffers qkv_w.{i},
-        qkv_b.{i}: initializers of the graph) for each layer that keeps all its heads; the prefill and
+        head its g query heads, its key and its value. Registered on the wrapper (buffers qkv_w{i},
+        qkv_b{i}: initializers of the graph) for each layer that keeps all its heads; the prefill and
         decode graphs read the same bytes (stored once), and the decode step splits q, k and v without
         reshaping each. The quantizer sees one linear layer: each column is the same dot product as
         in q_proj / k_proj / v_proj."""
@@ -151,7 +151,7 @@ def _wrappers():
             self.register_buffer("rope_r", r)
 
         def forward(self, tokens, pos, slot_pos, *past):
-            """Written for a short graph (~40 onnxruntime nodes a layer, was ~88): the batch is traced as
+            """Written for a short graph (~37 onnxruntime nodes a layer, was ~88): the batch is traced as
             -1 (no shape arithmetic), q / k / v come from one product grouped per kv head (grouped_qkv),
             q and k are rotated together by one rotation matrix for the step (model.rope_matrix), the
             new token's own score is one more product, and each layer's mass is one product that one
@@ -178,7 +178,7 @@ def _wrappers():
                     qg, k = (qk @ rot).split([group, 1], 2)              # (B, Hkv, g, hd), (B, Hkv, 1, hd)
                     # the window as the left operand: a long A and a 3-column B run ~20 % faster in
                     # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots); the
-                    # scale on the products (onnxruntime folds it into them)
+                    # 1/sqrt(hd) on both score products (onnxruntime folds it into them as alpha)
                     s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
                     s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
                     p = torch.cat((s_old, s_new), -1).softmax(-1)

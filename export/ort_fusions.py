@@ -45,7 +45,8 @@ def _match_rmsnorm(graph, inits: dict, producer: dict, readers: dict, mean):
         return r[0] if len(r) == 1 and r[0].op_type == op else None
 
     sq = producer.get(mean.input[0])
-    if sq is None or sq.op_type != "Pow" or _const(graph, inits, sq.input[1]) != 2.0:
+    if (sq is None or sq.op_type != "Pow" or _const(graph, inits, sq.input[1]) != 2.0
+            or len(mean.input) < 2 or _const(graph, inits, mean.input[1]) != -1.0):
         return None
     x = sq.input[0]
     add = only_reader(mean.output[0], "Add")

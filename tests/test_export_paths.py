@@ -100,10 +100,11 @@ def test_decode_graph_has_one_paths_node_per_sparse_layer(tiny_paths):
         else:
             assert len(m.functions) == 0
         assert any(o.domain == spec.DOMAIN for o in m.opset_import)
-        # no dense FFN left in the sparse layers: a dense decode layer has 9 MatMuls (q / k / v as one,
-        # RoPE of q and k as one, three for attention, o, gate, up, down), plus the lm_head Gemm
+        # no dense FFN left in the sparse layers: a dense decode layer has 10 MatMuls (q / k / v as one,
+        # RoPE of q and k as one, three for attention, the attention mass's mean over the heads, o,
+        # gate, up, down), plus the lm_head Gemm
         mm = [n for n in m.graph.node if n.op_type in ("MatMul", "Gemm")]
-        assert len(mm) == 9 * 4 + 1 - 3 * len(PATHS)
+        assert len(mm) == 10 * 4 + 1 - 3 * len(PATHS)
         assert sum(n.op_type == "Sigmoid" for n in m.graph.node) == 4 - len(PATHS)
     # the sparse layers' W_gate / W_up / W_down initializers are gone (by content), the dense
     # layers keep theirs, and w13_t / wd_t are the transposed weights

@@ -3,7 +3,8 @@
 bundle/
   prefill.portable.onnx   custom nodes as model-local functions (runs in onnxruntime anywhere)
   prefill.trt.onnx        same graph, plugin nodes for TensorRT (no model.functions)
-  decode.portable.onnx    decode step over the fixed-slot window: no SIH/PAD (T = 1 < min_tokens); with
+  decode.portable.onnx    decode step over the fixed-slot window: no SIH/PAD (T = 1 < min_tokens), fusions
+                          onnxruntime does not find itself written in (export.ort_fusions); with
                           a magnitude "paths" artifact each sparse layer's FFN is one ZeroEdgePathsFFN
                           node (thresholds from the artifact, weights w13_t [D, 2F] / wd_t [F, D])
   decode.trt.onnx         same graph, plugin nodes; ZeroEdgePathsFFN runs in fp16 there (the plugin takes
@@ -424,7 +425,7 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
     info["graphs"]. scheme (quantize_graph.Scheme): 4-bit linear layers, the rest as float16."""
     import onnx
 
-    from zeroedge.export import rewrite
+    from zeroedge.export import ort_fusions, rewrite
 
     wf = WeightFile(tmp / WEIGHTS)
     files, opsets, params, halved = {}, {}, None, 0
@@ -462,6 +463,8 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
             p = onnx.ModelProto()
             p.CopyFrom(done[id(per[flavour])])
             conv(p)
+            if flavour == "portable" and name == "decode":
+                ort_fusions.fuse_decode(p)
             fn = f"{name}.{flavour}.onnx"
             onnx.save_model(p, str(tmp / fn))
             files[fn] = {"graph": name, "flavour": flavour}

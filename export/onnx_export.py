@@ -1,8 +1,8 @@
 """torch -> ONNX: the prefill graph and the decode graph of the reference model (zeroedge.model).
 
-Both graphs are exported from small torch wrappers that reuse the model's own modules (RMSNorm,
-q/k/v/o projections, the SwiGLU MLP), so the FFN of every layer keeps the plain RMSNorm -> MLP shape
-the rewrite (export/rewrite.py) looks for. Attention is written out (explicit softmax) because both
+Both graphs are exported from small torch wrappers that reuse the model's own modules (RMSNorm, the
+o projection, the SwiGLU MLP; q/k/v as one product on their weights grouped per kv head), so the FFN
+of every layer keeps the plain RMSNorm -> MLP shape the rewrite (export/rewrite.py) looks for. Attention is written out (explicit softmax) because both
 graphs report the attention mass each cached position received: the thermal KV runtime's heat.
 
 prefill  inputs : tokens int64 [B, T]                  (positions P..P+T-1)
@@ -46,13 +46,39 @@ def _wrappers():
     import torch
     from torch import nn
 
-    from zeroedge.model import rope_matrix
+    from zeroedge.model import apply_rope, rope_basis, rope_matrix
 
     def layer_attn(blk, x, cos, sin):
         """The attention's input side (zeroedge.model.Attention.project): a, q, k, v, query heads."""
         a = blk.self_attn
         q, k, v = a.project(x, cos, sin)
         return a, q, k, v, a.q_proj.out_features // a.cfg.head_dim   # a Python int, also when traced
+
+    def grouped_qkv_weights(module, model):
+        """q / k / v as one product on their weights side by side, grouped per kv head: for each kv
+        head its g query heads, its key and its value. Registered on the wrapper (buffers qkv_w{i},
+        qkv_b{i}: initializers of the graph) for each layer that keeps all its heads; the prefill and
+        decode graphs read the same bytes (stored once), and the decode step splits q, k and v without
+        reshaping each. The quantizer sees one linear layer: each column is the same dot product as
+        in q_proj / k_proj / v_proj."""
+        hd, nkv = model.cfg.head_dim, model.cfg.n_kv_heads
+        g = model.cfg.n_heads // nkv
+        for li, blk in enumerate(model.layers):
+            a = blk.self_attn
+            if a.kept_heads.numel() != model.cfg.n_heads:
+                continue
+            parts = [(a.q_proj, g), (a.k_proj, 1), (a.v_proj, 1)]
+            with torch.no_grad():
+                w = torch.cat([p.weight.view(nkv, n, hd, -1) for p, n in parts], 1).flatten(0, 2)
+                module.register_buffer(f"qkv_w{li}", w.t().contiguous())          # [D, Hkv (g + 2) hd]
+                if a.q_proj.bias is not None:
+                    module.register_buffer(f"qkv_b{li}", torch.cat([p.bias.view(nkv, n, hd) for p, n in parts],
+                                                                   1).flatten())
+
+    def grouped_qkv(module, li, x):
+        """(..., D) -> (..., Hkv (g + 2) hd) through layer li's grouped weights (grouped_qkv_weights)."""
+        y = x @ getattr(module, f"qkv_w{li}")
+        return y + getattr(module, f"qkv_b{li}") if hasattr(module, f"qkv_b{li}") else y
 
     def _lm_head(m, x):
         """(B, D) -> (B, 1, V) as Gemm(transB=1) on the [V, D] weight itself, so a tied lm_head
@@ -64,6 +90,7 @@ def _wrappers():
             super().__init__()
             self.m = model
             self.cfg = model.cfg
+            grouped_qkv_weights(self, model)
 
         def forward(self, tokens, *prefix):
             m, cfg = self.m, self.cfg
@@ -79,7 +106,16 @@ def _wrappers():
             x = m.embed_tokens(tokens)
             ks, vs, masses = [], [], []
             for li, blk in enumerate(m.layers):
-                a, q, k, v, h = layer_attn(blk, blk.input_layernorm(x), cos, sin)
+                xn = blk.input_layernorm(x)
+                if blk.self_attn.kept_heads.numel() == cfg.n_heads:
+                    a, h = blk.self_attn, cfg.n_heads
+                    qkv = grouped_qkv(self, li, xn).view(B, T, nkv, h // nkv + 2, hd)
+                    q, k, v = qkv.split([h // nkv, 1, 1], 3)
+                    q = apply_rope(q.flatten(2, 3).transpose(1, 2), cos, sin)
+                    k = apply_rope(k.squeeze(3).transpose(1, 2), cos, sin)
+                    v = v.squeeze(3).transpose(1, 2)
+                else:
+                    a, q, k, v, h = layer_attn(blk, xn, cos, sin)
                 ks.append(k)
                 vs.append(v)
                 k = torch.cat((prefix[2 * li].transpose(1, 2), k), 2)          # (B, Hkv, P+T, hd)
@@ -109,48 +145,62 @@ def _wrappers():
             super().__init__()
             self.m = model
             self.cfg = model.cfg
+            grouped_qkv_weights(self, model)
+            eye, r = rope_basis(model.cfg.head_dim)
+            self.register_buffer("rope_eye", eye)
+            self.register_buffer("rope_r", r)
 
         def forward(self, tokens, pos, slot_pos, *past):
-            """Written for a short graph (~47 onnxruntime nodes a layer, was ~88): the batch is traced as
-            -1 (no shape arithmetic), RoPE is one rotation matrix for the step (model.rope_matrix)
-            with q's 1/sqrt(hd) folded in, and the new token's own score is one more product."""
+            """Written for a short graph (~37 onnxruntime nodes a layer, was ~88): the batch is traced as
+            -1 (no shape arithmetic), q / k / v come from one product grouped per kv head (grouped_qkv),
+            q and k are rotated together by one rotation matrix for the step (model.rope_matrix), the
+            new token's own score is one more product, and each layer's mass is one product that one
+            Concat stacks."""
             m, cfg = self.m, self.cfg
             hd, nkv = cfg.head_dim, cfg.n_kv_heads
             group = cfg.n_heads // nkv
+            scale = 1.0 / math.sqrt(hd)
             f = pos.float()[:, None] * m.inv_freq[None, :]               # (B, hd/2)
             emb = torch.cat((f, f), dim=-1)[:, None, :]                  # (B, 1, hd)
-            rot = rope_matrix(emb.cos(), emb.sin())                      # (B, 1, hd, hd)
-            rope = (rot * (1.0 / math.sqrt(hd)), rot)                    # q's scale folded in
+            rot = rope_matrix(emb.cos(), emb.sin(), (self.rope_eye, self.rope_r))   # (B, 1, hd, hd)
             neg = torch.where(slot_pos >= 0, 0.0, float("-inf"))[:, None, None, :]  # (B,1,1,S)
+            S = slot_pos.shape[1]
             x = m.embed_tokens(tokens[:, 0])                                # (B, D): 2-D all the way
             news, masses = [], []
             for li, blk in enumerate(m.layers):
                 pk, pv = past[2 * li], past[2 * li + 1]
                 a = blk.self_attn
-                q, k, v = a.project(blk.input_layernorm(x), None, None, rope)
                 h = a.q_proj.out_features // hd                          # a Python int, also when traced
-                news += [k, v]
+                xn = blk.input_layernorm(x)
                 if h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
-                    qg = q.reshape(-1, nkv, group, hd)                   # (B, Hkv, g, hd)
+                    qkv = grouped_qkv(self, li, xn).reshape(-1, nkv, group + 2, hd)
+                    qk, v = qkv.split([group + 1, 1], 2)                 # (B, Hkv, g + 1, hd), (B, Hkv, 1, hd)
+                    qg, k = (qk @ rot).split([group, 1], 2)              # (B, Hkv, g, hd), (B, Hkv, 1, hd)
                     # the window as the left operand: a long A and a 3-column B run ~20 % faster in
-                    # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots)
-                    s_old = (pk @ qg.transpose(-1, -2)).transpose(-1, -2) + neg   # (B, Hkv, g, S)
-                    s_new = qg @ k.transpose(-1, -2)                     # (B, Hkv, g, 1)
+                    # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots); the
+                    # 1/sqrt(hd) on both score products (onnxruntime folds it into them as alpha)
+                    s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
+                    s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
                     p = torch.cat((s_old, s_new), -1).softmax(-1)
-                    out = (p[..., :-1].to(pv.dtype) @ pv).float() + p[..., -1:] * v   # (B, Hkv, g, hd)
-                    masses.append(p[..., :-1].mean((1, 2)))
+                    p_old, p_new = p[..., :-1], p[..., -1:]
+                    out = (p_old.to(pv.dtype) @ pv).float() + p_new * v  # (B, Hkv, g, hd)
                 else:
+                    q, k, v = a.project(xn, None, None, (rot * scale, rot))
                     kv_index = a.kept_heads // group
                     kk, vv = pk.index_select(1, kv_index), pv.index_select(1, kv_index)
                     kn, vn = k.index_select(1, kv_index), v.index_select(1, kv_index)
                     s_old = q @ kk.transpose(-1, -2) + neg               # (B, h, 1, S)
                     s_new = q @ kn.transpose(-1, -2)                     # (B, h, 1, 1)
                     p = torch.cat((s_old, s_new), -1).softmax(-1)
-                    out = (p[..., :-1].to(vv.dtype) @ vv).float() + p[..., -1:] * vn  # (B, h, 1, hd)
-                    masses.append(p[..., 0, :-1].mean(1))
+                    p_old, p_new = p[..., :-1], p[..., -1:]
+                    out = (p_old.to(vv.dtype) @ vv).float() + p_new * vn  # (B, h, 1, hd)
+                # the mean over the query heads as a product: onnxruntime's ReduceMean over the
+                # head axes takes ~10 us a layer at 2K slots, this ~1 us
+                masses.append(torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S))   # (B, 1, S)
+                news += [k, v]
                 x = x + a.o_proj(out.reshape(-1, h * hd))
                 x = x + blk.mlp(blk.post_attention_layernorm(x))
-            return (_lm_head(m, x), *news, torch.stack(masses, 1))
+            return (_lm_head(m, x), *news, torch.cat(masses, 1))
 
     return Prefill, Decode
 

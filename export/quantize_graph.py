@@ -12,9 +12,10 @@
                           by a low-rank side product: (x @ E) @ C, E [K, K/g] the 0/1 block indicator,
                           C [K/g, N] = (s * (8 - z))^T. Exactly the same weights as MatMulNBits.
 
-Linear layers that read the same input (q / k / v, gate / up) are first fused into one MatMul on the
-weights side by side and a Split (fuse_sibling_linears), in both flavours and in the prefill and decode
-graphs alike, so weights.bin still holds each weight once.
+Linear layers that read the same input (gate / up, and q / k / v where the exporter did not already
+write them as one product grouped per kv head: onnx_export.grouped_qkv_weights) are first fused into
+one MatMul on the weights side by side and a Split (fuse_sibling_linears), in both flavours and in the
+prefill and decode graphs alike, so weights.bin still holds each weight once.
 
 The embedding, tied to the LM head (SmolLM2), is int8 symmetric in groups along the hidden dimension
 (embedding_bits 8, the calibration's choice, zeroedge.quant.apply): onnxruntime's 8-bit block quantizer

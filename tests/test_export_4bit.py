@@ -55,9 +55,9 @@ def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
         p = _graph(b4 / name / f"{graph}.portable.onnx")
         bits = lambda n: next(a.i for a in n.attribute if a.name == "bits")
         nb = [n for n in p.node if n.op_type == "MatMulNBits" and bits(n) == 4]
-        assert 7 * L == q["nodes"][graph]
-        # q / k / v and gate / up read one input each: fused into one node + Split (fuse_sibling_linears)
-        assert len(nb) == 4 * L and sum(n.op_type == "Split" and n.name.endswith("_fused_Split") for n in p.node) == 2 * L
+        assert 5 * L == q["nodes"][graph]          # q / k / v exported as one product (grouped per kv head)
+        # gate / up read one input: fused into one node + Split (fuse_sibling_linears)
+        assert len(nb) == 4 * L and sum(n.op_type == "Split" and n.name.endswith("_fused_Split") for n in p.node) == L
         assert all(n.domain == "com.microsoft" for n in nb)
         # no float linear layer left (the offset products of a float zero point are [K, K/g] / [K/g, N])
         assert [n for n in _const_matmuls(p) if not n.endswith(("_BlockSum", "_Offset"))] == []
@@ -141,6 +141,11 @@ def _dequantized_reference(model, bundle):
         off = val(n.name + "_zp_offset") if cast.get(n.name + "_zp_offset", n.name + "_zp_offset") in inits else None
         if off is not None:                                     # float zero point: + s * (8 - z) per block
             w = w + np.repeat(off.T, bs, 1)[:, :K]
+        if n.input[1].startswith("qkv_w"):                     # q / k / v grouped per kv head (export.onnx_export)
+            c = model.cfg
+            kv = w.reshape(c.n_kv_heads, c.n_heads // c.n_kv_heads + 2, c.head_dim, K)
+            ws += [(None, kv[:, :-2].reshape(-1, K)), (None, kv[:, -2].reshape(-1, K)), (None, kv[:, -1].reshape(-1, K))]
+            continue
         for i, part in enumerate(np.split(w, np.cumsum(_parts(g, n))[:-1], 0)):
             ws.append((n.name if i == 0 else None, part))
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -248,7 +253,14 @@ def test_float_zero_point_bundle_is_what_eval_fake_quantizes(b4):
     nodes = [n for n in g.node if n.op_type == "MatMulNBits" and helper.get_attribute_value(n.attribute[
         [a.name for a in n.attribute].index("bits")]) == 4]
     it = iter([blk.get_submodule(name).weight.data for blk in model.layers for name in qa.LINEARS])
-    weights = [torch.cat([next(it) for _ in _parts(g, n)]) for n in nodes]      # fused siblings side by side
+    weights = []
+    for n in nodes:
+        if n.input[1].startswith("qkv_w"):                 # q / k / v grouped per kv head (export.onnx_export)
+            c = model.cfg
+            qkv = [next(it).reshape(c.n_kv_heads, -1, c.head_dim, c.dim) for _ in range(3)]
+            weights.append(torch.cat(qkv, 1).reshape(-1, c.dim))
+        else:
+            weights.append(torch.cat([next(it) for _ in _parts(g, n)]))          # fused siblings side by side
     assert next(it, None) is None
     for n, w in zip(nodes, weights):
         q, s, z, m = quantize_float(w, sch)

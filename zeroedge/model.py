@@ -90,17 +90,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_basis(hd: int, dtype=torch.float32, device=None) -> tuple:
+    """(I, R) [hd, hd]: the identity and the signed permutation of the half split, x @ R ==
+    cat(-x2, x1) (rope_matrix's constants)."""
+    r = torch.zeros(hd, hd, dtype=dtype, device=device)
+    half = torch.arange(hd // 2, device=device)
+    r[half + hd // 2, half] = -1.0
+    r[half, half + hd // 2] = 1.0
+    return torch.eye(hd, dtype=dtype, device=device), r
+
+
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor, basis: Optional[tuple] = None) -> torch.Tensor:
     """apply_rope at one position as a matrix: cos/sin (..., hd) -> M (..., hd, hd) with
     x @ M == apply_rope(x, cos, sin) (up to float rounding): diag(cos) + R diag(sin), R the signed
     permutation of the half split. A decode step builds it once and rotates q and k with one small
-    MatMul each (the ONNX decode graph) instead of slices, a negation and a concat per head tensor."""
-    hd = cos.shape[-1]
-    r = torch.zeros(hd, hd, dtype=cos.dtype, device=cos.device)
-    half = torch.arange(hd // 2, device=cos.device)
-    r[half + hd // 2, half] = -1.0
-    r[half, half + hd // 2] = 1.0
-    return torch.eye(hd, dtype=cos.dtype, device=cos.device) * cos[..., None, :] + r * sin[..., None, :]
+    MatMul (the ONNX decode graph) instead of slices, a negation and a concat per head tensor.
+    basis: rope_basis(hd), given as constants (the ONNX decode graph: not rebuilt from traced shapes)."""
+    eye, r = basis if basis is not None else rope_basis(cos.shape[-1], cos.dtype, cos.device)
+    return eye * cos[..., None, :] + r * sin[..., None, :]
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,161 @@
+"""Fusions onnxruntime does not find itself, written into the portable decode graph (com.microsoft
+ops: the portable flavour only; the TensorRT graphs keep standard ONNX, and the prefill graphs keep
+their form). fuse_decode applies both:
+
+skip_rmsnorms: a residual Add whose sum feeds an RMSNorm and the rest of the residual stream ->
+one SkipSimplifiedLayerNormalization (its 4th output is the sum). onnxruntime fuses Add +
+SimplifiedLayerNormalization only when the sum has no other reader, which is never the case in a
+pre-norm transformer: 2 nodes fewer a layer.
+
+side_product_gemms: the float zero point's offset product and its Add (quantize_graph._offset_nodes:
+(x @ E) @ C + y_sym) -> Gemm(x @ E, C, y_sym), for graphs whose activations are 2-D (the decode
+graph). onnxruntime's own MatMul + Add fusion takes most of them, not those whose shapes it cannot
+infer (the o_proj's, after the attention's Reshape).
+"""
+from __future__ import annotations
+
+
+def fuse_decode(model) -> dict:
+    """Both fusions on a portable decode graph (2-D activations), in place; returns their counts."""
+    return {"skip_rmsnorms": skip_rmsnorms(model), "side_product_gemms": side_product_gemms(model)}
+
+
+def _const(graph, inits: dict, name: str):
+    """A scalar constant's value (an initializer or a Constant node's output), or None."""
+    from onnx import numpy_helper
+
+    if name in inits:
+        a = numpy_helper.to_array(inits[name])
+        return float(a.reshape(-1)[0]) if a.size == 1 else None
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            for at in n.attribute:
+                if at.name == "value" and at.t.data_location != 1:
+                    a = numpy_helper.to_array(at.t)
+                    return float(a.reshape(-1)[0]) if a.size == 1 else None
+    return None
+
+
+def _match_rmsnorm(graph, inits: dict, producer: dict, readers: dict, mean):
+    """From a ReduceMean over the last axis: x -> Pow(x, 2) -> ReduceMean -> + eps -> Sqrt ->
+    1 / . -> x * . -> [Cast] -> * gamma, the form torch exports zeroedge.model.RMSNorm in.
+    Returns (x, gamma, eps, chain nodes, output) or None."""
+    def only_reader(name, op):
+        r = readers.get(name, [])
+        return r[0] if len(r) == 1 and r[0].op_type == op else None
+
+    sq = producer.get(mean.input[0])
+    if (sq is None or sq.op_type != "Pow" or _const(graph, inits, sq.input[1]) != 2.0
+            or len(mean.input) < 2 or _const(graph, inits, mean.input[1]) != -1.0):
+        return None
+    x = sq.input[0]
+    add = only_reader(mean.output[0], "Add")
+    if add is None:
+        return None
+    eps = _const(graph, inits, add.input[1])
+    sqrt = only_reader(add.output[0], "Sqrt")
+    div = sqrt and only_reader(sqrt.output[0], "Div")
+    if eps is None or div is None or div.input[1] != sqrt.output[0] or _const(graph, inits, div.input[0]) != 1.0:
+        return None
+    mul = only_reader(div.output[0], "Mul")
+    if mul is None or x not in mul.input:
+        return None
+    chain = [sq, mean, add, sqrt, div, mul]
+    nxt = readers.get(mul.output[0], [])
+    if len(nxt) == 1 and nxt[0].op_type == "Cast":
+        chain.append(nxt[0])
+        nxt = readers.get(nxt[0].output[0], [])
+    if len(nxt) != 1 or nxt[0].op_type != "Mul":
+        return None
+    scale = nxt[0]
+    gamma = scale.input[1] if scale.input[0] == chain[-1].output[0] else scale.input[0]
+    return x, gamma, eps, chain + [scale], scale.output[0]
+
+
+def skip_rmsnorms(model) -> int:
+    """Residual Add + RMSNorm -> com.microsoft SkipSimplifiedLayerNormalization, in place (see the
+    module's docstring). The sum keeps its name (the node's 4th output), so the residual stream reads
+    it as before. Returns the number of fusions."""
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    readers = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    gone, new = set(), {}
+    for mean in list(g.node):
+        if mean.op_type != "ReduceMean":
+            continue
+        m = _match_rmsnorm(g, inits, producer, readers, mean)
+        if m is None:
+            continue
+        x, gamma, eps, chain, out = m
+        cast = producer.get(x)                  # torch's x.float(): a Cast to float of the sum
+        total = cast.input[0] if cast is not None and cast.op_type == "Cast" and any(
+            a.name == "to" and a.i == TensorProto.FLOAT for a in cast.attribute) else x
+        add = producer.get(total)
+        if add is None or add.op_type != "Add" or any(i in inits or _const(g, inits, i) is not None
+                                                      for i in add.input):
+            continue
+        gone.update(id(n) for n in chain + [add])
+        new[id(add)] = helper.make_node(
+            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], gamma], [out, "", "", total],
+            name=add.name + "_SkipRMSNorm", domain="com.microsoft", epsilon=eps)
+    if not new:
+        return 0
+    nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone or id(n) in new]
+    del g.node[:]
+    g.node.extend(_topological(nodes, {i.name for i in g.input} | set(inits)))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return len(new)
+
+
+def side_product_gemms(model) -> int:
+    """(x @ E) @ C + y_sym -> one Gemm, in place, where the MatMul is an offset product of
+    quantize_graph._offset_nodes (named *_Offset) read by one Add. Only for graphs
+    whose activations are 2-D (Gemm's A); returns the number of fusions."""
+    from onnx import helper
+
+    g = model.graph
+    readers = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    gone, new = set(), {}
+    for mm in g.node:
+        if mm.op_type != "MatMul" or not mm.name.endswith("_Offset"):
+            continue
+        r = readers.get(mm.output[0], [])
+        if len(r) != 1 or r[0].op_type != "Add":
+            continue
+        add = r[0]
+        y_sym = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
+        gone.add(id(mm))
+        new[id(add)] = helper.make_node("Gemm", [mm.input[0], mm.input[1], y_sym], list(add.output),
+                                        name=mm.name)          # still the offset product
+    nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]
+    del g.node[:]
+    g.node.extend(nodes)
+    return len(new)
+
+
+def _topological(nodes: list, ready: set) -> list:
+    """nodes in an order where each comes after the producers of its inputs (stable otherwise)."""
+    ready = set(ready) | {""}
+    out, waiting = [], list(nodes)
+    while waiting:
+        rest = []
+        for n in waiting:
+            if all(i in ready for i in n.input):
+                out.append(n)
+                ready.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(waiting):
+            raise RuntimeError(f"graph has a cycle or a missing input at {rest[0].name}")
+        waiting = rest
+    return out

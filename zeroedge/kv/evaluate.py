@@ -480,10 +480,10 @@ def kv_bytes(model, tokens: int) -> int:
 def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int = 1024,
              **opts) -> dict:
     """Prefill ids[:P] (P: N - continuation rounded down to whole pages; validate), then score the
-    last `continuation` tokens teacher-forced
-    twice: with the full prefix KV (exact prefill) and with thermal KV at hot fraction `budget` of
-    the prefix, as the serving decoder runs it (its prefill into a compressed cold store, its
-    window, sketch and swaps; the continuation's own tokens stay hot). Returns full_kv_ppl,
+    last `continuation` tokens teacher-forced twice: with the full prefix KV (exact prefill) and
+    with thermal KV at hot fraction `budget` of the prefix, as the serving decoder runs it (its
+    prefill into a compressed cold store, its window, sketch and swaps; the continuation's own
+    tokens stay hot). Returns full_kv_ppl,
     thermal_ppl, hot_kv_bytes (the window's prefix pages, into which retrieved pages are fetched,
     plus the key summaries), cold_on_device_bytes (a compressed cold store: on a Jetson's one
     DRAM), device_kv_bytes (their sum with the page table), full_kv_bytes and details, every byte

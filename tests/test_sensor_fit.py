@@ -227,3 +227,31 @@ def test_demo_fits_one_run_and_detects_on_another(tmp_path):
     assert Path(s["bundle"], "manifest.json").is_file()
     assert s["predicted_fault"] == "fault_01" and s["fdr"] > 0.8 and s["far"] <= 0.05
     assert s["drift_warning"] is None
+
+
+def test_a_plants_own_exports_read_as_the_standard_files(tmp_path):
+    """CSV (comma or semicolon, a header line of names, comments) gives the numbers of the
+    whitespace file; a NaN is refused with one line by sensor-eval as by sensor-fit."""
+    from zeroedge.errors import UserError
+    from zeroedge.sensor.tep import load_run
+
+    X = load_run(SHARED / "d01.dat")[:200]
+    header = ",".join(f"XMEAS{i + 1}" for i in range(41)) + "," + ",".join(f"XMV{i + 1}" for i in range(11))
+    comma = tmp_path / "plant.csv"
+    comma.write_text("# exported by the historian\n" + header + "\n"
+                     + "\n".join(",".join(f"{v:.9g}" for v in row) for row in X) + "\n")
+    semi = tmp_path / "plant_semicolon.txt"
+    semi.write_text("\n".join("; ".join(f"{v:.9g}" for v in row) for row in X) + "\n")
+    for f in (comma, semi):
+        np.testing.assert_array_equal(load_run(f), X)
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text(header + "\n" + ",".join(["1"] * 52) + "\n" + ",".join(["1"] * 51) + "\n")
+    with pytest.raises(UserError, match="numeric"):
+        load_run(ragged)
+    nan = tmp_path / "nan.csv"
+    rows = comma.read_text().splitlines()
+    nan.write_text("\n".join(rows[:5] + ["nan," + ",".join(["1"] * 51)] + rows[5:]) + "\n")
+    p = run_cli("sensor-eval", nan, "--onset", 10)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0], p.stderr
+    assert np.isnan(load_run(nan, finite=False)).sum() == 1        # the daemon's file source: rejected alone

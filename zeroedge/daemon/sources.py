@@ -77,7 +77,7 @@ class FileSource(Source):
         from zeroedge.sensor.tep import load_run
 
         sensor = self.cfg.get("sensor") or path.stem
-        data = load_run(path)
+        data = load_run(path, finite=False)    # a non-finite reading is rejected alone, as a live one
         start = self.spool.last_seq_of(sensor) + 1
         if start:
             self.log.info(f"file source {path}: resuming {sensor} at seq {start}")

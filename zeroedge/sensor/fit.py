@@ -32,6 +32,7 @@ import numpy as np
 from zeroedge.errors import UserError
 from zeroedge.sensor import CLASS_NAMES, N_CHANNELS
 from zeroedge.sensor.metrics import ema
+from zeroedge.sensor.tep import load_run
 
 VAL_FRAC = 0.25           # tail of every file held out for early stopping and alarm calibration
 ALPHAS = (1.0, 0.5, 0.3, 0.2, 0.1)
@@ -52,32 +53,6 @@ def _sha256(path: Path) -> str:
         while b := f.read(1 << 20):
             h.update(b)
     return h.hexdigest()
-
-
-def read_run(path, channels: int = N_CHANNELS) -> np.ndarray:
-    """(T, channels) float32 from a whitespace-separated run file (a file stored transposed, with
-    `channels` rows, is transposed back). UserError on anything unreadable or non-finite."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such file")
-    try:
-        a = np.loadtxt(path, dtype=np.float64, ndmin=2)
-    except (ValueError, UnicodeDecodeError, OSError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"{path}: not a whitespace-separated numeric run file ({msg[:120]})") from None
-    if a.size == 0:
-        raise UserError(f"{path}: empty run file")
-    if a.shape[1] != channels and a.shape[0] == channels:
-        a = a.T
-    if a.shape[1] != channels:
-        raise UserError(f"{path}: expected {channels} columns (41 XMEAS + 11 XMV), got {a.shape[1]}")
-    bad = ~np.isfinite(a)
-    if bad.any():
-        r, c = np.argwhere(bad)[0]
-        raise UserError(f"{path}: non-finite value (NaN or inf) in column {c + 1}, row {r + 1}")
-    if np.abs(a).max() > 1e30:
-        raise UserError(f"{path}: values beyond float32 range")
-    return a.astype(np.float32)
 
 
 def parse_labels(specs) -> dict:
@@ -119,7 +94,7 @@ def load_inputs(normal_files, fault_files=(), label_specs=(), window: int = 32):
     normal, faults = [], []
     for p in normal_files:
         p = Path(p)
-        X = read_run(p)
+        X = load_run(p)
         normal.append(RunFile(p, X, 0, _sha256(p)))
         seen.add(str(p.resolve()))
     for p in fault_files:
@@ -128,7 +103,7 @@ def load_inputs(normal_files, fault_files=(), label_specs=(), window: int = 32):
         if key in seen:
             raise UserError(f"{p}: given twice (as normal and fault, or as two faults)")
         seen.add(key)
-        X = read_run(p)
+        X = load_run(p)
         k = labels.pop(key, None)
         if k is None:                            # --label NAME=N also matches by file name
             k = labels.pop(p.name, None)

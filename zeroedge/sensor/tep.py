@@ -2,7 +2,8 @@
 
 File format (as in ../shared/data/tep-braatz): whitespace-separated text, one row per sample
 (every 3 minutes = 0.05 h), 41 XMEAS then 11 XMV columns. `d00.dat` of that set is stored
-transposed (52 rows); `load_run` transposes such files.
+transposed (52 rows); `load_run` transposes such files. It also reads a plant's own exports:
+comma- or semicolon-separated values, a header line of column names, `#` comments.
 
 Generated runs go to a git-ignored cache (default ~/.cache/zeroedge/tep, or $ZEROEDGE_TEP_CACHE),
 one `<split>/f<FF>_s<SEED>.dat` per run plus `<split>/index.json` with the onsets. Faults 1-20 are
@@ -54,19 +55,57 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ZEROEDGE_TEP_CACHE", Path.home() / ".cache" / "zeroedge" / "tep"))
 
 
-def load_run(path) -> np.ndarray:
-    """(T, 52) float32 from a run file; transposed files (52 rows) are transposed back."""
+MAX_RUN_BYTES = 1 << 30    # a run file larger than this is refused (a year of 3-minute samples is ~110 MB)
+
+
+def _layout(path: Path) -> tuple:
+    """(delimiter or None for whitespace, lines to skip) from the file's first lines: the first line
+    that is not blank or a `#` comment is a header (skipped with what comes before it) when its
+    fields are not all numbers."""
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            delim = "," if "," in line else ";" if ";" in line else None
+            try:
+                [float(v) for v in line.split(delim)]
+                return delim, 0
+            except ValueError:
+                return delim, i + 1
+    return None, 0
+
+
+def load_run(path, channels: int = N_CHANNELS, finite: bool = True) -> np.ndarray:
+    """(T, channels) float32 from a run file (see the module doc); a file stored transposed (channels
+    rows) is transposed back. UserError with one line for anything missing, unreadable, of the wrong
+    shape or (with finite) non-finite; finite=False leaves NaN / inf samples to the caller (the
+    daemon rejects such a reading alone)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"run file not found: {path}")
+        raise UserError(f"{path}: no such file")
+    if path.stat().st_size > MAX_RUN_BYTES:
+        raise UserError(f"{path}: {path.stat().st_size / 2**30:.1f} GiB is beyond the "
+                        f"{MAX_RUN_BYTES >> 30} GiB a run file may hold; split it")
     try:
-        a = np.loadtxt(path, dtype=np.float64, ndmin=2)
-    except ValueError as e:
-        raise UserError(f"{path}: not a whitespace-separated numeric run file ({e})") from None
-    if a.shape[1] != N_CHANNELS and a.shape[0] == N_CHANNELS:
+        delim, skip = _layout(path)
+        a = np.loadtxt(path, dtype=np.float64, ndmin=2, delimiter=delim, skiprows=skip, encoding="utf-8")
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path}: not a numeric run file, one sample a row ({msg[:120]})") from None
+    if a.size == 0:
+        raise UserError(f"{path}: empty run file")
+    if a.shape[1] != channels and a.shape[0] == channels:
         a = a.T
-    if a.shape[1] != N_CHANNELS:
-        raise UserError(f"{path}: expected {N_CHANNELS} columns (41 XMEAS + 11 XMV), got {a.shape[1]}")
+    if a.shape[1] != channels:
+        raise UserError(f"{path}: expected {channels} columns (41 XMEAS + 11 XMV), got {a.shape[1]}")
+    if finite:
+        bad = ~np.isfinite(a)
+        if bad.any():
+            r, c = np.argwhere(bad)[0]
+            raise UserError(f"{path}: non-finite value (NaN or inf) in column {c + 1}, sample {r + 1}")
+        if np.abs(a).max() > 1e30:
+            raise UserError(f"{path}: values beyond float32 range")
     return a.astype(np.float32)
 
 

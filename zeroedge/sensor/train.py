@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -229,9 +230,11 @@ def export_bundle(out_dir, weights: Optional[Path] = None, opset: int = 17, zero
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     x = torch.zeros(1, meta["window"], meta["channels"])
-    torch.onnx.export(LastPosition(model, zero=zero), (x,), str(tmp / "model.onnx"), opset_version=opset,
-                      input_names=["frames"], output_names=["probs"], dynamo=False,
-                      dynamic_axes={"frames": {0: "batch", 1: "time"}, "probs": {0: "batch"}})
+    with warnings.catch_warnings():        # the tracer's notes on Python branches: not for a user's terminal
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        torch.onnx.export(LastPosition(model, zero=zero), (x,), str(tmp / "model.onnx"), opset_version=opset,
+                          input_names=["frames"], output_names=["probs"], dynamo=False,
+                          dynamic_axes={"frames": {0: "batch", 1: "time"}, "probs": {0: "batch"}})
     shutil.copyfile(weights, tmp / "weights.npz")
     sensor = {k: meta[k] for k in ("window", "channels", "class_names", "normalisation", "alarm",
                                    "hard_faults", "config")}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -89,7 +90,9 @@ def load_run(path, channels: int = N_CHANNELS, finite: bool = True) -> np.ndarra
                         f"{MAX_RUN_BYTES >> 30} GiB a run file may hold; split it")
     try:
         delim, skip = _layout(path)
-        a = np.loadtxt(path, dtype=np.float64, ndmin=2, delimiter=delim, skiprows=skip, encoding="utf-8")
+        with warnings.catch_warnings():          # numpy's note on an empty file: ours below is the one line
+            warnings.simplefilter("ignore", UserWarning)
+            a = np.loadtxt(path, dtype=np.float64, ndmin=2, delimiter=delim, skiprows=skip, encoding="utf-8")
     except (ValueError, UnicodeDecodeError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"{path}: not a numeric run file, one sample a row ({msg[:120]})") from None

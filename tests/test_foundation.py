@@ -75,3 +75,5 @@ def test_a_text_is_read_only_as_far_as_needed(tmp_path):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 " * 10)
     with pytest.raises(UserError, match="not UTF-8"):
         texts.load_text(str(tmp_path / "latin1.txt"))
+    with pytest.raises(UserError, match="cannot read"):      # a regular file whose read fails (EIO)
+        texts.load_text("/proc/self/mem", 100)

@@ -255,3 +255,8 @@ def test_a_plants_own_exports_read_as_the_standard_files(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0], p.stderr
     assert np.isnan(load_run(nan, finite=False)).sum() == 1        # the daemon's file source: rejected alone
+    huge = tmp_path / "huge.dat"
+    with huge.open("wb") as f:                  # sparse: refused by its size before any read
+        f.truncate((1 << 30) + 1)
+    with pytest.raises(UserError, match="GiB"):
+        load_run(huge)

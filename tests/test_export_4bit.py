@@ -59,6 +59,10 @@ def test_every_linear_layer_is_4bit_in_both_flavours(b4, name):
         # gate / up read one input: fused into one node + Split (fuse_sibling_linears)
         assert len(nb) == 4 * L and sum(n.op_type == "Split" and n.name.endswith("_fused_Split") for n in p.node) == L
         assert all(n.domain == "com.microsoft" for n in nb)
+        seen = {i.name for i in p.input} | {t.name for t in p.initializer} | {""}
+        for n in p.node:                        # still in topological order after export.ort_fusions
+            assert all(i in seen for i in n.input), n.name
+            seen.update(n.output)
         # no float linear layer left (the offset products of a float zero point are [K, K/g] / [K/g, N])
         assert [n for n in _const_matmuls(p) if not n.endswith(("_BlockSum", "_Offset"))] == []
         int_zp = not kw.get("symmetric") and kw.get("zero_point", "int") == "int"

@@ -89,8 +89,10 @@ def _build():
         c = tl.program_id(1)
         rr = tl.arange(0, R2)
         gi = tl.arange(0, GP)
-        run_m = tl.full([GP], float("-inf"), tl.float32)
-        run_s = tl.zeros([GP], tl.float32)
+        # the program's share of each query head's log-sum-exp over pages, kept per page lane
+        # (GP, PB) and updated elementwise: no cross-lane reduction until the end
+        run_m = tl.full([GP, PB], float("-inf"), tl.float32)
+        run_s = tl.zeros([GP, PB], tl.float32)
         for it in range(ITER):
             pages = (c * ITER + it) * PB + tl.arange(0, PB)
             pmask = pages < n
@@ -110,19 +112,19 @@ def _build():
                 l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
                 tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)
                 if PART:
-                    lv = tl.where(pmask, l, float("-inf"))
-                    bm = tl.max(lv, 0)
-                    bs = tl.sum(tl.exp(lv - bm), 0)
-                    om = tl.sum(tl.where(gi == g, run_m, 0.0), 0)
-                    os_ = tl.sum(tl.where(gi == g, run_s, 0.0), 0)
-                    nm = tl.maximum(om, bm)
+                    lv = tl.where(pmask, l, float("-inf"))[None, :]
+                    row = gi[:, None] == g
+                    nm = tl.maximum(run_m, lv)
                     sh = tl.where(nm == float("-inf"), 0.0, nm)
-                    ns = os_ * tl.exp(om - sh) + tl.where(bm == float("-inf"), 0.0, bs * tl.exp(bm - sh))
-                    run_m = tl.where(gi == g, nm, run_m)
-                    run_s = tl.where(gi == g, ns, run_s)
+                    ns = run_s * tl.exp(run_m - sh) + tl.exp(lv - sh)
+                    run_m = tl.where(row, nm, run_m)
+                    run_s = tl.where(row, ns, run_s)
         if PART:
-            tl.store(pm_ptr + (h * GRP + gi) * NB + c, run_m, mask=gi < GRP)
-            tl.store(psum_ptr + (h * GRP + gi) * NB + c, run_s, mask=gi < GRP)
+            bm = tl.max(run_m, axis=1)
+            sh = tl.where(bm == float("-inf"), 0.0, bm)
+            bs = tl.sum(run_s * tl.exp(run_m - sh[:, None]), axis=1)
+            tl.store(pm_ptr + (h * GRP + gi) * NB + c, bm, mask=gi < GRP)
+            tl.store(psum_ptr + (h * GRP + gi) * NB + c, bs, mask=gi < GRP)
 
     return qp, kl
 

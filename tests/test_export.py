@@ -100,6 +100,46 @@ def test_dense_parity_prefill_and_decode(tiny_dense):
     assert max(errs) <= 1e-4, errs
 
 
+def test_bound_decode_follows_reset_and_keeps_returned_logits(tiny_dense):
+    """The decode step's IOBinding is made for the arrays it binds: a runner reset to another window
+    size decodes like a new one, and logits a step returned stay as they were after the next step."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    tokens = np.random.default_rng(3).integers(0, 256, 30)
+    r = OrtRunner(tiny_dense, slots=64)
+    r.prefill(tokens[:20])
+    first = r.step(int(tokens[20]))
+    kept = first.copy()
+    r.step(int(tokens[21]))
+    assert np.array_equal(first, kept)
+    r.slots = 40
+    r.reset()
+    r.prefill(tokens[:25])
+    got = [r.step(int(t)) for t in tokens[25:]]
+    fresh = OrtRunner(tiny_dense, slots=40)
+    fresh.prefill(tokens[:25])
+    want = [fresh.step(int(t)) for t in tokens[25:]]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert r.last_mass.shape == (40,)
+
+
+def test_a_decode_graph_unlike_its_manifest_is_refused_in_one_line(tiny_dense, tmp_path):
+    """The decode step binds outputs of the shapes the manifest implies: a graph whose new keys are
+    not [1, kv heads, 1, head dim] for that manifest is a UserError naming the output, before any
+    run, not onnxruntime's error about a buffer."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.errors import UserError
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny_dense, b)
+    mf = json.loads((b / "manifest.json").read_text())
+    mf["model"]["n_kv_heads"] += 1
+    (b / "manifest.json").write_text(json.dumps(mf))
+    r = OrtRunner(b, slots=64, verify=False)
+    with pytest.raises(UserError, match="output new_k.0 has shape"):
+        r.step(3)
+
+
 def test_decode_slots_in_any_order(tiny_dense):
     """Post-RoPE keys: a permuted window with holes gives the same logits."""
     from zeroedge.backends.onnxruntime import OrtRunner

@@ -120,6 +120,7 @@ class OrtRunner:
         self.heat = np.zeros(self.slots, np.float64)
         self.pos = 0
         self.last_mass = None
+        self._bound = None                       # the decode step's IOBinding, made for these buffers
         if getattr(self, "policy", None) is not None:
             self.policy.reset(self)
 
@@ -208,13 +209,20 @@ class OrtRunner:
     def step(self, token: int):
         """One decode step; the token is at position self.pos. Returns logits (V,)."""
         np = self.np
-        feed = {"tokens": np.array([[int(token)]], np.int64), "pos": np.array([self.pos], np.int64),
-                "slot_pos": self.slot_pos}
-        for i in range(self.L):
-            feed[f"past_k.{i}"] = self.k[i]
-            feed[f"past_v.{i}"] = self.v[i]
         t0 = time.perf_counter()
-        out = self.dec.run(None, feed)
+        if hasattr(self.dec, "io_binding"):              # onnxruntime: the buffers bound once
+            io, out, tok_pos, held = self._bound or self._bind()
+            if any(a is not b for a, b in zip(held, (self.slot_pos, *self.k, *self.v))):
+                io, out, tok_pos, held = self._bind()         # an array was replaced, not updated
+            tok_pos[0][0, 0], tok_pos[1][0] = int(token), self.pos
+            self.dec.run_with_iobinding(io)
+        else:
+            feed = {"tokens": np.array([[int(token)]], np.int64), "pos": np.array([self.pos], np.int64),
+                    "slot_pos": self.slot_pos}
+            for i in range(self.L):
+                feed[f"past_k.{i}"] = self.k[i]
+                feed[f"past_v.{i}"] = self.v[i]
+            out = self.dec.run(None, feed)
         self.timings["decode_s"] += time.perf_counter() - t0
         self.timings["decode_tokens"] += 1
         mass = out[-1][0].mean(0)                                # (S,) over layers
@@ -229,7 +237,32 @@ class OrtRunner:
         self.pos += 1
         if self.policy is not None:
             self.policy.after_step(self)
-        return out[0][0, 0]
+        return out[0][0, 0].copy()                # the bound output is overwritten by the next step
+
+    def _bind(self):
+        """The decode step's inputs and outputs bound to this runner's arrays, by address: the window
+        and slot_pos are updated in place, so a step passes nothing and allocates nothing (SmolLM2 on
+        this CPU: ~3 % of a step at 512 slots, none at 2048; benchmarks/ort_binding_ab.py). It holds
+        the arrays it binds; step() makes it again when one was replaced (reset() makes new ones)."""
+        np = self.np
+        io = self.dec.io_binding()
+        tok_pos = (np.zeros((1, 1), np.int64), np.zeros(1, np.int64))
+        inputs = {"tokens": tok_pos[0], "pos": tok_pos[1], "slot_pos": self.slot_pos}
+        for i in range(self.L):
+            inputs[f"past_k.{i}"], inputs[f"past_v.{i}"] = self.k[i], self.v[i]
+        for name, a in inputs.items():
+            io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        shapes = {"logits": (1, 1, self.vocab), "attn_mass": (1, self.L, self.slots)}
+        out = []
+        for o in self.dec.get_outputs():
+            a = np.empty(shapes.get(o.name, (1, self.nkv, 1, self.hd)), np.float32)
+            if any(isinstance(d, int) and d != n for d, n in zip(o.shape, a.shape)) or len(o.shape) != a.ndim:
+                raise UserError(f"{self.dir}: the decode graph's output {o.name} has shape {o.shape}, "
+                                f"not {list(a.shape)}: not a zeroedge decode graph; re-export the bundle")
+            io.bind_output(o.name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+            out.append(a)
+        self._bound = (io, out, tok_pos, (self.slot_pos, *self.k, *self.v))
+        return self._bound
 
     def generate(self, tokens, max_new: int, eos: Optional[int] = None):
         """Greedy decoding: prefill then max_new steps. Returns the new token ids."""

@@ -256,7 +256,7 @@ class OrtRunner:
         out = []
         for o in self.dec.get_outputs():
             a = np.empty(shapes.get(o.name, (1, self.nkv, 1, self.hd)), np.float32)
-            if any(isinstance(d, int) and d != n for d, n in zip(o.shape, a.shape)) or len(o.shape) != a.ndim:
+            if len(o.shape) != a.ndim or any(isinstance(d, int) and d != n for d, n in zip(o.shape, a.shape)):
                 raise UserError(f"{self.dir}: the decode graph's output {o.name} has shape {o.shape}, "
                                 f"not {list(a.shape)}: not a zeroedge decode graph; re-export the bundle")
             io.bind_output(o.name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)

@@ -38,6 +38,9 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "default, int8 cold, lag 1": dict(cold="int8", lag=1),
     "r16, int8 cold, lag 1": dict(cold="int8", rank=16, lag=1),
     "pages of 8, 4 recent, int8 cold, lag 1": dict(cold="int8", page_size=8, recent_pages=4, lag=1),
+    # session 14: does a larger fetch budget win back what the lag costs?
+    "lag 1, fetch 8, int8 cold": dict(cold="int8", lag=1, fetch=8),
+    "lag 1, fetch 16, int8 cold": dict(cold="int8", lag=1, fetch=16),
 }
 
 

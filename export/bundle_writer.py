@@ -260,7 +260,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
                   progress=None, force: bool = False, weights: str = "float16",
                   prefill_chunk: Optional[int] = None, group: Optional[int] = None,
                   symmetric: Optional[bool] = None, accuracy_level: Optional[int] = None,
-                  zero_point: Optional[str] = None, flavours=FLAVOURS) -> dict:
+                  zero_point: Optional[str] = None, flavours=FLAVOURS, cpu_kernels: str = "stock") -> dict:
     """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
     (WEIGHT_DTYPES; see the module docstring). prefill_chunk: the runners' prefill chunk, recorded in
     the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK). int4: group (default
@@ -269,7 +269,9 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     quantize_graph.Scheme); an artifact with a weights section folds its AWQ
     scales into the model first and sets the scheme (weights="int4" is then implied). flavours: the
     graph flavours written (FLAVOURS, or one of them: a bundle for one runtime, weights.bin only
-    holding what that runtime reads)."""
+    holding what that runtime reads). cpu_kernels: "stock" (onnxruntime's operators) or "zeroedge"
+    (the portable decode graph's attention and float-zero-point 4-bit products as zeroedge.ort
+    nodes, ortops/; portable flavour only); the manifest's "cpu_kernels" says which ran."""
     import onnx
     import torch
 
@@ -286,6 +288,10 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     if weights not in WEIGHT_DTYPES:
         raise UserError(f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {weights!r})")
     flavours = tuple(flavours)
+    if cpu_kernels not in ("stock", "zeroedge"):
+        raise UserError(f"cpu kernels: stock or zeroedge (got {cpu_kernels!r})")
+    if cpu_kernels == "zeroedge" and flavours != ("portable",):
+        raise UserError("cpu kernels zeroedge: the portable flavour only (--graphs portable)")
     if not flavours or any(f not in FLAVOURS for f in flavours) or len(set(flavours)) != len(flavours):
         raise UserError(f"graph flavours must be some of {', '.join(FLAVOURS)} "
                         f"(got {', '.join(flavours) or 'none'})")
@@ -307,14 +313,18 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     tmp.mkdir(parents=True)
     try:
         if isinstance(model, str) and model.endswith(".onnx"):
+            if cpu_kernels != "stock":
+                raise UserError("cpu kernels zeroedge: for zeroedge's own export of a model, not a foreign .onnx graph")
             graphs, info, model_cfg, folder = _foreign_graphs(model, meta, tensors, bool(paths), step)
             paths_graphs = []
         else:
             graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step,
-                                                            fold_awq=scheme is not None and scheme.method == "awq")
+                                                            fold_awq=scheme is not None and scheme.method == "awq",
+                                                            ort_kernels=cpu_kernels == "zeroedge")
             paths_graphs = ["decode"] if paths else []
         step("write bundle")
-        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step, flavours)
+        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step, flavours,
+                                                             cpu_kernels)
         if folder is not None:
             for f in TOKENIZER_FILES:
                 if (Path(folder) / f).is_file():
@@ -324,6 +334,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
             "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
             "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
             "window": int(window), "dtype": "float32", "graph_files": files,
+            "cpu_kernels": info.pop("cpu_kernels", {"kind": "stock"}),
             "prefill": prefill_section(chunk, meta, foreign=isinstance(model, str) and model.endswith(".onnx")),
             "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved,
                         **({"quantization": qinfo} if qinfo else {})},
@@ -373,10 +384,12 @@ def _foreign_graphs(path: str, meta, tensors, has_paths: bool, step):
     return {"prefill": pre}, info, cfg_d, None
 
 
-def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step, fold_awq: bool = False):
+def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step, fold_awq: bool = False,
+                  ort_kernels: bool = False):
     """The model exported and rewritten: ({"prefill": proto, "decode": proto or {flavour: proto}},
     info, model config, tokenizer folder). fold_awq: fold the artifact's AWQ scales into the weights
-    first (an identity of the fp model; the quantizer then sees W * s)."""
+    first (an identity of the fp model; the quantizer then sees W * s). ort_kernels: the decode
+    graph's attention as zeroedge.ort WindowAttention nodes over a float16 K / V window."""
     from zeroedge import calib_artifact
     from zeroedge.export import onnx_export, rewrite
 
@@ -394,7 +407,7 @@ def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step
             apply_artifact(m, meta, tensors, quantize=False, where=str(calib))
     model_cfg = m.cfg.to_dict()
     step("torch -> onnx")
-    pre, dec, secs = onnx_export.export_model_protos(m, tmp / "_raw")
+    pre, dec, secs = onnx_export.export_model_protos(m, tmp / "_raw", ort_kernels=ort_kernels)
     info = {"torch_export_s": secs}
     del m
     if meta is not None:
@@ -419,7 +432,8 @@ def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step
     return {"prefill": pre, "decode": dec}, info, model_cfg, folder
 
 
-def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None, step=None, flavours=FLAVOURS):
+def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None, step=None, flavours=FLAVOURS,
+                  cpu_kernels: str = "stock"):
     """Every graph in each of `flavours` (portable, TensorRT), weights once in weights.bin; returns
     (files, opsets, float parameters, tensors stored as fp16, quantization summary or None) and fills
     info["graphs"]. scheme (quantize_graph.Scheme): 4-bit linear layers, the rest as float16."""
@@ -465,6 +479,11 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
             conv(p)
             if flavour == "portable" and name == "decode":
                 ort_fusions.fuse_decode(p)
+                if cpu_kernels == "zeroedge":
+                    info["cpu_kernels"] = {"kind": "zeroedge", "domain": ort_fusions.ORTOPS_DOMAIN,
+                                           "nodes": {"Q4Linear": ort_fusions.q4_linears(p),
+                                                     "WindowAttention": sum(n.op_type == "WindowAttention"
+                                                                            for n in p.graph.node)}}
             fn = f"{name}.{flavour}.onnx"
             onnx.save_model(p, str(tmp / fn))
             files[fn] = {"graph": name, "flavour": flavour}

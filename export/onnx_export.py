@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 OPSET = 18
+ORTOPS_DOMAIN = "zeroedge.ort"     # zeroedge's onnxruntime CPU kernels (ortops/)
 
 
 def _wrappers():
@@ -141,10 +142,11 @@ def _wrappers():
             return (_lm_head(m, x[:, -1]), *[t for kv in zip(ks, vs) for t in kv], torch.stack(masses, 1))
 
     class Decode(nn.Module):
-        def __init__(self, model):
+        def __init__(self, model, ort_kernels: bool = False):
             super().__init__()
             self.m = model
             self.cfg = model.cfg
+            self.window_attention = window_attention_op() if ort_kernels else None
             grouped_qkv_weights(self, model)
             eye, r = rope_basis(model.cfg.head_dim)
             self.register_buffer("rope_eye", eye)
@@ -179,11 +181,15 @@ def _wrappers():
                     # the window as the left operand: a long A and a 3-column B run ~20 % faster in
                     # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots); the
                     # 1/sqrt(hd) on both score products (onnxruntime folds it into them as alpha)
-                    s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
-                    s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
-                    p = torch.cat((s_old, s_new), -1).softmax(-1)
-                    p_old, p_new = p[..., :-1], p[..., -1:]
-                    out = (p_old.to(pv.dtype) @ pv).float() + p_new * v  # (B, Hkv, g, hd)
+                    if self.window_attention is not None:     # zeroedge.ort: one node, fp16 K / V window
+                        out, mass = self.window_attention.apply(qg, k, v, pk, pv, neg, scale)
+                    else:
+                        s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
+                        s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
+                        p = torch.cat((s_old, s_new), -1).softmax(-1)
+                        p_old, p_new = p[..., :-1], p[..., -1:]
+                        out = (p_old.to(pv.dtype) @ pv).float() + p_new * v  # (B, Hkv, g, hd)
+                        mass = None
                 else:
                     q, k, v = a.project(xn, None, None, (rot * scale, rot))
                     kv_index = a.kept_heads // group
@@ -194,15 +200,43 @@ def _wrappers():
                     p = torch.cat((s_old, s_new), -1).softmax(-1)
                     p_old, p_new = p[..., :-1], p[..., -1:]
                     out = (p_old.to(vv.dtype) @ vv).float() + p_new * vn  # (B, h, 1, hd)
+                    mass = None
                 # the mean over the query heads as a product: onnxruntime's ReduceMean over the
                 # head axes takes ~10 us a layer at 2K slots, this ~1 us
-                masses.append(torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S))   # (B, 1, S)
+                masses.append(mass if mass is not None else torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S))
                 news += [k, v]
                 x = x + a.o_proj(out.reshape(-1, h * hd))
                 x = x + blk.mlp(blk.post_attention_layernorm(x))
             return (_lm_head(m, x), *news, torch.cat(masses, 1))
 
     return Prefill, Decode
+
+
+def window_attention_op():
+    """zeroedge.ort WindowAttention (ortops/window_attention.cc) as a torch function: its forward is
+    the decode step's attention for one layer (the stock graph's arithmetic, the window's K and V
+    float16), exported as the one custom node: (q, k, v, past_k, past_v, bias) -> (out, mass)."""
+    import torch
+
+    class WindowAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, pk, pv, neg, scale: float):
+            s_old = (q @ pk.float().transpose(-1, -2)) * scale + neg               # (B, Hkv, g, S)
+            s_new = (q @ k.transpose(-1, -2)) * scale                               # (B, Hkv, g, 1)
+            p = torch.cat((s_old, s_new), -1).softmax(-1)
+            out = p[..., :-1] @ pv.float() + p[..., -1:] * v
+            mass = p[..., :-1].reshape(q.shape[0], -1, pk.shape[2]).mean(1, keepdim=True)   # (B, 1, S)
+            return out, mass
+
+        @staticmethod
+        def symbolic(g, q, k, v, pk, pv, neg, scale):
+            out, mass = g.op(f"{ORTOPS_DOMAIN}::WindowAttention", q, k, v, pk, pv, neg, scale_f=scale, outputs=2)
+            out.setType(q.type())
+            b, s = q.type().varyingSizes()[0], pk.type().varyingSizes()[2]
+            mass.setType(q.type().with_sizes([b, 1, s]))
+            return out, mass
+
+    return WindowAttention
 
 
 def io_names(n_layers: int):
@@ -213,7 +247,8 @@ def io_names(n_layers: int):
     return pre_in, pre_out, dec_in, dec_out
 
 
-def export_graphs(model, out_dir, example_len: int = 8, example_slots: int = 16, progress=None):
+def export_graphs(model, out_dir, example_len: int = 8, example_slots: int = 16, progress=None,
+                  ort_kernels: bool = False):
     """Write prefill.onnx and decode.onnx (weights in <name>.data beside them) into out_dir.
 
     Uses the TorchScript exporter (`dynamo=False`): ~15x faster than the dynamo exporter on this
@@ -245,14 +280,15 @@ def export_graphs(model, out_dir, example_len: int = 8, example_slots: int = 16,
         tok1 = torch.randint(0, cfg.vocab_size, (1, 1))
         pos = torch.tensor([example_slots])
         slot_pos = torch.arange(example_slots)[None]
-        past = [torch.randn(1, nkv, example_slots, hd, dtype=torch.float16 if i % 2 else torch.float32)
-                for i in range(2 * L)]                               # K fp32, V fp16
+        # K fp32, V fp16; both fp16 with zeroedge's onnxruntime kernels (ort_kernels)
+        past = [torch.randn(1, nkv, example_slots, hd, dtype=torch.float16 if i % 2 or ort_kernels else torch.float32)
+                for i in range(2 * L)]
         dyn = {"tokens": {0: "batch"}, "pos": {0: "batch"}, "slot_pos": {0: "batch", 1: "slots"},
                "logits": {0: "batch"}, "attn_mass": {0: "batch", 2: "slots"}}
         dyn.update({n: {0: "batch", 2: "slots"} for n in din if n.startswith("past_")})
         dyn.update({n: {0: "batch"} for n in dout if n.startswith("new_")})
         d_path = out_dir / "decode.onnx"
-        _export(Decode(model), (tok1, pos, slot_pos, *past), d_path, din, dout, dyn)
+        _export(Decode(model, ort_kernels), (tok1, pos, slot_pos, *past), d_path, din, dout, dyn)
         secs["decode"] = time.perf_counter() - t0
         if progress:
             progress("decode")

@@ -14,6 +14,8 @@ infer (the o_proj's, after the attention's Reshape).
 """
 from __future__ import annotations
 
+from zeroedge.export.onnx_export import ORTOPS_DOMAIN
+
 
 def fuse_decode(model) -> dict:
     """Both fusions on a portable decode graph (2-D activations), in place; returns their counts."""
@@ -144,3 +146,60 @@ def side_product_gemms(model) -> int:
     g.node.extend(nodes)
     return len(new)
 
+
+
+def q4_linears(model) -> int:
+    """A 4-bit MatMulNBits with its float zero point's side product (MatMulNBits(x) + Gemm(x @ E, C),
+    after side_product_gemms) -> one zeroedge.ort Q4Linear(x, B, S, C), in place: our onnxruntime CPU
+    kernel (ortops/q4_linear.cc) reads the same codes, the float16-stored S and C behind their Casts,
+    and no fp32 side-product matrix. Returns the number of fusions."""
+    from onnx import helper
+
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    readers = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    inits = {t.name for t in g.initializer}
+
+    def stored(name):                       # the float16 initializer behind a Cast, else the name
+        c = producer.get(name)
+        return c.input[0] if c is not None and c.op_type == "Cast" and c.input[0] in inits else name
+
+    gone, new = set(), {}
+    for gemm in g.node:
+        if gemm.op_type != "Gemm" or not gemm.name.endswith("_Offset") or len(gemm.input) != 3:
+            continue
+        bsum, c, y_sym = gemm.input
+        mm, bs = producer.get(y_sym), producer.get(bsum)
+        if mm is None or mm.op_type != "MatMulNBits" or len(mm.input) != 3 or bs is None or bs.op_type != "MatMul":
+            continue
+        at = {a.name: helper.get_attribute_value(a) for a in mm.attribute}
+        x = mm.input[0]
+        if at.get("bits", 4) != 4 or at.get("block_size") != 32 or bs.input[0] != x or len(readers[y_sym]) != 1:
+            continue
+        s, c = stored(mm.input[2]), stored(c)
+        gone.add(id(mm))
+        new[id(gemm)] = helper.make_node("Q4Linear", [x, mm.input[1], s, c], list(gemm.output),
+                                         name=mm.name + "_Q4Linear", domain=ORTOPS_DOMAIN,
+                                         K=int(at["K"]), N=int(at["N"]), block_size=32)
+    if not new:
+        return 0
+    nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]
+    # block sums and Casts that nothing reads any more
+    while True:
+        used = {i for n in nodes for i in n.input} | {o.name for o in g.output}
+        keep = [n for n in nodes if n.op_type not in ("MatMul", "Cast") or any(o in used for o in n.output)]
+        if len(keep) == len(nodes):
+            break
+        nodes = keep
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {i for n in nodes for i in n.input}
+    keep = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    if not any(o.domain == ORTOPS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(ORTOPS_DOMAIN, 1))
+    return len(new)

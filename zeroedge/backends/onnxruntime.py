@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from zeroedge.backends import ortops
 from zeroedge.bundle import prefill_plan
 from zeroedge.errors import UserError
 
@@ -96,6 +97,8 @@ class OrtRunner:
         # creates the session (numpy there flushes them too from then on)
         so.add_session_config_entry("session.set_denormal_as_zero", "1")
         prov = ["CPUExecutionProvider"]
+        if ortops.needs_library(self.manifest):
+            ortops.register(so, bundle)
         try:
             self.pre = ort.InferenceSession(str(self.dir / f"prefill.{flavour}.onnx"), so, providers=prov)
             self.dec = ort.InferenceSession(str(self.dir / f"decode.{flavour}.onnx"), so, providers=prov)

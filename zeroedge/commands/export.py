@@ -33,12 +33,18 @@ from zeroedge.commands.common import check_model, output_option, target_option
 @click.option("--graphs", "flavours", type=click.Choice(["both", "portable", "trt"]), default="both",
               show_default=True, help="graph flavours in the bundle: both, portable (onnxruntime only) or trt "
                                       "(TensorRT only); one flavour leaves weights.bin only what its runtime reads")
+@click.option("--cpu-kernels", "cpu_kernels", type=click.Choice(["stock", "zeroedge"]), default="stock",
+              show_default=True,
+              help="portable decode graph's attention and 4-bit products: onnxruntime's stock operators, or "
+                   "zeroedge's own CPU kernels (ortops/: a float16 K / V window, the float zero point's "
+                   "4-bit product in one pass; runs where scripts/build_ortops has built them). "
+                   "zeroedge needs --graphs portable")
 @click.option("--force", is_flag=True, help="replace a non-empty output directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
 @click.option("--sign", "sign_key", type=click.Path(dir_okay=False), metavar="KEY",
               help="sign the manifest with this key (zeroedge keygen); same as `zeroedge sign` after")
 def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point, accuracy_level, flavours,
-        force, as_json, sign_key):
+        cpu_kernels, force, as_json, sign_key):
     """Export MODEL (bundled name, HF folder, .gguf, preset, or an .onnx graph to rewrite) into a
     bundle: prefill/decode graphs in portable (onnxruntime) and TensorRT flavours + manifest.
 
@@ -58,6 +64,8 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
         raise UserError("--group / --symmetric / --zero-point / --accuracy-level apply to --weights int4 only")
     if zero_point == "float" and symmetric:
         raise UserError("--zero-point float is for an asymmetric grid (leave out --symmetric)")
+    if cpu_kernels == "zeroedge" and flavours != "portable":
+        raise UserError("--cpu-kernels zeroedge is for onnxruntime graphs: add --graphs portable")
     if group is not None and group not in (16, 32, 64, 128, 256):
         raise UserError(f"--group must be a power of two from 16 to 256 (got {group})")
     if sign_key:
@@ -83,7 +91,7 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
                                progress=step, force=force,
                                weights={"fp16": "float16", "fp32": "float32", "int4": "int4"}[weights],
                                group=group, symmetric=symmetric, accuracy_level=accuracy_level,
-                               zero_point=zero_point,
+                               zero_point=zero_point, cpu_kernels=cpu_kernels,
                                flavours=("portable", "trt") if flavours == "both" else (flavours,))
         except NoPattern as e:
             r = e.report

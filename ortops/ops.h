@@ -1,0 +1,47 @@
+// Shared by zeroedge's onnxruntime CPU kernels (q4_linear.cc, window_attention.cc, ops.cc).
+#pragma once
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ZE_AVX2 1
+#endif
+
+namespace zeroedge_ort {
+
+inline float half_to_float(uint16_t h) {
+#ifdef ZE_AVX2
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (man == 0) { bits = sign; }
+    else { exp = 127 - 15 + 1; while (!(man & 0x400)) { man <<= 1; --exp; } man &= 0x3FF; bits = sign | (exp << 23) | (man << 13); }
+  } else if (exp == 31) { bits = sign | 0x7F800000u | (man << 13); }
+  else { bits = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+  float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+#ifdef ZE_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// each kernel file adds its op to the library's domain (ops.cc)
+void add_q4_linear(Ort::CustomOpDomain& domain);
+void add_window_attention(Ort::CustomOpDomain& domain);
+
+}  // namespace zeroedge_ort

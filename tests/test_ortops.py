@@ -1,0 +1,163 @@
+"""zeroedge's onnxruntime CPU kernels (ortops/): each op in a one-node graph against a numpy
+reference, a bundle exported with --cpu-kernels zeroedge against the same model's stock bundle, and
+the refusals. The library is built here (scripts/build_ortops, incremental) as CI does in setup."""
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli
+
+
+@pytest.fixture(scope="session")
+def ortops_lib():
+    p = subprocess.run([str(REPO / "scripts" / "build_ortops")], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"scripts/build_ortops failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    from zeroedge.backends.ortops import library_path
+
+    assert library_path().is_file()
+    return library_path()
+
+
+def _session(lib, node, inputs, outputs, inits=()):
+    import onnxruntime as ort
+    from onnx import helper
+
+    g = helper.make_graph([node], "t", inputs, outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("zeroedge.ort", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _int8_rows(x, kb):
+    """x [M, K] rounded as Q4Linear does: int8 per block of 32 (step amax / 127), padded to kb blocks."""
+    M, K = x.shape
+    xp = np.zeros((M, kb * 32), np.float64)
+    xp[:, :K] = x
+    blocks = xp.reshape(M, kb, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / 127.0
+    q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
+    return (q * d).reshape(M, -1)
+
+
+@pytest.mark.parametrize("M,K,N,half", [(1, 576, 960, True), (3, 80, 13, True), (2, 64, 37, False)])
+def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half):
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(K + N)
+    kb = -(-K // 32)
+    B = rng.integers(0, 256, (N, kb, 16), dtype=np.uint8)
+    dt = np.float16 if half else np.float32
+    S = (rng.random(N * kb) * 0.02 + 1e-3).astype(dt)
+    C = (rng.standard_normal((kb, N)) * 0.1).astype(dt)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[0, :32] = 0.0                                           # an all-zero block: step 0
+    node = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32)
+    et = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    s = _session(ortops_lib, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                 [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S"), numpy_helper.from_array(C, "C")])
+    y = s.run(None, {"x": x})[0]
+    # W[n, k] = S[n, b] * (q - 8) + C[b, n], codes low nibble first
+    q = np.empty((N, kb * 32), np.float64)
+    q[:, 0::2], q[:, 1::2] = B.reshape(N, -1) & 15, B.reshape(N, -1) >> 4
+    Wq = np.repeat(S.astype(np.float64).reshape(N, kb), 32, 1) * (q - 8)
+    Wc = np.repeat(C.astype(np.float64).T, 32, 1)
+    W = Wq + Wc
+    xe = np.pad(x.astype(np.float64), ((0, 0), (0, kb * 32 - K)))
+    ref = _int8_rows(x, kb) @ Wq.T + xe @ Wc.T          # x rounded to int8 for the codes, exact for the offsets
+    assert y.shape == (M, N)
+    assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+    # and the rounding of x to int8 is all that separates it from the exact product
+    exact = xe @ W.T
+    assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+
+
+def _attention_reference(q, k, v, pk, pv, bias, scale):
+    q, k, v, pk, pv, bias = (a.astype(np.float64) for a in (q, k, v, pk, pv, bias))
+    s_old = np.einsum("bhgd,bhsd->bhgs", q, pk) * scale + bias      # bias [B, 1, 1, S]
+    s_new = np.einsum("bhgd,bhod->bhgo", q, k) * scale
+    s = np.concatenate([s_old, s_new], -1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhgs,bhsd->bhgd", p[..., :-1], pv) + p[..., -1:] * v
+    mass = p[..., :-1].reshape(q.shape[0], -1, pk.shape[2]).mean(1, keepdims=True)
+    return out, mass
+
+
+@pytest.mark.parametrize("B,Hkv,g,hd,S,empty", [(1, 3, 3, 64, 600, 0.3), (2, 2, 4, 20, 5, 0.0),
+                                                  (1, 2, 2, 16, 40, 1.0), (1, 1, 7, 64, 257, 0.5)])
+def test_window_attention_is_softmax_over_window_and_new_token(ortops_lib, B, Hkv, g, hd, S, empty):
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(S + hd)
+    q = rng.standard_normal((B, Hkv, g, hd)).astype(np.float32) * 2
+    k, v = (rng.standard_normal((B, Hkv, 1, hd)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((B, Hkv, S, hd)).astype(np.float16) for _ in range(2))
+    bias = np.where(rng.random((B, 1, 1, S)) < empty, -np.inf, 0.0).astype(np.float32)
+    scale = hd ** -0.5
+    f, h = TensorProto.FLOAT, TensorProto.FLOAT16
+    names = ["q", "k", "v", "past_k", "past_v", "bias"]
+    node = helper.make_node("WindowAttention", names, ["out", "mass"], domain="zeroedge.ort", scale=scale)
+    s = _session(ortops_lib, node, [helper.make_tensor_value_info(n, h if n.startswith("past") else f, None) for n in names],
+                 [helper.make_tensor_value_info(n, f, None) for n in ("out", "mass")])
+    out, mass = s.run(None, dict(zip(names, (q, k, v, pk, pv, bias))))
+    ref_out, ref_mass = _attention_reference(q, k, v, pk, pv, bias, scale)
+    assert out.shape == ref_out.shape and mass.shape == (B, 1, S)
+    assert np.abs(out - ref_out).max() < 1e-5 * max(1.0, np.abs(ref_out).max())
+    assert np.abs(mass - ref_mass).max() < 1e-6
+    assert (mass[bias[:, :, 0] == -np.inf] == 0).all()          # an empty slot gets no mass at all
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_pair(tmp_path_factory, ortops_lib):
+    from zeroedge.export.bundle_writer import export_bundle
+
+    d = tmp_path_factory.mktemp("ortops")
+    kw = dict(window=64, weights="int4", zero_point="float", accuracy_level=4, flavours=("portable",))
+    export_bundle("tiny", d / "stock", **kw)
+    export_bundle("tiny", d / "zeroedge", cpu_kernels="zeroedge", **kw)
+    return d / "stock", d / "zeroedge"
+
+
+def test_a_zeroedge_kernels_bundle_decodes_like_the_stock_one(tiny_int4_pair):
+    import json
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    stock, ours = tiny_int4_pair
+    mf = json.loads((ours / "manifest.json").read_text())
+    assert mf["cpu_kernels"] == {"kind": "zeroedge", "domain": "zeroedge.ort",
+                                 "nodes": {"Q4Linear": 4 * 4, "WindowAttention": 4}}   # 4 layers: qkv, o, gate/up, down
+    assert json.loads((stock / "manifest.json").read_text())["cpu_kernels"] == {"kind": "stock"}
+    tokens = np.random.default_rng(3).integers(0, 256, 40)
+    with OrtRunner(stock, slots=64) as a, OrtRunner(ours, slots=64) as b:
+        assert b.k[0].dtype == np.float16 and a.k[0].dtype == np.float32     # the window's K
+        la, lb = a.prefill(tokens), b.prefill(tokens)
+        assert np.array_equal(la, lb)                                         # the same prefill graph
+        for _ in range(20):                                                   # 60 of the 64 slots
+            t = int(la.argmax())
+            la, lb = a.step(t), b.step(t)
+            assert np.abs(la - lb).max() <= 5e-3 * np.abs(la).max()     # int8 roundings of x may differ
+        assert np.abs(a.last_mass - b.last_mass).max() < 1e-3
+
+
+def test_a_zeroedge_kernels_bundle_without_the_library_is_refused_in_one_line(tiny_int4_pair, tmp_path, monkeypatch):
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.errors import UserError
+
+    monkeypatch.setenv("ZEROEDGE_ORTOPS", str(tmp_path / "missing.so"))
+    with pytest.raises(UserError, match="build_ortops") as e:
+        OrtRunner(tiny_int4_pair[1], slots=64)
+    assert "\n" not in str(e.value)
+    (tmp_path / "bad.so").write_bytes(b"not a library")
+    monkeypatch.setenv("ZEROEDGE_ORTOPS", str(tmp_path / "bad.so"))
+    with pytest.raises(UserError, match="cannot load"):
+        OrtRunner(tiny_int4_pair[1], slots=64)
+
+
+def test_export_refuses_zeroedge_kernels_for_tensorrt_graphs(tmp_path):
+    p = run_cli("export", "tiny", "-o", tmp_path / "b", "--cpu-kernels", "zeroedge")
+    assert p.returncode == 2 and "--graphs portable" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists()

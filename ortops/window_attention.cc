@@ -49,37 +49,134 @@ struct Step {
   float* bout;     // [Hkv, blocks, g, hd]: sum of e * V over the block
 };
 
+// scale * q_j . K_s + bias_s for the g heads of kv head h over slots [s0, s0 + n), into w.e
+void scores_generic(const Step& w, int64_t h, int64_t s0, int64_t from, int64_t n) {
+  const int64_t g = w.g, hd = w.hd, S = w.S;
+  const float* q = w.q + h * g * hd;
+  std::vector<float> kf(hd);
+  for (int64_t s = from; s < n; ++s) {
+    const uint16_t* ks = w.pk + (h * S + s0 + s) * hd;
+    for (int64_t d = 0; d < hd; ++d) kf[d] = half_to_float(ks[d]);
+    for (int64_t j = 0; j < g; ++j) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < hd; ++d) dot += q[j * hd + d] * kf[d];
+      w.e[(h * g + j) * S + s0 + s] = dot * w.scale + w.bias[s0 + s];
+    }
+  }
+}
+
+#ifdef ZE_AVX2
+// NS slots at a time, G heads: G * NS accumulators stay in registers, each slot's K converted once
+template <int G, int NS>
+void scores_blocked(const Step& w, int64_t h, int64_t s0, int64_t n) {
+  const int64_t hd = w.hd, S = w.S;
+  const float* q = w.q + h * G * hd;
+  const uint16_t* K = w.pk + (h * S + s0) * hd;
+  int64_t s = 0;
+  for (; s + NS <= n; s += NS) {
+    __m256 acc[G][NS];
+    for (int j = 0; j < G; ++j)
+      for (int i = 0; i < NS; ++i) acc[j][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+      __m256 k[NS];
+      for (int i = 0; i < NS; ++i) k[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (s + i) * hd + d)));
+      for (int j = 0; j < G; ++j) {
+        const __m256 qv = _mm256_loadu_ps(q + j * hd + d);
+        for (int i = 0; i < NS; ++i) acc[j][i] = _mm256_fmadd_ps(qv, k[i], acc[j][i]);
+      }
+    }
+    const __m128 bias = NS == 4 ? _mm_loadu_ps(w.bias + s0 + s) : _mm_setzero_ps();
+    for (int j = 0; j < G; ++j) {
+      float* out = w.e + (h * G + j) * S + s0 + s;
+      if (NS == 4) {          // lanes: slot 0..3 sums
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[j][0], acc[j][1]), _mm256_hadd_ps(acc[j][2], acc[j][3]));
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        _mm_storeu_ps(out, _mm_add_ps(_mm_mul_ps(r, _mm_set1_ps(w.scale)), bias));
+      } else {
+        for (int i = 0; i < NS; ++i) out[i] = hsum(acc[j][i]) * w.scale + w.bias[s0 + s + i];
+      }
+    }
+  }
+  scores_generic(w, h, s0, s, n);
+}
+#endif
+
+void scores(const Step& w, int64_t h, int64_t s0, int64_t n) {
+#ifdef ZE_AVX2
+  if (w.hd % 8 == 0) {
+    switch (w.g) {
+      case 1: return scores_blocked<1, 4>(w, h, s0, n);
+      case 2: return scores_blocked<2, 4>(w, h, s0, n);
+      case 3: return scores_blocked<3, 4>(w, h, s0, n);
+      case 4: return scores_blocked<4, 2>(w, h, s0, n);
+      case 5: return scores_blocked<5, 2>(w, h, s0, n);
+      case 6: return scores_blocked<6, 2>(w, h, s0, n);
+      default: break;
+    }
+  }
+#endif
+  scores_generic(w, h, s0, 0, n);
+}
+
+// out[j] = sum_s e[j][s] * V[s] over n slots (e rows S apart), the g heads of one kv head
+void values_generic(const Step& w, const float* e, const uint16_t* V, float* out, int64_t n, int64_t d0) {
+  const int64_t g = w.g, hd = w.hd, S = w.S;
+  for (int64_t d = d0; d < hd; ++d)
+    for (int64_t s = 0; s < n; ++s) {
+      const float v = half_to_float(V[s * hd + d]);
+      for (int64_t j = 0; j < g; ++j) out[j * hd + d] += e[j * S + s] * v;
+    }
+}
+
+#ifdef ZE_AVX2
+// R registers (8 dims each) a head stay in place over the slots: G * R accumulators
+template <int G, int R>
+void values_blocked(const Step& w, const float* e, const uint16_t* V, float* out, int64_t n) {
+  const int64_t hd = w.hd, S = w.S;
+  int64_t d0 = 0;
+  for (; d0 + 8 * R <= hd; d0 += 8 * R) {
+    __m256 acc[G][R];
+    for (int j = 0; j < G; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {
+      __m256 v[R];
+      for (int r = 0; r < R; ++r) v[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + s * hd + d0 + 8 * r)));
+      for (int j = 0; j < G; ++j) {
+        const __m256 p = _mm256_broadcast_ss(e + j * S + s);
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_fmadd_ps(p, v[r], acc[j][r]);
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + j * hd + d0 + 8 * r, acc[j][r]);
+  }
+  values_generic(w, e, V, out, n, d0);
+}
+#endif
+
+void values(const Step& w, const float* e, const uint16_t* V, float* out, int64_t n) {
+  std::fill(out, out + w.g * w.hd, 0.f);
+#ifdef ZE_AVX2
+  switch (w.g) {
+    case 1: return values_blocked<1, 8>(w, e, V, out, n);
+    case 2: return values_blocked<2, 4>(w, e, V, out, n);
+    case 3: return values_blocked<3, 4>(w, e, V, out, n);
+    case 4: return values_blocked<4, 2>(w, e, V, out, n);
+    case 5: return values_blocked<5, 2>(w, e, V, out, n);
+    case 6: return values_blocked<6, 2>(w, e, V, out, n);
+    default: break;
+  }
+#endif
+  values_generic(w, e, V, out, n, 0);
+}
+
 // scores of one block for the g heads of kv head h, then their exponentials and e @ V
 void block_task(void* p, size_t t) {
   const Step& w = *(const Step*)p;
   const int64_t h = (int64_t)t / w.blocks, c = (int64_t)t % w.blocks, g = w.g, hd = w.hd, S = w.S;
   const int64_t s0 = c * kSlots, s1 = std::min(S, s0 + kSlots), n = s1 - s0;
-  const float* q = w.q + h * g * hd;
-  const uint16_t* K = w.pk + (h * S + s0) * hd;
   const uint16_t* V = w.pv + (h * S + s0) * hd;
   float* out = w.bout + (h * w.blocks + c) * g * hd;
-  std::vector<float> kf(hd);
-  for (int64_t s = 0; s < n; ++s) {
-    const uint16_t* ks = K + s * hd;
-    int64_t d = 0;
-#ifdef ZE_AVX2
-    for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(&kf[d], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + d))));
-#endif
-    for (; d < hd; ++d) kf[d] = half_to_float(ks[d]);
-    const float b = w.bias[s0 + s];
-    for (int64_t j = 0; j < g; ++j) {
-      const float* qj = q + j * hd;
-      float dot = 0.f;
-      d = 0;
-#ifdef ZE_AVX2
-      __m256 acc = _mm256_setzero_ps();
-      for (; d + 8 <= hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(&kf[d]), acc);
-      dot = hsum(acc);
-#endif
-      for (; d < hd; ++d) dot += qj[d] * kf[d];
-      w.e[(h * g + j) * S + s0 + s] = dot * w.scale + b;
-    }
-  }
+  scores(w, h, s0, n);
   for (int64_t j = 0; j < g; ++j) {
     float* e = w.e + (h * g + j) * S + s0;
     float m = -INFINITY;
@@ -104,37 +201,7 @@ void block_task(void* p, size_t t) {
     w.bmax[(h * g + j) * w.blocks + c] = m;
     w.bsum[(h * g + j) * w.blocks + c] = sum;
   }
-  // out[j] = sum_s e[j][s] * V[s], 16 dims at a time: 2 registers per head stay in place over the slots
-  std::fill(out, out + g * hd, 0.f);
-  const float* e0 = w.e + h * g * S + s0;
-  int64_t d0 = 0;
-#ifdef ZE_AVX2
-  if (g <= 6) {
-    for (; d0 + 16 <= hd; d0 += 16) {
-      __m256 acc[12];
-      for (int64_t j = 0; j < 2 * g; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t s = 0; s < n; ++s) {
-        const uint16_t* vs = V + s * hd + d0;
-        const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)vs));
-        const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(vs + 8)));
-        for (int64_t j = 0; j < g; ++j) {
-          const __m256 pj = _mm256_broadcast_ss(e0 + j * S + s);
-          acc[2 * j] = _mm256_fmadd_ps(pj, v0, acc[2 * j]);
-          acc[2 * j + 1] = _mm256_fmadd_ps(pj, v1, acc[2 * j + 1]);
-        }
-      }
-      for (int64_t j = 0; j < g; ++j) {
-        _mm256_storeu_ps(out + j * hd + d0, acc[2 * j]);
-        _mm256_storeu_ps(out + j * hd + d0 + 8, acc[2 * j + 1]);
-      }
-    }
-  }
-#endif
-  for (; d0 < hd; ++d0)
-    for (int64_t s = 0; s < n; ++s) {
-      const float v = half_to_float(V[s * hd + d0]);
-      for (int64_t j = 0; j < g; ++j) out[j * hd + d0] += e0[j * S + s] * v;
-    }
+  values(w, w.e + h * g * S + s0, V, out, n);
 }
 
 struct WindowAttentionKernel {

@@ -87,7 +87,8 @@ def _attention_reference(q, k, v, pk, pv, bias, scale):
 
 
 @pytest.mark.parametrize("B,Hkv,g,hd,S,empty", [(1, 3, 3, 64, 600, 0.3), (2, 2, 4, 20, 5, 0.0),
-                                                  (1, 2, 2, 16, 40, 1.0), (1, 1, 7, 64, 257, 0.5)])
+                                                  (1, 2, 2, 16, 40, 1.0), (1, 1, 7, 64, 257, 0.5),
+                                                  (1, 2, 4, 64, 71, 0.2), (1, 1, 1, 8, 3, 0.0)])
 def test_window_attention_is_softmax_over_window_and_new_token(ortops_lib, B, Hkv, g, hd, S, empty):
     from onnx import TensorProto, helper
 

@@ -482,6 +482,7 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
                 if cpu_kernels == "zeroedge":
                     info["cpu_kernels"] = {"kind": "zeroedge", "domain": ort_fusions.ORTOPS_DOMAIN,
                                            "nodes": {"Q4Linear": ort_fusions.q4_linears(p),
+                                                     "Q4Linear swiglu": ort_fusions.swiglu_q4_linears(p),
                                                      "WindowAttention": sum(n.op_type == "WindowAttention"
                                                                             for n in p.graph.node)}}
             fn = f"{name}.{flavour}.onnx"

@@ -174,22 +174,22 @@ def _wrappers():
                 a = blk.self_attn
                 h = a.q_proj.out_features // hd                          # a Python int, also when traced
                 xn = blk.input_layernorm(x)
-                if h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
+                if h == cfg.n_heads and self.window_attention is not None:   # zeroedge.ort: one node
+                    out, k, v, mass = self.window_attention.apply(grouped_qkv(self, li, xn), rot, pk, pv, neg,
+                                                                  nkv, scale)
+                elif h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
                     qkv = grouped_qkv(self, li, xn).reshape(-1, nkv, group + 2, hd)
                     qk, v = qkv.split([group + 1, 1], 2)                 # (B, Hkv, g + 1, hd), (B, Hkv, 1, hd)
                     qg, k = (qk @ rot).split([group, 1], 2)              # (B, Hkv, g, hd), (B, Hkv, 1, hd)
                     # the window as the left operand: a long A and a 3-column B run ~20 % faster in
                     # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots); the
                     # 1/sqrt(hd) on both score products (onnxruntime folds it into them as alpha)
-                    if self.window_attention is not None:     # zeroedge.ort: one node, fp16 K / V window
-                        out, mass = self.window_attention.apply(qg, k, v, pk, pv, neg, scale)
-                    else:
-                        s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
-                        s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
-                        p = torch.cat((s_old, s_new), -1).softmax(-1)
-                        p_old, p_new = p[..., :-1], p[..., -1:]
-                        out = (p_old.to(pv.dtype) @ pv).float() + p_new * v  # (B, Hkv, g, hd)
-                        mass = None
+                    s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
+                    s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
+                    p = torch.cat((s_old, s_new), -1).softmax(-1)
+                    p_old, p_new = p[..., :-1], p[..., -1:]
+                    out = (p_old.to(pv.dtype) @ pv).float() + p_new * v  # (B, Hkv, g, hd)
+                    mass = None
                 else:
                     q, k, v = a.project(xn, None, None, (rot * scale, rot))
                     kv_index = a.kept_heads // group
@@ -205,7 +205,7 @@ def _wrappers():
                 # head axes takes ~10 us a layer at 2K slots, this ~1 us
                 masses.append(mass if mass is not None else torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S))
                 news += [k, v]
-                x = x + a.o_proj(out.reshape(-1, h * hd))
+                x = x + a.o_proj(out if out.dim() == 2 else out.reshape(-1, h * hd))
                 x = x + blk.mlp(blk.post_attention_layernorm(x))
             return (_lm_head(m, x), *news, torch.cat(masses, 1))
 
@@ -214,27 +214,35 @@ def _wrappers():
 
 def window_attention_op():
     """zeroedge.ort WindowAttention (ortops/window_attention.cc) as a torch function: its forward is
-    the decode step's attention for one layer (the stock graph's arithmetic, the window's K and V
-    float16), exported as the one custom node: (q, k, v, past_k, past_v, bias) -> (out, mass)."""
+    the decode step's attention for one layer, from the grouped q / k / v product to o_proj's input
+    (the stock graph's arithmetic, the window's K and V float16), exported as one custom node:
+    (qkv, rot, past_k, past_v, bias) -> (out, new k, new v, mass)."""
     import torch
 
     class WindowAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, pk, pv, neg, scale: float):
+        def forward(ctx, qkv, rot, pk, pv, neg, kv_heads: int, scale: float):
+            hd = pk.shape[-1]
+            group = qkv.shape[-1] // (kv_heads * hd) - 2
+            qk, v = qkv.reshape(-1, kv_heads, group + 2, hd).split([group + 1, 1], 2)
+            q, k = (qk @ rot).split([group, 1], 2)                                 # (B, Hkv, g, hd), (B, Hkv, 1, hd)
             s_old = (q @ pk.float().transpose(-1, -2)) * scale + neg               # (B, Hkv, g, S)
             s_new = (q @ k.transpose(-1, -2)) * scale                               # (B, Hkv, g, 1)
             p = torch.cat((s_old, s_new), -1).softmax(-1)
             out = p[..., :-1] @ pv.float() + p[..., -1:] * v
-            mass = p[..., :-1].reshape(q.shape[0], -1, pk.shape[2]).mean(1, keepdim=True)   # (B, 1, S)
-            return out, mass
+            mass = p[..., :-1].reshape(qkv.shape[0], -1, pk.shape[2]).mean(1, keepdim=True)   # (B, 1, S)
+            return out.reshape(qkv.shape[0], -1), k, v, mass
 
         @staticmethod
-        def symbolic(g, q, k, v, pk, pv, neg, scale):
-            out, mass = g.op(f"{ORTOPS_DOMAIN}::WindowAttention", q, k, v, pk, pv, neg, scale_f=scale, outputs=2)
-            out.setType(q.type())
-            b, s = q.type().varyingSizes()[0], pk.type().varyingSizes()[2]
-            mass.setType(q.type().with_sizes([b, 1, s]))
-            return out, mass
+        def symbolic(g, qkv, rot, pk, pv, neg, kv_heads, scale):
+            out, k, v, mass = g.op(f"{ORTOPS_DOMAIN}::WindowAttention", qkv, rot, pk, pv, neg,
+                                   kv_heads_i=kv_heads, scale_f=scale, outputs=4)
+            b, s, hd = qkv.type().varyingSizes()[0], pk.type().varyingSizes()[2], pk.type().varyingSizes()[3]
+            out.setType(qkv.type())
+            for t in (k, v):
+                t.setType(qkv.type().with_sizes([b, kv_heads, 1, hd]))
+            mass.setType(qkv.type().with_sizes([b, 1, s]))
+            return out, k, v, mass
 
     return WindowAttention
 

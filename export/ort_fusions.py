@@ -203,3 +203,51 @@ def q4_linears(model) -> int:
     if not any(o.domain == ORTOPS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(ORTOPS_DOMAIN, 1))
     return len(new)
+
+
+def swiglu_q4_linears(model) -> int:
+    """Q4Linear on [gate | up] -> Split -> silu(gate) * up (Sigmoid, Mul, Mul) -> one Q4Linear with
+    activation "swiglu", in place (3 onnxruntime nodes fewer a layer). Returns the number of fusions."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    readers = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def only(name, op):
+        r = readers.get(name, [])
+        return r[0] if len(r) == 1 and r[0].op_type == op else None
+
+    gone, done = set(), 0
+    for q in g.node:
+        if q.op_type != "Q4Linear" or q.domain != ORTOPS_DOMAIN:
+            continue
+        at = {a.name: helper.get_attribute_value(a) for a in q.attribute}
+        split = only(q.output[0], "Split")
+        if at.get("activation") or split is None or len(split.output) != 2 or len(split.input) != 2 \
+                or split.input[1] not in inits:
+            continue
+        sizes = numpy_helper.to_array(inits[split.input[1]]).tolist()
+        if sizes != [at["N"] // 2] * 2:
+            continue
+        gate, up = split.output
+        r = readers.get(gate, [])
+        sig = next((n for n in r if n.op_type == "Sigmoid"), None)
+        mul = next((n for n in r if n.op_type == "Mul" and sig is not None and sig.output[0] in n.input), None)
+        if len(r) != 2 or sig is None or mul is None or only(sig.output[0], "Mul") is not mul:
+            continue
+        last = only(mul.output[0], "Mul")
+        if last is None or only(up, "Mul") is not last or set(last.input) != {mul.output[0], up}:
+            continue
+        q.output[0] = last.output[0]
+        q.attribute.append(helper.make_attribute("activation", "swiglu"))
+        gone.update(id(n) for n in (split, sig, mul, last))
+        done += 1
+    nodes = [n for n in g.node if id(n) not in gone]
+    del g.node[:]
+    g.node.extend(nodes)
+    return done

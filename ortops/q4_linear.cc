@@ -11,6 +11,9 @@
 //   y      float [M, N]
 // y[n] = sum_b S[n,b] * sum_i (q_i - 8) x_i + C[b,n] * sum_i x_i. x is rounded to int8 per block of
 // 32 (as MatMulNBits does at accuracy level 4), the block sums of x stay exact.
+// attr activation "swiglu": W is [gate | up] side by side and the output is silu(gate) * up, [M, N / 2].
+#include <string>
+
 #include "ops.h"
 
 namespace zeroedge_ort {
@@ -189,11 +192,17 @@ void rows_chunk(void* p, size_t c) {
 
 struct Q4LinearKernel {
   int64_t K, N;
+  bool swiglu;
   Q4LinearKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     K = ki.GetAttribute<int64_t>("K");
     N = ki.GetAttribute<int64_t>("N");
     if (ki.GetAttribute<int64_t>("block_size") != kBlock) ORT_CXX_API_THROW("Q4Linear: block_size must be 32", ORT_INVALID_ARGUMENT);
+    std::string act;
+    try { act = ki.GetAttribute<std::string>("activation"); } catch (const Ort::Exception&) {}
+    if (act != "" && act != "swiglu") ORT_CXX_API_THROW("Q4Linear: activation must be swiglu or absent", ORT_INVALID_ARGUMENT);
+    swiglu = act == "swiglu";
+    if (swiglu && N % 2) ORT_CXX_API_THROW("Q4Linear: swiglu needs an even N", ORT_INVALID_ARGUMENT);
   }
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
@@ -206,20 +215,35 @@ struct Q4LinearKernel {
     if (st.GetElementType() != ct.GetElementType() || st.GetElementCount() != (size_t)(N * kb) ||
         ct.GetElementCount() != (size_t)(N * kb) || B.GetTensorTypeAndShapeInfo().GetElementCount() != (size_t)(N * kb * kBlock / 2))
       ORT_CXX_API_THROW("Q4Linear: B / S / C do not match K, N", ORT_INVALID_ARGUMENT);
+    const int64_t out_n = swiglu ? N / 2 : N;
     std::vector<int64_t> yshape(xshape);
-    yshape.back() = N;
+    yshape.back() = out_n;
     auto Y = ctx.GetOutput(0, yshape);
     const int64_t M = X.GetTensorTypeAndShapeInfo().GetElementCount() / K;
     const float* x = X.GetTensorData<float>();
     float* y = Y.GetTensorMutableData<float>();
+    std::vector<float> full(swiglu ? N : 0);
     QuantRow row;
+    // a quarter of the rows a chunk (a multiple of 8): long runs of C's rows for the prefetcher
+    const int64_t chunk = std::max<int64_t>(64, (N / 4 + 7) / 8 * 8);
     for (int64_t m = 0; m < M; ++m) {
       row.fill(x + m * K, K, kb);
-      // a quarter of the rows a chunk (a multiple of 8): long runs of C's rows for the prefetcher
-      const int64_t chunk = std::max<int64_t>(64, (N / 4 + 7) / 8 * 8);
-      Work w{&row, B.GetTensorData<uint8_t>(), S.GetTensorRawData(), C.GetTensorRawData(), half, N, kb, chunk, y + m * N};
-      const size_t chunks = (size_t)((N + w.chunk - 1) / w.chunk);
-      ctx.ParallelFor(rows_chunk, chunks, 0, &w);
+      float* ym = swiglu ? full.data() : y + m * N;
+      Work w{&row, B.GetTensorData<uint8_t>(), S.GetTensorRawData(), C.GetTensorRawData(), half, N, kb, chunk, ym};
+      ctx.ParallelFor(rows_chunk, (size_t)((N + chunk - 1) / chunk), 0, &w);
+      if (swiglu) {
+        float* o = y + m * out_n;
+        int64_t n = 0;
+#ifdef ZE_AVX2
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; n + 8 <= out_n; n += 8) {
+          const __m256 gate = _mm256_loadu_ps(ym + n);
+          const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+          _mm256_storeu_ps(o + n, _mm256_mul_ps(_mm256_mul_ps(gate, sig), _mm256_loadu_ps(ym + n + out_n)));
+        }
+#endif
+        for (; n < out_n; ++n) o[n] = ym[n] / (1.f + std::exp(-ym[n])) * ym[n + out_n];
+      }
     }
   }
 };

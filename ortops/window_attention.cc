@@ -1,12 +1,14 @@
 // WindowAttention: one decode step's attention for one layer over a window of float16 K / V slots,
-// plus the new token's own K / V, as zeroedge's decode graph computes it (export/onnx_export Decode):
-//   q      float [B, Hkv, g, hd]   the step's queries after RoPE, g query heads per kv head
-//   k, v   float [B, Hkv, 1, hd]   the new token's key (after RoPE) and value
+// plus the new token's own K / V, as zeroedge's decode graph computes it (export/onnx_export Decode),
+// from the q / k / v product to the input of o_proj:
+//   qkv    float [B, Hkv * (g + 2) * hd]   per kv head: its g query heads, its key, its value
+//   rot    float [B, 1, hd, hd]  the step's RoPE rotation (q and k rotated as x @ rot)
 //   past_k, past_v  float16 [B, Hkv, S, hd]   the window
 //   bias   float [B, 1, 1, S]      0 for a filled slot, -inf for an empty one
-//   attr scale                     the scores' factor (1 / sqrt(hd))
-// -> out  float [B, Hkv, g, hd]   softmax over the S slots and the new token, times the values
-//    mass float [B, 1, S]         each slot's probability, averaged over the Hkv * g heads
+//   attr kv_heads (Hkv), scale (the scores' factor, 1 / sqrt(hd))
+// -> out    float [B, Hkv * g * hd]   softmax over the S slots and the new token, times the values
+//    k, v   float [B, Hkv, 1, hd]     the new token's key (rotated) and value, for the window
+//    mass   float [B, 1, S]           each slot's probability, averaged over the Hkv * g heads
 // The window is read once, as float16 (the graph of stock operators reads an fp32 K and casts V to
 // fp32 every step). Work is split over (kv head, block of slots): each block keeps its own max,
 // sum and partial output (softmax's rescaling), combined at the end.
@@ -16,27 +18,6 @@ namespace zeroedge_ort {
 namespace {
 
 constexpr int64_t kSlots = 256;             // slots a task
-
-#ifdef ZE_AVX2
-// e^x for x <= 0; 0 below -87 (and for -inf). Cody-Waite reduction by ln 2, degree-6 Taylor on |r| <= ln2 / 2
-inline __m256 exp_neg(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 valid = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), valid);
-}
-#endif
 
 struct Step {
   const float *q, *bias;
@@ -190,7 +171,7 @@ void block_task(void* p, size_t t) {
       __m256 sv = _mm256_setzero_ps();
       const __m256 mv = _mm256_set1_ps(m);
       for (; s + 8 <= n; s += 8) {
-        const __m256 x = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(e + s), mv));
+        const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + s), mv));
         _mm256_storeu_ps(e + s, x);
         sv = _mm256_add_ps(sv, x);
       }
@@ -206,37 +187,53 @@ void block_task(void* p, size_t t) {
 
 struct WindowAttentionKernel {
   float scale;
+  int64_t Hkv;
   WindowAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
-    scale = Ort::ConstKernelInfo(info).GetAttribute<float>("scale");
+    Ort::ConstKernelInfo ki(info);
+    scale = ki.GetAttribute<float>("scale");
+    Hkv = ki.GetAttribute<int64_t>("kv_heads");
+    if (Hkv < 1) ORT_CXX_API_THROW("WindowAttention: kv_heads must be >= 1", ORT_INVALID_ARGUMENT);
   }
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto Q = ctx.GetInput(0), Kn = ctx.GetInput(1), Vn = ctx.GetInput(2), PK = ctx.GetInput(3), PV = ctx.GetInput(4),
-         Bias = ctx.GetInput(5);
-    const auto qs = Q.GetTensorTypeAndShapeInfo().GetShape(), ks = PK.GetTensorTypeAndShapeInfo().GetShape();
-    if (qs.size() != 4 || ks.size() != 4 || ks[0] != qs[0] || ks[1] != qs[1] || ks[3] != qs[3])
-      ORT_CXX_API_THROW("WindowAttention: q [B, Hkv, g, hd] and past_k [B, Hkv, S, hd] do not match", ORT_INVALID_ARGUMENT);
-    const int64_t B = qs[0], Hkv = qs[1], g = qs[2], hd = qs[3], S = ks[2];
-    if (PK.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
-        PV.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
-        PV.GetTensorTypeAndShapeInfo().GetShape() != ks)
-      ORT_CXX_API_THROW("WindowAttention: past_k and past_v must be float16 [B, Hkv, S, hd]", ORT_INVALID_ARGUMENT);
-    if (Kn.GetTensorTypeAndShapeInfo().GetElementCount() != (size_t)(B * Hkv * hd) ||
-        Vn.GetTensorTypeAndShapeInfo().GetElementCount() != (size_t)(B * Hkv * hd))
-      ORT_CXX_API_THROW("WindowAttention: k and v must be [B, Hkv, 1, hd]", ORT_INVALID_ARGUMENT);
+    auto QKV = ctx.GetInput(0), Rot = ctx.GetInput(1), PK = ctx.GetInput(2), PV = ctx.GetInput(3), Bias = ctx.GetInput(4);
+    const auto xs = QKV.GetTensorTypeAndShapeInfo().GetShape(), ks = PK.GetTensorTypeAndShapeInfo().GetShape();
+    if (xs.size() != 2 || ks.size() != 4 || ks[0] != xs[0] || ks[1] != Hkv || ks[3] < 1 || xs[1] % (Hkv * ks[3]) ||
+        xs[1] / (Hkv * ks[3]) < 3)
+      ORT_CXX_API_THROW("WindowAttention: qkv [B, Hkv * (g + 2) * hd] and past_k [B, Hkv, S, hd] do not match", ORT_INVALID_ARGUMENT);
+    const int64_t B = xs[0], hd = ks[3], g = xs[1] / (Hkv * hd) - 2, S = ks[2], H = Hkv * g;
+    if (PV.GetTensorTypeAndShapeInfo().GetShape() != ks)
+      ORT_CXX_API_THROW("WindowAttention: past_v must be shaped as past_k", ORT_INVALID_ARGUMENT);
+    if (Rot.GetTensorTypeAndShapeInfo().GetElementCount() != (size_t)(B * hd * hd))
+      ORT_CXX_API_THROW("WindowAttention: rot must be [B, 1, hd, hd]", ORT_INVALID_ARGUMENT);
     const size_t nbias = Bias.GetTensorTypeAndShapeInfo().GetElementCount();
     if (nbias != (size_t)S && nbias != (size_t)(B * S))
       ORT_CXX_API_THROW("WindowAttention: bias must be [B or 1, 1, 1, S]", ORT_INVALID_ARGUMENT);
-    auto Out = ctx.GetOutput(0, qs);
-    auto Mass = ctx.GetOutput(1, std::vector<int64_t>{B, 1, S});
-    float* out = Out.GetTensorMutableData<float>();
-    float* mass = Mass.GetTensorMutableData<float>();
-    const int64_t blocks = std::max<int64_t>(1, (S + kSlots - 1) / kSlots), H = Hkv * g;
-    std::vector<float> e(H * S), bmax(H * blocks), bsum(H * blocks), bout(Hkv * blocks * g * hd);
+    float* out = ctx.GetOutput(0, std::vector<int64_t>{B, H * hd}).GetTensorMutableData<float>();
+    float* knew = ctx.GetOutput(1, std::vector<int64_t>{B, Hkv, 1, hd}).GetTensorMutableData<float>();
+    float* vnew = ctx.GetOutput(2, std::vector<int64_t>{B, Hkv, 1, hd}).GetTensorMutableData<float>();
+    float* mass = ctx.GetOutput(3, std::vector<int64_t>{B, 1, S}).GetTensorMutableData<float>();
+    const int64_t blocks = std::max<int64_t>(1, (S + kSlots - 1) / kSlots);
+    std::vector<float> qrot(H * hd), e(H * S), bmax(H * blocks), bsum(H * blocks), bout(Hkv * blocks * g * hd);
     for (int64_t b = 0; b < B; ++b) {
-      const float* q = Q.GetTensorData<float>() + b * H * hd;
-      const float* kn = Kn.GetTensorData<float>() + b * Hkv * hd;
-      const float* vn = Vn.GetTensorData<float>() + b * Hkv * hd;
+      // split per kv head and rotate q and k: row @ rot
+      const float* x = QKV.GetTensorData<float>() + b * Hkv * (g + 2) * hd;
+      const float* rot = Rot.GetTensorData<float>() + b * hd * hd;
+      float* kn = knew + b * Hkv * hd;
+      const float* vn = vnew + b * Hkv * hd;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t j = 0; j <= g; ++j) {
+          const float* row = x + (h * (g + 2) + j) * hd;
+          float* dst = j < g ? qrot.data() + (h * g + j) * hd : kn + h * hd;
+          std::fill(dst, dst + hd, 0.f);
+          for (int64_t i = 0; i < hd; ++i) {
+            const float r = row[i];
+            for (int64_t d = 0; d < hd; ++d) dst[d] += r * rot[i * hd + d];
+          }
+        }
+        std::memcpy(vnew + (b * Hkv + h) * hd, x + (h * (g + 2) + g + 1) * hd, hd * sizeof(float));
+      }
+      const float* q = qrot.data();
       Step w{q, Bias.GetTensorData<float>() + (nbias == (size_t)S ? 0 : b * S),
              (const uint16_t*)PK.GetTensorRawData() + b * Hkv * S * hd, (const uint16_t*)PV.GetTensorRawData() + b * Hkv * S * hd,
              Hkv, g, hd, S, blocks, scale, e.data(), bmax.data(), bsum.data(), bout.data()};
@@ -278,11 +275,11 @@ struct WindowAttentionOp : Ort::CustomOpBase<WindowAttentionOp, WindowAttentionK
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new WindowAttentionKernel(api, info); }
   const char* GetName() const { return "WindowAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 6; }
+  size_t GetInputTypeCount() const { return 5; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 3 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == 2 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
-  size_t GetOutputTypeCount() const { return 2; }
+  size_t GetOutputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 

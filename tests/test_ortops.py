@@ -41,8 +41,9 @@ def _int8_rows(x, kb):
     return (q * d).reshape(M, -1)
 
 
-@pytest.mark.parametrize("M,K,N,half", [(1, 576, 960, True), (3, 80, 13, True), (2, 64, 37, False)])
-def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half):
+@pytest.mark.parametrize("M,K,N,half,act", [(1, 576, 960, True, ""), (3, 80, 13, True, ""), (2, 64, 37, False, ""),
+                                             (1, 96, 38, True, "swiglu")])
+def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half, act):
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(K + N)
@@ -53,7 +54,8 @@ def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half):
     C = (rng.standard_normal((kb, N)) * 0.1).astype(dt)
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[0, :32] = 0.0                                           # an all-zero block: step 0
-    node = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32)
+    node = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32,
+                            **({"activation": act} if act else {}))
     et = TensorProto.FLOAT16 if half else TensorProto.FLOAT
     s = _session(ortops_lib, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
@@ -67,23 +69,30 @@ def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half):
     W = Wq + Wc
     xe = np.pad(x.astype(np.float64), ((0, 0), (0, kb * 32 - K)))
     ref = _int8_rows(x, kb) @ Wq.T + xe @ Wc.T          # x rounded to int8 for the codes, exact for the offsets
-    assert y.shape == (M, N)
+    exact = xe @ W.T
+    if act == "swiglu":                                 # silu(gate) * up, gate the first N / 2 columns
+        ref, exact = ((a[:, :N // 2] / (1 + np.exp(-a[:, :N // 2]))) * a[:, N // 2:] for a in (ref, exact))
+    assert y.shape == ref.shape
     assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
     # and the rounding of x to int8 is all that separates it from the exact product
-    exact = xe @ W.T
     assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
 
 
-def _attention_reference(q, k, v, pk, pv, bias, scale):
-    q, k, v, pk, pv, bias = (a.astype(np.float64) for a in (q, k, v, pk, pv, bias))
+def _attention_reference(qkv, rot, pk, pv, bias, Hkv, scale):
+    qkv, rot, pk, pv, bias = (a.astype(np.float64) for a in (qkv, rot, pk, pv, bias))
+    B, hd = qkv.shape[0], pk.shape[-1]
+    g = qkv.shape[1] // (Hkv * hd) - 2
+    x = qkv.reshape(B, Hkv, g + 2, hd)
+    qk = np.einsum("bhje,bed->bhjd", x[:, :, :g + 1], rot[:, 0])
+    q, k, v = qk[:, :, :g], qk[:, :, g:], x[:, :, g + 1:]
     s_old = np.einsum("bhgd,bhsd->bhgs", q, pk) * scale + bias      # bias [B, 1, 1, S]
     s_new = np.einsum("bhgd,bhod->bhgo", q, k) * scale
     s = np.concatenate([s_old, s_new], -1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     out = np.einsum("bhgs,bhsd->bhgd", p[..., :-1], pv) + p[..., -1:] * v
-    mass = p[..., :-1].reshape(q.shape[0], -1, pk.shape[2]).mean(1, keepdims=True)
-    return out, mass
+    mass = p[..., :-1].reshape(B, -1, pk.shape[2]).mean(1, keepdims=True)
+    return out.reshape(B, -1), k, v, mass
 
 
 @pytest.mark.parametrize("B,Hkv,g,hd,S,empty", [(1, 3, 3, 64, 600, 0.3), (2, 2, 4, 20, 5, 0.0),
@@ -93,22 +102,43 @@ def test_window_attention_is_softmax_over_window_and_new_token(ortops_lib, B, Hk
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(S + hd)
-    q = rng.standard_normal((B, Hkv, g, hd)).astype(np.float32) * 2
-    k, v = (rng.standard_normal((B, Hkv, 1, hd)).astype(np.float32) for _ in range(2))
+    qkv = rng.standard_normal((B, Hkv * (g + 2) * hd)).astype(np.float32) * 2
+    angle = rng.random((B, hd // 2)) * 6
+    rot = np.zeros((B, 1, hd, hd), np.float32)                     # a rotation per batch row
+    for i in range(hd // 2):
+        c, s_ = np.cos(angle[:, i]), np.sin(angle[:, i])
+        rot[:, 0, i, i], rot[:, 0, i, i + hd // 2], rot[:, 0, i + hd // 2, i], rot[:, 0, i + hd // 2, i + hd // 2] = c, s_, -s_, c
     pk, pv = (rng.standard_normal((B, Hkv, S, hd)).astype(np.float16) for _ in range(2))
     bias = np.where(rng.random((B, 1, 1, S)) < empty, -np.inf, 0.0).astype(np.float32)
     scale = hd ** -0.5
     f, h = TensorProto.FLOAT, TensorProto.FLOAT16
-    names = ["q", "k", "v", "past_k", "past_v", "bias"]
-    node = helper.make_node("WindowAttention", names, ["out", "mass"], domain="zeroedge.ort", scale=scale)
+    names, outs = ["qkv", "rot", "past_k", "past_v", "bias"], ["out", "k", "v", "mass"]
+    node = helper.make_node("WindowAttention", names, outs, domain="zeroedge.ort", kv_heads=Hkv, scale=scale)
     s = _session(ortops_lib, node, [helper.make_tensor_value_info(n, h if n.startswith("past") else f, None) for n in names],
-                 [helper.make_tensor_value_info(n, f, None) for n in ("out", "mass")])
-    out, mass = s.run(None, dict(zip(names, (q, k, v, pk, pv, bias))))
-    ref_out, ref_mass = _attention_reference(q, k, v, pk, pv, bias, scale)
-    assert out.shape == ref_out.shape and mass.shape == (B, 1, S)
-    assert np.abs(out - ref_out).max() < 1e-5 * max(1.0, np.abs(ref_out).max())
-    assert np.abs(mass - ref_mass).max() < 1e-6
-    assert (mass[bias[:, :, 0] == -np.inf] == 0).all()          # an empty slot gets no mass at all
+                 [helper.make_tensor_value_info(n, f, None) for n in outs])
+    got = s.run(None, dict(zip(names, (qkv, rot, pk, pv, bias))))
+    ref = _attention_reference(qkv, rot, pk, pv, bias, Hkv, scale)
+    for name, a, r in zip(outs, got, ref):
+        assert a.shape == r.shape, name
+        assert np.abs(a - r).max() < 1e-5 * max(1.0, np.abs(r).max()), name
+    assert (got[3][bias[:, :, 0] == -np.inf] == 0).all()          # an empty slot gets no mass at all
+
+
+def test_window_attention_refuses_a_window_unlike_its_query(ortops_lib):
+    from onnx import TensorProto, helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    names = ["qkv", "rot", "past_k", "past_v", "bias"]
+    node = helper.make_node("WindowAttention", names, ["out", "k", "v", "mass"], domain="zeroedge.ort",
+                            kv_heads=2, scale=0.25)
+    f, h = TensorProto.FLOAT, TensorProto.FLOAT16
+    s = _session(ortops_lib, node, [helper.make_tensor_value_info(n, h if n.startswith("past") else f, None) for n in names],
+                 [helper.make_tensor_value_info(n, f, None) for n in ("out", "k", "v", "mass")])
+    feed = {"qkv": np.zeros((1, 2 * 5 * 16), np.float32), "rot": np.zeros((1, 1, 16, 16), np.float32),
+            "past_k": np.zeros((1, 3, 8, 16), np.float16), "past_v": np.zeros((1, 3, 8, 16), np.float16),
+            "bias": np.zeros((1, 1, 1, 8), np.float32)}                          # 3 kv heads, not 2
+    with pytest.raises(RuntimeException, match="do not match"):
+        s.run(None, feed)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +160,8 @@ def test_a_zeroedge_kernels_bundle_decodes_like_the_stock_one(tiny_int4_pair):
     stock, ours = tiny_int4_pair
     mf = json.loads((ours / "manifest.json").read_text())
     assert mf["cpu_kernels"] == {"kind": "zeroedge", "domain": "zeroedge.ort",
-                                 "nodes": {"Q4Linear": 4 * 4, "WindowAttention": 4}}   # 4 layers: qkv, o, gate/up, down
+                                 "nodes": {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4,   # 4 layers: qkv, o, gate/up, down
+                                           "WindowAttention": 4}}
     assert json.loads((stock / "manifest.json").read_text())["cpu_kernels"] == {"kind": "stock"}
     tokens = np.random.default_rng(3).integers(0, 256, 40)
     with OrtRunner(stock, slots=64) as a, OrtRunner(ours, slots=64) as b:

@@ -1,9 +1,6 @@
-// zeroedge's onnxruntime CPU kernels (custom-op domain "zeroedge.ort"), in one library with
-// window_attention.cc: RegisterCustomOps there adds both.
-//
 // Q4Linear: y = x @ W for a 4-bit weight on a min/max grid with a float offset per block of 32
-// (GGUF Q4_1: w = d * q + m), read from the initializers the portable graph already holds for
-// MatMulNBits and its side product, in one pass and with no fp32 side-product matrix:
+// (GGUF Q4_1: w = d * q + m), from the initializers the portable graph already holds for
+// MatMulNBits and its side product:
 //   x      float [M, K]
 //   B      uint8 [N, kb, 16]   MatMulNBits' codes (byte j of a block: element 2j low, 2j+1 high)
 //   S      float16|float [N * kb]   d of each block
@@ -12,6 +9,16 @@
 // y[n] = sum_b S[n,b] * sum_i (q_i - 8) x_i + C[b,n] * sum_i x_i. x is rounded to int8 per block of
 // 32 (as MatMulNBits does at accuracy level 4), the block sums of x stay exact.
 // attr activation "swiglu": W is [gate | up] side by side and the output is silu(gate) * up, [M, N / 2].
+//
+// B, S and C must be constant (initializers). The kernel copies them once, when onnxruntime creates
+// it, into one buffer laid out for the product (Packed): rows in groups of 4, and per group every
+// pair of blocks as [4 rows x 32 code bytes], then the pairs' d and C as [block][4 rows]. A step
+// then streams one contiguous buffer; the copy costs the weights' bytes once more in RAM (the
+// graph's own copy, mapped from weights.bin, is not read again).
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "ops.h"
@@ -19,19 +26,20 @@
 namespace zeroedge_ort {
 namespace {
 
-constexpr int kBlock = 32;
+constexpr int kBlock = 32, kRows = 4;
 
-// One row of x: int8 codes per block (even elements first, then odd: the order of B's low and high
-// nibbles), the block's step dx, the exact block sum, and 8 * dx * sum(codes) (the "- 8" of every
-// weight code, one term a block).
+// One row of x: int8 codes per block (even elements first, then odd: the order of B's low and
+// high nibbles; blocks in pairs as [b0 even, b1 even, b0 odd, b1 odd], a last odd block as [even,
+// odd]), and per block, four times over (lane layout of a pair: b0 x4, b1 x4): the step dx, 8 * dx
+// * sum(codes) (the "- 8" of every weight code) and the exact block sum.
 struct QuantRow {
   std::vector<int8_t> q;
-  std::vector<float> dx, sum, xs8;
+  std::vector<float> dx4, xs84, sum4;
   void fill(const float* x, int64_t K, int64_t kb) {
     q.assign(kb * kBlock, 0);
-    dx.assign(kb, 0.f);
-    sum.assign(kb, 0.f);
-    xs8.assign(kb, 0.f);
+    dx4.assign(kb * 4, 0.f);
+    xs84.assign(kb * 4, 0.f);
+    sum4.assign(kb * 4, 0.f);
     for (int64_t b = 0; b < kb; ++b) {
       float v[kBlock] = {0};
       const int64_t n = std::min<int64_t>(kBlock, K - b * kBlock);
@@ -39,7 +47,6 @@ struct QuantRow {
       float amax = 0.f, s = 0.f;
       for (int i = 0; i < kBlock; ++i) { amax = std::max(amax, std::fabs(v[i])); s += v[i]; }
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      // blocks in pairs: [b0 even, b1 even, b0 odd, b1 odd] (16 codes each); a last odd block [even, odd]
       const bool paired = (b | 1) < kb;
       int8_t* even = q.data() + (b & ~int64_t(1)) * kBlock + (paired && (b & 1) ? 16 : 0);
       int8_t* odd = even + (paired ? 32 : 16);
@@ -49,172 +56,205 @@ struct QuantRow {
         odd[i] = (int8_t)std::lrint(v[2 * i + 1] * inv);
         qs += even[i] + odd[i];
       }
-      dx[b] = d;
-      sum[b] = s;
-      xs8[b] = 8.f * (float)qs * d;
+      for (int j = 0; j < 4; ++j) {
+        dx4[b * 4 + j] = d;
+        xs84[b * 4 + j] = 8.f * (float)qs * d;
+        sum4[b * 4 + j] = s;
+      }
+    }
+  }
+};
+
+void free_huge(void* p) { std::free(p); }
+
+// The weights in the product's order (see the file's comment); d and C stay in the graph's dtype.
+struct Packed {
+  int64_t N = 0, kb = 0, groups = 0;
+  bool half = true;
+  std::unique_ptr<uint8_t, void (*)(void*)> buf{nullptr, free_huge};
+  size_t group_bytes = 0, codes_bytes = 0, elt = 2;
+
+  const uint8_t* codes(int64_t g) const { return buf.get() + g * group_bytes; }
+  const uint8_t* scales(int64_t g) const { return codes(g) + codes_bytes; }               // d [kb][4]
+  const uint8_t* offsets(int64_t g) const { return scales(g) + kb * kRows * elt; }        // C [kb][4]
+
+  void pack(const uint8_t* B, const void* S, const void* C, int64_t n_, int64_t kb_, bool half_) {
+    N = n_, kb = kb_, half = half_, elt = half ? 2 : 4;
+    groups = (N + kRows - 1) / kRows;
+    codes_bytes = kb * kRows * 16;
+    group_bytes = codes_bytes + 2 * kb * kRows * elt;
+    group_bytes = (group_bytes + 63) / 64 * 64;
+    // 2 MB pages for a buffer of 2 MB or more (fewer TLB misses on a long stream; a hint the kernel
+    // may ignore), plain pages below that
+    const size_t huge = 2u << 20, need = groups * group_bytes, align = need >= huge ? huge : 64;
+    const size_t total = (need + align - 1) / align * align;
+    void* p = std::aligned_alloc(align, total);
+    if (p == nullptr) ORT_CXX_API_THROW("Q4Linear: out of memory for the packed weights", ORT_FAIL);
+    if (align == huge) madvise(p, total, MADV_HUGEPAGE);
+    std::memset(p, 0, total);
+    buf.reset((uint8_t*)p);
+    const int64_t pairs = kb / 2;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t g = n / kRows, j = n % kRows;
+      uint8_t* c = buf.get() + g * group_bytes;
+      for (int64_t b = 0; b < kb; ++b) {
+        const int64_t at = b < 2 * pairs ? (b / 2) * kRows * 32 + j * 32 + (b % 2) * 16 : pairs * kRows * 32 + j * 16;
+        std::memcpy(c + at, B + (n * kb + b) * 16, 16);
+        std::memcpy(c + codes_bytes + (b * kRows + j) * elt, (const uint8_t*)S + (n * kb + b) * elt, elt);
+        std::memcpy(c + codes_bytes + (kb * kRows + b * kRows + j) * elt, (const uint8_t*)C + (b * N + n) * elt, elt);
+      }
     }
   }
 };
 
 struct Work {
   const QuantRow* row;
-  const uint8_t* B;
-  const void* S;
-  const void* C;
-  bool half;
-  int64_t N, kb, chunk;
+  const Packed* w;
+  int64_t chunk;        // groups a task
   float* y;
 };
 
 template <bool HALF>
-inline float load_scalar(const void* p, int64_t i) {
+inline float load_scalar(const uint8_t* p, int64_t i) {
   if (HALF) return half_to_float(((const uint16_t*)p)[i]);
   return ((const float*)p)[i];
 }
 
 #ifdef ZE_AVX2
-// sum_i q_i * xq_i over one block as 8 int32 lanes
-inline __m256i block_dot(const uint8_t* codes, __m256i xq) {
-  const __m128i raw = _mm_loadu_si128((const __m128i*)codes);
-  const __m128i m = _mm_set1_epi8(0x0F);
-  const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1));
+// eight values of d or C (HALF: float16) as floats
+template <bool HALF>
+inline __m256 load8(const uint8_t* p) {
+  if (HALF) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_loadu_ps((const float*)p);
+}
+template <bool HALF>
+inline __m128 load4(const uint8_t* p) {
+  if (HALF) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p));
+  return _mm_loadu_ps((const float*)p);
 }
 #endif
-
-constexpr int kRows = 4;   // weight rows a pass: one load of x's codes serves four
 
 template <bool HALF>
-void rows_chunk_t(const Work& w, size_t c) {
-  const int64_t n0 = (int64_t)c * w.chunk, n1 = std::min(w.N, n0 + w.chunk), kb = w.kb;
-  const QuantRow& r = *w.row;
-  const int8_t* xq = r.q.data();
-  const float* dx = r.dx.data();
-  const float* xs8 = r.xs8.data();
-  std::vector<float> ds(kRows * kb);          // d * dx per row and block
-  int64_t n = n0;
-  for (; n < n1; n += kRows) {
-    const int rows = (int)std::min<int64_t>(kRows, n1 - n);
-    float corr[kRows] = {0, 0, 0, 0};
-    for (int j = 0; j < rows; ++j) {
-      int64_t b = 0;
+void groups_task(const Work& t, size_t c) {
+  const Packed& w = *t.w;
+  const QuantRow& r = *t.row;
+  const int64_t kb = w.kb, pairs = kb / 2;
+  const int64_t g0 = (int64_t)c * t.chunk, g1 = std::min(w.groups, g0 + t.chunk);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t *codes = w.codes(g), *sc = w.scales(g), *off = w.offsets(g);
+    float y4[kRows];
+    int64_t b = 0;
 #ifdef ZE_AVX2
-      __m256 cv = _mm256_setzero_ps();
-      for (; b + 8 <= kb; b += 8) {
-        const __m256 d = HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w.S + (n + j) * kb + b)))
-                              : _mm256_loadu_ps((const float*)w.S + (n + j) * kb + b);
-        _mm256_storeu_ps(&ds[j * kb + b], _mm256_mul_ps(d, _mm256_loadu_ps(dx + b)));
-        cv = _mm256_fmadd_ps(d, _mm256_loadu_ps(xs8 + b), cv);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, corr = acc0, offs = acc0;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i p0 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), p1 = _mm256_setr_epi32(1, 1, 1, 1, 5, 5, 5, 5),
+                  p2 = _mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6), p3 = _mm256_setr_epi32(3, 3, 3, 3, 7, 7, 7, 7);
+    for (int64_t p = 0; p < pairs; ++p, b += 2) {
+      const __m256i xe = _mm256_loadu_si256((const __m256i*)(r.q.data() + b * kBlock));
+      const __m256i xo = _mm256_loadu_si256((const __m256i*)(r.q.data() + b * kBlock + 32));
+      const __m256 d = load8<HALF>(sc + b * kRows * w.elt);                 // [b: rows 0-3, b + 1: rows 0-3]
+      const __m256 dd = _mm256_mul_ps(d, _mm256_loadu_ps(&r.dx4[b * 4]));
+      corr = _mm256_fmadd_ps(d, _mm256_loadu_ps(&r.xs84[b * 4]), corr);
+      offs = _mm256_fmadd_ps(load8<HALF>(off + b * kRows * w.elt), _mm256_loadu_ps(&r.sum4[b * 4]), offs);
+      const uint8_t* cp = codes + p * kRows * 32;
+#define ZE_ROW(J, ACC, PERM)                                                                              \
+      {                                                                                                     \
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(cp + J * 32));                              \
+        const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4); \
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));  \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), _mm256_permutevar8x32_ps(dd, PERM), ACC); \
       }
-      corr[j] = hsum(cv);
-#endif
-      for (; b < kb; ++b) {
-        const float d = load_scalar<HALF>(w.S, (n + j) * kb + b);
-        ds[j * kb + b] = d * dx[b];
-        corr[j] += d * xs8[b];
-      }
+      ZE_ROW(0, acc0, p0) ZE_ROW(1, acc1, p1) ZE_ROW(2, acc2, p2) ZE_ROW(3, acc3, p3)
+#undef ZE_ROW
     }
-#ifdef ZE_AVX2
-    if (rows == kRows) {
-      __m256 acc[kRows];
-      for (int j = 0; j < kRows; ++j) acc[j] = _mm256_setzero_ps();
-      const uint8_t* B0 = w.B + n * kb * (kBlock / 2);
-      const int64_t stride = kb * (kBlock / 2);
-      const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-      const __m256i pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-      int64_t b = 0;
-      for (; b + 2 <= kb; b += 2) {        // two blocks a row at once: lanes 0-3 block b, 4-7 block b + 1
-        const __m256i xe = _mm256_loadu_si256((const __m256i*)(xq + b * kBlock));
-        const __m256i xo = _mm256_loadu_si256((const __m256i*)(xq + b * kBlock + 32));
-        for (int j = 0; j < kRows; ++j) {
-          const uint8_t* p = B0 + j * stride + b * (kBlock / 2);
-          #ifdef ZE_PF
-          _mm_prefetch((const char*)p + ZE_PF, _MM_HINT_T0);
-#endif
-          const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
-          const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-          const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-          const __m256 sc = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double*)&ds[j * kb + b]))), pick);
-          acc[j] = _mm256_fmadd_ps(dot, sc, acc[j]);
-        }
+    if (b < kb) {                            // a last block of its own: [4 rows x 16 bytes]
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(r.q.data() + b * kBlock));
+      const __m128 d = load4<HALF>(sc + b * kRows * w.elt);
+      const __m128 dd = _mm_mul_ps(d, _mm_set1_ps(r.dx4[b * 4]));
+      float ddv[4];
+      _mm_storeu_ps(ddv, dd);
+      const __m256 c4 = _mm256_castps128_ps256(_mm_fmadd_ps(d, _mm_set1_ps(r.xs84[b * 4]), _mm_setzero_ps()));
+      corr = _mm256_add_ps(corr, c4);
+      offs = _mm256_add_ps(offs, _mm256_castps128_ps256(_mm_mul_ps(load4<HALF>(off + b * kRows * w.elt), _mm_set1_ps(r.sum4[b * 4]))));
+      const uint8_t* cp = codes + pairs * kRows * 32;
+      const __m128i m = _mm_set1_epi8(0x0F);
+      __m256* accs[4] = {&acc0, &acc1, &acc2, &acc3};
+      for (int j = 0; j < kRows; ++j) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(cp + j * 16));
+        const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, x), _mm256_set1_epi16(1));
+        *accs[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ddv[j]), *accs[j]);
       }
-      for (; b < kb; ++b) {
-        const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * kBlock));
-        for (int j = 0; j < kRows; ++j)
-          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(B0 + j * stride + b * (kBlock / 2), x)),
-                                   _mm256_broadcast_ss(&ds[j * kb + b]), acc[j]);
-      }
-      __m256 acc0 = acc[0], acc1 = acc[1], acc2 = acc[2], acc3 = acc[3];
-      w.y[n] = hsum(acc0) - corr[0];
-      w.y[n + 1] = hsum(acc1) - corr[1];
-      w.y[n + 2] = hsum(acc2) - corr[2];
-      w.y[n + 3] = hsum(acc3) - corr[3];
-      continue;
+      b = kb;
     }
+    // per row: the codes' sum, minus the "- 8" terms, plus the offsets (lanes j and 4 + j of corr / offs)
+    const __m128 rest = _mm_sub_ps(_mm_add_ps(_mm256_castps256_ps128(offs), _mm256_extractf128_ps(offs, 1)),
+                                   _mm_add_ps(_mm256_castps256_ps128(corr), _mm256_extractf128_ps(corr, 1)));
+    float rv[4];
+    _mm_storeu_ps(rv, rest);
+    y4[0] = hsum(acc0) + rv[0], y4[1] = hsum(acc1) + rv[1], y4[2] = hsum(acc2) + rv[2], y4[3] = hsum(acc3) + rv[3];
+#else
+    for (int j = 0; j < kRows; ++j) y4[j] = 0.f;
 #endif
-    for (int j = 0; j < rows; ++j) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < kb; ++b) {
-        const uint8_t* code = w.B + ((n + j) * kb + b) * (kBlock / 2);
-        const bool paired = (b | 1) < kb;
-        const int8_t* even = xq + (b & ~int64_t(1)) * kBlock + (paired && (b & 1) ? 16 : 0);
-        const int8_t* odd = even + (paired ? 32 : 16);
+    for (; b < kb; ++b) {                    // the portable path (all blocks where there is no AVX2)
+      const bool paired = (b | 1) < kb;
+      const int8_t* even = r.q.data() + (b & ~int64_t(1)) * kBlock + (paired && (b & 1) ? 16 : 0);
+      const int8_t* odd = even + (paired ? 32 : 16);
+      for (int j = 0; j < kRows; ++j) {
+        const uint8_t* code = codes + (paired ? (b / 2) * kRows * 32 + j * 32 + (b % 2) * 16 : pairs * kRows * 32 + j * 16);
         int s = 0;
         for (int i = 0; i < kBlock / 2; ++i) s += (code[i] & 0x0F) * even[i] + (code[i] >> 4) * odd[i];
-        acc += (float)s * ds[j * kb + b];
+        const float d = load_scalar<HALF>(sc, b * kRows + j);
+        y4[j] += d * ((float)s * r.dx4[b * 4] - r.xs84[b * 4]) + load_scalar<HALF>(off, b * kRows + j) * r.sum4[b * 4];
       }
-      w.y[n + j] = acc - corr[j];
     }
-  }
-  // the offsets: y[n] += sum_b C[b, n] * (block sum b of x), C row-major over n
-  for (int64_t b = 0; b < kb; ++b) {
-    const float sb = r.sum[b];
-    if (sb == 0.f) continue;
-    int64_t m = n0;
-#ifdef ZE_AVX2
-    const __m256 sv = _mm256_set1_ps(sb);
-    for (; m + 8 <= n1; m += 8) {
-      const __m256 cv = HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w.C + b * w.N + m)))
-                             : _mm256_loadu_ps((const float*)w.C + b * w.N + m);
-      _mm256_storeu_ps(w.y + m, _mm256_fmadd_ps(cv, sv, _mm256_loadu_ps(w.y + m)));
-    }
-#endif
-    for (; m < n1; ++m) w.y[m] += load_scalar<HALF>(w.C, b * w.N + m) * sb;
+    const int64_t rows = std::min<int64_t>(kRows, w.N - g * kRows);
+    for (int j = 0; j < rows; ++j) t.y[g * kRows + j] = y4[j];
   }
 }
 
-void rows_chunk(void* p, size_t c) {
-  const Work& w = *(const Work*)p;
-  if (w.half) rows_chunk_t<true>(w, c);
-  else rows_chunk_t<false>(w, c);
+void groups_task_any(void* p, size_t c) {
+  const Work& t = *(const Work*)p;
+  if (t.w->half) groups_task<true>(t, c);
+  else groups_task<false>(t, c);
 }
 
 struct Q4LinearKernel {
   int64_t K, N;
   bool swiglu;
+  Packed packed;
   Q4LinearKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     K = ki.GetAttribute<int64_t>("K");
     N = ki.GetAttribute<int64_t>("N");
+    if (K < 1 || N < 1) ORT_CXX_API_THROW("Q4Linear: K and N must be >= 1", ORT_INVALID_ARGUMENT);
     if (ki.GetAttribute<int64_t>("block_size") != kBlock) ORT_CXX_API_THROW("Q4Linear: block_size must be 32", ORT_INVALID_ARGUMENT);
     std::string act;
     try { act = ki.GetAttribute<std::string>("activation"); } catch (const Ort::Exception&) {}
     if (act != "" && act != "swiglu") ORT_CXX_API_THROW("Q4Linear: activation must be swiglu or absent", ORT_INVALID_ARGUMENT);
     swiglu = act == "swiglu";
     if (swiglu && N % 2) ORT_CXX_API_THROW("Q4Linear: swiglu needs an even N", ORT_INVALID_ARGUMENT);
+    int constant[3] = {0, 0, 0};
+    Ort::ConstValue B = ki.GetTensorConstantInput(1, &constant[0]), S = ki.GetTensorConstantInput(2, &constant[1]),
+                    C = ki.GetTensorConstantInput(3, &constant[2]);
+    if (!constant[0] || !constant[1] || !constant[2])
+      ORT_CXX_API_THROW("Q4Linear: B, S and C must be initializers", ORT_INVALID_ARGUMENT);
+    const int64_t kb = (K + kBlock - 1) / kBlock;
+    const auto st = S.GetTensorTypeAndShapeInfo(), ct = C.GetTensorTypeAndShapeInfo(), bt = B.GetTensorTypeAndShapeInfo();
+    const auto et = st.GetElementType();
+    if ((et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) ||
+        ct.GetElementType() != et || bt.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
+        st.GetElementCount() != (size_t)(N * kb) || ct.GetElementCount() != (size_t)(N * kb) ||
+        bt.GetElementCount() != (size_t)(N * kb * kBlock / 2))
+      ORT_CXX_API_THROW("Q4Linear: B / S / C do not match K, N", ORT_INVALID_ARGUMENT);
+    packed.pack(B.GetTensorData<uint8_t>(), S.GetTensorRawData(), C.GetTensorRawData(), N, kb,
+                et == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
   }
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto X = ctx.GetInput(0), B = ctx.GetInput(1), S = ctx.GetInput(2), C = ctx.GetInput(3);
+    auto X = ctx.GetInput(0);
     auto xshape = X.GetTensorTypeAndShapeInfo().GetShape();
     if (xshape.empty() || xshape.back() != K) ORT_CXX_API_THROW("Q4Linear: x's last dimension is not K", ORT_INVALID_ARGUMENT);
-    const int64_t kb = (K + kBlock - 1) / kBlock;
-    const auto st = S.GetTensorTypeAndShapeInfo(), ct = C.GetTensorTypeAndShapeInfo();
-    const bool half = st.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    if (st.GetElementType() != ct.GetElementType() || st.GetElementCount() != (size_t)(N * kb) ||
-        ct.GetElementCount() != (size_t)(N * kb) || B.GetTensorTypeAndShapeInfo().GetElementCount() != (size_t)(N * kb * kBlock / 2))
-      ORT_CXX_API_THROW("Q4Linear: B / S / C do not match K, N", ORT_INVALID_ARGUMENT);
     const int64_t out_n = swiglu ? N / 2 : N;
     std::vector<int64_t> yshape(xshape);
     yshape.back() = out_n;
@@ -224,13 +264,12 @@ struct Q4LinearKernel {
     float* y = Y.GetTensorMutableData<float>();
     std::vector<float> full(swiglu ? N : 0);
     QuantRow row;
-    // a quarter of the rows a chunk (a multiple of 8): long runs of C's rows for the prefetcher
-    const int64_t chunk = std::max<int64_t>(64, (N / 4 + 7) / 8 * 8);
+    const int64_t chunk = std::max<int64_t>(16, (packed.groups + 3) / 4);   // a quarter of the rows a task
     for (int64_t m = 0; m < M; ++m) {
-      row.fill(x + m * K, K, kb);
+      row.fill(x + m * K, K, packed.kb);
       float* ym = swiglu ? full.data() : y + m * N;
-      Work w{&row, B.GetTensorData<uint8_t>(), S.GetTensorRawData(), C.GetTensorRawData(), half, N, kb, chunk, ym};
-      ctx.ParallelFor(rows_chunk, (size_t)((N + chunk - 1) / chunk), 0, &w);
+      Work w{&row, &packed, chunk, ym};
+      ctx.ParallelFor(groups_task_any, (size_t)((packed.groups + chunk - 1) / chunk), 0, &w);
       if (swiglu) {
         float* o = y + m * out_n;
         int64_t n = 0;

@@ -17,6 +17,11 @@
 
 namespace zeroedge_ort {
 
+// bytes ahead of a weight or window stream to prefetch. Measured here (2 threads): SmolLM2's 120
+// Q4Linear products 1.5-1.8x faster with 8 KB than with none (512 B and 2 KB in between, 16-32 KB no
+// better); 30 WindowAttention layers at 2048 slots 3-27 % faster.
+constexpr int kPrefetch = 8192;
+
 inline float half_to_float(uint16_t h) {
 #ifdef ZE_AVX2
   return _cvtsh_ss(h);

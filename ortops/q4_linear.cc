@@ -157,6 +157,8 @@ void groups_task(const Work& t, size_t c) {
       corr = _mm256_fmadd_ps(d, _mm256_loadu_ps(&r.xs84[b * 4]), corr);
       offs = _mm256_fmadd_ps(load8<HALF>(off + b * kRows * w.elt), _mm256_loadu_ps(&r.sum4[b * 4]), offs);
       const uint8_t* cp = codes + p * kRows * 32;
+      _mm_prefetch((const char*)cp + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch((const char*)cp + kPrefetch + 64, _MM_HINT_T0);
 #define ZE_ROW(J, ACC, PERM)                                                                              \
       {                                                                                                     \
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(cp + J * 32));                              \

@@ -58,6 +58,8 @@ void scores_blocked(const Step& w, int64_t h, int64_t s0, int64_t n) {
     __m256 acc[G][NS];
     for (int j = 0; j < G; ++j)
       for (int i = 0; i < NS; ++i) acc[j][i] = _mm256_setzero_ps();
+    _mm_prefetch((const char*)(K + s * hd) + kPrefetch, _MM_HINT_T0);
+    _mm_prefetch((const char*)(K + s * hd) + kPrefetch + 64, _MM_HINT_T0);
     for (int64_t d = 0; d < hd; d += 8) {
       __m256 k[NS];
       for (int i = 0; i < NS; ++i) k[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (s + i) * hd + d)));
@@ -120,6 +122,7 @@ void values_blocked(const Step& w, const float* e, const uint16_t* V, float* out
     for (int j = 0; j < G; ++j)
       for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < n; ++s) {
+      _mm_prefetch((const char*)(V + s * hd + d0) + kPrefetch, _MM_HINT_T0);
       __m256 v[R];
       for (int r = 0; r < R; ++r) v[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + s * hd + d0 + 8 * r)));
       for (int j = 0; j < G; ++j) {

@@ -8,6 +8,8 @@ no empty slots: the same attention as llama.cpp) and prefills in the bundle's ch
 run` does. llama.cpp gets n_ctx = max T + 72, n_batch 512, the same thread count.
 
   zeroedge export smollm2-135m --weights fp16 -o /tmp/b16          # and fp32, int4 (see weights_cpu.md)
+  zeroedge export smollm2-135m --weights int4 --zero-point float --accuracy-level 4 --graphs portable \
+      --cpu-kernels zeroedge -o /tmp/bz                             # zeroedge's own kernels (ortops/)
   python benchmarks/weights_cpu.py --bundle fp16=/tmp/b16 --bundle int4=/tmp/b4 ... -o benchmarks/weights_cpu.json
 
 llama.cpp (in a worker process of its own) is the `llama_cpp` module of llama-cpp-python (`pip install llama-cpp-python`: it compiles

@@ -1,6 +1,7 @@
 """Fusions onnxruntime does not find itself, written into the portable decode graph (com.microsoft
 ops: the portable flavour only; the TensorRT graphs keep standard ONNX, and the prefill graphs keep
-their form). fuse_decode applies both:
+their form). fuse_decode applies the first two; a bundle exported with --cpu-kernels zeroedge also
+gets the last two (zeroedge.ort ops, ortops/):
 
 skip_rmsnorms: a residual Add whose sum feeds an RMSNorm and the rest of the residual stream ->
 one SkipSimplifiedLayerNormalization (its 4th output is the sum). onnxruntime fuses Add +
@@ -11,6 +12,12 @@ side_product_gemms: the float zero point's offset product and its Add (quantize_
 (x @ E) @ C + y_sym) -> Gemm(x @ E, C, y_sym), for graphs whose activations are 2-D (the decode
 graph). onnxruntime's own MatMul + Add fusion takes most of them, not those whose shapes it cannot
 infer (the o_proj's, after the attention's Reshape).
+
+q4_linears: each 4-bit MatMulNBits and its side product -> one zeroedge.ort Q4Linear.
+
+swiglu_q4_linears: the gate / up Q4Linear, its Split and silu(gate) * up -> one Q4Linear with a
+SwiGLU epilogue. (The attention's zeroedge.ort WindowAttention nodes come from the exporter itself:
+onnx_export.window_attention_op.)
 """
 from __future__ import annotations
 

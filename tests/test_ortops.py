@@ -193,3 +193,20 @@ def test_export_refuses_zeroedge_kernels_for_tensorrt_graphs(tmp_path):
     p = run_cli("export", "tiny", "-o", tmp_path / "b", "--cpu-kernels", "zeroedge")
     assert p.returncode == 2 and "--graphs portable" in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
+
+
+def test_plan_counts_the_packed_copy_and_the_float16_window(tiny_int4_pair):
+    """`zeroedge plan --onnxruntime-process`: a zeroedge-kernels bundle holds its 4-bit linear layers
+    once more (Q4Linear's packed copy) and a float16 K window; both as the runner allocates them."""
+    import json
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    stock, ours = tiny_int4_pair
+    plans = {}
+    for b in (stock, ours):
+        p = run_cli("plan", b, "--board", "orin-nano-8gb", "--ctx", 60, "--onnxruntime-process", "--json", check_rc=0)
+        plans[b] = json.loads(p.stdout)["memory"]
+    assert plans[ours]["weights"] - plans[stock]["weights"] == plans[ours]["weights_quantized"] > 0
+    with OrtRunner(ours, slots=60) as r:
+        assert plans[ours]["hot_kv"] == r.window_bytes() < plans[stock]["hot_kv"]

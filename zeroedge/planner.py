@@ -14,7 +14,9 @@ Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
                  4-bit bundles (manifest weights.quantization): the quantized linear layers count the
                  bytes weights.bin really stores for the flavour that runs (TensorRT: signed INT4 +
                  scales + zero-point offsets; onnxruntime: MatMulNBits' blobs + scales + zero points),
-                 the rest (embedding, norms) params at the plan dtype
+                 the rest (embedding, norms) params at the plan dtype; a bundle exported with
+                 --cpu-kernels zeroedge: the linear layers' bytes once more in an onnxruntime process
+                 (its Q4Linear nodes keep their own packed copy)
   hot_kv         L * Hkv * hd * min(context, window) * (K + V element bytes as the decode graph takes
                  them: fp32 K + fp16 V; the plan dtype's for bundles that do not record it)
   compressed     the rest of the context in the int8 tier: 1 byte per value + an fp16 scale per 64
@@ -102,7 +104,8 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
             "quant_bytes": {k: int(v) for k, v in (q.get("bytes") or {}).items()},
             "emb_params": int((q.get("embedding") or {}).get("params") or 0),
             "emb_bytes": {k: int(v) for k, v in ((q.get("embedding") or {}).get("bytes") or {}).items()},
-            "window_bytes": _window_bytes(manifest)}
+            "window_bytes": _window_bytes(manifest),
+            "cpu_kernels": (manifest.get("cpu_kernels") or {}).get("kind", "stock")}
 
 
 ONNX_DTYPE_BYTES = {1: 4, 10: 2, 16: 2, 11: 8}     # float, float16, bfloat16, double
@@ -183,7 +186,10 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     tied = 2 * m["V"] * m["D"] * 4 if (m.get("tied") and not device and not m.get("emb_params")) else 0
     qp = m.get("quant_params", 0)
     w_one = _weights_once(m, b, device)
-    out = {"weights": engines * (w_one + tied), "weight_copies": engines, "prefill_chunk": C,
+    # zeroedge's onnxruntime kernels (cpu_kernels zeroedge): the decode session's Q4Linear nodes copy the
+    # 4-bit linear layers once more, in their own order (ortops/q4_linear.cc)
+    packed = qp * linear_bytes_per_param(m, b, device) if qp and not device and m.get("cpu_kernels") == "zeroedge" else 0
+    out = {"weights": engines * (w_one + tied) + packed, "weight_copies": engines, "prefill_chunk": C,
            "weights_quantized": int(qp * linear_bytes_per_param(m, b, device)) if qp else 0,
            "prefill_activations": act_prefill,
            "hot_kv": per_tok_kv // 2 * hot * m["window_bytes"] if m.get("window_bytes") else per_tok_kv * hot * b,

@@ -195,7 +195,7 @@ def _wrappers():
                     kv_index = a.kept_heads // group
                     kk, vv = pk.index_select(1, kv_index), pv.index_select(1, kv_index)
                     kn, vn = k.index_select(1, kv_index), v.index_select(1, kv_index)
-                    s_old = q @ kk.transpose(-1, -2) + neg               # (B, h, 1, S)
+                    s_old = q @ kk.float().transpose(-1, -2) + neg       # (B, h, 1, S); K fp16 with ortops
                     s_new = q @ kn.transpose(-1, -2)                     # (B, h, 1, 1)
                     p = torch.cat((s_old, s_new), -1).softmax(-1)
                     p_old, p_new = p[..., :-1], p[..., -1:]
@@ -237,8 +237,9 @@ def window_attention_op():
         def symbolic(g, qkv, rot, pk, pv, neg, kv_heads, scale):
             out, k, v, mass = g.op(f"{ORTOPS_DOMAIN}::WindowAttention", qkv, rot, pk, pv, neg,
                                    kv_heads_i=kv_heads, scale_f=scale, outputs=4)
-            b, s, hd = qkv.type().varyingSizes()[0], pk.type().varyingSizes()[2], pk.type().varyingSizes()[3]
-            out.setType(qkv.type())
+            (b, width), (s, hd) = qkv.type().varyingSizes(), pk.type().varyingSizes()[2:]
+            heads = width // hd - 2 * kv_heads if width and hd else None                 # query heads
+            out.setType(qkv.type().with_sizes([b, heads * hd if heads else None]))
             for t in (k, v):
                 t.setType(qkv.type().with_sizes([b, kv_heads, 1, hd]))
             mass.setType(qkv.type().with_sizes([b, 1, s]))

@@ -210,3 +210,25 @@ def test_plan_counts_the_packed_copy_and_the_float16_window(tiny_int4_pair):
     assert plans[ours]["weights"] - plans[stock]["weights"] == plans[ours]["weights_quantized"] > 0
     with OrtRunner(ours, slots=60) as r:
         assert plans[ours]["hot_kv"] == r.window_bytes() < plans[stock]["hot_kv"]
+
+
+def test_zeroedge_kernels_with_pruned_heads_decode_like_the_stock_graph(tmp_path, ortops_lib):
+    """Layers with pruned heads keep the stock attention (over the float16 K window), the others take
+    WindowAttention; fp32 weights, so the two graphs differ only there."""
+    from artifacts import sih_artifact
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.export.bundle_writer import export_bundle
+
+    sih_artifact(tmp_path / "calib", "tiny", thr={i: 0.5 for i in range(4)}, prune={"1": [0, 3]})
+    kw = dict(calib=tmp_path / "calib", window=64, weights="float32", flavours=("portable",))
+    export_bundle("tiny", tmp_path / "stock", **kw)
+    mf = export_bundle("tiny", tmp_path / "ours", cpu_kernels="zeroedge", **kw)
+    assert mf["cpu_kernels"]["nodes"]["WindowAttention"] == 3                 # layer 1 keeps its form
+    tokens = np.random.default_rng(5).integers(0, 256, 30)
+    with OrtRunner(tmp_path / "stock", slots=64) as a, OrtRunner(tmp_path / "ours", slots=64) as b:
+        la, lb = a.prefill(tokens), b.prefill(tokens)
+        for _ in range(12):
+            t = int(la.argmax())
+            la, lb = a.step(t), b.step(t)
+            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16

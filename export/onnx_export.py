@@ -39,8 +39,9 @@ import math
 import time
 from pathlib import Path
 
+from zeroedge.plugin_spec import ORTOPS_DOMAIN
+
 OPSET = 18
-ORTOPS_DOMAIN = "zeroedge.ort"     # zeroedge's onnxruntime CPU kernels (ortops/)
 
 
 def _wrappers():

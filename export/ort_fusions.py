@@ -21,7 +21,7 @@ onnx_export.window_attention_op.)
 """
 from __future__ import annotations
 
-from zeroedge.export.onnx_export import ORTOPS_DOMAIN
+from zeroedge.plugin_spec import ORTOPS_DOMAIN
 
 
 def fuse_decode(model) -> dict:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 DOMAIN = "zeroedge"
 PLUGIN_NAMESPACE = "zeroedge"
+# zeroedge's onnxruntime CPU kernels (ortops/: Q4Linear, WindowAttention): their custom-op domain
+ORTOPS_DOMAIN = "zeroedge.ort"
 PLUGIN_VERSION = "1"
 PLUGIN_ABI = 1  # bump when a node's inputs, outputs or fields change
 

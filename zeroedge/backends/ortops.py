@@ -11,7 +11,6 @@ from pathlib import Path
 
 from zeroedge.errors import UserError
 
-DOMAIN = "zeroedge.ort"
 LIBRARY = "libzeroedge_ortops.so"
 
 

@@ -29,6 +29,16 @@ def fuse_decode(model) -> dict:
     return {"skip_rmsnorms": skip_rmsnorms(model), "side_product_gemms": side_product_gemms(model)}
 
 
+def _index(graph) -> tuple:
+    """(initializers by name, each output's producing node, each name's reading nodes)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    readers = {}
+    for n in graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    return {t.name: t for t in graph.initializer}, producer, readers
+
+
 def _const(graph, inits: dict, name: str):
     """A scalar constant's value (an initializer or a Constant node's output), or None."""
     from onnx import numpy_helper
@@ -88,12 +98,7 @@ def skip_rmsnorms(model) -> int:
     from onnx import TensorProto, helper
 
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    readers = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    inits, producer, readers = _index(g)
     gone, new = set(), {}
     for mean in list(g.node):
         if mean.op_type != "ReduceMean":
@@ -132,10 +137,7 @@ def side_product_gemms(model) -> int:
     from onnx import helper
 
     g = model.graph
-    readers = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    _, _, readers = _index(g)
     gone, new = set(), {}
     for mm in g.node:
         if mm.op_type != "MatMul" or not mm.name.endswith("_Offset"):
@@ -154,7 +156,6 @@ def side_product_gemms(model) -> int:
     return len(new)
 
 
-
 def q4_linears(model) -> int:
     """A 4-bit MatMulNBits with its float zero point's side product (MatMulNBits(x) + Gemm(x @ E, C),
     after side_product_gemms) -> one zeroedge.ort Q4Linear(x, B, S, C), in place: our onnxruntime CPU
@@ -163,12 +164,7 @@ def q4_linears(model) -> int:
     from onnx import helper
 
     g = model.graph
-    producer = {o: n for n in g.node for o in n.output}
-    readers = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    inits = {t.name for t in g.initializer}
+    inits, producer, readers = _index(g)
 
     def stored(name):                       # the float16 initializer behind a Cast, else the name
         c = producer.get(name)
@@ -218,12 +214,7 @@ def swiglu_q4_linears(model) -> int:
     from onnx import helper, numpy_helper
 
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    readers = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    inits, producer, readers = _index(g)
 
     def only(name, op):
         r = readers.get(name, [])

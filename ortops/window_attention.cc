@@ -34,6 +34,7 @@ struct Step {
 void scores_generic(const Step& w, int64_t h, int64_t s0, int64_t from, int64_t n) {
   const int64_t g = w.g, hd = w.hd, S = w.S;
   const float* q = w.q + h * g * hd;
+  if (from >= n) return;                    // the blocked path left no tail
   std::vector<float> kf(hd);
   for (int64_t s = from; s < n; ++s) {
     const uint16_t* ks = w.pk + (h * S + s0 + s) * hd;

@@ -2,6 +2,7 @@
 reference, a bundle exported with --cpu-kernels zeroedge against the same model's stock bundle, and
 the refusals. The library is built here (scripts/build_ortops, incremental) as CI does in setup."""
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -232,3 +233,48 @@ def test_zeroedge_kernels_with_pruned_heads_decode_like_the_stock_graph(tmp_path
             t = int(la.argmax())
             la, lb = a.step(t), b.step(t)
             assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16
+
+
+def test_q4_linear_refuses_a_bad_activation_and_weights_that_are_not_initializers(ortops_lib):
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N = 64, 8
+    B, S, C = (np.zeros((N, 2, 16), np.uint8), np.ones(N * 2, np.float16), np.zeros((2, N), np.float16))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])
+    y = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S"), numpy_helper.from_array(C, "C")]
+    bad = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32,
+                           activation="gelu")
+    with pytest.raises(Exception, match="activation must be swiglu"):
+        _session(ortops_lib, bad, [x], y, inits).run(None, {"x": np.zeros((1, K), np.float32)})
+    node = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32)
+    b_in = helper.make_tensor_value_info("B", TensorProto.UINT8, [N, 2, 16])       # fed, not constant
+    with pytest.raises(Exception, match="must be initializers"):
+        _session(ortops_lib, node, [x, b_in], y, inits[1:]).run(None, {"x": np.zeros((1, K), np.float32), "B": B})
+
+
+def test_export_refuses_zeroedge_kernels_for_a_foreign_graph_and_unknown_kernels(tmp_path):
+    from zeroedge.errors import UserError
+    from zeroedge.export.bundle_writer import export_bundle
+
+    with pytest.raises(UserError, match="not a foreign .onnx graph"):
+        export_bundle(str(tmp_path / "model.onnx"), tmp_path / "b", flavours=("portable",), cpu_kernels="zeroedge")
+    with pytest.raises(UserError, match="stock or zeroedge"):
+        export_bundle("tiny", tmp_path / "c", flavours=("portable",), cpu_kernels="fast")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_fetch_headers_refuses_a_package_unlike_its_pinned_hash(tmp_path):
+    """The headers are taken only from the package whose SHA-256 is pinned: any other bytes (or none)
+    are refused with one line and exit code 2, and nothing is written."""
+    def fetch():
+        code = ("import sys; sys.path.insert(0, 'ortops'); import fetch_headers as f; "
+                f"f.URL = 'file://{tmp_path}/fake.deb'; sys.exit(f.main('{tmp_path}/inc'))")
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    p = fetch()
+    assert p.returncode == 2 and "cannot download" in p.stderr          # no such file yet
+    (tmp_path / "fake.deb").write_bytes(b"!<arch>\nnot the package")
+    p = fetch()
+    assert p.returncode == 2 and "pinned SHA-256" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "inc").exists()

@@ -480,11 +480,12 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
             if flavour == "portable" and name == "decode":
                 ort_fusions.fuse_decode(p)
                 if cpu_kernels == "zeroedge":
-                    info["cpu_kernels"] = {"kind": "zeroedge", "domain": ort_fusions.ORTOPS_DOMAIN,
-                                           "nodes": {"Q4Linear": ort_fusions.q4_linears(p),
-                                                     "Q4Linear swiglu": ort_fusions.swiglu_q4_linears(p),
-                                                     "WindowAttention": sum(n.op_type == "WindowAttention"
-                                                                            for n in p.graph.node)}}
+                    nodes = {"Q4Linear": ort_fusions.q4_linears(p), "Q4Linear swiglu": ort_fusions.swiglu_q4_linears(p),
+                             "WindowAttention": sum(n.op_type == "WindowAttention" for n in p.graph.node)}
+                    bits = {a.i for n in p.graph.node if n.op_type == "Q4Linear" for a in n.attribute
+                            if a.name == "input_bits"}
+                    info["cpu_kernels"] = {"kind": "zeroedge", "domain": ort_fusions.ORTOPS_DOMAIN, "nodes": nodes,
+                                           **({"input_bits": bits.pop()} if len(bits) == 1 else {})}
             fn = f"{name}.{flavour}.onnx"
             onnx.save_model(p, str(tmp / fn))
             files[fn] = {"graph": name, "flavour": flavour}

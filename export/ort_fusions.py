@@ -160,7 +160,8 @@ def q4_linears(model) -> int:
     """A 4-bit MatMulNBits with its float zero point's side product (MatMulNBits(x) + Gemm(x @ E, C),
     after side_product_gemms) -> one zeroedge.ort Q4Linear(x, B, S, C), in place: our onnxruntime CPU
     kernel (ortops/q4_linear.cc) reads the same codes, the float16-stored S and C behind their Casts,
-    and no fp32 side-product matrix. Returns the number of fusions."""
+    and no fp32 side-product matrix. Its inputs are rounded per block of 32 as MatMulNBits' accuracy
+    level asks: to int8 at level 4, else to int16 (as good as exact). Returns the number of fusions."""
     from onnx import helper
 
     g = model.graph
@@ -186,7 +187,8 @@ def q4_linears(model) -> int:
         gone.add(id(mm))
         new[id(gemm)] = helper.make_node("Q4Linear", [x, mm.input[1], s, c], list(gemm.output),
                                          name=mm.name + "_Q4Linear", domain=ORTOPS_DOMAIN,
-                                         K=int(at["K"]), N=int(at["N"]), block_size=32)
+                                         K=int(at["K"]), N=int(at["N"]), block_size=32,
+                                         input_bits=8 if at.get("accuracy_level", 0) == 4 else 16)
     if not new:
         return 0
     nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]

@@ -6,8 +6,10 @@
 //   S      float16|float [N * kb]   d of each block
 //   C      float16|float [kb, N]    the offset product's C = d * (8 - z) = m + 8 d
 //   y      float [M, N]
-// y[n] = sum_b S[n,b] * sum_i (q_i - 8) x_i + C[b,n] * sum_i x_i. x is rounded to int8 per block of
-// 32 (as MatMulNBits does at accuracy level 4), the block sums of x stay exact.
+// y[n] = sum_b S[n,b] * sum_i (q_i - 8) x_i + C[b,n] * sum_i x_i. x is rounded per block of 32 to
+// int16 (attr input_bits 16: 2^-15 of the block's largest value, as good as exact for perplexity) or
+// to int8 (input_bits 8, the default for bundles that do not say: what MatMulNBits does at accuracy
+// level 4 and llama.cpp's Q4_1 x Q8_1, ~1 % perplexity on SmolLM2); the block sums of x stay exact.
 // attr activation "swiglu": W is [gate | up] side by side and the output is silu(gate) * up, [M, N / 2].
 //
 // B, S and C must be constant (initializers). The kernel copies them once, when onnxruntime creates
@@ -28,33 +30,49 @@ namespace {
 
 constexpr int kBlock = 32, kRows = 4;
 
-// One row of x: int8 codes per block (even elements first, then odd: the order of B's low and
-// high nibbles; blocks in pairs as [b0 even, b1 even, b0 odd, b1 odd], a last odd block as [even,
-// odd]), and per block, four times over (lane layout of a pair: b0 x4, b1 x4): the step dx, 8 * dx
-// * sum(codes) (the "- 8" of every weight code) and the exact block sum.
+// One row of x, rounded per block, and per block, four times over (lane layout of a pair of blocks:
+// b0 x4, b1 x4): the step dx, 8 * dx * sum(codes) (the "- 8" of every weight code) and the exact
+// block sum. The codes' order follows the packed weights' (blocks in pairs; a last odd block alone):
+//  - int8 (q8): per pair [b0 even, b1 even, b0 odd, b1 odd] elements, 16 each (B's low and high
+//    nibbles); a last block [even, odd];
+//  - int16 (q16): per pair four vectors k = 0..3 of [b0 elements 4i + k, b1 elements 4i + k], 8 each
+//    (the four nibbles of a 16-bit word of B); a last block four vectors of 8.
 struct QuantRow {
-  std::vector<int8_t> q;
+  bool wide = false;
+  std::vector<int8_t> q8;
+  std::vector<int16_t> q16;
   std::vector<float> dx4, xs84, sum4;
-  void fill(const float* x, int64_t K, int64_t kb) {
-    q.assign(kb * kBlock, 0);
+
+  // where element e of block b goes
+  static int64_t at8(int64_t b, int64_t e, int64_t kb) {
+    const bool paired = (b | 1) < kb;
+    return (b & ~int64_t(1)) * kBlock + (paired && (b & 1) ? 16 : 0) + (e & 1) * (paired ? 32 : 16) + e / 2;
+  }
+  static int64_t at16(int64_t b, int64_t e, int64_t kb) {
+    const bool paired = (b | 1) < kb;
+    return (b & ~int64_t(1)) * kBlock + (paired ? (e & 3) * 16 + (b & 1) * 8 : (e & 3) * 8) + e / 4;
+  }
+  void fill(const float* x, int64_t K, int64_t kb, bool wide_) {
+    wide = wide_;
+    if (wide) q16.assign(kb * kBlock, 0);
+    else q8.assign(kb * kBlock, 0);
     dx4.assign(kb * 4, 0.f);
     xs84.assign(kb * 4, 0.f);
     sum4.assign(kb * 4, 0.f);
+    const float top = wide ? 32767.f : 127.f;
     for (int64_t b = 0; b < kb; ++b) {
       float v[kBlock] = {0};
       const int64_t n = std::min<int64_t>(kBlock, K - b * kBlock);
       std::memcpy(v, x + b * kBlock, n * sizeof(float));
       float amax = 0.f, s = 0.f;
       for (int i = 0; i < kBlock; ++i) { amax = std::max(amax, std::fabs(v[i])); s += v[i]; }
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const bool paired = (b | 1) < kb;
-      int8_t* even = q.data() + (b & ~int64_t(1)) * kBlock + (paired && (b & 1) ? 16 : 0);
-      int8_t* odd = even + (paired ? 32 : 16);
-      int qs = 0;
-      for (int i = 0; i < kBlock / 2; ++i) {
-        even[i] = (int8_t)std::lrint(v[2 * i] * inv);
-        odd[i] = (int8_t)std::lrint(v[2 * i + 1] * inv);
-        qs += even[i] + odd[i];
+      const float d = amax / top, inv = d > 0.f ? 1.f / d : 0.f;
+      int64_t qs = 0;
+      for (int e = 0; e < kBlock; ++e) {
+        const long c = std::lrint(v[e] * inv);
+        qs += c;
+        if (wide) q16[at16(b, e, kb)] = (int16_t)c;
+        else q8[at8(b, e, kb)] = (int8_t)c;
       }
       for (int j = 0; j < 4; ++j) {
         dx4[b * 4 + j] = d;
@@ -62,6 +80,22 @@ struct QuantRow {
         sum4[b * 4 + j] = s;
       }
     }
+  }
+  // sum of codes x rounded x over block b, for one row's 16 code bytes of that block
+  int32_t dot(const uint8_t* code, int64_t b, int64_t kb) const {
+    int32_t s = 0;
+    if (wide) {
+      const int16_t* x = q16.data() + at16(b, 0, kb);
+      const int64_t stride = at16(b, 1, kb) - at16(b, 0, kb);        // between elements 4i and 4i + 1
+      for (int i = 0; i < kBlock / 4; ++i) {
+        const int w = code[2 * i] | code[2 * i + 1] << 8;
+        for (int k = 0; k < 4; ++k) s += ((w >> 4 * k) & 0x0F) * x[k * stride + i];
+      }
+    } else {
+      const int8_t *even = q8.data() + at8(b, 0, kb), *odd = q8.data() + at8(b, 1, kb);
+      for (int i = 0; i < kBlock / 2; ++i) s += (code[i] & 0x0F) * even[i] + (code[i] >> 4) * odd[i];
+    }
+    return s;
   }
 };
 
@@ -134,7 +168,39 @@ inline __m128 load4(const uint8_t* p) {
 }
 #endif
 
-template <bool HALF>
+#ifdef ZE_AVX2
+// one row's 32 code bytes of a pair of blocks times the pair's rounded x: 8 int32 partial sums, lanes
+// 0-3 block b0's, 4-7 block b1's
+inline __m256i pair_dot8(__m256i raw, const __m256i* x) {       // x: [even, odd] int8
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x[0]), _mm256_maddubs_epi16(hi, x[1]));
+  return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+inline __m256i pair_dot16(__m256i raw, const __m256i* x) {      // x: the four int16 vectors
+  const __m256i m = _mm256_set1_epi16(0x000F);
+  const __m256i n0 = _mm256_and_si256(raw, m), n1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m),
+                n2 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), m), n3 = _mm256_srli_epi16(raw, 12);
+  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(n0, x[0]), _mm256_madd_epi16(n1, x[1])),
+                          _mm256_add_epi32(_mm256_madd_epi16(n2, x[2]), _mm256_madd_epi16(n3, x[3])));
+}
+// the same for a last block alone (16 code bytes): 4 int32 partial sums of that block
+inline __m128i block_dot8(__m128i raw, const __m256i* x) {      // x: [even | odd] in one vector
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, x[0]), _mm256_set1_epi16(1));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+inline __m128i block_dot16(__m128i raw, const __m128i* x) {
+  const __m128i m = _mm_set1_epi16(0x000F);
+  const __m128i n0 = _mm_and_si128(raw, m), n1 = _mm_and_si128(_mm_srli_epi16(raw, 4), m),
+                n2 = _mm_and_si128(_mm_srli_epi16(raw, 8), m), n3 = _mm_srli_epi16(raw, 12);
+  return _mm_add_epi32(_mm_add_epi32(_mm_madd_epi16(n0, x[0]), _mm_madd_epi16(n1, x[1])),
+                       _mm_add_epi32(_mm_madd_epi16(n2, x[2]), _mm_madd_epi16(n3, x[3])));
+}
+#endif
+
+template <bool HALF, bool WIDE>
 void groups_task(const Work& t, size_t c) {
   const Packed& w = *t.w;
   const QuantRow& r = *t.row;
@@ -146,12 +212,13 @@ void groups_task(const Work& t, size_t c) {
     int64_t b = 0;
 #ifdef ZE_AVX2
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, corr = acc0, offs = acc0;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i p0 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), p1 = _mm256_setr_epi32(1, 1, 1, 1, 5, 5, 5, 5),
                   p2 = _mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6), p3 = _mm256_setr_epi32(3, 3, 3, 3, 7, 7, 7, 7);
     for (int64_t p = 0; p < pairs; ++p, b += 2) {
-      const __m256i xe = _mm256_loadu_si256((const __m256i*)(r.q.data() + b * kBlock));
-      const __m256i xo = _mm256_loadu_si256((const __m256i*)(r.q.data() + b * kBlock + 32));
+      __m256i x[4];
+      for (int k = 0; k < (WIDE ? 4 : 2); ++k)
+        x[k] = WIDE ? _mm256_loadu_si256((const __m256i*)(r.q16.data() + b * kBlock + k * 16))
+                    : _mm256_loadu_si256((const __m256i*)(r.q8.data() + b * kBlock + k * 32));
       const __m256 d = load8<HALF>(sc + b * kRows * w.elt);                 // [b: rows 0-3, b + 1: rows 0-3]
       const __m256 dd = _mm256_mul_ps(d, _mm256_loadu_ps(&r.dx4[b * 4]));
       corr = _mm256_fmadd_ps(d, _mm256_loadu_ps(&r.xs84[b * 4]), corr);
@@ -162,30 +229,29 @@ void groups_task(const Work& t, size_t c) {
 #define ZE_ROW(J, ACC, PERM)                                                                              \
       {                                                                                                     \
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(cp + J * 32));                              \
-        const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4); \
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));  \
-        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), _mm256_permutevar8x32_ps(dd, PERM), ACC); \
+        const __m256i s = WIDE ? pair_dot16(raw, x) : pair_dot8(raw, x);                                   \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_permutevar8x32_ps(dd, PERM), ACC);             \
       }
       ZE_ROW(0, acc0, p0) ZE_ROW(1, acc1, p1) ZE_ROW(2, acc2, p2) ZE_ROW(3, acc3, p3)
 #undef ZE_ROW
     }
     if (b < kb) {                            // a last block of its own: [4 rows x 16 bytes]
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(r.q.data() + b * kBlock));
+      __m256i x8[1];
+      __m128i x16[4];
+      if (WIDE) for (int k = 0; k < 4; ++k) x16[k] = _mm_loadu_si128((const __m128i*)(r.q16.data() + b * kBlock + k * 8));
+      else x8[0] = _mm256_loadu_si256((const __m256i*)(r.q8.data() + b * kBlock));
       const __m128 d = load4<HALF>(sc + b * kRows * w.elt);
       const __m128 dd = _mm_mul_ps(d, _mm_set1_ps(r.dx4[b * 4]));
       float ddv[4];
       _mm_storeu_ps(ddv, dd);
-      const __m256 c4 = _mm256_castps128_ps256(_mm_fmadd_ps(d, _mm_set1_ps(r.xs84[b * 4]), _mm_setzero_ps()));
-      corr = _mm256_add_ps(corr, c4);
-      offs = _mm256_add_ps(offs, _mm256_castps128_ps256(_mm_mul_ps(load4<HALF>(off + b * kRows * w.elt), _mm_set1_ps(r.sum4[b * 4]))));
+      corr = _mm256_add_ps(corr, _mm256_zextps128_ps256(_mm_mul_ps(d, _mm_set1_ps(r.xs84[b * 4]))));
+      offs = _mm256_add_ps(offs, _mm256_zextps128_ps256(_mm_mul_ps(load4<HALF>(off + b * kRows * w.elt), _mm_set1_ps(r.sum4[b * 4]))));
       const uint8_t* cp = codes + pairs * kRows * 32;
-      const __m128i m = _mm_set1_epi8(0x0F);
       __m256* accs[4] = {&acc0, &acc1, &acc2, &acc3};
       for (int j = 0; j < kRows; ++j) {
         const __m128i raw = _mm_loadu_si128((const __m128i*)(cp + j * 16));
-        const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, x), _mm256_set1_epi16(1));
-        *accs[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ddv[j]), *accs[j]);
+        const __m128i s = WIDE ? block_dot16(raw, x16) : block_dot8(raw, x8);
+        *accs[j] = _mm256_add_ps(*accs[j], _mm256_zextps128_ps256(_mm_mul_ps(_mm_cvtepi32_ps(s), _mm_set1_ps(ddv[j]))));
       }
       b = kb;
     }
@@ -200,14 +266,10 @@ void groups_task(const Work& t, size_t c) {
 #endif
     for (; b < kb; ++b) {                    // the portable path (all blocks where there is no AVX2)
       const bool paired = (b | 1) < kb;
-      const int8_t* even = r.q.data() + (b & ~int64_t(1)) * kBlock + (paired && (b & 1) ? 16 : 0);
-      const int8_t* odd = even + (paired ? 32 : 16);
       for (int j = 0; j < kRows; ++j) {
         const uint8_t* code = codes + (paired ? (b / 2) * kRows * 32 + j * 32 + (b % 2) * 16 : pairs * kRows * 32 + j * 16);
-        int s = 0;
-        for (int i = 0; i < kBlock / 2; ++i) s += (code[i] & 0x0F) * even[i] + (code[i] >> 4) * odd[i];
         const float d = load_scalar<HALF>(sc, b * kRows + j);
-        y4[j] += d * ((float)s * r.dx4[b * 4] - r.xs84[b * 4]) + load_scalar<HALF>(off, b * kRows + j) * r.sum4[b * 4];
+        y4[j] += d * ((float)r.dot(code, b, kb) * r.dx4[b * 4] - r.xs84[b * 4]) + load_scalar<HALF>(off, b * kRows + j) * r.sum4[b * 4];
       }
     }
     const int64_t rows = std::min<int64_t>(kRows, w.N - g * kRows);
@@ -217,13 +279,13 @@ void groups_task(const Work& t, size_t c) {
 
 void groups_task_any(void* p, size_t c) {
   const Work& t = *(const Work*)p;
-  if (t.w->half) groups_task<true>(t, c);
-  else groups_task<false>(t, c);
+  if (t.w->half) t.row->wide ? groups_task<true, true>(t, c) : groups_task<true, false>(t, c);
+  else t.row->wide ? groups_task<false, true>(t, c) : groups_task<false, false>(t, c);
 }
 
 struct Q4LinearKernel {
   int64_t K, N;
-  bool swiglu;
+  bool swiglu, wide;
   Packed packed;
   Q4LinearKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -235,6 +297,10 @@ struct Q4LinearKernel {
     try { act = ki.GetAttribute<std::string>("activation"); } catch (const Ort::Exception&) {}
     if (act != "" && act != "swiglu") ORT_CXX_API_THROW("Q4Linear: activation must be swiglu or absent", ORT_INVALID_ARGUMENT);
     swiglu = act == "swiglu";
+    int64_t bits = 8;
+    try { bits = ki.GetAttribute<int64_t>("input_bits"); } catch (const Ort::Exception&) {}
+    if (bits != 8 && bits != 16) ORT_CXX_API_THROW("Q4Linear: input_bits must be 8 or 16", ORT_INVALID_ARGUMENT);
+    wide = bits == 16;
     if (swiglu && N % 2) ORT_CXX_API_THROW("Q4Linear: swiglu needs an even N", ORT_INVALID_ARGUMENT);
     int constant[3] = {0, 0, 0};
     Ort::ConstValue B = ki.GetTensorConstantInput(1, &constant[0]), S = ki.GetTensorConstantInput(2, &constant[1]),
@@ -268,7 +334,7 @@ struct Q4LinearKernel {
     QuantRow row;
     const int64_t chunk = std::max<int64_t>(16, (packed.groups + 3) / 4);   // a quarter of the rows a task
     for (int64_t m = 0; m < M; ++m) {
-      row.fill(x + m * K, K, packed.kb);
+      row.fill(x + m * K, K, packed.kb, wide);
       float* ym = swiglu ? full.data() : y + m * N;
       Work w{&row, &packed, chunk, ym};
       ctx.ParallelFor(groups_task_any, (size_t)((packed.groups + chunk - 1) / chunk), 0, &w);

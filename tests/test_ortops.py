@@ -20,6 +20,20 @@ def ortops_lib():
     return library_path()
 
 
+@pytest.fixture(scope="session", params=["native", "plain"])
+def ortops_libs(request, ortops_lib):
+    """The library as built for this machine (AVX2 here), and its plain C++ kernels (what a CPU
+    without AVX2, a Jetson's included, runs), built into ortops/build/plain."""
+    if request.param == "native":
+        return ortops_lib
+    inc = REPO / "ortops" / "build" / "include"
+    build = REPO / "ortops" / "build" / "plain"
+    p = subprocess.run([str(REPO / "scripts" / "build_ortops"), "--plain", "--build-dir", str(build)]
+                       + (["--ort-include", str(inc)] if inc.is_dir() else []), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"scripts/build_ortops --plain failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    return build / "libzeroedge_ortops.so"
+
+
 def _session(lib, node, inputs, outputs, inits=()):
     import onnxruntime as ort
     from onnx import helper
@@ -31,20 +45,22 @@ def _session(lib, node, inputs, outputs, inits=()):
     return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _int8_rows(x, kb):
-    """x [M, K] rounded as Q4Linear does: int8 per block of 32 (step amax / 127), padded to kb blocks."""
+def _rounded_rows(x, kb, bits):
+    """x [M, K] rounded as Q4Linear does: to int8 / int16 per block of 32 (step amax / 127 or / 32767),
+    padded to kb blocks."""
     M, K = x.shape
     xp = np.zeros((M, kb * 32), np.float64)
     xp[:, :K] = x
     blocks = xp.reshape(M, kb, 32)
-    d = np.abs(blocks).max(-1, keepdims=True) / 127.0
+    d = np.abs(blocks).max(-1, keepdims=True) / (2.0 ** (bits - 1) - 1)
     q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
     return (q * d).reshape(M, -1)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("M,K,N,half,act", [(1, 576, 960, True, ""), (3, 80, 13, True, ""), (2, 64, 37, False, ""),
-                                             (1, 96, 38, True, "swiglu")])
-def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half, act):
+                                             (1, 96, 38, True, "swiglu"), (1, 1536, 20, True, "")])
+def test_q4_linear_is_the_float_zero_point_product(ortops_libs, M, K, N, half, act, bits):
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(K + N)
@@ -55,10 +71,10 @@ def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half, ac
     C = (rng.standard_normal((kb, N)) * 0.1).astype(dt)
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[0, :32] = 0.0                                           # an all-zero block: step 0
+    x[-1, -5:] = 30.0 * (rng.random(5) - 0.5)              # and a block with an outlier
     node = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32,
-                            **({"activation": act} if act else {}))
-    et = TensorProto.FLOAT16 if half else TensorProto.FLOAT
-    s = _session(ortops_lib, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                            **({"activation": act} if act else {}), **({"input_bits": bits} if bits != 8 else {}))
+    s = _session(ortops_libs, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                  [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S"), numpy_helper.from_array(C, "C")])
     y = s.run(None, {"x": x})[0]
@@ -69,14 +85,14 @@ def test_q4_linear_is_the_float_zero_point_product(ortops_lib, M, K, N, half, ac
     Wc = np.repeat(C.astype(np.float64).T, 32, 1)
     W = Wq + Wc
     xe = np.pad(x.astype(np.float64), ((0, 0), (0, kb * 32 - K)))
-    ref = _int8_rows(x, kb) @ Wq.T + xe @ Wc.T          # x rounded to int8 for the codes, exact for the offsets
+    ref = _rounded_rows(x, kb, bits) @ Wq.T + xe @ Wc.T     # x rounded for the codes, exact for the offsets
     exact = xe @ W.T
     if act == "swiglu":                                 # silu(gate) * up, gate the first N / 2 columns
         ref, exact = ((a[:, :N // 2] / (1 + np.exp(-a[:, :N // 2]))) * a[:, N // 2:] for a in (ref, exact))
     assert y.shape == ref.shape
     assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
-    # and the rounding of x to int8 is all that separates it from the exact product
-    assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+    # and the rounding of x is all that separates it from the exact product: int8's, or int16's 256x finer
+    assert np.abs(y - exact).max() <= (2e-2 if bits == 8 else 1e-4) * np.abs(exact).max()
 
 
 def _attention_reference(qkv, rot, pk, pv, bias, Hkv, scale):
@@ -99,7 +115,7 @@ def _attention_reference(qkv, rot, pk, pv, bias, Hkv, scale):
 @pytest.mark.parametrize("B,Hkv,g,hd,S,empty", [(1, 3, 3, 64, 600, 0.3), (2, 2, 4, 20, 5, 0.0),
                                                   (1, 2, 2, 16, 40, 1.0), (1, 1, 7, 64, 257, 0.5),
                                                   (1, 2, 4, 64, 71, 0.2), (1, 1, 1, 8, 3, 0.0)])
-def test_window_attention_is_softmax_over_window_and_new_token(ortops_lib, B, Hkv, g, hd, S, empty):
+def test_window_attention_is_softmax_over_window_and_new_token(ortops_libs, B, Hkv, g, hd, S, empty):
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(S + hd)
@@ -115,7 +131,7 @@ def test_window_attention_is_softmax_over_window_and_new_token(ortops_lib, B, Hk
     f, h = TensorProto.FLOAT, TensorProto.FLOAT16
     names, outs = ["qkv", "rot", "past_k", "past_v", "bias"], ["out", "k", "v", "mass"]
     node = helper.make_node("WindowAttention", names, outs, domain="zeroedge.ort", kv_heads=Hkv, scale=scale)
-    s = _session(ortops_lib, node, [helper.make_tensor_value_info(n, h if n.startswith("past") else f, None) for n in names],
+    s = _session(ortops_libs, node, [helper.make_tensor_value_info(n, h if n.startswith("past") else f, None) for n in names],
                  [helper.make_tensor_value_info(n, f, None) for n in outs])
     got = s.run(None, dict(zip(names, (qkv, rot, pk, pv, bias))))
     ref = _attention_reference(qkv, rot, pk, pv, bias, Hkv, scale)
@@ -162,7 +178,7 @@ def test_a_zeroedge_kernels_bundle_decodes_like_the_stock_one(tiny_int4_pair):
     mf = json.loads((ours / "manifest.json").read_text())
     assert mf["cpu_kernels"] == {"kind": "zeroedge", "domain": "zeroedge.ort",
                                  "nodes": {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4,   # 4 layers: qkv, o, gate/up, down
-                                           "WindowAttention": 4}}
+                                           "WindowAttention": 4}, "input_bits": 8}
     assert json.loads((stock / "manifest.json").read_text())["cpu_kernels"] == {"kind": "stock"}
     tokens = np.random.default_rng(3).integers(0, 256, 40)
     with OrtRunner(stock, slots=64) as a, OrtRunner(ours, slots=64) as b:
@@ -188,6 +204,32 @@ def test_a_zeroedge_kernels_bundle_without_the_library_is_refused_in_one_line(ti
     monkeypatch.setenv("ZEROEDGE_ORTOPS", str(tmp_path / "bad.so"))
     with pytest.raises(UserError, match="cannot load"):
         OrtRunner(tiny_int4_pair[1], slots=64)
+
+
+def test_below_accuracy_level_4_the_products_round_their_inputs_to_int16(tiny_int4_pair, tmp_path):
+    """Exported without --accuracy-level 4, every Q4Linear rounds its inputs to int16 (the manifest and
+    the export's summary say so) and the bundle decodes like the stock graph at the same level."""
+    import json
+
+    import onnx
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    args = ("export", "tiny", "--weights", "int4", "--zero-point", "float", "--window", 64, "--graphs", "portable")
+    run_cli(*args, "-o", tmp_path / "stock", check_rc=0)
+    p = run_cli(*args, "--cpu-kernels", "zeroedge", "-o", tmp_path / "ours", check_rc=0)
+    assert "Q4Linear in decode, int16 inputs" in p.stdout
+    assert json.loads((tmp_path / "ours" / "manifest.json").read_text())["cpu_kernels"]["input_bits"] == 16
+    g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
+    bits = [a.i for n in g.node if n.op_type == "Q4Linear" for a in n.attribute if a.name == "input_bits"]
+    assert len(bits) == 4 * 4 and set(bits) == {16}                       # 4 layers: qkv, o, gate/up, down
+    tokens = np.random.default_rng(4).integers(0, 256, 40)
+    with OrtRunner(tmp_path / "stock", slots=64) as a, OrtRunner(tmp_path / "ours", slots=64) as b:
+        la, lb = a.prefill(tokens), b.prefill(tokens)
+        for _ in range(20):
+            t = int(la.argmax())
+            la, lb = a.step(t), b.step(t)
+            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16
 
 
 def test_export_refuses_zeroedge_kernels_for_tensorrt_graphs(tmp_path):

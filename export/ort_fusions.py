@@ -13,7 +13,8 @@ side_product_gemms: the float zero point's offset product and its Add (quantize_
 graph). onnxruntime's own MatMul + Add fusion takes most of them, not those whose shapes it cannot
 infer (the o_proj's, after the attention's Reshape).
 
-q4_linears: each 4-bit MatMulNBits and its side product -> one zeroedge.ort Q4Linear.
+q4_linears: each 4-bit MatMulNBits (with its side product, for a float zero point) -> one
+zeroedge.ort Q4Linear.
 
 swiglu_q4_linears: the gate / up Q4Linear, its Split and silu(gate) * up -> one Q4Linear with a
 SwiGLU epilogue. (The attention's zeroedge.ort WindowAttention nodes come from the exporter itself:
@@ -157,12 +158,15 @@ def side_product_gemms(model) -> int:
 
 
 def q4_linears(model) -> int:
-    """A 4-bit MatMulNBits with its float zero point's side product (MatMulNBits(x) + Gemm(x @ E, C),
-    after side_product_gemms) -> one zeroedge.ort Q4Linear(x, B, S, C), in place: our onnxruntime CPU
-    kernel (ortops/q4_linear.cc) reads the same codes, the float16-stored S and C behind their Casts,
-    and no fp32 side-product matrix. Its inputs are rounded per block of 32 as MatMulNBits' accuracy
-    level asks: to int8 at level 4, else to int16 (as good as exact). Returns the number of fusions."""
-    from onnx import helper
+    """Each 4-bit MatMulNBits -> one zeroedge.ort Q4Linear(x, B, S[, offsets]), in place: our
+    onnxruntime CPU kernel (ortops/q4_linear.cc) reads the same codes and the float16-stored S behind
+    its Cast. A float zero point's MatMulNBits and its side product (MatMulNBits(x) + Gemm(x @ E, C),
+    after side_product_gemms) become one node reading C (no fp32 side-product matrix); an integer
+    zero point's node reads MatMulNBits' zero points; a symmetric one none. Blocks of 32 to 256 (the
+    kernel works in blocks of 32; g16 keeps MatMulNBits). Its inputs are rounded per block of 32 as
+    MatMulNBits' accuracy level asks: to int8 at level 4, else to int16 (as good as exact). Returns
+    the number of fusions."""
+    from onnx import TensorProto, helper
 
     g = model.graph
     inits, producer, readers = _index(g)
@@ -171,24 +175,38 @@ def q4_linears(model) -> int:
         c = producer.get(name)
         return c.input[0] if c is not None and c.op_type == "Cast" and c.input[0] in inits else name
 
+    def q4linear(mm, at, inputs, outputs):
+        return helper.make_node("Q4Linear", inputs, outputs, name=mm.name + "_Q4Linear", domain=ORTOPS_DOMAIN,
+                                K=int(at["K"]), N=int(at["N"]), block_size=int(at["block_size"]),
+                                input_bits=8 if at.get("accuracy_level", 0) == 4 else 16)
+
+    def attrs(mm):
+        at = {a.name: helper.get_attribute_value(a) for a in mm.attribute}
+        ok = at.get("bits", 4) == 4 and at.get("block_size") in (32, 64, 128, 256)
+        return at if ok else None
+
     gone, new = set(), {}
-    for gemm in g.node:
+    for gemm in g.node:                     # float zero point: MatMulNBits + its side product
         if gemm.op_type != "Gemm" or not gemm.name.endswith("_Offset") or len(gemm.input) != 3:
             continue
         bsum, c, y_sym = gemm.input
         mm, bs = producer.get(y_sym), producer.get(bsum)
         if mm is None or mm.op_type != "MatMulNBits" or len(mm.input) != 3 or bs is None or bs.op_type != "MatMul":
             continue
-        at = {a.name: helper.get_attribute_value(a) for a in mm.attribute}
-        x = mm.input[0]
-        if at.get("bits", 4) != 4 or at.get("block_size") != 32 or bs.input[0] != x or len(readers[y_sym]) != 1:
+        at = attrs(mm)
+        if at is None or bs.input[0] != mm.input[0] or len(readers[y_sym]) != 1:
             continue
-        s, c = stored(mm.input[2]), stored(c)
         gone.add(id(mm))
-        new[id(gemm)] = helper.make_node("Q4Linear", [x, mm.input[1], s, c], list(gemm.output),
-                                         name=mm.name + "_Q4Linear", domain=ORTOPS_DOMAIN,
-                                         K=int(at["K"]), N=int(at["N"]), block_size=32,
-                                         input_bits=8 if at.get("accuracy_level", 0) == 4 else 16)
+        new[id(gemm)] = q4linear(mm, at, [mm.input[0], mm.input[1], stored(mm.input[2]), stored(c)], list(gemm.output))
+    for mm in g.node:                       # integer zero points, or none (symmetric)
+        if mm.op_type != "MatMulNBits" or id(mm) in gone or len(mm.input) not in (3, 4):
+            continue
+        at = attrs(mm)
+        if at is None or mm.input[1] not in inits or (len(mm.input) == 4 and (
+                mm.input[3] not in inits or inits[mm.input[3]].data_type != TensorProto.UINT8)):
+            continue
+        new[id(mm)] = q4linear(mm, at, [mm.input[0], mm.input[1], stored(mm.input[2])] + list(mm.input[3:]),
+                               list(mm.output))
     if not new:
         return 0
     nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]

@@ -36,6 +36,25 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// round to nearest even; overflow to inf, underflow through float16's subnormals to 0
+inline uint16_t float_to_half(float f) {
+#ifdef ZE_AVX2
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFF;
+  if (ax >= 0x7F800000) return sign | 0x7C00 | (ax > 0x7F800000 ? 0x200 : 0);      // inf, nan
+  if (ax >= 0x477FF000) return sign | 0x7C00;                                      // >= 65520: inf
+  if (ax < 0x38800000) {                                                            // subnormal or 0
+    float a; std::memcpy(&a, &ax, 4);
+    return sign | (uint16_t)std::nearbyint(a * 16777216.f);                         // units of 2^-24
+  }
+  const uint32_t r = ax + 0x0FFF + ((ax >> 13) & 1);                                // round to nearest even
+  return sign | (uint16_t)((r - 0x38000000) >> 13);
+#endif
+}
+
 #ifdef ZE_AVX2
 // e^x, 0 below -87 (and for -inf), clamped at 88: Cody-Waite reduction by ln 2, degree-6 Taylor on |r| <= ln2 / 2
 inline __m256 exp256(__m256 x) {

@@ -1,22 +1,28 @@
-// Q4Linear: y = x @ W for a 4-bit weight on a min/max grid with a float offset per block of 32
-// (GGUF Q4_1: w = d * q + m), from the initializers the portable graph already holds for
-// MatMulNBits and its side product:
+// Q4Linear: y = x @ W for a 4-bit weight on MatMulNBits' grid, w = d * (q - 8) + c per block, from
+// the initializers the portable graph already holds for MatMulNBits (and its side product):
 //   x      float [M, K]
-//   B      uint8 [N, kb, 16]   MatMulNBits' codes (byte j of a block: element 2j low, 2j+1 high)
-//   S      float16|float [N * kb]   d of each block
-//   C      float16|float [kb, N]    the offset product's C = d * (8 - z) = m + 8 d
+//   B      uint8 [N, kbB, bs / 2]   MatMulNBits' codes, bs = block_size (32, 64, 128 or 256; byte j of
+//                                   a block: element 2j low, 2j+1 high), kbB = ceil(K / bs)
+//   S      float16|float [N * kbB]  d of each block
+//   3rd    optional, one of:
+//          C float16|float [kbB, N]   the float zero point's offsets c = d * (8 - z) = m + 8 d (GGUF
+//                                     Q4_1: w = d * q + m);
+//          zero_points uint8 [N, ceil(kbB / 2)]   MatMulNBits' integer zero points z, two a byte, low
+//                                     nibble first: c = d * (8 - z), computed once here;
+//          absent: a symmetric grid (z = 8, c = 0).
 //   y      float [M, N]
-// y[n] = sum_b S[n,b] * sum_i (q_i - 8) x_i + C[b,n] * sum_i x_i. x is rounded per block of 32 to
+// y[n] = sum_b d[n,b] * sum_i (q_i - 8) x_i + c[b,n] * sum_i x_i. x is rounded per block of 32 to
 // int16 (attr input_bits 16: 2^-15 of the block's largest value, as good as exact for perplexity) or
 // to int8 (input_bits 8, the default for bundles that do not say: what MatMulNBits does at accuracy
 // level 4 and llama.cpp's Q4_1 x Q8_1, ~1 % perplexity on SmolLM2); the block sums of x stay exact.
 // attr activation "swiglu": W is [gate | up] side by side and the output is silu(gate) * up, [M, N / 2].
 //
-// B, S and C must be constant (initializers). The kernel copies them once, when onnxruntime creates
-// it, into one buffer laid out for the product (Packed): rows in groups of 4, and per group every
-// pair of blocks as [4 rows x 32 code bytes], then the pairs' d and C as [block][4 rows]. A step
-// then streams one contiguous buffer; the copy costs the weights' bytes once more in RAM (the
-// graph's own copy, mapped from weights.bin, is not read again).
+// The weights must be constant (initializers). The kernel copies them once, when onnxruntime creates
+// it, into one buffer laid out for the product (Packed), in blocks of 32 whatever bs is (a larger
+// block's d and c repeated): rows in groups of 4, and per group every pair of blocks as [4 rows x 32
+// code bytes], then the pairs' d and c as [block][4 rows], in S's dtype (c from integer zero points
+// is rounded to it). A step then streams one contiguous buffer; the copy costs the weights' bytes
+// once more in RAM (the graph's own copy, mapped from weights.bin, is not read again).
 #include <sys/mman.h>
 
 #include <cstdlib>
@@ -112,7 +118,17 @@ struct Packed {
   const uint8_t* scales(int64_t g) const { return codes(g) + codes_bytes; }               // d [kb][4]
   const uint8_t* offsets(int64_t g) const { return scales(g) + kb * kRows * elt; }        // C [kb][4]
 
-  void pack(const uint8_t* B, const void* S, const void* C, int64_t n_, int64_t kb_, bool half_) {
+  // Where the weights come from: MatMulNBits' B and S with blocks of bs, and c as given (C [kbB, N]),
+  // from integer zero points (zp [N, ceil(kbB / 2)]), or 0.
+  struct Source {
+    const uint8_t* B;
+    const void* S;
+    const void* C = nullptr;
+    const uint8_t* zp = nullptr;
+    int64_t bs = 32, kbB = 0;
+  };
+
+  void pack(const Source& src, int64_t n_, int64_t kb_, bool half_) {
     N = n_, kb = kb_, half = half_, elt = half ? 2 : 4;
     groups = (N + kRows - 1) / kRows;
     codes_bytes = kb * kRows * 16;
@@ -127,15 +143,25 @@ struct Packed {
     if (align == huge) madvise(p, total, MADV_HUGEPAGE);
     std::memset(p, 0, total);
     buf.reset((uint8_t*)p);
-    const int64_t pairs = kb / 2;
+    const int64_t pairs = kb / 2, per = src.bs / kBlock, zrow = (src.kbB + 1) / 2;
     for (int64_t n = 0; n < N; ++n) {
       const int64_t g = n / kRows, j = n % kRows;
       uint8_t* c = buf.get() + g * group_bytes;
       for (int64_t b = 0; b < kb; ++b) {
+        const int64_t sb = b / per;          // the source block
         const int64_t at = b < 2 * pairs ? (b / 2) * kRows * 32 + j * 32 + (b % 2) * 16 : pairs * kRows * 32 + j * 16;
-        std::memcpy(c + at, B + (n * kb + b) * 16, 16);
-        std::memcpy(c + codes_bytes + (b * kRows + j) * elt, (const uint8_t*)S + (n * kb + b) * elt, elt);
-        std::memcpy(c + codes_bytes + (kb * kRows + b * kRows + j) * elt, (const uint8_t*)C + (b * N + n) * elt, elt);
+        std::memcpy(c + at, src.B + (n * src.kbB + sb) * (src.bs / 2) + (b % per) * 16, 16);
+        uint8_t* d_at = c + codes_bytes + (b * kRows + j) * elt;
+        uint8_t* c_at = c + codes_bytes + (kb * kRows + b * kRows + j) * elt;
+        std::memcpy(d_at, (const uint8_t*)src.S + (n * src.kbB + sb) * elt, elt);
+        if (src.C != nullptr) {
+          std::memcpy(c_at, (const uint8_t*)src.C + (sb * N + n) * elt, elt);
+        } else if (src.zp != nullptr) {
+          const int z = (src.zp[n * zrow + sb / 2] >> (4 * (sb % 2))) & 0x0F;
+          const float off = (half ? half_to_float(*(const uint16_t*)d_at) : *(const float*)d_at) * (float)(8 - z);
+          if (half) { const uint16_t h = float_to_half(off); std::memcpy(c_at, &h, 2); }
+          else std::memcpy(c_at, &off, 4);
+        }                                     // else c = 0 (the buffer is zeroed)
       }
     }
   }
@@ -292,7 +318,9 @@ struct Q4LinearKernel {
     K = ki.GetAttribute<int64_t>("K");
     N = ki.GetAttribute<int64_t>("N");
     if (K < 1 || N < 1) ORT_CXX_API_THROW("Q4Linear: K and N must be >= 1", ORT_INVALID_ARGUMENT);
-    if (ki.GetAttribute<int64_t>("block_size") != kBlock) ORT_CXX_API_THROW("Q4Linear: block_size must be 32", ORT_INVALID_ARGUMENT);
+    const int64_t bs = ki.GetAttribute<int64_t>("block_size");
+    if (bs != 32 && bs != 64 && bs != 128 && bs != 256)
+      ORT_CXX_API_THROW("Q4Linear: block_size must be 32, 64, 128 or 256", ORT_INVALID_ARGUMENT);
     std::string act;
     try { act = ki.GetAttribute<std::string>("activation"); } catch (const Ort::Exception&) {}
     if (act != "" && act != "swiglu") ORT_CXX_API_THROW("Q4Linear: activation must be swiglu or absent", ORT_INVALID_ARGUMENT);
@@ -302,21 +330,32 @@ struct Q4LinearKernel {
     if (bits != 8 && bits != 16) ORT_CXX_API_THROW("Q4Linear: input_bits must be 8 or 16", ORT_INVALID_ARGUMENT);
     wide = bits == 16;
     if (swiglu && N % 2) ORT_CXX_API_THROW("Q4Linear: swiglu needs an even N", ORT_INVALID_ARGUMENT);
-    int constant[3] = {0, 0, 0};
-    Ort::ConstValue B = ki.GetTensorConstantInput(1, &constant[0]), S = ki.GetTensorConstantInput(2, &constant[1]),
-                    C = ki.GetTensorConstantInput(3, &constant[2]);
+    const bool has_offsets = ki.GetInputCount() > 3;
+    int constant[3] = {0, 0, 1};
+    Ort::ConstValue B = ki.GetTensorConstantInput(1, &constant[0]), S = ki.GetTensorConstantInput(2, &constant[1]);
+    Ort::ConstValue O{nullptr};
+    if (has_offsets) O = ki.GetTensorConstantInput(3, &constant[2]);
     if (!constant[0] || !constant[1] || !constant[2])
-      ORT_CXX_API_THROW("Q4Linear: B, S and C must be initializers", ORT_INVALID_ARGUMENT);
-    const int64_t kb = (K + kBlock - 1) / kBlock;
-    const auto st = S.GetTensorTypeAndShapeInfo(), ct = C.GetTensorTypeAndShapeInfo(), bt = B.GetTensorTypeAndShapeInfo();
+      ORT_CXX_API_THROW("Q4Linear: B, S and the offsets must be initializers", ORT_INVALID_ARGUMENT);
+    Packed::Source src{B.GetTensorData<uint8_t>(), S.GetTensorRawData()};
+    src.bs = bs, src.kbB = (K + bs - 1) / bs;
+    const auto st = S.GetTensorTypeAndShapeInfo(), bt = B.GetTensorTypeAndShapeInfo();
     const auto et = st.GetElementType();
-    if ((et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) ||
-        ct.GetElementType() != et || bt.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
-        st.GetElementCount() != (size_t)(N * kb) || ct.GetElementCount() != (size_t)(N * kb) ||
-        bt.GetElementCount() != (size_t)(N * kb * kBlock / 2))
-      ORT_CXX_API_THROW("Q4Linear: B / S / C do not match K, N", ORT_INVALID_ARGUMENT);
-    packed.pack(B.GetTensorData<uint8_t>(), S.GetTensorRawData(), C.GetTensorRawData(), N, kb,
-                et == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
+    bool ok = (et == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 || et == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) &&
+              bt.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 &&
+              st.GetElementCount() == (size_t)(N * src.kbB) && bt.GetElementCount() == (size_t)(N * src.kbB * bs / 2);
+    if (has_offsets) {
+      const auto ot = O.GetTensorTypeAndShapeInfo();
+      if (ot.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
+        ok = ok && ot.GetElementCount() == (size_t)(N * ((src.kbB + 1) / 2));
+        src.zp = O.GetTensorData<uint8_t>();
+      } else {
+        ok = ok && ot.GetElementType() == et && ot.GetElementCount() == (size_t)(N * src.kbB);
+        src.C = O.GetTensorRawData();
+      }
+    }
+    if (!ok) ORT_CXX_API_THROW("Q4Linear: B / S / offsets do not match K, N, block_size", ORT_INVALID_ARGUMENT);
+    packed.pack(src, N, (K + kBlock - 1) / kBlock, et == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
   }
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
@@ -360,6 +399,9 @@ struct Q4LinearOp : Ort::CustomOpBase<Q4LinearOp, Q4LinearKernel> {
   const char* GetName() const { return "Q4Linear"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 4; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
          : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;

@@ -58,31 +58,45 @@ def _rounded_rows(x, kb, bits):
 
 
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("M,K,N,half,act", [(1, 576, 960, True, ""), (3, 80, 13, True, ""), (2, 64, 37, False, ""),
-                                             (1, 96, 38, True, "swiglu"), (1, 1536, 20, True, "")])
-def test_q4_linear_is_the_float_zero_point_product(ortops_libs, M, K, N, half, act, bits):
+@pytest.mark.parametrize("M,K,N,half,act,offsets,bs", [
+    (1, 576, 960, True, "", "C", 32), (3, 80, 13, True, "", "C", 32), (2, 64, 37, False, "", "C", 32),
+    (1, 96, 38, True, "swiglu", "C", 32), (1, 1536, 20, True, "", "C", 32),
+    (1, 576, 96, True, "", "zp", 128), (2, 200, 24, False, "", "zp", 64), (1, 80, 13, True, "", "zp", 32),
+    (1, 96, 38, True, "swiglu", "none", 32), (1, 300, 40, True, "", "none", 256)])
+def test_q4_linear_is_matmulnbits_product(ortops_libs, M, K, N, half, act, offsets, bs, bits):
+    """Q4Linear against numpy: blocks of bs, w = d (q - 8) + c with c the float zero point's offsets
+    (C), from MatMulNBits' integer zero points (zp: c = d (8 - z) in d's dtype), or 0 (none)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(K + N)
-    kb = -(-K // 32)
-    B = rng.integers(0, 256, (N, kb, 16), dtype=np.uint8)
+    rng = np.random.default_rng(K + N + bs)
+    kbB, kb = -(-K // bs), -(-K // 32)
+    B = rng.integers(0, 256, (N, kbB, bs // 2), dtype=np.uint8)
     dt = np.float16 if half else np.float32
-    S = (rng.random(N * kb) * 0.02 + 1e-3).astype(dt)
-    C = (rng.standard_normal((kb, N)) * 0.1).astype(dt)
+    S = (rng.random(N * kbB) * 0.02 + 1e-3).astype(dt)
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S")]
+    if offsets == "C":
+        c = (rng.standard_normal((kbB, N)) * 0.1).astype(dt)
+        inits.append(numpy_helper.from_array(c, "O"))
+    elif offsets == "zp":
+        z = rng.integers(0, 16, (N, kbB + kbB % 2))
+        inits.append(numpy_helper.from_array((z[:, 0::2] | z[:, 1::2] << 4).astype(np.uint8), "O"))
+        c = (S.astype(np.float32).reshape(N, kbB) * (8 - z[:, :kbB])).astype(dt).T
+    else:
+        c = np.zeros((kbB, N))
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[0, :32] = 0.0                                           # an all-zero block: step 0
     x[-1, -5:] = 30.0 * (rng.random(5) - 0.5)              # and a block with an outlier
-    node = helper.make_node("Q4Linear", ["x", "B", "S", "C"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32,
+    node = helper.make_node("Q4Linear", ["x", "B", "S"] + (["O"] if offsets != "none" else []), ["y"],
+                            domain="zeroedge.ort", K=K, N=N, block_size=bs,
                             **({"activation": act} if act else {}), **({"input_bits": bits} if bits != 8 else {}))
     s = _session(ortops_libs, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
-                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                 [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S"), numpy_helper.from_array(C, "C")])
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     y = s.run(None, {"x": x})[0]
-    # W[n, k] = S[n, b] * (q - 8) + C[b, n], codes low nibble first
-    q = np.empty((N, kb * 32), np.float64)
+    # W[n, k] = S[n, b] * (q - 8) + c[b, n], codes low nibble first
+    q = np.empty((N, kbB * bs), np.float64)
     q[:, 0::2], q[:, 1::2] = B.reshape(N, -1) & 15, B.reshape(N, -1) >> 4
-    Wq = np.repeat(S.astype(np.float64).reshape(N, kb), 32, 1) * (q - 8)
-    Wc = np.repeat(C.astype(np.float64).T, 32, 1)
+    Wq = (np.repeat(S.astype(np.float64).reshape(N, kbB), bs, 1) * (q - 8))[:, :kb * 32]
+    Wc = np.repeat(c.astype(np.float64).T, bs, 1)[:, :kb * 32]
     W = Wq + Wc
     xe = np.pad(x.astype(np.float64), ((0, 0), (0, kb * 32 - K)))
     ref = _rounded_rows(x, kb, bits) @ Wq.T + xe @ Wc.T     # x rounded for the codes, exact for the offsets
@@ -192,6 +206,33 @@ def test_a_zeroedge_kernels_bundle_decodes_like_the_stock_one(tiny_int4_pair):
         assert np.abs(a.last_mass - b.last_mass).max() < 1e-3
 
 
+@pytest.mark.parametrize("scheme", [{}, {"symmetric": True, "group": 128}, {"group": 64}])
+def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_path, ortops_lib, scheme):
+    """Integer zero points (onnxruntime's quantizer, the default) and symmetric grids, blocks of 32 to
+    128: every 4-bit product becomes a Q4Linear (the 8-bit LM head keeps MatMulNBits), and the bundle
+    decodes like its stock twin."""
+    import onnx
+
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.export.bundle_writer import export_bundle
+
+    kw = dict(window=64, weights="int4", flavours=("portable",), **scheme)
+    export_bundle("tiny", tmp_path / "stock", **kw)
+    mf = export_bundle("tiny", tmp_path / "ours", cpu_kernels="zeroedge", **kw)
+    assert mf["cpu_kernels"]["nodes"] == {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4, "WindowAttention": 4}
+    assert mf["cpu_kernels"]["input_bits"] == 16
+    g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
+    left = [n for n in g.node if n.op_type == "MatMulNBits"]
+    assert len(left) == 1 and any(a.name == "bits" and a.i == 8 for a in left[0].attribute)   # the LM head
+    tokens = np.random.default_rng(6).integers(0, 256, 40)
+    with OrtRunner(tmp_path / "stock", slots=64) as a, OrtRunner(tmp_path / "ours", slots=64) as b:
+        la, lb = a.prefill(tokens), b.prefill(tokens)
+        for _ in range(20):
+            t = int(la.argmax())
+            la, lb = a.step(t), b.step(t)
+            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16
+
+
 def test_a_zeroedge_kernels_bundle_without_the_library_is_refused_in_one_line(tiny_int4_pair, tmp_path, monkeypatch):
     from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.errors import UserError
@@ -250,7 +291,9 @@ def test_plan_counts_the_packed_copy_and_the_float16_window(tiny_int4_pair):
     for b in (stock, ours):
         p = run_cli("plan", b, "--board", "orin-nano-8gb", "--ctx", 60, "--onnxruntime-process", "--json", check_rc=0)
         plans[b] = json.loads(p.stdout)["memory"]
-    assert plans[ours]["weights"] - plans[stock]["weights"] == plans[ours]["weights_quantized"] > 0
+    qp = json.loads((ours / "manifest.json").read_text())["weights"]["quantization"]["quantized_params"]
+    # the packed copy: per block of 32 weights, 16 bytes of codes, a float16 d and c
+    assert plans[ours]["weights"] - plans[stock]["weights"] == 20 / 32 * qp > 0
     with OrtRunner(ours, slots=60) as r:
         assert plans[ours]["hot_kv"] == r.window_bytes() < plans[stock]["hot_kv"]
 

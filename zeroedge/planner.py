@@ -187,8 +187,9 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     qp = m.get("quant_params", 0)
     w_one = _weights_once(m, b, device)
     # zeroedge's onnxruntime kernels (cpu_kernels zeroedge): the decode session's Q4Linear nodes copy the
-    # 4-bit linear layers once more, in their own order (ortops/q4_linear.cc)
-    packed = qp * linear_bytes_per_param(m, b, device) if qp and not device and m.get("cpu_kernels") == "zeroedge" else 0
+    # 4-bit linear layers once more, in their own order (ortops/q4_linear.cc): per block of 32 weights
+    # 16 bytes of codes and a float16 d and c, whatever the bundle's group and zero point
+    packed = qp * (16 + 2 + 2) / 32 if qp and not device and m.get("cpu_kernels") == "zeroedge" else 0
     out = {"weights": engines * (w_one + tied) + packed, "weight_copies": engines, "prefill_chunk": C,
            "weights_quantized": int(qp * linear_bytes_per_param(m, b, device)) if qp else 0,
            "prefill_activations": act_prefill,

@@ -37,8 +37,8 @@ from zeroedge.commands.common import check_model, output_option, target_option
 @click.option("--cpu-kernels", "cpu_kernels", type=click.Choice(["stock", "zeroedge"]), default="stock",
               show_default=True,
               help="portable decode graph's attention and 4-bit products: onnxruntime's stock operators, or "
-                   "zeroedge's own CPU kernels (ortops/: a float16 K / V window, the float zero point's "
-                   "4-bit product in one pass; runs where scripts/build_ortops has built them). "
+                   "zeroedge's own CPU kernels (ortops/: a float16 K / V window, each 4-bit product of "
+                   "groups of 32 to 256 in one pass; runs where scripts/build_ortops has built them). "
                    "zeroedge needs --graphs portable")
 @click.option("--force", is_flag=True, help="replace a non-empty output directory")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")

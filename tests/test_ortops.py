@@ -206,6 +206,20 @@ def test_a_zeroedge_kernels_bundle_decodes_like_the_stock_one(tiny_int4_pair):
         assert np.abs(a.last_mass - b.last_mass).max() < 1e-3
 
 
+def _decodes_alike(stock, ours, seed, prompt=40, steps=20):
+    """Greedy decoding from the stock bundle's logits, both bundles within 1 % of the largest logit at
+    every step (the zeroedge window's K is float16)."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    tokens = np.random.default_rng(seed).integers(0, 256, prompt)
+    with OrtRunner(stock, slots=64) as a, OrtRunner(ours, slots=64) as b:
+        la, lb = a.prefill(tokens), b.prefill(tokens)
+        for _ in range(steps):
+            t = int(la.argmax())
+            la, lb = a.step(t), b.step(t)
+            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()
+
+
 @pytest.mark.parametrize("scheme", [{}, {"symmetric": True, "group": 128}, {"group": 64}])
 def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_path, ortops_lib, scheme):
     """Integer zero points (onnxruntime's quantizer, the default) and symmetric grids, blocks of 32 to
@@ -213,7 +227,6 @@ def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_p
     decodes like its stock twin."""
     import onnx
 
-    from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.export.bundle_writer import export_bundle
 
     kw = dict(window=64, weights="int4", flavours=("portable",), **scheme)
@@ -224,13 +237,7 @@ def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_p
     g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
     left = [n for n in g.node if n.op_type == "MatMulNBits"]
     assert len(left) == 1 and any(a.name == "bits" and a.i == 8 for a in left[0].attribute)   # the LM head
-    tokens = np.random.default_rng(6).integers(0, 256, 40)
-    with OrtRunner(tmp_path / "stock", slots=64) as a, OrtRunner(tmp_path / "ours", slots=64) as b:
-        la, lb = a.prefill(tokens), b.prefill(tokens)
-        for _ in range(20):
-            t = int(la.argmax())
-            la, lb = a.step(t), b.step(t)
-            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16
+    _decodes_alike(tmp_path / "stock", tmp_path / "ours", seed=6)
 
 
 def test_a_zeroedge_kernels_bundle_without_the_library_is_refused_in_one_line(tiny_int4_pair, tmp_path, monkeypatch):
@@ -254,7 +261,6 @@ def test_below_accuracy_level_4_the_products_round_their_inputs_to_int16(tiny_in
 
     import onnx
 
-    from zeroedge.backends.onnxruntime import OrtRunner
 
     args = ("export", "tiny", "--weights", "int4", "--zero-point", "float", "--window", 64, "--graphs", "portable")
     run_cli(*args, "-o", tmp_path / "stock", check_rc=0)
@@ -264,13 +270,7 @@ def test_below_accuracy_level_4_the_products_round_their_inputs_to_int16(tiny_in
     g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
     bits = [a.i for n in g.node if n.op_type == "Q4Linear" for a in n.attribute if a.name == "input_bits"]
     assert len(bits) == 4 * 4 and set(bits) == {16}                       # 4 layers: qkv, o, gate/up, down
-    tokens = np.random.default_rng(4).integers(0, 256, 40)
-    with OrtRunner(tmp_path / "stock", slots=64) as a, OrtRunner(tmp_path / "ours", slots=64) as b:
-        la, lb = a.prefill(tokens), b.prefill(tokens)
-        for _ in range(20):
-            t = int(la.argmax())
-            la, lb = a.step(t), b.step(t)
-            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16
+    _decodes_alike(tmp_path / "stock", tmp_path / "ours", seed=4)
 
 
 def test_export_refuses_zeroedge_kernels_for_tensorrt_graphs(tmp_path):
@@ -303,7 +303,6 @@ def test_zeroedge_kernels_with_pruned_heads_decode_like_the_stock_graph(tmp_path
     WindowAttention; fp32 weights, so the two graphs differ only there."""
     from artifacts import sih_artifact
 
-    from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.export.bundle_writer import export_bundle
 
     sih_artifact(tmp_path / "calib", "tiny", thr={i: 0.5 for i in range(4)}, prune={"1": [0, 3]})
@@ -311,13 +310,7 @@ def test_zeroedge_kernels_with_pruned_heads_decode_like_the_stock_graph(tmp_path
     export_bundle("tiny", tmp_path / "stock", **kw)
     mf = export_bundle("tiny", tmp_path / "ours", cpu_kernels="zeroedge", **kw)
     assert mf["cpu_kernels"]["nodes"]["WindowAttention"] == 3                 # layer 1 keeps its form
-    tokens = np.random.default_rng(5).integers(0, 256, 30)
-    with OrtRunner(tmp_path / "stock", slots=64) as a, OrtRunner(tmp_path / "ours", slots=64) as b:
-        la, lb = a.prefill(tokens), b.prefill(tokens)
-        for _ in range(12):
-            t = int(la.argmax())
-            la, lb = a.step(t), b.step(t)
-            assert np.abs(la - lb).max() <= 1e-2 * np.abs(la).max()          # the window's K in float16
+    _decodes_alike(tmp_path / "stock", tmp_path / "ours", seed=5, prompt=30, steps=12)
 
 
 def test_q4_linear_refuses_a_bad_activation_and_weights_that_are_not_initializers(ortops_lib):

@@ -40,6 +40,16 @@ def _index(graph) -> tuple:
     return {t.name: t for t in graph.initializer}, producer, readers
 
 
+def _set_nodes(graph, nodes) -> None:
+    """The graph's nodes become `nodes`; initializers that no node reads any more are dropped."""
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in nodes for i in n.input}
+    keep = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
 def _const(graph, inits: dict, name: str):
     """A scalar constant's value (an initializer or a Constant node's output), or None."""
     from onnx import numpy_helper
@@ -123,9 +133,7 @@ def skip_rmsnorms(model) -> int:
         return 0
     # the fused node takes the Add's place: its inputs are there already, and every reader of its
     # outputs (the sum's, the norm's) came after the Add, so the order stays topological
-    nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone or id(n) in new]
-    del g.node[:]
-    g.node.extend(nodes)
+    _set_nodes(g, [new.get(id(n), n) for n in g.node if id(n) not in gone or id(n) in new])
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return len(new)
@@ -151,9 +159,7 @@ def side_product_gemms(model) -> int:
         gone.add(id(mm))
         new[id(add)] = helper.make_node("Gemm", [mm.input[0], mm.input[1], y_sym], list(add.output),
                                         name=mm.name)          # still the offset product
-    nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]
-    del g.node[:]
-    g.node.extend(nodes)
+    _set_nodes(g, [new.get(id(n), n) for n in g.node if id(n) not in gone])
     return len(new)
 
 
@@ -217,12 +223,7 @@ def q4_linears(model) -> int:
         if len(keep) == len(nodes):
             break
         nodes = keep
-    del g.node[:]
-    g.node.extend(nodes)
-    used = {i for n in nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    _set_nodes(g, nodes)
     if not any(o.domain == ORTOPS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(ORTOPS_DOMAIN, 1))
     return len(new)
@@ -265,7 +266,5 @@ def swiglu_q4_linears(model) -> int:
         q.attribute.append(helper.make_attribute("activation", "swiglu"))
         gone.update(id(n) for n in (split, sig, mul, last))
         done += 1
-    nodes = [n for n in g.node if id(n) not in gone]
-    del g.node[:]
-    g.node.extend(nodes)
+    _set_nodes(g, [n for n in g.node if id(n) not in gone])
     return done

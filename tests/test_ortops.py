@@ -266,11 +266,19 @@ def test_below_accuracy_level_4_the_products_round_their_inputs_to_int16(tiny_in
     run_cli(*args, "-o", tmp_path / "stock", check_rc=0)
     p = run_cli(*args, "--cpu-kernels", "zeroedge", "-o", tmp_path / "ours", check_rc=0)
     assert "Q4Linear in decode, int16 inputs" in p.stdout
+    assert "decode kernels (zeroedge.ort): 16 Q4Linear (4 with SwiGLU), 4 WindowAttention\n" in p.stdout
     assert json.loads((tmp_path / "ours" / "manifest.json").read_text())["cpu_kernels"]["input_bits"] == 16
     g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
     bits = [a.i for n in g.node if n.op_type == "Q4Linear" for a in n.attribute if a.name == "input_bits"]
     assert len(bits) == 4 * 4 and set(bits) == {16}                       # 4 layers: qkv, o, gate/up, down
     _decodes_alike(tmp_path / "stock", tmp_path / "ours", seed=4)
+
+
+def test_export_says_when_the_4bit_products_keep_matmulnbits(tmp_path):
+    """Groups of 16 are not Q4Linear's: the bundle exports, the summary says the products stay stock."""
+    p = run_cli("export", "tiny", "--weights", "int4", "--group", "16", "--graphs", "portable",
+                "--cpu-kernels", "zeroedge", "-o", tmp_path / "b", check_rc=0)
+    assert "0 Q4Linear" in p.stdout and "keep MatMulNBits (Q4Linear takes groups of 32 to 256)" in p.stdout
 
 
 def test_export_refuses_zeroedge_kernels_for_tensorrt_graphs(tmp_path):

@@ -131,6 +131,13 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
             click.echo(f"weights: int{q['bits']} g{q['group']} {'sym' if q['symmetric'] else 'asym'}{zp} "
                        f"{q['method'].upper()} on {q['quantized_params'] / 1e6:.1f} M params; "
                        f"{', '.join(read)}; the rest fp16")
+        ck = mf.get("cpu_kernels", {})
+        if ck.get("kind") == "zeroedge":
+            n = ck["nodes"]
+            click.echo(f"decode kernels (zeroedge.ort): {n['Q4Linear']} Q4Linear ({n['Q4Linear swiglu']} with "
+                       f"SwiGLU), {n['WindowAttention']} WindowAttention"
+                       + ("; the 4-bit products keep MatMulNBits (Q4Linear takes groups of 32 to 256)"
+                          if q and not n["Q4Linear"] else ""))
         if summary["rewrite"]:
             rw = summary["rewrite"]
             click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")

@@ -16,6 +16,8 @@ infer (the o_proj's, after the attention's Reshape).
 q4_linears: each 4-bit MatMulNBits (with its side product, for a float zero point) -> one
 zeroedge.ort Q4Linear.
 
+q8_linears: the 8-bit LM head's MatMulNBits -> one zeroedge.ort Q8Linear (int16 inputs).
+
 swiglu_q4_linears: the gate / up Q4Linear, its Split and silu(gate) * up -> one Q4Linear with a
 SwiGLU epilogue. (The attention's zeroedge.ort WindowAttention nodes come from the exporter itself:
 onnx_export.window_attention_op.)
@@ -41,13 +43,34 @@ def _index(graph) -> tuple:
 
 
 def _set_nodes(graph, nodes) -> None:
-    """The graph's nodes become `nodes`; initializers that no node reads any more are dropped."""
+    """The graph's nodes become `nodes`, less those whose outputs nothing reads any more (a fusion's
+    leftovers: block sums, Casts); initializers that no node reads are dropped."""
+    while True:
+        used = {i for n in nodes for i in n.input} | {o.name for o in graph.output}
+        keep = [n for n in nodes if any(o in used for o in n.output)]
+        if len(keep) == len(nodes):
+            break
+        nodes = keep
     del graph.node[:]
     graph.node.extend(nodes)
     used = {i for n in nodes for i in n.input}
     keep = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep)
+
+
+def _stored_scales(name: str, inits: dict, producer: dict):
+    """A MatMulNBits' scales as our kernels read them: the initializer behind a Cast to float, or a
+    float initializer; None when they are neither (the node's input is then not float32 either, or
+    not constant: it keeps MatMulNBits)."""
+    from onnx import TensorProto, helper
+
+    c = producer.get(name)
+    if c is not None and c.op_type == "Cast" and c.input[0] in inits:
+        to = next((helper.get_attribute_value(a) for a in c.attribute if a.name == "to"), None)
+        src = inits[c.input[0]].data_type in (TensorProto.FLOAT16, TensorProto.FLOAT)
+        return c.input[0] if to == TensorProto.FLOAT and src else None
+    return name if name in inits and inits[name].data_type == TensorProto.FLOAT else None
 
 
 def _const(graph, inits: dict, name: str):
@@ -199,33 +222,50 @@ def q4_linears(model) -> int:
         mm, bs = producer.get(y_sym), producer.get(bsum)
         if mm is None or mm.op_type != "MatMulNBits" or len(mm.input) != 3 or bs is None or bs.op_type != "MatMul":
             continue
-        at = attrs(mm)
-        if at is None or bs.input[0] != mm.input[0] or len(readers[y_sym]) != 1:
+        at, scales = attrs(mm), _stored_scales(mm.input[2], inits, producer)
+        if at is None or scales is None or bs.input[0] != mm.input[0] or len(readers[y_sym]) != 1:
             continue
         gone.add(id(mm))
-        new[id(gemm)] = q4linear(mm, at, [mm.input[0], mm.input[1], stored(mm.input[2]), stored(c)], list(gemm.output))
+        new[id(gemm)] = q4linear(mm, at, [mm.input[0], mm.input[1], scales, stored(c)], list(gemm.output))
     for mm in g.node:                       # integer zero points, or none (symmetric)
         if mm.op_type != "MatMulNBits" or id(mm) in gone or len(mm.input) not in (3, 4):
             continue
-        at = attrs(mm)
-        if at is None or mm.input[1] not in inits or (len(mm.input) == 4 and (
+        at, scales = attrs(mm), _stored_scales(mm.input[2], inits, producer)
+        if at is None or scales is None or mm.input[1] not in inits or (len(mm.input) == 4 and (
                 mm.input[3] not in inits or inits[mm.input[3]].data_type != TensorProto.UINT8)):
             continue
-        new[id(mm)] = q4linear(mm, at, [mm.input[0], mm.input[1], stored(mm.input[2])] + list(mm.input[3:]),
-                               list(mm.output))
+        new[id(mm)] = q4linear(mm, at, [mm.input[0], mm.input[1], scales] + list(mm.input[3:]), list(mm.output))
     if not new:
         return 0
-    nodes = [new.get(id(n), n) for n in g.node if id(n) not in gone]
-    # block sums and Casts that nothing reads any more
-    while True:
-        used = {i for n in nodes for i in n.input} | {o.name for o in g.output}
-        keep = [n for n in nodes if n.op_type not in ("MatMul", "Cast") or any(o in used for o in n.output)]
-        if len(keep) == len(nodes):
-            break
-        nodes = keep
-    _set_nodes(g, nodes)
+    _set_nodes(g, [new.get(id(n), n) for n in g.node if id(n) not in gone])
     if not any(o.domain == ORTOPS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(ORTOPS_DOMAIN, 1))
+    return len(new)
+
+
+def q8_linears(model) -> int:
+    """Each 8-bit MatMulNBits with blocks of 32 and no zero points (the tied embedding's LM head) ->
+    one zeroedge.ort Q8Linear(x, B, S), in place: int16-rounded inputs where onnxruntime's 8-bit
+    kernel runs at accuracy level 4 (int8 inputs). float32 inputs only. Returns the number of fusions."""
+    from onnx import helper
+
+    g = model.graph
+    inits, producer, _ = _index(g)
+    new = {}
+    for mm in g.node:
+        if mm.op_type != "MatMulNBits" or len(mm.input) != 3 or mm.input[1] not in inits:
+            continue
+        at = {a.name: helper.get_attribute_value(a) for a in mm.attribute}
+        scales = _stored_scales(mm.input[2], inits, producer)
+        if at.get("bits") != 8 or at.get("block_size") != 32 or scales is None:
+            continue
+        new[id(mm)] = helper.make_node("Q8Linear", [mm.input[0], mm.input[1], scales], list(mm.output),
+                                       name=mm.name + "_Q8Linear", domain=ORTOPS_DOMAIN,
+                                       K=int(at["K"]), N=int(at["N"]), block_size=32)
+    if new:
+        _set_nodes(g, [new.get(id(n), n) for n in g.node])
+        if not any(o.domain == ORTOPS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(ORTOPS_DOMAIN, 1))
     return len(new)
 
 

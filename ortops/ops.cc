@@ -17,6 +17,7 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_b
     static std::vector<Ort::CustomOpDomain> domains;
     Ort::CustomOpDomain domain{"zeroedge.ort"};
     zeroedge_ort::add_q4_linear(domain);
+    zeroedge_ort::add_q8_linear(domain);
     zeroedge_ort::add_window_attention(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     domains.push_back(std::move(domain));

@@ -1,4 +1,4 @@
-// Shared by zeroedge's onnxruntime CPU kernels (q4_linear.cc, window_attention.cc, ops.cc).
+// Shared by zeroedge's onnxruntime CPU kernels (q4_linear.cc, q8_linear.cc, window_attention.cc, ops.cc).
 #pragma once
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -85,6 +85,7 @@ inline float hsum(__m256 v) {
 
 // each kernel file adds its op to the library's domain (ops.cc)
 void add_q4_linear(Ort::CustomOpDomain& domain);
+void add_q8_linear(Ort::CustomOpDomain& domain);
 void add_window_attention(Ort::CustomOpDomain& domain);
 
 }  // namespace zeroedge_ort

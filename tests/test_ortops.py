@@ -109,6 +109,55 @@ def test_q4_linear_is_matmulnbits_product(ortops_libs, M, K, N, half, act, offse
     assert np.abs(y - exact).max() <= (2e-2 if bits == 8 else 1e-4) * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("M,K,N,half", [(1, 576, 96, True), (2, 80, 13, False), (1, 1000, 40, True)])
+def test_q8_linear_is_the_8bit_matmulnbits_product(ortops_libs, M, K, N, half):
+    """Q8Linear (the 8-bit LM head) against numpy: w = d (q - 128) per block of 32, x rounded to int16."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(K + N)
+    kb = -(-K // 32)
+    B = rng.integers(0, 256, (N, kb, 32), dtype=np.uint8)
+    dt = np.float16 if half else np.float32
+    S = (rng.random(N * kb) * 0.02 + 1e-3).astype(dt)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[-1, -3:] = 25.0
+    node = helper.make_node("Q8Linear", ["x", "B", "S"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32)
+    s = _session(ortops_libs, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                 [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S")])
+    y = s.run(None, {"x": x})[0]
+    W = (np.repeat(S.astype(np.float64).reshape(N, kb), 32, 1) * (B.reshape(N, -1).astype(np.float64) - 128))[:, :K]
+    ref = _rounded_rows(x, kb, 16)[:, :K] @ W.T
+    assert y.shape == (M, N)
+    assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert np.abs(y - x.astype(np.float64) @ W.T).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("op", ["Q4Linear", "Q8Linear"])
+def test_tiny_and_nan_inputs_give_zero_and_nan_not_garbage(ortops_libs, op):
+    """A block whose largest value is below float's range for a step (~1e-35) rounds to 0 (its
+    contribution is that small anyway); a NaN in x makes the outputs NaN."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N = 64, 8
+    rng = np.random.default_rng(0)
+    B = rng.integers(0, 256, (N, 2, 16 if op == "Q4Linear" else 32), dtype=np.uint8)
+    S = np.full(N * 2, 0.01, np.float16)
+    node = helper.make_node(op, ["x", "B", "S"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32,
+                            **({"input_bits": 16} if op == "Q4Linear" else {}))
+    s = _session(ortops_libs, node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                 [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S")])
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    x[0, 32:] = np.float32(1e-38) * rng.random(32).astype(np.float32)
+    y = s.run(None, {"x": x})[0]
+    ref = s.run(None, {"x": np.concatenate([x[:, :32], np.zeros((1, 32), np.float32)], 1)})[0]
+    assert np.isfinite(y).all() and np.array_equal(y, ref)
+    x[0, 3] = np.nan
+    assert np.isnan(s.run(None, {"x": x})[0]).all()
+
+
 def _attention_reference(qkv, rot, pk, pv, bias, Hkv, scale):
     qkv, rot, pk, pv, bias = (a.astype(np.float64) for a in (qkv, rot, pk, pv, bias))
     B, hd = qkv.shape[0], pk.shape[-1]
@@ -192,7 +241,7 @@ def test_a_zeroedge_kernels_bundle_decodes_like_the_stock_one(tiny_int4_pair):
     mf = json.loads((ours / "manifest.json").read_text())
     assert mf["cpu_kernels"] == {"kind": "zeroedge", "domain": "zeroedge.ort",
                                  "nodes": {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4,   # 4 layers: qkv, o, gate/up, down
-                                           "WindowAttention": 4}, "input_bits": 8}
+                                           "Q8Linear": 0, "WindowAttention": 4}, "input_bits": 8}
     assert json.loads((stock / "manifest.json").read_text())["cpu_kernels"] == {"kind": "stock"}
     tokens = np.random.default_rng(3).integers(0, 256, 40)
     with OrtRunner(stock, slots=64) as a, OrtRunner(ours, slots=64) as b:
@@ -223,8 +272,10 @@ def _decodes_alike(stock, ours, seed, prompt=40, steps=20):
 @pytest.mark.parametrize("scheme", [{}, {"symmetric": True, "group": 128}, {"group": 64}])
 def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_path, ortops_lib, scheme):
     """Integer zero points (onnxruntime's quantizer, the default) and symmetric grids, blocks of 32 to
-    128: every 4-bit product becomes a Q4Linear (the 8-bit LM head keeps MatMulNBits), and the bundle
-    decodes like its stock twin."""
+    128: every 4-bit product becomes a Q4Linear, the 8-bit LM head a Q8Linear, and the bundle decodes
+    like its stock twin."""
+    import json
+
     import onnx
 
     from zeroedge.export.bundle_writer import export_bundle
@@ -232,11 +283,15 @@ def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_p
     kw = dict(window=64, weights="int4", flavours=("portable",), **scheme)
     export_bundle("tiny", tmp_path / "stock", **kw)
     mf = export_bundle("tiny", tmp_path / "ours", cpu_kernels="zeroedge", **kw)
-    assert mf["cpu_kernels"]["nodes"] == {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4, "WindowAttention": 4}
+    assert mf["cpu_kernels"]["nodes"] == {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4, "Q8Linear": 1, "WindowAttention": 4}
     assert mf["cpu_kernels"]["input_bits"] == 16
     g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
-    left = [n for n in g.node if n.op_type == "MatMulNBits"]
-    assert len(left) == 1 and any(a.name == "bits" and a.i == 8 for a in left[0].attribute)   # the LM head
+    assert not [n for n in g.node if n.op_type in ("MatMulNBits", "MatMul", "Gemm")]     # the LM head is Q8Linear
+    # the plan counts both packed copies: 20 bytes per 32 weights of the 4-bit layers, 34 of the head
+    plans = [json.loads(run_cli("plan", tmp_path / b, "--board", "orin-nano-8gb", "--ctx", 60, "--onnxruntime-process",
+                                "--json", check_rc=0).stdout)["memory"]["weights"] for b in ("stock", "ours")]
+    q = mf["weights"]["quantization"]
+    assert plans[1] - plans[0] == 20 / 32 * q["quantized_params"] + 34 / 32 * q["embedding"]["params"]
     _decodes_alike(tmp_path / "stock", tmp_path / "ours", seed=6)
 
 
@@ -266,7 +321,7 @@ def test_below_accuracy_level_4_the_products_round_their_inputs_to_int16(tiny_in
     run_cli(*args, "-o", tmp_path / "stock", check_rc=0)
     p = run_cli(*args, "--cpu-kernels", "zeroedge", "-o", tmp_path / "ours", check_rc=0)
     assert "Q4Linear in decode, int16 inputs" in p.stdout
-    assert "decode kernels (zeroedge.ort): 16 Q4Linear (4 with SwiGLU), 4 WindowAttention\n" in p.stdout
+    assert "decode kernels (zeroedge.ort): 16 Q4Linear (4 with SwiGLU), 1 Q8Linear, 4 WindowAttention\n" in p.stdout
     assert json.loads((tmp_path / "ours" / "manifest.json").read_text())["cpu_kernels"]["input_bits"] == 16
     g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
     bits = [a.i for n in g.node if n.op_type == "Q4Linear" for a in n.attribute if a.name == "input_bits"]
@@ -337,6 +392,35 @@ def test_q4_linear_refuses_a_bad_activation_and_weights_that_are_not_initializer
     b_in = helper.make_tensor_value_info("B", TensorProto.UINT8, [N, 2, 16])       # fed, not constant
     with pytest.raises(Exception, match="must be initializers"):
         _session(ortops_lib, node, [x, b_in], y, inits[1:]).run(None, {"x": np.zeros((1, K), np.float32), "B": B})
+
+
+def test_q4_and_q8_linear_refuse_a_bad_block_size_mismatched_weights_and_bad_input_bits(ortops_lib):
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N = 64, 8
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])
+    y = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    feed = {"x": np.zeros((1, K), np.float32)}
+
+    def refused(op, arrays, match, **attrs):
+        node = helper.make_node(op, ["x"] + list(arrays), ["y"], domain="zeroedge.ort", K=K, N=N, **attrs)
+        inits = [numpy_helper.from_array(a, n) for n, a in arrays.items()]
+        with pytest.raises(Exception, match=match):
+            _session(ortops_lib, node, [x], y, inits).run(None, feed)
+
+    B4, S = np.zeros((N, 2, 16), np.uint8), np.ones(N * 2, np.float16)
+    refused("Q4Linear", {"B": B4, "S": S}, "block_size must be 32, 64, 128 or 256", block_size=48)
+    refused("Q4Linear", {"B": B4, "S": S}, "input_bits must be 8 or 16", block_size=32, input_bits=4)
+    refused("Q4Linear", {"B": B4, "S": S, "Z": np.zeros(N * 2, np.uint8)}, "do not match", block_size=32)  # 2 a byte
+    refused("Q4Linear", {"B": B4, "S": S, "C": np.zeros((2, N), np.float32)}, "do not match", block_size=32)  # dtype
+    refused("Q4Linear", {"B": B4, "S": S}, "do not match", block_size=64)                 # S: two blocks a row, not one
+    B8 = np.zeros((N, 2, 32), np.uint8)
+    refused("Q8Linear", {"B": B8, "S": S}, "block_size must be 32", block_size=64)
+    refused("Q8Linear", {"B": B4, "S": S}, "do not match", block_size=32)
+    node = helper.make_node("Q8Linear", ["x", "B", "S"], ["y"], domain="zeroedge.ort", K=K, N=N, block_size=32)
+    with pytest.raises(Exception, match="must be initializers"):
+        _session(ortops_lib, node, [x, helper.make_tensor_value_info("B", TensorProto.UINT8, [N, 2, 32])], y,
+                 [numpy_helper.from_array(S, "S")]).run(None, {**feed, "B": B8})
 
 
 def test_export_refuses_zeroedge_kernels_for_a_foreign_graph_and_unknown_kernels(tmp_path):

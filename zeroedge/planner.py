@@ -105,7 +105,8 @@ def model_numbers(manifest: dict, weight_bytes: int) -> dict:
             "emb_params": int((q.get("embedding") or {}).get("params") or 0),
             "emb_bytes": {k: int(v) for k, v in ((q.get("embedding") or {}).get("bytes") or {}).items()},
             "window_bytes": _window_bytes(manifest),
-            "cpu_kernels": (manifest.get("cpu_kernels") or {}).get("kind", "stock")}
+            "cpu_kernels": (manifest.get("cpu_kernels") or {}).get("kind", "stock"),
+            "q8_head": bool(((manifest.get("cpu_kernels") or {}).get("nodes") or {}).get("Q8Linear"))}
 
 
 ONNX_DTYPE_BYTES = {1: 4, 10: 2, 16: 2, 11: 8}     # float, float16, bfloat16, double
@@ -188,8 +189,11 @@ def memory(m: dict, context: int, window: int, dtype: str, device: bool, engines
     w_one = _weights_once(m, b, device)
     # zeroedge's onnxruntime kernels (cpu_kernels zeroedge): the decode session's Q4Linear nodes copy the
     # 4-bit linear layers once more, in their own order (ortops/q4_linear.cc): per block of 32 weights
-    # 16 bytes of codes and a float16 d and c, whatever the bundle's group and zero point
-    packed = qp * (16 + 2 + 2) / 32 if qp and not device and m.get("cpu_kernels") == "zeroedge" else 0
+    # 16 bytes of codes and a float16 d and c, whatever the bundle's group and zero point; a Q8Linear
+    # LM head its 8-bit codes and float16 d (ortops/q8_linear.cc)
+    packed = 0
+    if not device and m.get("cpu_kernels") == "zeroedge":
+        packed = qp * (16 + 2 + 2) / 32 + (m.get("emb_params", 0) * (32 + 2) / 32 if m.get("q8_head") else 0)
     out = {"weights": engines * (w_one + tied) + packed, "weight_copies": engines, "prefill_chunk": C,
            "weights_quantized": int(qp * linear_bytes_per_param(m, b, device)) if qp else 0,
            "prefill_activations": act_prefill,

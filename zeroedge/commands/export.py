@@ -135,7 +135,7 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
         if ck.get("kind") == "zeroedge":
             n = ck["nodes"]
             click.echo(f"decode kernels (zeroedge.ort): {n['Q4Linear']} Q4Linear ({n['Q4Linear swiglu']} with "
-                       f"SwiGLU), {n['WindowAttention']} WindowAttention"
+                       f"SwiGLU), {n.get('Q8Linear', 0)} Q8Linear, {n['WindowAttention']} WindowAttention"
                        + ("; the 4-bit products keep MatMulNBits (Q4Linear takes groups of 32 to 256)"
                           if q and not n["Q4Linear"] else ""))
         if summary["rewrite"]:

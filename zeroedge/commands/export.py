@@ -30,7 +30,8 @@ from zeroedge.commands.common import check_model, output_option, target_option
 @click.option("--accuracy-level", "accuracy_level", type=click.IntRange(0, 4), default=None,
               help="int4: MatMulNBits' accuracy_level in the portable graphs (4: int8 activations; "
                    "default: onnxruntime's). With --cpu-kernels zeroedge, 4 rounds the 4-bit products' "
-                   "inputs to int8 per block of 32 (faster, ~1 %% perplexity), anything else to int16")
+                   "inputs to int8 per block of 32 (faster, ~1 % perplexity), anything else to int16 "
+                   "(the 8-bit LM head's too)")
 @click.option("--graphs", "flavours", type=click.Choice(["both", "portable", "trt"]), default="both",
               show_default=True, help="graph flavours in the bundle: both, portable (onnxruntime only) or trt "
                                       "(TensorRT only); one flavour leaves weights.bin only what its runtime reads")

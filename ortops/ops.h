@@ -4,10 +4,15 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -34,6 +39,19 @@ inline float half_to_float(uint16_t h) {
   else { bits = sign | ((exp + 127 - 15) << 23) | (man << 13); }
   float f; std::memcpy(&f, &bits, 4); return f;
 #endif
+}
+
+// A zeroed buffer for a kernel's packed weights, streamed once a step: 2 MB pages for 2 MB or more
+// (fewer TLB misses on a long stream; a hint the kernel may ignore), plain 64-byte alignment below.
+using PackedBuffer = std::unique_ptr<uint8_t, void (*)(void*)>;
+inline PackedBuffer packed_buffer(size_t need, const char* op) {
+  const size_t huge = 2u << 20, align = need >= huge ? huge : 64;
+  const size_t total = (need + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, total);
+  if (p == nullptr) ORT_CXX_API_THROW(std::string(op) + ": out of memory for the packed weights", ORT_FAIL);
+  if (align == huge) madvise(p, total, MADV_HUGEPAGE);
+  std::memset(p, 0, total);
+  return PackedBuffer((uint8_t*)p, std::free);
 }
 
 // round to nearest even; overflow to inf, underflow through float16's subnormals to 0

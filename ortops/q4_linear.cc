@@ -25,8 +25,6 @@
 // code bytes], then the pairs' d and c as [block][4 rows], in S's dtype (c from integer zero points
 // is rounded to it). A step then streams one contiguous buffer; the copy costs the weights' bytes
 // once more in RAM (the graph's own copy, mapped from weights.bin, is not read again).
-#include <sys/mman.h>
-
 #include <cfloat>
 #include <cstdlib>
 #include <memory>
@@ -108,13 +106,11 @@ struct QuantRow {
   }
 };
 
-void free_huge(void* p) { std::free(p); }
-
 // The weights in the product's order (see the file's comment); d and C stay in the graph's dtype.
 struct Packed {
   int64_t N = 0, kb = 0, groups = 0;
   bool half = true;
-  std::unique_ptr<uint8_t, void (*)(void*)> buf{nullptr, free_huge};
+  PackedBuffer buf{nullptr, std::free};
   size_t group_bytes = 0, codes_bytes = 0, elt = 2;
 
   const uint8_t* codes(int64_t g) const { return buf.get() + g * group_bytes; }
@@ -137,15 +133,7 @@ struct Packed {
     codes_bytes = kb * kRows * 16;
     group_bytes = codes_bytes + 2 * kb * kRows * elt;
     group_bytes = (group_bytes + 63) / 64 * 64;
-    // 2 MB pages for a buffer of 2 MB or more (fewer TLB misses on a long stream; a hint the kernel
-    // may ignore), plain pages below that
-    const size_t huge = 2u << 20, need = groups * group_bytes, align = need >= huge ? huge : 64;
-    const size_t total = (need + align - 1) / align * align;
-    void* p = std::aligned_alloc(align, total);
-    if (p == nullptr) ORT_CXX_API_THROW("Q4Linear: out of memory for the packed weights", ORT_FAIL);
-    if (align == huge) madvise(p, total, MADV_HUGEPAGE);
-    std::memset(p, 0, total);
-    buf.reset((uint8_t*)p);
+    buf = packed_buffer(groups * group_bytes, "Q4Linear");
     const int64_t pairs = kb / 2, per = src.bs / kBlock, zrow = (src.kbB + 1) / 2;
     for (int64_t n = 0; n < N; ++n) {
       const int64_t g = n / kRows, j = n % kRows;

@@ -26,7 +26,7 @@ struct Packed8 {
   int64_t N = 0, kb = 0, groups = 0;
   bool half = true;
   size_t group_bytes = 0, codes_bytes = 0, elt = 2;
-  std::unique_ptr<uint8_t, void (*)(void*)> buf{nullptr, std::free};
+  PackedBuffer buf{nullptr, std::free};
 
   const uint8_t* codes(int64_t g) const { return buf.get() + g * group_bytes; }
   const uint8_t* scales(int64_t g) const { return codes(g) + codes_bytes; }   // d [kb][4]
@@ -36,10 +36,7 @@ struct Packed8 {
     groups = (N + kRows - 1) / kRows;
     codes_bytes = kb * kRows * kBlock;
     group_bytes = (codes_bytes + kb * kRows * elt + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, groups * group_bytes);
-    if (p == nullptr) ORT_CXX_API_THROW("Q8Linear: out of memory for the packed weights", ORT_FAIL);
-    std::memset(p, 0, groups * group_bytes);
-    buf.reset((uint8_t*)p);
+    buf = packed_buffer(groups * group_bytes, "Q8Linear");
     for (int64_t n = 0; n < N; ++n) {
       uint8_t* c = buf.get() + (n / kRows) * group_bytes;
       const int64_t j = n % kRows;

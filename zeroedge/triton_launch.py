@@ -6,7 +6,8 @@ Off on older GPUs (a Jetson Orin is sm_87), on ROCm, with a Triton that has no g
 control, and with ZEROEDGE_PDL=0.
 
 `pdl(t)`: the launch options for kernels on `t`'s device. `pdl_start(PDL)`: the first statement of
-every such kernel. This module imports Triton: the kernel modules import it, the decoders do not."""
+every such kernel; a kernel may split it (`pdl_launch` first, `pdl_wait` before its first load of
+anything the previous kernels write: the packed GEMVs load their first weight tile in between). This module imports Triton: the kernel modules import it, the decoders do not."""
 from __future__ import annotations
 
 import functools
@@ -23,14 +24,28 @@ except ImportError:                      # Triton before 3.4
 
 if HAS_GDC:
     @triton.jit
-    def pdl_start(PDL: tl.constexpr):
+    def pdl_launch(PDL: tl.constexpr):
         if PDL:
             gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        if PDL:
             gdc_wait()
 else:
     @triton.jit
-    def pdl_start(PDL: tl.constexpr):
+    def pdl_launch(PDL: tl.constexpr):
         pass
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        pass
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)
 
 
 @functools.lru_cache(maxsize=None)

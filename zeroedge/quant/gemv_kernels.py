@@ -4,7 +4,9 @@ import triton
 import triton.language as tl
 
 from zeroedge.quant.packed import TINY_INPUTS
+from zeroedge.triton_launch import pdl_launch as _pdl_launch
 from zeroedge.triton_launch import pdl_start as _pdl_start
+from zeroedge.triton_launch import pdl_wait as _pdl_wait
 
 TINY = tl.constexpr(TINY_INPUTS)     # a word whose inputs are all below this is taken as 0
 
@@ -161,52 +163,89 @@ def gemv_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, n
 
 
 @triton.jit
+def _i8_inputs(x_ptr, ln_ptr, w0, K, BITS: tl.constexpr, BW: tl.constexpr, NORM: tl.constexpr):
+    """A tile's BW words of inputs (x * ln when NORM) rounded to int8 with one step a word and packed
+    four to a 32-bit word in the byte order of the codes they meet -> (pa, pb [1, BW] int32; for 4-bit
+    codes low nibbles meet pa (even inputs), high ones pb (odd)), dx [1, BW] the steps, xs [BW] each
+    word's sum of the rounded inputs (the offsets see the same inputs)."""
+    VALS: tl.constexpr = 32 // BITS
+    wi = w0 + tl.arange(0, BW)
+    k8 = wi[:, None] * VALS + tl.arange(0, VALS)[None, :]                              # [BW, VALS]
+    xv = tl.load(x_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
+    if NORM:
+        xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(xv), axis=1)                                                   # [BW]
+    xq = tl.floor(xv * tl.where(amax > TINY, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
+    xs = tl.sum(xq, axis=1).to(tl.float32) * (amax / 127.0)
+    sh = tl.arange(0, 4) * 8
+    if BITS == 4:
+        xe, xo = tl.split(tl.reshape(xq, [BW, VALS // 2, 2]))
+        pa = tl.sum((xe & 255) << sh[None, :], axis=1)[None, :]
+        pb = tl.sum((xo & 255) << sh[None, :], axis=1)[None, :]
+    else:
+        pa = tl.sum((xq & 255) << sh[None, :], axis=1)[None, :]
+        pb = pa
+    return pa, pb, (amax / 127.0)[None, :], xs
+
+
+@triton.jit
+def _word_codes(q_ptr, s_ptr, o_ptr, rows, lmask, w0, N, NGROUPS, ROWW, h: tl.constexpr, BW: tl.constexpr,
+                WG: tl.constexpr):
+    """A tile's codes [BN, BW] (h 1: the up rows of a swiglu weight) and each word's group step and
+    offset [BN, BW] (fp16)."""
+    wi = w0 + tl.arange(0, BW)
+    m2 = lmask[:, None] & (wi < ROWW)[None, :]
+    so = (rows + h * N)[:, None] * NGROUPS + (wi // WG)[None, :]
+    qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
+    return qw, tl.load(s_ptr + so, mask=m2, other=0.0), tl.load(o_ptr + so, mask=m2, other=0.0)
+
+
+@triton.jit
+def _i8_dot(qw, s, o, pa, pb, dx, xs, BN: tl.constexpr, BW: tl.constexpr, BITS: tl.constexpr,
+            DP4A: tl.constexpr):
+    d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
+    return tl.sum(d.to(tl.float32) * dx * s.to(tl.float32) + o.to(tl.float32) * xs[None, :], axis=1)
+
+
+@triton.jit
 def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, ndx_ptr,
                    nxw_ptr, NW, z_ptr, bg_ptr, bu_ptr, thr, RK, N, K, NGROUPS, ROWW, WPS,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                    NB: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr,
                    SPLIT: tl.constexpr, LIVE: tl.constexpr, R: tl.constexpr, DP4A: tl.constexpr,
-                   NEXT_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
-    # each word's inputs rounded to int8 (one scale a word) in every program, packed four to a 32-bit
-    # word in the byte order of the codes they meet, codes x inputs summed by _word_dots
-    _pdl_start(PDL)
-    VALS: tl.constexpr = 32 // BITS
-    WG: tl.constexpr = G // VALS
+                   NEXT_BITS: tl.constexpr = 0, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+    # each word's inputs rounded to int8 (one scale a word) in every program (_i8_inputs), codes x
+    # inputs summed by _word_dots. EARLY (not LIVE): the program's first tile of codes, steps and
+    # offsets is loaded before PDL's wait -- weights do not depend on the previous kernel, so their
+    # loads overlap its tail
+    _pdl_launch(PDL)
+    WG: tl.constexpr = G // (32 // BITS)
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
+    w_lo = sid * WPS
+    if EARLY:
+        qa, sa, oa = _word_codes(q_ptr, s_ptr, o_ptr, rows, rmask, w_lo, N, NGROUPS, ROWW, 0, BW, WG)
+        if SWIGLU:
+            qb, sb, ob = _word_codes(q_ptr, s_ptr, o_ptr, rows, rmask, w_lo, N, NGROUPS, ROWW, 1, BW, WG)
+    _pdl_wait(PDL)
     lmask = _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
     rstd = _rstd(x_ptr, eps, K, NB) if NORM else 1.0
     acc = tl.zeros([BN], dtype=tl.float32)
     acc2 = tl.zeros([BN], dtype=tl.float32)
-    sh = tl.arange(0, 4) * 8
-    w_lo = sid * WPS
-    for w0 in range(w_lo, w_lo + WPS, BW):
-        wi = w0 + tl.arange(0, BW)
-        m2 = lmask[:, None] & (wi < ROWW)[None, :]
-        k8 = wi[:, None] * VALS + tl.arange(0, VALS)[None, :]                          # [BW, VALS]
-        xv = tl.load(x_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
-        if NORM:
-            xv = xv * tl.load(ln_ptr + k8, mask=k8 < K, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(xv), axis=1)                                               # [BW]
-        xq = tl.floor(xv * tl.where(amax > TINY, 127.0 / amax, 0.0)[:, None] + 0.5).to(tl.int32)
-        dx = (amax / 127.0)[None, :]
-        xs = tl.sum(xq, axis=1).to(tl.float32) * (amax / 127.0)      # the offsets see the same inputs
-        if BITS == 4:       # low nibbles of a word's bytes meet the even inputs, high nibbles the odd
-            xe, xo = tl.split(tl.reshape(xq, [BW, VALS // 2, 2]))
-            pa = tl.sum((xe & 255) << sh[None, :], axis=1)[None, :]
-            pb = tl.sum((xo & 255) << sh[None, :], axis=1)[None, :]
-        else:
-            pa = tl.sum((xq & 255) << sh[None, :], axis=1)[None, :]
-            pb = pa
-        so = rows[:, None] * NGROUPS + (wi // WG)[None, :]
+    start = w_lo
+    if EARLY:
+        pa, pb, dx, xs = _i8_inputs(x_ptr, ln_ptr, w_lo, K, BITS, BW, NORM)
+        acc += _i8_dot(qa, sa, oa, pa, pb, dx, xs, BN, BW, BITS, DP4A)
+        if SWIGLU:
+            acc2 += _i8_dot(qb, sb, ob, pa, pb, dx, xs, BN, BW, BITS, DP4A)
+        start = w_lo + BW
+    for w0 in range(start, w_lo + WPS, BW):
+        pa, pb, dx, xs = _i8_inputs(x_ptr, ln_ptr, w0, K, BITS, BW, NORM)
         for h in tl.static_range(2 if SWIGLU else 1):                    # h 1: the up rows
-            qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
-            d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
-            s = tl.load(s_ptr + so + h * N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
-            o = tl.load(o_ptr + so + h * N * NGROUPS, mask=m2, other=0.0).to(tl.float32)
-            contrib = tl.sum(d.to(tl.float32) * dx * s + o * xs[None, :], axis=1)
+            qw, s, o = _word_codes(q_ptr, s_ptr, o_ptr, rows, lmask, w0, N, NGROUPS, ROWW, h, BW, WG)
+            contrib = _i8_dot(qw, s, o, pa, pb, dx, xs, BN, BW, BITS, DP4A)
             if h == 0:
                 acc += contrib
             else:
@@ -300,46 +339,80 @@ def quantize_inputs_kernel(x_ptr, ln_ptr, eps, K, xq_ptr, dx_ptr, xw_ptr, W,
 
 
 @triton.jit
+def _group_codes(q_ptr, s_ptr, o_ptr, rows, lmask, w0, N, NGROUPS, ROWW, h: tl.constexpr, BW: tl.constexpr,
+                 WG: tl.constexpr):
+    """A tile's codes [BN, BW] (h 1: the up rows) and its groups' steps and offsets [BN, BW / WG]."""
+    GT: tl.constexpr = BW // WG
+    wi = w0 + tl.arange(0, BW)
+    m2 = lmask[:, None] & (wi < ROWW)[None, :]
+    gi = w0 // WG + tl.arange(0, GT)
+    sm = lmask[:, None] & (gi < NGROUPS)[None, :]
+    so = (rows + h * N)[:, None] * NGROUPS + gi[None, :]
+    qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
+    return qw, tl.load(s_ptr + so, mask=sm, other=0.0), tl.load(o_ptr + so, mask=sm, other=0.0)
+
+
+@triton.jit
+def _prepared_inputs(xq_ptr, dx_ptr, xw_ptr, w0, ROWW, BITS: tl.constexpr, BW: tl.constexpr, WG: tl.constexpr):
+    """A tile's prepared inputs: pa, pb [1, BW], the word steps dx [1, BW], the groups' input sums xg
+    [1, BW / WG]."""
+    GT: tl.constexpr = BW // WG
+    wi = w0 + tl.arange(0, BW)
+    wm = wi < ROWW
+    pa = tl.load(xq_ptr + wi, mask=wm, other=0)[None, :]
+    pb = tl.load(xq_ptr + ROWW + wi, mask=wm, other=0)[None, :] if BITS == 4 else pa
+    dx = tl.load(dx_ptr + wi, mask=wm, other=0.0)[None, :]
+    xg = tl.sum(tl.reshape(tl.load(xw_ptr + wi, mask=wm, other=0.0), [GT, WG]), axis=1)[None, :]
+    return pa, pb, dx, xg
+
+
+@triton.jit
+def _group_dot(qw, s, o, pa, pb, dx, xg, BN: tl.constexpr, BW: tl.constexpr, BITS: tl.constexpr,
+               WG: tl.constexpr, DP4A: tl.constexpr):
+    GT: tl.constexpr = BW // WG
+    d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
+    f = tl.sum(tl.reshape(d.to(tl.float32) * dx, [BN, GT, WG]), axis=2)               # [BN, GT]
+    return tl.sum(f * s.to(tl.float32) + o.to(tl.float32) * xg, axis=1)
+
+
+@triton.jit
 def gemv_q_kernel(xq_ptr, dx_ptr, xw_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr, ndx_ptr,
                   nxw_ptr, NW, z_ptr, bg_ptr, bu_ptr, thr, RK, N, NGROUPS, ROWW, WPS,
                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                   SWIGLU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
                   R: tl.constexpr, DP4A: tl.constexpr, NEXT_BITS: tl.constexpr = 0,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     # codes x the prepared int8 inputs (quantize_inputs_kernel, or the epilogue of the GEMV that made
     # them) by _word_dots; each word's integer sum scaled by its input step, summed over the group's
-    # words, then the group's weight step and offset applied once a group (not once a word)
-    _pdl_start(PDL)
-    VALS: tl.constexpr = 32 // BITS
-    WG: tl.constexpr = G // VALS
-    GT: tl.constexpr = BW // WG              # groups a tile
+    # words, then the group's weight step and offset applied once a group (not once a word).
+    # EARLY (not LIVE): the first tile of weights loaded before PDL's wait, as gemv_i8_kernel
+    _pdl_launch(PDL)
+    WG: tl.constexpr = G // (32 // BITS)
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
+    w_lo = sid * WPS
+    if EARLY:
+        qa, sa, oa = _group_codes(q_ptr, s_ptr, o_ptr, rows, rmask, w_lo, N, NGROUPS, ROWW, 0, BW, WG)
+        if SWIGLU:
+            qb, sb, ob = _group_codes(q_ptr, s_ptr, o_ptr, rows, rmask, w_lo, N, NGROUPS, ROWW, 1, BW, WG)
+    _pdl_wait(PDL)
     lmask = _live_rows(z_ptr, bg_ptr, bu_ptr, thr, RK, rows, rmask, N, LIVE, R)   # the rows read
     acc = tl.zeros([BN], dtype=tl.float32)
     acc2 = tl.zeros([BN], dtype=tl.float32)
-    w_lo = sid * WPS
-    for w0 in range(w_lo, w_lo + WPS, BW):
-        wi = w0 + tl.arange(0, BW)
-        wm = wi < ROWW
-        m2 = lmask[:, None] & wm[None, :]
-        pa = tl.load(xq_ptr + wi, mask=wm, other=0)[None, :]
-        pb = tl.load(xq_ptr + ROWW + wi, mask=wm, other=0)[None, :] if BITS == 4 else pa
-        dx = tl.load(dx_ptr + wi, mask=wm, other=0.0)[None, :]
-        gi = w0 // WG + tl.arange(0, GT)
-        gm = gi < NGROUPS
-        xg = tl.sum(tl.reshape(tl.load(xw_ptr + wi, mask=wm, other=0.0), [GT, WG]), axis=1)[None, :]
-        so = rows[:, None] * NGROUPS + gi[None, :]
-        sm = lmask[:, None] & gm[None, :]
+    start = w_lo
+    if EARLY:
+        pa, pb, dx, xg = _prepared_inputs(xq_ptr, dx_ptr, xw_ptr, w_lo, ROWW, BITS, BW, WG)
+        acc += _group_dot(qa, sa, oa, pa, pb, dx, xg, BN, BW, BITS, WG, DP4A)
+        if SWIGLU:
+            acc2 += _group_dot(qb, sb, ob, pa, pb, dx, xg, BN, BW, BITS, WG, DP4A)
+        start = w_lo + BW
+    for w0 in range(start, w_lo + WPS, BW):
+        pa, pb, dx, xg = _prepared_inputs(xq_ptr, dx_ptr, xw_ptr, w0, ROWW, BITS, BW, WG)
         for h in tl.static_range(2 if SWIGLU else 1):                    # h 1: the up rows
-            qw = tl.load(q_ptr + (rows + h * N)[:, None] * ROWW + wi[None, :], mask=m2, other=0)
-            d = _word_dots(qw, pa, pb, BN, BW, BITS, DP4A)
-            f = tl.sum(tl.reshape(d.to(tl.float32) * dx, [BN, GT, WG]), axis=2)          # [BN, GT]
-            s = tl.load(s_ptr + so + h * N * NGROUPS, mask=sm, other=0.0).to(tl.float32)
-            o = tl.load(o_ptr + so + h * N * NGROUPS, mask=sm, other=0.0).to(tl.float32)
-            contrib = tl.sum(f * s + o * xg, axis=1)
+            qw, s, o = _group_codes(q_ptr, s_ptr, o_ptr, rows, lmask, w0, N, NGROUPS, ROWW, h, BW, WG)
+            contrib = _group_dot(qw, s, o, pa, pb, dx, xg, BN, BW, BITS, WG, DP4A)
             if h == 0:
                 acc += contrib
             else:

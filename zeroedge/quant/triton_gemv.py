@@ -102,6 +102,9 @@ CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once 
 }
 
 
+EARLY_WEIGHTS = True    # the int8-input GEMVs load their first weight tile before PDL's wait
+
+
 def pick(n: int, k: int, bits: int, group: int, int8_inputs: bool = False) -> dict:
     """Launch settings for an [n, k] weight: the sweep's where it measured this shape, else its
     common choice: 4 rows a program, 256 words (1 KiB) a row an iteration, the input split in two
@@ -194,7 +197,7 @@ def gemv(x: torch.Tensor, w, swiglu: bool = False, residual=None, norm=None, out
     launch = pdl(x)
     extra = dict(launch)
     if int8_inputs:
-        gk, extra = ik, dict(extra, DP4A=x.device.type == "cuda")
+        gk, extra = ik, dict(extra, DP4A=x.device.type == "cuda", EARLY=EARLY_WEIGHTS and predictor is None)
     nxt = None       # the next weight's inputs, prepared in the epilogue: whole words a program, every word
     if (then is not None and int8_inputs and then.k == n and split == 1
             and c["BN"] % (32 // then.bits) == 0 and n % then.group == 0):

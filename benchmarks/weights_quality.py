@@ -34,6 +34,8 @@ SCHEMES = [  # (bits, group, symmetric, method, embedding int8 (its group: quant
     (4, 32, False, "rtn", None), (8, 128, True, "rtn", 128), (8, 32, False, "rtn", 128),
     # a float zero point (Q4_1's form, zeroedge.quant.groupwise.quantize_float): (..., "float")
     (4, 32, False, "rtn", 128, "float"), (4, 32, False, "rtn", None, "float"), (4, 128, False, "rtn", 128, "float"),
+    # the embedding (= tied LM head) int4 (`calibrate --embedding int4`, session 17): (..., zp, 4)
+    (4, 32, False, "rtn", 128, "float", 4), (4, 128, True, "rtn", 128, "int", 4),
 ]
 
 
@@ -85,11 +87,12 @@ def main():
                 prior = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"--append: cannot read {a.output} ({e})")
-    schemes = [(*s, "int")[:6] for s in SCHEMES]
+    schemes = [(*s, *(("int", 8) if len(s) == 5 else (8,) if len(s) == 6 else ())) for s in SCHEMES]
 
-    def name(bits, group, sym, method, eg, zp):
+    def name(bits, group, sym, method, eg, zp, eb):
         e = qa.embedding_group(576) if eg else None
-        return calib_artifact.weights_section(calib_artifact.weights_meta(bits, group, sym, method, e, zero_point=zp)).describe()
+        return calib_artifact.weights_section(calib_artifact.weights_meta(bits, group, sym, method, e, eb,
+                                                                          zero_point=zp)).describe()
 
     if a.rows is not None:
         known = {name(*s): s for s in schemes}
@@ -129,15 +132,16 @@ def main():
         out["appended_runs"][-1]["fp32_max_rel_diff_to_first_run"] = max(abs(fp[t] / was[t] - 1) for t in TEXTS)
     save()
     print("fp32", fp, flush=True)
-    for bits, group, sym, method, eg, zp in schemes:
+    for bits, group, sym, method, eg, zp, eb in schemes:
         t0 = time.perf_counter()
         m.load_state_dict(state)
         if hasattr(m, qa.MARK):
             delattr(m, qa.MARK)
         eg = qa.embedding_group(m.cfg.dim) if eg else None
-        sec = calib_artifact.weights_section(calib_artifact.weights_meta(bits, group, sym, method, eg, zero_point=zp))
+        sec = calib_artifact.weights_section(calib_artifact.weights_meta(bits, group, sym, method, eg, eb,
+                                                                         zero_point=zp))
         row = {"scheme": sec.describe(), "bits": bits, "group": group, "symmetric": sym, "method": method,
-               "zero_point": zp, "embedding": f"int8 g{eg}" if eg else "fp",
+               "zero_point": zp, "embedding": f"int{eb} g{eg}" if eg else "fp",
                **grid_match(m, Scheme(bits, group, sym, zp))}
         scales = None
         if method == "awq":

@@ -157,8 +157,9 @@ def test_int8_and_int4_cold_stores_in_the_graph_match_the_host_store(setup):
         assert att.device_kv_bytes()["cold_on_device"] > 0 == decs["host"].device_kv_bytes()["cold_on_device"]
 
 
-def test_packed_int4_decoders_in_the_graph_match_the_quantized_model():
-    """Weights packed to int4 (group 32, float zero point; LM head int8): the dense and thermal
+@pytest.mark.parametrize("embedding_bits", [8, 4])
+def test_packed_int4_decoders_in_the_graph_match_the_quantized_model(embedding_bits):
+    """Weights packed to int4 (group 32, float zero point; LM head int8 or int4): the dense and thermal
     decoders run the Triton GEMV inside their CUDA graphs and match the model's own forward over the
     same (dequantized, bf16) weights."""
     from zeroedge.calib_artifact import WeightsSection
@@ -169,15 +170,15 @@ def test_packed_int4_decoders_in_the_graph_match_the_quantized_model():
 
     torch.manual_seed(1)
     m = build("smollm2-135m", seed=1).eval()
-    apply(m, WeightsSection(bits=4, group=32, symmetric=False, method="rtn", embedding_bits=8, embedding_group=64,
-                            meta={}, zero_point="float"), pack=True)
+    apply(m, WeightsSection(bits=4, group=32, symmetric=False, method="rtn", embedding_bits=embedding_bits,
+                            embedding_group=64, meta={}, zero_point="float"), pack=True)
     ids = torch.randint(0, m.cfg.vocab_size, (P + G,))
     pre = prefill(m, ids[:P].tolist(), stats=True)
     m = m.to("cuda", torch.bfloat16)
     with torch.no_grad():
         ref = m(ids[None].cuda())[0].float().cpu()
     dense = DenseDecoder(m, P + G)
-    assert dense.packed_layers is not None and dense.packed_head is not None
+    assert dense.packed_layers is not None and dense.packed_head.bits == embedding_bits
     dense.load_prefix(*_kv(pre, torch.bfloat16))
     assert _run(dense, ids, ref) < 5e-2 and dense.graphs
     thermal = ThermalDecoder(m, P, G, budget=1.0)

@@ -141,6 +141,9 @@ def quant_scheme(weights: str, meta: Optional[dict], group, symmetric, accuracy_
                                    ("--zero-point", zero_point, sec.zero_point)):
             if mine is not None and mine != theirs:
                 raise UserError(f"{what} {mine} contradicts {calib} ({sec.describe()})")
+        if sec.embedding_bits == 4:
+            raise UserError(f"{calib} quantizes the embedding to int4, which serves on the torch path only; "
+                            "export needs an artifact calibrated with --embedding int8 or keep")
         return Scheme(sec.bits, sec.group, sec.symmetric, sec.method, accuracy_level,
                       sec.embedding_bits, sec.embedding_group, sec.zero_point).check()
     if weights != "int4":

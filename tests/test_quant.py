@@ -249,13 +249,16 @@ def test_weights_section_bad_input_is_a_user_error():
     good = calib_artifact.weights_meta(4, 128, False, "awq", None)
     for patch, msg in [({"bits": 3}, "unsupported"), ({"group": 100}, "unsupported"), ({"method": "gptq"}, "method"),
                        ({"symmetric": "yes"}, "true or false"), ({"version": 9}, "re-run"),
-                       ({"embedding": {"bits": 4, "group": 32}}, "embedding"),
+                       ({"embedding": {"bits": 2, "group": 32}}, "embedding"),
+                       ({"embedding": {"bits": 4, "group": 48}}, "embedding"),
                        ({"zero_point": "half"}, "zero_point"), ({"zero_point": "float", "symmetric": True}, "zero_point"),
                        ({"zero_point": "float", "bits": 8}, "zero_point")]:
         with pytest.raises(UserError, match=msg):
             calib_artifact.weights_section({**good, **patch})
     assert calib_artifact.weights_section({**good, "zero_point": "float"}).zero_point == "float"
     assert "float-zp" in calib_artifact.weights_section({**good, "zero_point": "float"}).describe()
+    e4 = calib_artifact.weights_section(calib_artifact.weights_meta(4, 128, False, "awq", 32, embedding_bits=4))
+    assert e4.embedding_bits == 4 and "embedding int4" in e4.describe()
     sec = calib_artifact.weights_section(good)
     assert sec.zero_point == "int"                              # an older artifact: the integer zero point
     cfg = _tiny().cfg.to_dict()
@@ -282,6 +285,8 @@ def test_weight_bytes_count_the_stored_layout():
     assert fp16["total"] == 2 * (134_515_008)                   # SmolLM2-135M's parameters, tied head
     assert q["linear"] < fp16["linear"] / 3 and q["embedding"] < fp16["embedding"] * 0.55
     assert q["total"] < 120 * 10 ** 6                            # the issue's 4-bit bundle bound, for the weights
+    e4 = weight_bytes(cfg, _section(bits=4, group=32, symmetric=False, embedding_group=64, embedding_bits=4))
+    assert e4["linear"] == q["linear"] and 0.45 < e4["embedding"] / q["embedding"] < 0.6   # codes halved, scales kept
 
 
 def test_calibrate_weights_then_eval_contract(tiny_hf, text_file, tmp_path):
@@ -300,6 +305,25 @@ def test_calibrate_weights_then_eval_contract(tiny_hf, text_file, tmp_path):
         r["weights_ppl"] / r["dense_ppl"] - 1)
     text = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", check_rc=0).stdout
     assert "int4 g32 asym AWQ" in text and "quantized" in text and " MiB" in text
+
+
+def test_int4_embedding_serves_on_torch_and_export_refuses_it(tiny_hf, text_file, tmp_path):
+    """`calibrate --embedding int4`: the artifact says so, eval serves it (another perplexity than
+    int8's on the same weights), and export refuses it in one line (its graphs have an 8-bit embedding only)."""
+    rises = {}
+    for emb in ("int8", "int4"):
+        art = tmp_path / f"{emb}.calib"
+        run_cli("calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--group", "32", "--method", "rtn",
+                "--embedding", emb, "--weights-only", "-o", art, *SMALL, check_rc=0)
+        meta = json.loads((art / "calib.json").read_text())
+        assert meta["weights"]["embedding"]["bits"] == int(emb[3:])
+        r = json.loads(run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--json",
+                               check_rc=0).stdout)
+        rises[emb] = r["weights_ppl_rise"]
+    assert abs(rises["int4"] - rises["int8"]) > 1e-4          # the served embedding is the int4 one
+    p = run_cli("export", tiny_hf, "--calib", art, "--weights", "int4", "-o", tmp_path / "b")
+    assert p.returncode == 2 and "--embedding int8" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
 
 
 def test_calibrate_weights_and_sih_in_one_artifact(tiny_hf, text_file, tmp_path):

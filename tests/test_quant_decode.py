@@ -54,17 +54,22 @@ def _section(scheme, embedding_bits=8):
                           zero_point=scheme.zero_point)
 
 
-def test_decoders_over_packed_weights_compute_the_quantized_model():
+@pytest.mark.parametrize("embedding_bits", [8, 4])
+def test_decoders_over_packed_weights_compute_the_quantized_model(embedding_bits):
     """Dense and thermal (everything hot) decoders on a packed model give the fake-quantized model's
     logits, step for step; the decoder holds the packed forms (q/k/v and gate/up fused), the LM head
-    too."""
+    too (int8, or int4 with --embedding int4: the tied embedding on that grid)."""
     from zeroedge.kv import evaluate as E
     from zeroedge.quant.apply import apply
     from zeroedge.quant.packed import PackedLinear
     from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
 
     m = M.build("tiny", seed=4).eval()
-    apply(m, _section(Scheme(4, 32, False, "float")), pack=True)
+    e0 = m.embed_tokens.weight.detach().clone()
+    apply(m, _section(Scheme(4, 32, False, "float"), embedding_bits), pack=True)
+    e_want = fake_quantize(e0, Scheme(embedding_bits, 32, True))   # up to the packed form's fp16 steps
+    assert float((m.embed_tokens.weight - e_want).abs().max()) <= 2 ** -10 * float(e0.abs().max())
+    assert float((m.embed_tokens.weight - e0).abs().max()) > (0.02 if embedding_bits == 4 else 0.001) * float(e0.abs().max())
     ids = torch.randint(0, 256, (1, 72), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = m(ids)[0]
@@ -80,7 +85,7 @@ def test_decoders_over_packed_weights_compute_the_quantized_model():
     w = dense.packed_layers[0]
     assert isinstance(w["wqkv"], PackedLinear) and w["wqkv"].n == 64 + 2 * 32
     assert isinstance(w["w13"], PackedLinear) and w["w13"].n == 2 * 128
-    assert isinstance(dense.packed_head, PackedLinear) and dense.packed_head.bits == 8
+    assert isinstance(dense.packed_head, PackedLinear) and dense.packed_head.bits == embedding_bits
     k = m.layers[0].self_attn.k_proj.packed                    # one copy: the linears' forms are row views
     assert k.q.untyped_storage().data_ptr() == w["wqkv"].q.untyped_storage().data_ptr() and k.n == 32
     i8 = DenseDecoder(m, 72, graph=False, packed=True, int8_inputs=True)   # int8-rounded GEMV inputs

@@ -64,6 +64,7 @@ WEIGHTS_FORMAT, WEIGHTS_VERSION, WEIGHTS_LAYOUT = "zeroedge-weights", 1, "onnxru
 WEIGHT_METHODS = ("rtn", "awq")
 WEIGHT_BITS = (4, 8)
 WEIGHT_GROUPS = (32, 64, 128)
+EMBEDDING_BITS = (4, 8)
 AWQ_GROUPS = ("qkv", "o", "gate_up", "down")   # the scaled layer groups of a block, in this order
 
 SIH_DEFAULTS = plugin_spec.SIH_DEFAULTS
@@ -117,8 +118,8 @@ class PathsSection:
 @dataclass(frozen=True)
 class WeightsSection:
     """meta["weights"]: weight-only quantization of every linear layer of the blocks (MatMulNBits'
-    numerics, zeroedge.quant.groupwise), RTN or AWQ-scaled; the embedding (= tied LM head) int8 or
-    kept (embedding_bits 0)."""
+    numerics, zeroedge.quant.groupwise), RTN or AWQ-scaled; the embedding (= tied LM head) int8,
+    int4 (symmetric; the torch decode path only: the ONNX export refuses it) or kept (embedding_bits 0)."""
     bits: int
     group: int
     symmetric: bool
@@ -285,8 +286,8 @@ def _weights_section(w, bad) -> Optional[WeightsSection]:
         raise bad(f"'weights' int{bits} group {group} unsupported (bits {WEIGHT_BITS}, groups {WEIGHT_GROUPS})")
     if not isinstance(sym, bool):
         raise bad("'weights.symmetric' must be true or false")
-    if emb and (eb != 8 or eg not in WEIGHT_GROUPS):
-        raise bad(f"'weights.embedding' int{eb} group {eg} unsupported (int8, groups {WEIGHT_GROUPS})")
+    if emb and (eb not in EMBEDDING_BITS or eg not in WEIGHT_GROUPS):
+        raise bad(f"'weights.embedding' int{eb} group {eg} unsupported (int8 or int4, groups {WEIGHT_GROUPS})")
     method = w.get("method")
     if method not in WEIGHT_METHODS:
         raise bad(f"'weights.method' {method!r} is not one of {', '.join(WEIGHT_METHODS)}")
@@ -297,11 +298,12 @@ def _weights_section(w, bad) -> Optional[WeightsSection]:
 
 
 def weights_meta(bits: int, group: int, symmetric: bool, method: str, embedding_group: Optional[int],
-                 **extra) -> dict:
+                 embedding_bits: int = 8, **extra) -> dict:
     """A weights section (meta["weights"]) as `zeroedge calibrate --weights` writes it; checked."""
     w = {"format": WEIGHTS_FORMAT, "version": WEIGHTS_VERSION, "layout": WEIGHTS_LAYOUT, "scheme": f"int{bits}",
          "bits": bits, "group": group, "symmetric": symmetric, "method": method,
-         "embedding": {"bits": 8, "group": embedding_group, "symmetric": True} if embedding_group else None,
+         "embedding": ({"bits": embedding_bits, "group": embedding_group, "symmetric": True}
+                       if embedding_group else None),
          **extra}
     weights_section(w)
     return w

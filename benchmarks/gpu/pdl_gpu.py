@@ -9,10 +9,14 @@ they must agree bit for bit). Switches:
   qkvo-split1   the g128 q/k/v and o GEMVs in one launch each (SPLIT 1) or split 4 with a sum launch
   early-weights the int8-input GEMVs' first weight tile loaded before PDL's wait
                 (zeroedge.quant.triton_gemv.EARLY_WEIGHTS; session 17) or after it
+  one-tile      gate/up g128, down g32 and the int8 LM head read in one tile a program (session 17)
   head4         the LM head packed in the body's 4-bit scheme instead of int8 g128 (session 17)
+  head4-launch  with --head4: the 4-bit head's launch (pick's fallback / the int8 head's shape)
   (the launch-setting switches sum in another order: the logits may differ by rounding; head4
   changes the weights)
-(benchmarks/cuda_q4_gpu.json came from a third switch, cuda-q4, in this script at commit 88eab61.)
+(benchmarks/cuda_q4_gpu.json came from a third switch, cuda-q4, in this script at commit 88eab61;
+benchmarks/early_kv_gpu.json from early-kv, the dense attention's first K / V block loaded before
+PDL's wait, at commit 5ec0cbb + a change not kept: bf16 -1.6 %, int4 +0.7 % at 8K, -1.2 % at 32K.)
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--switch pdl] [--ctx 8192,32768] [--out DIR]
 """
@@ -30,7 +34,18 @@ LAUNCH = {   # launch-setting switches: CONFIG_I8 key -> (off, on)
     "qkvo-split1": {(3072, 2048, 4, 128): (dict(BN=8, BW=256, SPLIT=4, num_warps=8),
                                            dict(BN=8, BW=256, SPLIT=1, num_warps=8)),
                     (2048, 2048, 4, 128): (dict(BN=4, BW=256, SPLIT=4, num_warps=8),
-                                           dict(BN=4, BW=256, SPLIT=1, num_warps=8))}}
+                                           dict(BN=4, BW=256, SPLIT=1, num_warps=8))},
+    # the multi-tile GEMVs in one tile a program (session 17: the first tile loads before PDL's wait)
+    "one-tile": {(16384, 2048, 4, 128): (dict(BN=16, BW=128, SPLIT=1, num_warps=8, num_stages=4, PREPARED=True),
+                                         dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True)),
+                 (2048, 8192, 4, 32): (dict(BN=8, BW=128, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True),
+                                       dict(BN=8, BW=256, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True)),
+                 (128256, 2048, 8, 128): (dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
+                                          dict(BN=16, BW=512, SPLIT=1, num_warps=8, PREPARED=True))},
+    # a 4-bit LM head (--head4): pick's fallback or the int8 head's rows and warps
+    "head4-launch": {(128256, 2048, 4, g): (dict(BN=4, BW=256, SPLIT=1, num_warps=4, PREPARED=True),
+                                            dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True))
+                     for g in (32, 128)}}
 
 
 def _set(switch: str, on: bool) -> None:
@@ -46,7 +61,7 @@ def _set(switch: str, on: bool) -> None:
         return
     if switch in LAUNCH:
         for key, (off, on_) in LAUNCH[switch].items():
-            triton_gemv.CONFIG_I8[key] = dict(on_ if on else off, PREPARED=False)
+            triton_gemv.CONFIG_I8[key] = dict(dict(PREPARED=False), **(on_ if on else off))
         return
     gemv = _set.gemv = getattr(_set, "gemv", triton_gemv.gemv)
 
@@ -74,7 +89,9 @@ def main(argv=None):
     ap = bs.parser(__doc__)
     bs.add_out(ap, "/tmp/pdl_out")
     bs.add_ctx(ap, "8192,32768")
-    ap.add_argument("--switch", choices=("pdl", "fused-inputs", "early-weights", "head4", *LAUNCH), default="pdl")
+    ap.add_argument("--switch", choices=("pdl", "fused-inputs", "early-weights", "head4", *LAUNCH),
+                    default="pdl")
+    ap.add_argument("--head4", action="store_true", help="every int4 row with the 4-bit LM head")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--variants", default="bf16,int4-g128-sym,int4-g32-fzp")
     a = ap.parse_args(argv)
@@ -93,19 +110,20 @@ def main(argv=None):
     for variant in a.variants.split(","):
         m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
         if variant != "bf16":
-            apply(m, W.section(*W.SCHEMES[variant], embedding_group(m.cfg.dim)), pack=True)
+            apply(m, W.variant_section(variant, embedding_group(m.cfg.dim)), pack=True)
         i8 = variant != "bf16"
         for ctx in ctxs:
             for on in (False, True) * a.reps:
                 _set(a.switch, on)
                 d = DenseDecoder(m, ctx + GEN, int8_inputs=i8)
-                _head4(d, m, W.SCHEMES.get(variant), on and a.switch == "head4")
+                _head4(d, m, W.SCHEMES.get(variant), a.head4 or (on and a.switch == "head4"))
                 d.attention.kv.normal_()
                 ms = bs.decode_step_ms(d, start=ctx, n=64)
                 diff = None
                 if on:
                     _set(a.switch, False)
                     e = DenseDecoder(m, ctx + GEN, int8_inputs=i8)
+                    _head4(e, m, W.SCHEMES.get(variant), a.head4)
                     e.attention.kv.copy_(d.attention.kv)
                     diff = float((d.step(5, ctx + 100).float() - e.step(5, ctx + 100).float()).abs().max())
                     del e

@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes: kernel-by-kernel CUDA time of one eager step (torch
 profiler) of DenseDecoder and ThermalDecoder (a refresh step) for a llama-3.2-1b-shaped model with
 random bf16 weights. Eager, so launch gaps are not counted: the sums are pure kernel time.
---weights SCHEME: the dense loop only, weights packed (weights_gpu.SCHEMES) with int8 inputs and PDL
+--weights SCHEME: the dense loop only, weights packed (weights_gpu.SCHEMES or EMBEDDING4) with int8 inputs and PDL
 off (a kernel launched early would count its wait).
 
     python3 benchmarks/gpu/profile_decode.py --ctx 8192,32768 [--weights int4-g128-sym]
@@ -58,7 +58,7 @@ def main(argv=None):
         import weights_gpu as W
         from zeroedge.quant.apply import apply, embedding_group
 
-        apply(m, W.section(*W.SCHEMES[args.weights], embedding_group(cfg.dim)), pack=True)
+        apply(m, W.variant_section(args.weights, embedding_group(cfg.dim)), pack=True)
         os.environ["ZEROEDGE_PDL"] = "0"
     for ctx in ctxs:
         g = torch.Generator(device=dev).manual_seed(ctx)

@@ -20,6 +20,8 @@ import bench_setup as bs
 
 GEN = 400
 SCHEMES = {"int4-g32-fzp": (4, 32, False, "float"), "int4-g128-sym": (4, 128, True, "int")}
+# the same with the embedding (= tied LM head) int4 (`calibrate --embedding int4`; session 17)
+EMBEDDING4 = {"int4-g32-fzp-e4": "int4-g32-fzp", "int4-g128-sym-e4": "int4-g128-sym"}
 
 
 def parse_args(argv=None):
@@ -29,16 +31,28 @@ def parse_args(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="use the CONFIG in triton_gemv as it is")
     ap.add_argument("--attn-compare", action="store_true",
                     help="each dense row also with the torch attention (attn='sdpa') beside the Triton one")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated decode rows' weights (default: every scheme, exact and int8 inputs; "
+                         f"also {', '.join(k + '/int8-inputs' for k in EMBEDDING4)})")
+    ap.add_argument("--dense-only", action="store_true",
+                    help="the graphed dense rows only (no compiled, paths or thermal rows)")
     ap.add_argument("--paths-only", action="store_true",
                     help="decode rows of bf16 and int4 g32 float-zp (int8 inputs) only: dense and both paths rules")
     return ap.parse_args(argv)
 
 
-def section(bits, group, sym, zp, emb_group):
+def section(bits, group, sym, zp, emb_group, emb_bits: int = 8):
     from zeroedge.calib_artifact import WeightsSection
 
-    return WeightsSection(bits=bits, group=group, symmetric=sym, method="rtn", embedding_bits=8,
+    return WeightsSection(bits=bits, group=group, symmetric=sym, method="rtn", embedding_bits=emb_bits,
                           embedding_group=emb_group, meta={}, zero_point=zp)
+
+
+def variant_section(scheme: str, emb_group: int):
+    """A decode row's weights name (a SCHEMES or EMBEDDING4 key) -> its WeightsSection."""
+    if scheme in EMBEDDING4:
+        return section(*SCHEMES[EMBEDDING4[scheme]], emb_group, 4)
+    return section(*SCHEMES[scheme], emb_group)
 
 
 def shapes(cfg) -> dict:
@@ -214,7 +228,7 @@ def predictor_policies(m, keep: float, ctx: int, int8_inputs: bool, rank: int = 
 
 
 def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5, paths_only: bool = False,
-           attn_compare: bool = False) -> list:
+           attn_compare: bool = False, variants=None, dense_only: bool = False) -> list:
     import torch
 
     from zeroedge.quant import packed
@@ -222,7 +236,9 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
     from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder
 
     rows = []
-    variants = ["bf16", *SCHEMES, "int4-g32-fzp/int8-inputs", "int4-g128-sym/int8-inputs"]
+    variants = variants or ["bf16", *SCHEMES, "int4-g32-fzp/int8-inputs", "int4-g128-sym/int8-inputs"]
+    if dense_only:
+        compile_too = False
     if paths_only:
         variants, compile_too = ["bf16", "int4-g32-fzp/int8-inputs"], False
     for variant in variants:
@@ -230,7 +246,7 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
         scheme = variant.split("/")[0]
         m = bs.build_model(cfg_name, "cuda", torch.bfloat16, max_seq_len=max(ctxs) + GEN)
         if variant != "bf16":
-            apply(m, section(*SCHEMES[scheme], embedding_group(m.cfg.dim)), pack=True)
+            apply(m, variant_section(scheme, embedding_group(m.cfg.dim)), pack=True)
         runs = [(c, False, "auto") for c in ctxs] + ([(min(ctxs), True, "auto")] if compile_too else [])
         if attn_compare:
             runs += [(c, False, "sdpa") for c in ctxs]
@@ -264,7 +280,7 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
             print(json.dumps(rows[-1]), flush=True)
             del dec
             torch.cuda.empty_cache()
-        if variant in ("bf16", "int4-g32-fzp/int8-inputs"):  # decode paths on every layer, both rules
+        if variant in ("bf16", "int4-g32-fzp/int8-inputs") and not dense_only:   # paths on every layer, both rules
             for rule in ("", "predictor "):
                 for ctx in ctxs:
                     pol = (predictor_policies(m, paths_keep, ctx, i8) if rule else paths_policies(m, paths_keep))
@@ -278,7 +294,7 @@ def decode(cfg_name, ctxs, bw, compile_too: bool = True, paths_keep: float = 0.5
                     print(json.dumps(rows[-1]), flush=True)
                     del dec
                     torch.cuda.empty_cache()
-        if variant in ("bf16", "int4-g32-fzp") and not paths_only:
+        if variant in ("bf16", "int4-g32-fzp") and not (paths_only or dense_only):
             ctx = max(ctxs)
             ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", torch.bfloat16)
             t = ThermalDecoder(m, ctx, GEN, budget=0.1)
@@ -327,7 +343,8 @@ def main(argv=None):
                 (tg.CONFIG_I8 if i8 else tg.CONFIG)[(n, k, bits, group)] = r["best"]   # what decode uses
                 print(key, i8, {x: r[x] for x in ("best", "us", "GBs", "cublas_bf16_us", "x_cublas")}, flush=True)
     res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9, paths_only=a.paths_only,
-                           attn_compare=a.attn_compare)
+                           attn_compare=a.attn_compare, variants=a.variants and a.variants.split(","),
+                           dense_only=a.dense_only)
     bs.write_json(out / "weights_gpu.json", res)
     print("\nSUMMARY  copy %.0f GB/s" % res["copy_bw_GBs"])
     print("checks max rel", max(v["rel"] for v in res["checks"].values()),

@@ -46,8 +46,10 @@ from zeroedge.commands.common import check_model, fraction_option, output_option
                    "SmolLM2's exactly).")
 @click.option("--method", type=click.Choice(["awq", "rtn"]), default="awq", show_default=True,
               help="With --weights: activation-aware scale search (AWQ) or plain round-to-nearest.")
-@click.option("--embedding", type=click.Choice(["int8", "keep"]), default="int8", show_default=True,
-              help="With --weights: the embedding (and tied LM head) int8 (groups along the hidden size), or kept.")
+@click.option("--embedding", type=click.Choice(["int8", "int4", "keep"]), default="int8", show_default=True,
+              help="With --weights: the embedding (and tied LM head) int8 or int4 (symmetric, groups along "
+                   "the hidden size), or kept. int4 reads half the LM head's bytes a decode step on a GPU, "
+                   "costs more perplexity, and serves on the torch path only (export refuses it).")
 @click.option("--weights-only", is_flag=True,
               help="With --weights: write the weights section only (no SIH/PAD prefill calibration).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
@@ -174,7 +176,8 @@ def quantize_weights(m, lists, cfg, bits, group, symmetric, method, embedding, s
     if zero_point == "float":
         extra["zero_point"] = "float"
     w = calib_artifact.weights_meta(bits, group, symmetric, method,
-                                    qa.embedding_group(m.cfg.dim) if embedding == "int8" else None, **extra)
+                                    qa.embedding_group(m.cfg.dim) if embedding != "keep" else None,
+                                    embedding_bits=4 if embedding == "int4" else 8, **extra)
     section = calib_artifact.weights_section(w)
     qa.apply(m, section, scales)
     torch.manual_seed(seed)

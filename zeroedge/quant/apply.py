@@ -10,9 +10,13 @@
   2. fake-quantize q/k/v/o/gate/up/down (zeroedge.quant.groupwise: MatMulNBits' numerics), weights
      dequantized back into the model's dtype;
   3. the embedding (SmolLM2 ties it to the LM head: one tensor) int8 symmetric in groups along the
-     hidden dimension, or kept. Why int8 and not int4: it is 21 % of SmolLM2's parameters and both
-     the first and the last operation of the model; int8 costs ~nothing (benchmarks/weights.md) and
-     halves its fp16 bytes, which is what brings a 4-bit SmolLM2 bundle under 120 MB. Its numerics
+     hidden dimension, or kept. Why int8 by default and not int4: it is 21 % of SmolLM2's parameters
+     and both the first and the last operation of the model; int8 costs ~nothing (benchmarks/weights.md)
+     and halves its fp16 bytes, which is what brings a 4-bit SmolLM2 bundle under 120 MB. int4
+     (`calibrate --embedding int4`, symmetric) halves the LM head's bytes again, the largest single
+     read of a decode step on a GPU (+5 % decode on the H200 at 8K), but costs SmolLM2 +12 / +16 /
+     +29 % perplexity on KJV / essays / licenses (benchmarks/weights.md, session 17); the ONNX
+     export refuses it. Its numerics
      are MatMulNBits' 8-bit ones on the LM head's B = E^T [D, V] (blocks along D); the embedding's
      rows dequantize to the same values (the same blocks).
 
@@ -90,10 +94,10 @@ def quantize_linears(model, scheme: Scheme, pack: bool = False) -> None:
             _quantize(b.get_submodule(name), scheme, pack)
 
 
-def quantize_embedding(model, group: int, pack: bool = False) -> None:
-    """int8 symmetric in groups along the hidden dimension; a separate LM head the same way. With
-    pack, the LM head keeps its packed form (model.lm_head.packed)."""
-    sch = Scheme(8, group, True)
+def quantize_embedding(model, group: int, pack: bool = False, bits: int = 8) -> None:
+    """int8 (or int4) symmetric in groups along the hidden dimension; a separate LM head the same
+    way. With pack, the LM head keeps its packed form (model.lm_head.packed)."""
+    sch = Scheme(bits, group, True)
     e = model.embed_tokens.weight
     _quantize(model.lm_head, sch, pack)                 # tied: this is the embedding's weight too
     if model.lm_head.weight is not e:
@@ -123,7 +127,7 @@ def apply(model, section, scales: Optional[dict] = None, quantize: bool = True, 
             quantize_linears(model, Scheme(section.bits, section.group, section.symmetric,
                                            getattr(section, "zero_point", "int")), pack)
             if section.embedding_bits:
-                quantize_embedding(model, section.embedding_group, pack)
+                quantize_embedding(model, section.embedding_group, pack, section.embedding_bits)
     setattr(model, MARK, section.describe() + ("" if quantize else " (scales folded only)"))
 
 
@@ -155,7 +159,7 @@ def weight_bytes(cfg, section=None, dtype_bytes: int = 2) -> dict:
         linear = sum(sch.nbytes(k, n) for k, n in shapes) * cfg.n_layers
     heads = 1 if cfg.tie_embeddings else 2
     if section is not None and section.embedding_bits:
-        emb = Scheme(8, section.embedding_group, True).nbytes(cfg.dim, cfg.vocab_size) * heads
+        emb = Scheme(section.embedding_bits, section.embedding_group, True).nbytes(cfg.dim, cfg.vocab_size) * heads
     else:
         emb = cfg.vocab_size * cfg.dim * dtype_bytes * heads
     other = (2 * cfg.n_layers + 1) * cfg.dim * dtype_bytes

@@ -22,8 +22,8 @@ int8 inputs (gemv_i8_kernel, `int8_inputs=True`): each word's inputs (8 for 4-bi
 inputs summed by dp4a, four products an instruction -- the unpack-convert-multiply of every code is
 what bounds the fp32 kernel (Nsight Compute on gate/up: ~78 instructions a 32-bit word, 119 registers,
 25 % occupancy; 0.5-1.1 TB/s). On the H200, with the prepared inputs below: 1.3-1.9x cuBLAS's bf16
-GEMV of the same shape, decode 1.82-1.91x our bf16 loop at 8K (with PDL); on SmolLM2 the rounding
-costs under 0.3 % of perplexity (benchmarks/weights.md).
+GEMV of the same shape, decode 1.99-2.10x our bf16 loop at 8K (with PDL and weights ahead of the
+wait, below); on SmolLM2 the rounding costs under 0.3 % of perplexity (benchmarks/weights.md).
 Triton's interpreter has no inline PTX: there (DP4A False) the same integer sums by shifts.
 Prepared int8 inputs (`PREPARED` in a launch setting): a first kernel (quantize_inputs_kernel) rounds
 and packs each word's inputs once a call -- the norm's 1 / RMS folded into their steps -- and sums
@@ -35,6 +35,12 @@ and o slower by the launch). `then=`: the GEMV whose output feeds the next weigh
 down) prepares that weight's inputs in its epilogue instead, so the next GEMV needs no first
 launch (+0.3-1.3 % decode on the H200, the logits bit for bit the same).
 
+Weights ahead of the wait (EARLY_WEIGHTS, int8-input kernels, no predictor): with programmatic
+dependent launch a kernel starts while the one ahead still runs and waits (griddepcontrol.wait)
+before reading what that one writes. Weights are never written, so each program loads its first
+tile of codes, steps and offsets before the wait: the bytes stream in under the previous kernel's
+tail. H200, llama-3.2-1b shape at 8K: int4 g128 decode +10.8 % (1464 -> 1622 tok/s), logits bit
+for bit the same (benchmarks/weights.md, session 17). Without PDL (a Jetson Orin) it changes nothing.
 Launch settings per matrix shape (CONFIG, CONFIG_I8) are the best of an H200 sweep
 (benchmarks/gpu/weights_gpu.py); `pick` falls back on the common choice for other shapes.
 The kernels are in zeroedge.quant.gemv_kernels (imported on first use: it imports Triton).
@@ -99,6 +105,10 @@ CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once 
     (2048, 8192, 4, 32): dict(BN=8, BW=128, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True),
     (2048, 8192, 4, 128): dict(BN=8, BW=256, SPLIT=8, num_warps=4, PREPARED=True),
     (128256, 2048, 8, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
+    # a 4-bit LM head (embedding int4): the int8 head's rows and warps, 2.6 % faster decode than
+    # pick's fallback at g128 (session 17, benchmarks/head4_launch_gpu.json)
+    (128256, 2048, 4, 128): dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True),
+    (128256, 2048, 4, 32): dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True),
 }
 
 

@@ -9,6 +9,7 @@ they must agree bit for bit). Switches:
   qkvo-split1   the g128 q/k/v and o GEMVs in one launch each (SPLIT 1) or split 4 with a sum launch
   early-weights the int8-input GEMVs' first weight tile loaded before PDL's wait
                 (zeroedge.quant.triton_gemv.EARLY_WEIGHTS; session 17) or after it
+  qkvo-prepared q/k/v and o on inputs rounded by a launch of their own, or in every program
   one-tile      gate/up g128, down g32 and the int8 LM head read in one tile a program (session 17)
   head4         the LM head packed in the body's 4-bit scheme instead of int8 g128 (session 17)
   head4-launch  with --head4: the 4-bit head's launch (pick's fallback / the int8 head's shape)
@@ -16,7 +17,9 @@ they must agree bit for bit). Switches:
   changes the weights)
 (benchmarks/cuda_q4_gpu.json came from a third switch, cuda-q4, in this script at commit 88eab61;
 benchmarks/early_kv_gpu.json from early-kv, the dense attention's first K / V block loaded before
-PDL's wait, at commit 5ec0cbb + a change not kept: bf16 -1.6 %, int4 +0.7 % at 8K, -1.2 % at 32K.)
+PDL's wait, at commit 5ec0cbb + a change not kept: bf16 -1.6 %, int4 +0.7 % at 8K, -1.2 % at 32K;
+benchmarks/early2_gpu.json from early2, the prepared-input GEMVs' first two tiles before the wait
+instead of one, a kernel change not kept: int4 g128 -1.3 %, g32 float-zp -3.1 % at 8K.)
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--switch pdl] [--ctx 8192,32768] [--out DIR]
 """
@@ -42,6 +45,11 @@ LAUNCH = {   # launch-setting switches: CONFIG_I8 key -> (off, on)
                                        dict(BN=8, BW=256, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True)),
                  (128256, 2048, 8, 128): (dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
                                           dict(BN=16, BW=512, SPLIT=1, num_warps=8, PREPARED=True))},
+    "qkvo-prepared": {key: (dict(cfg, PREPARED=False), dict(cfg, PREPARED=True)) for key, cfg in (
+        ((3072, 2048, 4, 32), dict(BN=4, BW=256, SPLIT=1, num_warps=4)),
+        ((3072, 2048, 4, 128), dict(BN=8, BW=256, SPLIT=4, num_warps=8)),
+        ((2048, 2048, 4, 32), dict(BN=4, BW=256, SPLIT=1, num_warps=8)),
+        ((2048, 2048, 4, 128), dict(BN=4, BW=256, SPLIT=4, num_warps=8)))},
     # a 4-bit LM head (--head4): pick's fallback or the int8 head's rows and warps
     "head4-launch": {(128256, 2048, 4, g): (dict(BN=4, BW=256, SPLIT=1, num_warps=4, PREPARED=True),
                                             dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True))

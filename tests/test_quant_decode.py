@@ -147,8 +147,14 @@ for sch in [Scheme(4, 32, False, "float"), Scheme(4, 128, True), Scheme(8, 64, T
         y = tg.gemv(x, p, residual=r, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
         assert torch.allclose(y, xi @ wd.T + r, atol=1e-5), (sch, cfg, (y - xi @ wd.T - r).abs().max())
         g, u = (xi @ wd.T).chunk(2, -1)
-        y = tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
-        assert torch.allclose(y, F.silu(g) * u, atol=1e-5), (sch, cfg)
+        y2 = tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True)
+        assert torch.allclose(y2, F.silu(g) * u, atol=1e-5), (sch, cfg)
+        tg.EARLY_WEIGHTS = False          # the first weight tile after PDL's wait: the same sums, in order
+        try:
+            assert torch.equal(y, tg.gemv(x, p, residual=r, norm=(ln, 1e-5), config=cfg, int8_inputs=True))
+            assert torch.equal(y2, tg.gemv(x, p, swiglu=True, norm=(ln, 1e-5), config=cfg, int8_inputs=True))
+        finally:
+            tg.EARLY_WEIGHTS = True
     assert not torch.equal(xi, xn) and torch.allclose(xi, xn, atol=float(xn.abs().max()) / 250)
     xt = x.clone()
     xt[0, :16] = 1e-38                    # runs of tiny inputs: 127 / max would overflow; they count as 0

@@ -1,13 +1,16 @@
 """Programmatic dependent launch (PDL) for zeroedge's Triton kernels (the packed GEMVs, the decode
 attention). On sm_90 and newer each kernel is launched with PDL: it lets the next kernel launch at
-once and waits, before its first load or store, until the previous one has finished and its writes
-are visible, so launches overlap inside a CUDA graph (H200 int4 decode: +2-9 %, benchmarks/weights.md).
+once and waits, before it reads anything the kernels ahead write, until the previous one has
+finished and its writes are visible, so launches overlap inside a CUDA graph (H200 int4 decode:
++2-9 %; the packed GEMVs' weights loaded before the wait another +7-11 %; benchmarks/weights.md).
 Off on older GPUs (a Jetson Orin is sm_87), on ROCm, with a Triton that has no grid-dependency
 control, and with ZEROEDGE_PDL=0.
 
 `pdl(t)`: the launch options for kernels on `t`'s device. `pdl_start(PDL)`: the first statement of
-every such kernel; a kernel may split it (`pdl_launch` first, `pdl_wait` before its first load of
-anything the previous kernels write: the packed GEMVs load their first weight tile in between). This module imports Triton: the kernel modules import it, the decoders do not."""
+every such kernel, or split: `pdl_launch` first, `pdl_wait` before the first load of anything a
+kernel ahead writes (the packed GEMVs load their first weight tile in between; a kernel may start
+while several ahead still run, so only data no kernel of the step writes may be read before the
+wait). This module imports Triton: the kernel modules import it, the decoders do not."""
 from __future__ import annotations
 
 import functools

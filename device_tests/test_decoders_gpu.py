@@ -184,6 +184,9 @@ def test_packed_int4_decoders_in_the_graph_match_the_quantized_model(embedding_b
     thermal = ThermalDecoder(m, P, G, budget=1.0)
     thermal.load_prefix(*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
     assert _run(thermal, ids, ref) < 5e-2
+    i8 = DenseDecoder(m, P + G, int8_inputs=True)              # the dp4a kernels, the head's too
+    i8.load_prefix(*_kv(pre, torch.bfloat16))
+    assert _run(i8, ids, ref) < 0.15
 
 
 def test_int8_input_gemv_is_dp4a_on_the_rounded_inputs():

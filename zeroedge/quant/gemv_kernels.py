@@ -218,6 +218,7 @@ def gemv_i8_kernel(x_ptr, ln_ptr, eps, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_ptr
     # inputs summed by _word_dots. EARLY (not LIVE): the program's first tile of codes, steps and
     # offsets is loaded before PDL's wait -- weights do not depend on the previous kernel, so their
     # loads overlap its tail
+    tl.static_assert(not (EARLY and LIVE), "a predictor's rows depend on the input: no weights before the wait")
     _pdl_launch(PDL)
     WG: tl.constexpr = G // (32 // BITS)
     pid = tl.program_id(0)
@@ -386,6 +387,7 @@ def gemv_q_kernel(xq_ptr, dx_ptr, xw_ptr, q_ptr, s_ptr, o_ptr, y_ptr, r_ptr, nq_
     # them) by _word_dots; each word's integer sum scaled by its input step, summed over the group's
     # words, then the group's weight step and offset applied once a group (not once a word).
     # EARLY (not LIVE): the first tile of weights loaded before PDL's wait, as gemv_i8_kernel
+    tl.static_assert(not (EARLY and LIVE), "a predictor's rows depend on the input: no weights before the wait")
     _pdl_launch(PDL)
     WG: tl.constexpr = G // (32 // BITS)
     pid = tl.program_id(0)

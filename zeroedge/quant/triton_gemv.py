@@ -105,10 +105,9 @@ CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once 
     (2048, 8192, 4, 32): dict(BN=8, BW=128, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True),
     (2048, 8192, 4, 128): dict(BN=8, BW=256, SPLIT=8, num_warps=4, PREPARED=True),
     (128256, 2048, 8, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
-    # a 4-bit LM head (embedding int4): the int8 head's rows and warps, 2.6 % faster decode than
-    # pick's fallback at g128 (session 17, benchmarks/head4_launch_gpu.json)
+    # a 4-bit LM head (embedding int4: groups of 128 at this hidden size): the int8 head's rows and
+    # warps, 2.6 % faster decode than pick's fallback (session 17, benchmarks/head4_launch_gpu.json)
     (128256, 2048, 4, 128): dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True),
-    (128256, 2048, 4, 32): dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True),
 }
 
 

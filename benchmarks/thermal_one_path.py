@@ -30,7 +30,7 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "default, int4 cold store": dict(cold="int4"),
     # session 9: the page-retrieval limit (the exact top pages by max score, per query and kv head) and
     # 8-token pages with the same 32 recent tokens (page_size / method are this script's keys)
-    "oracle pages of 16 (exact, a limit)": dict(method="oracle_page"),
+    "oracle pages of 16 (exact, a limit)": dict(method="oracle_page", page_size=16, recent_pages=2),
     "oracle pages of 8 (exact, a limit)": dict(method="oracle_page", page_size=8, recent_pages=4),
     "pages of 8, 4 recent, int8 cold store": dict(cold="int8", page_size=8, recent_pages=4),
     # session 11: the refresh one step behind (its swaps serve the next step), which lets the GPU
@@ -41,6 +41,10 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     # session 14: does a larger fetch budget win back what the lag costs?
     "lag 1, fetch 8, int8 cold": dict(cold="int8", lag=1, fetch=8),
     "lag 1, fetch 16, int8 cold": dict(cold="int8", lag=1, fetch=16),
+    # session 18: the default is pages of 8 (4 recent); the default before it, for comparison
+    "pages of 16, 2 recent, int8 cold store": dict(cold="int8", page_size=16, recent_pages=2),
+    "pages of 16, 2 recent, int4 cold store": dict(cold="int4", page_size=16, recent_pages=2),
+    "default, fetch 8 (the tokens of fetch 4 at pages of 16), int8 cold": dict(cold="int8", fetch=8),
 }
 
 
@@ -56,6 +60,7 @@ def main():
 
     from zeroedge import texts, weights
     from zeroedge.kv import evaluate as E
+    from zeroedge.kv.policy import THERMAL, thermal_settings
 
     torch.set_num_threads(2)
     m, folder = weights.load("smollm2-135m")
@@ -64,12 +69,15 @@ def main():
     rows = []
     for text in a.texts.split(","):
         ids = texts.tokens(tok, texts.load_text(text), a.ctx, what=text)
-        P = E.validate(len(ids), a.budget, 16, 1024)
+        P = E.validate(len(ids), a.budget, 16, 1024)      # whole pages of 8 and of 16
         pre = E.prefill(m, ids[:P], stats=False)
         full = math.exp(E.score_continuation(m, ids[P:], pre, "full", 1.0).mean().item())
         for name in names:
-            o = dict(E.DEFAULTS, **SETTINGS[name])
-            method, ps = o.pop("method", "thermal"), o.pop("page_size", 16)
+            ps = SETTINGS[name].get("page_size", THERMAL.page_size)   # "default": kv.policy.THERMAL
+            o = dict(E.DEFAULTS, recent_pages=thermal_settings(ps).recent_pages)
+            o.update(SETTINGS[name])
+            method = o.pop("method", "thermal")
+            o.pop("page_size", None)
             t0 = time.perf_counter()
             st = {}
             pre_th = E.quant_prefill(m, ids[:P], o["cold"]) if o["cold"] != "host" and method == "thermal" else pre

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to PyTorch")
 
-P, G = 512, 24          # prefix tokens (32 pages of 16) and decoded tokens
+P, G = 512, 24          # prefix tokens (64 pages of 8) and decoded tokens
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,30 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn):
             assert not bad, _slot_report(att, li, h, win, named, bad)          # each slot: its page
     kb = dec.device_kv_bytes()
     assert kb["hot"] < kb["prefix_full"] / 2
+
+
+@pytest.mark.parametrize("page_size,rank", [(12, 32), (8, 24)])
+def test_pages_or_ranks_off_the_sketch_kernels_tiles_take_the_reference(setup, page_size, rank):
+    """A page or half-rank that is not a power of two: the torch sketch and the one-program swap, in
+    the graph, with the page maps consistent (the Triton sketch kernel's tiles cannot hold them)."""
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    m, ids, _, _, pre = setup
+    n = 480                                                        # 40 pages of 12, 60 of 8
+    k, v = _kv(pre, torch.bfloat16)
+    dec = ThermalDecoder(m, n, G, budget=0.25, fetch=4, page_size=page_size, rank=rank)
+    dec.load_prefix([x[:, :n] for x in k], [x[:, :n] for x in v])
+    att = dec.attention
+    assert att.lse_part is None
+    before = att.slot_page.clone()
+    for t in range(n, n + G):
+        assert torch.isfinite(dec.step(int(ids[t]), t)).all()
+    assert (att.slot_page != before).any()
+    for li in range(len(m.layers)):
+        for h in range(att.nkv):
+            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
+            named = att.slot_page[li, h].cpu()
+            assert all(torch.equal(win[s], att.cold_k[li, h, named[s]]) for s in range(att.slots))
 
 
 def _slot_report(att, li, h, win, named, bad) -> str:

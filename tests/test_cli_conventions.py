@@ -187,6 +187,7 @@ def test_run_text_output_units_reasons_and_random_weights():
     assert err[0].startswith("zeroedge: warning: tiny is a preset with random weights")
     assert "mechanisms: dense" in err[1] and " MiB of " in err[1] and err[1].endswith("(100%)"), err
     assert err[2].startswith("[run] thermal KV not used: ") and "prompt" in err[2], err
+    assert "would hold all" in err[2], err      # nothing would be cold at this length: dense
     # --json is unchanged: the reason is in the mechanisms, no text lines on stdout
     p = run_cli("run", "tiny", "--prompt", prompt, "--max-new", "3", "--kv-budget", "0.1", "--json", check_rc=0)
     out = json.loads(p.stdout)

@@ -382,14 +382,16 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
 def test_the_byte_forecast_is_what_the_thermal_window_allocates(tiny, cold):
     """kv.policy.thermal_device_bytes (the planner's and the memory cap's forecast) against the
     tensors ThermalAttention really holds."""
-    from zeroedge.kv.policy import ThermalSettings, thermal_device_bytes
+    from dataclasses import replace
+
+    from zeroedge.kv.policy import thermal_device_bytes, thermal_settings
     from zeroedge.runtime.fast import ThermalDecoder
 
     P, G = 320, 24
     d = ThermalDecoder(tiny, P, G, budget=0.3, page_size=16, rank=8, fetch=3, graph=False, cold=cold)
     a = d.attention
     got = thermal_device_bytes(len(tiny.layers), tiny.cfg.n_kv_heads, tiny.cfg.head_dim, P, G, 4, 0.3,
-                               ThermalSettings(rank=8, fetch=3), cold)
+                               replace(thermal_settings(16), rank=8, fetch=3), cold)
     nb = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     assert got == d.device_kv_bytes()
     assert got["hot"] + got["generated"] == nb(a.wk, a.wv)

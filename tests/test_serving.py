@@ -260,8 +260,9 @@ def test_session_torch_dense_thermal_and_run_time_levels(model):
     r1 = s.generate(prompt, 16)
     assert r1.detail["decoder"] == "ThermalDecoder" and r1.mechanisms["thermal_kv"]
     assert r1.tokens == ref                             # budget 1: every page is read
-    s2 = ServingSession(model, kv_budget=0.25, page_size=8)
-    r2 = s2.generate(prompt, 16)
+    s2 = ServingSession(model, kv_budget=0.25)               # the default pages: 8 tokens, 4 recent
+    r2 = s2.generate(ids_(200, 5), 16)
+    assert r2.detail["page_size"] == 8
     assert r2.mechanisms["thermal_kv"] and r2.device_kv_bytes < r2.full_kv_bytes
     assert r2.detail["hot_kv_bytes"] < r2.full_kv_bytes * 0.4
     assert len(r2.tokens) == 16 and r2.tokens_per_s > 0

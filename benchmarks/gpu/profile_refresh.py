@@ -61,7 +61,7 @@ def main(argv=None):
         r["refresh"] = per(lambda: [t._swap(li, q) for li in range(L)])
         for pb, progs in ((16, 64), (32, 32), (32, 64), (32, 128), (64, 64)):   # sketch blocks / programs
             K.SKETCH_PROGRAMS = progs
-            nb = K.part_blocks(t.n, pages_per_block=pb)
+            nb = K.part_blocks(t.n, t.ps, pages_per_block=pb)
             grp = t.H // t.nkv
             part = (torch.empty(t.nkv, grp, nb, device=dev), torch.empty(t.nkv, grp, nb, device=dev))
             r[f"sketch_pb{pb}_p{progs}"] = per(

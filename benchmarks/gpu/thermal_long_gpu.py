@@ -17,8 +17,9 @@ GEN = 400          # decode_step_ms takes 3 + 5 x 64 steps
 SETTINGS = [       # (rank, fetch, refresh_every, cold store)
     (16, 4, 1, "host"), (32, 4, 1, "host"), (32, 8, 2, "host"), (32, 8, 4, "host"), (32, 8, 8, "host"),
     (32, 16, 8, "host"), (16, 8, 8, "host"), (32, 4, 1, "int8"), (32, 4, 1, "int4")]
-# --page-sizes (session 9): the default policy with the int8 cold store at pages of 16 (2 recent) and
-# of 8 (4 recent: the same 32 recent tokens; fetch 4 and 8 pages) -- (page size, recent pages, fetch)
+# --page-sizes (sessions 9, 18): the default policy with the int8 cold store at pages of 16 (2 recent) and
+# of 8 (4 recent: the same 32 recent tokens; fetch 4 and 8 pages; the default since session 18)
+# -- (page size, recent pages, fetch)
 PAGE_SETTINGS = [(16, 2, 4), (8, 4, 4), (8, 4, 8)]
 # --lag (session 11): the window's attention by SDPA (before) or the Triton kernel, and the refresh
 # one step behind on a side stream (lag 1) -- (rank, fetch, refresh_every, cold store, lag, page

@@ -33,7 +33,8 @@ CONTINUATION = 1024
 @ctx_option("Tokens N: prefill N-1024, score the last 1024.", required=True)
 @click.option("--offset", type=int, default=0, show_default=True, help="Token offset into the text.")
 @fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction of the prefix KV, in (0, 1].")
-@click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
+@click.option("--page-size", type=int, default=None,
+              help="Tokens a thermal KV page (default 8; the recent window stays 32 tokens).")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--paths", "paths", is_flag=True,
               help="Evaluate the artifact's decode path predictors (needs --calib).")
@@ -54,7 +55,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         raise UserError(f"--ctx must exceed {CONTINUATION + 32} (the last {CONTINUATION} tokens are scored)")
     if offset < 0:
         raise UserError("--offset must be >= 0")
-    if page_size < 1:
+    if page_size is not None and page_size < 1:
         raise UserError(f"--page-size must be >= 1 (got {page_size})")
     if threads < 0:
         raise UserError("--threads must be >= 0")
@@ -117,7 +118,10 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         stage(f"thermal KV: full-KV prefill of {ctx - CONTINUATION} tokens, then the methods over the last "
               f"{CONTINUATION}")
         cold = {"cold": result["device_memory"]["cold_store"]} if cap is not None else {}
-        result.update(run_eval(m, ids, kv_budget, page_size=page_size, continuation=CONTINUATION, **cold))
+        from zeroedge.kv.policy import THERMAL
+
+        result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
+                               continuation=CONTINUATION, **cold))
     if as_json:
         click.echo(json.dumps(result))
     else:

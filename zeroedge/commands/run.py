@@ -96,7 +96,9 @@ def bundle_config(bundle):
 @click.option("--prompt-file", type=click.Path(), help="Read the prompt from a file.")
 @click.option("--max-new", type=int, default=32, show_default=True, help="New tokens to generate.")
 @fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction, in (0, 1].")
-@click.option("--page-size", type=int, default=16, show_default=True, help="Thermal KV page size.")
+@click.option("--page-size", type=int, default=None,
+              help="Tokens a thermal KV page (default: 8 on the torch backend, its recent window 32 tokens; "
+                   "16 on the bundle backends).")
 @click.option("--kv-spill", "kv_spill", type=click.Path(file_okay=False),
               help="onnxruntime / tensorrt thermal KV: a folder (NVMe on a Jetson) for the file tier; "
                    "stored pages beyond --kv-store-pages go to one private file there, deleted at the end.")
@@ -228,7 +230,7 @@ def _check_options(model, max_new, page_size, paths, calib, release_level, backe
 
     if max_new < 1:
         raise UserError(f"--max-new must be >= 1 (got {max_new})")
-    if page_size < 1:
+    if page_size is not None and page_size < 1:
         raise UserError(f"--page-size must be >= 1 (got {page_size})")
     if release_level not in LEVELS:
         raise UserError(f"--release-level must be 0, 1, 2 or 3 (got {release_level})")

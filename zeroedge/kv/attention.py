@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes,
-                                window_pages)
+                                thermal_settings, window_pages)
 
 
 def additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
@@ -104,12 +104,14 @@ class ThermalAttention:
     COLD = ("host", "int8", "int4")   # host: full precision in (pinned) host memory; int8 / int4: compressed, on the device
 
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = THERMAL.page_size,
-                 rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int = THERMAL.recent_pages,
+                 rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int | None = None,
                  sink_pages: int = THERMAL.sink_pages, fetch: int = THERMAL.fetch,
                  refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag, cold: str = "host",
                  attn: str = "auto", scheduler=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
+        if recent_pages is None:            # the default recent window in tokens, at this page size
+            recent_pages = thermal_settings(page_size).recent_pages
         if not 0 < budget <= 1:
             raise ValueError("budget must be in (0, 1]")
         if rank % 2:
@@ -141,7 +143,7 @@ class ThermalAttention:
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
         from zeroedge.kv.decode_attention import Shares, choose
-        from zeroedge.kv.kernels import part_blocks
+        from zeroedge.kv.kernels import part_blocks, sketch_kernel_fits
 
         self.L, self.nkv, self.H, self.hd, self.device, self.dtype = L, nkv, H, hd, device, dtype
         self.rank = min(self.rank, hd)                 # small heads: a full-rank sketch
@@ -202,9 +204,9 @@ class ThermalAttention:
         self.ar_slots = torch.arange(self.slots, device=device)
         # per-block shares of each query head's log-sum-exp over pages, written by the sketch kernel
         # for the two-stage swap (CUDA)
-        nb = part_blocks(n)
-        self.lse_part = (torch.empty(nkv, H // nkv, nb, device=device),
-                         torch.empty(nkv, H // nkv, nb, device=device)) if pin else None
+        nb = part_blocks(n, ps)
+        self.lse_part = (torch.empty(nkv, H // nkv, nb, device=device), torch.empty(nkv, H // nkv, nb, device=device)
+                         ) if pin and sketch_kernel_fits(ps, self.rank) else None
 
     def kv_bytes(self) -> int:
         return self.device_kv_bytes()["hot"]

@@ -27,7 +27,7 @@ import math
 
 from zeroedge.errors import UserError
 from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, THERMAL, ThermalSettings, thermal_device_bytes,
-                                window_pages)
+                                thermal_settings, window_pages)
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
 
@@ -256,7 +256,7 @@ def window_page_mask(ps, k, forced, page_size, refresh_every=1, fetch=0, lag=0):
 # --------------------------------------------------------------------------------------------
 # continuation
 # --------------------------------------------------------------------------------------------
-def score_continuation(model, ids_cont, pre, method, budget, page_size=16, chunk=256, opts=None,
+def score_continuation(model, ids_cont, pre, method, budget, page_size=THERMAL.page_size, chunk=256, opts=None,
                        stats=None, return_logits=False):
     """Teacher-forced pass over the continuation with the method's prefix masks.
     Returns the per-token NLL (tensor, len(ids_cont)) of ids_cont given everything before it."""
@@ -321,7 +321,7 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
     forced = torch.zeros(n_pages, dtype=torch.bool)
     if method == "thermal":
         forced[: opts.get("sink_pages", THERMAL.sink_pages)] = True
-        rp = opts.get("recent_pages", THERMAL.recent_pages)
+        rp = opts.get("recent_pages", thermal_settings(page_size).recent_pages)
         if rp:
             forced[-rp:] = True
     if method == "oracle_page":
@@ -364,9 +364,10 @@ def quant_prefill(model, ids, cold: str = "int8") -> dict:
 
 
 def _settings(opts, page_size: int) -> ThermalSettings:
-    """The serving decoder's settings for these options (kv.policy.THERMAL where they are silent)."""
+    """The serving decoder's settings for these options (kv.policy.thermal_settings where they are silent)."""
     names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every", "lag")
-    return ThermalSettings(page_size, **{k: int(opts.get(k, getattr(THERMAL, k))) for k in names})
+    base = thermal_settings(page_size)
+    return ThermalSettings(page_size, **{k: int(opts.get(k, getattr(base, k))) for k in names})
 
 
 def cold_readback(pre, li, page_size, opts):
@@ -385,7 +386,7 @@ def cold_readback(pre, li, page_size, opts):
         g = COLD_GROUP if hd % COLD_GROUP == 0 else hd
         exact = torch.zeros(P, dtype=torch.bool)
         exact[: opts.get("sink_pages", THERMAL.sink_pages) * page_size] = True
-        rp = opts.get("recent_pages", THERMAL.recent_pages)
+        rp = opts.get("recent_pages", thermal_settings(page_size).recent_pages)
         if rp:
             exact[P - rp * page_size:] = True
         pre[key] = tuple(torch.where(exact[None, :, None], x, dequantize(*quantize(x, bits, g), bits, g, x.dtype))
@@ -477,7 +478,7 @@ def kv_bytes(model, tokens: int) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * tokens * cfg.head_dim * el
 
 
-def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int = 1024,
+def run_eval(model, ids, budget: float, page_size: int = THERMAL.page_size, continuation: int = 1024,
              **opts) -> dict:
     """Prefill ids[:P] (P: N - continuation rounded down to whole pages; validate), then score the
     last `continuation` tokens teacher-forced twice: with the full prefix KV (exact prefill) and
@@ -495,7 +496,8 @@ def run_eval(model, ids, budget: float, page_size: int = 16, continuation: int =
     unknown = set(opts) - set(DEFAULTS) - {"with_traffic"}
     if unknown:
         raise UserError(f"unknown thermal KV option(s): {', '.join(sorted(unknown))}")
-    o = dict(DEFAULTS, **{k: v for k, v in opts.items() if k in DEFAULTS})
+    o = dict(DEFAULTS, recent_pages=thermal_settings(page_size).recent_pages)
+    o.update((k, v) for k, v in opts.items() if k in DEFAULTS)
     if "rank" not in opts and model is not None:
         o["rank"] = min(o["rank"], model.cfg.head_dim)      # small heads: full-rank sketch
     if o["bits"] not in (1, 2, 3, 4) or not 2 <= int(o["rank"]) <= model.cfg.head_dim or int(o["rank"]) % 2:

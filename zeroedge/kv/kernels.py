@@ -12,17 +12,29 @@ from __future__ import annotations
 import torch
 
 _kernel = None
-# the sketch kernel's launch: the best of an H200 sweep (benchmarks/thermal_kv.md 2m: 33 / 11 / 5 us a
-# layer at 128K / 32K / 8K positions, against 43 / 15 / 6 with 32 pages, 64 programs, 4 warps)
-SKETCH_PB = 4         # pages a sketch program scores at a time
+# the sketch kernel's launch: the best of H200 sweeps (benchmarks/thermal_kv.md 2m: 33 / 11 / 5 us a
+# layer at 128K / 32K / 8K positions, against 43 / 15 / 6 with 32 pages, 64 programs, 4 warps; 2r:
+# pages of 8 want the same 64 tokens a block, 8 pages, not 4)
+SKETCH_TOKENS = 64    # tokens a sketch program scores at a time (whole pages, a power of two of them)
 SKETCH_PROGRAMS = 256  # programs a kv head at most: each loops over its share of the pages
 SKETCH_WARPS = 1      # warps a sketch program
 
 
-def sketch_blocks(n: int, pages_per_block: int | None = None) -> tuple:
+def sketch_pages_per_block(page_size: int) -> int:
+    """Pages a sketch program scores at a time: SKETCH_TOKENS of them, rounded down to a power of two."""
+    return 1 << (max(1, SKETCH_TOKENS // page_size).bit_length() - 1)
+
+
+def sketch_kernel_fits(page_size: int, rank: int) -> bool:
+    """The sketch kernel's tiles need a power-of-two page and half-rank; other shapes take the torch
+    reference (and the one-program swap, without the kernel's log-sum-exp shares)."""
+    return not (page_size & (page_size - 1) or (rank // 2) & (rank // 2 - 1))
+
+
+def sketch_blocks(n: int, pages_per_block: int) -> tuple:
     """(programs a kv head, page blocks each program loops over) for n pages; the sketch kernel
     writes one log-sum-exp share per program, so `part` buffers are (nkv, grp, programs)."""
-    blocks = -(-n // (pages_per_block or SKETCH_PB))
+    blocks = -(-n // pages_per_block)
     it = -(-blocks // min(blocks, SKETCH_PROGRAMS))
     return -(-blocks // it), it
 
@@ -129,9 +141,9 @@ def _build():
     return qp, kl
 
 
-def part_blocks(n: int, rank: int = 0, pages_per_block: int | None = None) -> int:
+def part_blocks(n: int, page_size: int, pages_per_block: int | None = None) -> int:
     """Length of the last axis of the `part` buffers for n pages (one share per sketch program)."""
-    return sketch_blocks(n, pages_per_block)[0]
+    return sketch_blocks(n, pages_per_block or sketch_pages_per_block(page_size))[0]
 
 
 def rope_rows(x, cos, sin, pos):
@@ -153,7 +165,7 @@ def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block:
     nkv, P, r2 = codes.shape
     hd = A.shape[1]
     grp = q.shape[0] // nkv
-    if not codes.is_cuda or hd & (hd - 1) or r2 & (r2 - 1):
+    if not codes.is_cuda or hd & (hd - 1) or not sketch_kernel_fits(page_size, 2 * r2):
         if rope is not None:
             q = rope_rows(q, *rope)
         qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
@@ -171,8 +183,8 @@ def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block:
 def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
     """qr (nkv, grp, r) -> (nkv, grp, n) sketch log-sum-exp of every page; part as above."""
     global _kernel
-    pages_per_block = pages_per_block or SKETCH_PB
-    if not codes.is_cuda:
+    pages_per_block = pages_per_block or sketch_pages_per_block(page_size)
+    if not codes.is_cuda or not sketch_kernel_fits(page_size, 2 * codes.shape[-1]):
         return sketch_page_lse_ref(qr, codes, scales, page_size)
     if _kernel is None:
         _kernel = _build()

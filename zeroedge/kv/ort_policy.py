@@ -40,6 +40,7 @@ from zeroedge.kv.heat import DEFAULT_THRESHOLD, HeatTracker, plan_migration
 from zeroedge.kv.pages import PINNED, PageTable, Tier
 
 
+PAGE_SIZE = 16             # positions a page, unless the caller says (`zeroedge run --page-size`)
 SPILL_RETRY_STEPS = 64     # a refused file write: decode steps before the file tier is tried again
 
 
@@ -60,7 +61,7 @@ def dequantize(q: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
 
 
 class OrtThermalPolicy:
-    def __init__(self, page_size: int = 16, store: str = "int8", threshold: float = DEFAULT_THRESHOLD,
+    def __init__(self, page_size: int = PAGE_SIZE, store: str = "int8", threshold: float = DEFAULT_THRESHOLD,
                  recent_pages: int = 1, fetch: int = 2, cos_window: int = 8, max_pages: int = 1 << 16,
                  spill_dir=None, store_pages: int = 0):
         if not isinstance(page_size, int) or page_size < 1:

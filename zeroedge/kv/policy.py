@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional
 
 from zeroedge.errors import UserError
@@ -31,29 +31,39 @@ log = logging.getLogger("zeroedge.kv")
 class ThermalSettings:
     """The thermal KV policy and sketch: one set of defaults for the serving decoder
     (zeroedge.kv.attention.ThermalAttention) and the evaluation contract (zeroedge.kv.evaluate),
-    which simulates that decoder's arithmetic step by step. Chosen in benchmarks/thermal_kv.md §2h.
+    which simulates that decoder's arithmetic step by step. Chosen in benchmarks/thermal_kv.md §2h;
+    pages of 8 since §2r (with pages of 16 even the exact page oracle misses <= 3 % on essays, §2l).
 
-    page_size      tokens a page
+    page_size      tokens a page (another page size: `thermal_settings`)
     rank, bits     the key sketch: rank-`rank` query-aware basis, signed `bits`-bit codes (1..4;
                    stored two a byte) with one fp16 scale per (page, direction)
-    sink_pages, recent_pages   always in the window
+    sink_pages, recent_pages   always in the window (the recent window: 32 tokens)
     fetch          at most this many pages swapped into the window a refresh, per kv head and layer
     refresh_every  steps between refreshes (page scoring + swaps)
     lag            0: a step's refresh uses its own query and its attention reads the result;
                    1: the refresh runs after the step's attention, so its swaps serve the next
                    step (the GPU decoder then overlaps it with the rest of the step: 1.24x dense
                    at 128K on the H200, but essays +8 % ppl; benchmarks/thermal_kv.md 2m, 2n)"""
-    page_size: int = 16
+    page_size: int = 8
     rank: int = 32
     bits: int = 4
     sink_pages: int = 1
-    recent_pages: int = 2
+    recent_pages: int = 4
     fetch: int = 4
     refresh_every: int = 1
     lag: int = 0
 
 
 THERMAL = ThermalSettings()
+
+
+def thermal_settings(page_size: Optional[int] = None) -> ThermalSettings:
+    """THERMAL with pages of `page_size` tokens, its recent window kept at the same tokens (rounded up
+    to whole pages): what `--page-size` means in `zeroedge run` and `zeroedge eval`."""
+    if page_size is None or page_size == THERMAL.page_size:
+        return THERMAL
+    recent_tokens = THERMAL.recent_pages * THERMAL.page_size
+    return replace(THERMAL, page_size=page_size, recent_pages=max(1, -(-recent_tokens // page_size)))
 COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
 COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)
 SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix

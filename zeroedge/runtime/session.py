@@ -137,7 +137,7 @@ def quantize_weights(model, calib, where="artifact"):
 
 class ServingSession:
     def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
-                 page_size: int = 16, paths=None, release_level: int = 3,
+                 page_size: Optional[int] = None, paths=None, release_level: int = 3,
                  paths_level: Optional[int] = None, trip_pages: int = 1200, trip_requests: int = 5,
                  on_alert: Optional[Callable[[str], None]] = None, graph: bool = True,
                  threads: Optional[int] = None, thermal_opts: Optional[dict] = None,
@@ -151,7 +151,12 @@ class ServingSession:
                 ok = False
             if not ok:
                 raise UserError(f"KV budget {kv_budget!r} is out of range: it must be in (0, 1]")
-        if not isinstance(page_size, int) or page_size < 1:
+        if page_size is None:       # the torch decoder's pages (kv.policy.THERMAL), the bundle runners' own
+            from zeroedge.kv.ort_policy import PAGE_SIZE
+            from zeroedge.kv.policy import THERMAL
+
+            page_size = THERMAL.page_size if backend == "torch" else PAGE_SIZE
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise UserError(f"page size must be a positive integer (got {page_size!r})")
         self.backend, self.kv_budget, self.page_size = backend, kv_budget, page_size
         self.alerts: List[str] = []
@@ -298,14 +303,12 @@ class ServingSession:
                         f"dense KV needs {_gib(dense)}, thermal KV at {budget:.0%} hot: {options}{why}")
 
     def _settings(self):
-        from dataclasses import fields
+        from dataclasses import fields, replace
 
-        from zeroedge.kv.policy import THERMAL, ThermalSettings
+        from zeroedge.kv.policy import ThermalSettings, thermal_settings
 
         known = {f.name for f in fields(ThermalSettings)}
-        return ThermalSettings(**{**{f: getattr(THERMAL, f) for f in known},
-                                  **{k: v for k, v in self.thermal_opts.items() if k in known},
-                                  "page_size": self.page_size})
+        return replace(thermal_settings(self.page_size), **{k: v for k, v in self.thermal_opts.items() if k in known})
 
     def _check_thermal_opts(self):
         import inspect
@@ -455,6 +458,15 @@ class ServingSession:
         if thermal and P // ps < least:
             mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under {least} pages of {ps}")
             thermal = False
+        if thermal and self.kv_budget < 1:
+            from zeroedge.kv.policy import window_pages
+
+            fixed, slots = window_pages(P, self.kv_budget, st)
+            if fixed + slots >= P // ps:                       # nothing would be cold: no saving
+                mech.update(thermal_kv=False, thermal_kv_reason=(
+                    f"prompt of {T} tokens: the thermal window ({fixed} fixed pages and {slots} slot(s)) "
+                    f"would hold all {P // ps} pages of {ps}"))
+                thermal = False
         budget, cold = self.kv_budget, None
         if self.device_memory is not None:
             thermal, budget, cold = self._fit_memory(T, max_new, temperature, thermal, mech)

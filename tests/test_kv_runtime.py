@@ -435,3 +435,20 @@ def test_the_sketch_is_fitted_in_chunks_with_the_same_result():
     one = quantized_sketch(k, 16, 4, 4, chunk=4096)
     many = quantized_sketch(k, 16, 4, 4, chunk=64)
     assert torch.equal(one[1], many[1]) and torch.equal(one[2], many[2])
+
+
+def test_a_page_size_keeps_the_recent_window_in_tokens_and_the_sketch_block_in_tokens(tiny):
+    """--page-size P: the recent window stays THERMAL's 32 tokens (whole pages), in the serving
+    decoder, the eval contract and the session alike; the sketch kernel scores 64 tokens a block."""
+    from zeroedge.kv import kernels as K
+    from zeroedge.kv.policy import THERMAL, thermal_settings
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    assert (THERMAL.page_size, THERMAL.recent_pages) == (8, 4) and thermal_settings(None) is THERMAL
+    assert [thermal_settings(p).recent_pages for p in (4, 8, 12, 16, 64)] == [8, 4, 3, 2, 1]
+    assert [K.sketch_pages_per_block(p) for p in (4, 8, 12, 16, 64, 128)] == [16, 8, 4, 4, 1, 1]
+    assert K.sketch_kernel_fits(8, 32) and not K.sketch_kernel_fits(12, 32) and not K.sketch_kernel_fits(8, 24)
+    assert ThermalDecoder(tiny, 320, 8, page_size=16, graph=False).attention.recent_pages == 2
+    r = E.run_eval(tiny, ids_(288), 0.25, page_size=16, continuation=32)
+    assert r["options"]["recent_pages"] == 2 and r["page_size"] == 16
+    assert E.run_eval(tiny, ids_(288), 0.25, continuation=32)["options"]["recent_pages"] == 4

@@ -321,7 +321,8 @@ def test_session_onnxruntime_dense_equals_reference(model, bundle):
     assert r.tokens == ref and r.detail["window_slots"] == 102 and r.pages_migrated == 0
     s.set_level(3)
     r = s.generate(prompt, 12)
-    assert r.mechanisms["thermal_kv"] and r.detail["window_slots"] == 24
+    # the torch decoder's memory: 20 % of the prompt (5 pages of 4) and the 12 new tokens (3 pages)
+    assert r.mechanisms["thermal_kv"] and r.detail["window_slots"] == 32
     assert r.detail["thermal"]["stored_at_prefill"] > 0 and r.device_kv_bytes < r.full_kv_bytes
     other = model.cfg.with_(dim=32, name="other")
     with pytest.raises(UserError, match="dim=64"):

@@ -587,7 +587,8 @@ class ServingSession:
         if mech["thermal_kv"]:
             pol = OrtThermalPolicy(page_size=ps, **self.thermal_opts)
             n_sink = -(-r.sinks // ps) if r.sinks > 0 else 0
-            pages = max(math.ceil(self.kv_budget * n / ps), n_sink + pol.recent + 2)
+            # the torch decoder's memory: the budget's share of the prompt, and the new tokens
+            pages = max(math.ceil(self.kv_budget * T / ps) + math.ceil(max_new / ps), n_sink + pol.recent + 2)
             r.slots, r.policy = pages * ps, pol
         else:
             pol = None

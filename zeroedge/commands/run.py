@@ -95,7 +95,9 @@ def bundle_config(bundle):
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(), help="Read the prompt from a file.")
 @click.option("--max-new", type=int, default=32, show_default=True, help="New tokens to generate.")
-@fraction_option("--kv-budget", "kv_budget", help="Thermal KV: the fraction of the prompt's KV kept hot, in (0, 1] (new tokens stay hot; every backend).")
+@fraction_option("--kv-budget", "kv_budget",
+                 help="Thermal KV: the fraction of the prompt's KV kept hot, in (0, 1] (new tokens stay hot; "
+                      "every backend).")
 @click.option("--page-size", type=int, default=None,
               help="Tokens a thermal KV page (default: 8 on the torch backend, its recent window 32 tokens; "
                    "16 on the bundle backends).")

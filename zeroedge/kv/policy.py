@@ -56,6 +56,10 @@ class ThermalSettings:
 
 THERMAL = ThermalSettings()
 
+COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
+COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)
+SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
+
 
 def thermal_settings(page_size: Optional[int] = None) -> ThermalSettings:
     """THERMAL with pages of `page_size` tokens, its recent window kept at the same tokens (rounded up
@@ -64,9 +68,6 @@ def thermal_settings(page_size: Optional[int] = None) -> ThermalSettings:
         return THERMAL
     recent_tokens = THERMAL.recent_pages * THERMAL.page_size
     return replace(THERMAL, page_size=page_size, recent_pages=max(1, -(-recent_tokens // page_size)))
-COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
-COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)
-SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
 
 
 def sketch_nbytes(prefix_len: int, page_size: int, rank: int, hd: int) -> int:

@@ -212,3 +212,25 @@ def test_eval_table_has_units_and_explains_all_tokens(tiny_hf, text_file):
     text = "\n".join(table(r, calib="a.calib"))
     assert "(+1.00%)" in text and "15.5% net of anchors" in text and "1,200 ms" in text
     assert "zero_ppl_all_tokens" in text and "every token scored in one pass" in text
+
+
+def test_eval_measures_a_bundle_runners_thermal_policy(tiny_hf, text_file, tmp_path):
+    """eval --bundle --kv-budget: the onnxruntime runner's own thermal policy (what `run --backend
+    onnxruntime` serves), in the window a request of that prompt and 1024 new tokens gets; at budget 1
+    every position stays, so it is full KV."""
+    import math
+
+    b = tmp_path / "b"
+    run_cli("export", tiny_hf, "-o", b, "--weights", "fp32", "--graphs", "portable", check_rc=0)
+    args = ("eval", tiny_hf, "--text", text_file, "--ctx", "1200", "--json")
+    one = json.loads(run_cli(*args, "--bundle", b, "--kv-budget", "1", check_rc=0).stdout)
+    assert one["thermal_ppl"] == pytest.approx(one["full_kv_ppl"], rel=1e-4) and one["pages_migrated"] == 0
+    tenth = json.loads(run_cli(*args, "--bundle", b, "--kv-budget", "0.1", check_rc=0).stdout)
+    assert tenth["window_slots"] == 16 * (math.ceil(0.1 * 176 / 16) + 1024 // 16)   # 10 % of the prompt + new
+    assert tenth["hot_kv_bytes"] < tenth["full_kv_bytes"] and tenth["policy"].startswith("bundle")
+    assert math.isfinite(tenth["thermal_ppl"]) and tenth["prefix_tokens"] == 176
+    for extra, msg in ((["--bundle", b], "--kv-budget F"),
+                       (["--bundle", tmp_path / "none", "--kv-budget", "0.1"], "bundle not found"),
+                       (["--bundle", b, "--kv-budget", "0.1", "--device-memory", "8G"], "do not combine")):
+        p = run_cli(*args, *extra, check_rc=2)
+        assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr

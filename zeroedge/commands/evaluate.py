@@ -36,13 +36,16 @@ CONTINUATION = 1024
 @click.option("--page-size", type=int, default=None,
               help="Tokens a thermal KV page (default 8; the recent window stays 32 tokens).")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
+@click.option("--bundle", type=click.Path(),
+              help="With --kv-budget: the thermal policy of this exported bundle's onnxruntime runner (what "
+                   "`run --backend onnxruntime` serves, pages of 16 unless --page-size), not the torch decoder's.")
 @click.option("--paths", "paths", is_flag=True,
               help="Evaluate the artifact's decode path predictors (needs --calib).")
 @memory_cap_options("What `zeroedge run` would serve at --ctx under this device memory cap (e.g. 8G): "
                     "dense, thermal KV, or exit 2.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
-        device_memory=None, board=None):
+        device_memory=None, board=None, bundle=None):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
@@ -59,6 +62,15 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         raise UserError(f"--page-size must be >= 1 (got {page_size})")
     if threads < 0:
         raise UserError("--threads must be >= 0")
+    if bundle is not None:
+        from pathlib import Path
+
+        if kv_budget is None:
+            raise UserError("--bundle evaluates a bundle runner's thermal KV: give --kv-budget F")
+        if cap is not None:
+            raise UserError("--bundle and a device memory cap do not combine: the cap is the torch backend's")
+        if not Path(bundle).is_dir():
+            raise UserError(f"bundle not found: {bundle}")
     check_model(model)                                   # a missing model: refused before torch loads
     from zeroedge.texts import check_spec
 
@@ -117,11 +129,18 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
             raise UserError("thermal KV is not available in this build (zeroedge.kv missing)") from None
         stage(f"thermal KV: full-KV prefill of {ctx - CONTINUATION} tokens, then the methods over the last "
               f"{CONTINUATION}")
-        cold = {"cold": result["device_memory"]["cold_store"]} if cap is not None else {}
-        from zeroedge.kv.policy import THERMAL
+        if bundle is not None:
+            from zeroedge.kv.evaluate import run_bundle_eval
+            from zeroedge.runtime.session import ServingSession
 
-        result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
-                               continuation=CONTINUATION, **cold))
+            session = ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=m.cfg, threads=threads or None)
+            result.update(run_bundle_eval(session.runner, ids, kv_budget, CONTINUATION, page_size))
+        else:
+            from zeroedge.kv.policy import THERMAL
+
+            cold = {"cold": result["device_memory"]["cold_store"]} if cap is not None else {}
+            result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
+                                   continuation=CONTINUATION, **cold))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -237,7 +256,15 @@ def table(r: dict, calib=None, paths=False) -> list:
         out += ["", f"device memory cap {_mib(d['cap'])} ({d['dtype']} device, {d['cold_store']} cold store)",
                 f"  {'forecast':<30} dense {_mib(d['dense_forecast'])}   thermal at {d['thermal_budget']:.0%} hot "
                 f"{_mib(d['thermal_forecast'])}: run serves it {d['served']}"]
-    if "thermal_ppl" in r:
+    if "thermal_ppl" in r and "policy" in r:                 # a bundle runner's policy (--bundle)
+        out += ["", f"thermal KV of the bundle runner (--kv-budget {r['budget']:.0%} of the prompt, pages of "
+                    f"{r['page_size']} tokens)",
+                _ppl(f"perplexity, last {r['scored_tokens']} tokens", "full KV", r["full_kv_ppl"], "thermal",
+                     r["thermal_ppl"]),
+                f"  {'KV window':<30} {_mib(r['hot_kv_bytes'])} ({r['window_slots']} slots) of "
+                f"{_mib(r['full_kv_bytes'])}; {r['pages_migrated']} pages migrated",
+                f"  {'time':<30} {r['seconds']:.1f} s"]
+    elif "thermal_ppl" in r:
         o = r.get("options") or {}
         out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens)",
                 _ppl(f"perplexity, last {r['scored_tokens']} tokens", "full KV", r["full_kv_ppl"], "thermal",

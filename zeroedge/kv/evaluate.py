@@ -546,3 +546,52 @@ def run_eval(model, ids, budget: float, page_size: int = THERMAL.page_size, cont
         out.update(fetch_stats(st["chosen"], slots))
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def run_bundle_eval(runner, ids, budget: float, continuation: int = 1024, page_size: int | None = None) -> dict:
+    """The contract for a bundle runner (zeroedge.backends.onnxruntime.OrtRunner, what `zeroedge run
+    --backend onnxruntime --kv-budget F` serves): ids[:N - continuation] prefilled, the last
+    `continuation` tokens teacher-forced twice through the runner, with every position in its window
+    (full KV) and with its thermal policy (zeroedge.kv.ort_policy) in the window a request of that
+    prompt and that many new tokens gets (OrtThermalPolicy.window_pages). Returns full_kv_ppl,
+    thermal_ppl, ppl_rise, hot_kv_bytes (the window), full_kv_bytes (the window of every position)
+    and the policy's counters."""
+    import time
+
+    from zeroedge.kv.ort_policy import PAGE_SIZE, OrtThermalPolicy
+
+    ids = [int(t) for t in ids]
+    P = len(ids) - continuation
+    if P < 2:
+        raise UserError(f"{len(ids)} tokens leave no prompt before the {continuation} scored ones")
+    t0 = time.perf_counter()
+    runner.slots, runner.policy = len(ids), None
+    full = _runner_nll(runner, ids, P)
+    full_bytes = runner.window_bytes()
+    pol = OrtThermalPolicy(page_size=page_size or PAGE_SIZE)
+    runner.slots, runner.policy = pol.window_pages(runner.sinks, budget, P, continuation) * pol.P, pol
+    thermal = _runner_nll(runner, ids, P)
+    st = pol.stats()
+    out = {"full_kv_ppl": math.exp(full), "thermal_ppl": math.exp(thermal), "hot_kv_bytes": runner.window_bytes(),
+           "full_kv_bytes": full_bytes, "budget": float(budget), "page_size": pol.P, "window_slots": runner.slots,
+           "prefix_tokens": P, "scored_tokens": continuation, "policy": "bundle (zeroedge.kv.ort_policy)",
+           "pages_migrated": st["pages_migrated"], "store_bytes": st["store_bytes"]}
+    out["ppl_rise"] = out["thermal_ppl"] / out["full_kv_ppl"] - 1
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _runner_nll(runner, ids, P) -> float:
+    """Mean negative log-likelihood of ids[P:], each token given every one before it, through a bundle
+    runner: its prefill of ids[:P], then one teacher-forced decode step a token."""
+    import numpy as np
+
+    def nll(logits, target):
+        x = np.asarray(logits, np.float64)
+        m = x.max()
+        return m + math.log(np.exp(x - m).sum()) - x[target]
+
+    total = nll(runner.prefill(ids[:P]), ids[P])
+    for t in range(P, len(ids) - 1):
+        total += nll(runner.step(ids[t]), ids[t + 1])
+    return total / (len(ids) - P)

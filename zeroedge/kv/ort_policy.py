@@ -29,6 +29,7 @@ all of them (the torch ThermalDecoder pages one (layer, kv head) stream at a tim
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Dict, List
@@ -78,6 +79,13 @@ class OrtThermalPolicy:
         self.recent, self.fetch, self.cos_window, self.max_pages = recent_pages, fetch, cos_window, max_pages
         self.store_tier = Tier.WARM8 if store == "int8" else Tier.COLD
         self.table = None
+
+    def window_pages(self, sinks: int, budget: float, prompt: int, new: int) -> int:
+        """Pages of the runner's window for a request under `--kv-budget budget`: that share of the
+        prompt (whole pages) and the new tokens' pages, the memory the torch decoder holds; at least
+        the sink pages, the page being written, the recent pages and one more."""
+        n_sink = -(-sinks // self.P) if sinks > 0 else 0
+        return max(math.ceil(budget * prompt / self.P) + math.ceil(new / self.P), n_sink + self.recent + 2)
 
     # -- request lifetime ----------------------------------------------------------------------
     def reset(self, runner):

@@ -37,7 +37,6 @@ The breaker counts whole-model pages on both backends: torch fetches divided by 
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -586,10 +585,7 @@ class ServingSession:
         n = T + max_new
         if mech["thermal_kv"]:
             pol = OrtThermalPolicy(page_size=ps, **self.thermal_opts)
-            n_sink = -(-r.sinks // ps) if r.sinks > 0 else 0
-            # the torch decoder's memory: the budget's share of the prompt, and the new tokens
-            pages = max(math.ceil(self.kv_budget * T / ps) + math.ceil(max_new / ps), n_sink + pol.recent + 2)
-            r.slots, r.policy = pages * ps, pol
+            r.slots, r.policy = pol.window_pages(r.sinks, self.kv_budget, T, max_new) * ps, pol
         else:
             pol = None
             r.slots, r.policy = n, None                      # a window of every position: exact

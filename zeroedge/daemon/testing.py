@@ -288,7 +288,7 @@ def fault_run(workdir: Path, bundle, frames, sensors=4, per_sensor=600, rate=200
     (`env`: the daemon's environment, e.g. PYTHONPATH of another zeroedge). Returns the
     figures: lost, duplicated, late arrivals, redeliveries absorbed, whether each sensor's results
     follow its arrival order in the spool."""
-    import sqlite3
+    import random
 
     workdir = Path(workdir)
     broker = Broker(workdir / "broker").start()
@@ -299,20 +299,11 @@ def fault_run(workdir: Path, bundle, frames, sensors=4, per_sensor=600, rate=200
     pub = Publisher(broker.port, client_id="zd-fault-pub")
     names = [f"line{i}" for i in range(sensors)]
     total = sensors * per_sensor
-    import random
-
     rng = random.Random(seed)
-    if seed is None:
-        at = [("kill", int(total * (k + 0.5) / kills)) for k in range(kills)] + \
-             [("broker", int(total * (b + 0.7) / (broker_restarts + 0.4))) for b in range(broker_restarts)]
-    else:
-        at = [("kill", rng.randrange(total)) for _ in range(kills)] + \
-             [("broker", rng.randrange(total)) for _ in range(broker_restarts)]
-    events = sorted(at, key=lambda e: e[1])
+    events = _fault_schedule(total, kills, broker_restarts, rng if seed is not None else None)
     pause = (lambda lo, hi: rng.uniform(lo, hi)) if seed is not None else (lambda lo, hi: lo)
     t0 = time.monotonic()
     done = {"kill": 0, "broker": 0}
-    out = workdir / "results.jsonl"
     try:
         for i in range(total):
             while events and events[0][1] == i:
@@ -337,25 +328,10 @@ def fault_run(workdir: Path, bundle, frames, sensors=4, per_sensor=600, rate=200
         publish_s = time.monotonic() - t0
         pub.wait_connected()
         pub.wait_all(timeout=120)
-        res = wait_results(out, total, timeout=180, proc=d.proc)
-        keys = [(r["sensor"], r["seq"]) for r in res]
-        db = sqlite3.connect(workdir / "state" / "spool.sqlite")
-        arrival = {}
-        for sensor, seq in db.execute("SELECT sensor, seq FROM readings ORDER BY id"):
-            arrival.setdefault(sensor, []).append(seq)
-        dead = dict(db.execute("SELECT reason, COUNT(*) FROM dead_letters GROUP BY reason").fetchall())
-        got = {}
-        for r in res:
-            got.setdefault(r["sensor"], []).append(r["seq"])
+        res = wait_results(workdir / "results.jsonl", total, timeout=180, proc=d.proc)
         fig = {"readings": total, "sensors": sensors, "rate": rate, "kills": done["kill"],
                "broker_restarts": done["broker"], "publish_s": round(publish_s, 1),
-               "results": len(res), "unique": len(set(keys)),
-               "lost": total - len(set(keys) & {(n, s) for n in names for s in range(per_sensor)}),
-               "duplicated": len(keys) - len(set(keys)),
-               "late_arrivals": sum(sum(1 for a, b in zip(v, v[1:]) if b < a) for v in arrival.values()),
-               "redeliveries_absorbed": dead.get("duplicate-seq", 0),
-               "other_dead_letters": sum(v for k, v in dead.items() if k != "duplicate-seq"),
-               "order_kept": all(got.get(n) == arrival.get(n) for n in names)}
+               **_fault_figures(workdir / "state" / "spool.sqlite", res, names, per_sensor)}
         fig["exit_status"] = d.terminate()
         return fig
     finally:
@@ -363,3 +339,40 @@ def fault_run(workdir: Path, bundle, frames, sensors=4, per_sensor=600, rate=200
         if d.proc.poll() is None:
             d.kill9()
         broker.stop()
+
+
+def _fault_schedule(total: int, kills: int, broker_restarts: int, rng=None) -> list:
+    """[(what, reading index)] in order: evenly spread, or at random points with `rng`."""
+    if rng is None:
+        at = [("kill", int(total * (k + 0.5) / kills)) for k in range(kills)] + \
+             [("broker", int(total * (b + 0.7) / (broker_restarts + 0.4))) for b in range(broker_restarts)]
+    else:
+        at = [("kill", rng.randrange(total)) for _ in range(kills)] + \
+             [("broker", rng.randrange(total)) for _ in range(broker_restarts)]
+    return sorted(at, key=lambda e: e[1])
+
+
+def _fault_figures(spool: Path, res: list, names: list, per_sensor: int) -> dict:
+    """What the results file and the spool say after a fault run: lost, duplicated, late arrivals,
+    redeliveries absorbed, other dead letters, and whether results follow each sensor's arrivals."""
+    import sqlite3
+
+    keys = [(r["sensor"], r["seq"]) for r in res]
+    db = sqlite3.connect(spool)
+    try:
+        arrival = {}
+        for sensor, seq in db.execute("SELECT sensor, seq FROM readings ORDER BY id"):
+            arrival.setdefault(sensor, []).append(seq)
+        dead = dict(db.execute("SELECT reason, COUNT(*) FROM dead_letters GROUP BY reason").fetchall())
+    finally:
+        db.close()
+    got = {}
+    for r in res:
+        got.setdefault(r["sensor"], []).append(r["seq"])
+    return {"results": len(res), "unique": len(set(keys)),
+            "lost": len(names) * per_sensor - len(set(keys) & {(n, s) for n in names for s in range(per_sensor)}),
+            "duplicated": len(keys) - len(set(keys)),
+            "late_arrivals": sum(sum(1 for a, b in zip(v, v[1:]) if b < a) for v in arrival.values()),
+            "redeliveries_absorbed": dead.get("duplicate-seq", 0),
+            "other_dead_letters": sum(v for k, v in dead.items() if k != "duplicate-seq"),
+            "order_kept": all(got.get(n) == arrival.get(n) for n in names)}

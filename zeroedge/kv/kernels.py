@@ -246,9 +246,15 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 
 def _build_swap():
-    global copy_pages, commit_swap, store_swaps  # Triton looks a jit function's callees up in its module's globals
+    global copy_pages, commit_swap, no_swaps, store_swaps  # Triton looks a jit function's callees up in its module's globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def no_swaps(FP: tl.constexpr):
+        """A kv head's F decision slots (padded to FP), none taken yet: (slot index, src, dst, out)."""
+        none = tl.full([FP], -1, tl.int64)
+        return tl.arange(0, FP), none, none, none
 
     @triton.jit
     def commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out):
@@ -300,6 +306,7 @@ def _build_swap():
           w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
           PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
         h = tl.program_id(0)
+        fi, src, dst, out = no_swaps(FP)
         offs = tl.arange(0, NP)
         m = offs < n
         sc = tl.full([NP], float("-inf"), tl.float32)
@@ -313,10 +320,6 @@ def _build_swap():
         ms = tl.where(m & (slot < 0), sc, float("-inf"))
         rs = tl.where(m & (slot >= 0), sc, float("inf"))
         # decisions first (a swap's page pair into slot i of src / dst), then every copy at once
-        fi = tl.arange(0, FP)
-        src = tl.full([FP], -1, tl.int64)
-        dst = tl.full([FP], -1, tl.int64)
-        out = tl.full([FP], -1, tl.int64)
         for i in tl.static_range(F):
             bm = tl.argmax(ms, 0)
             vm = tl.max(ms, 0)
@@ -389,10 +392,7 @@ def _build_swap():
         rs = tl.load(cr_ptr + h * NCAND + offs, mask=m, other=float("inf"))
         ri = tl.load(cri_ptr + h * NCAND + offs, mask=m, other=0)
         rsl = tl.load(pslot_ptr + h * n + ri, mask=m & (rs < float("inf")), other=-1)     # the candidates' slots
-        fi = tl.arange(0, FP)
-        src = tl.full([FP], -1, tl.int64)
-        dst = tl.full([FP], -1, tl.int64)
-        out = tl.full([FP], -1, tl.int64)
+        fi, src, dst, out = no_swaps(FP)
         for i in tl.static_range(F):
             a = tl.argmax(ms, 0)
             b = tl.argmin(rs, 0)

@@ -441,17 +441,40 @@ class ServingSession:
     def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
         import torch
 
-        from zeroedge.model import PREFILL_CHUNK, chunked_prefill
-        from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
-
         m, T, ps = self.model, len(prompt), self.page_size
         if T + max_new > m.cfg.max_seq_len:
             raise UserError(f"{T} prompt + {max_new} new tokens exceed the model's context "
                             f"({m.cfg.max_seq_len})")
-        thermal = mech["thermal_kv"]
         # the prompt is prefilled up to its last whole page (exact, or into a compressed cold store);
         # the rest of it runs through the decode loop (with the decode mechanisms)
         P = ((T - 1) // ps) * ps
+        thermal, budget, cold = self._torch_attention(T, P, max_new, temperature, mech)
+        t0 = time.perf_counter()
+        dec, cold = self._torch_decoder(prompt, P, max_new, thermal, budget, cold, mech)
+        moved = torch.zeros((), dtype=torch.long, device=dec.device)
+        out, t1, t2 = self._torch_loop(dec, prompt, P, max_new, thermal, moved,
+                                       self._sampler(temperature, seed), eos)
+        el = torch.finfo(dec.dtype).bits // 8
+        full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + max_new) * m.cfg.head_dim * el
+        detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
+        if thermal:
+            kb = dec.device_kv_bytes()
+            device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
+            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
+                          cold_store=cold, cold_on_device_bytes=kb["cold_on_device"],
+                          scheduler=dec.attention.scheduler_report(),
+                          migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
+        else:
+            device_kv = dec.kv_bytes()
+        if mech["paths"]:
+            detail["paths_channels_kept_last_step"] = dec.kept()
+        steps = len(out) - 1
+        return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
+                      device_kv, full, int(moved) if thermal else 0, detail)
+
+    def _torch_attention(self, T, P, max_new, temperature, mech):
+        """(thermal, budget, cold store or None): thermal KV only where it saves memory, then the cap."""
+        thermal, ps = mech["thermal_kv"], self.page_size
         st = self._settings()
         least = st.sink_pages + st.recent_pages + 1        # the window's fixed pages and a slot
         if thermal and P // ps < least:
@@ -466,17 +489,23 @@ class ServingSession:
                     f"prompt of {T} tokens: the thermal window ({fixed} fixed pages and {slots} slot(s)) "
                     f"would hold all {P // ps} pages of {ps}"))
                 thermal = False
-        budget, cold = self.kv_budget, None
         if self.device_memory is not None:
-            thermal, budget, cold = self._fit_memory(T, max_new, temperature, thermal, mech)
-        t0 = time.perf_counter()
-        # the gates' choice is one attention strategy (dense or thermal) and one FFN (dense or paths)
+            return self._fit_memory(T, max_new, temperature, thermal, mech)
+        return thermal, self.kv_budget, None
+
+    def _torch_decoder(self, prompt, P, max_new, thermal, budget, cold, mech):
+        """The decoder the gates chose (one attention strategy, one FFN), its cache filled by the
+        prompt's first P tokens; and the cold store it uses (None without thermal KV)."""
+        from zeroedge.model import PREFILL_CHUNK, chunked_prefill
+        from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
+
+        m, T = self.model, len(prompt)
         dev = next(m.parameters()).device
         # packed weights on a GPU: the GEMV on int8-rounded inputs (dp4a; benchmarks/weights.md: +0.1 % ppl)
         i8 = self.weights is not None and dev.type == "cuda"
         if thermal:
-            kw = dict(budget=budget, page_size=ps, **self.thermal_opts)
-            kw["cold"] = cold or self._cold_store(dev)
+            kw = dict(budget=budget, page_size=self.page_size, **self.thermal_opts)
+            kw["cold"] = cold = cold or self._cold_store(dev)
             if dev.type == "cuda":              # refreshes wait while memory bandwidth is busy
                 kw.setdefault("scheduler", self._scheduler(dev))
             G = T - P + max_new
@@ -485,7 +514,7 @@ class ServingSession:
                 return (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, int8_inputs=i8, **kw)
                         if mech["paths"] else ThermalDecoder(m, P, G, graph=self.graph, int8_inputs=i8, **kw))
 
-            if kw["cold"] != "host":            # the prefill writes int8 / int4 K/V straight into the cold store
+            if cold != "host":                  # the prefill writes int8 / int4 K/V straight into the cold store
                 dec = decoder()
                 ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK, caches=dec.attention.prefill_caches())
             else:                               # full-precision K/V, copied to pinned host memory
@@ -494,6 +523,7 @@ class ServingSession:
             dec.load_prefix(ks, vs, qcov)
             del ks, vs, qcov                    # the prefill cache goes here
         else:
+            cold = None
             dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph, int8_inputs=i8) if mech["paths"]
                    else DenseDecoder(m, T + max_new, graph=self.graph, int8_inputs=i8))
             if P > 0:                           # the prefill writes straight into the decoder's cache
@@ -505,8 +535,15 @@ class ServingSession:
             mech["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
                                       else "packed GEMV" if dec.packed_layers is not None
                                       else "dequantized weights (no packed GEMV on this device)")
-        pick = self._sampler(temperature, seed)
-        moved = torch.zeros((), dtype=torch.long, device=dec.device)
+        return dec, cold
+
+    @staticmethod
+    def _torch_loop(dec, prompt, P, max_new, thermal, moved, pick, eos):
+        """The prompt's tail teacher-forced, then up to max_new tokens; the tokens and the times the
+        first token and the last one were ready. Thermal page swaps are counted into `moved`."""
+        import torch
+
+        T = len(prompt)
         slot_page = dec.attention.slot_page if thermal else None
         prev = slot_page.clone() if thermal else None
 
@@ -531,24 +568,7 @@ class ServingSession:
             nxt = pick(logits.float().cpu().numpy())
             out.append(nxt)
         sync()
-        t2 = time.perf_counter()
-        el = torch.finfo(dec.dtype).bits // 8
-        full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + max_new) * m.cfg.head_dim * el
-        detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
-        if thermal:
-            kb = dec.device_kv_bytes()
-            device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
-            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
-                          cold_store=kw["cold"], cold_on_device_bytes=kb["cold_on_device"],
-                          scheduler=dec.attention.scheduler_report(),
-                          migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
-        else:
-            device_kv = dec.kv_bytes()
-        if mech["paths"]:
-            detail["paths_channels_kept_last_step"] = dec.kept()
-        steps = len(out) - 1
-        return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
-                      device_kv, full, int(moved) if thermal else 0, detail)
+        return out, t1, time.perf_counter()
 
     # -- bundle backends: onnxruntime, tensorrt ------------------------------------------------
     def _open_bundle(self, bundle, threads, want_cfg=None, engines=None, plugin_lib=None):

@@ -279,12 +279,49 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     import torch
 
     from zeroedge import bundle as bundle_mod
-    from zeroedge import calib_artifact, plugin_spec
-    from zeroedge.export import rewrite
-
-    from zeroedge.bundle import DEFAULT_PREFILL_CHUNK
+    from zeroedge import plugin_spec
 
     step = progress or (lambda msg: None)
+    out, chunk, flavours = _checked_options(out, force, prefill_chunk, weights, flavours, cpu_kernels)
+    t_start = time.perf_counter()
+    meta, tensors, scheme, weights, paths = _read_calibration(calib, weights, group, symmetric, accuracy_level,
+                                                              zero_point)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        graphs, info, model_cfg, folder, paths_graphs = _make_graphs(model, meta, tensors, paths, calib, tmp, step,
+                                                                     scheme, cpu_kernels)
+        step("write bundle")
+        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step, flavours,
+                                                             cpu_kernels)
+        _copy_tokenizer_files(folder, tmp)
+        mf = bundle_mod.write_manifest(tmp, {
+            "opset": opsets.get("prefill"), "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
+            "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
+            "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
+            "window": int(window), "dtype": "float32", "graph_files": files,
+            "cpu_kernels": info.pop("cpu_kernels", {"kind": "stock"}),
+            "prefill": prefill_section(chunk, meta, foreign=_is_foreign_graph(model)),
+            "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved,
+                        **({"quantization": qinfo} if qinfo else {})},
+            "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
+                       "torch": torch.__version__, "onnx": onnx.__version__}})
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        return mf
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _checked_options(out, force: bool, prefill_chunk: Optional[int], weights: str, flavours, cpu_kernels: str):
+    """export_bundle's options checked before anything is read or written: (out as a Path, the
+    prefill chunk, flavours as a tuple); a UserError for the first one that does not hold."""
+    from zeroedge.bundle import DEFAULT_PREFILL_CHUNK
+
     chunk = int(prefill_chunk or DEFAULT_PREFILL_CHUNK)
     if chunk < 1:
         raise UserError(f"prefill chunk must be >= 1 (got {chunk})")
@@ -301,55 +338,51 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise UserError(f"{out} exists and is not empty (use --force to replace it)")
-    t_start = time.perf_counter()
+    return out, chunk, flavours
+
+
+def _read_calibration(calib, weights: str, group, symmetric, accuracy_level, zero_point):
+    """The artifact (if any), read before anything is written: (meta, tensors, 4-bit scheme or None,
+    the weights dtype ("int4" when a scheme applies), decode paths by layer: refused (predictor) or
+    read here)."""
+    from zeroedge import calib_artifact
+    from zeroedge.export import rewrite
+
     meta = tensors = None
     if calib is not None:
         meta, tensors = calib_artifact.load(calib)
     scheme = quant_scheme(weights, meta, group, symmetric, accuracy_level, calib, zero_point)
     if scheme is not None:
         weights = "int4"
-    # decode paths: refused (predictor) or read before anything is written
     paths = rewrite.paths_from_artifact(meta, tensors) if meta else {}
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        if isinstance(model, str) and model.endswith(".onnx"):
-            if cpu_kernels != "stock":
-                raise UserError("cpu kernels zeroedge: for zeroedge's own export of a model, not a foreign .onnx graph")
-            graphs, info, model_cfg, folder = _foreign_graphs(model, meta, tensors, bool(paths), step)
-            paths_graphs = []
-        else:
-            graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step,
-                                                            fold_awq=scheme is not None and scheme.method == "awq",
-                                                            ort_kernels=cpu_kernels == "zeroedge")
-            paths_graphs = ["decode"] if paths else []
-        step("write bundle")
-        files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step, flavours,
-                                                             cpu_kernels)
-        if folder is not None:
-            for f in TOKENIZER_FILES:
-                if (Path(folder) / f).is_file():
-                    shutil.copy2(Path(folder) / f, tmp / f)
-        mf = bundle_mod.write_manifest(tmp, {
-            "opset": opsets.get("prefill"), "target": target, "plugin_abi": plugin_spec.PLUGIN_ABI,
-            "plugin_namespace": plugin_spec.PLUGIN_NAMESPACE, "plugin_version": plugin_spec.PLUGIN_VERSION,
-            "model": model_cfg, "calibration": calibration_summary(meta, calib, paths, paths_graphs),
-            "window": int(window), "dtype": "float32", "graph_files": files,
-            "cpu_kernels": info.pop("cpu_kernels", {"kind": "stock"}),
-            "prefill": prefill_section(chunk, meta, foreign=isinstance(model, str) and model.endswith(".onnx")),
-            "weights": {"dtype": weights, "params": int(params or 0), "tensors_fp16": halved,
-                        **({"quantization": qinfo} if qinfo else {})},
-            "export": {**info, "seconds": round(time.perf_counter() - t_start, 2),
-                       "torch": torch.__version__, "onnx": onnx.__version__}})
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return mf
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return meta, tensors, scheme, weights, paths
+
+
+def _is_foreign_graph(model) -> bool:
+    """MODEL names a foreign .onnx graph to rewrite (not a model zeroedge exports itself)."""
+    return isinstance(model, str) and model.endswith(".onnx")
+
+
+def _make_graphs(model, meta, tensors, paths: dict, calib, tmp: Path, step, scheme, cpu_kernels: str):
+    """The graphs to write, from a foreign .onnx graph (_foreign_graphs) or a model zeroedge exports
+    (_model_graphs): (graphs, info, model config, tokenizer folder or None, graphs carrying the decode
+    paths)."""
+    if _is_foreign_graph(model):
+        if cpu_kernels != "stock":
+            raise UserError("cpu kernels zeroedge: for zeroedge's own export of a model, not a foreign .onnx graph")
+        return (*_foreign_graphs(model, meta, tensors, bool(paths), step), [])
+    graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step,
+                                                    fold_awq=scheme is not None and scheme.method == "awq",
+                                                    ort_kernels=cpu_kernels == "zeroedge")
+    return graphs, info, model_cfg, folder, ["decode"] if paths else []
+
+
+def _copy_tokenizer_files(folder, tmp: Path):
+    """The model folder's tokenizer files (TOKENIZER_FILES it has) into the bundle."""
+    if folder is not None:
+        for f in TOKENIZER_FILES:
+            if (Path(folder) / f).is_file():
+                shutil.copy2(Path(folder) / f, tmp / f)
 
 
 def prefill_section(chunk: int, meta: Optional[dict], foreign: bool = False) -> dict:

@@ -45,47 +45,12 @@ OPSET = 18
 
 
 def _wrappers():
-    import torch
+    """The two torch modules the graphs are exported from: (Prefill, Decode). Defined here so that
+    torch is imported only when a graph is exported; their forwards are _prefill_forward and
+    _decode_forward."""
     from torch import nn
 
-    from zeroedge.model import apply_rope, rope_basis, rope_matrix
-
-    def layer_attn(blk, x, cos, sin):
-        """The attention's input side (zeroedge.model.Attention.project): a, q, k, v, query heads."""
-        a = blk.self_attn
-        q, k, v = a.project(x, cos, sin)
-        return a, q, k, v, a.q_proj.out_features // a.cfg.head_dim   # a Python int, also when traced
-
-    def grouped_qkv_weights(module, model):
-        """q / k / v as one product on their weights side by side, grouped per kv head: for each kv
-        head its g query heads, its key and its value. Registered on the wrapper (buffers qkv_w{i},
-        qkv_b{i}: initializers of the graph) for each layer that keeps all its heads; the prefill and
-        decode graphs read the same bytes (stored once), and the decode step splits q, k and v without
-        reshaping each. The quantizer sees one linear layer: each column is the same dot product as
-        in q_proj / k_proj / v_proj."""
-        hd, nkv = model.cfg.head_dim, model.cfg.n_kv_heads
-        g = model.cfg.n_heads // nkv
-        for li, blk in enumerate(model.layers):
-            a = blk.self_attn
-            if a.kept_heads.numel() != model.cfg.n_heads:
-                continue
-            parts = [(a.q_proj, g), (a.k_proj, 1), (a.v_proj, 1)]
-            with torch.no_grad():
-                w = torch.cat([p.weight.view(nkv, n, hd, -1) for p, n in parts], 1).flatten(0, 2)
-                module.register_buffer(f"qkv_w{li}", w.t().contiguous())          # [D, Hkv (g + 2) hd]
-                if a.q_proj.bias is not None:
-                    module.register_buffer(f"qkv_b{li}", torch.cat([p.bias.view(nkv, n, hd) for p, n in parts],
-                                                                   1).flatten())
-
-    def grouped_qkv(module, li, x):
-        """(..., D) -> (..., Hkv (g + 2) hd) through layer li's grouped weights (grouped_qkv_weights)."""
-        y = x @ getattr(module, f"qkv_w{li}")
-        return y + getattr(module, f"qkv_b{li}") if hasattr(module, f"qkv_b{li}") else y
-
-    def _lm_head(m, x):
-        """(B, D) -> (B, 1, V) as Gemm(transB=1) on the [V, D] weight itself, so a tied lm_head
-        shares its bytes with the embedding in the bundle's weight file."""
-        return torch.nn.functional.linear(m.norm(x), m.lm_head.weight)[:, None, :]
+    from zeroedge.model import rope_basis
 
     class Prefill(nn.Module):
         def __init__(self, model):
@@ -95,52 +60,7 @@ def _wrappers():
             grouped_qkv_weights(self, model)
 
         def forward(self, tokens, *prefix):
-            m, cfg = self.m, self.cfg
-            B, T = tokens.shape
-            hd, nkv = cfg.head_dim, cfg.n_kv_heads
-            P = prefix[0].shape[1]                       # tokens before this chunk
-            pos = torch.arange(T, dtype=torch.float32) + P
-            f = pos[:, None] * m.inv_freq[None, :]
-            emb = torch.cat((f, f), dim=-1)
-            cos, sin = emb.cos(), emb.sin()
-            causal = torch.arange(P + T)[None, :] <= (torch.arange(T) + P)[:, None]   # (T, P+T)
-            neg = torch.where(causal, 0.0, float("-inf"))
-            x = m.embed_tokens(tokens)
-            ks, vs, masses = [], [], []
-            for li, blk in enumerate(m.layers):
-                xn = blk.input_layernorm(x)
-                if blk.self_attn.kept_heads.numel() == cfg.n_heads:
-                    a, h = blk.self_attn, cfg.n_heads
-                    qkv = grouped_qkv(self, li, xn).view(B, T, nkv, h // nkv + 2, hd)
-                    q, k, v = qkv.split([h // nkv, 1, 1], 3)
-                    q = apply_rope(q.flatten(2, 3).transpose(1, 2), cos, sin)
-                    k = apply_rope(k.squeeze(3).transpose(1, 2), cos, sin)
-                    v = v.squeeze(3).transpose(1, 2)
-                else:
-                    a, q, k, v, h = layer_attn(blk, xn, cos, sin)
-                ks.append(k)
-                vs.append(v)
-                k = torch.cat((prefix[2 * li].transpose(1, 2), k), 2)          # (B, Hkv, P+T, hd)
-                v = torch.cat((prefix[2 * li + 1].transpose(1, 2), v), 2)
-                S = k.shape[2]
-                group = cfg.n_heads // nkv
-                if h == cfg.n_heads:      # no pruning: grouped view, K/V are not copied
-                    qg = q.reshape(B, nkv, group * T, hd)
-                    s = (qg @ k.transpose(-1, -2)).view(B, nkv, group, T, S) * (1.0 / math.sqrt(hd)) + neg
-                    p = s.softmax(-1)
-                    masses.append(p.sum(3).mean((1, 2)))                 # (B, P+T)
-                    out = (p.view(B, nkv, group * T, S) @ v).view(B, h, T, hd)
-                else:
-                    kv_index = a.kept_heads // group
-                    kk, vv = k.index_select(1, kv_index), v.index_select(1, kv_index)
-                    s = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + neg
-                    p = s.softmax(-1)                                    # (B, h, T, P+T)
-                    masses.append(p.sum(2).mean(1))                      # (B, P+T)
-                    out = p @ vv
-                out = out.transpose(1, 2).reshape(B, T, h * hd)
-                x = x + a.o_proj(out)
-                x = x + blk.mlp(blk.post_attention_layernorm(x))
-            return (_lm_head(m, x[:, -1]), *[t for kv in zip(ks, vs) for t in kv], torch.stack(masses, 1))
+            return _prefill_forward(self, tokens, prefix)
 
     class Decode(nn.Module):
         def __init__(self, model, ort_kernels: bool = False):
@@ -154,63 +74,215 @@ def _wrappers():
             self.register_buffer("rope_r", r)
 
         def forward(self, tokens, pos, slot_pos, *past):
-            """Written for a short graph (~37 onnxruntime nodes a layer, was ~88): the batch is traced as
-            -1 (no shape arithmetic), q / k / v come from one product grouped per kv head (grouped_qkv),
-            q and k are rotated together by one rotation matrix for the step (model.rope_matrix), the
-            new token's own score is one more product, and each layer's mass is one product that one
-            Concat stacks."""
-            m, cfg = self.m, self.cfg
-            hd, nkv = cfg.head_dim, cfg.n_kv_heads
-            group = cfg.n_heads // nkv
-            scale = 1.0 / math.sqrt(hd)
-            f = pos.float()[:, None] * m.inv_freq[None, :]               # (B, hd/2)
-            emb = torch.cat((f, f), dim=-1)[:, None, :]                  # (B, 1, hd)
-            rot = rope_matrix(emb.cos(), emb.sin(), (self.rope_eye, self.rope_r))   # (B, 1, hd, hd)
-            neg = torch.where(slot_pos >= 0, 0.0, float("-inf"))[:, None, None, :]  # (B,1,1,S)
-            S = slot_pos.shape[1]
-            x = m.embed_tokens(tokens[:, 0])                                # (B, D): 2-D all the way
-            news, masses = [], []
-            for li, blk in enumerate(m.layers):
-                pk, pv = past[2 * li], past[2 * li + 1]
-                a = blk.self_attn
-                h = a.q_proj.out_features // hd                          # a Python int, also when traced
-                xn = blk.input_layernorm(x)
-                if h == cfg.n_heads and self.window_attention is not None:   # zeroedge.ort: one node
-                    out, k, v, mass = self.window_attention.apply(grouped_qkv(self, li, xn), rot, pk, pv, neg,
-                                                                  nkv, scale)
-                elif h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
-                    qkv = grouped_qkv(self, li, xn).reshape(-1, nkv, group + 2, hd)
-                    qk, v = qkv.split([group + 1, 1], 2)                 # (B, Hkv, g + 1, hd), (B, Hkv, 1, hd)
-                    qg, k = (qk @ rot).split([group, 1], 2)              # (B, Hkv, g, hd), (B, Hkv, 1, hd)
-                    # the window as the left operand: a long A and a 3-column B run ~20 % faster in
-                    # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots); the
-                    # 1/sqrt(hd) on both score products (onnxruntime folds it into them as alpha)
-                    s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
-                    s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
-                    p = torch.cat((s_old, s_new), -1).softmax(-1)
-                    p_old, p_new = p[..., :-1], p[..., -1:]
-                    out = (p_old.to(pv.dtype) @ pv).float() + p_new * v  # (B, Hkv, g, hd)
-                    mass = None
-                else:
-                    q, k, v = a.project(xn, None, None, (rot * scale, rot))
-                    kv_index = a.kept_heads // group
-                    kk, vv = pk.index_select(1, kv_index), pv.index_select(1, kv_index)
-                    kn, vn = k.index_select(1, kv_index), v.index_select(1, kv_index)
-                    s_old = q @ kk.float().transpose(-1, -2) + neg       # (B, h, 1, S); K fp16 with ortops
-                    s_new = q @ kn.transpose(-1, -2)                     # (B, h, 1, 1)
-                    p = torch.cat((s_old, s_new), -1).softmax(-1)
-                    p_old, p_new = p[..., :-1], p[..., -1:]
-                    out = (p_old.to(vv.dtype) @ vv).float() + p_new * vn  # (B, h, 1, hd)
-                    mass = None
-                # the mean over the query heads as a product: onnxruntime's ReduceMean over the
-                # head axes takes ~10 us a layer at 2K slots, this ~1 us
-                masses.append(mass if mass is not None else torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S))
-                news += [k, v]
-                x = x + a.o_proj(out if out.dim() == 2 else out.reshape(-1, h * hd))
-                x = x + blk.mlp(blk.post_attention_layernorm(x))
-            return (_lm_head(m, x), *news, torch.cat(masses, 1))
+            return _decode_forward(self, tokens, pos, slot_pos, past)
 
     return Prefill, Decode
+
+
+def _layer_attn(blk, x, cos, sin):
+    """The attention's input side (zeroedge.model.Attention.project): a, q, k, v, query heads."""
+    a = blk.self_attn
+    q, k, v = a.project(x, cos, sin)
+    return a, q, k, v, a.q_proj.out_features // a.cfg.head_dim   # a Python int, also when traced
+
+
+def grouped_qkv_weights(module, model):
+    """q / k / v as one product on their weights side by side, grouped per kv head: for each kv
+    head its g query heads, its key and its value. Registered on the wrapper (buffers qkv_w{i},
+    qkv_b{i}: initializers of the graph) for each layer that keeps all its heads; the prefill and
+    decode graphs read the same bytes (stored once), and the decode step splits q, k and v without
+    reshaping each. The quantizer sees one linear layer: each column is the same dot product as
+    in q_proj / k_proj / v_proj."""
+    import torch
+
+    hd, nkv = model.cfg.head_dim, model.cfg.n_kv_heads
+    g = model.cfg.n_heads // nkv
+    for li, blk in enumerate(model.layers):
+        a = blk.self_attn
+        if a.kept_heads.numel() != model.cfg.n_heads:
+            continue
+        parts = [(a.q_proj, g), (a.k_proj, 1), (a.v_proj, 1)]
+        with torch.no_grad():
+            w = torch.cat([p.weight.view(nkv, n, hd, -1) for p, n in parts], 1).flatten(0, 2)
+            module.register_buffer(f"qkv_w{li}", w.t().contiguous())          # [D, Hkv (g + 2) hd]
+            if a.q_proj.bias is not None:
+                module.register_buffer(f"qkv_b{li}", torch.cat([p.bias.view(nkv, n, hd) for p, n in parts],
+                                                               1).flatten())
+
+
+def grouped_qkv(module, li, x):
+    """(..., D) -> (..., Hkv (g + 2) hd) through layer li's grouped weights (grouped_qkv_weights)."""
+    y = x @ getattr(module, f"qkv_w{li}")
+    return y + getattr(module, f"qkv_b{li}") if hasattr(module, f"qkv_b{li}") else y
+
+
+def _lm_head(m, x):
+    """(B, D) -> (B, 1, V) as Gemm(transB=1) on the [V, D] weight itself, so a tied lm_head
+    shares its bytes with the embedding in the bundle's weight file."""
+    import torch
+
+    return torch.nn.functional.linear(m.norm(x), m.lm_head.weight)[:, None, :]
+
+
+def _prefill_forward(module, tokens, prefix):
+    """Prefill.forward: logits of the last position, each layer's new K / V, the attention mass."""
+    import torch
+
+    m, cfg = module.m, module.cfg
+    B, T = tokens.shape
+    P = prefix[0].shape[1]                       # tokens before this chunk
+    pos = torch.arange(T, dtype=torch.float32) + P
+    f = pos[:, None] * m.inv_freq[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    causal = torch.arange(P + T)[None, :] <= (torch.arange(T) + P)[:, None]   # (T, P+T)
+    neg = torch.where(causal, 0.0, float("-inf"))
+    x = m.embed_tokens(tokens)
+    ks, vs, masses = [], [], []
+    for li, blk in enumerate(m.layers):
+        xn = blk.input_layernorm(x)
+        a, q, k, v, h = _prefill_qkv(module, li, blk, xn, (B, T), cos, sin)
+        ks.append(k)
+        vs.append(v)
+        k = torch.cat((prefix[2 * li].transpose(1, 2), k), 2)          # (B, Hkv, P+T, hd)
+        v = torch.cat((prefix[2 * li + 1].transpose(1, 2), v), 2)
+        out, mass = _prefill_attention(a, q, k, v, h, neg, cfg, (B, T))
+        masses.append(mass)                                            # (B, P+T)
+        out = out.transpose(1, 2).reshape(B, T, h * cfg.head_dim)
+        x = x + a.o_proj(out)
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    return (_lm_head(m, x[:, -1]), *[t for kv in zip(ks, vs) for t in kv], torch.stack(masses, 1))
+
+
+def _prefill_qkv(module, li, blk, xn, bt, cos, sin):
+    """Layer li's (attention, q, k, v, query heads) for the prefill, q and k rotated: from the grouped
+    product (grouped_qkv) when the layer keeps all its heads, else from its own projections. bt: the
+    forward's (B, T), read once from the tokens' shape (each shape read is a node when traced)."""
+    from zeroedge.model import apply_rope
+
+    cfg = module.cfg
+    if blk.self_attn.kept_heads.numel() != cfg.n_heads:
+        return _layer_attn(blk, xn, cos, sin)
+    B, T = bt
+    hd, nkv = cfg.head_dim, cfg.n_kv_heads
+    a, h = blk.self_attn, cfg.n_heads
+    qkv = grouped_qkv(module, li, xn).view(B, T, nkv, h // nkv + 2, hd)
+    q, k, v = qkv.split([h // nkv, 1, 1], 3)
+    q = apply_rope(q.flatten(2, 3).transpose(1, 2), cos, sin)
+    k = apply_rope(k.squeeze(3).transpose(1, 2), cos, sin)
+    v = v.squeeze(3).transpose(1, 2)
+    return a, q, k, v, h
+
+
+def _prefill_attention(a, q, k, v, h, neg, cfg, bt):
+    """One layer's prefill attention over the prefix and the chunk (k, v: (B, Hkv, P+T, hd)):
+    (out (B, h, T, hd), the mass each key received, averaged over the query heads (B, P+T))."""
+    (B, T), S = bt, k.shape[2]
+    hd, nkv = cfg.head_dim, cfg.n_kv_heads
+    group = cfg.n_heads // nkv
+    if h == cfg.n_heads:      # no pruning: grouped view, K/V are not copied
+        qg = q.reshape(B, nkv, group * T, hd)
+        s = (qg @ k.transpose(-1, -2)).view(B, nkv, group, T, S) * (1.0 / math.sqrt(hd)) + neg
+        p = s.softmax(-1)
+        mass = p.sum(3).mean((1, 2))
+        return (p.view(B, nkv, group * T, S) @ v).view(B, h, T, hd), mass
+    kv_index = a.kept_heads // group
+    kk, vv = k.index_select(1, kv_index), v.index_select(1, kv_index)
+    s = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + neg
+    p = s.softmax(-1)                                    # (B, h, T, P+T)
+    mass = p.sum(2).mean(1)
+    return p @ vv, mass
+
+
+def _decode_forward(module, tokens, pos, slot_pos, past):
+    """Decode.forward. Written for a short graph (~37 onnxruntime nodes a layer, was ~88): the batch is
+    traced as -1 (no shape arithmetic), q / k / v come from one product grouped per kv head
+    (grouped_qkv), q and k are rotated together by one rotation matrix for the step
+    (model.rope_matrix), the new token's own score is one more product, and each layer's mass is one
+    product that one Concat stacks."""
+    import torch
+
+    from zeroedge.model import rope_matrix
+
+    m, cfg = module.m, module.cfg
+    hd = cfg.head_dim
+    f = pos.float()[:, None] * m.inv_freq[None, :]               # (B, hd/2)
+    emb = torch.cat((f, f), dim=-1)[:, None, :]                  # (B, 1, hd)
+    rot = rope_matrix(emb.cos(), emb.sin(), (module.rope_eye, module.rope_r))   # (B, 1, hd, hd)
+    neg = torch.where(slot_pos >= 0, 0.0, float("-inf"))[:, None, None, :]  # (B,1,1,S)
+    S = slot_pos.shape[1]
+    x = m.embed_tokens(tokens[:, 0])                                # (B, D): 2-D all the way
+    news, masses = [], []
+    for li, blk in enumerate(m.layers):
+        pk, pv = past[2 * li], past[2 * li + 1]
+        a = blk.self_attn
+        h = a.q_proj.out_features // hd                          # a Python int, also when traced
+        xn = blk.input_layernorm(x)
+        out, k, v, mass = _decode_attention(module, li, a, h, xn, rot, (pk, pv), neg, S)
+        masses.append(mass)
+        news += [k, v]
+        x = x + a.o_proj(out if out.dim() == 2 else out.reshape(-1, h * hd))
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+    return (_lm_head(m, x), *news, torch.cat(masses, 1))
+
+
+def _decode_attention(module, li, a, h, xn, rot, window, neg, S):
+    """Layer li's attention (a, with h query heads) for the decode step over the window (past K,
+    past V) and the new token: (out, new k, new v, mass each slot received)."""
+    import torch
+
+    cfg = module.cfg
+    nkv, scale = cfg.n_kv_heads, 1.0 / math.sqrt(cfg.head_dim)
+    pk, pv = window
+    if h == cfg.n_heads and module.window_attention is not None:   # zeroedge.ort: one node
+        return module.window_attention.apply(grouped_qkv(module, li, xn), rot, pk, pv, neg, nkv, scale)
+    if h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
+        out, k, v, p_old = _decode_grouped_attention(grouped_qkv(module, li, xn), rot, pk, pv, neg, cfg, scale)
+    else:
+        out, k, v, p_old = _decode_pruned_attention(a, xn, rot, pk, pv, neg, cfg, scale)
+    # the mean over the query heads as a product: onnxruntime's ReduceMean over the
+    # head axes takes ~10 us a layer at 2K slots, this ~1 us
+    return out, k, v, torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S)
+
+
+def _decode_grouped_attention(qkv, rot, pk, pv, neg, cfg, scale):
+    """The decode attention of a layer that keeps all its heads, on the grouped q / k / v product
+    (grouped_qkv) and a grouped view of the window (no copy): (out, k, v, p_old)."""
+    nkv, hd = cfg.n_kv_heads, cfg.head_dim
+    group = cfg.n_heads // nkv
+    qkv = qkv.reshape(-1, nkv, group + 2, hd)
+    qk, v = qkv.split([group + 1, 1], 2)                 # (B, Hkv, g + 1, hd), (B, Hkv, 1, hd)
+    qg, k = (qk @ rot).split([group, 1], 2)              # (B, Hkv, g, hd), (B, Hkv, 1, hd)
+    # the window as the left operand: a long A and a 3-column B run ~20 % faster in
+    # onnxruntime's CPU GEMM than the transposed window as B (SmolLM2, 2K slots); the
+    # 1/sqrt(hd) on both score products (onnxruntime folds it into them as alpha)
+    s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
+    s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
+    out, p_old = _attend_window_and_new(s_old, s_new, pv, v)   # (B, Hkv, g, hd)
+    return out, k, v, p_old
+
+
+def _decode_pruned_attention(a, xn, rot, pk, pv, neg, cfg, scale):
+    """The decode attention of a layer with pruned heads: its own projections, each kept query head
+    reading its kv head's rows of the window: (out, k, v, p_old)."""
+    q, k, v = a.project(xn, None, None, (rot * scale, rot))
+    kv_index = a.kept_heads // (cfg.n_heads // cfg.n_kv_heads)
+    kk, vv = pk.index_select(1, kv_index), pv.index_select(1, kv_index)
+    kn, vn = k.index_select(1, kv_index), v.index_select(1, kv_index)
+    s_old = q @ kk.float().transpose(-1, -2) + neg       # (B, h, 1, S); K fp16 with ortops
+    s_new = q @ kn.transpose(-1, -2)                     # (B, h, 1, 1)
+    out, p_old = _attend_window_and_new(s_old, s_new, vv, vn)   # (B, h, 1, hd)
+    return out, k, v, p_old
+
+
+def _attend_window_and_new(s_old, s_new, values, v_new):
+    """Softmax over the window's scores and the new token's own: (the weighted sum of the window's
+    values, in their dtype, and the new value; the window's share p_old)."""
+    import torch
+
+    p = torch.cat((s_old, s_new), -1).softmax(-1)
+    p_old, p_new = p[..., :-1], p[..., -1:]
+    return (p_old.to(values.dtype) @ values).float() + p_new * v_new, p_old
 
 
 def window_attention_op():

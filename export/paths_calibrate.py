@@ -25,6 +25,7 @@ returned (the caller writes nothing): dense is never passed off as sparse.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -96,14 +97,8 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
 
     cfg = cfg or PathsConfig()
     log = log or cfg.log
-    if not (budget > 0):
-        raise PathBudgetError(f"budget {budget} cannot be met: it must be > 0")
-    if cfg.method not in ("predictor", "magnitude"):
-        raise ValueError(f"unknown paths method {cfg.method}")
-    if cfg.costs not in ("first_order", "measured"):
-        raise ValueError(f"unknown cost kind {cfg.costs}")
+    _check_request(budget, cfg)
     t0 = time.time()
-    D, Fdim = model.cfg.dim, model.cfg.ffn_dim
     train, held = split(token_lists, cfg.seq_len, cfg.train_seqs, cfg.gate_seqs)
     if not train or not held:
         raise ValueError(f"calibration text too short for {cfg.seq_len}-token sequences")
@@ -111,25 +106,68 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
     preds, thr, thr_in, cost = _settings(model, X, Y, G, cfg)
     del X, Y, G
     pw = preds[0].weights() if preds else 0
-    mid = len(cfg.keeps) // 2
-    log(f"[paths] {cfg.method}: {'rank-%d predictors, %d weights each (%.1f%% of a layer FFN); ' % (cfg.rank, pw, 100 * pw / (3 * D * Fdim)) if preds else ''}"
-        f"first-order cost at keep {cfg.keeps[mid]}: min {min(c[mid] for c in cost.values()):.4f} "
-        f"max {max(c[mid] for c in cost.values()):.4f}")
-
-    def policies(chosen):
-        out = {}
-        for i, k in chosen.items():
-            if cfg.method == "magnitude":
-                out[i] = PathPolicy(method="magnitude", threshold_in=thr_in[i][k], threshold=thr[i][k])
-                continue
-            p = preds[i]
-            out[i] = PathPolicy(method="predictor",
-                                predictor=PathPredictor(p.a, p.bg, p.bu, p.wd_norm, thr[i][k]))
-        return out
-
+    log(_settings_summary(model, cfg, preds, cost, pw))
+    policies = functools.partial(_policies, cfg, preds, thr, thr_in)   # chosen -> {layer: PathPolicy}
     rt = PathRuntime()
     if cfg.costs == "measured":
         cost = _measured_costs(model, train[: max(1, cfg.measured_seqs)], policies, rt, len(cfg.keeps), log)
+    dense = heldout_ppl_all(model, held)
+    log(f"[paths] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens, every token)")
+    chosen, ppl, b = _gate_search(model, held, cost, cfg, pw, policies, rt, budget, dense, log)
+    pol = policies(chosen)
+    meta, tensors = _paths_artifact(model, cfg, pol, chosen, pw, b)
+    meta["quality"] = {"budget": budget, "dense_ppl": dense, "paths_ppl": ppl, "ppl_rise": ppl / dense - 1,
+                       "ffn_bytes_skipped": b["ffn_bytes_skipped"], "channels_kept": b["channels_kept"],
+                       "heldout_tokens": len(held) * (cfg.seq_len - 1),
+                       "protocol": "every token teacher-forced with the paths on"}
+    meta["budget"] = budget
+    meta["seconds"] = round(time.time() - t0, 1)
+    log(f"[paths] chosen: {len(pol)} sparse layers, held-out ppl {dense:.4f} -> {ppl:.4f} "
+        f"({ppl / dense - 1:+.2%}, budget {budget:.2%}), FFN bytes skipped "
+        f"{b['ffn_bytes_skipped']:.1%}")
+    return meta, tensors
+
+
+def _check_request(budget: float, cfg: PathsConfig):
+    """calibrate_paths' budget (PathBudgetError unless > 0) and cfg's method and cost kind
+    (ValueError), checked before any work."""
+    if not (budget > 0):
+        raise PathBudgetError(f"budget {budget} cannot be met: it must be > 0")
+    if cfg.method not in ("predictor", "magnitude"):
+        raise ValueError(f"unknown paths method {cfg.method}")
+    if cfg.costs not in ("first_order", "measured"):
+        raise ValueError(f"unknown cost kind {cfg.costs}")
+
+
+def _settings_summary(model, cfg: PathsConfig, preds: dict, cost: dict, pw: int) -> str:
+    """The log line after the per-layer settings: the predictors' size (method "predictor") and the
+    spread of the first-order costs at the middle kept fraction."""
+    D, Fdim = model.cfg.dim, model.cfg.ffn_dim
+    mid = len(cfg.keeps) // 2
+    return (f"[paths] {cfg.method}: {'rank-%d predictors, %d weights each (%.1f%% of a layer FFN); ' % (cfg.rank, pw, 100 * pw / (3 * D * Fdim)) if preds else ''}"
+            f"first-order cost at keep {cfg.keeps[mid]}: min {min(c[mid] for c in cost.values()):.4f} "
+            f"max {max(c[mid] for c in cost.values()):.4f}")
+
+
+def _policies(cfg: PathsConfig, preds: dict, thr: dict, thr_in: dict, chosen: dict) -> dict:
+    """layer -> PathPolicy for `chosen` (layer -> index of its kept fraction in cfg.keeps)."""
+    out = {}
+    for i, k in chosen.items():
+        if cfg.method == "magnitude":
+            out[i] = PathPolicy(method="magnitude", threshold_in=thr_in[i][k], threshold=thr[i][k])
+            continue
+        p = preds[i]
+        out[i] = PathPolicy(method="predictor",
+                            predictor=PathPredictor(p.a, p.bg, p.bu, p.wd_norm, thr[i][k]))
+    return out
+
+
+def _gate_search(model, held, cost: dict, cfg: PathsConfig, pw: int, policies, rt: PathRuntime, budget: float,
+                 dense: float, log) -> tuple:
+    """The shared gate search (export.gate) against the held-out perplexity `dense` * (1 + budget):
+    (chosen, its held-out ppl, its bytes_summary). PathBudgetError when even the mildest setting
+    breaks the budget."""
+    D, Fdim = model.cfg.dim, model.cfg.ffn_dim
 
     def measure(chosen):
         install(model, policies(chosen), rt)
@@ -145,30 +183,16 @@ def calibrate_paths(model, token_lists, budget: float, log=print, cfg: PathsConf
         log(f"[paths] gate step {step}: scale {scale:.3g} -> held-out ppl {ppl:.4f} "
             f"({ppl / dense - 1:+.2%}), FFN bytes skipped {skipped:.1%} {'ok' if ok else 'over budget'}")
 
-    dense = heldout_ppl_all(model, held)
-    log(f"[paths] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens, every token)")
     # a step of a layer saves 1 - keep of its FFN weights (the predictor reads its own weights too)
     gains = [1 - cfg.keeps[k] if cfg.method == "magnitude" else 1 - read_fraction("predictor", cfg.keeps[k], D, Fdim, pw)
              for k in range(len(cfg.keeps))]
     try:  # the mildest candidate is one layer at one step
-        chosen, ppl, b = gate.search(cost, gains, measure, dense * (1 + budget), cfg.search_steps, step_log)
+        return gate.search(cost, gains, measure, dense * (1 + budget), cfg.search_steps, step_log)
     except gate.GateError as e:
         raise PathBudgetError(
             f"budget {budget:.2%} cannot be met: the mildest path setting "
             f"({e.result['ffn_bytes_skipped']:.1%} FFN bytes skipped) costs "
             f"{e.ppl / dense - 1:+.2%} held-out perplexity") from None
-    pol = policies(chosen)
-    meta, tensors = _paths_artifact(model, cfg, pol, chosen, pw, b)
-    meta["quality"] = {"budget": budget, "dense_ppl": dense, "paths_ppl": ppl, "ppl_rise": ppl / dense - 1,
-                       "ffn_bytes_skipped": b["ffn_bytes_skipped"], "channels_kept": b["channels_kept"],
-                       "heldout_tokens": len(held) * (cfg.seq_len - 1),
-                       "protocol": "every token teacher-forced with the paths on"}
-    meta["budget"] = budget
-    meta["seconds"] = round(time.time() - t0, 1)
-    log(f"[paths] chosen: {len(pol)} sparse layers, held-out ppl {dense:.4f} -> {ppl:.4f} "
-        f"({ppl / dense - 1:+.2%}, budget {budget:.2%}), FFN bytes skipped "
-        f"{b['ffn_bytes_skipped']:.1%}")
-    return meta, tensors
 
 
 def _settings(model, X, Y, G, cfg: PathsConfig):

@@ -362,9 +362,8 @@ def _pack_int4(q):
 def trt_from_portable(model):
     """A copy of a MatMulNBits graph for TensorRT: each MatMulNBits becomes blocked INT4
     DequantizeLinear -> Transpose -> MatMul (+ the asymmetric offset product); opset 21."""
-    import numpy as np
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -378,66 +377,11 @@ def trt_from_portable(model):
             continue
         at = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "GatherBlockQuantized" or int(at.get("bits", 4)) == 8:
-            qn = node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]
-            qn = qn[:-len("_blocks")] if qn.endswith("_blocks") else qn     # [V, D/g, g] view of [V, D]
-            drop.add(qn + "_blocks")
-            sn = node.input[2]
-            if qn not in table:
-                u8 = numpy_helper.to_array(inits[qn])
-                V = u8.shape[0]
-                s8 = (u8.reshape(V, -1).astype(np.int16) - 128).astype(np.int8)
-                g.initializer.append(numpy_helper.from_array(s8, qn + "_int8"))
-                table[qn] = qn + "_dq"
-                nodes.append(helper.make_node("DequantizeLinear", [qn + "_int8", sn], [table[qn]],
-                                              name=qn + "_DQ", axis=1, block_size=int(at["block_size"])))
-                drop.add(qn)
-            if node.op_type == "GatherBlockQuantized":
-                nodes.append(helper.make_node("Gather", [table[qn], node.input[1]], list(node.output),
-                                              name=node.name + "_Gather", axis=0))
-            else:
-                nodes.append(helper.make_node("Gemm", [node.input[0], table[qn]], list(node.output),
-                                              name=node.name + "_Gemm", transB=1))
+            nodes += _trt_int8_nodes(node, at, g, inits, table, drop)
             continue
-        K, N, bs = int(at["K"]), int(at["N"]), int(at["block_size"])
-        if int(at.get("bits", 4)) != 4:
-            raise UserError(f"{node.name}: only 4- and 8-bit MatMulNBits have a TensorRT form here")
-        x, bname, sname = node.input[0], node.input[1], node.input[2]
-        zname = node.input[3] if len(node.input) > 3 and node.input[3] else None
-        kb = -(-K // bs)
-        u = _unpack(numpy_helper.to_array(inits[bname]), N, K, bs)[:, :K]        # [N, K] in 0..15
-        qname = bname + "_int4"
-        g.initializer.append(helper.make_tensor(qname, TensorProto.INT4, [N, K],
-                                                _pack_int4(u.astype(np.int16) - 8), raw=True))
-        drop.add(bname)
-        base = node.name or bname
-        w = base + "_dq"
-        nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [w], name=base + "_DQ",
-                                      axis=1, block_size=bs))
-        nodes.append(helper.make_node("Transpose", [w], [w + "_t"], name=base + "_T", perm=[1, 0]))
-        y = node.output[0]
-        if zname is None:
-            nodes.append(helper.make_node("MatMul", [x, w + "_t"], [y], name=base + "_MatMul"))
-        else:
-            zp = numpy_helper.to_array(inits[zname]).reshape(N, -1)
-            if zp.dtype == np.uint8:                    # uint4 pairs
-                z = np.empty((N, zp.shape[1] * 2), np.uint8)
-                z[:, 0::2], z[:, 1::2] = zp & 0x0F, zp >> 4
-            else:                                       # float zero points
-                z = zp
-            s = numpy_helper.to_array(inits[sname]).reshape(N, kb).astype(np.float32)
-            drop.add(zname)
-            nodes.append(helper.make_node("MatMul", [x, w + "_t"], [y + "_sym"], name=base + "_MatMul"))
-            off, c = _offset_nodes(x, y + "_sym", y, K, N, bs, s, z, base, extra)
-            g.initializer.append(c)
-            nodes.extend(off)
+        nodes += _trt_int4_nodes(node, at, g, inits, drop, extra)
         n_done += 1
-    used = {i for n in nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name not in drop or t.name in used]
-    del g.initializer[:]
-    have = {t.name for t in keep}
-    g.initializer.extend(keep + [t for k, t in extra.items() if isinstance(k, str) and t.name not in have])
-    del g.node[:]
-    g.node.extend(nodes)
+    _trt_set_graph(g, nodes, drop, extra)
     for o in out.opset_import:
         if o.domain in ("", "ai.onnx"):
             o.version = max(o.version, TRT_OPSET)
@@ -446,6 +390,90 @@ def trt_from_portable(model):
         del out.opset_import[:]
         out.opset_import.extend(keep_ops)
     return out, n_done
+
+
+def _trt_int8_nodes(node, at: dict, g, inits: dict, table: dict, drop: set) -> list:
+    """TensorRT's form of an 8-bit MatMulNBits (LM head) or a GatherBlockQuantized (embedding) on
+    the uint8 table: one INT8 DequantizeLinear per table (made on its first reader, noted in table;
+    its INT8 copy added to g), then a Gemm(transB=1) or a Gather on it. Returns the new nodes; the
+    names of the initializers no longer read go into drop."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    nodes = []
+    qn = node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]
+    qn = qn[:-len("_blocks")] if qn.endswith("_blocks") else qn     # [V, D/g, g] view of [V, D]
+    drop.add(qn + "_blocks")
+    sn = node.input[2]
+    if qn not in table:
+        u8 = numpy_helper.to_array(inits[qn])
+        V = u8.shape[0]
+        s8 = (u8.reshape(V, -1).astype(np.int16) - 128).astype(np.int8)
+        g.initializer.append(numpy_helper.from_array(s8, qn + "_int8"))
+        table[qn] = qn + "_dq"
+        nodes.append(helper.make_node("DequantizeLinear", [qn + "_int8", sn], [table[qn]],
+                                      name=qn + "_DQ", axis=1, block_size=int(at["block_size"])))
+        drop.add(qn)
+    if node.op_type == "GatherBlockQuantized":
+        nodes.append(helper.make_node("Gather", [table[qn], node.input[1]], list(node.output),
+                                      name=node.name + "_Gather", axis=0))
+    else:
+        nodes.append(helper.make_node("Gemm", [node.input[0], table[qn]], list(node.output),
+                                      name=node.name + "_Gemm", transB=1))
+    return nodes
+
+
+def _trt_int4_nodes(node, at: dict, g, inits: dict, drop: set, extra: dict) -> list:
+    """TensorRT's form of a 4-bit MatMulNBits: signed INT4 weights (added to g) -> blocked
+    DequantizeLinear -> Transpose -> MatMul, plus the offset product (_offset_nodes) when it has
+    zero points. Returns the new nodes; the names of the initializers no longer read go into drop,
+    the offset products' shared tensors into extra."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N, bs = int(at["K"]), int(at["N"]), int(at["block_size"])
+    if int(at.get("bits", 4)) != 4:
+        raise UserError(f"{node.name}: only 4- and 8-bit MatMulNBits have a TensorRT form here")
+    x, bname, sname = node.input[0], node.input[1], node.input[2]
+    zname = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    kb = -(-K // bs)
+    u = _unpack(numpy_helper.to_array(inits[bname]), N, K, bs)[:, :K]        # [N, K] in 0..15
+    qname = bname + "_int4"
+    g.initializer.append(helper.make_tensor(qname, TensorProto.INT4, [N, K],
+                                            _pack_int4(u.astype(np.int16) - 8), raw=True))
+    drop.add(bname)
+    base = node.name or bname
+    w = base + "_dq"
+    nodes = [helper.make_node("DequantizeLinear", [qname, sname], [w], name=base + "_DQ", axis=1, block_size=bs),
+             helper.make_node("Transpose", [w], [w + "_t"], name=base + "_T", perm=[1, 0])]
+    y = node.output[0]
+    if zname is None:
+        nodes.append(helper.make_node("MatMul", [x, w + "_t"], [y], name=base + "_MatMul"))
+        return nodes
+    zp = numpy_helper.to_array(inits[zname]).reshape(N, -1)
+    if zp.dtype == np.uint8:                    # uint4 pairs
+        z = np.empty((N, zp.shape[1] * 2), np.uint8)
+        z[:, 0::2], z[:, 1::2] = zp & 0x0F, zp >> 4
+    else:                                       # float zero points
+        z = zp
+    s = numpy_helper.to_array(inits[sname]).reshape(N, kb).astype(np.float32)
+    drop.add(zname)
+    nodes.append(helper.make_node("MatMul", [x, w + "_t"], [y + "_sym"], name=base + "_MatMul"))
+    off, c = _offset_nodes(x, y + "_sym", y, K, N, bs, s, z, base, extra)
+    g.initializer.append(c)
+    return nodes + off
+
+
+def _trt_set_graph(g, nodes: list, drop: set, extra: dict):
+    """g's nodes replaced by nodes; its initializers: those not dropped (or still read), then the
+    offset products' shared tensors (extra's string keys) not already there."""
+    used = {i for n in nodes for i in n.input}
+    keep = [t for t in g.initializer if t.name not in drop or t.name in used]
+    del g.initializer[:]
+    have = {t.name for t in keep}
+    g.initializer.extend(keep + [t for k, t in extra.items() if isinstance(k, str) and t.name not in have])
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def _bits(node) -> int:

@@ -2,7 +2,8 @@
 
 Each fake device is a real sshd (Debian openssh-server, temporary host key, authorized_keys) whose
 sessions get ZEROEDGE_DEVICE_ROOT=<fake root> and a PATH starting with the root's stub bin/ (the
-hardware/OS boundary): `systemctl` and `journalctl` stubs that record calls and run the unit's
+hardware/OS boundary; set by a ForceCommand, after the login shell's rc files, so a host whose
+~/.bashrc puts its own python3 first, e.g. pyenv's shims, does not leak into the device): `systemctl` and `journalctl` stubs that record calls and run the unit's
 ExecStart (from the installed unit + drop-in) as a background process, and `python3` = this Python
 (which has onnxruntime, paho and prometheus-client, as a prepared Jetson would). The fake root has
 /etc/nv_tegra_release, /proc/device-tree and /proc/meminfo. The client side is a temporary HOME
@@ -33,6 +34,7 @@ import pytest
 from conftest import REPO
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"     # Debian's openssh-server depends on it
 NV_RELEASE = "# R36 (release), REVISION: {rev}, GCID: 38968081, BOARD: generic, EABI: aarch64, DATE: Wed Jan  8 01:49:37 UTC 2025\n"
 STUB_SYSTEMCTL = r'''#!{python}
 """Stub systemctl at the device boundary: records calls; start/restart runs the unit's ExecStart
@@ -194,8 +196,9 @@ class FakeDevice:
             PasswordAuthentication no
             KbdInteractiveAuthentication no
             PermitRootLogin prohibit-password
-            Subsystem sftp internal-sftp
-            SetEnv ZEROEDGE_DEVICE_ROOT={self.root} PATH={path}
+            Subsystem sftp {SFTP_SERVER}
+            SetEnv ZEROEDGE_DEVICE_ROOT={self.root}
+            ForceCommand PATH={path} exec /bin/sh -c "$SSH_ORIGINAL_COMMAND"
             LogLevel ERROR
             """))
         self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")],

@@ -58,13 +58,41 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
         wbits=None, group="128", symmetric=False, method="awq", embedding="int8", weights_only=False,
         zero_point="int"):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
-    import json
     import sys
+
+    out = _check_args(model, texts_, output, seq_len, continuation, anchor_rank, wbits, symmetric, zero_point)
+
+    import torch
+
+    from zeroedge import calib_artifact, weights
+    from zeroedge.export.calibrate import CalibConfig
+
+    m, folder = weights.load(model)
+    lists = _token_lists(weights.tokenizer(folder), texts_, tokens, seq_len)
+    torch.manual_seed(seed)
+    cfg = CalibConfig(budget=budget, seq_len=seq_len, continuation=continuation, train_seqs=train_seqs,
+                      gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
+                      importance_samples=importance_samples, gate_steps=gate_steps,
+                      log=lambda s: print(s, file=sys.stderr))
+    wmeta, tensors = None, {}
+    if wbits:
+        wmeta, tensors = quantize_weights(m, lists, cfg, int(wbits[3:]), int(group), symmetric, method,
+                                          embedding, seed, zero_point)
+    meta = _calibrate_sections(m, lists, cfg, tensors, weights_only, with_paths, paths_costs)
+    meta["texts"] = list(texts_)
+    if wmeta is not None:
+        meta["weights"] = wmeta
+    calib_artifact.save(out, meta, tensors)
+    _echo_quality(out, meta["quality"], wmeta, budget, as_json)
+
+
+def _check_args(model, texts_, output, seq_len, continuation, anchor_rank, wbits, symmetric, zero_point):
+    """The checks that need no torch, made before anything heavy loads: a UserError at the first that
+    fails; returns the artifact's Path."""
     from pathlib import Path
 
     from zeroedge.errors import UserError
 
-    b = budget
     if continuation >= seq_len or seq_len < 64 or continuation < 1:
         raise UserError(f"--continuation ({continuation}) must be in [1, seq-len) and --seq-len >= 64")
     if anchor_rank < 0:
@@ -85,14 +113,15 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     out = Path(output)
     if out.exists() and not (out / "calib.json").is_file():
         raise UserError(f"{out} exists and is not a calibration artifact; refusing to overwrite it")
+    return out
 
-    import torch
 
-    from zeroedge import calib_artifact, texts, weights
-    from zeroedge.export.calibrate import BudgetError, CalibConfig, calibrate
+def _token_lists(tok, texts_, tokens, seq_len) -> list:
+    """The first --tokens token ids of each text; a text too short for a training and a held-out
+    sequence is a UserError."""
+    from zeroedge import texts
+    from zeroedge.errors import UserError
 
-    m, folder = weights.load(model)
-    tok = weights.tokenizer(folder)
     need = seq_len * 2  # at least one training and one held-out sequence
     lists = []
     for t in texts_:
@@ -102,15 +131,15 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
             raise UserError(f"text {t} has {len(ids)} tokens; calibration needs at least "
                             f"{need * 2} for {seq_len}-token training and held-out sequences")
         lists.append(ids)
-    torch.manual_seed(seed)
-    cfg = CalibConfig(budget=b, seq_len=seq_len, continuation=continuation, train_seqs=train_seqs,
-                      gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
-                      importance_samples=importance_samples, gate_steps=gate_steps,
-                      log=lambda s: print(s, file=sys.stderr))
-    wmeta, tensors = None, {}
-    if wbits:
-        wmeta, tensors = quantize_weights(m, lists, cfg, int(wbits[3:]), int(group), symmetric, method,
-                                          embedding, seed, zero_point)
+    return lists
+
+
+def _calibrate_sections(m, lists, cfg, tensors, weights_only, with_paths, paths_costs) -> dict:
+    """The artifact's meta: SIH/PAD (an empty section with --weights-only), then decode paths with
+    --paths; their tensors go into tensors. A budget that cannot be met is a UserError (nothing written)."""
+    from zeroedge.errors import UserError
+    from zeroedge.export.calibrate import BudgetError, calibrate
+
     budget_errors = (BudgetError,)
     if with_paths:
         from zeroedge.export.paths_calibrate import PathBudgetError, PathsConfig, calibrate_paths
@@ -126,17 +155,21 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
             tensors.update(ptensors)
         if with_paths:
             step = "decode paths"
-            pcfg = PathsConfig(seq_len=min(1024, seq_len), train_seqs=min(2, train_seqs),
-                               gate_seqs=min(2, gate_seqs), costs=paths_costs)
-            meta["paths"], ptensors = calibrate_paths(m, lists, b, log=cfg.log, cfg=pcfg)
+            pcfg = PathsConfig(seq_len=min(1024, cfg.seq_len), train_seqs=min(2, cfg.train_seqs),
+                               gate_seqs=min(2, cfg.gate_seqs), costs=paths_costs)
+            meta["paths"], ptensors = calibrate_paths(m, lists, cfg.budget, log=cfg.log, cfg=pcfg)
             tensors.update(ptensors)
     except budget_errors as e:
         raise UserError(f"{step}: {e}; nothing written (try a larger --budget)") from None
-    meta["texts"] = list(texts_)
-    if wmeta is not None:
-        meta["weights"] = wmeta
-    calib_artifact.save(out, meta, tensors)
-    q = meta["quality"]
+    return meta
+
+
+def _echo_quality(out, q, wmeta, budget, as_json):
+    """The summary: the artifact's quality q (and its weights section's, if any) as JSON or as text."""
+    import json
+
+    from zeroedge import calib_artifact
+
     wq = wmeta["quality"] if wmeta else None
     if as_json:
         click.echo(json.dumps({"artifact": str(out), **q, **({"weights": wq} if wq else {})}))
@@ -147,7 +180,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
                    f"{wq['bytes'] / 2**20:,.1f} MiB of weights ({wq['bytes_fp16'] / 2**20:,.1f} MiB as fp16)")
     if "zero_ppl" in q:
         click.echo(f"wrote {out}: held-out ppl {q['dense_ppl']:.3f} -> {q['zero_ppl']:.3f} "
-                   f"({q['ppl_rise']:+.2%}, budget {b:.2%}), prefill FFN FLOPs skipped "
+                   f"({q['ppl_rise']:+.2%}, budget {budget:.2%}), prefill FFN FLOPs skipped "
                    f"{q['ffn_flops_skipped']:.1%} net of anchors" + (" (on the quantized model)" if wq else ""))
     else:
         click.echo(f"wrote {out}")

@@ -49,9 +49,34 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
+    cap = memory_cap(device_memory, board)
+    _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap)
+    check_model(model)                                   # a missing model: refused before torch loads
+    from zeroedge.texts import check_spec
+
+    check_spec(text)
+    meta, cal = _read_calib(calib, paths)
+    m, ids = _load_tokens(model, text, ctx, offset, threads)
+    result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
+    if cap is not None:
+        result["device_memory"] = served_under(m.cfg, ctx, cap, kv_budget)
+        if result["device_memory"]["served"] == "thermal" and kv_budget is None:
+            kv_budget = result["device_memory"]["thermal_budget"]
+    if meta is not None:
+        _calib_evals(result, m, ids, calib, meta, cal, paths, ctx)
+    if kv_budget is not None:
+        _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for line in table(result, calib=calib, paths=paths):
+            click.echo(line)
+
+
+def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap):
+    """The checks of the options that need no model: a UserError at the first that fails."""
     from zeroedge.errors import UserError
 
-    cap = memory_cap(device_memory, board)
     if calib is None and kv_budget is None and cap is None:
         raise UserError("nothing to evaluate: give --calib ARTIFACT, --kv-budget F and/or --device-memory SIZE")
     if ctx <= CONTINUATION + 32:
@@ -71,10 +96,13 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
             raise UserError("--bundle and a device memory cap do not combine: the cap is the torch backend's")
         if not Path(bundle).is_dir():
             raise UserError(f"bundle not found: {bundle}")
-    check_model(model)                                   # a missing model: refused before torch loads
-    from zeroedge.texts import check_spec
 
-    check_spec(text)
+
+def _read_calib(calib, paths):
+    """(meta, Calibration) of the --calib artifact, or (None, None) without one; read before the model
+    loads so a bad artifact fails fast. --paths: the artifact must have path predictors."""
+    from zeroedge.errors import UserError
+
     meta = cal = None
     if calib is not None:
         from zeroedge import calib_artifact
@@ -85,67 +113,76 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         if meta is None:
             raise UserError("--paths needs --calib ARTIFACT (an artifact with path predictors)")
         calib_artifact.read(calib).require_paths()
+    return meta, cal
 
+
+def _stage(msg):
+    """Progress on stderr: --json keeps stdout clean."""
+    click.echo(f"[eval] {msg}", err=True)
+
+
+def _load_tokens(model, text, ctx, offset, threads):
+    """(the model, the ctx token ids of --text from --offset); torch is imported here."""
     import torch
 
     from zeroedge import texts, weights
-
-    def stage(msg):                                   # progress on stderr; --json keeps stdout clean
-        click.echo(f"[eval] {msg}", err=True)
+    from zeroedge.errors import UserError
 
     if threads:
         torch.set_num_threads(threads)
-    stage(f"loading {model}")
+    _stage(f"loading {model}")
     m, folder = weights.load(model)
     if ctx > m.cfg.max_seq_len:
         raise UserError(f"--ctx {ctx} exceeds the model's context ({m.cfg.max_seq_len})")
     tok = weights.tokenizer(folder)
     ids = texts.tokens(tok, texts.load_text(text, texts.chars_for(ctx + offset)), ctx, offset=offset,
                        what=f"text {text}")
-    result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
-    if cap is not None:
-        result["device_memory"] = served_under(m.cfg, ctx, cap, kv_budget)
-        if result["device_memory"]["served"] == "thermal" and kv_budget is None:
-            kv_budget = result["device_memory"]["thermal_budget"]
-    if cal is not None and cal.weights is not None:
-        stage(f"weights {cal.weights.describe()}: dense and quantized perplexity (2 passes)")
+    return m, ids
+
+
+def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx):
+    """The artifact's evaluations into result: its weights section first (the model stays quantized),
+    then decode paths (--paths) or SIH/PAD (skipped when an artifact with weights has no SIH layers)."""
+    if cal.weights is not None:
+        _stage(f"weights {cal.weights.describe()}: dense and quantized perplexity (2 passes)")
         result.update(weights_eval(m, ids, calib, meta))
-    if meta is not None and paths:
-        stage(f"decode paths: dense and paths perplexity over {ctx} tokens (teacher-forced)")
+    if paths:
+        _stage(f"decode paths: dense and paths perplexity over {ctx} tokens (teacher-forced)")
         from zeroedge import calib_artifact
         from zeroedge.paths.evaluate import run_eval as paths_eval
 
         calib_artifact.check_model(meta, m.cfg, calib)
         result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
                                  continuation=CONTINUATION))
-    elif meta is not None and (cal.has_sih or cal.weights is None):
-        stage(f"SIH/PAD: dense and zero passes over {ctx} tokens (4 passes)")
+    elif cal.has_sih or cal.weights is None:
+        _stage(f"SIH/PAD: dense and zero passes over {ctx} tokens (4 passes)")
         result.update({k: v for k, v in zero_eval(m, ids, calib, meta).items()
                        if not (cal.weights is not None and k == "dense_ppl")})
-    if kv_budget is not None:
-        try:
-            from zeroedge.kv.evaluate import run_eval
-        except ImportError:
-            raise UserError("thermal KV is not available in this build (zeroedge.kv missing)") from None
-        stage(f"thermal KV: full-KV prefill of {ctx - CONTINUATION} tokens, then the methods over the last "
-              f"{CONTINUATION}")
-        if bundle is not None:
-            from zeroedge.kv.evaluate import run_bundle_eval
-            from zeroedge.runtime.session import ServingSession
 
-            session = ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=m.cfg, threads=threads or None)
-            result.update(run_bundle_eval(session.runner, ids, kv_budget, CONTINUATION, page_size))
-        else:
-            from zeroedge.kv.policy import THERMAL
 
-            cold = {"cold": result["device_memory"]["cold_store"]} if cap is not None else {}
-            result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
-                                   continuation=CONTINUATION, **cold))
-    if as_json:
-        click.echo(json.dumps(result))
+def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx):
+    """Thermal KV at kv_budget into result: the torch decoder's policy (with the cold store the device
+    memory cap chose, if any), or with --bundle the bundle's onnxruntime runner's."""
+    from zeroedge.errors import UserError
+
+    try:
+        from zeroedge.kv.evaluate import run_eval
+    except ImportError:
+        raise UserError("thermal KV is not available in this build (zeroedge.kv missing)") from None
+    _stage(f"thermal KV: full-KV prefill of {ctx - CONTINUATION} tokens, then the methods over the last "
+           f"{CONTINUATION}")
+    if bundle is not None:
+        from zeroedge.kv.evaluate import run_bundle_eval
+        from zeroedge.runtime.session import ServingSession
+
+        session = ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=m.cfg, threads=threads or None)
+        result.update(run_bundle_eval(session.runner, ids, kv_budget, CONTINUATION, page_size))
     else:
-        for line in table(result, calib=calib, paths=paths):
-            click.echo(line)
+        from zeroedge.kv.policy import THERMAL
+
+        cold = {"cold": result["device_memory"]["cold_store"]} if "device_memory" in result else {}
+        result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
+                               continuation=CONTINUATION, **cold))
 
 
 def weights_eval(m, ids, calib, meta) -> dict:

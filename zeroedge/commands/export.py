@@ -54,6 +54,24 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
     per sparse layer into the decode graphs; predictor paths are refused (exit 2).
 
     A graph with no recognisable RMSNorm -> MLP pattern: a report, nothing written, exit 2."""
+    _check_args(model, calib, target, window, weights, group, symmetric, zero_point, accuracy_level, flavours,
+                cpu_kernels, sign_key)
+    mf = _export_with_progress(model, out, as_json, calib=calib, target=target, window=window, force=force,
+                               weights={"fp16": "float16", "fp32": "float32", "int4": "int4"}[weights],
+                               group=group, symmetric=symmetric, accuracy_level=accuracy_level,
+                               zero_point=zero_point, cpu_kernels=cpu_kernels,
+                               flavours=("portable", "trt") if flavours == "both" else (flavours,))
+    summary = _summary(mf, out, sign_key)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _echo_text(mf, summary, out, sign_key)
+
+
+def _check_args(model, calib, target, window, weights, group, symmetric, zero_point, accuracy_level, flavours,
+                cpu_kernels, sign_key):
+    """The checks of the arguments that need no torch, made before the export starts: a UserError at the first
+    that fails."""
     from zeroedge.errors import UserError
     from zeroedge.preflight import target_info
 
@@ -74,6 +92,11 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
         from zeroedge.bundle import load_signing_key
 
         load_signing_key(sign_key)                     # a bad key: refused before the export runs
+
+
+def _export_with_progress(model, out, as_json, **options) -> dict:
+    """export_bundle(model, out, **options) under a spinner on stderr (steps logged unless --json);
+    returns the manifest. A graph with no RMSNorm -> MLP pattern: its report on stderr, NoPattern re-raised."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -89,21 +112,24 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
             if not as_json:
                 console.log(msg)
         try:
-            mf = export_bundle(model, out, calib=calib, target=target, window=window,
-                               progress=step, force=force,
-                               weights={"fp16": "float16", "fp32": "float32", "int4": "int4"}[weights],
-                               group=group, symmetric=symmetric, accuracy_level=accuracy_level,
-                               zero_point=zero_point, cpu_kernels=cpu_kernels,
-                               flavours=("portable", "trt") if flavours == "both" else (flavours,))
+            return export_bundle(model, out, progress=step, **options)
         except NoPattern as e:
-            r = e.report
-            console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "
-                          f"MatMul/Gemm with constant weights; {r['rmsnorms']} RMSNorm-like "
-                          f"reductions; {r['gated_mlps']} gated MLPs; {r['matched_layers']} "
-                          f"RMSNorm -> MLP layers")
-            for line in r["rejected"][:10]:
-                console.print(f"  rejected: {line}")
+            _print_no_pattern(console, e.report)
             raise
+
+
+def _print_no_pattern(console, r):
+    """What the rewrite found in a graph it could not rewrite, and the first reasons it rejected."""
+    console.print(f"[bold]found[/bold]: {r['nodes']} nodes; {r['const_projections']} "
+                  f"MatMul/Gemm with constant weights; {r['rmsnorms']} RMSNorm-like "
+                  f"reductions; {r['gated_mlps']} gated MLPs; {r['matched_layers']} "
+                  f"RMSNorm -> MLP layers")
+    for line in r["rejected"][:10]:
+        console.print(f"  rejected: {line}")
+
+
+def _summary(mf, out, sign_key) -> dict:
+    """The --json summary of the manifest mf; signs the bundle first when --sign gave a key."""
     total = sum(f["bytes"] for f in mf["files"].values())
     summary = {"bundle": str(out), "files": len(mf["files"]), "bytes": total,
                "seconds": mf["export"]["seconds"], "rewrite": mf["export"].get("rewrite"),
@@ -114,37 +140,43 @@ def cmd(model, calib, out, target, window, weights, group, symmetric, zero_point
         summary["signed_by"] = sign(out, sign_key)
     if mf["export"].get("paths"):
         summary["paths"] = mf["export"]["paths"]
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-    else:
-        click.echo(f"wrote {out}: {len(mf['files'])} files, {total / 1e6:.1f} MB in "
-                   f"{mf['export']['seconds']:.1f} s" + (f"; signed with key {summary['signed_by']}"
-                                                          if sign_key else ""))
-        q = mf["weights"].get("quantization")
-        if q:
-            b = q.get("bytes", {})
-            zp = "" if q["symmetric"] else f" ({q.get('zero_point', 'int')} zero point)"
-            ck = mf.get("cpu_kernels", {})
-            ops = ("MatMulNBits; zeroedge's Q4Linear in decode, "
-                   f"int{ck['input_bits']} inputs" if "input_bits" in ck else "MatMulNBits")
-            read = [f"{b[k] / 1e6:.1f} MB read by the {what}" for k, what in
-                    (("portable", f"portable graphs ({ops})"), ("trt", "TensorRT ones")) if b.get(k)]
-            click.echo(f"weights: int{q['bits']} g{q['group']} {'sym' if q['symmetric'] else 'asym'}{zp} "
-                       f"{q['method'].upper()} on {q['quantized_params'] / 1e6:.1f} M params; "
-                       f"{', '.join(read)}; the rest fp16")
-        ck = mf.get("cpu_kernels", {})
-        if ck.get("kind") == "zeroedge":
-            n = ck["nodes"]
-            click.echo(f"decode kernels (zeroedge.ort): {n['Q4Linear']} Q4Linear ({n['Q4Linear swiglu']} with "
-                       f"SwiGLU), {n.get('Q8Linear', 0)} Q8Linear, {n['WindowAttention']} WindowAttention"
-                       + ("; the 4-bit products keep MatMulNBits (Q4Linear takes groups of 32 to 256)"
-                          if q and not n["Q4Linear"] else ""))
-        if summary["rewrite"]:
-            rw = summary["rewrite"]
-            click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")
-        if summary.get("paths"):
-            click.echo(f"decode paths: {len(summary['paths']['rewritten'])} layers with ZeroEdgePathsFFN nodes "
-                       f"({', '.join(map(str, summary['paths']['rewritten']))})")
-            if summary["paths"].get("trt_plugin_limits", "ok") != "ok":
-                click.echo(f"warning: decode.trt.onnx will not build with the ZeroEdgePathsFFN plugin "
-                           f"({summary['paths']['trt_plugin_limits']}); decode.portable.onnx runs")
+    return summary
+
+
+def _echo_text(mf, summary, out, sign_key):
+    """The text output: what was written, then a line per feature the bundle has."""
+    click.echo(f"wrote {out}: {len(mf['files'])} files, {summary['bytes'] / 1e6:.1f} MB in "
+               f"{mf['export']['seconds']:.1f} s" + (f"; signed with key {summary['signed_by']}"
+                                                      if sign_key else ""))
+    q = mf["weights"].get("quantization")
+    if q:
+        click.echo(_quantization_line(q, mf.get("cpu_kernels", {})))
+    ck = mf.get("cpu_kernels", {})
+    if ck.get("kind") == "zeroedge":
+        n = ck["nodes"]
+        click.echo(f"decode kernels (zeroedge.ort): {n['Q4Linear']} Q4Linear ({n['Q4Linear swiglu']} with "
+                   f"SwiGLU), {n.get('Q8Linear', 0)} Q8Linear, {n['WindowAttention']} WindowAttention"
+                   + ("; the 4-bit products keep MatMulNBits (Q4Linear takes groups of 32 to 256)"
+                      if q and not n["Q4Linear"] else ""))
+    if summary["rewrite"]:
+        rw = summary["rewrite"]
+        click.echo(f"rewrite: {rw['layers_found']} layers found, {len(rw['rewritten'])} with SIH/PAD nodes")
+    if summary.get("paths"):
+        click.echo(f"decode paths: {len(summary['paths']['rewritten'])} layers with ZeroEdgePathsFFN nodes "
+                   f"({', '.join(map(str, summary['paths']['rewritten']))})")
+        if summary["paths"].get("trt_plugin_limits", "ok") != "ok":
+            click.echo(f"warning: decode.trt.onnx will not build with the ZeroEdgePathsFFN plugin "
+                       f"({summary['paths']['trt_plugin_limits']}); decode.portable.onnx runs")
+
+
+def _quantization_line(q, ck) -> str:
+    """The weights line of a quantized bundle (the manifest's weights.quantization q, its cpu_kernels ck)."""
+    b = q.get("bytes", {})
+    zp = "" if q["symmetric"] else f" ({q.get('zero_point', 'int')} zero point)"
+    ops = ("MatMulNBits; zeroedge's Q4Linear in decode, "
+           f"int{ck['input_bits']} inputs" if "input_bits" in ck else "MatMulNBits")
+    read = [f"{b[k] / 1e6:.1f} MB read by the {what}" for k, what in
+            (("portable", f"portable graphs ({ops})"), ("trt", "TensorRT ones")) if b.get(k)]
+    return (f"weights: int{q['bits']} g{q['group']} {'sym' if q['symmetric'] else 'asym'}{zp} "
+            f"{q['method'].upper()} on {q['quantized_params'] / 1e6:.1f} M params; "
+            f"{', '.join(read)}; the rest fp16")

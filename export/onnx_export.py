@@ -24,6 +24,10 @@ decode   inputs : tokens int64 [B, 1], pos int64 [B]    (position of the new tok
                                                         window; the same for K is slower, so K stays fp32)
          outputs: logits [B, 1, V]
                   new_k.{i}, new_v.{i} [B, Hkv, 1, hd]   the runner writes them into a free slot
+                  attn_query [B, L, H, hd]              each layer's queries after RoPE (unscaled;
+                                                        a pruned head's row is zero): the runner's
+                                                        thermal policy ranks the pages it holds
+                                                        outside the window with them (kv.ort_policy)
                   attn_mass [B, L, S]                   mass each slot received this step
 
 Keys are stored after RoPE, so a slot's content does not depend on where it sits in the window:
@@ -212,42 +216,46 @@ def _decode_forward(module, tokens, pos, slot_pos, past):
     neg = torch.where(slot_pos >= 0, 0.0, float("-inf"))[:, None, None, :]  # (B,1,1,S)
     S = slot_pos.shape[1]
     x = m.embed_tokens(tokens[:, 0])                                # (B, D): 2-D all the way
-    news, masses = [], []
+    news, queries, masses = [], [], []
     for li, blk in enumerate(m.layers):
         pk, pv = past[2 * li], past[2 * li + 1]
         a = blk.self_attn
         h = a.q_proj.out_features // hd                          # a Python int, also when traced
         xn = blk.input_layernorm(x)
-        out, k, v, mass = _decode_attention(module, li, a, h, xn, rot, (pk, pv), neg, S)
+        out, k, v, mass, q = _decode_attention(module, li, a, h, xn, rot, (pk, pv), neg, S)
         masses.append(mass)
+        queries.append(q)
         news += [k, v]
         x = x + a.o_proj(out if out.dim() == 2 else out.reshape(-1, h * hd))
         x = x + blk.mlp(blk.post_attention_layernorm(x))
-    return (_lm_head(m, x), *news, torch.cat(masses, 1))
+    return (_lm_head(m, x), *news, torch.stack(queries, 1), torch.cat(masses, 1))
 
 
 def _decode_attention(module, li, a, h, xn, rot, window, neg, S):
     """Layer li's attention (a, with h query heads) for the decode step over the window (past K,
-    past V) and the new token: (out, new k, new v, mass each slot received)."""
+    past V) and the new token: (out, new k, new v, mass each slot received, the queries after RoPE
+    (B, n_heads, hd), zero rows for pruned heads)."""
     import torch
 
     cfg = module.cfg
-    nkv, scale = cfg.n_kv_heads, 1.0 / math.sqrt(cfg.head_dim)
+    nkv, hd, scale = cfg.n_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim)
     pk, pv = window
     if h == cfg.n_heads and module.window_attention is not None:   # zeroedge.ort: one node
-        return module.window_attention.apply(grouped_qkv(module, li, xn), rot, pk, pv, neg, nkv, scale)
+        qkv = grouped_qkv(module, li, xn)
+        q = qkv.reshape(-1, nkv, h // nkv + 2, hd)[:, :, : h // nkv] @ rot     # what the node computes
+        return (*module.window_attention.apply(qkv, rot, pk, pv, neg, nkv, scale), q.reshape(-1, h, hd))
     if h == cfg.n_heads:       # no pruning: grouped view, no copy of the window
-        out, k, v, p_old = _decode_grouped_attention(grouped_qkv(module, li, xn), rot, pk, pv, neg, cfg, scale)
+        out, k, v, p_old, q = _decode_grouped_attention(grouped_qkv(module, li, xn), rot, pk, pv, neg, cfg, scale)
     else:
-        out, k, v, p_old = _decode_pruned_attention(a, xn, rot, pk, pv, neg, cfg, scale)
+        out, k, v, p_old, q = _decode_pruned_attention(a, xn, rot, pk, pv, neg, cfg, scale)
     # the mean over the query heads as a product: onnxruntime's ReduceMean over the
     # head axes takes ~10 us a layer at 2K slots, this ~1 us
-    return out, k, v, torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S)
+    return out, k, v, torch.full((1, h), 1.0 / h) @ p_old.reshape(-1, h, S), q
 
 
 def _decode_grouped_attention(qkv, rot, pk, pv, neg, cfg, scale):
     """The decode attention of a layer that keeps all its heads, on the grouped q / k / v product
-    (grouped_qkv) and a grouped view of the window (no copy): (out, k, v, p_old)."""
+    (grouped_qkv) and a grouped view of the window (no copy): (out, k, v, p_old, queries (B, H, hd))."""
     nkv, hd = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // nkv
     qkv = qkv.reshape(-1, nkv, group + 2, hd)
@@ -259,12 +267,15 @@ def _decode_grouped_attention(qkv, rot, pk, pv, neg, cfg, scale):
     s_old = ((pk @ qg.transpose(-1, -2)) * scale).transpose(-1, -2) + neg   # (B, Hkv, g, S)
     s_new = (qg @ k.transpose(-1, -2)) * scale           # (B, Hkv, g, 1)
     out, p_old = _attend_window_and_new(s_old, s_new, pv, v)   # (B, Hkv, g, hd)
-    return out, k, v, p_old
+    return out, k, v, p_old, qg.reshape(-1, nkv * group, hd)
 
 
 def _decode_pruned_attention(a, xn, rot, pk, pv, neg, cfg, scale):
     """The decode attention of a layer with pruned heads: its own projections, each kept query head
-    reading its kv head's rows of the window: (out, k, v, p_old)."""
+    reading its kv head's rows of the window: (out, k, v, p_old, the kept heads' queries at their
+    places among all n_heads, unscaled, zeros for the pruned)."""
+    import torch
+
     q, k, v = a.project(xn, None, None, (rot * scale, rot))
     kv_index = a.kept_heads // (cfg.n_heads // cfg.n_kv_heads)
     kk, vv = pk.index_select(1, kv_index), pv.index_select(1, kv_index)
@@ -272,7 +283,9 @@ def _decode_pruned_attention(a, xn, rot, pk, pv, neg, cfg, scale):
     s_old = q @ kk.float().transpose(-1, -2) + neg       # (B, h, 1, S); K fp16 with ortops
     s_new = q @ kn.transpose(-1, -2)                     # (B, h, 1, 1)
     out, p_old = _attend_window_and_new(s_old, s_new, vv, vn)   # (B, h, 1, hd)
-    return out, k, v, p_old
+    place = torch.zeros(cfg.n_heads, a.kept_heads.numel())     # one-hot: kept head j -> its index
+    place[a.kept_heads, torch.arange(a.kept_heads.numel())] = 1.0 / scale
+    return out, k, v, p_old, place @ q.reshape(-1, a.kept_heads.numel(), cfg.head_dim)
 
 
 def _attend_window_and_new(s_old, s_new, values, v_new):
@@ -325,7 +338,7 @@ def io_names(n_layers: int):
     pre_in = ["tokens"] + [f"prefix_{kv}.{i}" for i in range(n_layers) for kv in "kv"]
     pre_out = ["logits"] + [f"present_{kv}.{i}" for i in range(n_layers) for kv in "kv"] + ["attn_mass"]
     dec_in = ["tokens", "pos", "slot_pos"] + [f"past_{kv}.{i}" for i in range(n_layers) for kv in "kv"]
-    dec_out = ["logits"] + [f"new_{kv}.{i}" for i in range(n_layers) for kv in "kv"] + ["attn_mass"]
+    dec_out = ["logits"] + [f"new_{kv}.{i}" for i in range(n_layers) for kv in "kv"] + ["attn_query", "attn_mass"]
     return pre_in, pre_out, dec_in, dec_out
 
 
@@ -366,7 +379,7 @@ def export_graphs(model, out_dir, example_len: int = 8, example_slots: int = 16,
         past = [torch.randn(1, nkv, example_slots, hd, dtype=torch.float16 if i % 2 or ort_kernels else torch.float32)
                 for i in range(2 * L)]
         dyn = {"tokens": {0: "batch"}, "pos": {0: "batch"}, "slot_pos": {0: "batch", 1: "slots"},
-               "logits": {0: "batch"}, "attn_mass": {0: "batch", 2: "slots"}}
+               "logits": {0: "batch"}, "attn_query": {0: "batch"}, "attn_mass": {0: "batch", 2: "slots"}}
         dyn.update({n: {0: "batch", 2: "slots"} for n in din if n.startswith("past_")})
         dyn.update({n: {0: "batch"} for n in dout if n.startswith("new_")})
         d_path = out_dir / "decode.onnx"

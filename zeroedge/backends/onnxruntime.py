@@ -7,8 +7,8 @@
 
 The window is `slots` KV slots per layer holding keys after RoPE, so any slot can take any
 position: `slot_pos[s]` is the position a slot holds (-1 = empty), and only validity enters the
-graph. The decode graph returns the new token's K/V (written here into a free slot) and the
-attention mass every slot received: it accumulates into `heat` (decayed each step). When the window
+graph. The decode graph returns the new token's K/V (written here into a free slot), the step's
+queries (`last_query`; bundles exported since it was added) and the attention mass every slot received: it accumulates into `heat` (decayed each step). When the window
 is full, the coldest slot outside the first `sinks` positions is refilled; `evict` can be replaced
 by the thermal KV runtime's policy, or a whole policy object given as `policy` takes over the
 window (zeroedge.kv.ort_policy.OrtThermalPolicy: pages, heat, a WARM/COLD store): it fills the
@@ -122,7 +122,7 @@ class OrtRunner:
         self.slot_pos = np.full((1, self.slots), -1, np.int64)
         self.heat = np.zeros(self.slots, np.float64)
         self.pos = 0
-        self.last_mass = None
+        self.last_mass = self.last_query = None
         self._bound = None                       # the decode step's IOBinding, made for these buffers
         if getattr(self, "policy", None) is not None:
             self.policy.reset(self)
@@ -230,6 +230,9 @@ class OrtRunner:
         self.timings["decode_tokens"] += 1
         mass = out[-1][0].mean(0)                                # (S,) over layers
         self.last_mass = mass
+        # the queries of this step [1, L, H, hd] (attn_query, before attn_mass), in graphs exported since
+        # the thermal policy ranks pages by them; None from older bundles
+        self.last_query = out[-2] if len(out) == 2 * self.L + 3 else None
         self.heat = self.heat * self.decay + np.where(self.slot_pos[0] >= 0, mass, 0.0)
         s = self.policy.slot_for(self, out) if self.policy is not None else self._free_slot()
         for i in range(self.L):
@@ -255,7 +258,8 @@ class OrtRunner:
             inputs[f"past_k.{i}"], inputs[f"past_v.{i}"] = self.k[i], self.v[i]
         for name, a in inputs.items():
             io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
-        shapes = {"logits": (1, 1, self.vocab), "attn_mass": (1, self.L, self.slots)}
+        shapes = {"logits": (1, 1, self.vocab), "attn_mass": (1, self.L, self.slots),
+                  "attn_query": (1, self.L, self.manifest["model"]["n_heads"], self.hd)}
         out = []
         for o in self.dec.get_outputs():
             a = np.empty(shapes.get(o.name, (1, self.nkv, 1, self.hd)), np.float32)

@@ -286,7 +286,10 @@ def test_every_4bit_scheme_takes_q4linear_and_decodes_like_the_stock_graph(tmp_p
     assert mf["cpu_kernels"]["nodes"] == {"Q4Linear": 4 * 4, "Q4Linear swiglu": 4, "Q8Linear": 1, "WindowAttention": 4}
     assert mf["cpu_kernels"]["input_bits"] == 16
     g = onnx.load(str(tmp_path / "ours" / "decode.portable.onnx"), load_external_data=False).graph
-    assert not [n for n in g.node if n.op_type in ("MatMulNBits", "MatMul", "Gemm")]     # the LM head is Q8Linear
+    weights = {i.name for i in g.initializer}
+    products = [n for n in g.node if n.op_type in ("MatMulNBits", "MatMul", "Gemm")]
+    assert not [n for n in products if n.op_type != "MatMul" or set(n.input) & weights]   # the LM head is Q8Linear
+    assert len(products) == 4              # left: each layer's query rotation for attn_query (activations only)
     # the plan counts both packed copies: 20 bytes per 32 weights of the 4-bit layers, 34 of the head
     plans = [json.loads(run_cli("plan", tmp_path / b, "--board", "orin-nano-8gb", "--ctx", 60, "--onnxruntime-process",
                                 "--json", check_rc=0).stdout)["memory"]["weights"] for b in ("stock", "ours")]

@@ -11,8 +11,9 @@ graph. The decode graph returns the new token's K/V (written here into a free sl
 queries (`last_query`; bundles exported since it was added) and the attention mass every slot
 received: it accumulates into `heat` (decayed each step). When the window is full, the coldest
 slot outside the first `sinks` positions is refilled; `evict` can be replaced by the thermal KV
-runtime's policy, or a whole policy object given as `policy` takes over the window (zeroedge.kv.ort_policy.OrtThermalPolicy: pages, heat, a WARM/COLD store): it fills the
-window at prefill (`policy.prefill`), picks each new token's slot (`policy.slot_for`) and moves
+runtime's policy, or a whole policy object given as `policy` takes over the window
+(zeroedge.kv.ort_policy.OrtThermalPolicy: pages, heat, a WARM/COLD store): it fills the window at
+prefill (`policy.prefill`), picks each new token's slot (`policy.slot_for`) and moves
 pages after the step (`policy.after_step`). Without one, the behaviour above is unchanged.
 
 Chunked prefill: a prompt longer than `chunk` tokens runs through the prefill graph `chunk` tokens at

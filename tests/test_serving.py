@@ -80,6 +80,35 @@ def test_ort_policy_equals_dense_when_the_window_holds_everything(bundle, model)
     assert st["pages_migrated"] == 0 and st["stored_pages"] == 0 and st["pages"] == 9   # 65 positions / 8
 
 
+def test_decode_graph_outputs_the_models_queries(bundle):
+    """attn_query is each layer's queries after RoPE, unscaled: what the torch model computes for
+    the token at that position (the policy ranks pages by them)."""
+    from zeroedge import model as zm
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    prompt = ids_(40, 5)
+    r = OrtRunner(bundle, slots=64)
+    r.prefill(np.array(prompt[:-1]))
+    r.step(prompt[-1])
+    got = np.asarray(r.last_query)[0]                                 # (L, H, hd)
+    caught, project = [], zm.Attention.project
+
+    def spy(self, *a, **kw):
+        q, k, v = project(self, *a, **kw)
+        caught.append(q[0, :, -1].detach().numpy())
+        return q, k, v
+    zm.Attention.project = spy
+    try:
+        with torch.no_grad():
+            lively()(torch.tensor([prompt]))
+    finally:
+        zm.Attention.project = project
+    want = np.stack(caught)
+    assert got.shape == want.shape
+    cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+    assert cos.min() > 0.99 and np.allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(want, axis=-1), rtol=0.05)
+
+
 @pytest.mark.parametrize("store", ["fp32", "int8"])
 def test_ort_policy_under_pressure_keeps_window_table_and_log_consistent(bundle, store):
     from zeroedge.backends.onnxruntime import OrtRunner

@@ -271,6 +271,53 @@ print(json.dumps({{"same": got == want, "page_bytes": pol.page_bytes(), **pol.st
     assert st["file_bytes"] == 3 * st["page_bytes"]     # the doubling to 4 did not fit, the 3rd page did
 
 
+@pytest.fixture(scope="module")
+def queryless_bundle(bundle, tmp_path_factory):
+    """The same real export with the decode graph's attn_query output removed: a bundle exported
+    before the graph output its queries (the runner is made with verify=False: a file changed)."""
+    import shutil
+
+    import onnx
+
+    out = tmp_path_factory.mktemp("serving_old") / "bundle"
+    shutil.copytree(bundle, out)
+    g = onnx.load(str(out / "decode.portable.onnx"), load_external_data=False)
+    kept = [o for o in g.graph.output if o.name != "attn_query"]
+    assert len(kept) == len(g.graph.output) - 1
+    del g.graph.output[:]
+    g.graph.output.extend(kept)
+    onnx.save(g, str(out / "decode.portable.onnx"))
+    return out
+
+
+def test_ort_policy_without_queries_ranks_by_heat_and_stays_consistent(queryless_bundle):
+    """An older bundle (no attn_query): the runner passes no queries and the policy ranks pages by
+    its proxy (decayed attention mass weighted by key cosines). Under pressure the window, table,
+    store and log stay consistent, and a page the proxy finds hot comes back from the store."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.kv.ort_policy import OrtThermalPolicy
+
+    prompt, P = ids_(70, 6), 4
+    pol = OrtThermalPolicy(page_size=P, store="fp32", fetch=1)
+    r = OrtRunner(queryless_bundle, slots=32, policy=pol, verify=False)
+    kv = r.pre.run(None, {"tokens": np.array([prompt])})[1:-1]
+    _greedy(r, prompt, 30, pol.check)
+    assert r.last_query is None and pol.worth is None
+    st = pol.stats()
+    assert st["demoted"] > 0 and st["stored_pages"] + st["hot_pages"] == st["pages"] == -(-(70 + 30) // P)
+    hot = pol.table.pages_in(Tier.HOT)
+    assert max(pol.heat.heat(p) for p in hot) > 0                 # the graph's mass reached the heat
+    page = pol.table.pages_in(pol.store_tier)[0]
+    pol.heat.step({page: 10.0})                                   # the proxy now finds it hottest
+    swaps = pol._migrate(r, (r.pos - 1) // P)
+    assert [u for u, _ in swaps] == [page] and pol.table.tier(page) == Tier.HOT
+    block = pol.table.lookup(page)[1]
+    for i in range(r.L):
+        np.testing.assert_array_equal(r.k[i][0, :, block * P:(block + 1) * P],
+                                      kv[2 * i][0, :, page * P:(page + 1) * P])
+    pol.check(r)
+
+
 def test_ort_policy_bad_window_is_refused_before_any_work(bundle):
     from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.kv.ort_policy import OrtThermalPolicy

@@ -94,13 +94,19 @@ class SlotPool:
             raise ValueError(f"pool of {n} slots does not fit {SLOT_BITS} bits")
         self.n = n
         self._free = list(range(n - 1, -1, -1))
+        self._taken = set()             # O(1) checks: a pool may hold 65K slots
 
     def take(self) -> Optional[int]:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._taken.add(slot)
+        return slot
 
     def give(self, slot: int):
-        if not 0 <= slot < self.n or slot in self._free:
+        if slot not in self._taken:
             raise ValueError(f"slot {slot} is not taken")
+        self._taken.remove(slot)
         self._free.append(slot)
 
     @property

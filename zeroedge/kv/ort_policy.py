@@ -25,7 +25,8 @@ bookkeeping (numpy only):
 - the store keeps pages int8 with one fp16 scale per group of the head dim (Tier.WARM8; the
   scheme of zeroedge.kv.tiers, in numpy), or exact fp32 copies (`store="fp32"`, Tier.COLD).
   Every move goes through PageTable.prepare / complete, so its event log counts each page
-  migrated; `migrated` is per request (reset at prefill).
+  migrated; `migrated` is per request (reset at prefill). A page fetched back keeps its stored
+  arrays while it is HOT (a full page's K/V never change), so sending it back packs nothing.
 - the file tier (`spill_dir`, Tier.FILE; NVMe on a Jetson): when the store holds more than
   `store_pages` pages, the coldest go, in the store's own bytes, to a zeroedge.kv.spill.PageFile
   there, and a page fetched back is read from it straight into the window. A write the disk
@@ -125,6 +126,7 @@ class OrtThermalPolicy:
         self.spill_retry_at = 0             # after a refused write: the step the file is tried again
         self.heat = HeatTracker()
         self.store: Dict[int, tuple] = {}
+        self.copies: Dict[int, tuple] = {}   # page -> its stored arrays, for HOT pages fetched back
         self.kmean = np.zeros((self.L * self.nkv, 64, self.hd), np.float32)  # each page's mean key
         self.kcount = np.zeros(64, np.int64)
         self.recent_keys = deque(maxlen=self.cos_window)
@@ -321,11 +323,13 @@ class OrtThermalPolicy:
         return int(cands[np.argmin(self._worth_of(cands))])      # the least worth; ties: the oldest
 
     def _demote(self, runner, page: int):
+        """A HOT page to the store: its stored copy when it came from there (a full page's K/V never
+        change), else packed from the window."""
         _, block, _, _ = self.table.lookup(page)
-        k, v = self._block_kv(runner, block)
         _, dslot = self.table.prepare(page, self.store_tier)
         try:
-            self.store[dslot] = self._pack(k, v)
+            item = self.copies.pop(page, None)
+            self.store[dslot] = item if item is not None else self._pack(*self._block_kv(runner, block))
         except BaseException:
             self.table.complete(page, ok=False)
             raise
@@ -337,11 +341,12 @@ class OrtThermalPolicy:
         self._spill()
 
     def _spill(self):
-        """The coldest stored pages to the file tier while the store holds more than store_pages."""
+        """While the store and the fetched pages' copies hold more than store_pages, the coldest stored
+        pages to the file tier (the copies stay: packing a page again would not give back its codes)."""
         if self.file is None or self.steps < self.spill_retry_at:
             return
         stored = self._pages(self.store_tier)
-        excess = len(stored) - self.store_pages
+        excess = len(stored) + len(self.copies) - self.store_pages
         if excess <= 0:
             return
         for page in stored[np.argsort(self._worth_of(stored), kind="stable")[:excess]].tolist():
@@ -378,7 +383,8 @@ class OrtThermalPolicy:
         return item
 
     def _promote(self, runner, page: int, item):
-        """A stored page (its arrays: _load) into a free window block."""
+        """A stored page (its arrays: _load) into a free window block; the arrays are kept for its
+        demotion."""
         tier, sslot, _, _ = self.table.lookup(page)
         _, block = self.table.prepare(page, Tier.HOT)
         sl = slice(block * self.P, (block + 1) * self.P)
@@ -392,6 +398,7 @@ class OrtThermalPolicy:
             raise
         if tier != Tier.FILE:
             del self.store[sslot]
+        self.copies[page] = item
         runner.slot_pos[0, sl] = np.arange(page * self.P, (page + 1) * self.P)
         self.table.complete(page, self.page_bytes())
         self.migrated += 1
@@ -416,6 +423,8 @@ class OrtThermalPolicy:
             self._demote(runner, down)           # may spill `up` to the file: _promote looks it up again
             self._promote(runner, up, item)
             done.append((up, down))
+        if done:
+            self._spill()                        # the fetched pages' copies count against store_pages
         return done
 
     # -- reporting / checks ---------------------------------------------------------------------
@@ -426,7 +435,7 @@ class OrtThermalPolicy:
                 "pages_migrated": self.migrated, "promoted": self.promoted, "demoted": self.demoted,
                 "migrated_bytes": t.log.bytes.get("migrate", 0),
                 "stored_at_prefill": self.stored_at_prefill,
-                "store_bytes": len(self.store) * self.page_bytes(),
+                "store_bytes": (len(self.store) + len(self.copies)) * self.page_bytes(),
                 "file_pages": len(t.pages_in(Tier.FILE)), "file_bytes": self.file.nbytes if self.file else 0,
                 "spilled": self.spilled, "spill_failed": self.spill_failed, "file_reads": self.file_reads,
                 "file_read_failed": self.file_read_failed,
@@ -462,5 +471,6 @@ class OrtThermalPolicy:
             assert (runner.slot_pos[0, b * P:(b + 1) * P] < 0).all(), f"free block {b} holds positions"
         assert t.pools[Tier.HOT].free == len(free)
         assert len(self.store) == len(t.pages_in(self.store_tier))
+        assert all(t.tier(p) == Tier.HOT for p in self.copies), "a stored copy of a page not in the window"
         assert t.pools[Tier.FILE].free == self.max_pages - len(file_slots)
         assert t.log.counts.get("migrate", 0) == self.migrated

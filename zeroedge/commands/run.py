@@ -105,7 +105,8 @@ def bundle_config(bundle):
               help="onnxruntime / tensorrt thermal KV: a folder (NVMe on a Jetson) for the file tier; "
                    "stored pages beyond --kv-store-pages go to one private file there, deleted at the end.")
 @click.option("--kv-store-pages", "kv_store_pages", type=int, default=0, show_default=True,
-              help="With --kv-spill: stored pages kept in memory before the coldest go to the file.")
+              help="With --kv-spill: stored pages kept in memory before the coldest go to the file "
+                   "(besides one packed copy of each window page).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")

@@ -575,7 +575,8 @@ def run_bundle_eval(runner, ids, budget: float, continuation: int = 1024, page_s
     out = {"full_kv_ppl": math.exp(full), "thermal_ppl": math.exp(thermal), "hot_kv_bytes": runner.window_bytes(),
            "full_kv_bytes": full_bytes, "budget": float(budget), "page_size": pol.P, "window_slots": runner.slots,
            "prefix_tokens": P, "scored_tokens": continuation, "policy": "bundle (zeroedge.kv.ort_policy)",
-           "pages_migrated": st["pages_migrated"], "store_bytes": st["store_bytes"]}
+           "pages_migrated": st["pages_migrated"], "store_bytes": st["store_bytes"],
+           "copy_bytes": st["copy_bytes"]}
     out["ppl_rise"] = out["thermal_ppl"] / out["full_kv_ppl"] - 1
     out["seconds"] = time.perf_counter() - t0
     return out

@@ -25,12 +25,14 @@ bookkeeping (numpy only):
 - the store keeps pages int8 with one fp16 scale per group of the head dim (Tier.WARM8; the
   scheme of zeroedge.kv.tiers, in numpy), or exact fp32 copies (`store="fp32"`, Tier.COLD).
   Every move goes through PageTable.prepare / complete, so its event log counts each page
-  migrated; `migrated` is per request (reset at prefill). A page fetched back keeps its stored
-  arrays while it is HOT (a full page's K/V never change), so sending it back packs nothing.
+  migrated; `migrated` is per request (reset at prefill). A full HOT page keeps its packed arrays
+  (packed at prefill, or as fetched back: a full page's K/V never change), so demoting it packs
+  nothing; only pages written while decoding are packed when they first leave.
 - the file tier (`spill_dir`, Tier.FILE; NVMe on a Jetson): when the store holds more than
   `store_pages` pages, the coldest go, in the store's own bytes, to a zeroedge.kv.spill.PageFile
   there, and a page fetched back is read from it straight into the window. A write the disk
-  refuses (full) leaves the page in the store (counted in `spill_failed`): nothing is lost.
+  refuses (full) leaves the page in the store (counted in `spill_failed`): nothing is lost. The
+  HOT pages' packed copies stay in memory (at most one a window page, `copy_bytes`).
 
 A page here is P positions of every layer and kv head together: the runner's window is shared by
 all of them (the torch ThermalDecoder pages one (layer, kv head) stream at a time).
@@ -51,7 +53,7 @@ from zeroedge.kv.pages import PINNED, PageTable, Tier
 
 PAGE_SIZE = 16             # positions a page, unless the caller says (`zeroedge run --page-size`)
 SPILL_RETRY_STEPS = 64     # a refused file write: decode steps before the file tier is tried again
-PREFILL_PACK = 4           # stored pages packed at once at prefill (cache-sized: 64 ran 1.5x slower)
+PREFILL_PACK = 4           # pages packed at once at prefill (cache-sized: 64 ran 1.5x slower)
 
 
 def quantize(x: np.ndarray, group: int):
@@ -126,7 +128,7 @@ class OrtThermalPolicy:
         self.spill_retry_at = 0             # after a refused write: the step the file is tried again
         self.heat = HeatTracker()
         self.store: Dict[int, tuple] = {}
-        self.copies: Dict[int, tuple] = {}   # page -> its stored arrays, for HOT pages fetched back
+        self.copies: Dict[int, tuple] = {}   # HOT page -> its packed arrays (the store's form)
         self.kmean = np.zeros((self.L * self.nkv, 64, self.hd), np.float32)  # each page's mean key
         self.kcount = np.zeros(64, np.int64)
         self.recent_keys = deque(maxlen=self.cos_window)
@@ -215,15 +217,21 @@ class OrtThermalPolicy:
                 runner.v[i][0, :, b * P:b * P + hi - lo] = kv[2 * i + 1][0, :, lo:hi]
             runner.slot_pos[0, b * P:b * P + hi - lo] = np.arange(lo, hi)
             runner.heat[b * P:b * P + hi - lo] = m[lo:hi]
-        stored = [p for p in range(n) if p not in keep]            # whole pages: the tail is kept
-        for at in range(0, len(stored), PREFILL_PACK):
-            chunk = stored[at:at + PREFILL_PACK]
+        # every full page packed once: the stored ones go to the store, the HOT ones keep their arrays
+        # for their demotion (the tail page is partial and stays HOT)
+        for at in range(0, full, PREFILL_PACK):
+            c = min(PREFILL_PACK, full - at)
             k, v = (np.ascontiguousarray(np.stack(
-                [kv[2 * i + j][0, :, :full * P].reshape(nkv, full, P, hd)[:, chunk] for i in range(L)]
+                [kv[2 * i + j][0, :, at * P:(at + c) * P].reshape(nkv, c, P, hd) for i in range(L)]
             ).transpose(2, 0, 1, 3, 4)) for j in (0, 1))                  # (pages, L, nkv, P, hd)
             packed = self._pack(k, v)
-            for c, p in enumerate(chunk):
-                self.store[self.table.lookup(p)[1]] = tuple(a[c] for a in packed)
+            for p in range(at, at + c):
+                item = tuple(a[p - at] for a in packed)
+                if p in keep:
+                    self.copies[p] = item
+                else:
+                    self.store[self.table.lookup(p)[1]] = item
+        stored = [p for p in range(n) if p not in keep]
         self.stored_at_prefill = len(stored)
         self.heat.step(dict(enumerate(pm.tolist())))
         self._spill()
@@ -323,8 +331,7 @@ class OrtThermalPolicy:
         return int(cands[np.argmin(self._worth_of(cands))])      # the least worth; ties: the oldest
 
     def _demote(self, runner, page: int):
-        """A HOT page to the store: its stored copy when it came from there (a full page's K/V never
-        change), else packed from the window."""
+        """A HOT page to the store: its packed copy when it has one, else packed from the window."""
         _, block, _, _ = self.table.lookup(page)
         _, dslot = self.table.prepare(page, self.store_tier)
         try:
@@ -341,12 +348,12 @@ class OrtThermalPolicy:
         self._spill()
 
     def _spill(self):
-        """While the store and the fetched pages' copies hold more than store_pages, the coldest stored
-        pages to the file tier (the copies stay: packing a page again would not give back its codes)."""
+        """The coldest stored pages to the file tier while the store holds more than store_pages (the
+        HOT pages' packed copies are not counted: at most one a window page)."""
         if self.file is None or self.steps < self.spill_retry_at:
             return
         stored = self._pages(self.store_tier)
-        excess = len(stored) + len(self.copies) - self.store_pages
+        excess = len(stored) - self.store_pages
         if excess <= 0:
             return
         for page in stored[np.argsort(self._worth_of(stored), kind="stable")[:excess]].tolist():
@@ -423,8 +430,6 @@ class OrtThermalPolicy:
             self._demote(runner, down)           # may spill `up` to the file: _promote looks it up again
             self._promote(runner, up, item)
             done.append((up, down))
-        if done:
-            self._spill()                        # the fetched pages' copies count against store_pages
         return done
 
     # -- reporting / checks ---------------------------------------------------------------------
@@ -435,7 +440,8 @@ class OrtThermalPolicy:
                 "pages_migrated": self.migrated, "promoted": self.promoted, "demoted": self.demoted,
                 "migrated_bytes": t.log.bytes.get("migrate", 0),
                 "stored_at_prefill": self.stored_at_prefill,
-                "store_bytes": (len(self.store) + len(self.copies)) * self.page_bytes(),
+                "store_bytes": len(self.store) * self.page_bytes(),
+                "copy_bytes": len(self.copies) * self.page_bytes(),     # the HOT pages' packed copies
                 "file_pages": len(t.pages_in(Tier.FILE)), "file_bytes": self.file.nbytes if self.file else 0,
                 "spilled": self.spilled, "spill_failed": self.spill_failed, "file_reads": self.file_reads,
                 "file_read_failed": self.file_read_failed,
@@ -471,6 +477,6 @@ class OrtThermalPolicy:
             assert (runner.slot_pos[0, b * P:(b + 1) * P] < 0).all(), f"free block {b} holds positions"
         assert t.pools[Tier.HOT].free == len(free)
         assert len(self.store) == len(t.pages_in(self.store_tier))
-        assert all(t.tier(p) == Tier.HOT for p in self.copies), "a stored copy of a page not in the window"
+        assert all(t.tier(p) == Tier.HOT for p in self.copies), "a packed copy of a page not in the window"
         assert t.pools[Tier.FILE].free == self.max_pages - len(file_slots)
         assert t.log.counts.get("migrate", 0) == self.migrated

@@ -189,7 +189,7 @@ class OrtThermalPolicy:
     def prefill(self, runner, kv, mass, T: int):
         """Fill the window from the prefill graph's K/V (all T positions): sink pages, the last
         (partial) page and its recent pages, then the pages that received the most mass; the
-        rest go straight to the store (packed PREFILL_PACK pages at a time)."""
+        rest go straight to the store. Every full page is packed once, PREFILL_PACK at a time."""
         P, L, nkv, hd = self.P, self.L, self.nkv, self.hd
         n, full = -(-T // P), T // P
         m = np.asarray(mass)[0].mean(0) / T                      # (T,) per query, over layers

@@ -13,6 +13,9 @@ long prefill.
     # A/B against another version of the policy module:
     git show REV:zeroedge/kv/ort_policy.py > /tmp/old_policy.py
     python benchmarks/bundle_policy_cost.py ... --policy-module /tmp/old_policy.py
+    # the plot of both runs' JSON (no measuring):
+    python benchmarks/bundle_policy_cost.py --plot benchmarks/bundle_policy_cost.png \
+        --from benchmarks/bundle_policy_cost_before.json,benchmarks/bundle_policy_cost.json
 """
 import argparse
 import importlib.util
@@ -88,6 +91,29 @@ def graph_cost(bundle, slots, steps, threads):
     return 1e3 * float(np.median(times[2:]))
 
 
+def plot(png, files):
+    """ms a step against the prompt, one line per (JSON file, shape), log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for f, style in zip(files, ("--", "-", ":", "-.")):
+        rows = json.loads(Path(f).read_text())
+        for shape in dict.fromkeys(r["shape"] for r in rows):
+            pts = [(r["ctx"], r["policy_ms"]) for r in rows if r["shape"] == shape]
+            ax.plot(*zip(*pts), style, marker="o", label=f"{shape}, {Path(f).stem}")
+        graph = [(r["ctx"], r["graph_ms"]) for r in rows if "graph_ms" in r]
+        if graph and f == files[-1]:
+            ax.plot(*zip(*graph), "k:", marker="s", label="SmolLM2 fp32 decode graph (onnxruntime)")
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens (window: 10 % + 1024 new)",
+           ylabel="ms a decode step (this CPU)", title="OrtThermalPolicy's own work a step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", default="4096,8192,32768,131072")
@@ -99,7 +125,12 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--policy-module", default=None, help="a file holding another OrtThermalPolicy")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="write a PNG of the --from JSON files instead of measuring")
+    ap.add_argument("--from", dest="sources", default=None, help="JSON files for --plot, comma-separated")
     a = ap.parse_args()
+    if a.plot:
+        plot(a.plot, (a.sources or a.json).split(","))
+        return
     if a.policy_module:
         spec = importlib.util.spec_from_file_location("policy_under_test", a.policy_module)
         mod = importlib.util.module_from_spec(spec)

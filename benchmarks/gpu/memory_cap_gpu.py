@@ -9,6 +9,8 @@
    (ServingSession(device_memory=...) holds the CUDA allocator to it).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/memory_cap_gpu.py [--json OUT]
+    # what memory alone allows, past llama-3.2-1b's 131K positions (random weights: a shape only):
+    PYTHONPATH=$PWD python3 benchmarks/gpu/memory_cap_gpu.py --cap-only --boards orin-nano-8gb --max-seq-len 524288
 """
 import argparse
 import json
@@ -26,6 +28,9 @@ def main():
     ap.add_argument("--ctx", default="8192,32768")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cap-only", action="store_true", help="part 2 only")
+    ap.add_argument("--boards", default="orin-nano-8gb,orin-nx-16gb")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="the model's position limit (default: the preset's, 131072)")
     a = ap.parse_args()
     import torch
 
@@ -33,7 +38,7 @@ def main():
     from zeroedge.runtime.memory import HEADROOM, request_bytes
     from zeroedge.runtime.session import ServingSession
 
-    m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16).eval()
+    m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16, max_seq_len=a.max_seq_len).eval()
     cfg = m.cfg
     ServingSession(m).generate(list(range(1, 40)), 2)             # fused weights (shared storage) built
     g = torch.Generator().manual_seed(0)
@@ -62,7 +67,7 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
 
     limit = cfg.max_seq_len - NEW
-    for board in ("orin-nano-8gb", "orin-nx-16gb"):
+    for board in a.boards.split(","):
         t = TARGETS[board]
         cap = t.memory - t.os_reserve - RUNTIME
         for mode, fk, kw in (("dense", {}, dict(release_level=0)),

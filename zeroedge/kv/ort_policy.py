@@ -198,7 +198,7 @@ class OrtThermalPolicy:
         keep = set(range(min(self.n_sink, n))) | set(range(max(0, tail - self.recent), n))
         rest = [p for p in np.argsort(-pm, kind="stable").tolist() if p not in keep]
         keep |= set(rest[: self.blocks - len(keep)])
-        self._grow(n)
+        self._grow(n + self.blocks)                  # room for the new tokens' pages: no copy mid-request
         self.kcount[:n] = P
         self.kcount[n - 1] = T - (n - 1) * P
         for i in range(L):                                        # mean keys, a layer at a time

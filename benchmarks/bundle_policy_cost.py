@@ -129,6 +129,8 @@ def main():
     ap.add_argument("--from", dest="sources", default=None, help="JSON files for --plot, comma-separated")
     a = ap.parse_args()
     if a.plot:
+        if not (a.sources or a.json):
+            ap.error("--plot needs --from FILE[,FILE] (or --json FILE)")
         plot(a.plot, (a.sources or a.json).split(","))
         return
     if a.policy_module:

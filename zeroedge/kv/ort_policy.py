@@ -292,10 +292,14 @@ class OrtThermalPolicy:
         s /= s.sum(-1, keepdims=True)
         return s.mean(0)
 
-    def _pages(self, *tiers: int) -> np.ndarray:
-        """Ascending ids of the pages in any of `tiers` (vectorised over the table's entries)."""
+    def _tiers(self):
+        """(tier, pinned) of every page, as arrays decoded from the table's entries (kv.pages layout)."""
         e = np.array(self.table.entries, np.uint64)
-        return np.flatnonzero(np.isin((e >> np.uint64(61)) & np.uint64(7), np.array(tiers, np.uint64)))
+        return (e >> np.uint64(61)) & np.uint64(7), ((e >> np.uint64(56)) & np.uint64(PINNED)) != 0
+
+    def _pages(self, *tiers: int) -> np.ndarray:
+        """Ascending ids of the pages in any of `tiers`."""
+        return np.flatnonzero(np.isin(self._tiers()[0], np.array(tiers, np.uint64)))
 
     def _worth_of(self, pages: np.ndarray) -> np.ndarray:
         """Worth of `pages`: the last queries' (a page newer than them counts as most worth), else heat."""
@@ -319,10 +323,8 @@ class OrtThermalPolicy:
 
     def _movable(self, tail: int) -> np.ndarray:
         """HOT pages that may leave: not pinned, not the page being written nor its recent ones."""
-        e = np.array(self.table.entries, np.uint64)
-        hot = ((e >> np.uint64(61)) & np.uint64(7)) == Tier.HOT
-        pinned = ((e >> np.uint64(56)) & np.uint64(PINNED)) != 0
-        return np.flatnonzero(hot & ~pinned & (np.arange(len(e)) < tail - self.recent))
+        tier, pinned = self._tiers()
+        return np.flatnonzero((tier == Tier.HOT) & ~pinned & (np.arange(len(tier)) < tail - self.recent))
 
     def _victim(self, new_page: int) -> int:
         cands = self._movable(new_page)

@@ -110,7 +110,8 @@ def test_plan_board_ctx_and_the_old_target_context(tmp_path):
     ["export", "tiny"],                                   # -o missing
     ["eval", "x", "--text", "kjv", "--ctx", "ten"],
     ["run", "tiny", "--prompt", "x", "--kv-budget", "lots"],
-    ["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-spill", "/tmp"],          # torch backend
+    ["run", "tiny", "--prompt", "x", "--kv-spill", "/tmp"],                                # torch: no budget, no cap
+    ["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-spill", "/tmp", "--kv-store-pages", "3"],  # torch
     ["run", "tiny", "--prompt", "x", "--kv-store-pages", "3"],                             # without --kv-spill
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-spill", "/tmp"],  # no --kv-budget
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1",

@@ -125,20 +125,33 @@ def test_quantize_int8_int4_round_trip():
         assert q.numel() * q.element_size() + s.numel() * 2 == quantized_nbytes(x.numel(), bits, 32)
 
 
-def test_file_store_round_trip_and_refuses_bad_paths(tmp_path):
-    from zeroedge.kv.tiers import FileStore
+def test_file_tensors_live_in_a_private_reserved_file_and_refuse_bad_paths(tmp_path):
+    """The torch decoder's cold store on NVMe: tensors mapped from one file that is reserved in full,
+    private (0600) and unlinked at once, so nothing is left in the folder and its bytes round-trip
+    through the mapping; a bad folder or a disk without room is a UserError before anything is written."""
+    import os
+    import stat
 
-    fs = FileStore(str(tmp_path / "cold"), 4, (2, 16, 8), torch.float16)
-    page = torch.randn(2, 16, 8).half()
-    fs.write(2, page)
-    assert torch.equal(fs.read(2), page)
-    fs.close()
+    from zeroedge.kv.tiers import FileTensors
+
+    ft = FileTensors(str(tmp_path / "cold"), {"k": ((3, 16, 8), torch.int8), "s": ((3, 16, 1), torch.float16)})
+    assert not list((tmp_path / "cold").iterdir())                    # unlinked at once
+    st = os.fstat(ft.file.fd)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_nlink == 0
+    assert st.st_blocks * 512 >= ft.nbytes >= 3 * 16 * 8 + 3 * 16 * 2  # every byte reserved
+    k, sc = ft.tensors["k"], ft.tensors["s"]
+    assert not k.any() and not sc.any()
+    data = torch.randint(-127, 128, (3, 16, 8), dtype=torch.int8)
+    k.copy_(data)
+    sc.fill_(0.5)
+    raw = os.pread(ft.file.fd, k.numel(), 0)                          # in the file itself
+    assert raw == data.numpy().tobytes() and torch.equal(k, data)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(UserError, match="cold store"):
-        FileStore(str(blocker / "sub"), 4, (2, 16, 8))
+        FileTensors(str(blocker / "sub"), {"k": ((4,), torch.int8)})
     with pytest.raises(UserError, match="bytes free"):
-        FileStore(str(tmp_path / "big"), 1 << 40, (2, 16, 8))
+        FileTensors(str(tmp_path / "big"), {"k": ((1 << 40,), torch.int8)})
     assert not list((tmp_path / "big").glob("zeroedge-kv-*"))         # nothing half-written
 
 
@@ -289,6 +302,39 @@ def test_int8_cold_store_serves_within_rounding_and_halves_its_bytes(tiny):
         ThermalDecoder(tiny, P, 16, graph=False, cold="int2")
 
 
+@pytest.mark.parametrize("cold", ["int8", "int4"])
+def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_path, cold):
+    """spill_dir: the compressed cold store is mapped from a private file (no device memory); the
+    prefill writes into it and the swaps read from it, so the decode is the in-memory store's,
+    bit for bit, and the folder is left empty."""
+    from zeroedge.model import chunked_prefill
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    ids = ids_(96, 5)
+    P = 80
+    runs = {}
+    for where in ("memory", "file"):
+        d = ThermalDecoder(tiny, P, 16, budget=0.3, page_size=8, rank=8, recent_pages=1, fetch=4, graph=False,
+                           cold=cold, spill_dir=str(tmp_path / "spill") if where == "file" else None)
+        ks, vs, qcov = chunked_prefill(tiny, ids[:P], 32, caches=d.attention.prefill_caches())
+        d.load_prefix(ks, vs, qcov)
+        start = d.attention.slot_page.clone()
+        logits = torch.stack([d.step(ids[t], t).clone() for t in range(P, 96)])
+        runs[where] = (d, logits, start)
+    dm, lm, sm = runs["memory"]
+    df, lf, _ = runs["file"]
+    assert (dm.attention.slot_page != sm).any()                         # pages were fetched
+    assert torch.equal(lm, lf) and torch.equal(dm.attention.slot_page, df.attention.slot_page)
+    for name in ("cold_k", "cold_v", "cold_ks", "cold_vs"):
+        assert torch.equal(getattr(dm.attention, name), getattr(df.attention, name))
+    mem, fil = dm.device_kv_bytes(), df.device_kv_bytes()
+    assert fil["cold_on_device"] == 0 and fil["cold_in_file"] == mem["cold_on_device"] > 0
+    assert df.attention.cold_file.nbytes >= fil["cold_in_file"]
+    assert not list((tmp_path / "spill").iterdir())
+    with pytest.raises(ValueError, match="compressed"):
+        ThermalDecoder(tiny, P, 16, graph=False, cold="host", spill_dir=str(tmp_path / "spill"))
+
+
 def test_serving_picks_the_cold_store_for_the_memory(tmp_path, monkeypatch):
     """A Jetson (here a fake device tree with an L4T release file, the probe's boundary) gets the
     compressed cold store; a discrete GPU and the CPU keep full-precision pages in host memory."""
@@ -398,6 +444,7 @@ def test_the_byte_forecast_is_what_the_thermal_window_allocates(tiny, cold):
     assert got["summaries"] == nb(a.codes, a.scales, a.A)
     assert got["page_table"] == nb(a.page_slot)
     assert got["cold_on_device"] == (nb(a.cold_k, a.cold_v, a.cold_ks, a.cold_vs) if cold != "host" else 0)
+    assert got["cold_in_file"] == 0
 
 
 def test_the_fast_decoder_keeps_one_copy_of_the_weights():

@@ -3,6 +3,7 @@ request-level session (release levels, circuit breaker, decoder choice, paths re
 `zeroedge run`. A "lively" tiny model (random weights scaled so greedy tokens vary) and a real
 exported tiny bundle in onnxruntime."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -568,7 +569,7 @@ def test_chunked_prefill_gives_the_whole_prompt_s_kv(model):
     assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(q + whole_q, ref + ref)) < 1e-4
 
 
-def test_a_device_memory_cap_admits_serves_thermal_or_refuses():
+def test_a_device_memory_cap_admits_serves_thermal_or_refuses(tmp_path):
     """--device-memory: the request's forecast (runtime.memory) decides. Dense KV that fits runs
     dense; dense that does not but thermal does runs thermal (int8 cold store: on a CPU, host memory
     is the only memory) and says why; neither: a UserError naming both forecasts."""
@@ -602,11 +603,39 @@ def test_a_device_memory_cap_admits_serves_thermal_or_refuses():
         ServingSession(m, device_memory=(dense + thermal) // 2, release_level=0).generate(ids, new)
     with pytest.raises(UserError, match="weights .* do not fit"):
         ServingSession(m, device_memory=1 << 20)
+    # the cold store in a file (spill_dir) takes no device memory: served where int4 in memory is refused
+    spill = str(tmp_path / "spill")
+    in_file = int(request_bytes(cfg, 4, T, new, 0.1, cold="int8", cold_shares_memory=True,
+                                cold_in_file=True)["peak"] * (1 + HEADROOM))
+    assert in_file < int4
+    r = ServingSession(m, device_memory=(in_file + int4) // 2, thermal_opts={"spill_dir": spill}).generate(ids, new)
+    assert r.mechanisms["thermal_kv"] and r.detail["cold_store"] == "int8"
+    assert r.detail["cold_on_device_bytes"] == 0 < r.detail["cold_in_file_bytes"]
+    assert r.detail["scheduler"]["file_bytes"] >= r.detail["cold_in_file_bytes"]
+    assert not os.listdir(spill)
+    with pytest.raises(UserError, match="compressed"):
+        ServingSession(m, thermal_opts={"spill_dir": spill, "cold": "host"})
     # a thermal request (budget 0.9: its window alone is nearly dense) that fits no cold store runs dense
     big = int(request_bytes(cfg, 4, T, new, 0.9, cold="int4", cold_shares_memory=True)["peak"] * (1 + HEADROOM))
     assert big > dense
     r = ServingSession(m, kv_budget=0.9, device_memory=dense + 1).generate(ids, new)
     assert not r.mechanisms["thermal_kv"] and "dense KV fits" in r.mechanisms["thermal_kv_reason"]
+
+
+def test_run_keeps_the_torch_cold_store_in_a_spill_file(tmp_path):
+    """`run --kv-spill DIR` on the torch backend: the same text as the cold store in memory, the cold
+    pages in the file (none on the device), nothing left in DIR."""
+    spill = tmp_path / "spill"
+    args = ("run", "tiny", "--prompt", "the quick brown fox jumps over the lazy dog " * 5, "--max-new", "6",
+            "--kv-budget", "0.2", "--json")
+    mem = json.loads(run_cli(*args, check_rc=0).stdout.splitlines()[-1])
+    fil = json.loads(run_cli(*args, "--kv-spill", str(spill), check_rc=0).stdout.splitlines()[-1])
+    assert mem["mechanisms"]["thermal_kv"] and fil["mechanisms"]["thermal_kv"]
+    assert fil["text"] == mem["text"]
+    assert fil["cold_on_device_bytes"] == 0
+    assert fil["cold_in_file_bytes"] == mem["cold_on_device_bytes"] > 0
+    assert fil["device_kv_bytes"] == mem["device_kv_bytes"] - mem["cold_on_device_bytes"]
+    assert not list(spill.iterdir())
 
 
 def test_run_takes_a_memory_cap_or_a_board(tmp_path):

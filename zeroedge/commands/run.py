@@ -102,11 +102,12 @@ def bundle_config(bundle):
               help="Tokens a thermal KV page (default: 8 on the torch backend, its recent window 32 tokens; "
                    "16 on the bundle backends).")
 @click.option("--kv-spill", "kv_spill", type=click.Path(file_okay=False),
-              help="onnxruntime / tensorrt thermal KV: a folder (NVMe on a Jetson) for the file tier; "
-                   "stored pages beyond --kv-store-pages go to one private file there, deleted at the end.")
+              help="Thermal KV's file tier: a folder (NVMe on a Jetson) for one private file, deleted at the end. "
+                   "torch: the whole compressed cold store lives there (no device memory); onnxruntime / "
+                   "tensorrt: stored pages beyond --kv-store-pages go there.")
 @click.option("--kv-store-pages", "kv_store_pages", type=int, default=0, show_default=True,
-              help="With --kv-spill: stored pages kept in memory before the coldest go to the file "
-                   "(besides one packed copy of each window page).")
+              help="onnxruntime / tensorrt, with --kv-spill: stored pages kept in memory before the coldest go "
+                   "to the file (besides one packed copy of each window page).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")
@@ -134,7 +135,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
     prompt = _read_prompt(prompt, prompt_file)
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
-    spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend)
+    spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, device_memory is not None or board is not None)
     budget = kv_budget
     cap = memory_cap(device_memory, board)
     if cap is not None and backend != "torch":
@@ -203,7 +204,7 @@ def _read_prompt(prompt, prompt_file) -> str:
     return prompt
 
 
-def _spill_options(kv_spill, store_pages, kv_budget, backend) -> dict:
+def _spill_options(kv_spill, store_pages, kv_budget, backend, capped: bool) -> dict:
     """--kv-spill / --kv-store-pages -> the thermal policy's options, the folder checked now."""
     from zeroedge.errors import UserError
     from zeroedge.kv.policy import check_cold_path
@@ -215,7 +216,12 @@ def _spill_options(kv_spill, store_pages, kv_budget, backend) -> dict:
     if not kv_spill.strip():
         raise UserError("--kv-spill needs a folder (got an empty path)")
     if backend == "torch":
-        raise UserError("--kv-spill is for --backend onnxruntime or tensorrt (their thermal KV pages)")
+        if store_pages:
+            raise UserError("--kv-store-pages is for --backend onnxruntime or tensorrt (the torch decoder "
+                            "keeps its whole cold store in the --kv-spill file)")
+        if kv_budget is None and not capped:
+            raise UserError("--kv-spill needs thermal KV: give --kv-budget F (or a cap, --device-memory / --board)")
+        return {"spill_dir": check_cold_path(kv_spill)}
     if kv_budget is None:
         raise UserError("--kv-spill needs thermal KV: give --kv-budget F")
     if store_pages < 0:

@@ -4,10 +4,14 @@ recent window | `slots` pages | generated tokens], the low-rank quantized key sk
 page and its bases (settings: zeroedge.kv.policy.THERMAL, shared with the evaluation contract); every prefix page also lives in the cold store (host memory, pinned and mapped on a
 discrete GPU; with cold="int8" / "int4", codes with one fp16 scale per 32 values kept in device
 memory (one scale per head_dim when it is not a multiple of 32), which on a Jetson is the same DRAM:
-the cold store then takes about a half / a quarter of the bytes instead of all of them). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
+the cold store then takes about a half / a quarter of the bytes instead of all of them; with
+`spill_dir`, the compressed store is mapped from one private file there instead, NVMe on a Jetson,
+and takes no device memory). Every `refresh_every` steps each kv head scores all pages by the sketch (a fused
 Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
 out while the new one scores higher), copying them straight from host memory into the window in the
-same kernel, inside the step's CUDA graph (no host round trip); attention reads only the window.
+same kernel, inside the step's CUDA graph (no host round trip; a cold store in a file is the
+exception: its refresh steps run outside the graph, the host reading the chosen pages from the file,
+zeroedge.kv.kernels.swap_pages_from_host); attention reads only the window.
 Attention is the dense decoder's Triton kernel over the window's valid prefix on CUDA
 (zeroedge.kv.decode_attention), masked SDPA elsewhere. With lag 1 (kv.policy.ThermalSettings) a
 layer's refresh runs after its attention and serves the next step; on CUDA it then runs on a side
@@ -107,7 +111,7 @@ class ThermalAttention:
                  rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int | None = None,
                  sink_pages: int = THERMAL.sink_pages, fetch: int = THERMAL.fetch,
                  refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag, cold: str = "host",
-                 attn: str = "auto", scheduler=None):
+                 attn: str = "auto", scheduler=None, spill_dir=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if recent_pages is None:            # the default recent window in tokens, at this page size
@@ -124,10 +128,15 @@ class ThermalAttention:
             raise ValueError("attn must be 'auto', 'sdpa' or 'triton'")
         if cold not in self.COLD:
             raise ValueError(f"cold must be one of {', '.join(self.COLD)} (got {cold!r})")
+        if spill_dir is not None and cold == "host":
+            raise ValueError("a cold store in a file (spill_dir) is compressed: cold must be int8 or int4")
         if sink_pages + recent_pages + 1 > prefix_len // page_size:
             raise ValueError(f"a prefix of {prefix_len // page_size} pages cannot hold {sink_pages} sink + "
                              f"{recent_pages} recent pages and a slot")
-        self.cold, self.lag, self.attn = cold, lag, attn
+        self.cold, self.lag, self.attn, self.spill_dir = cold, lag, attn, spill_dir
+        self.cold_file = None                   # zeroedge.kv.tiers.FileTensors with spill_dir
+        self.file_reads = self.file_read_bytes = 0
+        self.file_read_s = 0.0
         self.cold_filled = False
         # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
         # memory bandwidth is busy, and made up at the next step it is not
@@ -151,15 +160,24 @@ class ThermalAttention:
         self.fixed, self.slots = window_pages(self.P, self.budget, self.settings)
         self.fetch = min(self.fetch_wanted, self.slots)
         pin = device.type == "cuda"
+        # on CUDA a cold store in a file is read by the host: refresh steps run outside the CUDA graph
+        self.host_refresh = self.spill_dir is not None and pin
         # cold store: every prefix page, in host memory at full precision, or int8 / int4 on the device
+        # (or in a mapped file)
         if self.cold != "host":
+            from zeroedge.kv.tiers import FileTensors
+
             self.cold_bits = COLD_BITS[self.cold]
             self.group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
-            self.cold_k = torch.zeros(L, nkv, n, ps, hd * self.cold_bits // 8,
-                                      dtype=torch.int8 if self.cold_bits == 8 else torch.uint8, device=device)
-            self.cold_v = torch.zeros_like(self.cold_k)
-            self.cold_ks = torch.zeros(L, nkv, n, ps, hd // self.group, dtype=torch.float16, device=device)
-            self.cold_vs = torch.zeros_like(self.cold_ks)
+            codes = ((L, nkv, n, ps, hd * self.cold_bits // 8), torch.int8 if self.cold_bits == 8 else torch.uint8)
+            scales = ((L, nkv, n, ps, hd // self.group), torch.float16)
+            if self.spill_dir is not None:
+                self.cold_file = FileTensors(self.spill_dir, {"k": codes, "v": codes, "ks": scales, "vs": scales})
+                t = self.cold_file.tensors
+                self.cold_k, self.cold_v, self.cold_ks, self.cold_vs = t["k"], t["v"], t["ks"], t["vs"]
+            else:
+                self.cold_k, self.cold_v = (torch.zeros(*codes[0], dtype=codes[1], device=device) for _ in "kv")
+                self.cold_ks, self.cold_vs = (torch.zeros(*scales[0], dtype=scales[1], device=device) for _ in "kv")
         else:
             self.cold_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
             self.cold_v = torch.zeros_like(self.cold_k, pin_memory=pin) if pin else torch.zeros_like(self.cold_k)
@@ -214,7 +232,7 @@ class ThermalAttention:
     def device_kv_bytes(self) -> dict:
         """zeroedge.kv.policy.thermal_device_bytes of this window (tests check it against the tensors)."""
         return thermal_device_bytes(self.L, self.nkv, self.hd, self.P, self.gen_len, self.wk.element_size(),
-                                    self.budget, self.settings, self.cold)
+                                    self.budget, self.settings, self.cold, in_file=self.cold_file is not None)
 
     def prefill_caches(self):
         """A compressed cold store only: per layer a zeroedge.kv.tiers.QuantKVCache writing straight
@@ -227,7 +245,8 @@ class ThermalAttention:
         self.cold_filled = True
         flat = lambda t, li: t[li].view(self.nkv, self.P, -1)  # noqa: E731
         return [QuantKVCache(flat(self.cold_k, li), flat(self.cold_ks, li), flat(self.cold_v, li),
-                             flat(self.cold_vs, li), self.cold_bits, self.group, self.dtype) for li in range(self.L)]
+                             flat(self.cold_vs, li), self.cold_bits, self.group, self.dtype, device=self.device)
+                for li in range(self.L)]
 
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
@@ -322,6 +341,9 @@ class ThermalAttention:
     def scheduler_report(self) -> dict:
         """refreshes done; deferred: steps on which a due (or owed) refresh waited for bandwidth."""
         out = {"refreshes": self.refreshes, "deferred": self.deferred}
+        if self.cold_file is not None:
+            out.update(file_bytes=self.cold_file.nbytes, file_reads=self.file_reads,
+                       file_read_bytes=self.file_read_bytes, file_read_s=round(self.file_read_s, 4))
         if self.scheduler is not None:
             out.update(utilization=round(self.scheduler.utilization(), 3), deferring=self.scheduler.deferring,
                        transfers=self.scheduler.summary())
@@ -350,7 +372,7 @@ class ThermalAttention:
         """Up to `fetch` swaps a kv head: best missing page in, worst resident page out while the
         new one scores higher; the fetched pages' K and V go from the cold store into the slots.
         rope: (cos, sin, pos) when q is before RoPE."""
-        from zeroedge.kv.kernels import swap_pages
+        from zeroedge.kv.kernels import swap_pages, swap_pages_from_host
 
         S, pe = self.slots, self.ps * self.hd
         wk = self._slots(self.wk, li).view(self.nkv, S, pe)
@@ -359,6 +381,14 @@ class ThermalAttention:
         hv = self.hv[li].view(self.nkv, self.n, -1)
         scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
                                                     self.cold_vs[li].view(self.nkv, self.n, -1))
+        if self.host_refresh:
+            reads, nbytes, seconds = swap_pages_from_host(
+                self._page_lse(li, q, rope=rope), self.page_bias, self.page_slot[li], self.slot_page[li], wk, wv,
+                hk, hv, self.fetch, scales, self.cold_bits)
+            self.file_reads += reads
+            self.file_read_bytes += nbytes
+            self.file_read_s += seconds
+            return
         swap_pages(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
                    self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales,
                    bits=None if self.cold == "host" else self.cold_bits)

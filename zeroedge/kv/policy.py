@@ -59,6 +59,7 @@ THERMAL = ThermalSettings()
 COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
 COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)
 SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
+DEQUANT_BLOCK = 16384  # positions a compressed prefill cache dequantizes at a time (its fp32 step's bound)
 
 
 def thermal_settings(page_size: Optional[int] = None) -> ThermalSettings:
@@ -86,23 +87,26 @@ def window_pages(prefix_len: int, budget: float, s: ThermalSettings = THERMAL) -
 
 
 def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: int, element: int,
-                         budget: float, s: ThermalSettings = THERMAL, cold: str = "host") -> dict:
+                         budget: float, s: ThermalSettings = THERMAL, cold: str = "host",
+                         in_file: bool = False) -> dict:
     """What zeroedge.kv.attention.ThermalAttention holds in device memory (bytes): hot (the window's
     prefix pages), generated (the window's positions for new tokens), summaries (the sketch:
     codes two a byte, fp16 scales, fp32 query basis), page_table, cold_on_device (an int8 / int4 cold
     store: on the device, which on a Jetson is the one DRAM; a "host" cold store is in pinned host
-    memory), and prefix_full (the dense KV of the prefix, for comparison)."""
+    memory; in_file: the compressed store is mapped from a file, cold_in_file, and takes none), and
+    prefix_full (the dense KV of the prefix, for comparison)."""
     ps = s.page_size
     n = prefix_len // ps
     fixed, slots = window_pages(prefix_len, budget, s)
     group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
     kv = 2 * L * nkv * hd
+    cold_bytes = (kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2) if cold in COLD_BITS else 0
     return {"hot": kv * (fixed + slots) * ps * element,
             "generated": kv * gen_len * element,
             "summaries": L * nkv * sketch_nbytes(prefix_len, ps, min(s.rank, hd), hd),
             "page_table": 8 * L * nkv * n,
-            "cold_on_device": ((kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2)
-                               if cold in COLD_BITS else 0),
+            "cold_on_device": 0 if in_file else cold_bytes,
+            "cold_in_file": cold_bytes if in_file else 0,
             "prefix_full": kv * prefix_len * element}
 
 

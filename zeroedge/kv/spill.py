@@ -1,7 +1,7 @@
 """The file tier of the KV stores: fixed-size byte pages in one file (NVMe on a Jetson), torch-free.
 
-A stream whose cold pages outgrow DRAM spills them here (zeroedge.kv.ort_policy with `spill_dir`;
-zeroedge.kv.tiers.FileStore wraps it for torch tensors). The file is private and ours:
+A stream whose cold pages outgrow DRAM spills them here (zeroedge.kv.ort_policy with `spill_dir`);
+the torch decoder maps its whole cold store from one (zeroedge.kv.tiers.FileTensors). The file is private and ours:
 
 - its folder is checked before any page is written (zeroedge.kv.policy.check_cold_path: exists or
   can be made, writable, room for the first reservation);
@@ -114,6 +114,15 @@ class PageFile:
         self.reads += 1
         self.read_bytes += self.page_bytes
         return np.frombuffer(raw, np.uint8).copy()
+
+    def mapped(self):
+        """The reserved file as one writable shared mapping (mmap): the torch decoder's cold store
+        lives in it (zeroedge.kv.tiers.FileTensors). Every byte is reserved, so a store through the
+        mapping never meets a full disk (which would be a SIGBUS, not an error)."""
+        import mmap
+
+        self._check_open()
+        return mmap.mmap(self.fd, self.nbytes)
 
     @property
     def nbytes(self) -> int:

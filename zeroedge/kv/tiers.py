@@ -1,5 +1,5 @@
 """Tier storage (torch): int8 / int4 pages with per-group scales, the file cold store (a
-preallocated file on NVMe for long streams), and the transfer handler that moves pages on its own
+whole cold store mapped from one private file on NVMe), and the transfer handler that moves pages on its own
 CUDA stream and reports bytes and seconds per transfer. (The pinned host store of a discrete GPU is
 ThermalAttention's own, zeroedge.kv.attention.)
 """
@@ -53,13 +53,15 @@ class QuantKVCache(torch.nn.Module):
     the sum of q^T q per kv head (KVCache's)."""
 
     def __init__(self, codes_k, scales_k, codes_v, scales_v, bits: int, group: int, dtype,
-                 track_queries: bool = True):
+                 track_queries: bool = True, device=None):
         super().__init__()      # a module, as the attention's kv_cache slot wants (its tensors: views it does not own)
         self.ck, self.sk, self.cv, self.sv = codes_k, scales_k, codes_v, scales_v
         self.bits, self.group, self.dtype = bits, group, dtype
+        # where attention runs: the codes may live elsewhere (a mapped file: FileTensors)
+        self.device = torch.device(device) if device is not None else codes_k.device
         nkv, _, d = codes_k.shape
-        hd = d * 8 // bits
-        self.qcov = (torch.zeros(nkv, hd, hd, device=codes_k.device, dtype=torch.float32)
+        self.hd = d * 8 // bits
+        self.qcov = (torch.zeros(nkv, self.hd, self.hd, device=self.device, dtype=torch.float32)
                      if track_queries else None)
 
     @classmethod
@@ -81,9 +83,17 @@ class QuantKVCache(torch.nn.Module):
         return self.layer_kv(end, 0)[None], self.layer_kv(end, 1)[None]
 
     def layer_kv(self, n: int, which: int):
-        """K (which 0) or V (1) of the first n positions, dequantized: (n_kv, n, hd)."""
+        """K (which 0) or V (1) of the first n positions, dequantized on the device: (n_kv, n, hd),
+        DEQUANT_BLOCK positions at a time (its fp32 step and the codes it moves are one block's)."""
+        from zeroedge.kv.policy import DEQUANT_BLOCK
+
         c, s = (self.ck, self.sk) if which == 0 else (self.cv, self.sv)
-        return dequantize(c[:, :n], s[:, :n], self.bits, self.group, self.dtype)
+        out = torch.empty(c.shape[0], n, self.hd, dtype=self.dtype, device=self.device)
+        for i in range(0, n, DEQUANT_BLOCK):
+            j = min(n, i + DEQUANT_BLOCK)
+            out[:, i:j] = dequantize(c[:, i:j].to(self.device), s[:, i:j].to(self.device), self.bits, self.group,
+                                     self.dtype)
+        return out
 
 
 def quantized_nbytes(numel: int, bits: int, group: int) -> int:
@@ -93,29 +103,28 @@ def quantized_nbytes(numel: int, bits: int, group: int) -> int:
 # --------------------------------------------------------------------------------------------
 # cold stores
 # --------------------------------------------------------------------------------------------
-class FileStore:
-    """n_slots torch pages of one shape and dtype in a zeroedge.kv.spill.PageFile (its checks: a folder
-    with room, a private unlinked file, never a link; n_slots reserved before any page is written)."""
+class FileTensors:
+    """Named tensors in one private page file (zeroedge.kv.spill.PageFile: in a checked folder,
+    unlinked at once, mode 0600, every byte reserved before anything is written), mapped into
+    memory: the torch decoder's cold store on NVMe (`spill_dir`). They are CPU tensors; the kernel's
+    page cache holds what was read or written lately (memory it takes back under pressure), the
+    disk the rest. specs: name -> (shape, dtype); every tensor starts zero."""
 
-    def __init__(self, path: str, n_slots: int, page_shape, dtype=torch.float16):
+    ALIGN = 4096
+
+    def __init__(self, folder, specs: dict):
         from zeroedge.kv.spill import PageFile
 
-        self.page_shape, self.dtype = tuple(page_shape), dtype
-        self.page_bytes = int(torch.empty(page_shape, dtype=dtype).numel()
-                              * torch.empty((), dtype=dtype).element_size())
-        self.file = PageFile(path, self.page_bytes, n_slots)
-        self.n_slots = n_slots
-
-    def write(self, slot: int, page: torch.Tensor):
-        if not 0 <= slot < self.n_slots:
-            raise IndexError(f"slot {slot} outside the store's {self.n_slots}")
-        self.file.write(slot, page.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
-
-    def read(self, slot: int) -> torch.Tensor:
-        return torch.from_numpy(self.file.read(slot)).view(self.dtype).reshape(self.page_shape)
-
-    def close(self):
-        self.file.close()
+        place, total = {}, 0
+        for name, (shape, dtype) in specs.items():
+            n = max(1, int(torch.Size(shape).numel())) * torch.empty((), dtype=dtype).element_size()
+            place[name] = (total, n, tuple(shape), dtype)
+            total += -(-n // self.ALIGN) * self.ALIGN
+        self.file = PageFile(folder, total, reserve_pages=1)
+        self.nbytes = total
+        mm = self.file.mapped()
+        self.tensors = {name: torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=o).view(dtype).view(shape)
+                        for name, (o, n, shape, dtype) in place.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -256,7 +256,8 @@ class Decoder:
         self.pos.fill_(int(pos))
         self.attention.before(pos)
         flag = self.attention.flag(pos)
-        if not self.graph_wanted:
+        # a refresh whose pages the host reads (a cold store in a file) waits for it: no graph
+        if not self.graph_wanted or (flag and getattr(self.attention, "host_refresh", False)):
             with torch.no_grad():
                 return self._forward(flag)
         if flag not in self.graphs:

@@ -16,7 +16,7 @@ thermal KV when dense KV would not fit, from these numbers.
                for a moment (the sketch fit's fp64 / fp32 copies of a chunk of keys); both: the RoPE
                tables of the decode positions
   peak         dense: weights + decoder + activations; thermal int8 / int4: weights + decoder + one layer's
-               dequantized past + max(activations, sketch copies); thermal host: weights + prefill_kv
+               dequantized past (K and V; the fp32 step one block of it) + max(activations, sketch copies); thermal host: weights + prefill_kv
                + max(activations, decoder + sketch copies); a cap admits peak x (1 + HEADROOM)
 Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroedge.kv.policy import SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes
+from zeroedge.kv.policy import COLD_BITS, DEQUANT_BLOCK, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes
 
 
 HEADROOM = 0.1   # the forecast falls 2-6 % short of the H200's measured peaks (32K-64K): a cap admits forecast x 1.1
@@ -42,10 +42,12 @@ def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:
 
 def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Optional[float] = None,
                   settings: ThermalSettings = THERMAL, cold: str = "host", cold_shares_memory: bool = False,
-                  chunk: int = 2048, packed: int = 0) -> dict:
+                  chunk: int = 2048, packed: int = 0, cold_in_file: bool = False) -> dict:
     """The forecast (bytes) for one request: dense KV when budget is None, else thermal KV at hot
     fraction `budget`. cold: "host", "int8" or "int4"; cold_shares_memory: a "host" cold store is in the
-    same memory (CPU serving, or a Jetson's unified DRAM) and counts."""
+    same memory (CPU serving, or a Jetson's unified DRAM) and counts; cold_in_file: the int8 / int4
+    store is mapped from a file (`spill_dir`) and does not count (the page cache it passes through
+    is memory the kernel takes back)."""
     L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     ps = settings.page_size
     P = ((prompt_len - 1) // ps) * ps               # prefilled; the prompt's tail runs through decode
@@ -54,14 +56,18 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     act = C * (4 * cfg.dim + 3 * cfg.ffn_dim + (cfg.n_heads + 2 * nkv) * hd) * element
     rope = (prompt_len + max_new) * hd * (2 * element + 2)
     layer_kv = 2 * nkv * P * hd * element           # one layer's K/V at full precision
-    dequant = nkv * P * hd * 4                       # the fp32 step of dequantizing one of them
+    block = min(P, DEQUANT_BLOCK)                    # dequantized a block at a time: its fp32 step, and
+    dequant = nkv * block * hd * 4                   # from a file its codes and scales moved to the device
+    if cold_in_file:
+        dequant += nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * -(-hd // 32))
     load = 3 * min(P, SKETCH_CHUNK) * nkv * hd * 8   # the sketch fit's copies of a chunk of keys
     w = weights_bytes(cfg, element) + packed
     if budget is None:
         decoder = kv_token * (prompt_len + max_new) + rope
         out = {"weights": w, "prefill_kv": 0, "activations": act, "decoder": decoder, "peak": w + decoder + act}
         return out
-    kb = thermal_device_bytes(L, nkv, hd, P, prompt_len - P + max_new, element, budget, settings, cold)
+    kb = thermal_device_bytes(L, nkv, hd, P, prompt_len - P + max_new, element, budget, settings, cold,
+                              in_file=cold_in_file)
     decoder = kb["hot"] + kb["generated"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"] + rope
     if cold != "host":      # the prefill writes into the cold store; one layer's past is dequantized at a time
         out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant, "decoder": decoder}

@@ -248,9 +248,9 @@ class ServingSession:
     def _cold_store(self, device) -> str:
         """Where cold pages live follows the memory (kv.policy.plan_tiers): compressed where host memory
         frees nothing (a Jetson's unified DRAM, a CPU), full precision in pinned host memory beside a
-        discrete GPU; unless the session's thermal options say."""
-        return self.thermal_opts.get("cold") or ("int8" if plan_tiers(memory_kind(device)).cold_compressed
-                                                 else "host")
+        discrete GPU, or in a file (`spill_dir`: compressed); unless the session's thermal options say."""
+        compressed = "spill_dir" in self.thermal_opts or plan_tiers(memory_kind(device)).cold_compressed
+        return self.thermal_opts.get("cold") or ("int8" if compressed else "host")
 
     def _fit_memory(self, T: int, max_new: int, temperature: float, thermal: bool, mech: dict):
         """Under a device memory cap: the request's forecast (zeroedge.runtime.memory) with the KV the
@@ -271,7 +271,8 @@ class ServingSession:
                                                   **kw)["peak"] * (1 + HEADROOM))
         dense = forecast()
         therm = {c: forecast(budget=budget, settings=self._settings(), cold=c,
-                             cold_shares_memory=memory_kind(p.device) != "discrete") for c in colds}
+                             cold_shares_memory=memory_kind(p.device) != "discrete",
+                             cold_in_file="spill_dir" in self.thermal_opts) for c in colds}
         cap = self.device_memory
         fits = [c for c in colds if therm[c] <= cap]
         mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
@@ -322,6 +323,8 @@ class ServingSession:
         if bad:
             raise UserError(f"unknown thermal KV option(s) for the {self.backend} backend: "
                             f"{', '.join(bad)} (known: {', '.join(sorted(known))})")
+        if self.backend == "torch" and "spill_dir" in self.thermal_opts and self.thermal_opts.get("cold") == "host":
+            raise UserError("a cold store in a file (spill_dir) is compressed: cold must be int8 or int4")
 
     # -- control -------------------------------------------------------------------------------
     def set_level(self, level: int, which: str = "both"):
@@ -462,6 +465,7 @@ class ServingSession:
             device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
             detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
                           cold_store=cold, cold_on_device_bytes=kb["cold_on_device"],
+                          cold_in_file_bytes=kb["cold_in_file"],
                           scheduler=dec.attention.scheduler_report(),
                           migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
         else:

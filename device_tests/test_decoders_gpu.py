@@ -181,6 +181,49 @@ def test_int8_and_int4_cold_stores_in_the_graph_match_the_host_store(setup):
         assert att.device_kv_bytes()["cold_on_device"] > 0 == decs["host"].device_kv_bytes()["cold_on_device"]
 
 
+@pytest.mark.parametrize("cold", ["int8", "int4"])
+def test_a_cold_store_in_a_file_takes_the_in_memory_stores_pages(setup, tmp_path, cold):
+    """spill_dir on CUDA: the cold store is a mapped file the GPU cannot read, so each refresh step runs
+    outside the graph and the host reads the chosen pages (kv.kernels.swap_pages_from_host). It fetches
+    pages, every fetched slot holds exactly its dequantized page from the file, the maps agree, the
+    file store's bytes equal the in-memory store's, and the logits stay as close to dense as the
+    in-memory store's (the Triton swap in the graph: near-tied scores may pick other pages)."""
+    from zeroedge.kv.tiers import dequantize
+    from zeroedge.model import chunked_prefill
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    m, ids, _, ref, _ = setup
+    decs, starts = {}, {}
+    for where in ("memory", "file"):
+        d = ThermalDecoder(m, P, G, budget=0.25, fetch=4, cold=cold,
+                           spill_dir=str(tmp_path) if where == "file" else None)
+        d.load_prefix(*chunked_prefill(m, ids[:P].tolist(), 128, caches=d.attention.prefill_caches()))
+        decs[where], starts[where] = d, d.attention.slot_page.clone()
+    err = {w: _run(d, ids, ref) for w, d in decs.items()}
+    assert err["file"] <= err["memory"] + 0.05, err
+    att, mem = decs["file"].attention, decs["memory"].attention
+    assert att.cold_k.device.type == "cpu" and att.host_refresh and att.file_reads > 0
+    assert 1 not in decs["file"].graphs and 1 in decs["memory"].graphs   # its refresh steps ran eagerly
+    for name in ("cold_k", "cold_v", "cold_ks", "cold_vs"):
+        a, b = getattr(att, name), getattr(mem, name).cpu()
+        assert (a.view(torch.uint8) == b.view(torch.uint8)).float().mean() > 0.999, name   # same codes (bf16 prefill)
+    bits = 8 if cold == "int8" else 4
+    fetched = 0
+    for li in range(len(m.layers)):
+        win = att._slots(att.wk, li).view(att.nkv, att.slots, att.ps, att.hd)
+        assert torch.equal(att.page_slot[li].gather(1, att.slot_page[li]), att.ar_slots[None].expand(att.nkv, -1))
+        for h in range(att.nkv):
+            for s in (att.slot_page[li, h] != starts["file"][li, h]).nonzero().flatten().tolist():
+                page = int(att.slot_page[li, h, s])
+                want = dequantize(att.cold_k[li, h, page].cuda(), att.cold_ks[li, h, page].cuda(), bits, att.group,
+                                  win.dtype)
+                assert torch.equal(win[h, s], want), (li, h, s)
+                fetched += 1
+    assert fetched > 0
+    assert att.device_kv_bytes()["cold_on_device"] == 0 < att.device_kv_bytes()["cold_in_file"]
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("embedding_bits", [8, 4])
 def test_packed_int4_decoders_in_the_graph_match_the_quantized_model(embedding_bits):
     """Weights packed to int4 (group 32, float zero point; LM head int8 or int4): the dense and thermal

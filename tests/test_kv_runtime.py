@@ -499,3 +499,38 @@ def test_a_page_size_keeps_the_recent_window_in_tokens_and_the_sketch_block_in_t
     r = E.run_eval(tiny, ids_(288), 0.25, page_size=16, continuation=32)
     assert r["options"]["recent_pages"] == 2 and r["page_size"] == 16
     assert E.run_eval(tiny, ids_(288), 0.25, continuation=32)["options"]["recent_pages"] == 4
+
+
+def test_the_host_swap_makes_the_greedy_swaps_decisions():
+    """kv.kernels.swap_pages_from_host (a cold store the device cannot read): the same page tables and
+    window as the greedy reference, int8 and int4 codes, over random scores with a few resident
+    pages and sink / recent pages that never move."""
+    from zeroedge.kv.kernels import page_scores_ref, swap_pages_from_host, swap_pages_ref
+    from zeroedge.kv.tiers import quantize
+
+    g = torch.Generator().manual_seed(3)
+    nkv, grp, n, S, ps, hd = 3, 2, 40, 6, 4, 32
+    total = 0
+    for bits in (8, 4):
+        for trial in range(6):
+            pl = torch.randn(nkv, grp, n, generator=g)
+            bias = torch.zeros(n)
+            bias[:2] = bias[-3:] = float("-inf")
+            slot_page = torch.stack([torch.randperm(n - 5, generator=g)[:S] + 2 for _ in range(nkv)])
+            page_slot = torch.full((nkv, n), -1, dtype=torch.long)
+            page_slot.scatter_(1, slot_page, torch.arange(S).expand(nkv, -1).contiguous())
+            cold = torch.randn(2, nkv, n, ps * hd, generator=g)
+            codes = [quantize(c, bits, 32) for c in cold]
+            (hk, ks), (hv, vs) = codes
+            w = torch.randn(2, nkv, S, ps * hd, generator=g)
+            ref = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
+            swap_pages_ref(page_scores_ref(pl, bias), *ref, hk, hv, 3, (ks, vs), bits)
+            got = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
+            reads, nbytes, _ = swap_pages_from_host(pl, bias, *got, hk, hv, 3, (ks, vs), bits)
+            for a, b in zip(ref, got):
+                assert torch.equal(a, b), (bits, trial)
+            moved = int((ref[1] != slot_page).sum())
+            assert reads == moved and nbytes == moved * (hk[0, 0].numel() * 2 + ks[0, 0].numel() * 4)
+            assert (page_slot[:, :2] == got[0][:, :2]).all() and (page_slot[:, -3:] == got[0][:, -3:]).all()
+            total += moved
+    assert total > 0

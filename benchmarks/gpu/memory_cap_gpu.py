@@ -11,6 +11,8 @@
     PYTHONPATH=$PWD python3 benchmarks/gpu/memory_cap_gpu.py [--json OUT]
     # what memory alone allows, past llama-3.2-1b's 131K positions (random weights: a shape only):
     PYTHONPATH=$PWD python3 benchmarks/gpu/memory_cap_gpu.py --cap-only --boards orin-nano-8gb --max-seq-len 524288
+    # and the cold store in a file (run --kv-spill): thermal int8 / int4 file columns
+    ... --spill /path/on/disk
 """
 import argparse
 import json
@@ -31,6 +33,9 @@ def main():
     ap.add_argument("--boards", default="orin-nano-8gb,orin-nx-16gb")
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="the model's position limit (default: the preset's, 131072)")
+    ap.add_argument("--spill", default=None, help="a folder: also the cold store in a file there")
+    ap.add_argument("--modes", default=None, help="only these modes (comma-separated names)")
+    ap.add_argument("--at-most", type=int, default=None, help="part 2: search no prompt longer than this")
     a = ap.parse_args()
     import torch
 
@@ -52,30 +57,40 @@ def main():
         torch.cuda.synchronize()
         return r, torch.cuda.max_memory_allocated()
 
+    def thermal(cold, file=False):         # (forecast kwargs, session kwargs)
+        opts = {"cold": cold, **({"spill_dir": a.spill} if file else {})}
+        return dict(budget=0.1, cold=cold, cold_in_file=file), dict(kv_budget=0.1, thermal_opts=opts)
+
+    modes = {"dense": ({}, {}), "thermal int8 cold": thermal("int8"), "thermal int4 cold": thermal("int4"),
+             "thermal host cold": thermal("host")}
+    if a.spill:
+        modes.update({"thermal int8 file": thermal("int8", True), "thermal int4 file": thermal("int4", True)})
+    if a.modes:
+        modes = {k: v for k, v in modes.items() if k in a.modes.split(",")}
+
+    def served(r):
+        return dict(prefill_s=round(r.prefill_s, 2), decode_tok_s=round(r.tokens_per_s, 1),
+                    scheduler=r.detail.get("scheduler"))
+
     for T in bs.int_list(a.ctx) if not a.cap_only else []:
-        for mode, kw, fk in (("dense", {}, {}),
-                             ("thermal int8 cold", dict(kv_budget=0.1, thermal_opts={"cold": "int8"}),
-                              dict(budget=0.1, cold="int8")),
-                             ("thermal int4 cold", dict(kv_budget=0.1, thermal_opts={"cold": "int4"}),
-                              dict(budget=0.1, cold="int4")),
-                             ("thermal host cold", dict(kv_budget=0.1, thermal_opts={"cold": "host"}),
-                              dict(budget=0.1, cold="host"))):
+        for mode, (fk, kw) in modes.items():
             r, peak = measure(T, **kw)
             fc = request_bytes(cfg, 2, T, NEW, **fk)["peak"]
             rows.append({"part": "forecast", "ctx": T, "mode": mode, "measured_peak": peak, "forecast_peak": fc,
-                         "forecast_over_measured": round(fc / peak, 3), "thermal": r.mechanisms["thermal_kv"]})
+                         "forecast_over_measured": round(fc / peak, 3), "thermal": r.mechanisms["thermal_kv"],
+                         **served(r)})
             print(json.dumps(rows[-1]), flush=True)
 
     limit = cfg.max_seq_len - NEW
+    top = min(limit, a.at_most or limit)
     for board in a.boards.split(","):
         t = TARGETS[board]
         cap = t.memory - t.os_reserve - RUNTIME
-        for mode, fk, kw in (("dense", {}, dict(release_level=0)),
-                             ("thermal int8 cold", dict(budget=0.1, cold="int8"),
-                              dict(kv_budget=0.1, thermal_opts={"cold": "int8"})),
-                             ("thermal int4 cold", dict(budget=0.1, cold="int4"),
-                              dict(kv_budget=0.1, thermal_opts={"cold": "int4"}))):
-            lo, hi = 64, limit
+        for mode, (fk, kw) in modes.items():
+            if mode == "thermal host cold":       # a discrete GPU's store: not a Jetson's
+                continue
+            kw = kw or dict(release_level=0)
+            lo, hi = 64, top
             while lo < hi:                                 # the largest prompt whose forecast fits
                 mid = (lo + hi + 1) // 2
                 if request_bytes(cfg, 2, mid, NEW, **fk)["peak"] * (1 + HEADROOM) <= cap:
@@ -83,10 +98,10 @@ def main():
                 else:
                     hi = mid - 1
             row = {"part": "cap", "board": board, "cap": cap, "mode": mode, "largest_prompt": lo,
-                   "limited_by": "model context" if lo == limit else "memory"}
+                   "limited_by": "model context" if lo == limit else "--at-most" if lo == top else "memory"}
             try:
                 r, peak = measure(lo, device_memory=cap, **kw)
-                row.update(served=True, measured_peak=peak, thermal=r.mechanisms["thermal_kv"])
+                row.update(served=True, measured_peak=peak, thermal=r.mechanisms["thermal_kv"], **served(r))
             except Exception as e:       # noqa: BLE001 - the row says what failed
                 row.update(served=False, error=str(e).splitlines()[0][:300])
             torch.cuda.set_per_process_memory_fraction(1.0)

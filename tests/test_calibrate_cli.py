@@ -105,3 +105,10 @@ def test_eval_under_a_device_memory_cap(tiny_hf, text_file):
     assert t["cold_store"] == "int4" and t["thermal_int4_forecast"] <= cap < t["thermal_forecast"]
     with pytest.raises(UserError, match="does not fit"):
         served_under(cfg, 131000, 3 << 30)
+    # the cold store in a file (run --kv-spill) takes no device memory: 3x dense's ~94K fits, in memory it does not
+    t = served_under(cfg, 3 * 94721, cap, cold_in_file=True)
+    assert t["served"] == "thermal" and t["cold_store"] == "int8" and t["cold_in_file"]
+    with pytest.raises(UserError, match="does not fit"):
+        served_under(cfg, 3 * 94721, cap)
+    r = run_cli("eval", tiny_hf, "--text", text_file, "--ctx", "1200", "--kv-budget", "0.2", "--cold-in-file", check_rc=2)
+    assert "goes with a cap" in r.stderr and "Traceback" not in r.stderr

@@ -83,7 +83,7 @@ def main():
 
     limit = cfg.max_seq_len - NEW
     top = min(limit, a.at_most or limit)
-    for board in a.boards.split(","):
+    for board in filter(None, a.boards.split(",")):
         t = TARGETS[board]
         cap = t.memory - t.os_reserve - RUNTIME
         for mode, (fk, kw) in modes.items():

@@ -43,14 +43,21 @@ CONTINUATION = 1024
               help="Evaluate the artifact's decode path predictors (needs --calib).")
 @memory_cap_options("What `zeroedge run` would serve at --ctx under this device memory cap (e.g. 8G): "
                     "dense, thermal KV, or exit 2.")
+@click.option("--cold-in-file", "cold_in_file", is_flag=True,
+              help="With a cap: forecast as `run --kv-spill DIR` serves, the cold store in a file (no device "
+                   "memory; the same codes, so the same perplexity).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
-        device_memory=None, board=None, bundle=None):
+        device_memory=None, board=None, bundle=None, cold_in_file=False):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
     cap = memory_cap(device_memory, board)
     _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap)
+    if cold_in_file and cap is None:
+        from zeroedge.errors import UserError
+
+        raise UserError("--cold-in-file goes with a cap (--device-memory SIZE or --board B)")
     check_model(model)                                   # a missing model: refused before torch loads
     from zeroedge.texts import check_spec
 
@@ -59,7 +66,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     m, ids = _load_tokens(model, text, ctx, offset, threads)
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
     if cap is not None:
-        result["device_memory"] = served_under(m.cfg, ctx, cap, kv_budget)
+        result["device_memory"] = served_under(m.cfg, ctx, cap, kv_budget, cold_in_file)
         if result["device_memory"]["served"] == "thermal" and kv_budget is None:
             kv_budget = result["device_memory"]["thermal_budget"]
     if meta is not None:
@@ -203,19 +210,20 @@ def weights_eval(m, ids, calib, meta) -> dict:
             "weight_bytes": weight_bytes(m.cfg, section)["total"], "weight_bytes_fp16": weight_bytes(m.cfg)["total"]}
 
 
-def served_under(cfg, ctx: int, cap: int, kv_budget=None) -> dict:
+def served_under(cfg, ctx: int, cap: int, kv_budget=None, cold_in_file: bool = False) -> dict:
     """What the torch serving session would do with a ctx-token prompt under the cap, on a bf16 device
-    with a compressed cold store (a Jetson's: int8, int4 when int8 does not fit): the forecasts with
-    the session's headroom, and "dense" or "thermal"; a UserError when nothing fits."""
+    with a compressed cold store (a Jetson's: int8, int4 when int8 does not fit; in a file with
+    cold_in_file, as `run --kv-spill`): the forecasts with the session's headroom, and "dense" or
+    "thermal"; a UserError when nothing fits."""
     from zeroedge.errors import UserError
     from zeroedge.runtime.memory import HEADROOM, request_bytes
 
     budget = kv_budget or 0.1
     dense, int8, int4 = (int(request_bytes(cfg, 2, ctx, 1, **kw)["peak"] * (1 + HEADROOM))
-                         for kw in ({}, *(dict(budget=budget, cold=c, cold_shares_memory=True)
+                         for kw in ({}, *(dict(budget=budget, cold=c, cold_shares_memory=True, cold_in_file=cold_in_file)
                                           for c in ("int8", "int4"))))
     out = {"cap": cap, "dense_forecast": dense, "thermal_forecast": int8, "thermal_int4_forecast": int4,
-           "thermal_budget": budget, "dtype": "bf16", "cold_store": "int8"}
+           "thermal_budget": budget, "dtype": "bf16", "cold_store": "int8", "cold_in_file": cold_in_file}
     if dense <= cap:
         return dict(out, served="dense")
     if int8 <= cap or int4 <= cap:

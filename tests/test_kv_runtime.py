@@ -501,18 +501,20 @@ def test_a_page_size_keeps_the_recent_window_in_tokens_and_the_sketch_block_in_t
     assert E.run_eval(tiny, ids_(288), 0.25, continuation=32)["options"]["recent_pages"] == 4
 
 
-def test_the_host_swap_makes_the_greedy_swaps_decisions():
-    """kv.kernels.swap_pages_from_host (a cold store the device cannot read): the same page tables and
-    window as the greedy reference, int8 and int4 codes, over random scores with a few resident
-    pages and sink / recent pages that never move."""
-    from zeroedge.kv.kernels import page_scores_ref, swap_pages_from_host, swap_pages_ref
+def test_the_host_fetch_makes_the_greedy_swaps_decisions():
+    """kv.host_fetch (a cold store the device cannot read: decide, read on the host, apply, in static
+    shapes): the same page tables and window as the greedy reference, int8 and int4 codes, over
+    random scores, with sink / recent pages that never move and stale staging rows ignored."""
+    from zeroedge.kv.host_fetch import HostFetch
+    from zeroedge.kv.kernels import page_scores_ref, swap_pages_ref
     from zeroedge.kv.tiers import quantize
 
     g = torch.Generator().manual_seed(3)
-    nkv, grp, n, S, ps, hd = 3, 2, 40, 6, 4, 32
+    nkv, grp, n, ps, hd, F = 3, 2, 40, 4, 32, 3
     total = 0
     for bits in (8, 4):
-        for trial in range(6):
+        for trial in range(8):
+            S = 34 if trial == 7 else 6          # 34 of the 35 movable pages resident: fewer missing than F
             pl = torch.randn(nkv, grp, n, generator=g)
             bias = torch.zeros(n)
             bias[:2] = bias[-3:] = float("-inf")
@@ -520,17 +522,20 @@ def test_the_host_swap_makes_the_greedy_swaps_decisions():
             page_slot = torch.full((nkv, n), -1, dtype=torch.long)
             page_slot.scatter_(1, slot_page, torch.arange(S).expand(nkv, -1).contiguous())
             cold = torch.randn(2, nkv, n, ps * hd, generator=g)
-            codes = [quantize(c, bits, 32) for c in cold]
-            (hk, ks), (hv, vs) = codes
+            (hk, ks), (hv, vs) = (quantize(c, bits, 32) for c in cold)
             w = torch.randn(2, nkv, S, ps * hd, generator=g)
             ref = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
-            swap_pages_ref(page_scores_ref(pl, bias), *ref, hk, hv, 3, (ks, vs), bits)
+            swap_pages_ref(page_scores_ref(pl, bias), *ref, hk, hv, F, (ks, vs), bits)
+            hf = HostFetch(nkv, F, (hk, hv, ks, vs), bits, 32, torch.device("cpu"))
+            for st in hf.stage:                                       # stale rows: must not leak in
+                st.copy_(torch.randint(0, 100, st.shape).to(st.dtype))
             got = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
-            reads, nbytes, _ = swap_pages_from_host(pl, bias, *got, hk, hv, 3, (ks, vs), bits)
+            hf.decide(pl, bias, got[0])
+            hf.read((hk, hv, ks, vs))
+            hf.apply(*got)
             for a, b in zip(ref, got):
                 assert torch.equal(a, b), (bits, trial)
             moved = int((ref[1] != slot_page).sum())
-            assert reads == moved and nbytes == moved * (hk[0, 0].numel() * 2 + ks[0, 0].numel() * 4)
-            assert (page_slot[:, :2] == got[0][:, :2]).all() and (page_slot[:, -3:] == got[0][:, -3:]).all()
+            assert hf.reads == moved and hf.read_bytes == moved * (hk[0, 0].numel() * 2 + ks[0, 0].numel() * 4)
             total += moved
     assert total > 0

@@ -10,8 +10,8 @@ and takes no device memory). Every `refresh_every` steps each kv head scores all
 Triton kernel, zeroedge.kv.kernels) and swaps up to `fetch` pages (best missing in, worst resident
 out while the new one scores higher), copying them straight from host memory into the window in the
 same kernel, inside the step's CUDA graph (no host round trip; a cold store in a file is the
-exception: its refresh steps run outside the graph, the host reading the chosen pages from the file,
-zeroedge.kv.kernels.swap_pages_from_host); attention reads only the window.
+exception: the host reads the chosen pages between the graph's pieces, zeroedge.kv.host_fetch);
+attention reads only the window.
 Attention is the dense decoder's Triton kernel over the window's valid prefix on CUDA
 (zeroedge.kv.decode_attention), masked SDPA elsewhere. With lag 1 (kv.policy.ThermalSettings) a
 layer's refresh runs after its attention and serves the next step; on CUDA it then runs on a side
@@ -135,8 +135,9 @@ class ThermalAttention:
                              f"{recent_pages} recent pages and a slot")
         self.cold, self.lag, self.attn, self.spill_dir = cold, lag, attn, spill_dir
         self.cold_file = None                   # zeroedge.kv.tiers.FileTensors with spill_dir
-        self.file_reads = self.file_read_bytes = 0
-        self.file_read_s = 0.0
+        self.host_fetch = None                  # zeroedge.kv.host_fetch.HostFetch with spill_dir
+        # set by the decoder while it captures a refresh step: the step's graph ends at each host read
+        self.on_host_read = None
         self.cold_filled = False
         # zeroedge.kv.scheduler.BandwidthScheduler: a refresh (page scoring + swaps) is deferred while
         # memory bandwidth is busy, and made up at the next step it is not
@@ -160,8 +161,6 @@ class ThermalAttention:
         self.fixed, self.slots = window_pages(self.P, self.budget, self.settings)
         self.fetch = min(self.fetch_wanted, self.slots)
         pin = device.type == "cuda"
-        # on CUDA a cold store in a file is read by the host: refresh steps run outside the CUDA graph
-        self.host_refresh = self.spill_dir is not None and pin
         # cold store: every prefix page, in host memory at full precision, or int8 / int4 on the device
         # (or in a mapped file)
         if self.cold != "host":
@@ -225,6 +224,30 @@ class ThermalAttention:
         nb = part_blocks(n, ps)
         self.lse_part = (torch.empty(nkv, H // nkv, nb, device=device), torch.empty(nkv, H // nkv, nb, device=device)
                          ) if pin and sketch_kernel_fits(ps, self.rank) else None
+        if self.cold_file is not None:
+            from zeroedge.kv.host_fetch import HostFetch
+
+            self.host_fetch = HostFetch(nkv, self.fetch, self._cold_pages(0), self.cold_bits, self.group, device)
+
+    @property
+    def host_refresh(self) -> bool:
+        """A refresh reads pages on the host (a cold store in a file): on CUDA its step is captured in
+        pieces (zeroedge.runtime.fast.Decoder)."""
+        return self.host_fetch is not None and self.device.type == "cuda"
+
+    def _cold_pages(self, li):
+        """Layer li's cold store, each (nkv, n, bytes of a page): K codes, V codes, K scales, V scales
+        (the full-precision store: K, V)."""
+        out = [t[li].view(self.nkv, self.n, -1) for t in (self.cold_k, self.cold_v)]
+        if self.cold != "host":
+            out += [t[li].view(self.nkv, self.n, -1) for t in (self.cold_ks, self.cold_vs)]
+        return out
+
+    def host_read(self, li):
+        """The host's part of layer li's refresh (a cold store in a file), once the device decided."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.host_fetch.read(self._cold_pages(li))
 
     def kv_bytes(self) -> int:
         return self.device_kv_bytes()["hot"]
@@ -342,8 +365,9 @@ class ThermalAttention:
         """refreshes done; deferred: steps on which a due (or owed) refresh waited for bandwidth."""
         out = {"refreshes": self.refreshes, "deferred": self.deferred}
         if self.cold_file is not None:
-            out.update(file_bytes=self.cold_file.nbytes, file_reads=self.file_reads,
-                       file_read_bytes=self.file_read_bytes, file_read_s=round(self.file_read_s, 4))
+            hf = self.host_fetch
+            out.update(file_bytes=self.cold_file.nbytes, file_reads=hf.reads, file_read_bytes=hf.read_bytes,
+                       file_read_s=round(hf.read_s, 4))
         if self.scheduler is not None:
             out.update(utilization=round(self.scheduler.utilization(), 3), deferring=self.scheduler.deferring,
                        transfers=self.scheduler.summary())
@@ -372,7 +396,7 @@ class ThermalAttention:
         """Up to `fetch` swaps a kv head: best missing page in, worst resident page out while the
         new one scores higher; the fetched pages' K and V go from the cold store into the slots.
         rope: (cos, sin, pos) when q is before RoPE."""
-        from zeroedge.kv.kernels import swap_pages, swap_pages_from_host
+        from zeroedge.kv.kernels import swap_pages
 
         S, pe = self.slots, self.ps * self.hd
         wk = self._slots(self.wk, li).view(self.nkv, S, pe)
@@ -381,13 +405,10 @@ class ThermalAttention:
         hv = self.hv[li].view(self.nkv, self.n, -1)
         scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
                                                     self.cold_vs[li].view(self.nkv, self.n, -1))
-        if self.host_refresh:
-            reads, nbytes, seconds = swap_pages_from_host(
-                self._page_lse(li, q, rope=rope), self.page_bias, self.page_slot[li], self.slot_page[li], wk, wv,
-                hk, hv, self.fetch, scales, self.cold_bits)
-            self.file_reads += reads
-            self.file_read_bytes += nbytes
-            self.file_read_s += seconds
+        if self.host_fetch is not None:         # a cold store in a file: decide, read on the host, apply
+            self.host_fetch.decide(self._page_lse(li, q, rope=rope), self.page_bias, self.page_slot[li])
+            (self.on_host_read or self.host_read)(li)
+            self.host_fetch.apply(self.page_slot[li], self.slot_page[li], wk, wv)
             return
         swap_pages(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
                    self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales,
@@ -426,7 +447,7 @@ class ThermalAttention:
         """Lag 1: layer li's refresh from its query in qbuf, after its attention; on CUDA on the side
         stream (nothing later in the step reads layer li's window or page tables; batching several
         layers' refreshes into one launch measured no faster on the H200)."""
-        if self.side is None:
+        if self.side is None or self.host_fetch is not None:   # a host read cuts the step's graph: inline
             self._swap(li, self.qbuf[li])
             return
         self.side.wait_stream(torch.cuda.current_stream())

@@ -245,40 +245,6 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
                     wv[h, s] = dequantize(hv[h, bm], scales[1][h, bm], bits, g, wv.dtype)
 
 
-def swap_pages_from_host(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales, bits: int):
-    """swap_pages when the cold store (hk, hv and `scales`: int8 / int4 codes as in swap_pages_ref)
-    is host memory the device cannot read, e.g. a file mapped by zeroedge.kv.tiers.FileTensors:
-    the same decisions on the device (pair i: the i-th best missing page in for the i-th worst
-    resident while it scores higher, what the greedy loop does), then one wait for the host, which
-    reads the chosen pages (from the page cache, or the disk) and sends them to the window.
-    Returns (pages read, bytes read, seconds the host spent reading)."""
-    import time
-
-    from zeroedge.kv.tiers import dequantize
-
-    score = page_scores_ref(pl, page_bias)
-    inf = torch.tensor(float("inf"), device=score.device)
-    vm, bm = torch.where(page_slot < 0, score, -inf).topk(fetch, dim=1)
-    vr, wr = torch.where(page_slot >= 0, score, inf).topk(fetch, dim=1, largest=False)
-    h, j = (vm > vr).nonzero(as_tuple=True)
-    page, out = bm[h, j], wr[h, j]
-    slot = page_slot[h, out]
-    if h.numel() == 0:
-        return 0, 0, 0.0
-    hc, pc = h.cpu(), page.cpu()                    # the wait for the device's decisions
-    t0 = time.perf_counter()
-    got = [x[hc, pc] for x in (hk, hv, scales[0], scales[1])]
-    seconds = time.perf_counter() - t0
-    k, v, ks, vs = (x.to(wk.device, non_blocking=False) for x in got)
-    g = wk.shape[-1] // ks.shape[-1]
-    wk[h, slot] = dequantize(k, ks, bits, g, wk.dtype)
-    wv[h, slot] = dequantize(v, vs, bits, g, wv.dtype)
-    page_slot[h, out] = -1
-    page_slot[h, page] = slot
-    slot_page[h, slot] = page
-    return int(h.numel()), sum(x.numel() * x.element_size() for x in got), seconds
-
-
 def _build_swap():
     global copy_pages, commit_swap, no_swaps, store_swaps  # Triton looks a jit function's callees up in its module's globals
     import triton

@@ -256,10 +256,11 @@ class Decoder:
         self.pos.fill_(int(pos))
         self.attention.before(pos)
         flag = self.attention.flag(pos)
-        # a refresh whose pages the host reads (a cold store in a file) waits for it: no graph
-        if not self.graph_wanted or (flag and getattr(self.attention, "host_refresh", False)):
+        if not self.graph_wanted:
             with torch.no_grad():
                 return self._forward(flag)
+        # a refresh whose pages the host reads (a cold store in a file) is captured in pieces
+        pieces = bool(flag) and getattr(self.attention, "host_refresh", False)
         if flag not in self.graphs:
             # captured on the attention's own stream where it has one (thermal lag 1: a high priority)
             s = getattr(self.attention, "main_stream", None) or torch.cuda.Stream()
@@ -268,12 +269,48 @@ class Decoder:
                 for _ in range(2):
                     self._forward(flag)
             torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=getattr(self.attention, "main_stream", None)), torch.no_grad():
-                self.outs[flag] = self._forward(flag)
-            self.graphs[flag] = g
-        self.graphs[flag].replay()
+            if pieces:
+                self.graphs[flag] = self._capture_pieces(flag)
+            else:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=getattr(self.attention, "main_stream", None)), torch.no_grad():
+                    self.outs[flag] = self._forward(flag)
+                self.graphs[flag] = g
+        if pieces:
+            for g, li in self.graphs[flag]:
+                g.replay()
+                if li is not None:
+                    self.attention.host_read(li)
+        else:
+            self.graphs[flag].replay()
         return self.outs[flag]
+
+    def _capture_pieces(self, flag) -> list:
+        """The step as graphs cut at each host read (attention.on_host_read): [(graph, layer whose
+        pages the host reads after it, or None for the last)], captured in order into one memory
+        pool and replayed in that order."""
+        pool = torch.cuda.graph_pool_handle()
+        pieces = []
+        graph = torch.cuda.CUDAGraph()
+
+        def cut(li):
+            nonlocal graph
+            graph.capture_end()
+            pieces.append((graph, li))
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()), torch.no_grad():
+            graph.capture_begin(pool=pool)
+            self.attention.on_host_read = cut
+            try:
+                self.outs[flag] = self._forward(flag)
+            finally:
+                self.attention.on_host_read = None
+                graph.capture_end()
+        pieces.append((graph, None))
+        return pieces
 
 
 class DenseAttention:

@@ -15,6 +15,7 @@
     ... --spill /path/on/disk
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -51,6 +52,7 @@ def main():
 
     def measure(T, **kw):
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
+        gc.collect()                       # the previous request's decoder (reference cycles) is gone
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         r = ServingSession(m, **kw).generate(ids, NEW)

@@ -11,13 +11,15 @@ thermal KV when dense KV would not fit, from these numbers.
   activations  one prefill chunk's hidden states, q/k/v and MLP intermediates (its causal mask is
                a lower-right bias, never materialised)
   decoder      dense: the static cache of prompt + new tokens; thermal: the window, sketch, page
-               table and (int8 / int4, or any cold store on a memory the host shares) the cold store
+               table and (int8 / int4 unless mapped from a file, or any cold store on a memory the host
+               shares) the cold store
                (zeroedge.kv.policy.thermal_device_bytes), plus what loading a layer's prefix takes
                for a moment (the sketch fit's fp64 / fp32 copies of a chunk of keys); both: the RoPE
                tables of the decode positions
-  peak         dense: weights + decoder + activations; thermal int8 / int4: weights + decoder + one layer's
-               dequantized past (K and V; the fp32 step one block of it) + max(activations, sketch copies); thermal host: weights + prefill_kv
-               + max(activations, decoder + sketch copies); a cap admits peak x (1 + HEADROOM)
+  peak         dense: weights + decoder + activations; thermal int8 / int4: weights + decoder + one
+               layer's dequantized past (K and V; the fp32 step one block of it) + max(activations,
+               sketch copies); thermal host: weights + prefill_kv + max(activations, decoder + sketch
+               copies); a cap admits peak x (1 + HEADROOM)
 Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
 """
 from __future__ import annotations

@@ -220,8 +220,8 @@ def served_under(cfg, ctx: int, cap: int, kv_budget=None, cold_in_file: bool = F
 
     budget = kv_budget or 0.1
     dense, int8, int4 = (int(request_bytes(cfg, 2, ctx, 1, **kw)["peak"] * (1 + HEADROOM))
-                         for kw in ({}, *(dict(budget=budget, cold=c, cold_shares_memory=True, cold_in_file=cold_in_file)
-                                          for c in ("int8", "int4"))))
+                         for kw in ({}, *(dict(budget=budget, cold=c, cold_shares_memory=True,
+                                               cold_in_file=cold_in_file) for c in ("int8", "int4"))))
     out = {"cap": cap, "dense_forecast": dense, "thermal_forecast": int8, "thermal_int4_forecast": int4,
            "thermal_budget": budget, "dtype": "bf16", "cold_store": "int8", "cold_in_file": cold_in_file}
     if dense <= cap:

@@ -135,7 +135,8 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
     prompt = _read_prompt(prompt, prompt_file)
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
-    spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, device_memory is not None or board is not None)
+    capped = device_memory is not None or board is not None
+    spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, capped)
     budget = kv_budget
     cap = memory_cap(device_memory, board)
     if cap is not None and backend != "torch":

@@ -401,15 +401,15 @@ class ThermalAttention:
         S, pe = self.slots, self.ps * self.hd
         wk = self._slots(self.wk, li).view(self.nkv, S, pe)
         wv = self._slots(self.wv, li).view(self.nkv, S, pe)
-        hk = self.hk[li].view(self.nkv, self.n, -1)
-        hv = self.hv[li].view(self.nkv, self.n, -1)
-        scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
-                                                    self.cold_vs[li].view(self.nkv, self.n, -1))
         if self.host_fetch is not None:         # a cold store in a file: decide, read on the host, apply
             self.host_fetch.decide(self._page_lse(li, q, rope=rope), self.page_bias, self.page_slot[li])
             (self.on_host_read or self.host_read)(li)
             self.host_fetch.apply(self.page_slot[li], self.slot_page[li], wk, wv)
             return
+        hk = self.hk[li].view(self.nkv, self.n, -1)
+        hv = self.hv[li].view(self.nkv, self.n, -1)
+        scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
+                                                    self.cold_vs[li].view(self.nkv, self.n, -1))
         swap_pages(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
                    self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales,
                    bits=None if self.cold == "host" else self.cold_bits)

@@ -1,7 +1,8 @@
 """The file tier of the KV stores: fixed-size byte pages in one file (NVMe on a Jetson), torch-free.
 
 A stream whose cold pages outgrow DRAM spills them here (zeroedge.kv.ort_policy with `spill_dir`);
-the torch decoder maps its whole cold store from one (zeroedge.kv.tiers.FileTensors). The file is private and ours:
+the torch decoder maps its whole cold store from one (zeroedge.kv.tiers.FileTensors). The file is
+private and ours:
 
 - its folder is checked before any page is written (zeroedge.kv.policy.check_cold_path: exists or
   can be made, writable, room for the first reservation);

@@ -1,7 +1,7 @@
-"""Tier storage (torch): int8 / int4 pages with per-group scales, the file cold store (a
-whole cold store mapped from one private file on NVMe), and the transfer handler that moves pages on its own
-CUDA stream and reports bytes and seconds per transfer. (The pinned host store of a discrete GPU is
-ThermalAttention's own, zeroedge.kv.attention.)
+"""Tier storage (torch): int8 / int4 pages with per-group scales, the compressed prefill cache,
+the file cold store (a whole cold store mapped from one private file on NVMe), and the transfer
+handler that moves pages on its own CUDA stream and reports bytes and seconds per transfer. (The
+pinned host store of a discrete GPU is ThermalAttention's own, zeroedge.kv.attention.)
 """
 from __future__ import annotations
 

@@ -638,6 +638,23 @@ def test_run_keeps_the_torch_cold_store_in_a_spill_file(tmp_path):
     assert not list(spill.iterdir())
 
 
+def test_run_kv_spill_that_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
+    """The torch cold store's file is reserved in full before a byte is written: a disk that refuses
+    (here a 4 KiB file size limit) is a one-line error, exit 2, and an empty folder."""
+    import resource
+    import subprocess
+    import sys
+
+    spill = tmp_path / "spill"
+    p = subprocess.run([sys.executable, "-m", "zeroedge.cli", "run", "tiny", "--prompt",
+                        "the quick brown fox jumps over the lazy dog " * 5, "--max-new", "2", "--kv-budget", "0.2",
+                        "--kv-spill", str(spill)], capture_output=True, text=True, timeout=900,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 12, 1 << 12)))
+    errors = [x for x in p.stderr.splitlines() if x.startswith("zeroedge: error")]
+    assert p.returncode == 2 and len(errors) == 1 and "cannot reserve" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr and not list(spill.iterdir())
+
+
 def test_run_takes_a_memory_cap_or_a_board(tmp_path):
     out = run_cli("run", "tiny", "--prompt", "hello " * 30, "--max-new", "2", "--board", "orin-nano-8gb",
                   "--json", check_rc=0)

@@ -32,6 +32,7 @@ class HostFetch:
         z = lambda t: torch.zeros(nkv, fetch, dtype=t, device=device)  # noqa: E731
         self.page, self.out, self.slot, self.do = z(torch.long), z(torch.long), z(torch.long), z(torch.bool)
         self.heads = torch.arange(nkv, device=device)[:, None].expand(nkv, fetch)
+        self.page_bytes = sum(s[0, 0].numel() * s.element_size() for s in self.stage)   # a page's, all four
         self.reads = self.read_bytes = 0
         self.read_s = 0.0
 
@@ -59,7 +60,7 @@ class HostFetch:
             for src, st in zip(stores, self.stage):
                 st.numpy()[h, j] = src.numpy()[h, p]
             self.reads += int(h.size)
-            self.read_bytes += int(h.size) * sum(s[0, 0].numel() * s.element_size() for s in self.stage)
+            self.read_bytes += int(h.size) * self.page_bytes
         self.read_s += time.perf_counter() - t0
 
     def apply(self, page_slot, slot_page, wk, wv):

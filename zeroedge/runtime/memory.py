@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroedge.kv.policy import COLD_BITS, DEQUANT_BLOCK, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes
+from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, DEQUANT_BLOCK, SKETCH_CHUNK, THERMAL, ThermalSettings,
+                                thermal_device_bytes)
 
 
-HEADROOM = 0.1   # the forecast falls 2-6 % short of the H200's measured peaks (32K-64K): a cap admits forecast x 1.1
+HEADROOM = 0.1   # the forecast falls 2-9 % short of the H200's measured peaks (32K-284K): a cap admits forecast x 1.1
 
 
 def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:
@@ -61,7 +62,8 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     block = min(P, DEQUANT_BLOCK)                    # dequantized a block at a time: its fp32 step, and
     dequant = nkv * block * hd * 4                   # from a file its codes and scales moved to the device
     if cold_in_file:
-        dequant += nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * -(-hd // 32))
+        group = COLD_GROUP if hd % COLD_GROUP == 0 else hd              # kv.attention's scale group
+        dequant += nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * (hd // group))
     load = 3 * min(P, SKETCH_CHUNK) * nkv * hd * 8   # the sketch fit's copies of a chunk of keys
     w = weights_bytes(cfg, element) + packed
     if budget is None:

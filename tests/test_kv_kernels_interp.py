@@ -1,7 +1,8 @@
 """The thermal decoder's Triton kernels (zeroedge/kv/kernels.py) run in Triton's CPU
 interpreter against the torch references: the sketch scores and their per-program log-sum-exp
 shares, and the one-program and two-stage page swaps against the reference's decisions, from a full-precision, an
-int8 and an int4 cold store (dequantized by the copy). scripts/setup
+int8 and an int4 cold store (dequantized by the copy); the same kernels deciding only, and the staged
+apply of a cold store in a file. scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
 checks run on the GPU in benchmarks/gpu/thermal_kv_gpu.py (check_swap_kernel)."""
 import os
@@ -72,17 +73,17 @@ SCRIPT = textwrap.dedent('''
             cr, cri = torch.empty_like(cm), torch.empty_like(cmi)
             swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cmi, cr, cri, n, nb, GRP=grp,
                               NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
-            swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), n, S,
-                           got[2].stride(0), nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP,
+            swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), got[0],
+                           n, S, got[2].stride(0), nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP,
                            PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1,
-                           QUANT=bits)
+                           QUANT=bits, DECIDE=False)
             assert int((ref[1] != sp).sum()) > 0                   # something moved
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
             one = [t.clone() for t in (ps0, sp, wk, wv)]          # the one-program kernel decides the same
-            swk[0][(nkv,)](pl, bias, one[0], one[1], one[2], one[3], ck, cv, *(scales or (ck, cv)), n, S,
+            swk[0][(nkv,)](pl, bias, one[0], one[1], one[2], one[3], ck, cv, *(scales or (ck, cv)), one[0], n, S,
                            one[2].stride(0), GRP=grp, NP=1 << max(0, (n - 1).bit_length()), F=F, FP=FP, PE=PE,
-                           PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1, QUANT=bits)
+                           PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1, QUANT=bits, DECIDE=False)
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], one[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], one[2:]))
             if scales:   # the fetched pages are the cold pages, dequantized: within int8 / int4 rounding
@@ -93,6 +94,40 @@ SCRIPT = textwrap.dedent('''
                         page = int(ref[1][h, s])
                         err = (got[2][h, s] - hk[h, page]).abs().max()
                         assert float(err) <= float(hk[h, page].abs().max()) / qmax * 0.51 + 1e-6
+        # a cold store the device cannot read (kv.host_fetch): both kernel forms only decide, the same
+        # as the reference, and `put` applies the decisions from a staging buffer (int8 / int4)
+        want = K.swap_decisions_ref(K.page_scores_ref(pl, bias), ps0, F)
+        assert int((want[:, 1] >= 0).sum()) > 0
+        for form in ("one", "two"):
+            got_dec = torch.full((nkv, 3, FP), 7, dtype=torch.long)          # poisoned: every entry written
+            tabs = ps0.clone()
+            if form == "one":
+                swk[0][(nkv,)](pl, bias, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0, GRP=grp,
+                               NP=1 << max(0, (n - 1).bit_length()), F=F, FP=FP, PE=1, PEB=1, G=1, QUANT=0, DECIDE=True)
+            else:
+                swk[1][(nkv, nc)](pl, pm, psum, bias, tabs, cm, cmi, cr, cri, n, nb, GRP=grp,
+                                  NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
+                swk[2][(nkv,)](cm, cmi, cr, cri, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0,
+                               nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP, PE=1, PEB=1, G=1,
+                               QUANT=0, DECIDE=True)
+            assert torch.equal(got_dec, want) and torch.equal(tabs, ps0), form   # decided; nothing moved
+        for bits in (8, 4):
+            (ck, ks), (cv, vs) = cold_stores[bits]
+            h, i = torch.nonzero(want[:, 1] >= 0, as_tuple=True)
+            stage = [torch.randint(0, 100, (nkv, F, *c.shape[2:])).to(c.dtype) for c in (ck, cv, ks, vs)]  # stale rows
+            for st, c in zip(stage, (ck, cv, ks, vs)):
+                st[h, i] = c[h, want[h, 0, i]]
+            ref = [t.clone() for t in (ps0, sp, wk, wv)]
+            K.apply_swaps_ref(want, *ref, *stage[:2], stage[2:], bits, staged=True)
+            got = [t.clone() for t in (ps0, sp, wk, wv)]
+            swk[3][(nkv,)](want, *got, *stage, n, S, got[2].stride(0), F, FP=FP, PE=PE,
+                           PEB=1 << max(0, (PE - 1).bit_length()), G=4, QUANT=bits)
+            assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
+            assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
+            moved = ref[1] != sp                   # the same window as the in-place swap from the store
+            inplace = [t.clone() for t in (ps0, sp, wk, wv)]
+            K.swap_pages_ref(K.page_scores_ref(pl, bias), *inplace, ck, cv, F, (ks, vs), bits)
+            assert int(moved.sum()) > 0 and all(torch.equal(a, b) for a, b in zip(inplace, ref))
     print("OK")
 ''')
 

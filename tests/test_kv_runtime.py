@@ -526,7 +526,7 @@ def test_the_host_fetch_makes_the_greedy_swaps_decisions():
             w = torch.randn(2, nkv, S, ps * hd, generator=g)
             ref = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
             swap_pages_ref(page_scores_ref(pl, bias), *ref, hk, hv, F, (ks, vs), bits)
-            hf = HostFetch(nkv, F, (hk, hv, ks, vs), bits, 32, torch.device("cpu"))
+            hf = HostFetch(nkv, F, (hk, hv, ks, vs), bits, torch.device("cpu"))
             for st in hf.stage:                                       # stale rows: must not leak in
                 st.copy_(torch.randint(0, 100, st.shape).to(st.dtype))
             got = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]

@@ -227,7 +227,8 @@ class ThermalAttention:
         if self.cold_file is not None:
             from zeroedge.kv.host_fetch import HostFetch
 
-            self.host_fetch = HostFetch(nkv, self.fetch, self._cold_pages(0), self.cold_bits, self.group, device)
+            self.host_fetch = HostFetch(nkv, self.fetch, self._cold_pages(0), self.cold_bits, device)
+            self._cold_np = [[t.numpy() for t in self._cold_pages(li)] for li in range(L)]   # the host reads these
 
     @property
     def host_refresh(self) -> bool:
@@ -247,7 +248,7 @@ class ThermalAttention:
         """The host's part of layer li's refresh (a cold store in a file), once the device decided."""
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        self.host_fetch.read(self._cold_pages(li))
+        self.host_fetch.read(self._cold_np[li])
 
     def kv_bytes(self) -> int:
         return self.device_kv_bytes()["hot"]
@@ -402,7 +403,8 @@ class ThermalAttention:
         wk = self._slots(self.wk, li).view(self.nkv, S, pe)
         wv = self._slots(self.wv, li).view(self.nkv, S, pe)
         if self.host_fetch is not None:         # a cold store in a file: decide, read on the host, apply
-            self.host_fetch.decide(self._page_lse(li, q, rope=rope), self.page_bias, self.page_slot[li])
+            self.host_fetch.decide(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
+                                   self.lse_part)
             (self.on_host_read or self.host_read)(li)
             self.host_fetch.apply(self.page_slot[li], self.slot_page[li], wk, wv)
             return

@@ -216,37 +216,61 @@ def page_scores_ref(pl, page_bias):
     return (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + page_bias
 
 
-def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales=None, bits: int = 8):
-    """In place. score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S); wk / wv (nkv, S,
-    PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store, or its int8 / int4 codes
-    (nkv, n, PE * bits / 8; zeroedge.kv.tiers.quantize) when `scales` = (key scales, value scales)
-    (nkv, n, PE // G) is given."""
-    from zeroedge.kv.tiers import dequantize
-
+def swap_decisions_ref(score, page_slot, fetch: int, out=None):
+    """The greedy swap's decisions: score (nkv, n); page_slot (nkv, n) slot or -1. Per kv head, pair
+    i is the i-th best missing page and the i-th worst resident one, swapped while the missing page
+    scores higher (ties: the lowest page). Returns out (nkv, 3, FP) int64, FP = fetch rounded up
+    to a power of two: rows (page in, its slot, page out), -1 where pair i is not swapped."""
+    FP = 1 << max(0, (int(fetch) - 1).bit_length())
+    if out is None:
+        out = torch.empty(score.shape[0], 3, FP, dtype=torch.long, device=score.device)
+    out.fill_(-1)
     inf = float("inf")
     for h in range(score.shape[0]):
         sl = page_slot[h]
         ms = torch.where(sl < 0, score[h], -inf)
         rs = torch.where(sl >= 0, score[h], inf)
-        for _ in range(fetch):
+        for i in range(fetch):
             bm, wr = int(ms.argmax()), int(rs.argmin())
-            vm, vr = float(ms[bm]), float(rs[wr])
+            if not float(ms[bm]) > float(rs[wr]):
+                break
+            out[h, :, i] = torch.tensor([bm, int(sl[wr]), wr])
             ms[bm], rs[wr] = -inf, inf
-            if vm > vr:
-                s = int(sl[wr])
-                sl[wr], sl[bm] = -1, s
-                slot_page[h, s] = bm
-                if scales is None:
-                    wk[h, s] = hk[h, bm]
-                    wv[h, s] = hv[h, bm]
-                else:
-                    g = wk.shape[-1] // scales[0].shape[-1]
-                    wk[h, s] = dequantize(hk[h, bm], scales[0][h, bm], bits, g, wk.dtype)
-                    wv[h, s] = dequantize(hv[h, bm], scales[1][h, bm], bits, g, wv.dtype)
+    return out
+
+
+def apply_swaps_ref(dec, page_slot, slot_page, wk, wv, hk, hv, scales=None, bits: int = 8, staged: bool = False):
+    """In place: the decisions `dec` (swap_decisions_ref) into the page tables and the window's slots
+    wk / wv (nkv, S, PE). The pages come from hk / hv (nkv, n, PE) indexed by page, or with `staged`
+    from a staging buffer (nkv, F, ...) indexed by pair; int8 / int4 codes (zeroedge.kv.tiers) when
+    `scales` = (key scales, value scales) is given."""
+    from zeroedge.kv.tiers import dequantize
+
+    h, i = torch.nonzero(dec[:, 1] >= 0, as_tuple=True)
+    src, dst, out = dec[h, 0, i], dec[h, 1, i], dec[h, 2, i]
+    page_slot[h, out] = -1
+    page_slot[h, src] = dst
+    slot_page[h, dst] = src
+    row = i if staged else src
+    for w, c, k in ((wk, hk, 0), (wv, hv, 1)):
+        if scales is None:
+            w[h, dst] = c[h, row].to(w.dtype)
+        else:
+            g = w.shape[-1] // scales[k].shape[-1]
+            w[h, dst] = dequantize(c[h, row], scales[k][h, row], bits, g, w.dtype)
+
+
+def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scales=None, bits: int = 8):
+    """In place. score (nkv, n); page_slot (nkv, n) slot or -1; slot_page (nkv, S); wk / wv (nkv, S,
+    PE) slot pages of the window; hk / hv (nkv, n, PE) the cold store, or its int8 / int4 codes
+    (nkv, n, PE * bits / 8; zeroedge.kv.tiers.quantize) when `scales` = (key scales, value scales)
+    (nkv, n, PE // G) is given."""
+    dec = swap_decisions_ref(score, page_slot, fetch)
+    apply_swaps_ref(dec, page_slot, slot_page, wk, wv, hk, hv, scales, bits)
 
 
 def _build_swap():
-    global copy_pages, commit_swap, no_swaps, store_swaps  # Triton looks a jit function's callees up in its module's globals
+    global copy_pages, commit_swap, no_swaps, store_swaps, finish_swaps  # Triton looks a jit function's callees up in its module's globals
     import triton
     import triton.language as tl
 
@@ -302,9 +326,24 @@ def _build_swap():
         tl.store(wv_ptr + do, vv.to(wv_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr, vs_ptr, n, S,
+    def finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
+                     vs_ptr, dec_ptr, FP: tl.constexpr, PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr,
+                     QUANT: tl.constexpr, DECIDE: tl.constexpr):
+        """Either the swaps done (the tables stored, the pages copied) or, with DECIDE, only the
+        decisions written to dec_ptr (nkv, 3, FP): page in, slot, page out (-1: no swap)."""
+        if DECIDE:
+            tl.store(dec_ptr + (h * 3 + 0) * FP + fi, src)
+            tl.store(dec_ptr + (h * 3 + 1) * FP + fi, dst)
+            tl.store(dec_ptr + (h * 3 + 2) * FP + fi, out)
+        else:
+            tl.debug_barrier()     # every warp has read the tables (with one warp's reductions, nothing else orders it)
+            store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
+            copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
+
+    @triton.jit
+    def k(pl_ptr, bias_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr, vs_ptr, dec_ptr, n, S,
           w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
-          PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
+          PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, DECIDE: tl.constexpr):
         h = tl.program_id(0)
         fi, src, dst, out = no_swaps(FP)
         offs = tl.arange(0, NP)
@@ -329,9 +368,8 @@ def _build_swap():
             rs = tl.where(offs == wr, float("inf"), rs)
             s = tl.sum(tl.where(offs == wr, slot, 0), 0)
             src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
-        tl.debug_barrier()     # every warp has read the tables (with one warp's reductions, nothing else orders it)
-        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
-        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
+        finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
+                     vs_ptr, dec_ptr, FP, PE, PEB, G, QUANT, DECIDE)
 
     # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
     # chunk, normalising with the per-block log-sum-exp shares the sketch kernel wrote, and keeps
@@ -382,8 +420,8 @@ def _build_swap():
 
     @triton.jit
     def dec(cm_ptr, cmi_ptr, cr_ptr, cri_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
-            vs_ptr, n, S, w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr, PE: tl.constexpr,
-            PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
+            vs_ptr, dec_ptr, n, S, w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
+            PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, DECIDE: tl.constexpr):
         h = tl.program_id(0)
         offs = tl.arange(0, NCP)
         m = offs < NCAND
@@ -404,11 +442,24 @@ def _build_swap():
             ms = tl.where(offs == a, float("-inf"), ms)
             rs = tl.where(offs == b, float("inf"), rs)
             src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
-        tl.debug_barrier()     # every warp has read the tables (with one warp's reductions, nothing else orders it)
-        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
-        copy_pages(src, dst, h, n, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
+        finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
+                     vs_ptr, dec_ptr, FP, PE, PEB, G, QUANT, DECIDE)
 
-    return k, sel, dec
+    @triton.jit
+    def put(dec_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, sk_ptr, sv_ptr, sks_ptr, svs_ptr, n, S, w_head, F,
+            FP: tl.constexpr, PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
+        """A kv head's decisions (DECIDE) applied from a staging buffer (nkv, F, ...) that holds pair
+        i's page in row i: the tables stored, the pages dequantized into their slots."""
+        h = tl.program_id(0)
+        fi = tl.arange(0, FP)
+        src = tl.load(dec_ptr + (h * 3 + 0) * FP + fi)
+        dst = tl.load(dec_ptr + (h * 3 + 1) * FP + fi)
+        out = tl.load(dec_ptr + (h * 3 + 2) * FP + fi)
+        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
+        row = tl.where((dst >= 0) & (fi < F), fi, -1).to(tl.int64)
+        copy_pages(row, dst, h, F, w_head, sk_ptr, sv_ptr, sks_ptr, svs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
+
+    return k, sel, dec, put
 
 
 SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
@@ -421,22 +472,62 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, 
     CUDA: one fused Triton kernel, or with `part` (the sketch kernel's per-block log-sum-exp
     shares) and more than `chunk` pages the two-stage kernels; elsewhere the torch reference.
     `scales`, `bits`: the cold store is int8 / int4 (see swap_pages_ref), dequantized by the copy."""
-    global _swap_kernel
     bits = bits or 8
     if not pl.is_cuda:
         swap_pages_ref(page_scores_ref(pl, page_bias), page_slot, slot_page, wk, wv, hk, hv, fetch, scales, bits)
         return
+    if wk.stride(1) != wk.shape[2] or wk.stride(2) != 1 or wk.stride() != wv.stride():
+        raise ValueError("swap_pages: window slot pages must be contiguous within a head")
+    ks, vs = scales if scales is not None else (hk, hv)       # unread without QUANT
+    quant = dict(G=wk.shape[2] // ks.shape[-1] if scales is not None else 1, QUANT=bits if scales is not None else 0)
+    _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, (slot_page, wk, wv, hk, hv, ks, vs, None), quant)
+
+
+def swap_decisions(pl, page_bias, page_slot, fetch: int, out, part=None, chunk: int | None = None):
+    """The decisions swap_pages would carry out, written to out (nkv, 3, FP) int64 (swap_decisions_ref);
+    nothing moves. The same kernels on CUDA, the reference elsewhere."""
+    if not pl.is_cuda:
+        swap_decisions_ref(page_scores_ref(pl, page_bias), page_slot, fetch, out)
+        return
+    _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, (page_slot,) * 7 + (out,), dict(G=1, QUANT=0))
+
+
+def apply_swaps(dec, page_slot, slot_page, wk, wv, stage, bits: int):
+    """Decisions (swap_decisions) applied from a staging buffer: stage = (K codes, V codes, K scales,
+    V scales), each (nkv, F, ...) with pair i's page in row i (int8 / int4 codes, zeroedge.kv.tiers);
+    wk / wv as in swap_pages."""
+    if not dec.is_cuda:
+        apply_swaps_ref(dec, page_slot, slot_page, wk, wv, stage[0], stage[1], stage[2:], bits, staged=True)
+        return
+    kernels = _swap_kernels()
+    nkv, F = stage[0].shape[:2]
+    PE = wk.shape[2]
+    kernels[3][(nkv,)](dec, page_slot, slot_page, wk, wv, *stage, page_slot.shape[1], slot_page.shape[1],
+                       wk.stride(0), F, FP=dec.shape[2], PE=PE, PEB=1 << max(0, (PE - 1).bit_length()),
+                       G=PE // stage[2].shape[-1], QUANT=bits, num_warps=4)
+
+
+def _swap_kernels():
+    global _swap_kernel
     if _swap_kernel is None:
         _swap_kernel = _build_swap()
+    return _swap_kernel
+
+
+def _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, ptrs, quant):
+    """The swap kernels: ptrs = (slot_page, wk, wv, hk, hv, ks, vs, decisions or None); with
+    decisions they are only written there (DECIDE)."""
+    kernels = _swap_kernels()
+    slot_page, wk, wv, hk, hv, ks, vs, decide = ptrs
     nkv, grp, n = pl.shape
-    S, PE = slot_page.shape[1], wk.shape[2]
-    if wk.stride(1) != PE or wk.stride(2) != 1 or wk.stride() != wv.stride():
-        raise ValueError("swap_pages: window slot pages must be contiguous within a head")
+    S, PE, w_head = (1, 1, 0) if decide is not None else (slot_page.shape[1], wk.shape[2], wk.stride(0))
     chunk = SWAP_CHUNK if chunk is None else chunk
     F, FP = int(fetch), 1 << max(0, (int(fetch) - 1).bit_length())
+    if decide is not None and decide.shape != (nkv, 3, FP):
+        raise ValueError(f"swap_decisions: out must be ({nkv}, 3, {FP})")
     PEB = 1 << max(0, (PE - 1).bit_length())
-    ks, vs = scales if scales is not None else (hk, hv)       # unread without QUANT
-    quant = dict(G=PE // ks.shape[-1] if scales is not None else 1, QUANT=bits if scales is not None else 0)
+    common = dict(F=F, FP=FP, PE=PE, PEB=PEB, DECIDE=decide is not None, num_warps=4, **quant)
+    dec_ptr = decide if decide is not None else page_slot
     if part is not None and n > chunk:
         pm, psum = part
         nc = (n + chunk - 1) // chunk
@@ -445,15 +536,13 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, 
         cr = torch.empty_like(cm)
         cmi = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.int64)
         cri = torch.empty_like(cmi)
-        _swap_kernel[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cmi, cr, cri, n, NB, GRP=grp,
-                                   NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP,
-                                   num_warps=4)
+        kernels[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cmi, cr, cri, n, NB, GRP=grp,
+                              NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP, num_warps=4)
         ncand = nc * FP
-        _swap_kernel[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, ks, vs, n, S, wk.stride(0),
-                                ncand, NCP=1 << max(0, (ncand - 1).bit_length()), F=F, FP=FP, PE=PE, PEB=PEB,
-                                num_warps=4, **quant)
+        kernels[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, ks, vs, dec_ptr, n, S, w_head,
+                           ncand, NCP=1 << max(0, (ncand - 1).bit_length()), **common)
         return
     NP = 1 << max(0, (n - 1).bit_length())
-    _swap_kernel[0][(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, ks, vs, n, S, wk.stride(0),
-                            GRP=grp, NP=NP, F=F, FP=FP, PE=PE, PEB=PEB, num_warps=min(16, max(4, NP // 512)),
-                            **quant)
+    common["num_warps"] = min(16, max(4, NP // 512))
+    kernels[0][(nkv,)](pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, ks, vs, dec_ptr, n, S, w_head,
+                       GRP=grp, NP=NP, **common)

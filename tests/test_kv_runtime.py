@@ -552,3 +552,37 @@ def test_the_host_fetch_makes_the_greedy_swaps_decisions(tmp_path):
             assert hf.prefetches == (trial % 2 and moved > 0)
             total += moved
     assert total > 0
+
+
+def test_the_swap_decisions_are_the_greedys_even_on_tied_scores():
+    """kv.kernels.swap_decisions_ref (sorted, vectorised) against the greedy one swap at a time:
+    best missing page in, worst resident out while the new one scores higher, the lowest page first
+    among equal scores (what the Triton kernels' argmax / argmin take), over scores with many ties."""
+    from zeroedge.kv.kernels import swap_decisions_ref
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        nkv, n, S, F = 3, 30, [4, 12, 28][trial % 3], [1, 3, 4, 6][trial % 4]
+        score = torch.randint(0, 5, (nkv, n), generator=g).float()       # few values: ties everywhere
+        score[:, :2] = float("-inf")                                       # never fetched (sink pages)
+        page_slot = torch.full((nkv, n), -1, dtype=torch.long)
+        for h in range(nkv):
+            page_slot[h, torch.randperm(n - 2, generator=g)[:S] + 2] = torch.arange(S)
+        got = swap_decisions_ref(score, page_slot, F)
+        for h in range(nkv):
+            missing = [p for p in range(n) if page_slot[h, p] < 0]
+            resident = [p for p in range(n) if page_slot[h, p] >= 0]
+            want = []
+            for _ in range(F):
+                if not missing or not resident:
+                    break
+                bm = max(missing, key=lambda p: (score[h, p].item(), -p))
+                wr = min(resident, key=lambda p: (score[h, p].item(), p))
+                if not score[h, bm] > score[h, wr]:
+                    break
+                want.append((bm, int(page_slot[h, wr]), wr))
+                missing.remove(bm)
+                resident.remove(wr)
+            taken = [tuple(got[h, :, i].tolist()) for i in range(got.shape[2]) if got[h, 1, i] >= 0]
+            assert taken == want, (trial, h)
+            assert (got[h, :, len(want):] == -1).all()

@@ -225,17 +225,15 @@ def swap_decisions_ref(score, page_slot, fetch: int, out=None):
     if out is None:
         out = torch.empty(score.shape[0], 3, FP, dtype=torch.long, device=score.device)
     out.fill_(-1)
+    F = min(int(fetch), score.shape[1])
     inf = float("inf")
-    for h in range(score.shape[0]):
-        sl = page_slot[h]
-        ms = torch.where(sl < 0, score[h], -inf)
-        rs = torch.where(sl >= 0, score[h], inf)
-        for i in range(fetch):
-            bm, wr = int(ms.argmax()), int(rs.argmin())
-            if not float(ms[bm]) > float(rs[wr]):
-                break
-            out[h, :, i] = torch.tensor([bm, int(sl[wr]), wr])
-            ms[bm], rs[wr] = -inf, inf
+    # stable sorts: among equal scores the lowest page first, as the kernels' argmax / argmin take it
+    vm, bm = torch.where(page_slot < 0, score, -inf).sort(dim=1, descending=True, stable=True)
+    vr, wr = torch.where(page_slot >= 0, score, inf).sort(dim=1, stable=True)
+    vm, bm, vr, wr = vm[:, :F], bm[:, :F], vr[:, :F], wr[:, :F]
+    take = (vm > vr).cumprod(1).bool()            # pair i only while every pair before it swapped
+    for row, x in enumerate((bm, page_slot.gather(1, wr), wr)):
+        out[:, row, :F] = torch.where(take, x, -1)
     return out
 
 

@@ -28,25 +28,19 @@ PREFETCH_ON_US, PREFETCH_OFF_US = 10.0, 4.0
 
 
 class HostFetch:
-    FIELDS = ("k", "v", "ks", "vs")     # K codes, V codes, K scales, V scales: a token's record
-
-    def __init__(self, nkv: int, fetch: int, store, bits: int, device):
-        """store: the zeroedge.kv.tiers.FileTensors of the cold store, lead (layers, nkv, pages,
-        page size), one record a token with the FIELDS."""
+    def __init__(self, nkv: int, fetch: int, stores, bits: int, device):
+        """stores: one layer's (K codes, V codes, K scales, V scales), each (nkv, n, ...) per page."""
         pin = device.type == "cuda"
         self.fetch, self.bits = fetch, bits
-        self.ps = store.records.shape[3]
         FP = 1 << max(0, (fetch - 1).bit_length())
-        self.fields = [store.offsets[f] for f in self.FIELDS]
-        self.stage = [torch.zeros(nkv, fetch, self.ps * store.tensors[f].shape[-1], dtype=store.tensors[f].dtype,
-                                  pin_memory=pin) for f in self.FIELDS]
+        self.stage = [torch.zeros(nkv, fetch, *s.shape[2:], dtype=s.dtype, pin_memory=pin) for s in stores]
         self.dev_stage = [torch.zeros_like(s, device=device) for s in self.stage]
         self.decisions = torch.full((nkv, 3, FP), -1, dtype=torch.long, device=device)   # kernels.swap_decisions
         self.h_decisions = torch.full((nkv, 3, FP), -1, dtype=torch.long, pin_memory=pin)
         # numpy views, made once: the host's part runs on every layer of every refresh step
         self._np_decisions = self.h_decisions.numpy()
-        self._np_stage = [s.numpy().view(np.uint8).reshape(nkv, fetch, self.ps, -1) for s in self.stage]
-        self.page_bytes = self.ps * store.records.shape[4]
+        self._np_stage = [s.numpy() for s in self.stage]
+        self.page_bytes = sum(s[0, 0].numel() * s.element_size() for s in self.stage)   # a page's, all four
         self.reads = self.read_bytes = self.prefetches = 0
         self.read_s = 0.0
         self.us_per_page = 0.0         # running mean: when it is high the store is on disk, so prefetch
@@ -60,12 +54,11 @@ class HostFetch:
         swap_decisions(pl, page_bias, page_slot, self.fetch, self.decisions, part=part)
         self.h_decisions.copy_(self.decisions, non_blocking=True)
 
-    def read(self, records):
+    def read(self, stores):
         """Host, after `decide` has finished on the device: the chosen pages into the staging buffer.
-        records: one layer's (nkv, pages, page size, record bytes) uint8 (numpy). A page's records
-        are one stretch of the file; while reads run slow (the store is not in memory), every chosen
-        page is first asked of the disk at once (madvise WILLNEED), so they are read side by side,
-        not one after another."""
+        stores: one layer's four, as numpy arrays (nkv, n, bytes of a page). While reads run slow
+        (the store is not in memory), every chosen page is first asked of the disk at once
+        (madvise WILLNEED), so they are read side by side, not one fault after another."""
         t0 = time.perf_counter()
         d = self._np_decisions
         h, j = np.nonzero(d[:, 1, :self.fetch] >= 0)
@@ -73,11 +66,11 @@ class HostFetch:
             p = d[h, 0, j]
             self.prefetching = self.us_per_page > (PREFETCH_OFF_US if self.prefetching else PREFETCH_ON_US)
             if self.prefetching:
-                _will_need(records, h, p)
+                for src in stores:
+                    _will_need(src, h, p)
                 self.prefetches += 1
-            got = records[h, p]                                   # (pages, page size, record bytes)
-            for (o, b), st in zip(self.fields, self._np_stage):
-                st[h, j] = got[:, :, o:o + b]
+            for src, st in zip(stores, self._np_stage):
+                st[h, j] = src[h, p]
             self.reads += int(h.size)
             self.read_bytes += int(h.size) * self.page_bytes
             dt = time.perf_counter() - t0
@@ -94,18 +87,18 @@ class HostFetch:
         apply_swaps(self.decisions, page_slot, slot_page, wk, wv, self.dev_stage, self.bits)
 
 
-def _will_need(records, h, p):
-    """Ask the kernel to read pages (h, p) of records into the page cache now (madvise WILLNEED:
-    asynchronous, so the reads of all of them overlap)."""
+def _will_need(store, h, p):
+    """Ask the kernel to read pages (h, p) of a store (nkv, n, bytes of a page) into the page cache
+    now (madvise WILLNEED: asynchronous, so the reads of all of them overlap)."""
     import ctypes
     import mmap
 
     libc = _libc()
     if libc is None:
         return
-    span = records.shape[2] * records.shape[3]
+    span = store[0, 0].nbytes
     for hh, pp in zip(h.tolist(), p.tolist()):
-        start = records[hh, pp].ctypes.data
+        start = store[hh, pp].ctypes.data
         first = start - start % mmap.PAGESIZE
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + span - first), mmap.MADV_WILLNEED)
 

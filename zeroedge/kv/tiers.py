@@ -104,34 +104,27 @@ def quantized_nbytes(numel: int, bits: int, group: int) -> int:
 # cold stores
 # --------------------------------------------------------------------------------------------
 class FileTensors:
-    """Records in one private page file (zeroedge.kv.spill.PageFile: in a checked folder, unlinked at
-    once, mode 0600, every byte reserved before anything is written), mapped into memory: the torch
-    decoder's cold store on NVMe (`spill_dir`). One record per index of `lead` holds every field side
-    by side (a token's K codes, V codes, K scales, V scales), so a page of tokens is one stretch of
-    the file: one read when it is not in memory. fields: name -> (count, dtype). tensors[name]
-    (lead + (count,)) is a strided view of its field; records (lead + (record bytes,), uint8) the
-    raw bytes; offsets[name] = (byte offset in a record, bytes). They are CPU tensors; the kernel's
+    """Named tensors in one private page file (zeroedge.kv.spill.PageFile: in a checked folder,
+    unlinked at once, mode 0600, every byte reserved before anything is written), mapped into
+    memory: the torch decoder's cold store on NVMe (`spill_dir`). They are CPU tensors; the kernel's
     page cache holds what was read or written lately (memory it takes back under pressure), the
-    disk the rest. Every field starts zero."""
+    disk the rest. specs: name -> (shape, dtype); every tensor starts zero."""
 
     ALIGN = 4096
 
-    def __init__(self, folder, lead: tuple, fields: dict):
+    def __init__(self, folder, specs: dict):
         from zeroedge.kv.spill import PageFile
 
-        self.offsets, rec, widest = {}, 0, 1
-        for name, (count, dtype) in fields.items():
-            size = torch.empty((), dtype=dtype).element_size()
-            rec = -(-rec // size) * size                       # each field aligned to its element
-            self.offsets[name] = (rec, count * size)
-            rec += count * size
-            widest = max(widest, size)
-        rec = -(-rec // widest) * widest                       # and so in every record
-        n = max(1, int(torch.Size(lead).numel())) * rec
-        self.file = PageFile(folder, -(-n // self.ALIGN) * self.ALIGN, reserve_pages=1)
-        self.nbytes = self.file.nbytes
-        self.records = torch.frombuffer(self.file.mapped(), dtype=torch.uint8, count=n).view(*lead, rec)
-        self.tensors = {name: self.records[..., o:o + b].view(fields[name][1]) for name, (o, b) in self.offsets.items()}
+        place, total = {}, 0
+        for name, (shape, dtype) in specs.items():
+            n = max(1, int(torch.Size(shape).numel())) * torch.empty((), dtype=dtype).element_size()
+            place[name] = (total, n, tuple(shape), dtype)
+            total += -(-n // self.ALIGN) * self.ALIGN
+        self.file = PageFile(folder, total, reserve_pages=1)
+        self.nbytes = total
+        mm = self.file.mapped()
+        self.tensors = {name: torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=o).view(dtype).view(shape)
+                        for name, (o, n, shape, dtype) in place.items()}
 
 
 # --------------------------------------------------------------------------------------------

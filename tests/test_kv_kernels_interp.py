@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent('''
         assert float((out - want).abs().max()) < 1e-3
         assert float((lse - want.logsumexp(-1)).abs().max()) < 1e-3
     swk = K._build_swap()
-    for nkv, grp, n, S, PE, F, C in ((2, 4, 700, 96, 16, 4, 128), (3, 2, 300, 40, 8, 8, 64)):
+    for nkv, grp, n, S, PE, F, C in ((2, 4, 700, 96, 16, 4, 128), (3, 2, 300, 40, 8, 8, 64), (2, 2, 200, 30, 8, 3, 64)):
         pl = torch.randn(nkv, grp, n, generator=g)
         bias = torch.zeros(n)
         bias[:1] = float("-inf")
@@ -128,6 +128,15 @@ SCRIPT = textwrap.dedent('''
             inplace = [t.clone() for t in (ps0, sp, wk, wv)]
             K.swap_pages_ref(K.page_scores_ref(pl, bias), *inplace, ck, cv, F, (ks, vs), bits)
             assert int(moved.sum()) > 0 and all(torch.equal(a, b) for a, b in zip(inplace, ref))
+            short = [st[:, :F - 1].contiguous() for st in stage]      # no row for the last pair: not applied
+            assert bool((want[:, 1, F - 1] >= 0).any())              # (some kv head took a last pair)
+            ref = [t.clone() for t in (ps0, sp, wk, wv)]
+            K.apply_swaps_ref(want, *ref, *short[:2], short[2:], bits, staged=True)
+            got = [t.clone() for t in (ps0, sp, wk, wv)]
+            swk[3][(nkv,)](want, *got, *short, n, S, got[2].stride(0), F - 1, FP=FP, PE=PE,
+                           PEB=1 << max(0, (PE - 1).bit_length()), G=4, QUANT=bits)
+            assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
+            assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
     print("OK")
 ''')
 

@@ -558,10 +558,13 @@ def test_the_swap_decisions_are_the_greedys_even_on_tied_scores():
     from zeroedge.kv.kernels import swap_decisions_ref
 
     g = torch.Generator().manual_seed(5)
-    for trial in range(40):
+    for trial in range(48):
         nkv, n, S, F = 3, 30, [4, 12, 28][trial % 3], [1, 3, 4, 6][trial % 4]
+        if trial >= 40:                                                    # more swaps wanted than pages
+            n, S, F = 7, 3, 8
         score = torch.randint(0, 5, (nkv, n), generator=g).float()       # few values: ties everywhere
         score[:, :2] = float("-inf")                                       # never fetched (sink pages)
+        score[:, -1] = float("inf") if trial % 2 else float("-inf")        # a page scored without bound
         page_slot = torch.full((nkv, n), -1, dtype=torch.long)
         for h in range(nkv):
             page_slot[h, torch.randperm(n - 2, generator=g)[:S] + 2] = torch.arange(S)

@@ -25,6 +25,7 @@ import torch
 # read from memory took ~1 µs, with the prefetch ~3.5, and from disk ~60 one after another, ~11 with
 # the prefetch: a missed prefetch costs far more than a needless one.
 PREFETCH_ON_US, PREFETCH_OFF_US = 10.0, 4.0
+JUDGE_PAGES = 8
 
 
 class HostFetch:
@@ -45,6 +46,7 @@ class HostFetch:
         self.read_s = 0.0
         self.us_per_page = 0.0         # running mean: when it is high the store is on disk, so prefetch
         self.prefetching = False
+        self.can_prefetch = _libc() is not None    # off for good if the kernel refuses the advice
 
     def decide(self, pl, page_bias, page_slot, part=None):
         """pl (nkv, grp, n) page log-sum-exps (part: the sketch kernel's shares, as swap_pages takes
@@ -64,17 +66,20 @@ class HostFetch:
         h, j = np.nonzero(d[:, 1, :self.fetch] >= 0)
         if h.size:
             p = d[h, 0, j]
-            self.prefetching = self.us_per_page > (PREFETCH_OFF_US if self.prefetching else PREFETCH_ON_US)
+            self.prefetching = self.can_prefetch and self.us_per_page > (
+                PREFETCH_OFF_US if self.prefetching else PREFETCH_ON_US)
             if self.prefetching:
-                for src in stores:
-                    _will_need(src, h, p)
+                self.can_prefetch = all([_will_need(src, h, p) for src in stores])
                 self.prefetches += 1
+            t1 = time.perf_counter()
             for src, st in zip(stores, self._np_stage):
                 st[h, j] = src[h, p]
+            # the copies' time a page; over at least JUDGE_PAGES, so the calls' fixed cost on a read of
+            # one or two pages does not pass for a slow disk
+            us = (time.perf_counter() - t1) * 1e6 / max(int(h.size), JUDGE_PAGES)
+            self.us_per_page += 0.25 * (us - self.us_per_page)
             self.reads += int(h.size)
             self.read_bytes += int(h.size) * self.page_bytes
-            dt = time.perf_counter() - t0
-            self.us_per_page += 0.25 * (dt * 1e6 / h.size - self.us_per_page)
         self.read_s += time.perf_counter() - t0
 
     def apply(self, page_slot, slot_page, wk, wv):
@@ -87,20 +92,20 @@ class HostFetch:
         apply_swaps(self.decisions, page_slot, slot_page, wk, wv, self.dev_stage, self.bits)
 
 
-def _will_need(store, h, p):
+def _will_need(store, h, p) -> bool:
     """Ask the kernel to read pages (h, p) of a store (nkv, n, bytes of a page) into the page cache
-    now (madvise WILLNEED: asynchronous, so the reads of all of them overlap)."""
+    now (madvise WILLNEED: asynchronous, so the reads of all of them overlap). False if it refused."""
     import ctypes
     import mmap
 
     libc = _libc()
-    if libc is None:
-        return
     span = store[0, 0].nbytes
     for hh, pp in zip(h.tolist(), p.tolist()):
         start = store[hh, pp].ctypes.data
         first = start - start % mmap.PAGESIZE
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + span - first), mmap.MADV_WILLNEED)
+        if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + span - first), mmap.MADV_WILLNEED):
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=1)

@@ -244,7 +244,10 @@ def apply_swaps_ref(dec, page_slot, slot_page, wk, wv, hk, hv, scales=None, bits
     `scales` = (key scales, value scales) is given."""
     from zeroedge.kv.tiers import dequantize
 
-    h, i = torch.nonzero(dec[:, 1] >= 0, as_tuple=True)
+    taken = dec[:, 1] >= 0
+    if staged:                                    # a pair with no staging row is not applied at all
+        taken[:, hk.shape[1]:] = False
+    h, i = torch.nonzero(taken, as_tuple=True)
     src, dst, out = dec[h, 0, i], dec[h, 1, i], dec[h, 2, i]
     page_slot[h, out] = -1
     page_slot[h, src] = dst
@@ -450,11 +453,12 @@ def _build_swap():
         i's page in row i: the tables stored, the pages dequantized into their slots."""
         h = tl.program_id(0)
         fi = tl.arange(0, FP)
+        staged = fi < F                   # a pair with no staging row is not applied at all
         src = tl.load(dec_ptr + (h * 3 + 0) * FP + fi)
-        dst = tl.load(dec_ptr + (h * 3 + 1) * FP + fi)
+        dst = tl.where(staged, tl.load(dec_ptr + (h * 3 + 1) * FP + fi), -1)
         out = tl.load(dec_ptr + (h * 3 + 2) * FP + fi)
         store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
-        row = tl.where((dst >= 0) & (fi < F), fi, -1).to(tl.int64)
+        row = tl.where(dst >= 0, fi, -1).to(tl.int64)
         copy_pages(row, dst, h, F, w_head, sk_ptr, sv_ptr, sks_ptr, svs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
     return k, sel, dec, put

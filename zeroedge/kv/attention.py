@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, SKETCH_CHUNK, THERMAL, ThermalSettings, thermal_device_bytes,
+from zeroedge.kv.policy import (COLD_BITS, SKETCH_CHUNK, THERMAL, ThermalSettings, cold_group, thermal_device_bytes,
                                 thermal_settings, window_pages)
 
 
@@ -167,7 +167,7 @@ class ThermalAttention:
             from zeroedge.kv.tiers import FileTensors
 
             self.cold_bits = COLD_BITS[self.cold]
-            self.group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
+            self.group = cold_group(hd)
             codes = ((L, nkv, n, ps, hd * self.cold_bits // 8), torch.int8 if self.cold_bits == 8 else torch.uint8)
             scales = ((L, nkv, n, ps, hd // self.group), torch.float16)
             if self.spill_dir is not None:

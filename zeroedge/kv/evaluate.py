@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from zeroedge.errors import UserError
-from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, THERMAL, ThermalSettings, thermal_device_bytes,
+from zeroedge.kv.policy import (COLD_BITS, THERMAL, ThermalSettings, cold_group, thermal_device_bytes,
                                 thermal_settings, window_pages)
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
@@ -353,7 +353,7 @@ def quant_prefill(model, ids, cold: str = "int8") -> dict:
     from zeroedge.model import chunked_prefill
 
     cfg = model.cfg
-    g = COLD_GROUP if cfg.head_dim % COLD_GROUP == 0 else cfg.head_dim
+    g = cold_group(cfg.head_dim)
     dt = next(model.parameters()).dtype
     caches = [QuantKVCache.empty(COLD_BITS[cold], cfg.n_kv_heads, len(ids), cfg.head_dim, g, dt)
               for _ in model.layers]
@@ -383,7 +383,7 @@ def cold_readback(pre, li, page_size, opts):
     if key not in pre:
         k, v = pre["k"][li], pre["v"][li]
         P, hd = k.shape[1], k.shape[2]
-        g = COLD_GROUP if hd % COLD_GROUP == 0 else hd
+        g = cold_group(hd)
         exact = torch.zeros(P, dtype=torch.bool)
         exact[: opts.get("sink_pages", THERMAL.sink_pages) * page_size] = True
         rp = opts.get("recent_pages", thermal_settings(page_size).recent_pages)

@@ -58,6 +58,12 @@ THERMAL = ThermalSettings()
 
 COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
 COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)
+
+
+def cold_group(hd: int) -> int:
+    """Values per scale of a compressed cold store with heads hd wide: COLD_GROUP, or the whole head
+    where COLD_GROUP does not divide it."""
+    return COLD_GROUP if hd % COLD_GROUP == 0 else hd
 SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
 DEQUANT_BLOCK = 16384  # positions a compressed prefill cache dequantizes at a time (its fp32 step's bound)
 
@@ -98,7 +104,7 @@ def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: in
     ps = s.page_size
     n = prefix_len // ps
     fixed, slots = window_pages(prefix_len, budget, s)
-    group = COLD_GROUP if hd % COLD_GROUP == 0 else hd
+    group = cold_group(hd)
     kv = 2 * L * nkv * hd
     cold_bytes = (kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2) if cold in COLD_BITS else 0
     return {"hot": kv * (fixed + slots) * ps * element,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroedge.kv.policy import (COLD_BITS, COLD_GROUP, DEQUANT_BLOCK, SKETCH_CHUNK, THERMAL, ThermalSettings,
+from zeroedge.kv.policy import (COLD_BITS, DEQUANT_BLOCK, SKETCH_CHUNK, THERMAL, ThermalSettings, cold_group,
                                 thermal_device_bytes)
 
 
@@ -62,8 +62,7 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     block = min(P, DEQUANT_BLOCK)                    # dequantized a block at a time: its fp32 step, and
     dequant = nkv * block * hd * 4                   # from a file its codes and scales moved to the device
     if cold_in_file:
-        group = COLD_GROUP if hd % COLD_GROUP == 0 else hd              # kv.attention's scale group
-        dequant += nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * (hd // group))
+        dequant += nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * (hd // cold_group(hd)))
     load = 3 * min(P, SKETCH_CHUNK) * nkv * hd * 8   # the sketch fit's copies of a chunk of keys
     w = weights_bytes(cfg, element) + packed
     if budget is None:

@@ -482,6 +482,13 @@ def test_the_sketch_is_fitted_in_chunks_with_the_same_result():
     one = quantized_sketch(k, 16, 4, 4, chunk=4096)
     many = quantized_sketch(k, 16, 4, 4, chunk=64)
     assert torch.equal(one[1], many[1]) and torch.equal(one[2], many[2])
+    # the serving decoder's form: packed a chunk at a time straight into its own tensors
+    from zeroedge.kv.kernels import pack_int4
+
+    out = (torch.full((2, 512, 2), 0xAA, dtype=torch.uint8), torch.zeros(2, 32, 4, dtype=torch.float16))
+    A, codes, scales = quantized_sketch(k, 16, 4, 4, chunk=64, out=out)
+    assert codes is out[0] and scales is out[1] and torch.equal(A, one[0])
+    assert torch.equal(codes, pack_int4(one[1])) and torch.equal(scales, one[2])
 
 
 def test_a_page_size_keeps_the_recent_window_in_tokens_and_the_sketch_block_in_tokens(tiny):

@@ -622,6 +622,41 @@ def test_a_device_memory_cap_admits_serves_thermal_or_refuses(tmp_path):
     assert not r.mechanisms["thermal_kv"] and "dense KV fits" in r.mechanisms["thermal_kv_reason"]
 
 
+def test_run_under_a_cap_starts_the_allocator_with_segments_that_grow():
+    """`run --device-memory / --board` sets PyTorch's expandable_segments before CUDA starts (fixed
+    segments' reserve took ~1 GiB of the Orin Nano's cap on the H200); a setting already made is kept,
+    and a run without a cap changes nothing."""
+    import subprocess
+    import sys
+
+    from zeroedge.runtime.memory import cap_allocator, segments_grow
+
+    code = ("import os, sys\nfrom zeroedge.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nprint('CONF=' + repr(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')))")
+    args = ["run", "tiny", "--prompt", "the quick brown fox", "--max-new", "2", "--json"]
+
+    def conf(extra, env):
+        e = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        p = subprocess.run([sys.executable, "-c", code, *args, *extra], capture_output=True, text=True,
+                           env={**e, **env}, timeout=900)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout.splitlines()[-1]
+
+    assert conf(["--device-memory", "8G"], {}) == "CONF='expandable_segments:True'"
+    assert conf(["--board", "orin-nano-8gb"], {}) == "CONF='expandable_segments:True'"
+    assert conf([], {}) == "CONF=None"
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert conf(["--device-memory", "8G"], mine) == "CONF='expandable_segments:False'"
+    for env, want in (({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+                      ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+                       {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}),
+                      ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+                       {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}),
+                      (dict(mine), mine)):
+        cap_allocator(env)
+        assert env == want and segments_grow(env) == (want is not mine)
+
+
 def test_run_keeps_the_torch_cold_store_in_a_spill_file(tmp_path):
     """`run --kv-spill DIR` on the torch backend: the same text as the cold store in memory, the cold
     pages in the file (none on the device), nothing left in DIR."""

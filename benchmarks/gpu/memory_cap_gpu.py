@@ -105,7 +105,7 @@ def main():
                 r, peak = measure(lo, device_memory=cap, **kw)
                 row.update(served=True, measured_peak=peak, thermal=r.mechanisms["thermal_kv"], **served(r))
             except Exception as e:       # noqa: BLE001 - the row says what failed
-                row.update(served=False, error=str(e).splitlines()[0][:300])
+                row.update(served=False, error=" ".join(str(e).split())[:900])
             torch.cuda.set_per_process_memory_fraction(1.0)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -73,19 +73,24 @@ def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2, chunk: int = S
     return Wi @ U, W @ U, mu.float()
 
 
-def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None, chunk: int = SKETCH_CHUNK):
+def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None, chunk: int = SKETCH_CHUNK, out=None):
     """The key sketch of keys k (nkv, P, hd): (A (nkv, hd, rank) fp32 query bases, codes (nkv, P,
     rank) int8, scales (nkv, P // page_size, rank) fp16). The score of query q against key t is
     (q @ A) . (codes[t] * scales[page of t]), up to a per-query constant. Codes are round-to-nearest
     on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the page's max |coord| over that), or signs
     with a mean-|coord| scale when bits = 1. A rank above hd is hd. Coordinates are made a chunk
-    of whole pages at a time."""
+    of whole pages at a time. out: (codes (nkv, P, rank / 2) uint8, scales) to fill instead, the
+    codes packed two a byte (kernels.pack_int4) a chunk at a time: nothing the size of the prefix
+    beyond them (at 341K tokens the unpacked codes and their packing took ~0.4 GB)."""
+    from zeroedge.kv.kernels import pack_int4
+
     nkv, P, hd = k.shape
     n = P // page_size
     rank = min(rank, hd)
     A, B, mu = sketch_bases(k, qcov, rank, chunk=chunk)
-    codes = torch.empty(nkv, P, rank, dtype=torch.int8, device=k.device)
-    scales = torch.empty(nkv, n, rank, dtype=torch.float16, device=k.device)
+    codes, scales = out if out is not None else (
+        torch.empty(nkv, P, rank, dtype=torch.int8, device=k.device),
+        torch.empty(nkv, n, rank, dtype=torch.float16, device=k.device))
     step = max(1, chunk // page_size) * page_size
     for i in range(0, P, step):
         coords = ((k[:, i:i + step].float() - mu) @ B).view(nkv, -1, page_size, rank)
@@ -96,7 +101,8 @@ def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None, chunk: 
             qmax = 2 ** (bits - 1) - 1
             sc = (coords.abs().amax(2, keepdim=True) / qmax).clamp_min(1e-8).half()
             c = torch.round(coords / sc.float()).clamp(-qmax, qmax)
-        codes[:, i:i + step] = c.view(nkv, -1, rank).to(torch.int8)
+        c = c.view(nkv, -1, rank).to(torch.int8)
+        codes[:, i:i + step] = pack_int4(c) if out is not None else c
         scales[:, i // page_size:(i + step) // page_size] = sc.view(nkv, -1, rank)
     return A, codes, scales
 
@@ -200,9 +206,10 @@ class ThermalAttention:
         # the gaps the step leaves (CUDA graphs keep each node's stream priority)
         self.side = self.main_stream = None
         if self.lag and pin:
+            from zeroedge.kv.tiers import shared_stream
+
             low, high = torch.cuda.Stream.priority_range()
-            self.side = torch.cuda.Stream(device, priority=low)
-            self.main_stream = torch.cuda.Stream(device, priority=high)
+            self.side, self.main_stream = shared_stream(device, "refresh", low), shared_stream(device, "step", high)
         self._forked = False
         self.wpos = torch.full((self.win_len,), -1, dtype=torch.long, device=device)
         self.slot_page = torch.zeros(L, nkv, self.slots, dtype=torch.long, device=device)
@@ -275,8 +282,6 @@ class ThermalAttention:
     def load_prefix(self, ks, vs, qcovs=None):
         """ks, vs: per layer (nkv, P, hd); qcovs: optional per layer (nkv, hd, hd) query
         covariances (query-aware sketch). Fills cold store, fixed window, slots, summaries."""
-        from zeroedge.kv.kernels import pack_int4
-
         ps, n, r, dev = self.ps, self.n, self.rank, self.device
         fix_idx = torch.cat([torch.arange(self.sink_pages * ps),
                              torch.arange(self.P - self.recent_pages * ps, self.P)]).to(dev)
@@ -293,17 +298,15 @@ class ThermalAttention:
             kd, vd = kd.view(self.nkv, self.P, self.hd), vd.view(self.nkv, self.P, self.hd)
             self.wk[li, :, :nf] = kd[:, fix_idx]
             self.wv[li, :, :nf] = vd[:, fix_idx]
-            A, codes, sc = quantized_sketch(kd, ps, r, self.bits, None if qcovs is None else qcovs[li].to(dev))
-            self.A[li] = A
-            self.scales[li] = sc
-            self.codes[li] = pack_int4(codes)
+            self.A[li] = quantized_sketch(kd, ps, r, self.bits, None if qcovs is None else qcovs[li].to(dev),
+                                          out=(self.codes[li], self.scales[li]))[0]
             self.slot_page[li] = first[None].expand(self.nkv, -1)
             self.page_slot[li].fill_(-1)
             self.page_slot[li].scatter_(1, self.slot_page[li], self.ar_slots[None].expand(self.nkv, -1).contiguous())
             # slot pages always hold what a fetch from the cold store would bring (int8: dequantized)
             self._slots(self.wk, li).view(self.nkv, self.slots, ps, self.hd).copy_(pk[:, first])
             self._slots(self.wv, li).view(self.nkv, self.slots, ps, self.hd).copy_(pv[:, first])
-            del kd, vd, pk, pv, codes
+            del kd, vd, pk, pv
         self.wpos[self.slot0:self.gen0] = 0             # slot tokens are prefix positions: valid
         if dev.type == "cuda" and self.cold == "host":
             self.hk, self.hv = host_mapped(self.cold_k), host_mapped(self.cold_v)

@@ -5,6 +5,7 @@ pinned host store of a discrete GPU is ThermalAttention's own, zeroedge.kv.atten
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -30,7 +31,9 @@ def quantize(x: torch.Tensor, bits: int = 8, group: int = 32):
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, group: int = 32,
-               dtype=torch.float16):
+               dtype=torch.float16, out=None):
+    """codes and scales (quantize's) -> values in dtype; out: a tensor of that shape to fill (no
+    temporary of its size beside the fp32 step)."""
     if bits == 4:                                     # unpack straight into the fp32 buffer
         g = torch.empty(*q.shape[:-1], q.shape[-1], 2, dtype=torch.float32, device=q.device)
         g[..., 0] = q & 0xF
@@ -41,6 +44,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, group: int =
     *lead, d = g.shape
     g = g.reshape(*lead, d // group, group)
     g.mul_(scale.float()[..., None])                  # in place: one fp32 copy, not two
+    if out is not None:
+        return out.copy_(g.reshape(*lead, d))
     return g.reshape(*lead, d).to(dtype)
 
 
@@ -91,8 +96,8 @@ class QuantKVCache(torch.nn.Module):
         out = torch.empty(c.shape[0], n, self.hd, dtype=self.dtype, device=self.device)
         for i in range(0, n, DEQUANT_BLOCK):
             j = min(n, i + DEQUANT_BLOCK)
-            out[:, i:j] = dequantize(c[:, i:j].to(self.device), s[:, i:j].to(self.device), self.bits, self.group,
-                                     self.dtype)
+            dequantize(c[:, i:j].to(self.device), s[:, i:j].to(self.device), self.bits, self.group,
+                       out=out[:, i:j])
         return out
 
 
@@ -130,6 +135,20 @@ class FileTensors:
 # --------------------------------------------------------------------------------------------
 # transfers
 # --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _stream(index: int, role: str, priority: int):
+    return torch.cuda.Stream(index, priority=priority)
+
+
+def shared_stream(device, role: str, priority: int = 0):
+    """The process's one CUDA stream for `role` on `device`, for work every request repeats (graph
+    warm-ups and captures, thermal KV's step and refresh streams). cuBLAS keeps a workspace for
+    every stream it has run on and gives none back, so a new stream a request grew a serving
+    process by 32-64 MiB a request on the H200 (benchmarks/thermal_kv.md 2x)."""
+    d = torch.device(device)
+    return _stream(torch.cuda.current_device() if d.index is None else d.index, role, priority)
+
+
 class TransferHandler:
     """Copies on a dedicated CUDA stream with events (or synchronously on CPU); every transfer
     is reported to the scheduler as (kind, bytes, seconds)."""

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from zeroedge.kv.attention import ThermalAttention, additive_mask
 from zeroedge.kv.decode_attention import choose as choose_attention
+from zeroedge.kv.tiers import shared_stream
 from zeroedge.paths.ffn import PathsFFN
 from zeroedge.quant import packed
 from zeroedge.quant.packed import PackedLinear
@@ -263,7 +264,7 @@ class Decoder:
         pieces = bool(flag) and getattr(self.attention, "host_refresh", False)
         if flag not in self.graphs:
             # captured on the attention's own stream where it has one (thermal lag 1: a high priority)
-            s = getattr(self.attention, "main_stream", None) or torch.cuda.Stream()
+            s = getattr(self.attention, "main_stream", None) or shared_stream(self.device, "capture")
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s), torch.no_grad():
                 for _ in range(2):
@@ -301,7 +302,7 @@ class Decoder:
             graph.capture_begin(pool=pool)
 
         torch.cuda.synchronize()
-        with torch.cuda.stream(torch.cuda.Stream()), torch.no_grad():
+        with torch.cuda.stream(shared_stream(self.device, "capture")), torch.no_grad():
             graph.capture_begin(pool=pool)
             self.attention.on_host_read = cut
             try:

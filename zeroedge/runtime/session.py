@@ -37,12 +37,14 @@ The breaker counts whole-model pages on both backends: torch fetches divided by 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
+from zeroedge.runtime.memory import segments_grow
 
 MIN_THERMAL_TOKENS = 32
 BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
@@ -277,6 +279,8 @@ class ServingSession:
         fits = [c for c in colds if therm[c] <= cap]
         mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
                                  "thermal_budget": budget, "cold_store": cold}
+        if p.device.type == "cuda":             # fixed segments: the cap also holds their unused reserve
+            mech["device_memory"]["allocator_segments"] = "expandable" if segments_grow(os.environ) else "fixed"
         if len(colds) > 1:
             mech["device_memory"]["thermal_int4_forecast"] = therm["int4"]
         if not thermal and dense <= cap:
@@ -408,8 +412,11 @@ class ServingSession:
             except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
                 if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
                     raise
+                hint = ("" if segments_grow(os.environ) else "; start the process with PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True (zeroedge run does), or the allocator's reserve counts too")
                 raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
-                                f"(the forecast said {mech.get('device_memory')}): {str(e).splitlines()[0]}") from None
+                                f"(the forecast said {mech.get('device_memory')}): {str(e).splitlines()[0]}{hint}"
+                                ) from None
         else:
             res = self._ort(prompt, max_new, temperature, mech, eos, seed)
         if mech["thermal_kv"]:

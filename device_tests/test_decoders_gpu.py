@@ -428,8 +428,9 @@ def test_triton_attention_matches_the_model_at_long_context():
 
 
 def test_run_under_a_cap_on_the_gpu_grows_its_segments_in_place():
-    """`zeroedge run --device-memory` on CUDA: the allocator starts with expandable segments (its
-    JSON says so), unless the environment chose fixed ones; both serve a request that fits."""
+    """`zeroedge run --device-memory` on CUDA: the allocator's segments are expandable (as its JSON
+    reads them from the allocator), unless the environment chose fixed ones; both serve a request
+    that fits."""
     import json
     import os
     import subprocess
@@ -438,7 +439,8 @@ def test_run_under_a_cap_on_the_gpu_grows_its_segments_in_place():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     args = [sys.executable, "-m", "zeroedge.cli", "run", "tiny", "--device", "cuda", "--device-memory", "4G",
             "--prompt", "the quick brown fox jumps over the lazy dog " * 4, "--max-new", "4", "--json"]
-    for extra, want in (({}, "expandable"), ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, "fixed")):
+    fixed = "expandable_segments:False"
+    for extra, want in (({}, "expandable"), ({"PYTORCH_CUDA_ALLOC_CONF": fixed, "PYTORCH_ALLOC_CONF": fixed}, "fixed")):
         p = subprocess.run(args, capture_output=True, text=True, env={**env, **extra}, timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
         r = json.loads(p.stdout.splitlines()[-1])
@@ -447,11 +449,15 @@ def test_run_under_a_cap_on_the_gpu_grows_its_segments_in_place():
 
 def test_requests_one_after_another_leave_no_device_memory_behind(tmp_path):
     """Three requests of each kind (dense, thermal, thermal lag 1, a cold store in a file) through
-    one session: the third leaves no more allocated than the first. (Each request's new CUDA streams
-    kept a cuBLAS workspace for good: +32-64 MiB a request on the H200.)"""
+    one session: the third leaves no more allocated than the first (each request's new CUDA streams
+    kept a cuBLAS workspace for good: +32-64 MiB a request on the H200), and a request's decoder is
+    gone when it returns, without the cyclic garbage collector (a cycle would hold its KV on the
+    device until the collector happened to run)."""
     import gc
 
+    from zeroedge.kv.attention import ThermalAttention
     from zeroedge.model import build
+    from zeroedge.runtime.fast import Decoder
     from zeroedge.runtime.session import ServingSession
 
     m = build("smollm2-135m", seed=0).eval().to("cuda", torch.bfloat16)
@@ -460,9 +466,15 @@ def test_requests_one_after_another_leave_no_device_memory_behind(tmp_path):
                {"kv_budget": 0.25, "thermal_opts": {"cold": "int8", "spill_dir": str(tmp_path)}}):
         sess, after = ServingSession(m, **kw), []
         for _ in range(3):
-            r = sess.generate(ids, 6)
-            assert r.mechanisms["thermal_kv"] == ("kv_budget" in kw)
             gc.collect()
+            gc.disable()
+            try:
+                r = sess.generate(ids, 6)
+                left = [type(o).__name__ for o in gc.get_objects() if issubclass(type(o), (Decoder, ThermalAttention))]
+            finally:
+                gc.enable()
+            assert r.mechanisms["thermal_kv"] == ("kv_budget" in kw)
+            assert not left, (kw, left)
             torch.cuda.synchronize()
             after.append(torch.cuda.memory_allocated())
         assert after[2] <= after[0], (kw, after)

@@ -629,7 +629,7 @@ def test_run_under_a_cap_starts_the_allocator_with_segments_that_grow():
     import subprocess
     import sys
 
-    from zeroedge.runtime.memory import cap_allocator, segments_grow
+    from zeroedge.runtime.memory import cap_allocator
 
     code = ("import os, sys\nfrom zeroedge.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    assert not e.code, e.code\nprint('CONF=' + repr(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')))")
@@ -647,14 +647,40 @@ def test_run_under_a_cap_starts_the_allocator_with_segments_that_grow():
     assert conf([], {}) == "CONF=None"
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     assert conf(["--device-memory", "8G"], mine) == "CONF='expandable_segments:False'"
-    for env, want in (({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
-                      ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
-                       {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}),
-                      ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
-                       {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}),
-                      (dict(mine), mine)):
+    on = "expandable_segments:True"
+    for env, want in (({}, {"PYTORCH_CUDA_ALLOC_CONF": on, "PYTORCH_ALLOC_CONF": on}),
+                      ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},         # PyTorch reads one or the other
+                       {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64," + on, "PYTORCH_ALLOC_CONF": on}),
+                      ({"PYTORCH_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": on, "PYTORCH_ALLOC_CONF": on}),
+                      (dict(mine), mine),
+                      ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})):
         cap_allocator(env)
-        assert env == want and segments_grow(env) == (want is not mine)
+        assert env == want
+
+
+def test_a_requests_decoder_is_gone_when_it_returns(tmp_path):
+    """No reference cycle keeps a request's decoder (its KV, window and cold store) alive after
+    generate returns: a serving process must not wait for the cyclic collector to get it back."""
+    import gc
+
+    from zeroedge.kv.attention import ThermalAttention
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import Decoder
+    from zeroedge.runtime.session import ServingSession
+
+    m = build("tiny", seed=0).eval()
+    ids = [i % 200 + 1 for i in range(400)]
+    for kw in ({}, {"kv_budget": 0.25}, {"kv_budget": 0.25, "thermal_opts": {"cold": "int8"}},
+               {"kv_budget": 0.25, "thermal_opts": {"cold": "int4", "spill_dir": str(tmp_path)}}):
+        sess = ServingSession(m, **kw)
+        gc.collect()
+        gc.disable()
+        try:
+            r = sess.generate(ids, 4)
+            left = [type(o).__name__ for o in gc.get_objects() if issubclass(type(o), (Decoder, ThermalAttention))]
+        finally:
+            gc.enable()
+        assert r.mechanisms["thermal_kv"] == ("kv_budget" in kw) and not left, (kw, left)
 
 
 def test_run_keeps_the_torch_cold_store_in_a_spill_file(tmp_path):

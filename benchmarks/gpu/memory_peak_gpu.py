@@ -32,7 +32,8 @@ def _site(frames) -> str:
 
 
 def live_at_peak(events) -> dict:
-    """Replays allocation events: the bytes alive at the highest point, by allocation site."""
+    """Replays the allocation events recorded over a request: its own highest point (what was
+    allocated before it, the weights, is not in the events) and what was alive there, by site."""
     live, total, best, at = {}, 0, -1, -1
     for i, e in enumerate(events):
         if e["action"] == "alloc":
@@ -51,7 +52,7 @@ def live_at_peak(events) -> dict:
     by = collections.Counter()
     for e in alive.values():
         by[_site(e.get("frames", []))] += e["size"]
-    return {"bytes": best, "by_site": by.most_common(12)}
+    return {"request_bytes": best, "by_site": by.most_common(12)}
 
 
 def main(argv=None):
@@ -87,17 +88,21 @@ def main(argv=None):
             before = torch.cuda.memory_allocated()
             if a.history:
                 torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
-            r = ServingSession(m, **kw).generate(ids, NEW)
-            torch.cuda.synchronize()
+            try:
+                r = ServingSession(m, **kw).generate(ids, NEW)
+                torch.cuda.synchronize()
+                events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] if a.history else []
+            finally:
+                if a.history:
+                    torch.cuda.memory._record_memory_history(enabled=None)
             peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
             fc = request_bytes(m.cfg, 2, T, NEW, **fk)
             row = {"ctx": T, "mode": mode, "allocated_peak": peak, "reserved_peak": reserved, "forecast": fc,
                    "forecast_over_peak": round(fc["peak"] / peak, 4), "reserved_over_peak": round(reserved / peak, 3),
                    "prefill_s": round(r.prefill_s, 1), "decode_tok_s": round(r.tokens_per_s, 1)}
             if a.history:
-                row["at_peak"] = live_at_peak(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
-                torch.cuda.memory._record_memory_history(enabled=None)
-            r = None
+                row["at_peak"] = live_at_peak(events)
+            r = events = None
             gc.collect()
             torch.cuda.empty_cache()
             row["left_allocated"] = torch.cuda.memory_allocated() - before

@@ -88,6 +88,9 @@ def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None, chunk: 
     n = P // page_size
     rank = min(rank, hd)
     A, B, mu = sketch_bases(k, qcov, rank, chunk=chunk)
+    if out is not None and (out[0].dtype != torch.uint8 or tuple(out[0].shape) != (nkv, P, rank // 2)
+                            or tuple(out[1].shape) != (nkv, n, rank)):
+        raise ValueError(f"out: codes (nkv, P, rank/2) uint8 and scales (nkv, n, rank) for rank {rank}")
     codes, scales = out if out is not None else (
         torch.empty(nkv, P, rank, dtype=torch.int8, device=k.device),
         torch.empty(nkv, n, rank, dtype=torch.float16, device=k.device))

@@ -6,6 +6,7 @@ pinned host store of a discrete GPU is ThermalAttention's own, zeroedge.kv.atten
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import torch
@@ -45,6 +46,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, group: int =
     g = g.reshape(*lead, d // group, group)
     g.mul_(scale.float()[..., None])                  # in place: one fp32 copy, not two
     if out is not None:
+        if tuple(out.shape) != (*lead, d):
+            raise ValueError(f"out has shape {tuple(out.shape)}, the values {(*lead, d)}")
         return out.copy_(g.reshape(*lead, d))
     return g.reshape(*lead, d).to(dtype)
 
@@ -136,17 +139,19 @@ class FileTensors:
 # transfers
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _stream(index: int, role: str, priority: int):
+def _stream(index: int, role: str, priority: int, thread: int):
     return torch.cuda.Stream(index, priority=priority)
 
 
 def shared_stream(device, role: str, priority: int = 0):
-    """The process's one CUDA stream for `role` on `device`, for work every request repeats (graph
-    warm-ups and captures, thermal KV's step and refresh streams). cuBLAS keeps a workspace for
-    every stream it has run on and gives none back, so a new stream a request grew a serving
-    process by 32-64 MiB a request on the H200 (benchmarks/thermal_kv.md 2x)."""
+    """One CUDA stream for `role` on `device` per thread of the process, for work every request
+    repeats (graph warm-ups and captures, thermal KV's step and refresh streams). cuBLAS keeps a
+    workspace for every stream it has run on: a new stream a request (torch's pool has 32 a
+    priority) left 32-64 MiB a request allocated on the H200 until the pool came round
+    (benchmarks/thermal_kv.md 2x). Per thread: a capture records whatever its stream runs."""
     d = torch.device(device)
-    return _stream(torch.cuda.current_device() if d.index is None else d.index, role, priority)
+    return _stream(torch.cuda.current_device() if d.index is None else d.index, role, priority,
+                   threading.get_ident())
 
 
 class TransferHandler:

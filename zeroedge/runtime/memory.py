@@ -31,25 +31,19 @@ from zeroedge.kv.policy import (COLD_BITS, DEQUANT_BLOCK, SKETCH_CHUNK, THERMAL,
 
 
 HEADROOM = 0.1   # the forecast falls 1-3 % short of the H200's allocated peaks (65K-341K): a cap admits forecast x 1.1
-ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")      # where PyTorch reads its allocator's settings
-
-
-def segments_grow(environ) -> bool:
-    """Whether PyTorch's CUDA allocator, started with this environment, grows its segments in place
-    (expandable_segments)."""
-    conf = ",".join(environ.get(k, "") for k in ALLOC_CONF).replace(" ", "").lower()
-    return "expandable_segments:true" in conf
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")      # PyTorch reads one or the other by release
 
 
 def cap_allocator(environ) -> None:
-    """For a memory cap, before CUDA starts: segments that grow in place, unless the environment
-    already chose. A cap holds the allocator's reserved bytes, and with fixed segments the reserve
-    beside the allocated ones took ~1 GiB of the Orin Nano's 5.90 GiB: its largest dense and
-    thermal prompts ran out of memory (H200; benchmarks/thermal_kv.md 2x)."""
-    if "expandable_segments" in ",".join(environ.get(k, "") for k in ALLOC_CONF):
+    """For a memory cap, before torch is imported: PyTorch's CUDA allocator with segments that grow
+    in place (expandable_segments), in both variables, unless either already chose. A cap holds the
+    allocator's reserved bytes, and with fixed segments the reserve beside the allocated ones took
+    ~1 GiB of the Orin Nano's 5.90 GiB: its largest dense and thermal prompts ran out of memory
+    (H200; benchmarks/thermal_kv.md 2x)."""
+    if any("expandable_segments" in environ.get(k, "") for k in ALLOC_CONF):
         return
-    key = ALLOC_CONF[1] if environ.get(ALLOC_CONF[1]) else ALLOC_CONF[0]     # the one the user set, if any
-    environ[key] = ",".join(filter(None, (environ.get(key), "expandable_segments:True")))
+    for k in ALLOC_CONF:
+        environ[k] = ",".join(filter(None, (environ.get(k), "expandable_segments:True")))
 
 
 def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:

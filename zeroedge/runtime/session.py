@@ -37,17 +37,26 @@ The breaker counts whole-model pages on both backends: torch fetches divided by 
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
-from zeroedge.runtime.memory import segments_grow
 
 MIN_THERMAL_TOKENS = 32
 BACKENDS = ("torch", "onnxruntime", "tensorrt")  # torch: a model; the others: an exported bundle
+
+
+def _allocator_segments() -> str:
+    """"expandable" or "fixed": the CUDA allocator's segments as it made them (a cap holds what it
+    reserves), "unknown" before it made any."""
+    import torch
+
+    segs = torch.cuda.memory_snapshot()
+    if not segs or "is_expandable" not in segs[0]:
+        return "unknown"
+    return "expandable" if any(g["is_expandable"] for g in segs) else "fixed"
 
 
 def _gib(n: int) -> str:
@@ -280,7 +289,7 @@ class ServingSession:
         mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
                                  "thermal_budget": budget, "cold_store": cold}
         if p.device.type == "cuda":             # fixed segments: the cap also holds their unused reserve
-            mech["device_memory"]["allocator_segments"] = "expandable" if segments_grow(os.environ) else "fixed"
+            mech["device_memory"]["allocator_segments"] = _allocator_segments()
         if len(colds) > 1:
             mech["device_memory"]["thermal_int4_forecast"] = therm["int4"]
         if not thermal and dense <= cap:
@@ -412,8 +421,9 @@ class ServingSession:
             except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
                 if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
                     raise
-                hint = ("" if segments_grow(os.environ) else "; start the process with PYTORCH_CUDA_ALLOC_CONF="
-                        "expandable_segments:True (zeroedge run does), or the allocator's reserve counts too")
+                hint = ("" if _allocator_segments() != "fixed" else "; the allocator's segments are fixed and "
+                        "their unused reserve counts: start the process with PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True")
                 raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
                                 f"(the forecast said {mech.get('device_memory')}): {str(e).splitlines()[0]}{hint}"
                                 ) from None

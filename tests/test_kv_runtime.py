@@ -559,7 +559,7 @@ def test_the_host_fetch_makes_the_greedy_swaps_decisions(tmp_path):
 
 
 def test_the_swap_decisions_are_the_greedys_even_on_tied_scores():
-    """kv.kernels.swap_decisions_ref (sorted, vectorised) against the greedy one swap at a time:
+    """kv.kernels.swap_decisions_ref (top-k on tie-free keys) against the greedy one swap at a time:
     best missing page in, worst resident out while the new one scores higher, the lowest page first
     among equal scores (what the Triton kernels' argmax / argmin take), over scores with many ties."""
     from zeroedge.kv.kernels import swap_decisions_ref
@@ -570,6 +570,7 @@ def test_the_swap_decisions_are_the_greedys_even_on_tied_scores():
         if trial >= 40:                                                    # more swaps wanted than pages
             n, S, F = 7, 3, 8
         score = torch.randint(0, 5, (nkv, n), generator=g).float()       # few values: ties everywhere
+        score[:, 2::3] *= -1                                               # -0.0 ties with 0.0
         score[:, :2] = float("-inf")                                       # never fetched (sink pages)
         score[:, -1] = float("inf") if trial % 2 else float("-inf")        # a page scored without bound
         page_slot = torch.full((nkv, n), -1, dtype=torch.long)

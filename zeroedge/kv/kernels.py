@@ -216,6 +216,17 @@ def page_scores_ref(pl, page_bias):
     return (pl - pl.logsumexp(-1, keepdim=True)).amax(1) + page_bias
 
 
+PAGE_BITS = 31      # the low bits of _order_key: a page index
+
+
+def _order_key(x, low):
+    """int64 keys ordered as the fp32 values x, ties ordered by `low` (0 <= low < 2^PAGE_BITS):
+    the float's bits with the magnitude bits of negatives flipped are a signed order of the floats
+    (x holds no NaN and no -0.0)."""
+    b = x.contiguous().view(torch.int32)
+    return ((b ^ ((b >> 31) & 0x7FFFFFFF)).long() << PAGE_BITS) | low
+
+
 def swap_decisions_ref(score, page_slot, fetch: int, out=None):
     """The greedy swap's decisions: score (nkv, n); page_slot (nkv, n) slot or -1. Per kv head, pair
     i is the i-th best missing page and the i-th worst resident one, swapped while the missing page
@@ -225,12 +236,18 @@ def swap_decisions_ref(score, page_slot, fetch: int, out=None):
     if out is None:
         out = torch.empty(score.shape[0], 3, FP, dtype=torch.long, device=score.device)
     out.fill_(-1)
-    F = min(int(fetch), score.shape[1])
+    n = score.shape[1]
+    F = min(int(fetch), n)
     inf = float("inf")
-    # stable sorts: among equal scores the lowest page first, as the kernels' argmax / argmin take it
-    vm, bm = torch.where(page_slot < 0, score, -inf).sort(dim=1, descending=True, stable=True)
-    vr, wr = torch.where(page_slot >= 0, score, inf).sort(dim=1, stable=True)
-    vm, bm, vr, wr = vm[:, :F], bm[:, :F], vr[:, :F], wr[:, :F]
+    score = score.float() + 0.0                   # -0.0 -> 0.0: equal scores, as the kernels compare them
+    missing = torch.where(page_slot < 0, score, -inf)
+    resident = torch.where(page_slot >= 0, score, inf)
+    # among equal scores the lowest page first, as the kernels' argmax / argmin take it: the F best
+    # by a tie-free int64 key (the score's order-preserving bits, then the page), not a full sort
+    page = torch.arange(n, device=score.device)
+    bm = _order_key(missing, (1 << PAGE_BITS) - 1 - page).topk(F, dim=1).indices
+    wr = _order_key(resident, page).topk(F, dim=1, largest=False).indices
+    vm, vr = missing.gather(1, bm), resident.gather(1, wr)
     take = (vm > vr).cumprod(1).bool()            # pair i only while every pair before it swapped
     for row, x in enumerate((bm, page_slot.gather(1, wr), wr)):
         out[:, row, :F] = torch.where(take, x, -1)

@@ -142,7 +142,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
     if cap is not None and backend != "torch":
         raise UserError("--device-memory / --board cap the torch backend; for a bundle, `zeroedge plan BUNDLE "
                         "--board B --ctx N` forecasts its runtime")
-    if cap is not None:                  # before CUDA starts: the allocator reads it once
+    if cap is not None:                  # before torch is imported: its allocator reads the setting once
         import os
 
         from zeroedge.runtime.memory import cap_allocator

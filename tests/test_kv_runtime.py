@@ -489,6 +489,15 @@ def test_the_sketch_is_fitted_in_chunks_with_the_same_result():
     A, codes, scales = quantized_sketch(k, 16, 4, 4, chunk=64, out=out)
     assert codes is out[0] and scales is out[1] and torch.equal(A, one[0])
     assert torch.equal(codes, pack_int4(one[1])) and torch.equal(scales, one[2])
+    with pytest.raises(ValueError, match="rank/2"):                      # unpacked codes are refused
+        quantized_sketch(k, 16, 4, 4, out=(torch.zeros(2, 512, 4, dtype=torch.uint8), out[1]))
+    from zeroedge.kv.tiers import dequantize, quantize
+
+    c, sc = quantize(k, 8, 16)
+    buf = torch.empty(2, 512, 16, dtype=torch.bfloat16)
+    assert torch.equal(dequantize(c, sc, 8, 16, out=buf), dequantize(c, sc, 8, 16, torch.bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        dequantize(c, sc, 8, 16, out=torch.empty(2, 512, 8))
 
 
 def test_a_page_size_keeps_the_recent_window_in_tokens_and_the_sketch_block_in_tokens(tiny):

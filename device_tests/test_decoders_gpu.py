@@ -88,10 +88,61 @@ def test_thermal_window_of_every_page_is_dense(setup):
         assert _run(dec, ids, ref) < 2e-2, type(dec).__name__
 
 
-@pytest.mark.parametrize("lag,attn", [(0, "auto"), (1, "auto"), (0, "sdpa")])
-def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn):
+@pytest.fixture
+def sketch_kernel(request, monkeypatch):
+    """zeroedge.kv.kernels.SKETCH_KERNEL for one test; "cuda" needs the plugin library built."""
+    from zeroedge import kernels_lib
+    from zeroedge.kv import kernels as K
+
+    kern = getattr(request, "param", "auto")
+    if kern == "cuda" and not kernels_lib.default_path().is_file():
+        pytest.fail(f"no kernels library at {kernels_lib.default_path()}: run scripts/build_plugins", pytrace=False)
+    monkeypatch.setattr(K, "SKETCH_KERNEL", kern)
+    return kern
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 32, 8, 4096), (3, 3, 32, 8, 257), (2, 8, 32, 16, 300), (4, 6, 64, 8, 129),
+                                   (4, 4, 16, 16, 77), (1, 1, 16, 8, 5), (2, 5, 64, 16, 1)])
+def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, monkeypatch):
+    """plugins/kernels/thermal_sketch.cu: page log-sum-exps and per-share log-sum-exps (nkv, query heads
+    a kv head, rank, page size, pages) against the float64 reference, and the Triton kernel's where it
+    takes the shape."""
+    from zeroedge import kernels_lib
+    from zeroedge.kv import cuda_sketch
+    from zeroedge.kv import kernels as K
+
+    lib = cuda_sketch.load(kernels_lib.default_path())
+    nkv, grp, R, PS, n = shape
+    g = torch.Generator(device="cuda").manual_seed(n)
+    codes = torch.randint(1, 16, (nkv, n * PS, R), generator=g, device="cuda")
+    codes = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    scales = (torch.rand(nkv, n, R, generator=g, device="cuda") * 0.5 + 0.01).half()
+    qr = torch.randn(nkv, grp, R, generator=g, device="cuda") * 3
+    ref = K.sketch_page_lse_ref(qr.double(), codes, scales.double(), PS)
+    nb = K.part_blocks(n, PS)
+    pm, psum = torch.empty(nkv, grp, nb, device="cuda"), torch.empty(nkv, grp, nb, device="cuda")
+    out = torch.empty(nkv, grp, n, device="cuda")
+    ppb = K.sketch_pages_per_block(PS)
+    cuda_sketch.sketch_page_lse(lib, qr, codes, scales, PS, out, (pm, psum), K.sketch_blocks(n, ppb)[1] * ppb)
+    tol = 1e-5 * (1 + ref.abs())
+    assert ((out.double() - ref).abs() <= tol).all()
+    shares = (pm.double() + psum.double().log()).logsumexp(-1)
+    assert torch.allclose(shares, ref.double().logsumexp(-1), rtol=1e-5, atol=1e-5)
+    if K.sketch_kernel_fits(PS, R):
+        monkeypatch.setattr(K, "SKETCH_KERNEL", "triton")
+        pm2, psum2 = torch.empty_like(pm), torch.empty_like(psum)
+        tri = K.sketch_page_lse(qr, codes, scales, PS, part=(pm2, psum2))
+        assert ((out - tri).abs() <= tol.float()).all()
+        assert torch.allclose(pm, pm2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lag,attn,sketch_kernel", [(0, "auto", "triton"), (1, "auto", "triton"), (0, "sdpa", "triton"),
+                                                    (0, "auto", "cuda"), (1, "auto", "cuda")],
+                         indirect=["sketch_kernel"])
+def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn, sketch_kernel):
     """auto: the Triton window attention, with the sketch kernel rotating the raw query (lag 0); lag 1:
-    the refreshes run on a side stream inside the step's graph, after each layer's attention."""
+    the refreshes run on a side stream inside the step's graph, after each layer's attention. The page
+    scores from the Triton sketch kernel or the plugin library's tensor-core one."""
     from zeroedge.runtime.fast import ThermalDecoder
 
     m, ids, _, ref, pre = setup

@@ -271,5 +271,5 @@ def test_paths_decoder_kernel_choice_is_checked(tmp_path, monkeypatch):
         cuda_gemv.load(junk)
     libm = next((q for q in Path("/").glob("*lib*/**/libm.so.6")), None)
     if libm is not None:   # a real shared library that is not ours
-        with pytest.raises(UserError, match="has no decode-path kernels"):
+        with pytest.raises(UserError, match="has no decode-path CUDA kernels"):
             cuda_gemv.load(libm)

@@ -4,6 +4,7 @@ barred), the whole refresh, and a copy of the same pages from device memory inst
 host memory. CUDA-graph replays, medians.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu/profile_refresh.py [--ctx 8192,32768,131072]
+        [--sketch-kernels triton,cuda]
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from bench_setup import graph_timed, random_prefix
 def main(argv=None):
     ap = bs.parser(__doc__)
     bs.add_ctx(ap, "8192,32768,131072")
+    ap.add_argument("--sketch-kernels", default="auto",
+                    help="comma list of zeroedge.kv.kernels.SKETCH_KERNEL values: the sketch and the refresh "
+                         "timed once each (keys suffixed with the kernel when more than one)")
     a = ap.parse_args(argv)
     if not bs.cuda_or_skip("SKIP: needs CUDA"):
         return
@@ -41,8 +45,14 @@ def main(argv=None):
         r = {"pages": t.n}
         per = lambda f: graph_timed(f, dev) * 1e6 / L        # µs per layer, all layers in one graph
         r["floor"] = graph_timed(lambda: z.add_(1), dev) * 1e6 / L
-        r["sketch"] = per(lambda: [t._page_lse(li, q) for li in range(L)])
-        r["sketch_part"] = per(lambda: [t._page_lse(li, q, t.lse_part) for li in range(L)])
+        kernels = a.sketch_kernels.split(",")
+        for kern in kernels:
+            K.SKETCH_KERNEL = kern
+            sfx = f"_{kern}" if len(kernels) > 1 else ""
+            r["sketch" + sfx] = per(lambda: [t._page_lse(li, q) for li in range(L)])
+            r["sketch_part" + sfx] = per(lambda: [t._page_lse(li, q, t.lse_part) for li in range(L)])
+            r["refresh" + sfx] = per(lambda: [t._swap(li, q) for li in range(L)])
+        K.SKETCH_KERNEL = kernels[0]
         pls = [t._page_lse(li, q, t.lse_part).clone() for li in range(L)]
         S, pe = t.slots, t.ps * t.hd
         views = [(t._slots(t.wk, li).view(t.nkv, S, pe), t._slots(t.wv, li).view(t.nkv, S, pe),
@@ -58,7 +68,6 @@ def main(argv=None):
         for name, chunk in (("one", 1 << 30), ("two256", 256)):
             r[f"swap_{name}_no_moves"] = per(lambda: swaps(barred, chunk))
             r[f"swap_{name}"] = per(lambda: swaps(t.page_bias, chunk))
-        r["refresh"] = per(lambda: [t._swap(li, q) for li in range(L)])
         for pb, progs in ((16, 64), (32, 32), (32, 64), (32, 128), (64, 64)):   # sketch blocks / programs
             K.SKETCH_PROGRAMS = progs
             nb = K.part_blocks(t.n, t.ps, pages_per_block=pb)
@@ -77,9 +86,11 @@ def main(argv=None):
     print("\nper layer, µs (16 layers in one CUDA graph):")
     print("| ctx | pages | sketch | sketch + lse shares | swap, no page moves (one program / two-stage) | swap (one / two-stage) | refresh |")
     for ctx, r in out.items():
-        print(f"| {ctx} | {r['pages']} | {r['sketch']:.1f} | {r['sketch_part']:.1f} | "
-              f"{r['swap_one_no_moves']:.1f} / {r['swap_two256_no_moves']:.1f} | "
-              f"{r['swap_one']:.1f} / {r['swap_two256']:.1f} | {r['refresh']:.1f} |")
+        for kern in kernels:
+            sfx = f"_{kern}" if len(kernels) > 1 else ""
+            print(f"| {ctx}{' ' + kern if sfx else ''} | {r['pages']} | {r['sketch' + sfx]:.1f} | "
+                  f"{r['sketch_part' + sfx]:.1f} | {r['swap_one_no_moves']:.1f} / {r['swap_two256_no_moves']:.1f} | "
+                  f"{r['swap_one']:.1f} / {r['swap_two256']:.1f} | {r['refresh' + sfx]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ weights and prefix (speed and bytes only; quality of the same settings: benchmar
 on SmolLM2). Each row: tok/s of the graphed decode loop, x the dense loop in the same run, and the
 device KV (hot window + sketch + page table) as a fraction of the dense prefix KV.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--lag] [--json OUT]
+    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--lag | --frontier]
+        [--sketch-kernels triton,cuda] [--weights int4-g128-sym] [--json OUT]
 """
 import argparse
 import json
@@ -29,6 +30,11 @@ LAG_SETTINGS = [(32, 4, 1, "int8", 0, 16, 2, "sdpa"), (32, 4, 1, "int8", 0, 16, 
                 (16, 4, 1, "int8", 0, 16, 2, "triton"), (32, 4, 1, "int8", 1, 16, 2, "triton"),
                 (16, 4, 1, "int8", 1, 16, 2, "triton"), (32, 4, 1, "int8", 0, 8, 4, "triton"),
                 (32, 4, 10 ** 6, "int8", 0, 16, 2, "triton")]
+# --frontier (session 25): the defaults since session 18 (pages of 8, 4 recent) at rank 32 and 16, lag 0
+# and 1, and the window alone; with --sketch-kernels each row (but the window alone) once a sketch kernel
+FRONTIER_SETTINGS = [(32, 4, 1, "int8", 0, 8, 4, "triton"), (16, 4, 1, "int8", 0, 8, 4, "triton"),
+                     (32, 4, 1, "int8", 1, 8, 4, "triton"), (16, 4, 1, "int8", 1, 8, 4, "triton"),
+                     (32, 4, 10 ** 6, "int8", 0, 8, 4, "triton")]
 # (the predict rows of benchmarks/thermal_lag_gpu.json were measured with commit 9d9b594's
 # PREDICT_SETTINGS and ThermalAttention(predict=1), since removed: thermal_kv.md section 2m)
 
@@ -40,21 +46,35 @@ def main():
     ap.add_argument("--only-cold", action="store_true", help="the default setting with each cold store only")
     ap.add_argument("--page-sizes", action="store_true", help="the default setting, int8 cold, at PAGE_SETTINGS only")
     ap.add_argument("--lag", action="store_true", help="LAG_SETTINGS only")
+    ap.add_argument("--frontier", action="store_true", help="FRONTIER_SETTINGS only")
+    ap.add_argument("--weights", default=None,
+                    help="dense and thermal alike on packed weights (a weights_gpu.SCHEMES or EMBEDDING4 name), "
+                         "int8 inputs")
+    ap.add_argument("--sketch-kernels", default="auto",
+                    help="comma list of zeroedge.kv.kernels.SKETCH_KERNEL values, each row once a kernel")
     a = ap.parse_args()
     import torch
 
+    from zeroedge.kv import kernels as K
     from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
 
     dt = torch.bfloat16
     m = bs.build_model("llama-3.2-1b", "cuda", dt)
+    wkw = {}
+    if a.weights:
+        import weights_gpu as W
+        from zeroedge.quant.apply import apply, embedding_group
+
+        apply(m, W.variant_section(a.weights, embedding_group(m.cfg.dim)), pack=True)
+        wkw = dict(int8_inputs=True)
     rows = []
     for ctx in bs.int_list(a.ctx):
-        dense = DenseDecoder(m, ctx + GEN)
+        dense = DenseDecoder(m, ctx + GEN, **wkw)
         dense.attention.kv.normal_()
         d_ms = bs.decode_step_ms(dense, start=ctx, n=64)
         del dense
         torch.cuda.empty_cache()
-        rows.append({"ctx": ctx, "decoder": "dense", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
+        rows.append({"ctx": ctx, "decoder": "dense", "weights": a.weights or "bf16", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
         print(json.dumps(rows[-1]), flush=True)
         ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", dt)
         runs = [(*s, 0, 16, 2, "auto") for s in SETTINGS if not a.only_cold or s[:3] == (32, 4, 1)]
@@ -62,14 +82,19 @@ def main():
             runs = [(32, f, 1, "int8", 0, ps, rp, "auto") for ps, rp, f in PAGE_SETTINGS]
         if a.lag:
             runs = LAG_SETTINGS
-        for rank, fetch, every, cold, lag, ps, recent, attn in runs:
+        if a.frontier:
+            runs = FRONTIER_SETTINGS
+        kernels = a.sketch_kernels.split(",")
+        runs = [(*r, kern) for r in runs for kern in (kernels[:1] if r[2] == 10 ** 6 else kernels)]
+        for rank, fetch, every, cold, lag, ps, recent, attn, kern in runs:
+            K.SKETCH_KERNEL = kern
             t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
-                               page_size=ps, recent_pages=recent, lag=lag, attn=attn)
+                               page_size=ps, recent_pages=recent, lag=lag, attn=attn, **wkw)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
             rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
-                         "page_size": ps, "recent_pages": recent, "lag": lag, "attention": t.attention.attn,
+                         "page_size": ps, "recent_pages": recent, "lag": lag, "attention": t.attention.attn, "sketch_kernel": kern,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
                          "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),
                          "with_cold_on_device_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]

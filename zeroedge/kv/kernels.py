@@ -18,6 +18,10 @@ _kernel = None
 SKETCH_TOKENS = 64    # tokens a sketch program scores at a time (whole pages, a power of two of them)
 SKETCH_PROGRAMS = 256  # programs a kv head at most: each loops over its share of the pages
 SKETCH_WARPS = 1      # warps a sketch program
+# which sketch kernel CUDA runs: "auto" (the plugin library's tensor-core kernel when it is built and
+# the shapes fit, zeroedge.kv.cuda_sketch; else Triton), "cuda" (that kernel or an error) or "triton"
+SKETCH_KERNEL = "auto"
+_cuda_lib = {}
 
 
 def sketch_pages_per_block(page_size: int) -> int:
@@ -180,6 +184,32 @@ def sketch_page_lse_q(q, A, codes, scales, page_size, out=None, pages_per_block:
     return sketch_page_lse(qr, codes, scales, page_size, out, pages_per_block, part)
 
 
+def _sketch_cuda_lib(device, page_size: int, rank: int, grp: int):
+    """The plugin library when SKETCH_KERNEL lets it score these shapes, else None (Triton)."""
+    if SKETCH_KERNEL == "triton":
+        return None
+    from zeroedge import kernels_lib
+    from zeroedge.errors import UserError
+    from zeroedge.kv import cuda_sketch
+
+    if SKETCH_KERNEL not in ("auto", "cuda"):
+        raise ValueError(f"SKETCH_KERNEL must be auto, cuda or triton, not {SKETCH_KERNEL!r}")
+    fits = cuda_sketch.fits(page_size, rank, grp) and torch.cuda.get_device_capability(device)[0] >= 8
+    if SKETCH_KERNEL == "cuda":
+        if not fits:
+            raise ValueError(f"the CUDA sketch kernel takes pages of 8 / 16, rank 16 / 32 / 64, 1-8 query heads "
+                             f"a kv head and compute capability 8.0 or newer (pages of {page_size}, rank {rank}, "
+                             f"{grp} query heads)")
+        return cuda_sketch.load()
+    key = str(kernels_lib.default_path())
+    if key not in _cuda_lib:        # a library without this kernel (an older build) leaves Triton
+        try:
+            _cuda_lib[key] = cuda_sketch.load()
+        except UserError:
+            _cuda_lib[key] = None
+    return _cuda_lib[key] if fits else None
+
+
 def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int | None = None, part=None):
     """qr (nkv, grp, r) -> (nkv, grp, n) sketch log-sum-exp of every page; part as above."""
     global _kernel
@@ -194,6 +224,12 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
     if out is None:
         out = torch.empty(nkv, grp, n, device=codes.device, dtype=torch.float32)
     nb, it = sketch_blocks(n, pages_per_block)
+    lib = _sketch_cuda_lib(codes.device, page_size, 2 * r2, grp)
+    if lib is not None:
+        from zeroedge.kv import cuda_sketch
+
+        return cuda_sketch.sketch_page_lse(lib, qr.float().contiguous(), codes.contiguous(), scales.contiguous(),
+                                           page_size, out, part, it * pages_per_block)
     pm, psum = part if part is not None else (out, out)
     _kernel[1][(nkv, nb)](qr.float().contiguous(), codes.contiguous(), scales.contiguous(), out, pm, psum, P, n,
                           nb, ITER=it, GRP=grp, GP=1 << max(0, (grp - 1).bit_length()), R2=r2, PS=page_size,

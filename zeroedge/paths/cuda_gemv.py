@@ -9,39 +9,23 @@ A missing library is a UserError naming where it looked; nothing falls back to d
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
-from zeroedge.errors import UserError
+from zeroedge import kernels_lib
 
 F16, BF16 = 1, 2
 ERRORS = {-1: "null pointer", -2: "dtype must be fp16 or bf16", -3: "shape outside the limits "
           "(B 1..8, D % 8 == 0 and D <= 8192, F % 8 == 0, R 1..128)", -4: "tensor not 16-byte aligned"}
-_LIB = {}
 
 
 def default_path() -> Path:
-    env = os.environ.get("ZEROEDGE_KERNELS_LIB")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "plugins" / "build" / "libzeroedge_kernels.so"
+    return kernels_lib.default_path()
 
 
 def load(path=None):
-    p = Path(path) if path else default_path()
-    key = str(p)
-    if key in _LIB:
-        return _LIB[key]
-    if not p.is_file():
-        raise UserError(f"decode-path CUDA kernels not found at {p}: build them with "
-                        "scripts/build_plugins (or cmake -S plugins -B plugins/build) or set "
-                        "ZEROEDGE_KERNELS_LIB")
-    try:
-        lib = ctypes.CDLL(str(p))
-    except OSError as e:
-        raise UserError(f"cannot load {p}: {e}") from None
-    if not hasattr(lib, "ze_paths_ffn"):
-        raise UserError(f"{p} has no decode-path kernels (ze_paths_ffn): rebuild it from this checkout")
+    lib = kernels_lib.open_lib(path, "ze_paths_ffn", "decode-path CUDA kernels")
+    if getattr(lib, "_ze_paths_bound", False):
+        return lib
     vp, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.ze_paths_work_bytes.restype = sz
     lib.ze_paths_work_bytes.argtypes = [i, i, i]
@@ -50,7 +34,7 @@ def load(path=None):
     lib.ze_paths_ffn_magnitude.restype = i
     lib.ze_paths_ffn_magnitude.argtypes = [i, vp, vp, vp, vp, f, f, i, i, i, vp, i, vp]
     lib.ze_paths_set_config.argtypes = [i, i, i]
-    _LIB[key] = lib
+    lib._ze_paths_bound = True
     return lib
 
 

@@ -39,29 +39,25 @@ def main():
     from zeroedge.kv.tiers import FileTensors
 
     n = a.ctx // PS
-    codes, scales = ((L, NKV, n, PS * HD), torch.int8), ((L, NKV, n, PS * HD // 32), torch.float16)
-    store = FileTensors(a.dir, {"k": codes, "v": codes, "ks": scales, "vs": scales})   # as the decoder lays it out
-    rng = np.random.default_rng(0)
-    for t in store.tensors.values():
-        t.view(torch.uint8).numpy()[:] = rng.integers(0, 255, t.view(torch.uint8).shape, dtype=np.uint8)
+    store = FileTensors(a.dir, (L, NKV, n, PS), {"k": (HD, torch.int8), "v": (HD, torch.int8),
+                                                 "ks": (HD // 32, torch.float16), "vs": (HD // 32, torch.float16)})
+    store.records.numpy()[:] = np.random.default_rng(0).integers(0, 255, store.records.shape, dtype=np.uint8)
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    base, size = ctypes.c_void_p(store.tensors["k"].data_ptr()), ctypes.c_size_t(store.nbytes)
+    base, size = ctypes.c_void_p(store.records.data_ptr()), ctypes.c_size_t(store.nbytes)
 
     def page_out():
         if libc.msync(base, size, MS_SYNC) or libc.madvise(base, size, MADV_PAGEOUT):
             sys.exit(f"madvise(MADV_PAGEOUT) failed: errno {ctypes.get_errno()}")
 
-    layers = [[store.tensors[f][li].numpy() for f in ("k", "v", "ks", "vs")] for li in range(L)]
+    layers = [store.records[li].numpy() for li in range(L)]
     rng = np.random.default_rng(1)
     rows = []
     for prefetch in (True, False):
         host_fetch.PREFETCH_ON_US = 10.0 if prefetch else float("inf")
         for where in ("in memory", "not in memory"):
-            hf = host_fetch.HostFetch(NKV, FETCH, [store.tensors[f][0] for f in ("k", "v", "ks", "vs")], 8,
-                                      torch.device("cpu"))
-            for arrays in layers:
-                for r in arrays:
-                    r.sum()                              # read in
+            hf = host_fetch.HostFetch(NKV, FETCH, store, 8, torch.device("cpu"))
+            for r in layers:
+                r.sum()                                  # read in
             times = []
             for _ in range(a.steps):
                 if where != "in memory":

@@ -126,32 +126,35 @@ def test_quantize_int8_int4_round_trip():
 
 
 def test_file_tensors_live_in_a_private_reserved_file_and_refuse_bad_paths(tmp_path):
-    """The torch decoder's cold store on NVMe: tensors mapped from one file that is reserved in full,
-    private (0600) and unlinked at once, so nothing is left in the folder and its bytes round-trip
-    through the mapping; a bad folder or a disk without room is a UserError before anything is written."""
+    """The torch decoder's cold store on NVMe: records mapped from one file that is reserved in full,
+    private (0600) and unlinked at once, so nothing is left in the folder; each record holds its
+    fields side by side and they round-trip through the mapping; a bad folder or a disk without room
+    is a UserError before anything is written."""
     import os
     import stat
 
     from zeroedge.kv.tiers import FileTensors
 
-    ft = FileTensors(str(tmp_path / "cold"), {"k": ((3, 16, 8), torch.int8), "s": ((3, 16, 1), torch.float16)})
+    ft = FileTensors(str(tmp_path / "cold"), (3, 16), {"k": (7, torch.int8), "s": (1, torch.float16)})
     assert not list((tmp_path / "cold").iterdir())                    # unlinked at once
     st = os.fstat(ft.file.fd)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_nlink == 0
-    assert st.st_blocks * 512 >= ft.nbytes >= 3 * 16 * 8 + 3 * 16 * 2  # every byte reserved
+    assert ft.offsets == {"k": (0, 7), "s": (8, 2)} and ft.records.shape == (3, 16, 10)   # aligned fields
+    assert st.st_blocks * 512 >= ft.nbytes >= 3 * 16 * 10             # every byte reserved
     k, sc = ft.tensors["k"], ft.tensors["s"]
-    assert not k.any() and not sc.any()
-    data = torch.randint(-127, 128, (3, 16, 8), dtype=torch.int8)
+    assert k.shape == (3, 16, 7) and sc.shape == (3, 16, 1) and not k.any() and not sc.any()
+    data = torch.randint(-127, 128, (3, 16, 7), dtype=torch.int8)
     k.copy_(data)
-    sc.fill_(0.5)
-    raw = os.pread(ft.file.fd, k.numel(), 0)                          # in the file itself
-    assert raw == data.numpy().tobytes() and torch.equal(k, data)
+    sc.copy_(torch.rand(3, 16, 1).half())
+    raw = os.pread(ft.file.fd, 10, 10 * 5)                            # record (0, 5), in the file itself
+    assert raw[:7] == data[0, 5].numpy().tobytes() and raw[8:10] == sc[0, 5].numpy().tobytes()
+    assert torch.equal(k, data)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(UserError, match="cold store"):
-        FileTensors(str(blocker / "sub"), {"k": ((4,), torch.int8)})
+        FileTensors(str(blocker / "sub"), (4,), {"k": (1, torch.int8)})
     with pytest.raises(UserError, match="bytes free"):
-        FileTensors(str(tmp_path / "big"), {"k": ((1 << 40,), torch.int8)})
+        FileTensors(str(tmp_path / "big"), (1 << 40,), {"k": (1, torch.int8)})
     assert not list((tmp_path / "big").glob("zeroedge-kv-*"))         # nothing half-written
 
 
@@ -303,12 +306,16 @@ def test_int8_cold_store_serves_within_rounding_and_halves_its_bytes(tiny):
 
 
 @pytest.mark.parametrize("cold", ["int8", "int4"])
-def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_path, cold):
+def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_path, cold, monkeypatch):
     """spill_dir: the compressed cold store is mapped from a private file (no device memory); the
-    prefill writes into it and the swaps read from it, so the decode is the in-memory store's,
-    bit for bit, and the folder is left empty."""
+    prefill writes into it whole records (a token's codes and scales) and reads the past back a
+    block of records at a time (blocks that split pages here), and the swaps read from it, so the
+    decode is the in-memory store's, bit for bit, and the folder is left empty."""
+    from zeroedge.kv import policy
     from zeroedge.model import chunked_prefill
     from zeroedge.runtime.fast import ThermalDecoder
+
+    monkeypatch.setattr(policy, "DEQUANT_BLOCK", 20)
 
     ids = ids_(96, 5)
     P = 80
@@ -521,8 +528,7 @@ def test_the_host_fetch_makes_the_greedy_swaps_decisions(tmp_path):
     """kv.host_fetch (a cold store in a file the device cannot read: decide, read on the host, apply,
     in static shapes): the same page tables and window as the greedy reference, int8 and int4 codes,
     over random scores, with sink / recent pages that never move and stale staging rows ignored;
-    the same again when reads run slow enough to ask the disk for the pages first (prefetch, here
-    from a mapped file)."""
+    the same again when reads run slow enough to ask the disk for the pages first (prefetch)."""
     from zeroedge.kv import host_fetch
     from zeroedge.kv.host_fetch import HostFetch
     from zeroedge.kv.kernels import page_scores_ref, swap_pages_ref
@@ -542,21 +548,22 @@ def test_the_host_fetch_makes_the_greedy_swaps_decisions(tmp_path):
             page_slot.scatter_(1, slot_page, torch.arange(S).expand(nkv, -1).contiguous())
             cold = torch.randn(2, nkv, n, ps * hd, generator=g)
             (hk, ks), (hv, vs) = (quantize(c, bits, 32) for c in cold)
-            store = FileTensors(str(tmp_path), {k: (x.shape, x.dtype) for k, x in zip("abcd", (hk, hv, ks, vs))})
-            stores = [store.tensors[k] for k in "abcd"]
-            for t, x in zip(stores, (hk, hv, ks, vs)):
-                t.copy_(x)
+            store = FileTensors(str(tmp_path), (1, nkv, n, ps), {"k": (hk.shape[-1] // ps, hk.dtype),
+                                "v": (hk.shape[-1] // ps, hk.dtype), "ks": (ks.shape[-1] // ps, ks.dtype),
+                                "vs": (ks.shape[-1] // ps, ks.dtype)})
+            for name, x in zip(("k", "v", "ks", "vs"), (hk, hv, ks, vs)):
+                store.tensors[name][0] = x.view(nkv, n, ps, -1)
             w = torch.randn(2, nkv, S, ps * hd, generator=g)
             ref = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
             swap_pages_ref(page_scores_ref(pl, bias), *ref, hk, hv, F, (ks, vs), bits)
-            hf = HostFetch(nkv, F, stores, bits, torch.device("cpu"))
+            hf = HostFetch(nkv, F, store, bits, torch.device("cpu"))
             if trial % 2:
                 hf.us_per_page = host_fetch.PREFETCH_ON_US + 1           # as after slow reads: prefetch first
             for st in hf.stage:                                       # stale rows: must not leak in
                 st.copy_(torch.randint(0, 100, st.shape).to(st.dtype))
             got = [t.clone() for t in (page_slot, slot_page, w[0], w[1])]
             hf.decide(pl, bias, got[0])
-            hf.read([t.numpy() for t in stores])
+            hf.read(store.records[0].numpy())
             hf.apply(*got)
             for a, b in zip(ref, got):
                 assert torch.equal(a, b), (bits, trial)

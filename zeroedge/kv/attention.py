@@ -177,15 +177,16 @@ class ThermalAttention:
 
             self.cold_bits = COLD_BITS[self.cold]
             self.group = cold_group(hd)
-            codes = ((L, nkv, n, ps, hd * self.cold_bits // 8), torch.int8 if self.cold_bits == 8 else torch.uint8)
-            scales = ((L, nkv, n, ps, hd // self.group), torch.float16)
-            if self.spill_dir is not None:
-                self.cold_file = FileTensors(self.spill_dir, {"k": codes, "v": codes, "ks": scales, "vs": scales})
+            codes = (hd * self.cold_bits // 8, torch.int8 if self.cold_bits == 8 else torch.uint8)
+            scales = (hd // self.group, torch.float16)
+            lead = (L, nkv, n, ps)
+            if self.spill_dir is not None:      # a token's K, V codes and scales side by side in the file
+                self.cold_file = FileTensors(self.spill_dir, lead, {"k": codes, "v": codes, "ks": scales, "vs": scales})
                 t = self.cold_file.tensors
                 self.cold_k, self.cold_v, self.cold_ks, self.cold_vs = t["k"], t["v"], t["ks"], t["vs"]
             else:
-                self.cold_k, self.cold_v = (torch.zeros(*codes[0], dtype=codes[1], device=device) for _ in "kv")
-                self.cold_ks, self.cold_vs = (torch.zeros(*scales[0], dtype=scales[1], device=device) for _ in "kv")
+                self.cold_k, self.cold_v = (torch.zeros(*lead, codes[0], dtype=codes[1], device=device) for _ in "kv")
+                self.cold_ks, self.cold_vs = (torch.zeros(*lead, scales[0], dtype=scales[1], device=device) for _ in "kv")
         else:
             self.cold_k = torch.zeros(L, nkv, n, ps, hd, dtype=dtype, pin_memory=pin)
             self.cold_v = torch.zeros_like(self.cold_k, pin_memory=pin) if pin else torch.zeros_like(self.cold_k)
@@ -237,22 +238,14 @@ class ThermalAttention:
         if self.cold_file is not None:
             from zeroedge.kv.host_fetch import HostFetch
 
-            self.host_fetch = HostFetch(nkv, self.fetch, self._cold_pages(0), self.cold_bits, device)
-            self._cold_np = [[t.numpy() for t in self._cold_pages(li)] for li in range(L)]   # the host reads these
+            self.host_fetch = HostFetch(nkv, self.fetch, self.cold_file, self.cold_bits, device)
+            self._cold_np = [self.cold_file.records[li].numpy() for li in range(L)]   # the host reads these
 
     @property
     def host_refresh(self) -> bool:
         """A refresh reads pages on the host (a cold store in a file): on CUDA its step is captured in
         pieces (zeroedge.runtime.fast.Decoder)."""
         return self.host_fetch is not None and self.device.type == "cuda"
-
-    def _cold_pages(self, li):
-        """Layer li's cold store, each (nkv, n, bytes of a page): K codes, V codes, K scales, V scales
-        (the full-precision store: K, V)."""
-        out = [t[li].view(self.nkv, self.n, -1) for t in (self.cold_k, self.cold_v)]
-        if self.cold != "host":
-            out += [t[li].view(self.nkv, self.n, -1) for t in (self.cold_ks, self.cold_vs)]
-        return out
 
     def host_read(self, li):
         """The host's part of layer li's refresh (a cold store in a file), once the device decided."""
@@ -278,8 +271,10 @@ class ThermalAttention:
             raise ValueError("only a compressed cold store takes the prefill in place")
         self.cold_filled = True
         flat = lambda t, li: t[li].view(self.nkv, self.P, -1)  # noqa: E731
+        f = self.cold_file      # in a file: whole records written and read (a token's four fields side by side)
         return [QuantKVCache(flat(self.cold_k, li), flat(self.cold_ks, li), flat(self.cold_v, li),
-                             flat(self.cold_vs, li), self.cold_bits, self.group, self.dtype, device=self.device)
+                             flat(self.cold_vs, li), self.cold_bits, self.group, self.dtype, device=self.device,
+                             records=None if f is None else (flat(f.records, li), f.offsets))
                 for li in range(self.L)]
 
     def load_prefix(self, ks, vs, qcovs=None):

@@ -29,19 +29,25 @@ JUDGE_PAGES = 8
 
 
 class HostFetch:
-    def __init__(self, nkv: int, fetch: int, stores, bits: int, device):
-        """stores: one layer's (K codes, V codes, K scales, V scales), each (nkv, n, ...) per page."""
+    FIELDS = ("k", "v", "ks", "vs")     # K codes, V codes, K scales, V scales: a token's record
+
+    def __init__(self, nkv: int, fetch: int, store, bits: int, device):
+        """store: the zeroedge.kv.tiers.FileTensors of the cold store, lead (layers, nkv, pages,
+        page size), one record a token with the FIELDS."""
         pin = device.type == "cuda"
         self.fetch, self.bits = fetch, bits
+        self.ps = store.records.shape[3]
         FP = 1 << max(0, (fetch - 1).bit_length())
-        self.stage = [torch.zeros(nkv, fetch, *s.shape[2:], dtype=s.dtype, pin_memory=pin) for s in stores]
+        self.fields = [store.offsets[f] for f in self.FIELDS]
+        self.stage = [torch.zeros(nkv, fetch, self.ps * store.tensors[f].shape[-1], dtype=store.tensors[f].dtype,
+                                  pin_memory=pin) for f in self.FIELDS]
         self.dev_stage = [torch.zeros_like(s, device=device) for s in self.stage]
         self.decisions = torch.full((nkv, 3, FP), -1, dtype=torch.long, device=device)   # kernels.swap_decisions
         self.h_decisions = torch.full((nkv, 3, FP), -1, dtype=torch.long, pin_memory=pin)
         # numpy views, made once: the host's part runs on every layer of every refresh step
         self._np_decisions = self.h_decisions.numpy()
-        self._np_stage = [s.numpy() for s in self.stage]
-        self.page_bytes = sum(s[0, 0].numel() * s.element_size() for s in self.stage)   # a page's, all four
+        self._np_stage = [s.numpy().view(np.uint8).reshape(nkv, fetch, self.ps, -1) for s in self.stage]
+        self.page_bytes = self.ps * store.records.shape[4]
         self.reads = self.read_bytes = self.prefetches = 0
         self.read_s = 0.0
         self.us_per_page = 0.0         # running mean: when it is high the store is on disk, so prefetch
@@ -56,11 +62,12 @@ class HostFetch:
         swap_decisions(pl, page_bias, page_slot, self.fetch, self.decisions, part=part)
         self.h_decisions.copy_(self.decisions, non_blocking=True)
 
-    def read(self, stores):
+    def read(self, records):
         """Host, after `decide` has finished on the device: the chosen pages into the staging buffer.
-        stores: one layer's four, as numpy arrays (nkv, n, bytes of a page). While reads run slow
-        (the store is not in memory), every chosen page is first asked of the disk at once
-        (madvise WILLNEED), so they are read side by side, not one fault after another."""
+        records: one layer's (nkv, pages, page size, record bytes) uint8 (numpy). A page's records
+        are one stretch of the file; while reads run slow (the store is not in memory), every chosen
+        page is first asked of the disk at once (madvise WILLNEED), so they are read side by side,
+        not one after another."""
         t0 = time.perf_counter()
         d = self._np_decisions
         h, j = np.nonzero(d[:, 1, :self.fetch] >= 0)
@@ -69,11 +76,12 @@ class HostFetch:
             self.prefetching = self.can_prefetch and self.us_per_page > (
                 PREFETCH_OFF_US if self.prefetching else PREFETCH_ON_US)
             if self.prefetching:
-                self.can_prefetch = all([_will_need(src, h, p) for src in stores])
+                self.can_prefetch = _will_need(records, h, p)
                 self.prefetches += 1
             t1 = time.perf_counter()
-            for src, st in zip(stores, self._np_stage):
-                st[h, j] = src[h, p]
+            got = records[h, p]                                   # (pages, page size, record bytes)
+            for (o, b), st in zip(self.fields, self._np_stage):
+                st[h, j] = got[:, :, o:o + b]
             # the copies' time a page; over at least JUDGE_PAGES, so the calls' fixed cost on a read of
             # one or two pages does not pass for a slow disk
             us = (time.perf_counter() - t1) * 1e6 / max(int(h.size), JUDGE_PAGES)
@@ -92,16 +100,17 @@ class HostFetch:
         apply_swaps(self.decisions, page_slot, slot_page, wk, wv, self.dev_stage, self.bits)
 
 
-def _will_need(store, h, p) -> bool:
-    """Ask the kernel to read pages (h, p) of a store (nkv, n, bytes of a page) into the page cache
-    now (madvise WILLNEED: asynchronous, so the reads of all of them overlap). False if it refused."""
+def _will_need(records, h, p) -> bool:
+    """Ask the kernel to read pages (h, p) of records (nkv, pages, page size, record bytes) into the
+    page cache now (madvise WILLNEED: asynchronous, so the reads of all of them overlap). False if
+    it refused."""
     import ctypes
     import mmap
 
     libc = _libc()
-    span = store[0, 0].nbytes
+    span = records.shape[2] * records.shape[3]
     for hh, pp in zip(h.tolist(), p.tolist()):
-        start = store[hh, pp].ctypes.data
+        start = records[hh, pp].ctypes.data
         first = start - start % mmap.PAGESIZE
         if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + span - first), mmap.MADV_WILLNEED):
             return False

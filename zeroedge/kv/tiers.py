@@ -61,9 +61,12 @@ class QuantKVCache(torch.nn.Module):
     the sum of q^T q per kv head (KVCache's)."""
 
     def __init__(self, codes_k, scales_k, codes_v, scales_v, bits: int, group: int, dtype,
-                 track_queries: bool = True, device=None):
+                 track_queries: bool = True, device=None, records=None):
         super().__init__()      # a module, as the attention's kv_cache slot wants (its tensors: views it does not own)
         self.ck, self.sk, self.cv, self.sv = codes_k, scales_k, codes_v, scales_v
+        # records: (the (n_kv, P, record bytes) uint8 tensor the four are fields of, their byte offsets
+        # as FileTensors.offsets): a cold store in a file, written and read a whole record at a time
+        self.records, self.offsets = records if records is not None else (None, None)
         self.bits, self.group, self.dtype = bits, group, dtype
         # where attention runs: the codes may live elsewhere (a mapped file: FileTensors)
         self.device = torch.device(device) if device is not None else codes_k.device
@@ -79,29 +82,48 @@ class QuantKVCache(torch.nn.Module):
         return cls(c(hd * bits // 8, ct), c(hd // group, torch.float16), c(hd * bits // 8, ct),
                    c(hd // group, torch.float16), bits, group, dtype)
 
+    FIELDS = ("k", "ks", "v", "vs")
+
     def update(self, start: int, k, v, q=None, kv_index=None):
         end = start + k.shape[2]
-        for x, codes, scales in ((k, self.ck, self.sk), (v, self.cv, self.sv)):
-            c, sc = quantize(x[0], self.bits, self.group)
-            codes[:, start:end] = c
-            scales[:, start:end] = sc
+        (ck, sk), (cv, sv) = (quantize(x[0], self.bits, self.group) for x in (k, v))
+        if self.records is not None:        # the chunk's records made whole on the device, one copy out
+            rec = torch.empty(ck.shape[0], end - start, self.records.shape[-1], dtype=torch.uint8, device=ck.device)
+            for name, x in zip(self.FIELDS, (ck, sk, cv, sv)):
+                o, b = self.offsets[name]
+                rec[..., o:o + b] = x.view(torch.uint8)
+            self.records[:, start:end] = rec
+        else:
+            for x, dst in zip((ck, sk, cv, sv), (self.ck, self.sk, self.cv, self.sv)):
+                dst[:, start:end] = x
         if self.qcov is not None and q is not None:
             qf = q[0].float()
             self.qcov.index_add_(0, kv_index, qf.transpose(1, 2) @ qf)
-        return self.layer_kv(end, 0)[None], self.layer_kv(end, 1)[None]
+        return tuple(x[None] for x in self.past_kv(end))
 
-    def layer_kv(self, n: int, which: int):
-        """K (which 0) or V (1) of the first n positions, dequantized on the device: (n_kv, n, hd),
-        DEQUANT_BLOCK positions at a time (its fp32 step and the codes it moves are one block's)."""
+    def past_kv(self, n: int, which=(0, 1)):
+        """K (0) and / or V (1) of the first n positions, dequantized on the device: (n_kv, n, hd)
+        each, DEQUANT_BLOCK positions at a time (its fp32 step and the codes it moves are one
+        block's; from a file, a block's whole records in one copy)."""
         from zeroedge.kv.policy import DEQUANT_BLOCK
 
-        c, s = (self.ck, self.sk) if which == 0 else (self.cv, self.sv)
-        out = torch.empty(c.shape[0], n, self.hd, dtype=self.dtype, device=self.device)
+        out = [torch.empty(self.ck.shape[0], n, self.hd, dtype=self.dtype, device=self.device) for _ in which]
+        fields = ((self.ck, self.sk), (self.cv, self.sv))
         for i in range(0, n, DEQUANT_BLOCK):
             j = min(n, i + DEQUANT_BLOCK)
-            dequantize(c[:, i:j].to(self.device), s[:, i:j].to(self.device), self.bits, self.group,
-                       out=out[:, i:j])
+            raw = self.records[:, i:j].to(self.device) if self.records is not None else None
+            for o, w in zip(out, which):
+                if raw is None:
+                    c, sc = (t[:, i:j].to(self.device) for t in fields[w])
+                else:
+                    (oc, bc), (os_, bs) = (self.offsets[f] for f in self.FIELDS[2 * w:2 * w + 2])
+                    c, sc = raw[..., oc:oc + bc].view(fields[w][0].dtype), raw[..., os_:os_ + bs].view(torch.float16)
+                dequantize(c, sc, self.bits, self.group, out=o[:, i:j])
         return out
+
+    def layer_kv(self, n: int, which: int):
+        """K (which 0) or V (1) of the first n positions (past_kv), for zeroedge.model.LayerKV."""
+        return self.past_kv(n, (which,))[0]
 
 
 def quantized_nbytes(numel: int, bits: int, group: int) -> int:
@@ -112,27 +134,34 @@ def quantized_nbytes(numel: int, bits: int, group: int) -> int:
 # cold stores
 # --------------------------------------------------------------------------------------------
 class FileTensors:
-    """Named tensors in one private page file (zeroedge.kv.spill.PageFile: in a checked folder,
-    unlinked at once, mode 0600, every byte reserved before anything is written), mapped into
-    memory: the torch decoder's cold store on NVMe (`spill_dir`). They are CPU tensors; the kernel's
+    """Records in one private page file (zeroedge.kv.spill.PageFile: in a checked folder, unlinked at
+    once, mode 0600, every byte reserved before anything is written), mapped into memory: the torch
+    decoder's cold store on NVMe (`spill_dir`). One record per index of `lead` holds every field side
+    by side (a token's K codes, V codes, K scales, V scales), so a page of tokens is one stretch of
+    the file: one read when it is not in memory. fields: name -> (count, dtype). tensors[name]
+    (lead + (count,)) is a strided view of its field; records (lead + (record bytes,), uint8) the
+    raw bytes; offsets[name] = (byte offset in a record, bytes). They are CPU tensors; the kernel's
     page cache holds what was read or written lately (memory it takes back under pressure), the
-    disk the rest. specs: name -> (shape, dtype); every tensor starts zero."""
+    disk the rest. Every field starts zero."""
 
     ALIGN = 4096
 
-    def __init__(self, folder, specs: dict):
+    def __init__(self, folder, lead: tuple, fields: dict):
         from zeroedge.kv.spill import PageFile
 
-        place, total = {}, 0
-        for name, (shape, dtype) in specs.items():
-            n = max(1, int(torch.Size(shape).numel())) * torch.empty((), dtype=dtype).element_size()
-            place[name] = (total, n, tuple(shape), dtype)
-            total += -(-n // self.ALIGN) * self.ALIGN
-        self.file = PageFile(folder, total, reserve_pages=1)
-        self.nbytes = total
-        mm = self.file.mapped()
-        self.tensors = {name: torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=o).view(dtype).view(shape)
-                        for name, (o, n, shape, dtype) in place.items()}
+        self.offsets, rec, widest = {}, 0, 1
+        for name, (count, dtype) in fields.items():
+            size = torch.empty((), dtype=dtype).element_size()
+            rec = -(-rec // size) * size                       # each field aligned to its element
+            self.offsets[name] = (rec, count * size)
+            rec += count * size
+            widest = max(widest, size)
+        rec = -(-rec // widest) * widest                       # and so in every record
+        n = max(1, int(torch.Size(lead).numel())) * rec
+        self.file = PageFile(folder, -(-n // self.ALIGN) * self.ALIGN, reserve_pages=1)
+        self.nbytes = self.file.nbytes
+        self.records = torch.frombuffer(self.file.mapped(), dtype=torch.uint8, count=n).view(*lead, rec)
+        self.tensors = {name: self.records[..., o:o + b].view(fields[name][1]) for name, (o, b) in self.offsets.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -73,9 +73,9 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     rope = (prompt_len + max_new) * hd * (2 * element + 2)
     layer_kv = 2 * nkv * P * hd * element           # one layer's K/V at full precision
     block = min(P, DEQUANT_BLOCK)                    # dequantized a block at a time: its fp32 step, and
-    dequant = nkv * block * hd * 4                   # from a file its codes and scales moved to the device
-    if cold_in_file:
-        dequant += nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * (hd // cold_group(hd)))
+    dequant = nkv * block * hd * 4                   # from a file a block's records (K and V codes and
+    if cold_in_file:                                 # scales) moved to the device
+        dequant += 2 * nkv * block * (hd * COLD_BITS[cold] // 8 + 2 * (hd // cold_group(hd)))
     load = 3 * min(P, SKETCH_CHUNK) * nkv * hd * 8   # the sketch fit's copies of a chunk of keys
     w = weights_bytes(cfg, element) + packed
     if budget is None:

@@ -2,7 +2,8 @@
 ones inside functions included):
 
     core         model, weights, texts, errors, bundle, trust, plugin_spec, calib_artifact, planner,
-                 preflight, device (the probe), triton_launch (PDL for the Triton kernels)
+                 preflight, device (the probe), triton_launch (PDL for the Triton kernels), kernels_lib
+                 (where the plugin library's CUDA kernels are)
     mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only)
     workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation, generate
     backends     backends (onnxruntime, tensorrt, the plugin reference)
@@ -20,7 +21,7 @@ from conftest import REPO
 
 LAYERS = [
     ("core", {"zeroedge", "model", "weights", "texts", "errors", "bundle", "trust", "plugin_spec", "calib_artifact",
-              "planner", "preflight", "device", "systemd", "data", "triton_launch"}),
+              "planner", "preflight", "device", "systemd", "data", "triton_launch", "kernels_lib"}),
     ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant"}),
     ("workstation", {"export", "evaluation", "generate"}),
     ("backends", {"backends"}),

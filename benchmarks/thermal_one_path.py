@@ -45,6 +45,8 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "pages of 16, 2 recent, int8 cold store": dict(cold="int8", page_size=16, recent_pages=2),
     "pages of 16, 2 recent, int4 cold store": dict(cold="int4", page_size=16, recent_pages=2),
     "default, fetch 8 (the tokens of fetch 4 at pages of 16), int8 cold": dict(cold="int8", fetch=8),
+    # session 25: rank 16 at the default pages of 8, 15.1 % device KV (the 1.5x target's <= 15 %)
+    "r16, int8 cold": dict(cold="int8", rank=16),
 }
 
 

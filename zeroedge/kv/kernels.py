@@ -518,6 +518,7 @@ def _build_swap():
 
 
 SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
+SWAP_WARPS = (1, 2)  # warps of the two-stage swap's `sel` and `dec` programs (H200 sweep, thermal_kv.md 2y)
 
 
 def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, part=None,
@@ -592,10 +593,10 @@ def _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, ptrs, quant):
         cmi = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.int64)
         cri = torch.empty_like(cmi)
         kernels[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cmi, cr, cri, n, NB, GRP=grp,
-                              NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP, num_warps=4)
+                              NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP, num_warps=SWAP_WARPS[0])
         ncand = nc * FP
         kernels[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, ks, vs, dec_ptr, n, S, w_head,
-                           ncand, NCP=1 << max(0, (ncand - 1).bit_length()), **common)
+                           ncand, NCP=1 << max(0, (ncand - 1).bit_length()), **dict(common, num_warps=SWAP_WARPS[1]))
         return
     NP = 1 << max(0, (n - 1).bit_length())
     common["num_warps"] = min(16, max(4, NP // 512))

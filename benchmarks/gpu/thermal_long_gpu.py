@@ -93,7 +93,7 @@ def main():
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
-            rows.append({"ctx": ctx, "decoder": "thermal", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
+            rows.append({"ctx": ctx, "decoder": "thermal", "weights": a.weights or "bf16", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
                          "page_size": ps, "recent_pages": recent, "lag": lag, "attention": t.attention.attn, "sketch_kernel": kern,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
                          "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),

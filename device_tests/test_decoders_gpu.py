@@ -105,7 +105,7 @@ def sketch_kernel(request, monkeypatch):
                                    (4, 4, 16, 16, 77), (1, 1, 16, 8, 5), (2, 5, 64, 16, 1)])
 def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, monkeypatch):
     """plugins/kernels/thermal_sketch.cu: page log-sum-exps and per-share log-sum-exps (nkv, query heads
-    a kv head, rank, page size, pages) against the float64 reference, and the Triton kernel's where it
+    a kv head, rank, page size, pages) against the torch reference (fp32), and the Triton kernel's where it
     takes the shape."""
     from zeroedge import kernels_lib
     from zeroedge.kv import cuda_sketch

@@ -33,3 +33,20 @@ def test_the_c_api_refuses_bad_arguments_before_any_launch(lib):
 def test_only_shapes_the_kernel_takes_are_sent_to_it():
     assert cuda_sketch.fits(8, 32, 4) and cuda_sketch.fits(16, 64, 8) and cuda_sketch.fits(8, 16, 1)
     assert not any(cuda_sketch.fits(*s) for s in ((12, 32, 4), (32, 32, 4), (8, 24, 4), (8, 128, 4), (8, 32, 9)))
+
+
+def test_a_bad_kernel_choice_or_a_shape_the_kernel_refuses_is_a_clear_error(monkeypatch):
+    """kv.kernels.SKETCH_KERNEL: an unknown value, or "cuda" for a shape the tensor-core kernel does not
+    take, is a ValueError naming what it takes (before any GPU is touched); "triton" never loads it."""
+    torch = pytest.importorskip("torch")
+    from zeroedge.kv import kernels as K
+
+    dev = torch.device("cuda")
+    monkeypatch.setattr(K, "SKETCH_KERNEL", "cublas")
+    with pytest.raises(ValueError, match="auto, cuda or triton"):
+        K._sketch_cuda_lib(dev, 8, 32, 4)
+    monkeypatch.setattr(K, "SKETCH_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="pages of 8 / 16, rank 16 / 32 / 64"):
+        K._sketch_cuda_lib(dev, 12, 32, 4)
+    monkeypatch.setattr(K, "SKETCH_KERNEL", "triton")
+    assert K._sketch_cuda_lib(dev, 8, 32, 4) is None

@@ -47,6 +47,13 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     "default, fetch 8 (the tokens of fetch 4 at pages of 16), int8 cold": dict(cold="int8", fetch=8),
     # session 25: rank 16 at the default pages of 8, 15.1 % device KV (the 1.5x target's <= 15 %)
     "r16, int8 cold": dict(cold="int8", rank=16),
+    # session 26: pages scored a layer (or d layers) ahead, by the query layer l's weights make from
+    # layer l - d's input (layer 0's refresh one step late), so the GPU decoder refreshes off the step's path
+    "default, int8 cold": dict(cold="int8"),
+    "default, int8 cold, ahead 1": dict(cold="int8", ahead=1),
+    "default, int8 cold, ahead 2": dict(cold="int8", ahead=2),
+    "default, int8 cold, ahead 3": dict(cold="int8", ahead=3),
+    "r16, int8 cold, ahead 1": dict(cold="int8", rank=16, ahead=1),
 }
 
 

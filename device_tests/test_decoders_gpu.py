@@ -136,17 +136,19 @@ def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, m
         assert torch.allclose(pm, pm2, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lag,attn,sketch_kernel", [(0, "auto", "triton"), (1, "auto", "triton"), (0, "sdpa", "triton"),
-                                                    (0, "auto", "cuda"), (1, "auto", "cuda")],
-                         indirect=["sketch_kernel"])
-def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn, sketch_kernel):
+@pytest.mark.parametrize("lag,ahead,attn,sketch_kernel", [
+    (0, 0, "auto", "triton"), (1, 0, "auto", "triton"), (0, 0, "sdpa", "triton"), (0, 0, "auto", "cuda"),
+    (1, 0, "auto", "cuda"), (0, 1, "auto", "cuda"), (0, 2, "auto", "triton"), (0, 1, "sdpa", "triton")],
+    indirect=["sketch_kernel"])
+def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, ahead, attn, sketch_kernel):
     """auto: the Triton window attention, with the sketch kernel rotating the raw query (lag 0); lag 1:
-    the refreshes run on a side stream inside the step's graph, after each layer's attention. The page
+    the refreshes run on a side stream inside the step's graph, after each layer's attention; ahead:
+    on that stream from a predicted query, each joined before its layer's attention. The page
     scores from the Triton sketch kernel or the plugin library's tensor-core one."""
     from zeroedge.runtime.fast import ThermalDecoder
 
     m, ids, _, ref, pre = setup
-    dec = ThermalDecoder(m, P, G, budget=0.25, fetch=4, lag=lag, attn=attn)
+    dec = ThermalDecoder(m, P, G, budget=0.25, fetch=4, lag=lag, ahead=ahead, attn=attn)
     dec.load_prefix(*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
     att = dec.attention
     before = att.slot_page.clone()
@@ -163,6 +165,28 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, attn, sketch_
             assert not bad, _slot_report(att, li, h, win, named, bad)          # each slot: its page
     kb = dec.device_kv_bytes()
     assert kb["hot"] < kb["prefix_full"] / 2
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_ahead_on_the_side_stream_decides_as_inline(setup, ahead):
+    """ahead: the refreshes on the side stream inside the step's graph (each layer's attention waits
+    for its own) leave the same windows, page tables and logits as the same decoder's graph with
+    each refresh inline at the layer that predicts it (a missing join would read a window half
+    swapped)."""
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    m, ids, _, _, pre = setup
+    decs = []
+    for side in (True, False):
+        dec = ThermalDecoder(m, P, G, budget=0.25, fetch=4, ahead=ahead)
+        dec.load_prefix(*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
+        if not side:
+            dec.attention.side = None                                   # layer_input's inline branch
+        decs.append((dec, [dec.step(int(ids[t]), t).float().cpu().clone() for t in range(P, P + G)]))
+    (a, la), (b, lb) = decs
+    assert (a.attention.slot_page != b.attention.slot_page).sum() == 0
+    assert torch.equal(a.attention.wk, b.attention.wk) and torch.equal(a.attention.wv, b.attention.wv)
+    assert all(torch.allclose(x, y, rtol=1e-3, atol=1e-3) for x, y in zip(la, lb))
 
 
 @pytest.mark.parametrize("page_size,rank", [(12, 32), (8, 24)])

@@ -117,6 +117,11 @@ def test_plan_board_ctx_and_the_old_target_context(tmp_path):
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1",
      "--kv-spill", "/dev/null/sub"],                                                       # not a folder
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-spill", ""],
+    ["run", "tiny", "--prompt", "x", "--kv-ahead", "1"],                                   # no thermal KV
+    ["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-ahead", "-1"],
+    ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-ahead", "1"],
+    ["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-ahead", "1", "--calib", "c"],    # no --kv-budget
+    ["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-ahead", "-2"],
     ["no-such-command"],
 ])
 def test_usage_errors_are_one_line_exit_2(argv):

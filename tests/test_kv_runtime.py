@@ -35,7 +35,9 @@ def test_unknown_option_and_training_mode_are_refused(tiny):
     with pytest.raises(UserError, match="unknown thermal KV option"):
         E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, colour="red")
     for opts, msg in ((dict(rank=7), "even"), (dict(bits=8), "bits one of"), (dict(cold="int2"), "host, int8 or int4"),
-                      (dict(recent_pages=7), "cannot hold"), (dict(lag=2), "lag must be")):  # what serving cannot run
+                      (dict(recent_pages=7), "cannot hold"), (dict(lag=2), "lag must be"),
+                      (dict(ahead=-1), "ahead must be"), (dict(ahead=1.5), "ahead must be"),
+                      (dict(ahead=2, lag=1), "choose one")):  # what serving cannot run
         with pytest.raises(UserError, match=msg):
             E.run_eval(tiny, ids_(160), 0.25, page_size=16, continuation=32, **opts)
     tiny.train()
@@ -213,7 +215,8 @@ def test_decoders_match_the_reference_and_keep_maps_consistent(tiny):
 def test_the_thermal_decoder_refuses_bad_options_and_positions(tiny):
     from zeroedge.runtime.fast import ThermalDecoder
 
-    for opts, msg in ((dict(lag=2), "lag must be 0 or 1"), (dict(attn="flash"), "attn must be")):
+    for opts, msg in ((dict(lag=2), "lag must be 0 or 1"), (dict(attn="flash"), "attn must be"),
+                      (dict(ahead=True), "ahead must be"), (dict(ahead=1, lag=1), "choose one")):
         with pytest.raises(ValueError, match=msg):
             ThermalDecoder(tiny, 64, 8, budget=0.5, page_size=8, rank=8, graph=False, **opts)
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -391,7 +394,10 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
                                   dict(cold="int4", fetch=2, refresh_every=1, rank=8, bits=4),
                                   dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=2),
                                   dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, lag=1),
-                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, lag=1)])
+                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, lag=1),
+                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=1),
+                                  dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, ahead=2),
+                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=5)])
 def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
     decoder (one step at a time, its own sketch, window, swaps and cold store) give the same
@@ -409,7 +415,7 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     # the int8 cold store: the prefill itself writes int8 K/V (serving: into the decoder's cold store)
     pre = E.quant_prefill(tiny, ids[:P], o["cold"]) if o["cold"] != "host" else E.prefill(tiny, ids[:P], stats=False)
     nll_eval = E.score_continuation(tiny, ids[P:], pre, "thermal", budget, ps, opts=o)
-    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "lag", "cold")}
+    serving = {k: o[k] for k in ("rank", "bits", "sink_pages", "recent_pages", "refresh_every", "lag", "ahead", "cold")}
     dec = ThermalDecoder(tiny, P, T, budget=budget, page_size=ps, graph=False,
                          fetch=o["fetch"] or P // ps, **serving)
     if o["cold"] != "host":

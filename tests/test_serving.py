@@ -699,6 +699,25 @@ def test_run_keeps_the_torch_cold_store_in_a_spill_file(tmp_path):
     assert not list(spill.iterdir())
 
 
+def test_run_kv_ahead_serves_the_policy_eval_reports():
+    """`run --kv-ahead 1`: thermal KV with pages scored a layer ahead, its policy in the JSON under the
+    names `eval --kv-budget` reports (kv.policy.ThermalSettings)."""
+    from dataclasses import fields
+
+    from zeroedge.kv.policy import ThermalSettings
+
+    args = ("run", "tiny", "--prompt", "the quick brown fox jumps over the lazy dog " * 5, "--max-new", "6",
+            "--kv-budget", "0.2", "--json")
+    own = json.loads(run_cli(*args, check_rc=0).stdout.splitlines()[-1])
+    ahead = json.loads(run_cli(*args, "--kv-ahead", "1", check_rc=0).stdout.splitlines()[-1])
+    assert own["mechanisms"]["thermal_kv"] and ahead["mechanisms"]["thermal_kv"]
+    pol = ahead["thermal_policy"]
+    assert set(pol) == {f.name for f in fields(ThermalSettings)}
+    assert pol["ahead"] == 1 and own["thermal_policy"]["ahead"] == 0
+    assert {k: v for k, v in pol.items() if k != "ahead"} == {k: v for k, v in own["thermal_policy"].items()
+                                                                 if k != "ahead"}
+
+
 def test_run_kv_spill_that_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
     """The torch cold store's file is reserved in full before a byte is written: a disk that refuses
     (here a 4 KiB file size limit) is a one-line error, exit 2, and an empty folder."""

@@ -4,7 +4,7 @@ on SmolLM2). Each row: tok/s of the graphed decode loop, x the dense loop in the
 device KV (hot window + sketch + page table) as a fraction of the dense prefix KV.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--lag | --frontier]
-        [--sketch-kernels triton,cuda] [--weights int4-g128-sym] [--json OUT]
+        [--ahead 1,2,3] [--sketch-kernels triton,cuda] [--weights int4-g128-sym] [--json OUT]
 """
 import argparse
 import json
@@ -35,6 +35,7 @@ LAG_SETTINGS = [(32, 4, 1, "int8", 0, 16, 2, "sdpa"), (32, 4, 1, "int8", 0, 16, 
 FRONTIER_SETTINGS = [(32, 4, 1, "int8", 0, 8, 4, "triton"), (16, 4, 1, "int8", 0, 8, 4, "triton"),
                      (32, 4, 1, "int8", 1, 8, 4, "triton"), (16, 4, 1, "int8", 1, 8, 4, "triton"),
                      (32, 4, 10 ** 6, "int8", 0, 8, 4, "triton")]
+# --ahead D,... (session 26): with --frontier, its lag-0 rows once more for each D (kv.policy.ThermalSettings.ahead)
 # (the predict rows of benchmarks/thermal_lag_gpu.json were measured with commit 9d9b594's
 # PREDICT_SETTINGS and ThermalAttention(predict=1), since removed: thermal_kv.md section 2m)
 
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--weights", default=None,
                     help="dense and thermal alike on packed weights (a weights_gpu.SCHEMES or EMBEDDING4 name), "
                          "int8 inputs")
+    ap.add_argument("--ahead", default="", help="with --frontier: its lag-0 rows again for each of these ahead values")
     ap.add_argument("--sketch-kernels", default="auto",
                     help="comma list of zeroedge.kv.kernels.SKETCH_KERNEL values, each row once a kernel")
     a = ap.parse_args()
@@ -85,16 +87,19 @@ def main():
         if a.frontier:
             runs = FRONTIER_SETTINGS
         kernels = a.sketch_kernels.split(",")
-        runs = [(*r, kern) for r in runs for kern in (kernels[:1] if r[2] == 10 ** 6 else kernels)]
-        for rank, fetch, every, cold, lag, ps, recent, attn, kern in runs:
+        runs = [(*r, kern, 0) for r in runs for kern in (kernels[:1] if r[2] == 10 ** 6 else kernels)]
+        if a.frontier:
+            runs += [(*r[:-1], d) for d in (bs.int_list(a.ahead) if a.ahead else []) for r in runs
+                     if r[4] == 0 and r[2] == 1]
+        for rank, fetch, every, cold, lag, ps, recent, attn, kern, ahead in runs:
             K.SKETCH_KERNEL = kern
             t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
-                               page_size=ps, recent_pages=recent, lag=lag, attn=attn, **wkw)
+                               page_size=ps, recent_pages=recent, lag=lag, ahead=ahead, attn=attn, **wkw)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
             rows.append({"ctx": ctx, "decoder": "thermal", "weights": a.weights or "bf16", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
-                         "page_size": ps, "recent_pages": recent, "lag": lag, "attention": t.attention.attn, "sketch_kernel": kern,
+                         "page_size": ps, "recent_pages": recent, "lag": lag, "ahead": ahead, "attention": t.attention.attn, "sketch_kernel": kern,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
                          "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),
                          "with_cold_on_device_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]

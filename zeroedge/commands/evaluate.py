@@ -35,6 +35,9 @@ CONTINUATION = 1024
 @fraction_option("--kv-budget", "kv_budget", help="Thermal KV hot fraction of the prefix KV, in (0, 1].")
 @click.option("--page-size", type=int, default=None,
               help="Tokens a thermal KV page (default 8; the recent window stays 32 tokens).")
+@click.option("--kv-ahead", "kv_ahead", type=int, default=0, show_default=True,
+              help="With --kv-budget: the torch decoder's policy with pages scored from the query predicted "
+                   "N layers ahead (`run --kv-ahead N`; 0: each layer's own query).")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--bundle", type=click.Path(),
               help="With --kv-budget: the thermal policy of this exported bundle's onnxruntime runner (what "
@@ -48,12 +51,12 @@ CONTINUATION = 1024
                    "memory; the same codes, so the same perplexity).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
-        device_memory=None, board=None, bundle=None, cold_in_file=False):
+        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
     cap = memory_cap(device_memory, board)
-    _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap)
+    _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead)
     if cold_in_file and cap is None:
         from zeroedge.errors import UserError
 
@@ -72,7 +75,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     if meta is not None:
         _calib_evals(result, m, ids, calib, meta, cal, paths, ctx)
     if kv_budget is not None:
-        _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx)
+        _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead)
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -80,9 +83,14 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
             click.echo(line)
 
 
-def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap):
+def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead=0):
     """The checks of the options that need no model: a UserError at the first that fails."""
     from zeroedge.errors import UserError
+
+    if kv_ahead < 0:
+        raise UserError(f"--kv-ahead must be a number of layers >= 0 (got {kv_ahead})")
+    if kv_ahead and ((kv_budget is None and cap is None) or bundle is not None):
+        raise UserError("--kv-ahead goes with --kv-budget F (or a cap), for the torch decoder's policy (not --bundle)")
 
     if calib is None and kv_budget is None and cap is None:
         raise UserError("nothing to evaluate: give --calib ARTIFACT, --kv-budget F and/or --device-memory SIZE")
@@ -167,7 +175,7 @@ def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx):
                        if not (cal.weights is not None and k == "dense_ppl")})
 
 
-def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx):
+def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead=0):
     """Thermal KV at kv_budget into result: the torch decoder's policy (with the cold store the device
     memory cap chose, if any), or with --bundle the bundle's onnxruntime runner's."""
     from zeroedge.errors import UserError
@@ -189,7 +197,7 @@ def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx):
 
         cold = {"cold": result["device_memory"]["cold_store"]} if "device_memory" in result else {}
         result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
-                               continuation=CONTINUATION, **cold))
+                               continuation=CONTINUATION, ahead=kv_ahead, **cold))
 
 
 def weights_eval(m, ids, calib, meta) -> dict:

@@ -108,6 +108,9 @@ def bundle_config(bundle):
 @click.option("--kv-store-pages", "kv_store_pages", type=int, default=0, show_default=True,
               help="onnxruntime / tensorrt, with --kv-spill: stored pages kept in memory before the coldest go "
                    "to the file (besides one packed copy of each window page).")
+@click.option("--kv-ahead", "kv_ahead", type=int, default=0, show_default=True,
+              help="torch backend, thermal KV: score layer l's pages with the query predicted from layer l-N's "
+                   "input, so on CUDA the page refresh runs beside the step (0: each layer's own query).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")
@@ -125,7 +128,7 @@ def bundle_config(bundle):
 @memory_cap_options("torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
                     "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, paths, calib,
+def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, paths, calib,
         release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
@@ -137,6 +140,8 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
                    threads)
     capped = device_memory is not None or board is not None
     spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, capped)
+    if kv_ahead:
+        spill["ahead"] = _ahead_option(kv_ahead, kv_budget, backend, capped)
     budget = kv_budget
     cap = memory_cap(device_memory, board)
     if cap is not None and backend != "torch":
@@ -209,6 +214,20 @@ def _read_prompt(prompt, prompt_file) -> str:
     if not prompt:
         raise UserError("the prompt is empty")
     return prompt
+
+
+def _ahead_option(kv_ahead, kv_budget, backend, capped: bool) -> int:
+    """--kv-ahead N, checked: the torch decoder's thermal policy (kv.policy.ThermalSettings.ahead)."""
+    from zeroedge.errors import UserError
+
+    if kv_ahead < 0:
+        raise UserError(f"--kv-ahead must be a number of layers >= 0 (got {kv_ahead})")
+    if backend != "torch":
+        raise UserError("--kv-ahead is the torch decoder's thermal policy (the bundle runners score pages "
+                        "with the decode graph's own queries)")
+    if kv_budget is None and not capped:
+        raise UserError("--kv-ahead needs thermal KV: give --kv-budget F (or a cap, --device-memory / --board)")
+    return kv_ahead
 
 
 def _spill_options(kv_spill, store_pages, kv_budget, backend, capped: bool) -> dict:

@@ -15,15 +15,18 @@ attention reads only the window.
 Attention is the dense decoder's Triton kernel over the window's valid prefix on CUDA
 (zeroedge.kv.decode_attention), masked SDPA elsewhere. With lag 1 (kv.policy.ThermalSettings) a
 layer's refresh runs after its attention and serves the next step; on CUDA it then runs on a side
-stream inside the step's graph, beside the rest of the step.
+stream inside the step's graph, beside the rest of the step. With ahead d, layer l's refresh scores
+pages with the query layer l's weights make from layer l - d's input (the decoder's `layer_input`
+hook), and on CUDA runs on that side stream beside layers l - d .. l - 1; layer l's attention waits
+for it. Layer 0's refresh then runs as with lag 1.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from zeroedge.kv.policy import (COLD_BITS, SKETCH_CHUNK, THERMAL, ThermalSettings, cold_group, thermal_device_bytes,
-                                thermal_settings, window_pages)
+from zeroedge.kv.policy import (COLD_BITS, SKETCH_CHUNK, THERMAL, ThermalSettings, check_ahead, cold_group,
+                                thermal_device_bytes, thermal_settings, window_pages)
 
 
 def additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
@@ -119,8 +122,8 @@ class ThermalAttention:
     def __init__(self, prefix_len: int, gen_len: int, budget: float = 0.1, page_size: int = THERMAL.page_size,
                  rank: int = THERMAL.rank, bits: int = THERMAL.bits, recent_pages: int | None = None,
                  sink_pages: int = THERMAL.sink_pages, fetch: int = THERMAL.fetch,
-                 refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag, cold: str = "host",
-                 attn: str = "auto", scheduler=None, spill_dir=None):
+                 refresh_every: int = THERMAL.refresh_every, lag: int = THERMAL.lag, ahead: int = THERMAL.ahead,
+                 cold: str = "host", attn: str = "auto", scheduler=None, spill_dir=None):
         if prefix_len % page_size:
             raise ValueError(f"page size {page_size} does not divide the prefix ({prefix_len})")
         if recent_pages is None:            # the default recent window in tokens, at this page size
@@ -133,6 +136,7 @@ class ThermalAttention:
             raise ValueError(f"sketch bits must be 1..4 (codes are stored two a byte), got {bits}")
         if lag not in (0, 1):
             raise ValueError(f"lag must be 0 or 1, got {lag!r}")
+        check_ahead(ahead, lag)
         if attn not in ("auto", "sdpa", "triton"):
             raise ValueError("attn must be 'auto', 'sdpa' or 'triton'")
         if cold not in self.COLD:
@@ -142,7 +146,7 @@ class ThermalAttention:
         if sink_pages + recent_pages + 1 > prefix_len // page_size:
             raise ValueError(f"a prefix of {prefix_len // page_size} pages cannot hold {sink_pages} sink + "
                              f"{recent_pages} recent pages and a slot")
-        self.cold, self.lag, self.attn, self.spill_dir = cold, lag, attn, spill_dir
+        self.cold, self.lag, self.ahead, self.attn, self.spill_dir = cold, lag, ahead, attn, spill_dir
         self.cold_file = None                   # zeroedge.kv.tiers.FileTensors with spill_dir
         self.host_fetch = None                  # zeroedge.kv.host_fetch.HostFetch with spill_dir
         # set by the decoder while it captures a refresh step: the step's graph ends at each host read
@@ -157,7 +161,8 @@ class ThermalAttention:
         self.P, self.ps, self.n, self.gen_len = prefix_len, page_size, prefix_len // page_size, gen_len
         self.budget, self.rank, self.bits, self.refresh_every = budget, rank, bits, max(1, refresh_every)
         self.sink_pages, self.recent_pages, self.fetch_wanted = sink_pages, recent_pages, fetch
-        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every, lag)
+        self.settings = ThermalSettings(page_size, rank, bits, sink_pages, recent_pages, fetch, refresh_every, lag,
+                                        ahead)
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         """Allocate the window, the cold store and the sketches for L layers of nkv kv heads."""
@@ -203,18 +208,20 @@ class ThermalAttention:
         if self.takes_qkv:
             self.shares = Shares(H, hd, device, max_len=self.win_len)
             self.o = torch.empty(H, hd, device=device, dtype=dtype)
-        # lag 1: each layer's query after RoPE, read by its refresh (on CUDA on a side stream, joined
-        # at the end of the step by `finish`)
-        self.qbuf = torch.empty(L, H, hd, device=device, dtype=dtype) if self.lag else None
+        # lag 1 (ahead: layer 0): each layer's query after RoPE, read by its refresh (on CUDA on a side
+        # stream, joined at the end of the step by `finish`)
+        self.qbuf = torch.empty(L, H, hd, device=device, dtype=dtype) if self.lag or self.ahead else None
         # the side stream at the lowest priority and the step's own at the highest: the refreshes fill
         # the gaps the step leaves (CUDA graphs keep each node's stream priority)
         self.side = self.main_stream = None
-        if self.lag and pin:
+        if (self.lag or self.ahead) and pin:
             from zeroedge.kv.tiers import shared_stream
 
             low, high = torch.cuda.Stream.priority_range()
             self.side, self.main_stream = shared_stream(device, "refresh", low), shared_stream(device, "step", high)
         self._forked = False
+        # ahead on the side stream: layer l's refresh done (its attention waits for it)
+        self.ready = [torch.cuda.Event() for _ in range(L)] if self.ahead and self.side is not None else None
         self.wpos = torch.full((self.win_len,), -1, dtype=torch.long, device=device)
         self.slot_page = torch.zeros(L, nkv, self.slots, dtype=torch.long, device=device)
         self.page_slot = torch.full((L, nkv, n), -1, dtype=torch.long, device=device)
@@ -252,6 +259,13 @@ class ThermalAttention:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self.host_fetch.read(self._cold_np[li])
+
+    def policy(self) -> dict:
+        """The settings this window runs (kv.policy.ThermalSettings, the rank as bound: at most hd), as
+        `zeroedge eval --kv-budget` reports its options."""
+        from dataclasses import asdict, replace
+
+        return asdict(replace(self.settings, rank=self.rank, fetch=self.fetch))
 
     def kv_bytes(self) -> int:
         return self.device_kv_bytes()["hot"]
@@ -422,11 +436,11 @@ class ThermalAttention:
         K, V = self.wk[li], self.wv[li]
         K.index_copy_(1, self.widx, kv[0][:, None])
         V.index_copy_(1, self.widx, kv[1][:, None])
-        if flag and not self.lag:
-            self._swap(li, q)
+        if flag and not self._late(li):
+            self._own_refresh(li, q)
         o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
                                            attn_mask=self.mask, enable_gqa=True)
-        if flag and self.lag:
+        if flag and self._late(li):
             self.qbuf[li].copy_(q)
             self._refresh_after(li)
         return o.view(self.H, self.hd)
@@ -438,16 +452,48 @@ class ThermalAttention:
         query after RoPE the attention kernel leaves in qbuf."""
         from zeroedge.kv.decode_attention import rope_attend
 
-        if flag and not self.lag:
-            self._swap(li, qkv.view(-1, self.hd)[:self.H], rope=(cos, sin, self.pos))
+        late = self._late(li)
+        if flag and not late:
+            self._own_refresh(li, qkv.view(-1, self.hd)[:self.H], rope=(cos, sin, self.pos))
         o = rope_attend(qkv, cos, sin, self.pos, self.kv[:, li], self.H, self.shares, self.o, at=self.widx,
-                        q_out=self.qbuf[li] if self.lag else None)
-        if flag and self.lag:
+                        q_out=self.qbuf[li] if late else None)
+        if flag and late:
             self._refresh_after(li)
         return o
 
+    def _late(self, li) -> bool:
+        """Layer li's refresh runs after its attention and serves the next step: lag 1, or ahead's layer 0."""
+        return bool(self.lag or (self.ahead and li == 0))
+
+    def _own_refresh(self, li, q, rope=None):
+        """Before layer li's attention: its refresh from its own query (lag 0), or with ahead a wait
+        for the one `layer_input` started from a predicted query."""
+        if not self.ahead:
+            self._swap(li, q, rope)
+        elif self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready[li])
+
+    def layer_input(self, li, x, predict, flag):
+        """The decoder's hook at layer li's input x (ahead only): the refreshes of the layers whose
+        pages are scored from x (li + ahead; at layer 0, layers 1..ahead), each from the query
+        predict(layer, x) -> (query, rope or None) gives; on CUDA on the side stream."""
+        if not (flag and self.ahead):
+            return
+        targets = [t for t in (range(1, self.ahead + 1) if li == 0 else [li + self.ahead]) if t < self.L]
+        inline = self.side is None or self.host_fetch is not None   # a host read cuts the step's graph
+        for t in targets:
+            if inline:
+                self._swap(t, *predict(t, x))
+                continue
+            self.side.wait_stream(torch.cuda.current_stream())
+            x.record_stream(self.side)
+            with torch.cuda.stream(self.side):
+                self._swap(t, *predict(t, x))
+                self.ready[t].record()
+            self._forked = True
+
     def _refresh_after(self, li):
-        """Lag 1: layer li's refresh from its query in qbuf, after its attention; on CUDA on the side
+        """Lag 1 (ahead: layer 0): layer li's refresh from its query in qbuf, after its attention; on CUDA on the side
         stream (nothing later in the step reads layer li's window or page tables; batching several
         layers' refreshes into one launch measured no faster on the H200)."""
         if self.side is None or self.host_fetch is not None:   # a host read cuts the step's graph: inline

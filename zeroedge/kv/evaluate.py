@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from zeroedge.errors import UserError
-from zeroedge.kv.policy import (COLD_BITS, THERMAL, ThermalSettings, cold_group, thermal_device_bytes,
+from zeroedge.kv.policy import (COLD_BITS, THERMAL, ThermalSettings, check_ahead, cold_group, thermal_device_bytes,
                                 thermal_settings, window_pages)
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "oracle_token", "oracle_page", "thermal")
@@ -274,15 +274,24 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=THERMAL.p
         cos, sin = model.rope(P, T)
         x = model.embed_tokens(tok)
         causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]     # (T, T)
-        for li, blk in enumerate(model.layers):
+        ahead = int(opts.get("ahead", 0)) if method == "thermal" else 0
+        layers = list(model.layers)
+        predicted = {}                   # ahead: layer -> the query its pages are scored with
+        for li, blk in enumerate(layers):
             a = blk.self_attn
             q, k, v = a.project(blk.input_layernorm(x), cos, sin)
+            if ahead:
+                for t in range(1, min(ahead, len(layers) - 1) + 1) if li == 0 else [li + ahead]:
+                    if t < len(layers):
+                        b = layers[t]
+                        predicted[t] = b.self_attn.project(b.input_layernorm(x), cos, sin)[0]
             kv_index = a.kept_heads // grp
             pk, pv = (cold_readback(pre, li, page_size, opts)
                       if method == "thermal" and opts.get("cold", "host") != "host" else (pre["k"][li], pre["v"][li]))
             kall = torch.cat([pk[None], k], 2).index_select(1, kv_index)
             vall = torch.cat([pv[None], v], 2).index_select(1, kv_index)
-            pmask = _prefix_mask(model.cfg, method, li, q, kall, kv_index, pre, budget, page_size, opts, stats)
+            pmask = _prefix_mask(model.cfg, method, li, predicted.pop(li, q), kall, kv_index, pre, budget, page_size,
+                                 opts, stats)
             o = _masked_attention(q, kall, vall, pmask, causal, P, chunk)
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
@@ -331,11 +340,12 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
         sc = _sketch(cfg, li, pre, page_size, opts, stats).scores(q[0], kv_index)
         how = opts.get("how", "mass")
     ps = page_scores(sc, page_size, grp, how)
-    if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0
-                                or int(opts.get("lag", 0))):
+    # ahead (ThermalSettings): layer 0's refresh one step late, the others from the predicted query q
+    lag = int(opts.get("lag", 0)) or int(li == 0 and int(opts.get("ahead", 0)) > 0)
+    if method == "thermal" and (int(opts.get("refresh_every", 1)) > 1 or int(opts.get("fetch", 0)) > 0 or lag):
         m, chosen = window_page_mask(ps, kpages - int(forced.sum()), forced, page_size,
                                      int(opts.get("refresh_every", 1)), int(opts.get("fetch", 0)),
-                                     int(opts.get("lag", 0)))
+                                     lag)
     else:
         m, chosen = topk_page_mask(ps, kpages - int(forced.sum()), forced, page_size)
     if method == "thermal":
@@ -365,7 +375,7 @@ def quant_prefill(model, ids, cold: str = "int8") -> dict:
 
 def _settings(opts, page_size: int) -> ThermalSettings:
     """The serving decoder's settings for these options (kv.policy.thermal_settings where they are silent)."""
-    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every", "lag")
+    names = ("rank", "bits", "sink_pages", "recent_pages", "fetch", "refresh_every", "lag", "ahead")
     base = thermal_settings(page_size)
     return ThermalSettings(page_size, **{k: int(opts.get(k, getattr(base, k))) for k in names})
 
@@ -469,7 +479,7 @@ def fetch_stats(chosen, slots: int) -> dict:
 # fetch 0 (no cap on swaps a refresh)
 DEFAULTS = {"rank": THERMAL.rank, "bits": THERMAL.bits, "recent_pages": THERMAL.recent_pages,
             "sink_pages": THERMAL.sink_pages, "fetch": THERMAL.fetch, "refresh_every": THERMAL.refresh_every,
-            "lag": THERMAL.lag, "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
+            "lag": THERMAL.lag, "ahead": THERMAL.ahead, "cold": "int8", "how": "mass", "qaware": 1, "recent_cov": 0.0}
 
 
 def kv_bytes(model, tokens: int) -> int:
@@ -508,6 +518,7 @@ def run_eval(model, ids, budget: float, page_size: int = THERMAL.page_size, cont
                         f"{o['recent_pages']} recent pages and a slot")
     if o["lag"] not in (0, 1):
         raise UserError(f"lag must be 0 or 1 (got {o['lag']!r})")
+    check_ahead(o["ahead"], o["lag"], UserError)
     if o["cold"] not in ("host", *COLD_BITS):
         raise UserError(f"cold store must be host, int8 or int4, got {o['cold']!r}")
     if model.training:

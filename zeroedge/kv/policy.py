@@ -43,7 +43,12 @@ class ThermalSettings:
     lag            0: a step's refresh uses its own query and its attention reads the result;
                    1: the refresh runs after the step's attention, so its swaps serve the next
                    step (the GPU decoder then overlaps it with the rest of the step: 1.24x dense
-                   at 128K on the H200, but essays +8 % ppl; benchmarks/thermal_kv.md 2m, 2n)"""
+                   at 128K on the H200, but essays +8 % ppl; benchmarks/thermal_kv.md 2m, 2n)
+    ahead          0: off; d > 0: layer l's pages are scored with the query layer l's weights make
+                   from layer l - d's input (layers 1..d: from the first layer's), so its refresh
+                   can run beside the d layers before it (the InfiniGen idea), and layer 0's
+                   refresh runs one step late (as lag 1): no refresh on the step's path. 1.34x dense
+                   at 128K, essays +3.5 % (benchmarks/thermal_kv.md 2z)"""
     page_size: int = 8
     rank: int = 32
     bits: int = 4
@@ -52,6 +57,7 @@ class ThermalSettings:
     fetch: int = 4
     refresh_every: int = 1
     lag: int = 0
+    ahead: int = 0
 
 
 THERMAL = ThermalSettings()
@@ -66,6 +72,15 @@ def cold_group(hd: int) -> int:
     return COLD_GROUP if hd % COLD_GROUP == 0 else hd
 SKETCH_CHUNK = 16384   # keys a sketch fit reads at a time: its fp32 copies are bounded by it, not the prefix
 DEQUANT_BLOCK = 16384  # positions a compressed prefill cache dequantizes at a time (its fp32 step's bound)
+
+
+def check_ahead(ahead, lag, error=ValueError):
+    """`ahead` (ThermalSettings) is a whole number of layers >= 0, and not with lag 1: both take the
+    refresh off the step's path, one step late or from a predicted query; raises `error`."""
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+        raise error(f"ahead must be a whole number of layers >= 0 (got {ahead!r})")
+    if ahead and lag:
+        raise error("ahead and lag 1 are two ways to take the refresh off the step's path: choose one")
 
 
 def thermal_settings(page_size: Optional[int] = None) -> ThermalSettings:

@@ -233,8 +233,21 @@ class Decoder:
 
             def f_out(*args):
                 return _layer_out_fn(*args, i8=i8)
+        hook = getattr(self.attention, "layer_input", None)
+
+        def predict(t, xx):
+            """Layer t's query (before RoPE) from input xx, and the RoPE to apply (thermal ahead)."""
+            wt = self.W.layers[t]
+            w, b = (wt if self.packed_layers is None else self.packed_layers[t])["wqkv"], wt["bqkv"]
+            if isinstance(w, torch.Tensor):         # the query's rows only (of a packed weight: all)
+                w, b = w[:self.H * self.hd], None if b is None else b[:self.H * self.hd]
+            q = packed.linear(xx, w, b, norm=(wt["ln1"], wt["eps1"]), int8_inputs=self.int8_inputs)
+            return q.view(-1, self.hd)[:self.H], (self.cos, self.sin_signed, self.pos)
+
         for li, w in enumerate(self.W.layers):
             pw = w if self.packed_layers is None else self.packed_layers[li]
+            if hook is not None:
+                hook(li, x, predict, flag)
             if rope_inside:
                 qkv = f_qkv(x, w["ln1"], w["eps1"], pw["wqkv"], w["bqkv"])
                 o = self.attention.attend_qkv(li, qkv, self.cos, self.sin_signed, flag)

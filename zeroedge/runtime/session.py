@@ -483,7 +483,7 @@ class ServingSession:
             detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
                           cold_store=cold, cold_on_device_bytes=kb["cold_on_device"],
                           cold_in_file_bytes=kb["cold_in_file"],
-                          scheduler=dec.attention.scheduler_report(),
+                          scheduler=dec.attention.scheduler_report(), thermal_policy=dec.attention.policy(),
                           migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
         else:
             device_kv = dec.kv_bytes()

@@ -256,14 +256,15 @@ def test_int8_and_int4_cold_stores_in_the_graph_match_the_host_store(setup):
         assert att.device_kv_bytes()["cold_on_device"] > 0 == decs["host"].device_kv_bytes()["cold_on_device"]
 
 
-@pytest.mark.parametrize("cold", ["int8", "int4"])
-def test_a_cold_store_in_a_file_takes_the_in_memory_stores_pages(setup, tmp_path, cold):
+@pytest.mark.parametrize("cold,ahead", [("int8", 0), ("int4", 0), ("int8", 1)])
+def test_a_cold_store_in_a_file_takes_the_in_memory_stores_pages(setup, tmp_path, cold, ahead):
     """spill_dir on CUDA: the cold store is a mapped file the GPU cannot read, so a refresh step is
     captured as one graph per layer and the host reads the chosen pages between them
     (kv.host_fetch). It fetches pages, every fetched slot holds exactly its dequantized page from the
     file, the maps agree, the file store's bytes equal the in-memory store's, and the logits stay as
     close to dense as the in-memory store's (the Triton swap in the graph: near-tied scores may pick
-    other pages)."""
+    other pages). With ahead the host reads each layer's pages where its refresh runs (layer 0's
+    after its attention, layer l's at layer l - 1's input)."""
     from zeroedge.kv.tiers import dequantize
     from zeroedge.model import chunked_prefill
     from zeroedge.runtime.fast import ThermalDecoder
@@ -271,7 +272,7 @@ def test_a_cold_store_in_a_file_takes_the_in_memory_stores_pages(setup, tmp_path
     m, ids, _, ref, _ = setup
     decs, starts = {}, {}
     for where in ("memory", "file"):
-        d = ThermalDecoder(m, P, G, budget=0.25, fetch=4, cold=cold,
+        d = ThermalDecoder(m, P, G, budget=0.25, fetch=4, cold=cold, ahead=ahead,
                            spill_dir=str(tmp_path) if where == "file" else None)
         d.load_prefix(*chunked_prefill(m, ids[:P].tolist(), 128, caches=d.attention.prefill_caches()))
         decs[where], starts[where] = d, d.attention.slot_page.clone()
@@ -280,7 +281,8 @@ def test_a_cold_store_in_a_file_takes_the_in_memory_stores_pages(setup, tmp_path
     att, mem = decs["file"].attention, decs["memory"].attention
     assert att.cold_k.device.type == "cpu" and att.host_refresh and att.host_fetch.reads > 0
     pieces = decs["file"].graphs[1]                                      # refresh steps: a graph per layer
-    assert len(pieces) == len(m.layers) + 1 and [li for _, li in pieces] == [*range(len(m.layers)), None]
+    order = [*range(len(m.layers))] if not ahead else [1, 0, *range(2, len(m.layers))]
+    assert len(pieces) == len(m.layers) + 1 and [li for _, li in pieces] == [*order, None]
     for name in ("cold_k", "cold_v", "cold_ks", "cold_vs"):
         a, b = getattr(att, name), getattr(mem, name).cpu()
         assert (a.view(torch.uint8) == b.view(torch.uint8)).float().mean() > 0.999, name   # same codes (bf16 prefill)

@@ -308,12 +308,13 @@ def test_int8_cold_store_serves_within_rounding_and_halves_its_bytes(tiny):
         ThermalDecoder(tiny, P, 16, graph=False, cold="int2")
 
 
-@pytest.mark.parametrize("cold", ["int8", "int4"])
-def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_path, cold, monkeypatch):
+@pytest.mark.parametrize("cold,ahead", [("int8", 0), ("int4", 0), ("int8", 2)])
+def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_path, cold, ahead, monkeypatch):
     """spill_dir: the compressed cold store is mapped from a private file (no device memory); the
     prefill writes into it whole records (a token's codes and scales) and reads the past back a
     block of records at a time (blocks that split pages here), and the swaps read from it, so the
-    decode is the in-memory store's, bit for bit, and the folder is left empty."""
+    decode is the in-memory store's, bit for bit, and the folder is left empty (with ahead too: the
+    host reads at the layer that predicts the pages)."""
     from zeroedge.kv import policy
     from zeroedge.model import chunked_prefill
     from zeroedge.runtime.fast import ThermalDecoder
@@ -325,7 +326,7 @@ def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_pat
     runs = {}
     for where in ("memory", "file"):
         d = ThermalDecoder(tiny, P, 16, budget=0.3, page_size=8, rank=8, recent_pages=1, fetch=4, graph=False,
-                           cold=cold, spill_dir=str(tmp_path / "spill") if where == "file" else None)
+                           cold=cold, ahead=ahead, spill_dir=str(tmp_path / "spill") if where == "file" else None)
         ks, vs, qcov = chunked_prefill(tiny, ids[:P], 32, caches=d.attention.prefill_caches())
         d.load_prefix(ks, vs, qcov)
         start = d.attention.slot_page.clone()

@@ -49,7 +49,7 @@ for li in range(L):
             r = int(v.split(" r")[1].split()[0])
             bits = 1 if "sign" in v else int(v.split("int")[1])
             cov = pre["qcov"][li] if "whole-prefill" in v else cq
-            sk = Sketch(K, ps, r, bits, cov if v.startswith("query") else None)
+            sk = Sketch(K, r, bits, cov if v.startswith("query") else None)
             s, how = sk.scores(q, kvi), "mass"
         pss = page_scores(s, ps, grp, how).masked_fill(forced[None, None], float("-inf"))
         sel = pss.topk(kp - 3, -1).indices

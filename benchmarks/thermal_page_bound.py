@@ -40,7 +40,7 @@ class Bound:
             self.A = torch.eye(hd).expand(nkv, hd, hd)
             coords = k.float()
         else:
-            A, B, mu = sketch_bases(k, qcov if kind == "qproj" else None, rank)
+            A, B, mu, _ = sketch_bases(k, qcov if kind == "qproj" else None, rank)
             self.A = A
             coords = (k.float() - mu) @ B
         c = coords.view(nkv, n, page_size, -1)

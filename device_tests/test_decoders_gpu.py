@@ -116,7 +116,7 @@ def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, m
     g = torch.Generator(device="cuda").manual_seed(n)
     codes = torch.randint(1, 16, (nkv, n * PS, R), generator=g, device="cuda")
     codes = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    scales = (torch.rand(nkv, n, R, generator=g, device="cuda") * 0.5 + 0.01).half()
+    scales = (torch.rand(nkv, n * PS, generator=g, device="cuda") * 0.5 + 0.01).half()
     qr = torch.randn(nkv, grp, R, generator=g, device="cuda") * 3
     ref = K.sketch_page_lse_ref(qr.double(), codes, scales.double(), PS)
     nb = K.part_blocks(n, PS)
@@ -168,13 +168,22 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, ahead, attn, 
 
 
 @pytest.mark.parametrize("ahead", [1, 3])
-def test_ahead_on_the_side_stream_decides_as_inline(setup, ahead):
+def test_ahead_on_the_side_stream_decides_as_inline(setup, ahead, monkeypatch):
     """ahead: the refreshes on the side stream inside the step's graph (each layer's attention waits
     for its own) leave the same windows, page tables and logits as the same decoder's graph with
-    each refresh inline at the layer that predicts it (a missing join would read a window half
-    swapped)."""
+    each refresh inline at the layer that predicts it. Each side-stream refresh is held back ~2 ms
+    first, so a missing join would have the attention read the window before its swaps."""
+    from zeroedge.kv.attention import ThermalAttention
     from zeroedge.runtime.fast import ThermalDecoder
 
+    swap = ThermalAttention._swap
+
+    def late_swap(self, li, q, rope=None):
+        if self.side is not None and torch.cuda.current_stream() == self.side:
+            torch.cuda._sleep(3_000_000)
+        return swap(self, li, q, rope)
+
+    monkeypatch.setattr(ThermalAttention, "_swap", late_swap)
     m, ids, _, _, pre = setup
     decs = []
     for side in (True, False):

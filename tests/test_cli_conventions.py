@@ -117,17 +117,26 @@ def test_plan_board_ctx_and_the_old_target_context(tmp_path):
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1",
      "--kv-spill", "/dev/null/sub"],                                                       # not a folder
     ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-spill", ""],
-    ["run", "tiny", "--prompt", "x", "--kv-ahead", "1"],                                   # no thermal KV
-    ["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-ahead", "-1"],
-    ["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-ahead", "1"],
-    ["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-ahead", "1", "--calib", "c"],    # no --kv-budget
-    ["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-ahead", "-2"],
     ["no-such-command"],
 ])
 def test_usage_errors_are_one_line_exit_2(argv):
     p = run_cli(*argv)
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("zeroedge: error: "), p.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "tiny", "--prompt", "x", "--kv-ahead", "1"], "--kv-ahead needs thermal KV"),
+    (["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-ahead", "-1"], "--kv-ahead must be"),
+    (["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-ahead", "1"],
+     "--kv-ahead is the torch decoder's"),
+    (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-ahead", "1", "--calib", "c"], "--kv-ahead needs thermal KV"),
+    (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-ahead", "-2"], "--kv-ahead must be"),
+    (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-ahead", "1", "--bundle", "b"],
+     "--kv-ahead is the torch decoder's")])
+def test_kv_ahead_is_refused_where_it_cannot_apply(argv, needle):
+    p = run_cli(*argv)
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_tensorrt_module_cli_takes_the_same_error_path(tmp_path):

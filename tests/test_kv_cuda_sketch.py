@@ -24,7 +24,7 @@ def test_the_c_api_refuses_bad_arguments_before_any_launch(lib):
     for bad in (dict(rank=24), dict(ps=12), dict(grp=9), dict(grp=0), dict(n=0), dict(nb=12), dict(pps=0, nb=1)):
         assert _call(lib, **bad) == -2, bad
     assert _call(lib, codes=65) == -3                    # codes not 8-byte aligned
-    assert _call(lib, scales=72) == -3                   # scales not 16-byte aligned
+    assert _call(lib, scales=66) == -3                   # scales not 4-byte aligned
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():                    # valid arguments reach CUDA, which has no device here
         assert _call(lib) > 0

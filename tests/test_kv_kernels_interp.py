@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
         P = n * psz
         q, A = torch.randn(nkv * grp, hd, generator=g), torch.randn(nkv, hd, r, generator=g)
         codes = K.pack_int4(torch.randint(-7, 8, (nkv, P, r), generator=g))
-        scales = torch.rand(nkv, n, r, generator=g).half()
+        scales = torch.rand(nkv, n * psz, generator=g).half()
         nb, it = K.sketch_blocks(n, PB)
         GP = 1 << max(0, (grp - 1).bit_length())
         qr = torch.empty(nkv, grp, r)

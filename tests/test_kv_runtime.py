@@ -106,12 +106,12 @@ def test_sketch_ranks_like_exact_scores_at_full_rank():
     q = torch.randn(4, 5, 16)
     kvi = torch.tensor([0, 0, 1, 1])
     exact = (q @ k[kvi].transpose(1, 2)) / 4
-    sk = E.Sketch(k, 16, rank=16, bits=8)
+    sk = E.Sketch(k, rank=16, bits=8)
     approx = sk.scores(q, kvi)
     centred = exact - exact.mean(-1, keepdim=True)
     got = approx - approx.mean(-1, keepdim=True)
     assert torch.allclose(got, centred, atol=0.05 * centred.abs().max())
-    low = E.Sketch(k, 16, rank=4, bits=4, qcov=torch.eye(16).expand(2, 16, 16))
+    low = E.Sketch(k, rank=4, bits=4, qcov=torch.eye(16).expand(2, 16, 16))
     assert low.nbytes() < sk.nbytes() and low.nbytes() < k.numel() * 4 // 8
 
 
@@ -239,10 +239,10 @@ def test_int4_sketch_kernel_reference_matches_unpacked_math():
     codes = torch.randint(-7, 8, (2, 32, 8))
     packed = pack_int4(codes)
     assert packed.shape == (2, 32, 4) and torch.equal(unpack_int4(packed), codes.to(torch.int16))
-    scales = torch.rand(2, 4, 8).half()
+    scales = torch.rand(2, 32).half()
     qr = torch.randn(2, 3, 8)
     got = sketch_page_lse_ref(qr, packed, scales, 8)
-    c = codes.float().view(2, 4, 8, 8) * scales.float()[:, :, None]
+    c = (codes.float() * scales.float()[..., None]).view(2, 4, 8, 8)
     want = torch.einsum("hgr,hnpr->hgnp", qr, c).logsumexp(-1)
     assert torch.allclose(got, want, atol=1e-5)
 
@@ -398,7 +398,8 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
                                   dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, lag=1),
                                   dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=1),
                                   dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, ahead=2),
-                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=5)])
+                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=5),
+                                  dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=4, ahead=1)])
 def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
     decoder (one step at a time, its own sketch, window, swaps and cold store) give the same
@@ -484,27 +485,29 @@ def test_the_fast_decoder_keeps_one_copy_of_the_weights():
 
 def test_the_sketch_is_fitted_in_chunks_with_the_same_result():
     """quantized_sketch reads the keys a chunk at a time (bounded fp32 copies at 128K): the basis is
-    the centred key PCA's, and the codes do not depend on the chunk."""
+    the centred key PCA's, its rms the coordinates' (what the codes are whitened by), and the codes
+    do not depend on the chunk."""
     from zeroedge.kv.attention import quantized_sketch, sketch_bases
 
     g = torch.Generator().manual_seed(3)
     k = torch.randn(2, 512, 16, generator=g) * torch.linspace(0.2, 3, 16) + 5.0    # far from centred
-    A, B, mu = sketch_bases(k, rank=4)
+    A, B, mu, rms = sketch_bases(k, rank=4)
     c = k - k.mean(1, keepdim=True)
     top = torch.linalg.eigh(c.transpose(1, 2) @ c)[1][:, :, -4:].flip(-1)
     assert torch.allclose((B.transpose(1, 2) @ top).abs(), torch.eye(4).expand(2, 4, 4), atol=1e-3)
-    one = quantized_sketch(k, 16, 4, 4, chunk=4096)
-    many = quantized_sketch(k, 16, 4, 4, chunk=64)
+    assert torch.allclose(rms, (c @ B).pow(2).mean(1).sqrt(), rtol=1e-3)
+    one = quantized_sketch(k, 4, 4, chunk=4096)
+    many = quantized_sketch(k, 4, 4, chunk=64)
     assert torch.equal(one[1], many[1]) and torch.equal(one[2], many[2])
     # the serving decoder's form: packed a chunk at a time straight into its own tensors
     from zeroedge.kv.kernels import pack_int4
 
-    out = (torch.full((2, 512, 2), 0xAA, dtype=torch.uint8), torch.zeros(2, 32, 4, dtype=torch.float16))
-    A, codes, scales = quantized_sketch(k, 16, 4, 4, chunk=64, out=out)
+    out = (torch.full((2, 512, 2), 0xAA, dtype=torch.uint8), torch.zeros(2, 512, dtype=torch.float16))
+    A, codes, scales = quantized_sketch(k, 4, 4, chunk=64, out=out)
     assert codes is out[0] and scales is out[1] and torch.equal(A, one[0])
     assert torch.equal(codes, pack_int4(one[1])) and torch.equal(scales, one[2])
     with pytest.raises(ValueError, match="rank/2"):                      # unpacked codes are refused
-        quantized_sketch(k, 16, 4, 4, out=(torch.zeros(2, 512, 4, dtype=torch.uint8), out[1]))
+        quantized_sketch(k, 4, 4, out=(torch.zeros(2, 512, 4, dtype=torch.uint8), out[1]))
     from zeroedge.kv.tiers import dequantize, quantize
 
     c, sc = quantize(k, 8, 16)

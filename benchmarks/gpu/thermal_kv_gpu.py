@@ -198,7 +198,7 @@ def check_swap_kernel(dev):
     q = torch.randn(nkv * grp, hd, generator=g).to(dev, torch.bfloat16)
     A = torch.randn(nkv, hd, r, generator=g).to(dev)
     codes = K.pack_int4(torch.randint(-7, 8, (nkv, P, r), generator=g)).to(dev)
-    scales = torch.rand(nkv, P // ps, r, generator=g).half().to(dev)
+    scales = torch.rand(nkv, P, generator=g).half().to(dev)
     qr = torch.bmm(q.view(nkv, grp, hd).float(), A) / hd ** 0.5
     two = K.sketch_page_lse(qr, codes, scales, ps)
     one = K.sketch_page_lse_q(q, A, codes, scales, ps)

@@ -4,7 +4,7 @@ on SmolLM2). Each row: tok/s of the graphed decode loop, x the dense loop in the
 device KV (hot window + sketch + page table) as a fraction of the dense prefix KV.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--lag | --frontier]
-        [--ahead 1,2,3] [--sketch-kernels triton,cuda] [--weights int4-g128-sym] [--json OUT]
+        [--ahead 1,2,3] [--sketch-kernels triton,cuda] [--weights int4-g128-sym] [--compile] [--json OUT]
 """
 import argparse
 import json
@@ -52,13 +52,18 @@ def main():
                     help="dense and thermal alike on packed weights (a weights_gpu.SCHEMES or EMBEDDING4 name), "
                          "int8 inputs")
     ap.add_argument("--ahead", default="", help="with --frontier: its lag-0 rows again for each of these ahead values")
+    ap.add_argument("--compile", action="store_true",
+                    help="dense and thermal alike with torch.compile'd layer bodies (fp weights: norms, RoPE, "
+                         "residuals and SwiGLU fused; runtime.fast.Decoder.compile)")
     ap.add_argument("--sketch-kernels", default="auto",
                     help="comma list of zeroedge.kv.kernels.SKETCH_KERNEL values, each row once a kernel")
     a = ap.parse_args()
     import torch
 
     from zeroedge.kv import kernels as K
-    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+    from zeroedge.runtime.fast import Decoder, DenseDecoder, ThermalDecoder
+
+    Decoder.compile = a.compile
 
     dt = torch.bfloat16
     m = bs.build_model("llama-3.2-1b", "cuda", dt)
@@ -76,7 +81,8 @@ def main():
         d_ms = bs.decode_step_ms(dense, start=ctx, n=64)
         del dense
         torch.cuda.empty_cache()
-        rows.append({"ctx": ctx, "decoder": "dense", "weights": a.weights or "bf16", "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
+        rows.append({"ctx": ctx, "decoder": "dense", "weights": a.weights or "bf16", "compiled": a.compile,
+                     "tok_s": round(1e3 / d_ms, 1), "x_dense": 1.0})
         print(json.dumps(rows[-1]), flush=True)
         ks, vs = bs.random_prefix(m.cfg, ctx, "cuda", dt)
         runs = [(*s, 0, 16, 2, "auto") for s in SETTINGS if not a.only_cold or s[:3] == (32, 4, 1)]
@@ -98,8 +104,10 @@ def main():
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
-            rows.append({"ctx": ctx, "decoder": "thermal", "weights": a.weights or "bf16", "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold,
-                         "page_size": ps, "recent_pages": recent, "lag": lag, "ahead": ahead, "attention": t.attention.attn, "sketch_kernel": kern,
+            rows.append({"ctx": ctx, "decoder": "thermal", "weights": a.weights or "bf16", "compiled": a.compile,
+                         "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold, "page_size": ps,
+                         "recent_pages": recent, "lag": lag, "ahead": ahead, "attention": t.attention.attn,
+                         "sketch_kernel": kern,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),
                          "device_kv_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]) / kb["prefix_full"], 4),
                          "with_cold_on_device_frac": round((kb["hot"] + kb["summaries"] + kb["page_table"]

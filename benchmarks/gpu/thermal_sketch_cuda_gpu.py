@@ -37,7 +37,7 @@ for ctx in (32768, 131072):
     data = []
     for _ in range(L):
         codes = torch.randint(0, 256, (8, n * 8, 16), dtype=torch.uint8, device=dev)
-        scales = (torch.rand(8, n, 32, device=dev) * 0.5 + 0.01).half()
+        scales = (torch.rand(8, n * 8, device=dev) * 0.5 + 0.01).half()
         qr = torch.randn(8, 4, 32, device=dev) * 3
         data.append((qr, codes, scales))
     outs = [torch.empty(8, 4, n, device=dev) for _ in range(L)]

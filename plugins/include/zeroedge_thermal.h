@@ -3,12 +3,12 @@
  * ZE_THERMAL_ERR_* for bad arguments (nothing launched), a positive cudaError_t otherwise.
  *
  * For kv head h, query head g of its group and page p, out[h, g, p] is the log-sum-exp over the
- * page's tokens t of qr[h, g] . (code[h, t] * scale[h, p]) (zeroedge.kv.kernels.sketch_page_lse).
+ * page's tokens t of (qr[h, g] . code[h, t]) * scale[h, t] (zeroedge.kv.kernels.sketch_page_lse).
  * Layouts (row-major, contiguous):
  *   qr     [nkv, grp, rank] fp32      the queries in the sketch's basis (already / sqrt(head dim))
  *   codes  [nkv, n * page_size, rank / 2] uint8: two signed 4-bit codes a byte, +8 offset, the low
  *          nibble the even direction
- *   scales [nkv, n, rank] fp16        one scale a page and direction
+ *   scales [nkv, n * page_size] fp16  one scale a token
  *   out    [nkv, grp, n] fp32
  * pm, psum (both or neither): [nkv, grp, nb] fp32 with nb = ceil(n / pages_per_share). Share c of
  *   query head g is its log-sum-exp over pages c * pages_per_share .. + pages_per_share - 1, as
@@ -16,7 +16,7 @@
  * The products run on tensor cores in tf32, the query side split in two tf32 parts (about 21 bits
  * of its 24), codes exact; accumulation in fp32.
  * Limits: rank 16, 32 or 64; page_size 8 or 16; 1 <= grp <= 8; compute capability 8.0 or newer;
- * codes 8-byte and scales 16-byte aligned.
+ * codes 8-byte and scales 4-byte aligned.
  */
 #ifndef ZEROEDGE_THERMAL_H
 #define ZEROEDGE_THERMAL_H

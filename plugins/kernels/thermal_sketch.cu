@@ -2,8 +2,8 @@
 //
 // A warp scores a unit of 8 / HP pages with mma.m16n8k8 (tf32): A (16 x 8) is the query side of
 // one k-step, rows 0..7 the high tf32 part of (query head, page) pairs and rows 8..15 the low part
-// (qr * the page's scales, split so that the pair keeps ~21 bits); B (8 x 8) is the codes of one
-// 8-token tile of a page, exact. Lane (r = lane / 4, m = lane % 4) loads only its own bytes of a
+// (qr split so that the pair keeps ~21 bits; the same for every page, made once); B (8 x 8) is the
+// codes of one 8-token tile of a page, exact; each token's score is then times its scale. Lane (r = lane / 4, m = lane % 4) loads only its own bytes of a
 // token (m * rank / 8 .. ), so the k index of a product is remapped to the dimensions those bytes
 // hold, on both sides. C row r then holds the high part and row r + 8 the low part of query head
 // r % HP of page r / HP, in the lane that owns both; the lanes of a quad hold a page's 8 tokens (2
@@ -59,28 +59,9 @@ template <int NB> __device__ __forceinline__ void load_bytes(const unsigned char
     }
 }
 
-// NH halves at p (2 * NH-aligned) as NH / 2 words
-template <int NH> __device__ __forceinline__ void load_halves(const __half* p, uint32_t* w) {
-    if constexpr (NH == 4) {
-        uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-        w[0] = v.x;
-        w[1] = v.y;
-    } else {
-        static_assert(NH % 8 == 0, "4, 8 or 16 halves a lane");
-#pragma unroll
-        for (int j = 0; j < NH / 8; ++j) {
-            uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + j);
-            w[4 * j] = v.x;
-            w[4 * j + 1] = v.y;
-            w[4 * j + 2] = v.z;
-            w[4 * j + 3] = v.w;
-        }
-    }
-}
-
-// half i of a word array as fp32
-__device__ __forceinline__ float half_at(const uint32_t* w, int i) {
-    return __half2float(__ushort_as_half((unsigned short)(w[i / 2] >> (16 * (i % 2)))));
+// half i (0 or 1) of a word as fp32
+__device__ __forceinline__ float half_at(uint32_t w, int i) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> (16 * i))));
 }
 
 __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
@@ -110,27 +91,34 @@ sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict_
     const int units = (last - first + PP - 1) / PP;
     const size_t P = (size_t)n * PS;
 
-    float q[D];
+    // the query side of every k-step: the lane's dimensions 2s + e (e: the low or high nibble of its
+    // byte s) as a high and a low tf32 part
+    uint32_t a[KS][4];
 #pragma unroll
-    for (int j = 0; j < D; ++j) q[j] = g < grp ? qr[((size_t)h * grp + g) * R + m * D + j] : 0.0f;
+    for (int s = 0; s < KS; ++s) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float x = g < grp ? qr[((size_t)h * grp + g) * R + m * D + 2 * s + e] : 0.0f;
+            uint32_t hi = __float_as_uint(x) & 0xFFFFE000u;
+            a[s][2 * e] = hi;
+            a[s][2 * e + 1] = __float_as_uint(x - __uint_as_float(hi));
+        }
+    }
     const unsigned char* cbase = codes + (size_t)h * P * (R / 2) + m * CB;
-    const __half* sbase = scales + (size_t)h * n * R + m * D;
+    const __half* sbase = scales + (size_t)h * P + 2 * m;   // this lane's tokens 2m, 2m + 1 of a tile
 
     float run_m = -INFINITY, run_s = 0.0f;
     // kUnits units a warp at a time: every load of them issued before the first product
     for (int u0 = warp; u0 < units; u0 += kWarps * kUnits) {
-        uint32_t sc[kUnits][D / 2];   // the scales of this lane's page, fp16 pairs
+        uint32_t sc[kUnits][T];   // the scales of this lane's two tokens of each tile of its page, fp16 pairs
         uint32_t w[kUnits][PP][T][CW];
 #pragma unroll
         for (int i = 0; i < kUnits; ++i) {
             const int p0 = first + (u0 + i * kWarps) * PP;
             const int p = p0 + pa;
-            if (p < last) {
-                load_halves<D>(sbase + (size_t)p * R, sc[i]);
-            } else {
 #pragma unroll
-                for (int j = 0; j < D / 2; ++j) sc[i][j] = 0u;
-            }
+            for (int t = 0; t < T; ++t)
+                sc[i][t] = p < last ? __ldg(reinterpret_cast<const unsigned int*>(sbase + (size_t)p * PS + t * 8)) : 0u;
 #pragma unroll
             for (int pp = 0; pp < PP; ++pp)
 #pragma unroll
@@ -147,18 +135,7 @@ sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict_
         for (int i = 0; i < kUnits; ++i) {
             const int p0 = first + (u0 + i * kWarps) * PP;
             if (p0 >= last) break;   // the same for the whole warp
-            const int p = p0 + pa;   // this lane's page on the query side and in the result
-            uint32_t a[KS][4];
-#pragma unroll
-            for (int s = 0; s < KS; ++s) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {   // e: the low (even) or high nibble of byte s
-                    float x = q[2 * s + e] * half_at(sc[i], 2 * s + e);
-                    uint32_t hi = __float_as_uint(x) & 0xFFFFE000u;
-                    a[s][2 * e] = hi;
-                    a[s][2 * e + 1] = __float_as_uint(x - __uint_as_float(hi));
-                }
-            }
+            const int p = p0 + pa;   // this lane's page in the result
             float acc[T][4];
 #pragma unroll
             for (int t = 0; t < T; ++t) {
@@ -176,13 +153,13 @@ sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict_
 #pragma unroll
                 for (int k = 0; k < 4; ++k) acc[t][k] = (PP == 1 || pa == 0) ? part[0][k] : part[PP - 1][k];
             }
-            // this lane's tokens: 2m, 2m + 1 of every tile; high + low part
+            // this lane's tokens: 2m, 2m + 1 of every tile; high + low part, times the token's scale
             float v[2 * T];
             float mx = -INFINITY;
 #pragma unroll
             for (int t = 0; t < T; ++t) {
-                v[2 * t] = acc[t][0] + acc[t][2];
-                v[2 * t + 1] = acc[t][1] + acc[t][3];
+                v[2 * t] = (acc[t][0] + acc[t][2]) * half_at(sc[i][t], 0);
+                v[2 * t + 1] = (acc[t][1] + acc[t][3]) * half_at(sc[i][t], 1);
                 mx = fmaxf(mx, fmaxf(v[2 * t], v[2 * t + 1]));
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
@@ -249,7 +226,7 @@ extern "C" int ze_thermal_sketch_lse(const float* qr, const unsigned char* codes
     if ((rank != 16 && rank != 32 && rank != 64) || (page_size != 8 && page_size != 16) || grp < 1 || grp > 8 ||
         nkv < 1 || nkv > 65535 || n < 1 || pages_per_share < 1 || nb != (n + pages_per_share - 1) / pages_per_share)
         return ZE_THERMAL_ERR_SHAPE;
-    if (reinterpret_cast<uintptr_t>(codes) % 8 || reinterpret_cast<uintptr_t>(scales) % 16)
+    if (reinterpret_cast<uintptr_t>(codes) % 8 || reinterpret_cast<uintptr_t>(scales) % 4)
         return ZE_THERMAL_ERR_ALIGN;
     int dev = 0, major = 0;
     cudaError_t e = cudaGetDevice(&dev);

@@ -36,8 +36,8 @@ CONTINUATION = 1024
 @click.option("--page-size", type=int, default=None,
               help="Tokens a thermal KV page (default 8; the recent window stays 32 tokens).")
 @click.option("--kv-ahead", "kv_ahead", type=int, default=0, show_default=True,
-              help="With --kv-budget: the torch decoder's policy with pages scored from the query predicted "
-                   "N layers ahead (`run --kv-ahead N`; 0: each layer's own query).")
+              help="With thermal KV (--kv-budget, or a cap that serves it): the torch decoder's policy with pages "
+                   "scored from the query predicted N layers ahead (`run --kv-ahead N`; 0: each layer's own query).")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--bundle", type=click.Path(),
               help="With --kv-budget: the thermal policy of this exported bundle's onnxruntime runner (what "
@@ -89,8 +89,10 @@ def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, 
 
     if kv_ahead < 0:
         raise UserError(f"--kv-ahead must be a number of layers >= 0 (got {kv_ahead})")
-    if kv_ahead and ((kv_budget is None and cap is None) or bundle is not None):
-        raise UserError("--kv-ahead goes with --kv-budget F (or a cap), for the torch decoder's policy (not --bundle)")
+    if kv_ahead and bundle is not None:
+        raise UserError("--kv-ahead is the torch decoder's policy; a bundle's runner scores pages its own way")
+    if kv_ahead and kv_budget is None and cap is None:
+        raise UserError("--kv-ahead needs thermal KV: give --kv-budget F (or a cap)")
 
     if calib is None and kv_budget is None and cap is None:
         raise UserError("nothing to evaluate: give --calib ARTIFACT, --kv-budget F and/or --device-memory SIZE")

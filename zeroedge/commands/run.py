@@ -110,7 +110,8 @@ def bundle_config(bundle):
                    "to the file (besides one packed copy of each window page).")
 @click.option("--kv-ahead", "kv_ahead", type=int, default=0, show_default=True,
               help="torch backend, thermal KV: score layer l's pages with the query predicted from layer l-N's "
-                   "input, so on CUDA the page refresh runs beside the step (0: each layer's own query).")
+                   "input, so on CUDA the page refresh runs beside the step (0: each layer's own query; with "
+                   "--kv-spill the refreshes stay on the step's path, the host reading pages between layers).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")

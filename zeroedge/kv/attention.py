@@ -49,7 +49,8 @@ def host_mapped(t: torch.Tensor) -> torch.Tensor:
 
 
 def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2, chunk: int = SKETCH_CHUNK):
-    """(A, B, mu) for keys k (nkv, P, hd): coords = (k - mu) @ B, query side q @ A. With the query
+    """(A, B, mu, rms) for keys k (nkv, P, hd): coords = (k - mu) @ B, query side q @ A, rms (nkv, rank)
+    each coordinate's root mean square over the keys. With the query
     covariance Cq the basis is query-aware: q.k = (Cq^-1/2 q) . (Cq^1/2 k), and the top `rank`
     principal directions of Cq^1/2 k minimise the expected squared score error over the queries;
     without it, plain key PCA. (A per-query constant shift does not change a softmax ranking, so
@@ -71,45 +72,48 @@ def sketch_bases(k, qcov=None, rank: int = 16, eps: float = 1e-2, chunk: int = S
         Wi = V @ torch.diag_embed(e.rsqrt()) @ V.transpose(1, 2)
     else:
         W = Wi = torch.eye(hd, device=k.device).expand(nkv, hd, hd)
-    _, U = torch.linalg.eigh(W.transpose(1, 2) @ cov @ W)
+    e, U = torch.linalg.eigh(W.transpose(1, 2) @ cov @ W)   # e: the coordinates' sums of squares
     U = U[:, :, -rank:].flip(-1)
-    return Wi @ U, W @ U, mu.float()
+    rms = (e[:, -rank:].flip(-1).clamp_min(0) / P).sqrt()
+    return Wi @ U, W @ U, mu.float(), rms
 
 
-def quantized_sketch(k, page_size: int, rank: int, bits: int, qcov=None, chunk: int = SKETCH_CHUNK, out=None):
+def quantized_sketch(k, rank: int, bits: int, qcov=None, chunk: int = SKETCH_CHUNK, out=None):
     """The key sketch of keys k (nkv, P, hd): (A (nkv, hd, rank) fp32 query bases, codes (nkv, P,
-    rank) int8, scales (nkv, P // page_size, rank) fp16). The score of query q against key t is
-    (q @ A) . (codes[t] * scales[page of t]), up to a per-query constant. Codes are round-to-nearest
-    on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the page's max |coord| over that), or signs
-    with a mean-|coord| scale when bits = 1. A rank above hd is hd. Coordinates are made a chunk
-    of whole pages at a time. out: (codes (nkv, P, rank / 2) uint8, scales) to fill instead, the
-    codes packed two a byte (kernels.pack_int4) a chunk at a time: nothing the size of the prefix
-    beyond them (at 341K tokens the unpacked codes and their packing took ~0.4 GB)."""
+    rank) int8, scales (nkv, P) fp16). The score of query q against key t is (q @ A) . codes[t] *
+    scales[t], up to a per-query constant. The coordinates are whitened (each divided by its root
+    mean square over the keys, which A takes back), so one scale a token serves all of them: codes
+    round-to-nearest on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the token's max |coord| over
+    that), or signs with the token's mean |coord| when bits = 1 (benchmarks/thermal_kv.md 2z: the
+    quality of a scale per (page, direction), in 2 bytes a token instead of rank / 4). A rank above
+    hd is hd. Coordinates are made a chunk at a time. out: (codes (nkv, P, rank / 2) uint8, scales)
+    to fill instead, the codes packed two a byte (kernels.pack_int4) a chunk at a time: nothing the
+    size of the prefix beyond them (at 341K tokens the unpacked codes and their packing took ~0.4 GB)."""
     from zeroedge.kv.kernels import pack_int4
 
     nkv, P, hd = k.shape
-    n = P // page_size
     rank = min(rank, hd)
-    A, B, mu = sketch_bases(k, qcov, rank, chunk=chunk)
+    A, B, mu, rms = sketch_bases(k, qcov, rank, chunk=chunk)
+    rms = rms.clamp_min(1e-12)[:, None, :]
+    A, B = A * rms, B / rms
     if out is not None and (out[0].dtype != torch.uint8 or tuple(out[0].shape) != (nkv, P, rank // 2)
-                            or tuple(out[1].shape) != (nkv, n, rank)):
-        raise ValueError(f"out: codes (nkv, P, rank/2) uint8 and scales (nkv, n, rank) for rank {rank}")
+                            or tuple(out[1].shape) != (nkv, P)):
+        raise ValueError(f"out: codes (nkv, P, rank/2) uint8 and scales (nkv, P) for rank {rank}")
     codes, scales = out if out is not None else (
         torch.empty(nkv, P, rank, dtype=torch.int8, device=k.device),
-        torch.empty(nkv, n, rank, dtype=torch.float16, device=k.device))
-    step = max(1, chunk // page_size) * page_size
-    for i in range(0, P, step):
-        coords = ((k[:, i:i + step].float() - mu) @ B).view(nkv, -1, page_size, rank)
+        torch.empty(nkv, P, dtype=torch.float16, device=k.device))
+    for i in range(0, P, chunk):
+        coords = (k[:, i:i + chunk].float() - mu) @ B
         if bits == 1:
-            sc = coords.abs().mean(2, keepdim=True).clamp_min(1e-8).half()
+            sc = coords.abs().mean(-1, keepdim=True).clamp_min(1e-8).half()
             c = torch.where(coords >= 0, 1, -1)
         else:
             qmax = 2 ** (bits - 1) - 1
-            sc = (coords.abs().amax(2, keepdim=True) / qmax).clamp_min(1e-8).half()
+            sc = (coords.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-8).half()
             c = torch.round(coords / sc.float()).clamp(-qmax, qmax)
-        c = c.view(nkv, -1, rank).to(torch.int8)
-        codes[:, i:i + step] = pack_int4(c) if out is not None else c
-        scales[:, i // page_size:(i + step) // page_size] = sc.view(nkv, -1, rank)
+        c = c.to(torch.int8)
+        codes[:, i:i + chunk] = pack_int4(c) if out is not None else c
+        scales[:, i:i + chunk] = sc[..., 0]
     return A, codes, scales
 
 
@@ -221,14 +225,15 @@ class ThermalAttention:
             self.side, self.main_stream = shared_stream(device, "refresh", low), shared_stream(device, "step", high)
         self._forked = False
         # ahead on the side stream: layer l's refresh done (its attention waits for it)
-        self.ready = [torch.cuda.Event() for _ in range(L)] if self.ahead and self.side is not None else None
+        self.ready = ([torch.cuda.Event() for _ in range(L)] if self.ahead and self.side is not None
+                      and self.spill_dir is None else None)
         self.wpos = torch.full((self.win_len,), -1, dtype=torch.long, device=device)
         self.slot_page = torch.zeros(L, nkv, self.slots, dtype=torch.long, device=device)
         self.page_slot = torch.full((L, nkv, n), -1, dtype=torch.long, device=device)
-        # summaries: query / key bases, int4 codes (packed), per (page, direction) scales
+        # summaries: query bases, int4 codes (packed), a scale a token
         self.A = torch.zeros(L, nkv, hd, self.rank, device=device, dtype=torch.float32)
         self.codes = torch.zeros(L, nkv, self.P, self.rank // 2, device=device, dtype=torch.uint8)
-        self.scales = torch.zeros(L, nkv, n, self.rank, device=device, dtype=torch.float16)
+        self.scales = torch.zeros(L, nkv, self.P, device=device, dtype=torch.float16)
         self.page_bias = torch.zeros(n, device=device)
         self.page_bias[:self.sink_pages] = float("-inf")
         if self.recent_pages:
@@ -247,6 +252,11 @@ class ThermalAttention:
 
             self.host_fetch = HostFetch(nkv, self.fetch, self.cold_file, self.cold_bits, device)
             self._cold_np = [self.cold_file.records[li].numpy() for li in range(L)]   # the host reads these
+
+    @property
+    def _refresh_beside(self) -> bool:
+        """Lag 1 / ahead refreshes run on the side stream (CUDA, and no host read, which cuts the graph)."""
+        return self.side is not None and self.host_fetch is None
 
     @property
     def host_refresh(self) -> bool:
@@ -310,7 +320,7 @@ class ThermalAttention:
             kd, vd = kd.view(self.nkv, self.P, self.hd), vd.view(self.nkv, self.P, self.hd)
             self.wk[li, :, :nf] = kd[:, fix_idx]
             self.wv[li, :, :nf] = vd[:, fix_idx]
-            self.A[li] = quantized_sketch(kd, ps, r, self.bits, None if qcovs is None else qcovs[li].to(dev),
+            self.A[li] = quantized_sketch(kd, r, self.bits, None if qcovs is None else qcovs[li].to(dev),
                                           out=(self.codes[li], self.scales[li]))[0]
             self.slot_page[li] = first[None].expand(self.nkv, -1)
             self.page_slot[li].fill_(-1)
@@ -470,7 +480,7 @@ class ThermalAttention:
         for the one `layer_input` started from a predicted query."""
         if not self.ahead:
             self._swap(li, q, rope)
-        elif self.ready is not None:
+        elif self._refresh_beside:
             torch.cuda.current_stream().wait_event(self.ready[li])
 
     def layer_input(self, li, x, predict, flag):
@@ -479,10 +489,12 @@ class ThermalAttention:
         predict(layer, x) -> (query, rope or None) gives; on CUDA on the side stream."""
         if not (flag and self.ahead):
             return
-        targets = [t for t in (range(1, self.ahead + 1) if li == 0 else [li + self.ahead]) if t < self.L]
-        inline = self.side is None or self.host_fetch is not None   # a host read cuts the step's graph
+        if li == 0:
+            targets = range(1, min(self.ahead, self.L - 1) + 1)
+        else:
+            targets = [li + self.ahead] if li + self.ahead < self.L else []
         for t in targets:
-            if inline:
+            if not self._refresh_beside:
                 self._swap(t, *predict(t, x))
                 continue
             self.side.wait_stream(torch.cuda.current_stream())
@@ -496,7 +508,7 @@ class ThermalAttention:
         """Lag 1 (ahead: layer 0): layer li's refresh from its query in qbuf, after its attention; on CUDA on the side
         stream (nothing later in the step reads layer li's window or page tables; batching several
         layers' refreshes into one launch measured no faster on the H200)."""
-        if self.side is None or self.host_fetch is not None:   # a host read cuts the step's graph: inline
+        if not self._refresh_beside:
             self._swap(li, self.qbuf[li])
             return
         self.side.wait_stream(torch.cuda.current_stream())

@@ -156,16 +156,15 @@ class Sketch:
     zeroedge.kv.attention.quantized_sketch, the serving decoder's own, held dequantized.
     nbytes: what the decoder stores (zeroedge.kv.policy.sketch_nbytes)."""
 
-    def __init__(self, k, page_size: int, rank: int = THERMAL.rank, bits: int = THERMAL.bits, qcov=None):
+    def __init__(self, k, rank: int = THERMAL.rank, bits: int = THERMAL.bits, qcov=None):
         from zeroedge.kv.attention import quantized_sketch
         from zeroedge.kv.policy import sketch_nbytes
 
         nkv, P, hd = k.shape
-        self.page_size, self.rank, self.bits = page_size, min(rank, hd), bits
-        self.A, codes, scales = quantized_sketch(k, page_size, self.rank, bits, qcov)
-        n = P // page_size
-        self.coords = (codes.float().view(nkv, n, page_size, -1) * scales.float()[:, :, None]).view(nkv, P, -1)
-        self.nbytes_per_head = sketch_nbytes(P, page_size, self.rank, hd)
+        self.rank, self.bits = min(rank, hd), bits
+        self.A, codes, scales = quantized_sketch(k, self.rank, bits, qcov)
+        self.coords = codes.float() * scales.float()[..., None]
+        self.nbytes_per_head = sketch_nbytes(P, self.rank, hd)
 
     def nbytes(self) -> int:
         return int(self.nbytes_per_head * self.A.shape[0])
@@ -281,7 +280,7 @@ def score_continuation(model, ids_cont, pre, method, budget, page_size=THERMAL.p
             a = blk.self_attn
             q, k, v = a.project(blk.input_layernorm(x), cos, sin)
             if ahead:
-                for t in range(1, min(ahead, len(layers) - 1) + 1) if li == 0 else [li + ahead]:
+                for t in (range(1, min(ahead, len(layers) - 1) + 1) if li == 0 else [li + ahead]):
                     if t < len(layers):
                         b = layers[t]
                         predicted[t] = b.self_attn.project(b.input_layernorm(x), cos, sin)[0]
@@ -337,7 +336,7 @@ def _prefix_mask(cfg, method, li, q, kall, kv_index, pre, budget, page_size, opt
         sc = (q[0] @ kall[0, :, :P].transpose(-1, -2)) / math.sqrt(cfg.head_dim)
         how = opts.get("oracle_how", "max")
     else:
-        sc = _sketch(cfg, li, pre, page_size, opts, stats).scores(q[0], kv_index)
+        sc = _sketch(cfg, li, pre, opts, stats).scores(q[0], kv_index)
         how = opts.get("how", "mass")
     ps = page_scores(sc, page_size, grp, how)
     # ahead (ThermalSettings): layer 0's refresh one step late, the others from the predicted query q
@@ -404,7 +403,7 @@ def cold_readback(pre, li, page_size, opts):
     return pre[key]
 
 
-def _sketch(cfg, li, pre, page_size, opts, stats):
+def _sketch(cfg, li, pre, opts, stats):
     """Layer li's key sketch (built once: the prefix is frozen), query-aware unless qaware = 0,
     optionally blending in the observation window's queries; its bytes go to stats."""
     qcov = pre["qcov"][li] if opts.get("qaware", 1) else None
@@ -416,10 +415,10 @@ def _sketch(cfg, li, pre, page_size, opts, stats):
         cw = (qw.transpose(1, 2) @ qw).view(nkv, cfg.n_heads // nkv, hd, hd).sum(1)
         nrm = lambda c: c / c.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]  # noqa: E731
         qcov = nrm(qcov) + w * nrm(cw)
-    key = ("_sketch", li, page_size, opts.get("rank", THERMAL.rank), opts.get("bits", THERMAL.bits), opts.get("qaware", 1), w)
+    key = ("_sketch", li, opts.get("rank", THERMAL.rank), opts.get("bits", THERMAL.bits), opts.get("qaware", 1), w)
     sk = pre.get(key)
     if sk is None:
-        sk = pre[key] = Sketch(pre["k"][li], page_size, opts.get("rank", THERMAL.rank), opts.get("bits", THERMAL.bits), qcov)
+        sk = pre[key] = Sketch(pre["k"][li], opts.get("rank", THERMAL.rank), opts.get("bits", THERMAL.bits), qcov)
     stats["summary_bytes"] = stats.get("summary_bytes", 0) + sk.nbytes()
     return sk
 

@@ -2,10 +2,10 @@
 the int4 key sketch and the in-graph page swap of zeroedge.kv.attention.ThermalAttention.
 
 `sketch_page_lse(qr, codes, scales, page_size)`: for every kv head h, query head g of its group
-and page p, the log-sum-exp over the page's tokens of qr[h, g] . (code[h, t] * scale[h, p]): the
+and page p, the log-sum-exp over the page's tokens t of (qr[h, g] . code[h, t]) * scale[h, t]: the
 sketch's page score, fused so the packed int4 codes are read once and nothing per token is
 written. codes: (nkv, P, r/2) uint8, two signed 4-bit codes a byte (low nibble = even direction),
-stored with +8 offset; scales: (nkv, n, r).
+stored with +8 offset; scales: (nkv, P), one a token (zeroedge.kv.attention.quantized_sketch).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def sketch_page_lse_ref(qr, codes, scales, page_size):
     nkv, P, r2 = codes.shape
     r = 2 * r2
     n = P // page_size
-    c = unpack_int4(codes).view(nkv, n, page_size, r).float() * scales.float().view(nkv, n, 1, r)
+    c = (unpack_int4(codes).float() * scales.float()[..., None]).view(nkv, n, page_size, r)
     s = torch.einsum("hgr,hnpr->hgnp", qr.float(), c)
     return s.logsumexp(-1)
 
@@ -115,15 +115,13 @@ def _build():
             toks = pages[:, None] * PS + tl.arange(0, PS)[None, :]
             b = tl.load(codes_ptr + h * P * R2 + toks[:, :, None] * R2 + rr[None, None, :],
                         mask=pmask[:, None, None], other=136)
-            sbase = scales_ptr + h * n * 2 * R2 + pages[:, None] * 2 * R2
-            se = tl.load(sbase + 2 * rr[None, :], mask=pmask[:, None], other=0).to(tl.float32)
-            so = tl.load(sbase + 2 * rr[None, :] + 1, mask=pmask[:, None], other=0).to(tl.float32)
-            lo = ((b & 15).to(tl.float32) - 8.0) * se[:, None, :]
-            hi = ((b >> 4).to(tl.float32) - 8.0) * so[:, None, :]
+            sc = tl.load(scales_ptr + h * P + toks, mask=pmask[:, None], other=0).to(tl.float32)
+            lo = (b & 15).to(tl.float32) - 8.0
+            hi = (b >> 4).to(tl.float32) - 8.0
             for g in tl.static_range(GRP):
                 qe = tl.load(qr_ptr + (h * GRP + g) * 2 * R2 + 2 * rr)
                 qo = tl.load(qr_ptr + (h * GRP + g) * 2 * R2 + 2 * rr + 1)
-                s = tl.sum(lo * qe[None, None, :] + hi * qo[None, None, :], axis=2)
+                s = tl.sum(lo * qe[None, None, :] + hi * qo[None, None, :], axis=2) * sc
                 m = tl.max(s, axis=1)
                 l = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
                 tl.store(out_ptr + (h * GRP + g) * n + pages, l, mask=pmask)

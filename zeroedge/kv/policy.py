@@ -36,7 +36,7 @@ class ThermalSettings:
 
     page_size      tokens a page (another page size: `thermal_settings`)
     rank, bits     the key sketch: rank-`rank` query-aware basis, signed `bits`-bit codes (1..4;
-                   stored two a byte) with one fp16 scale per (page, direction)
+                   stored two a byte) of whitened coordinates, one fp16 scale a token
     sink_pages, recent_pages   always in the window (the recent window: 32 tokens)
     fetch          at most this many pages swapped into the window a refresh, per kv head and layer
     refresh_every  steps between refreshes (page scoring + swaps)
@@ -47,8 +47,9 @@ class ThermalSettings:
     ahead          0: off; d > 0: layer l's pages are scored with the query layer l's weights make
                    from layer l - d's input (layers 1..d: from the first layer's), so its refresh
                    can run beside the d layers before it (the InfiniGen idea), and layer 0's
-                   refresh runs one step late (as lag 1): no refresh on the step's path. 1.34x dense
-                   at 128K, essays +3.5 % (benchmarks/thermal_kv.md 2z)"""
+                   refresh runs one step late (as lag 1): no refresh on the step's path. H200,
+                   128K: 1.35-1.38x dense against lag 0's 1.14-1.15x, essays +2.9 to +3.5 %
+                   (benchmarks/thermal_kv.md 2z)"""
     page_size: int = 8
     rank: int = 32
     bits: int = 4
@@ -92,10 +93,10 @@ def thermal_settings(page_size: Optional[int] = None) -> ThermalSettings:
     return replace(THERMAL, page_size=page_size, recent_pages=max(1, -(-recent_tokens // page_size)))
 
 
-def sketch_nbytes(prefix_len: int, page_size: int, rank: int, hd: int) -> int:
+def sketch_nbytes(prefix_len: int, rank: int, hd: int) -> int:
     """Device bytes of one kv head's sketch as the decoder stores it: codes two a byte, an fp16
-    scale per (page, direction), the fp32 query basis."""
-    return prefix_len * rank // 2 + (prefix_len // page_size) * rank * 2 + hd * rank * 4
+    scale a token, the fp32 query basis."""
+    return prefix_len * rank // 2 + prefix_len * 2 + hd * rank * 4
 
 
 def window_pages(prefix_len: int, budget: float, s: ThermalSettings = THERMAL) -> tuple:
@@ -124,7 +125,7 @@ def thermal_device_bytes(L: int, nkv: int, hd: int, prefix_len: int, gen_len: in
     cold_bytes = (kv * n * ps * COLD_BITS[cold] // 8 + kv * n * ps // group * 2) if cold in COLD_BITS else 0
     return {"hot": kv * (fixed + slots) * ps * element,
             "generated": kv * gen_len * element,
-            "summaries": L * nkv * sketch_nbytes(prefix_len, ps, min(s.rank, hd), hd),
+            "summaries": L * nkv * sketch_nbytes(prefix_len, min(s.rank, hd), hd),
             "page_table": 8 * L * nkv * n,
             "cold_on_device": 0 if in_file else cold_bytes,
             "cold_in_file": cold_bytes if in_file else 0,

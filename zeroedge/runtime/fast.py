@@ -150,7 +150,8 @@ def _compiled(fn):
 
 class Decoder:
     """One decode step through `attention` (a strategy with bind / load_prefix / before / flag /
-    per_step / attend or attend_qkv / finish) and `ffn` (None: dense; else a strategy with bind / out / kept)."""
+    per_step / attend or attend_qkv / finish, and optionally layer_input, called with each layer's
+    input) and `ffn` (None: dense; else a strategy with bind / out / kept)."""
 
     compile = False
 
@@ -276,7 +277,7 @@ class Decoder:
         # a refresh whose pages the host reads (a cold store in a file) is captured in pieces
         pieces = bool(flag) and getattr(self.attention, "host_refresh", False)
         if flag not in self.graphs:
-            # captured on the attention's own stream where it has one (thermal lag 1: a high priority)
+            # captured on the attention's own stream where it has one (thermal lag 1 / ahead: a high priority)
             s = getattr(self.attention, "main_stream", None) or shared_stream(self.device, "capture")
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s), torch.no_grad():

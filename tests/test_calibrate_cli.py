@@ -112,3 +112,14 @@ def test_eval_under_a_device_memory_cap(tiny_hf, text_file):
         served_under(cfg, 3 * 94721, cap)
     r = run_cli("eval", tiny_hf, "--text", text_file, "--ctx", "1200", "--kv-budget", "0.2", "--cold-in-file", check_rc=2)
     assert "goes with a cap" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_kv_ahead_measures_and_names_that_policy(tiny_hf, text_file):
+    """`eval --kv-budget F --kv-ahead 1`: the contract with pages scored a layer ahead (the policy
+    `run --kv-ahead 1` serves), named in the JSON options and in the table; not the default's losses."""
+    args = ("eval", tiny_hf, "--text", text_file, "--ctx", "1200", "--kv-budget", "0.2")
+    own = json.loads(run_cli(*args, "--json", check_rc=0).stdout)
+    ahead = json.loads(run_cli(*args, "--kv-ahead", "1", "--json", check_rc=0).stdout)
+    assert own["options"]["ahead"] == 0 and ahead["options"]["ahead"] == 1
+    assert ahead["full_kv_ppl"] == own["full_kv_ppl"] and ahead["thermal_ppl"] != own["thermal_ppl"]
+    assert "1 layer(s) ahead" in run_cli(*args, "--kv-ahead", "1", check_rc=0).stdout

@@ -321,7 +321,8 @@ def table(r: dict, calib=None, paths=False) -> list:
                 f"  {'time':<30} {r['seconds']:.1f} s"]
     elif "thermal_ppl" in r:
         o = r.get("options") or {}
-        out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens)",
+        ahead = f", pages scored {o['ahead']} layer(s) ahead" if o.get("ahead") else ""
+        out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens{ahead})",
                 _ppl(f"perplexity, last {r['scored_tokens']} tokens", "full KV", r["full_kv_ppl"], "thermal",
                      r["thermal_ppl"]),
                 f"  {'prefix KV on the device':<30} {_mib(r['hot_kv_bytes'])} of {_mib(r['full_kv_bytes'])} "

@@ -399,7 +399,8 @@ def test_refreshes_wait_while_the_scheduler_defers_and_are_made_up(tiny):
                                   dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=1),
                                   dict(cold="int8", fetch=3, refresh_every=2, rank=16, bits=3, ahead=2),
                                   dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=5),
-                                  dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=4, ahead=1)])
+                                  dict(cold="host", fetch=0, refresh_every=1, rank=8, bits=4, ahead=1),
+                                  dict(cold="host", fetch=2, refresh_every=1, rank=8, bits=4, ahead=1, qkv_bias=True)])
 def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
     """One code path: `zeroedge eval --kv-budget` (batched over the continuation) and the serving
     decoder (one step at a time, its own sketch, window, swaps and cold store) give the same
@@ -409,8 +410,10 @@ def test_the_eval_contract_scores_what_the_serving_decoder_computes(opts):
 
     from zeroedge.runtime.fast import ThermalDecoder
 
-    tiny = M.build("tiny", seed=0).double()
+    from dataclasses import replace
+
     opts = dict(opts)
+    tiny = M.build(replace(M.PRESETS["tiny"], qkv_bias=opts.pop("qkv_bias", False)), seed=0).double()
     P, T, ps, budget = 256, 48, 16, opts.pop("budget", 0.375)   # 0.1875: a window of the fixed pages + 1 slot
     ids = ids_(P + T, 7)
     o = dict(E.DEFAULTS, **opts)

@@ -328,6 +328,12 @@ def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_pat
         d = ThermalDecoder(tiny, P, 16, budget=0.3, page_size=8, rank=8, recent_pages=1, fetch=4, graph=False,
                            cold=cold, ahead=ahead, spill_dir=str(tmp_path / "spill") if where == "file" else None)
         ks, vs, qcov = chunked_prefill(tiny, ids[:P], 32, caches=d.attention.prefill_caches())
+        if where == "file":          # K's read of the records also makes V, kept for V's call after it
+            c = ks.caches[0]
+            want = c.past_kv(P)
+            assert torch.equal(c.layer_kv(P, 0), want[0]) and c._v is not None
+            assert torch.equal(c.layer_kv(P, 1), want[1]) and c._v is None
+            assert torch.equal(c.layer_kv(P, 1), want[1])                 # V alone: read again
         d.load_prefix(ks, vs, qcov)
         start = d.attention.slot_page.clone()
         logits = torch.stack([d.step(ids[t], t).clone() for t in range(P, 96)])

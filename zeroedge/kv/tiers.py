@@ -74,6 +74,7 @@ class QuantKVCache(torch.nn.Module):
         self.hd = d * 8 // bits
         self.qcov = (torch.zeros(nkv, self.hd, self.hd, device=self.device, dtype=torch.float32)
                      if track_queries else None)
+        self._v = None      # (n, V): made with K from the file's records, for layer_kv's V call that follows
 
     @classmethod
     def empty(cls, bits: int, n_kv: int, length: int, hd: int, group: int, dtype, device=None):
@@ -86,6 +87,7 @@ class QuantKVCache(torch.nn.Module):
 
     def update(self, start: int, k, v, q=None, kv_index=None):
         end = start + k.shape[2]
+        self._v = None
         (ck, sk), (cv, sv) = (quantize(x[0], self.bits, self.group) for x in (k, v))
         if self.records is not None:        # the chunk's records made whole on the device, one copy out
             rec = torch.empty(ck.shape[0], end - start, self.records.shape[-1], dtype=torch.uint8, device=ck.device)
@@ -122,7 +124,16 @@ class QuantKVCache(torch.nn.Module):
         return out
 
     def layer_kv(self, n: int, which: int):
-        """K (which 0) or V (1) of the first n positions (past_kv), for zeroedge.model.LayerKV."""
+        """K (which 0) or V (1) of the first n positions (past_kv), for zeroedge.model.LayerKV. From a
+        file, K's call dequantizes V from the same records and keeps it for the V call that follows
+        (a decoder's load_prefix asks K then V of each layer): the records are read once, not twice."""
+        if which == 1 and self._v is not None and self._v[0] == n:
+            v, self._v = self._v[1], None
+            return v
+        if which == 0 and self.records is not None:
+            k, v = self.past_kv(n)
+            self._v = (n, v)
+            return k
         return self.past_kv(n, (which,))[0]
 
 

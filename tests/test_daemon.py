@@ -4,6 +4,7 @@ import json
 import signal
 import socket
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -197,19 +198,28 @@ def test_health_metrics_sd_notify_and_sigterm(tmp_path, bundle, frames):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(str(sock_path))
     s.settimeout(0.2)
+    msgs, draining = [], threading.Event()
+
+    def drain():                                  # as systemd does: read every datagram as it comes
+        while not draining.is_set():
+            try:
+                msgs.append(s.recv(4096).decode())
+            except socket.timeout:
+                pass
+            except OSError:
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     mport = T.free_port()
     cfg = T.write_config(tmp_path / "daemon.toml", bundle,
                          {"kind": "file", "path": str(run), "sensor": "f1", "rate": 200.0}, mport)
     d = T.DaemonProc(cfg, mport, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000",
                                       "JOURNAL_STREAM": "8:1234"}).start()
-    msgs = []
     try:
         t = time.time()
-        while time.time() - t < 10 and not any("WATCHDOG=1" in m for m in msgs):
-            try:
-                msgs.append(s.recv(4096).decode())
-            except socket.timeout:
-                pass
+        while time.time() - t < 10 and not any("WATCHDOG=1" in m for m in list(msgs)):
+            time.sleep(0.05)
         assert any(m.startswith("READY=1") for m in msgs)
         assert any("WATCHDOG=1" in m for m in msgs)
         code, body = d.get("/healthz")
@@ -226,11 +236,8 @@ def test_health_metrics_sd_notify_and_sigterm(tmp_path, bundle, frames):
         assert d.get("/nope")[0] == 404
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(30) == 0
-        while True:
-            try:
-                msgs.append(s.recv(4096).decode())
-            except socket.timeout:
-                break
+        draining.set()
+        reader.join(5)
         assert any("STOPPING=1" in m for m in msgs)
         log = d.log.read_text()
         assert "<6>zeroedge daemon" in log and "<6>stopped cleanly" in log     # journald priorities
@@ -243,6 +250,34 @@ def test_health_metrics_sd_notify_and_sigterm(tmp_path, bundle, frames):
         assert d2.proc.wait(60) == 0
         res = T.read_results(tmp_path / "results.jsonl")
         assert [r["seq"] for r in res] == list(range(300))
+    finally:
+        draining.set()
+        s.close()
+        if d.proc.poll() is None:
+            d.kill9()
+
+
+def test_an_undrained_notify_socket_cannot_stall_the_daemon(tmp_path, bundle, frames):
+    """A notify socket nobody reads (its queue full after net.unix.max_dgram_qlen datagrams) must not
+    block the inference loop's WATCHDOG=1 or the SIGTERM handler's STOPPING=1: the daemon keeps
+    processing and stops cleanly."""
+    run = tmp_path / "run.dat"
+    np.savetxt(run, frames, fmt="%.6g")
+    sock_path = tmp_path / "notify.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(sock_path))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # fills after a few datagrams on any kernel
+    mport = T.free_port()
+    cfg = T.write_config(tmp_path / "daemon.toml", bundle,
+                         {"kind": "file", "path": str(run), "sensor": "f1", "rate": 50.0}, mport)
+    d = T.DaemonProc(cfg, mport, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "100000"}).start()
+    try:
+        time.sleep(2.0)                           # ~40 WATCHDOG=1 due: far more than the queue holds
+        first = metric(d.get("/metrics")[1].decode(), "zeroedge_readings_processed_total")
+        time.sleep(1.0)
+        assert metric(d.get("/metrics")[1].decode(), "zeroedge_readings_processed_total") > first
+        assert d.terminate(timeout=30) == 0
+        assert "stopped cleanly" in d.log.read_text()
     finally:
         s.close()
         if d.proc.poll() is None:

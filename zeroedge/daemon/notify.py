@@ -1,12 +1,16 @@
 """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (a path, or '@' for the abstract
-namespace). No-ops when not started by systemd."""
+namespace). No-ops when not started by systemd. Never blocks for long: a datagram socket whose reader
+has stopped draining it (its queue holds net.unix.max_dgram_qlen messages, 10 by default) would stall
+a blocking send, and with it the inference loop or the SIGTERM handler, so a full queue drops the
+message instead (returns False)."""
 from __future__ import annotations
 
 import os
 import socket
 
 
-def notify(state: str) -> bool:
+def notify(state: str, wait_s: float = 0.0) -> bool:
+    """Send `state`; wait at most `wait_s` for room in the receiver's queue (0: not at all)."""
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False
@@ -14,8 +18,9 @@ def notify(state: str) -> bool:
         addr = "\0" + addr[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(wait_s if wait_s > 0 else 0.0)      # 0.0: non-blocking
             s.connect(addr)
-            s.sendall(state.encode())
+            s.send(state.encode())
         return True
     except OSError:
         return False

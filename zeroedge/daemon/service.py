@@ -389,7 +389,7 @@ class Daemon:
                                                      "port": c.output.get("port") or 1883},
                                                     f"{c.source['client_id']}-pub", self.log))
         self.source.start()
-        notify.notify(f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}")
+        notify.notify(f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}", wait_s=2.0)
         self.log.info(f"zeroedge daemon {__version__} ready: bundle={c.bundle} source={c.source['kind']} "
                       f"backend={self.detector.backend.name} metrics=http://{c.metrics['host']}:"
                       f"{self.http.server_address[1]}/metrics")

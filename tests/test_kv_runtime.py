@@ -308,6 +308,41 @@ def test_int8_cold_store_serves_within_rounding_and_halves_its_bytes(tiny):
         ThermalDecoder(tiny, P, 16, graph=False, cold="int2")
 
 
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_a_prefill_span_reads_each_layer_s_past_once(tiny, tmp_path, where):
+    """chunked_prefill into compressed caches runs a span of tokens a layer at a time: the same K/V
+    codes, dequantized K/V, query covariances and last hidden state, bit for bit, whatever the span
+    (one chunk, two chunks, the whole prompt), while each layer reads its past from the store once
+    a span: sum over spans of the span's start, not over chunks of the chunk's end."""
+    from zeroedge.model import chunked_prefill
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    ids = ids_(112, 3)
+    P, chunk = 96, 16
+    runs = {}
+    for span in (16, 32, 40, 96):
+        d = ThermalDecoder(tiny, P, 16, budget=0.3, page_size=8, rank=8, recent_pages=1, graph=False, cold="int8",
+                           spill_dir=str(tmp_path / f"s{span}") if where == "file" else None)
+        caches = d.attention.prefill_caches()
+        ks, vs, qcov, last = chunked_prefill(tiny, ids[:P], chunk, caches=caches, return_last=True, span=span)
+        reads = [c.read_positions for c in caches]
+        runs[span] = ([k.clone() for k in ks], [v.clone() for v in vs], [q.clone() for q in qcov], last,
+                      d.attention.cold_k.clone(), d.attention.cold_ks.clone(), reads)
+    starts = {16: range(0, P, 16), 32: range(0, P, 32), 40: range(0, P, 32), 96: [0]}   # 40: whole chunks, 32
+    for span, run in runs.items():
+        assert run[6] == [sum(starts[span])] * len(tiny.layers), span
+        for a, b in zip(run[:4], runs[16][:4]):
+            if isinstance(a, list):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), span
+            else:
+                assert torch.equal(a, b), span
+        assert torch.equal(run[4], runs[16][4]) and torch.equal(run[5], runs[16][5])
+    assert runs[96][6][0] == 0 and runs[16][6][0] == 16 * (0 + 1 + 2 + 3 + 4 + 5)
+    # the token-major loop (a plain cache, no hold) gives the same hidden state to the dequantization's rounding
+    plain_last = chunked_prefill(tiny, ids[:P], chunk, return_last=True)[3]
+    assert torch.allclose(plain_last, runs[96][3], atol=0.02, rtol=0)
+
+
 @pytest.mark.parametrize("cold,ahead", [("int8", 0), ("int4", 0), ("int8", 2)])
 def test_a_cold_store_in_a_file_serves_what_the_one_in_memory_does(tiny, tmp_path, cold, ahead, monkeypatch):
     """spill_dir: the compressed cold store is mapped from a private file (no device memory); the

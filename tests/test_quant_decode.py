@@ -96,6 +96,18 @@ def test_decoders_over_packed_weights_compute_the_quantized_model(embedding_bits
             assert torch.allclose(dec.step(tok, t), full[t], atol=1e-4)
         y = i8.step(tok, t)
         assert not torch.equal(y, full[t]) and float((y - full[t]).norm() / full[t].norm()) < 2e-2
+    # pages scored a layer ahead: the prediction reads the query's rows of the packed q/k/v (q_proj's
+    # form, a view of the fused one), and chooses what the fp weights of the same values choose
+    runs = {}
+    for pk in (True, False):
+        d = ThermalDecoder(m, P, 16, budget=0.3, page_size=8, rank=8, recent_pages=1, fetch=2, graph=False,
+                           packed=pk, ahead=1)
+        d.load_prefix(pre["k"], pre["v"], pre["qcov"])
+        runs[pk] = (torch.stack([d.step(ids[0, t].item(), t).clone() for t in range(P, 72)]),
+                    d.attention.slot_page.clone())
+    assert torch.allclose(runs[True][0], runs[False][0], atol=1e-4) and torch.equal(runs[True][1], runs[False][1])
+    q = m.layers[0].self_attn.q_proj.packed
+    assert q.n == 64 and q.q.untyped_storage().data_ptr() == w["wqkv"].q.untyped_storage().data_ptr()
     with pytest.raises(ValueError, match="int8_inputs"):
         DenseDecoder(M.build("tiny", seed=4), 16, graph=False, int8_inputs=True)
 

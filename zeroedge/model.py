@@ -345,6 +345,9 @@ class Transformer(nn.Module):
 
 
 PREFILL_CHUNK = 2048   # prompt tokens a prefill step runs at once: activations are bounded by it
+# prompt tokens a compressed-cache prefill runs a layer at a time (the span's hidden states held): a
+# layer's past is read from the cold store once a span, not once a chunk
+PREFILL_SPAN = 16384
 
 
 class LayerKV:
@@ -361,14 +364,17 @@ class LayerKV:
         return self.caches[i].layer_kv(self.n, self.which)
 
 
-def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK, into=None, caches=None, return_last: bool = False):
+def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK, into=None, caches=None, return_last: bool = False,
+                    span: int = PREFILL_SPAN):
     """K and V (rope applied) of ids per layer (LayerKV, (n_kv, T, hd) each) and each layer's query
     covariance (n_kv, hd, hd) (the thermal sketch's), running the prompt through the model `chunk`
     tokens at a time against its KV cache, so a long prompt's activations (the attention scores
     above all) are those of one chunk, not of the whole prompt. `into`: per layer (k, v) tensors
     (n_kv, >= T, hd) to write into (a dense decoder's cache: no second copy); `caches`: per layer
-    cache objects to prefill into (a thermal decoder's compressed cold store, QuantKVCache). With
-    return_last, also the final normalised hidden state of the last token (D,)."""
+    cache objects to prefill into (a thermal decoder's compressed cold store, QuantKVCache). Caches
+    that can hold a span (QuantKVCache.hold) run `span` tokens a layer at a time, chunk by chunk:
+    the same arithmetic, but each layer's past is read from the store once a span instead of once
+    a chunk. With return_last, also the final normalised hidden state of the last token (D,)."""
     dev = next(model.parameters()).device
     T = len(ids)
     if caches is None:
@@ -379,13 +385,38 @@ def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK, into=None, caches=No
     try:
         t = torch.tensor([ids], device=dev)
         with torch.inference_mode():
-            for s in range(0, T, chunk):
-                x = model.hidden_states(t[:, s:s + chunk], start=s)
+            if caches is not None and all(hasattr(c, "hold") for c in caches):
+                span = max(1, span // chunk) * chunk        # whole chunks: the chunks of the loop below
+                for a in range(0, T, span):
+                    x = _prefill_span(model, t[:, a:a + span], a, chunk)
+            else:
+                for s in range(0, T, chunk):
+                    x = model.hidden_states(t[:, s:s + chunk], start=s)
         used = [b.self_attn.kv_cache for b in model.layers]
     finally:
         model.drop_cache()
     out = (LayerKV(used, T, 0), LayerKV(used, T, 1), [c.qcov / T for c in used])
     return out + (x[0, -1],) if return_last else out
+
+
+def _prefill_span(model, tokens, start: int, chunk: int):
+    """The span tokens (1, S) at positions start.. through every layer, a layer at a time and chunk
+    by chunk within it, each layer's cache holding the span's K/V; returns the final normalised
+    hidden states (1, S, D)."""
+    S = tokens.shape[1]
+    x = model.embed_tokens(tokens)
+    for b in model.layers:
+        cache = b.self_attn.kv_cache
+        cache.hold(start, start + S)
+        try:
+            for s in range(0, S, chunk):
+                n = min(chunk, S - s)
+                cos, sin = model.rope(start + s, n)
+                mask = None if start + s == 0 else model.causal_mask(start + s, n)
+                x[:, s:s + n] = b(x[:, s:s + n], cos, sin, start + s, mask)
+        finally:
+            cache.release()
+    return model.norm(x)
 
 
 def build(cfg_or_name, dtype=torch.float32, seed: Optional[int] = None) -> Transformer:

@@ -75,6 +75,8 @@ class QuantKVCache(torch.nn.Module):
         self.qcov = (torch.zeros(nkv, self.hd, self.hd, device=self.device, dtype=torch.float32)
                      if track_queries else None)
         self._v = None      # (n, V): made with K from the file's records, for layer_kv's V call that follows
+        self._held = None   # (K, V) of positions [0, end) on the device while a span is prefilled (hold)
+        self.read_positions = 0     # positions dequantized from the store (each K and V pair once)
 
     @classmethod
     def empty(cls, bits: int, n_kv: int, length: int, hd: int, group: int, dtype, device=None):
@@ -85,10 +87,25 @@ class QuantKVCache(torch.nn.Module):
 
     FIELDS = ("k", "ks", "v", "vs")
 
+    def hold(self, start: int, end: int):
+        """Prefill of the span [start, end) a layer at a time (zeroedge.model.chunked_prefill): the past
+        [0, start) is read and dequantized once into device buffers of `end` positions, and each
+        update of the span writes its chunk's codes to the store and their dequantized values
+        there, so the chunks attend to what they would read back, without reading the past again."""
+        self._held = self.past_kv(start, size=end)
+
+    def release(self):
+        self._held = None
+
     def update(self, start: int, k, v, q=None, kv_index=None):
         end = start + k.shape[2]
         self._v = None
         (ck, sk), (cv, sv) = (quantize(x[0], self.bits, self.group) for x in (k, v))
+        if self._held is not None:
+            if end > self._held[0].shape[1]:
+                raise ValueError(f"positions {start}..{end} run past the held span ({self._held[0].shape[1]})")
+            for c, sc, dst in ((ck, sk, self._held[0]), (cv, sv, self._held[1])):
+                dequantize(c, sc, self.bits, self.group, out=dst[:, start:end])
         if self.records is not None:        # the chunk's records made whole on the device, one copy out
             rec = torch.empty(ck.shape[0], end - start, self.records.shape[-1], dtype=torch.uint8, device=ck.device)
             for name, x in zip(self.FIELDS, (ck, sk, cv, sv)):
@@ -101,15 +118,20 @@ class QuantKVCache(torch.nn.Module):
         if self.qcov is not None and q is not None:
             qf = q[0].float()
             self.qcov.index_add_(0, kv_index, qf.transpose(1, 2) @ qf)
+        if self._held is not None:
+            return tuple(x[None, :, :end] for x in self._held)
         return tuple(x[None] for x in self.past_kv(end))
 
-    def past_kv(self, n: int, which=(0, 1)):
+    def past_kv(self, n: int, which=(0, 1), size: int = 0):
         """K (0) and / or V (1) of the first n positions, dequantized on the device: (n_kv, n, hd)
-        each, DEQUANT_BLOCK positions at a time (its fp32 step and the codes it moves are one
-        block's; from a file, a block's whole records in one copy)."""
+        each (in buffers of max(n, size) positions), DEQUANT_BLOCK positions at a time (its fp32
+        step and the codes it moves are one block's; from a file, a block's whole records in one
+        copy)."""
         from zeroedge.kv.policy import DEQUANT_BLOCK
 
-        out = [torch.empty(self.ck.shape[0], n, self.hd, dtype=self.dtype, device=self.device) for _ in which]
+        out = [torch.empty(self.ck.shape[0], max(n, size), self.hd, dtype=self.dtype, device=self.device)
+               for _ in which]
+        self.read_positions += n
         fields = ((self.ck, self.sk), (self.cv, self.sv))
         for i in range(0, n, DEQUANT_BLOCK):
             j = min(n, i + DEQUANT_BLOCK)

@@ -239,9 +239,10 @@ class Decoder:
         def predict(t, xx):
             """Layer t's query (before RoPE) from input xx, and the RoPE to apply (thermal ahead)."""
             wt = self.W.layers[t]
-            w, b = (wt if self.packed_layers is None else self.packed_layers[t])["wqkv"], wt["bqkv"]
-            if isinstance(w, torch.Tensor):         # the query's rows only (of a packed weight: all)
-                w, b = w[:self.H * self.hd], None if b is None else b[:self.H * self.hd]
+            rows, b = self.H * self.hd, wt["bqkv"]
+            # the query's rows only (packed: q_proj's own form, a view of the fused rows)
+            w = wt["wqkv"][:rows] if self.packed_layers is None else self.m.layers[t].self_attn.q_proj.packed
+            b = None if b is None else b[:rows]
             q = packed.linear(xx, w, b, norm=(wt["ln1"], wt["eps1"]), int8_inputs=self.int8_inputs)
             return q.view(-1, self.hd)[:self.H], (self.cos, self.sin_signed, self.pos)
 

@@ -9,7 +9,8 @@ thermal KV when dense KV would not fit, from these numbers.
                until the decoder has taken it: thermal with the pinned-host cold store only (dense
                prefills into the decoder's cache, thermal int8 / int4 into its cold store)
   activations  one prefill chunk's hidden states, q/k/v and MLP intermediates (its causal mask is
-               a lower-right bias, never materialised)
+               a lower-right bias, never materialised); a compressed cold store's prefill also holds
+               a span's hidden states (it runs a span a layer at a time)
   decoder      dense: the static cache of prompt + new tokens; thermal: the window, sketch, page
                table and (int8 / int4 unless mapped from a file, or any cold store on a memory the host
                shares) the cold store
@@ -17,8 +18,8 @@ thermal KV when dense KV would not fit, from these numbers.
                for a moment (the sketch fit's fp64 / fp32 copies of a chunk of keys); both: the RoPE
                tables of the decode positions
   peak         dense: weights + decoder + activations; thermal int8 / int4: weights + decoder + one
-               layer's dequantized past (K and V; the fp32 step one block of it) + max(activations,
-               sketch copies); thermal host: weights + prefill_kv + max(activations, decoder + sketch
+               layer's dequantized past (K and V; the fp32 step one block of it) + a span's hidden
+               states + max(activations, sketch copies); thermal host: weights + prefill_kv + max(activations, decoder + sketch
                copies); a cap admits peak x (1 + HEADROOM)
 Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
 """
@@ -58,12 +59,12 @@ def weights_bytes(cfg, element: int, tied: Optional[bool] = None) -> int:
 
 def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Optional[float] = None,
                   settings: ThermalSettings = THERMAL, cold: str = "host", cold_shares_memory: bool = False,
-                  chunk: int = 2048, packed: int = 0, cold_in_file: bool = False) -> dict:
+                  chunk: int = 2048, packed: int = 0, cold_in_file: bool = False, span: int = 16384) -> dict:
     """The forecast (bytes) for one request: dense KV when budget is None, else thermal KV at hot
     fraction `budget`. cold: "host", "int8" or "int4"; cold_shares_memory: a "host" cold store is in the
     same memory (CPU serving, or a Jetson's unified DRAM) and counts; cold_in_file: the int8 / int4
     store is mapped from a file (`spill_dir`) and does not count (the page cache it passes through
-    is memory the kernel takes back)."""
+    is memory the kernel takes back). chunk and span: zeroedge.model.PREFILL_CHUNK and PREFILL_SPAN."""
     L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     ps = settings.page_size
     P = ((prompt_len - 1) // ps) * ps               # prefilled; the prompt's tail runs through decode
@@ -86,8 +87,9 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
                               in_file=cold_in_file)
     decoder = kb["hot"] + kb["generated"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"] + rope
     if cold != "host":      # the prefill writes into the cold store; one layer's past is dequantized at a time
-        out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant, "decoder": decoder}
-        out["peak"] = w + decoder + layer_kv + dequant + max(act, load)
+        hidden = min(P, max(1, span // C) * C) * cfg.dim * element      # the span's hidden states
+        out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant + hidden, "decoder": decoder}
+        out["peak"] = w + decoder + layer_kv + dequant + hidden + max(act, load)
         return out
     if cold_shares_memory:
         decoder += kb["prefix_full"]

@@ -19,8 +19,8 @@ thermal KV when dense KV would not fit, from these numbers.
                tables of the decode positions
   peak         dense: weights + decoder + activations; thermal int8 / int4: weights + decoder + one
                layer's dequantized past (K and V; the fp32 step one block of it) + a span's hidden
-               states + max(activations, sketch copies); thermal host: weights + prefill_kv + max(activations, decoder + sketch
-               copies); a cap admits peak x (1 + HEADROOM)
+               states + max(activations, sketch copies); thermal host: weights + prefill_kv +
+               max(activations, decoder + sketch copies); a cap admits peak x (1 + HEADROOM)
 Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ def request_bytes(cfg, element: int, prompt_len: int, max_new: int, budget: Opti
     decoder = kb["hot"] + kb["generated"] + kb["summaries"] + kb["page_table"] + kb["cold_on_device"] + rope
     if cold != "host":      # the prefill writes into the cold store; one layer's past is dequantized at a time
         hidden = min(P, max(1, span // C) * C) * cfg.dim * element      # the span's hidden states
-        out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant + hidden, "decoder": decoder}
+        out = {"weights": w, "prefill_kv": 0, "activations": act + layer_kv + dequant + hidden,
+               "decoder": decoder}
         out["peak"] = w + decoder + layer_kv + dequant + hidden + max(act, load)
         return out
     if cold_shares_memory:

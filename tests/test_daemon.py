@@ -258,24 +258,53 @@ def test_health_metrics_sd_notify_and_sigterm(tmp_path, bundle, frames):
 
 
 def test_an_undrained_notify_socket_cannot_stall_the_daemon(tmp_path, bundle, frames):
-    """A notify socket nobody reads (its queue full after net.unix.max_dgram_qlen datagrams) must not
-    block the inference loop's WATCHDOG=1 or the SIGTERM handler's STOPPING=1: the daemon keeps
-    processing and stops cleanly."""
+    """A notify socket nobody reads (its queue full, here before the daemon starts) must not block
+    the inference loop's WATCHDOG=1 or the SIGTERM handler's STOPPING=1: the daemon keeps
+    processing; once the socket is read again, the READY=1 the full queue refused arrives, and
+    watchdog pings with it; SIGTERM stops it cleanly."""
     run = tmp_path / "run.dat"
     np.savetxt(run, frames, fmt="%.6g")
     sock_path = tmp_path / "notify.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(str(sock_path))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # fills after a few datagrams on any kernel
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    filled = 0
+    while filled < 100000:
+        try:
+            filler.sendto(b"FILLER=1", str(sock_path))
+            filled += 1
+        except BlockingIOError:
+            break
+    filler.close()
     mport = T.free_port()
     cfg = T.write_config(tmp_path / "daemon.toml", bundle,
                          {"kind": "file", "path": str(run), "sensor": "f1", "rate": 50.0}, mport)
     d = T.DaemonProc(cfg, mport, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "100000"}).start()
+    def processed():
+        return metric(d.get("/metrics")[1].decode(), "zeroedge_readings_processed_total")
+
+    def grows_past(n, within=20.0):
+        t = time.time()
+        while time.time() - t < within and processed() <= n:
+            time.sleep(0.1)
+        return processed() > n
+
     try:
-        time.sleep(2.0)                           # ~40 WATCHDOG=1 due: far more than the queue holds
-        first = metric(d.get("/metrics")[1].decode(), "zeroedge_readings_processed_total")
-        time.sleep(1.0)
-        assert metric(d.get("/metrics")[1].decode(), "zeroedge_readings_processed_total") > first
+        assert grows_past(0)                      # READY=1 waited 2 s for room, then gave up: the loop runs
+        time.sleep(1.0)                           # ~20 WATCHDOG=1 due, the queue still full
+        assert grows_past(processed())            # ... and it still runs
+        s.settimeout(0.2)
+        msgs, t = [], time.time()
+        while time.time() - t < 10 and not (any(m.startswith("READY=1") for m in msgs)
+                                             and any("WATCHDOG=1" in m for m in msgs)):
+            try:
+                msgs.append(s.recv(4096).decode())
+            except socket.timeout:
+                pass
+        assert msgs.count("FILLER=1") == filled
+        assert any(m.startswith("READY=1") for m in msgs) and any("WATCHDOG=1" in m for m in msgs)
         assert d.terminate(timeout=30) == 0
         assert "stopped cleanly" in d.log.read_text()
     finally:

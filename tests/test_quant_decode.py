@@ -106,8 +106,9 @@ def test_decoders_over_packed_weights_compute_the_quantized_model(embedding_bits
         runs[pk] = (torch.stack([d.step(ids[0, t].item(), t).clone() for t in range(P, 72)]),
                     d.attention.slot_page.clone())
     assert torch.allclose(runs[True][0], runs[False][0], atol=1e-4) and torch.equal(runs[True][1], runs[False][1])
-    q = m.layers[0].self_attn.q_proj.packed
-    assert q.n == 64 and q.q.untyped_storage().data_ptr() == w["wqkv"].q.untyped_storage().data_ptr()
+    q = w["wqkv"].rows(0, 64)
+    assert q.n == 64 and q.q.data_ptr() == w["wqkv"].q.data_ptr()
+    assert torch.equal(q.dequantize(), w["wqkv"].dequantize()[:64])
     with pytest.raises(ValueError, match="int8_inputs"):
         DenseDecoder(M.build("tiny", seed=4), 16, graph=False, int8_inputs=True)
 

@@ -402,7 +402,7 @@ def chunked_prefill(model, ids, chunk: int = PREFILL_CHUNK, into=None, caches=No
 def _prefill_span(model, tokens, start: int, chunk: int):
     """The span tokens (1, S) at positions start.. through every layer, a layer at a time and chunk
     by chunk within it, each layer's cache holding the span's K/V; returns the final normalised
-    hidden states (1, S, D)."""
+    hidden states of the span's last chunk (1, n, D) (as the chunk loop: only its last row is used)."""
     S = tokens.shape[1]
     x = model.embed_tokens(tokens)
     for b in model.layers:
@@ -416,7 +416,7 @@ def _prefill_span(model, tokens, start: int, chunk: int):
                 x[:, s:s + n] = b(x[:, s:s + n], cos, sin, start + s, mask)
         finally:
             cache.release()
-    return model.norm(x)
+    return model.norm(x[:, (S - 1) // chunk * chunk:])
 
 
 def build(cfg_or_name, dtype=torch.float32, seed: Optional[int] = None) -> Transformer:

@@ -109,6 +109,7 @@ class Daemon:
         self.work_evt = threading.Event()
         self.heartbeat = time.monotonic()
         self.watchdog_s, self.last_watchdog = notify.watchdog_interval_s(), 0.0
+        self.ready_unsent = None            # READY=1 that found systemd's queue full
         self.last_inference = None
         self.processed_total = 0
         self.publisher = None
@@ -351,9 +352,11 @@ class Daemon:
     def _beat(self) -> float:
         """The inference loop is alive: heartbeat for /healthz, WATCHDOG=1 when one is due."""
         self.heartbeat = now = time.monotonic()
+        if self.ready_unsent and notify.notify(self.ready_unsent):
+            self.ready_unsent = None
         if self.watchdog_s and now - self.last_watchdog >= self.watchdog_s:
-            notify.notify("WATCHDOG=1")
-            self.last_watchdog = now
+            # a ping the full queue dropped is tried again a quarter interval later, not a whole one
+            self.last_watchdog = now if notify.notify("WATCHDOG=1") else now - 0.75 * self.watchdog_s
         return now
 
     def request_stop(self, *_):
@@ -389,7 +392,9 @@ class Daemon:
                                                      "port": c.output.get("port") or 1883},
                                                     f"{c.source['client_id']}-pub", self.log))
         self.source.start()
-        notify.notify(f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}", wait_s=2.0)
+        ready = f"READY=1\nSTATUS=processing {c.source['kind']} readings\nMAINPID={os.getpid()}"
+        if not notify.notify(ready, wait_s=2.0) and os.environ.get("NOTIFY_SOCKET"):
+            self.ready_unsent = ready           # the queue stayed full: sent again from the loop's beats
         self.log.info(f"zeroedge daemon {__version__} ready: bundle={c.bundle} source={c.source['kind']} "
                       f"backend={self.detector.backend.name} metrics=http://{c.metrics['host']}:"
                       f"{self.http.server_address[1]}/metrics")

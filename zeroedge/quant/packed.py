@@ -89,6 +89,11 @@ class PackedLinear:
             + self.offset.float()[..., None]
         return w.reshape(self.n, -1)[:, : self.k]
 
+    def rows(self, start: int, stop: int) -> "PackedLinear":
+        """Output rows start..stop, views of this form's tensors (no copy)."""
+        return PackedLinear(self.q[start:stop], self.scale[start:stop], self.offset[start:stop], self.bits,
+                            self.group, self.k)
+
     def to(self, device) -> "PackedLinear":
         return PackedLinear(self.q.to(device), self.scale.to(device), self.offset.to(device), self.bits,
                             self.group, self.k)

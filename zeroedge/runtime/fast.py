@@ -90,8 +90,7 @@ def _fuse_packed(*linears, dev):
     row = 0
     for lin in linears:
         n = lin.packed.n
-        lin.packed = PackedLinear(fused.q[row:row + n], fused.scale[row:row + n], fused.offset[row:row + n],
-                                  fused.bits, fused.group, fused.k)
+        lin.packed = fused.rows(row, row + n)
         row += n
     return fused
 
@@ -240,8 +239,8 @@ class Decoder:
             """Layer t's query (before RoPE) from input xx, and the RoPE to apply (thermal ahead)."""
             wt = self.W.layers[t]
             rows, b = self.H * self.hd, wt["bqkv"]
-            # the query's rows only (packed: q_proj's own form, a view of the fused rows)
-            w = wt["wqkv"][:rows] if self.packed_layers is None else self.m.layers[t].self_attn.q_proj.packed
+            # the query's rows only (views)
+            w = wt["wqkv"][:rows] if self.packed_layers is None else self.packed_layers[t]["wqkv"].rows(0, rows)
             b = None if b is None else b[:rows]
             q = packed.linear(xx, w, b, norm=(wt["ln1"], wt["eps1"]), int8_inputs=self.int8_inputs)
             return q.view(-1, self.hd)[:self.H], (self.cos, self.sin_signed, self.pos)

@@ -26,6 +26,17 @@ L, NKV, HD, PS, FETCH = 16, 8, 64, 8, 4
 MADV_PAGEOUT, MS_SYNC = 21, 4          # Linux 5.4+
 
 
+def pager(store):
+    """A function that pushes the FileTensors store's mapped file out of the page cache."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    base, size = ctypes.c_void_p(store.records.data_ptr()), ctypes.c_size_t(store.nbytes)
+
+    def page_out():
+        if libc.msync(base, size, MS_SYNC) or libc.madvise(base, size, MADV_PAGEOUT):
+            sys.exit(f"madvise(MADV_PAGEOUT) failed: errno {ctypes.get_errno()}")
+    return page_out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=32768)
@@ -42,13 +53,7 @@ def main():
     store = FileTensors(a.dir, (L, NKV, n, PS), {"k": (HD, torch.int8), "v": (HD, torch.int8),
                                                  "ks": (HD // 32, torch.float16), "vs": (HD // 32, torch.float16)})
     store.records.numpy()[:] = np.random.default_rng(0).integers(0, 255, store.records.shape, dtype=np.uint8)
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    base, size = ctypes.c_void_p(store.records.data_ptr()), ctypes.c_size_t(store.nbytes)
-
-    def page_out():
-        if libc.msync(base, size, MS_SYNC) or libc.madvise(base, size, MADV_PAGEOUT):
-            sys.exit(f"madvise(MADV_PAGEOUT) failed: errno {ctypes.get_errno()}")
-
+    page_out = pager(store)
     layers = [store.records[li].numpy() for li in range(L)]
     rng = np.random.default_rng(1)
     rows = []

@@ -10,17 +10,15 @@ memory left for it; "in memory": the page cache holds the whole store.
     python benchmarks/prefill_span.py --ctx 32768,131072 --dir /path/on/the/disk --json benchmarks/prefill_span.json
 """
 import argparse
-import ctypes
-import ctypes.util
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from file_tier_read import pager  # noqa: E402
 
 NKV, HD, PS, CHUNK = 8, 64, 8, 2048
-MADV_PAGEOUT, MS_SYNC = 21, 4          # Linux 5.4+
 
 
 def prefill_layer(P: int, span: int, folder: str, page_out: bool) -> dict:
@@ -33,15 +31,14 @@ def prefill_layer(P: int, span: int, folder: str, page_out: bool) -> dict:
     t = {n: x.view(NKV, P, -1) for n, x in store.tensors.items()}
     cache = QuantKVCache(t["k"], t["ks"], t["v"], t["vs"], 8, 32, torch.bfloat16, track_queries=False,
                          device="cpu", records=(store.records.view(NKV, P, -1), store.offsets))
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    base, size = ctypes.c_void_p(store.records.data_ptr()), ctypes.c_size_t(store.nbytes)
+    page_out = pager(store) if page_out else None
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 1, NKV, CHUNK, HD, generator=g).to(torch.bfloat16)
     span = max(1, span // CHUNK) * CHUNK
     t0 = time.perf_counter()
     for a in range(0, P, span):
-        if page_out and (libc.msync(base, size, MS_SYNC) or libc.madvise(base, size, MADV_PAGEOUT)):
-            sys.exit(f"madvise(MADV_PAGEOUT) failed: errno {ctypes.get_errno()}")
+        if page_out:
+            page_out()
         cache.hold(a, min(P, a + span))
         for s in range(a, min(P, a + span), CHUNK):
             n = min(CHUNK, P - s)
@@ -50,7 +47,7 @@ def prefill_layer(P: int, span: int, folder: str, page_out: bool) -> dict:
     seconds = time.perf_counter() - t0
     record, read = store.records.shape[-1], cache.read_positions
     del cache, store, t
-    return {"ctx": P, "span": span, "where": "not in memory" if page_out else "in memory", "seconds": round(seconds, 3),
+    return {"ctx": P, "span": span, "where": "in memory" if page_out is None else "not in memory", "seconds": round(seconds, 3),
             "positions_read": read, "bytes_read": read * NKV * record}
 
 

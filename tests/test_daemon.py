@@ -282,6 +282,7 @@ def test_an_undrained_notify_socket_cannot_stall_the_daemon(tmp_path, bundle, fr
     cfg = T.write_config(tmp_path / "daemon.toml", bundle,
                          {"kind": "file", "path": str(run), "sensor": "f1", "rate": 50.0}, mport)
     d = T.DaemonProc(cfg, mport, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "100000"}).start()
+
     def processed():
         return metric(d.get("/metrics")[1].decode(), "zeroedge_readings_processed_total")
 

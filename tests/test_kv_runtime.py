@@ -341,6 +341,13 @@ def test_a_prefill_span_reads_each_layer_s_past_once(tiny, tmp_path, where):
     # the token-major loop (a plain cache, no hold) gives the same hidden state to the dequantization's rounding
     plain_last = chunked_prefill(tiny, ids[:P], chunk, return_last=True)[3]
     assert torch.allclose(plain_last, runs[96][3], atol=0.02, rtol=0)
+    # a write past the held span is refused, not written beside it
+    c = caches[0]
+    c.hold(0, 16)
+    k = torch.zeros(1, c.ck.shape[0], 32, c.hd)
+    with pytest.raises(ValueError, match="past the held span"):
+        c.update(0, k, k)
+    c.release()
 
 
 @pytest.mark.parametrize("cold,ahead", [("int8", 0), ("int4", 0), ("int8", 2)])

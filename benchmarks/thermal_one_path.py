@@ -51,6 +51,7 @@ SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
     # layer l - d's input (layer 0's refresh one step late), so the GPU decoder refreshes off the step's path
     "default, int8 cold": dict(cold="int8"),    # "default, int8 cold store" again, beside its ahead rows
     "default, int8 cold, ahead 1": dict(cold="int8", ahead=1),
+    "default, int8 cold, fetch 4": dict(cold="int8", fetch=4),   # the default before session 28
     "default, int8 cold, ahead 2": dict(cold="int8", ahead=2),
     "default, int8 cold, ahead 3": dict(cold="int8", ahead=3),
     "r16, int8 cold, ahead 1": dict(cold="int8", rank=16, ahead=1),

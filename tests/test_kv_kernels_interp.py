@@ -43,8 +43,11 @@ SCRIPT = textwrap.dedent('''
         assert float((out - want).abs().max()) < 1e-3
         assert float((lse - want.logsumexp(-1)).abs().max()) < 1e-3
     swk = K._build_swap()
-    for nkv, grp, n, S, PE, F, C in ((2, 4, 700, 96, 16, 4, 128), (3, 2, 300, 40, 8, 8, 64), (2, 2, 200, 30, 8, 3, 64)):
+    for nkv, grp, n, S, PE, F, C, tied in ((2, 4, 700, 96, 16, 4, 128, False), (3, 2, 300, 40, 8, 8, 64, False),
+                                          (2, 2, 200, 30, 8, 3, 64, False), (2, 1, 300, 40, 8, 8, 64, True)):
         pl = torch.randn(nkv, grp, n, generator=g)
+        if tied:            # whole numbers: many pages score the same (the lowest page first)
+            pl = torch.randint(-2, 2, (nkv, grp, n), generator=g).float()
         bias = torch.zeros(n)
         bias[:1] = float("-inf")
         bias[-2:] = float("-inf")
@@ -69,11 +72,11 @@ SCRIPT = textwrap.dedent('''
             ref = [t.clone() for t in (ps0, sp, wk, wv)]
             K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, ck, cv, F, scales, bits or 8)
             got = [t.clone() for t in (ps0, sp, wk, wv)]
-            cm, cmi = torch.empty(nkv, nc * FP), torch.empty(nkv, nc * FP, dtype=torch.int64)
-            cr, cri = torch.empty_like(cm), torch.empty_like(cmi)
-            swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cmi, cr, cri, n, nb, GRP=grp,
+            cm = torch.empty(nkv, nc * FP, dtype=torch.int64)
+            cr = torch.empty_like(cm)
+            swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cr, n, nb, GRP=grp,
                               NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
-            swk[2][(nkv,)](cm, cmi, cr, cri, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), got[0],
+            swk[2][(nkv,)](cm, cr, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), got[0],
                            n, S, got[2].stride(0), nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP,
                            PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1,
                            QUANT=bits, DECIDE=False)
@@ -105,9 +108,9 @@ SCRIPT = textwrap.dedent('''
                 swk[0][(nkv,)](pl, bias, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0, GRP=grp,
                                NP=1 << max(0, (n - 1).bit_length()), F=F, FP=FP, PE=1, PEB=1, G=1, QUANT=0, DECIDE=True)
             else:
-                swk[1][(nkv, nc)](pl, pm, psum, bias, tabs, cm, cmi, cr, cri, n, nb, GRP=grp,
+                swk[1][(nkv, nc)](pl, pm, psum, bias, tabs, cm, cr, n, nb, GRP=grp,
                                   NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
-                swk[2][(nkv,)](cm, cmi, cr, cri, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0,
+                swk[2][(nkv,)](cm, cr, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0,
                                nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP, PE=1, PEB=1, G=1,
                                QUANT=0, DECIDE=True)
             assert torch.equal(got_dec, want) and torch.equal(tabs, ps0), form   # decided; nothing moved

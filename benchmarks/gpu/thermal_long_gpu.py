@@ -5,6 +5,9 @@ device KV (hot window + sketch + page table) as a fraction of the dense prefix K
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py [--ctx 32768,131072] [--lag | --frontier]
         [--ahead 1,2,3] [--sketch-kernels triton,cuda] [--weights int4-g128-sym] [--compile] [--json OUT]
+    # chosen rows (the default's options but those named: rank, fetch, lag, ahead, refresh_every,
+    # budget; int8 cold store, pages of 8, 4 recent), rows separated by ";"
+    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_long_gpu.py --rows "fetch=4;ahead=1;rank=16,lag=1;budget=0.075"
 """
 import argparse
 import json
@@ -40,6 +43,20 @@ FRONTIER_SETTINGS = [(32, 4, 1, "int8", 0, 8, 4, "triton"), (16, 4, 1, "int8", 0
 # PREDICT_SETTINGS and ThermalAttention(predict=1), since removed: thermal_kv.md section 2m)
 
 
+def row_options(text: str) -> dict:
+    """--rows' "name=value,..." over the default policy (kv.policy.THERMAL) at 10 % hot."""
+    from zeroedge.kv.policy import THERMAL
+
+    o = {"rank": THERMAL.rank, "fetch": THERMAL.fetch, "lag": THERMAL.lag, "ahead": THERMAL.ahead,
+         "refresh_every": THERMAL.refresh_every, "budget": 0.1}
+    for item in filter(None, text.split(",")):
+        k, _, v = item.partition("=")
+        if k not in o:
+            raise SystemExit(f"--rows: unknown option {k!r} (one of {', '.join(o)})")
+        o[k] = float(v) if k == "budget" else int(v)
+    return o
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", default="32768,131072")
@@ -51,6 +68,8 @@ def main():
     ap.add_argument("--weights", default=None,
                     help="dense and thermal alike on packed weights (a weights_gpu.SCHEMES or EMBEDDING4 name), "
                          "int8 inputs")
+    ap.add_argument("--rows", default="", help="only these rows: name=value,... (rank, fetch, lag, ahead, "
+                                                "refresh_every, budget) separated by ; (the rest: the default)")
     ap.add_argument("--ahead", default="", help="with --frontier: its lag-0 rows again for each of these ahead values")
     ap.add_argument("--compile", action="store_true",
                     help="dense and thermal alike with torch.compile'd layer bodies (fp weights: norms, RoPE, "
@@ -94,18 +113,21 @@ def main():
             runs = FRONTIER_SETTINGS
         kernels = a.sketch_kernels.split(",")
         runs = [(*r, kern, 0) for r in runs for kern in (kernels[:1] if r[2] == 10 ** 6 else kernels)]
+        if a.rows:
+            runs = [(rank, fetch, (more or [1])[0], "int8", lag, 8, 4, "triton", kernels[0], ahead)
+                    for rank, fetch, lag, ahead, *more in (map(int, r.split(":")) for r in a.rows.split(","))]
         if a.frontier:
             runs += [(*r[:-1], d) for d in (bs.int_list(a.ahead) if a.ahead else []) for r in runs
                      if r[4] == 0 and r[2] == 1]
         for rank, fetch, every, cold, lag, ps, recent, attn, kern, ahead in runs:
             K.SKETCH_KERNEL = kern
-            t = ThermalDecoder(m, ctx, GEN, budget=0.1, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
+            t = ThermalDecoder(m, ctx, GEN, budget=budget, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
                                page_size=ps, recent_pages=recent, lag=lag, ahead=ahead, attn=attn, **wkw)
             t.load_prefix(ks, vs)
             ms = bs.decode_step_ms(t, start=ctx, n=64)
             kb = t.device_kv_bytes()
             rows.append({"ctx": ctx, "decoder": "thermal", "weights": a.weights or "bf16", "compiled": a.compile,
-                         "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold, "page_size": ps,
+                         "budget": budget, "rank": rank, "fetch": fetch, "refresh_every": every, "cold": cold, "page_size": ps,
                          "recent_pages": recent, "lag": lag, "ahead": ahead, "attention": t.attention.attn,
                          "sketch_kernel": kern,
                          "tok_s": round(1e3 / ms, 1), "x_dense": round(d_ms / ms, 3),

@@ -322,25 +322,64 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 
 def _build_swap():
-    global copy_pages, commit_swap, no_swaps, store_swaps, finish_swaps  # Triton looks a jit function's callees up in its module's globals
+    global copy_pages, store_swaps, finish_swaps, page_keys, max_pair, greedy_swaps, top_keys, evicted_slots  # Triton looks a jit function's callees up in its module's globals
+    global KEY_SHIFT, KEY_PAGE, KEY_NONE
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def no_swaps(FP: tl.constexpr):
-        """A kv head's F decision slots (padded to FP), none taken yet: (slot index, src, dst, out)."""
-        none = tl.full([FP], -1, tl.int64)
-        return tl.arange(0, FP), none, none, none
+    KEY_SHIFT, KEY_PAGE = tl.constexpr(PAGE_BITS), tl.constexpr((1 << PAGE_BITS) - 1)
+    KEY_NONE = tl.constexpr(-(1 << 62))     # below the key of every score but NaN
 
     @triton.jit
-    def commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out):
-        """The i-th greedy decision of a kv head: when the best missing page bm outscores the worst
-        resident wr (in slot s), (src, dst, out)[i] = (bm, s, wr). Registers only: a scalar load of
-        a page table that this kernel also writes raced across warps (a warp that read a slot after
-        another had freed it copied nowhere: torn slots on the H200), so the tables are read once
-        up front and written once by store_swaps."""
-        take = (fi == i) & ((fi * 0.0 + vm) > vr)           # a vector: Triton's interpreter has no scalar & vector
-        return tl.where(take, bm, src), tl.where(take, s, dst), tl.where(take, wr, out)
+    def page_keys(sc, page, missing, resident):
+        """Scores sc of pages `page` as two int64 key vectors whose max is the best missing page and
+        the worst resident one (ties: the lowest page; kernels._order_key): missing pages by their
+        order key, resident ones by its negation, the rest KEY_NONE. A key holds its page, so one
+        reduction of the pair finds both pages and their scores' order, and `key == max` marks the
+        one page to drop before the next."""
+        b = (sc + 0.0).to(tl.int32, bitcast=True)           # + 0.0: -0.0 -> 0.0, as the reference
+        hi = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << KEY_SHIFT
+        mk = tl.where(missing, hi | (KEY_PAGE - page), KEY_NONE)
+        rk = tl.where(resident, -(hi | page), KEY_NONE)
+        return mk, rk
+
+    @triton.jit
+    def max_pair(a0, a1, b0, b1):
+        return tl.maximum(a0, b0), tl.maximum(a1, b1)
+
+    @triton.jit
+    def greedy_swaps(mk, rk, F: tl.constexpr, FP: tl.constexpr):
+        """A kv head's greedy decisions from its page keys (page_keys; unique but for KEY_NONE): pair
+        i is the i-th best missing page and the i-th worst resident one, swapped when the missing
+        page scores higher (the pairs' scores are monotone, so a pair not taken ends the swaps).
+        Returns (slot index, page in, page out), -1 where pair i is not swapped."""
+        fi, src, out = tl.arange(0, FP), tl.full([FP], -1, tl.int64), tl.full([FP], -1, tl.int64)
+        for i in tl.static_range(F):
+            a, b = tl.reduce((mk, rk), 0, max_pair)
+            mk, rk = tl.where(mk == a, KEY_NONE, mk), tl.where(rk == b, KEY_NONE, rk)
+            take = (fi == i) & ((fi * 0 + (a >> KEY_SHIFT)) > ((-b) >> KEY_SHIFT))   # a vector: Triton's interpreter has no scalar & vector
+            src = tl.where(take, KEY_PAGE - (a & KEY_PAGE), src)
+            out = tl.where(take, (-b) & KEY_PAGE, out)
+        return fi, src, out
+
+    @triton.jit
+    def top_keys(mk, rk, F: tl.constexpr, FP: tl.constexpr):
+        """The F largest keys of mk and of rk, in order (FP long, KEY_NONE padded)."""
+        fi = tl.arange(0, FP)
+        km, kr = tl.full([FP], KEY_NONE, tl.int64), tl.full([FP], KEY_NONE, tl.int64)
+        for i in tl.static_range(F):
+            a, b = tl.reduce((mk, rk), 0, max_pair)
+            mk, rk = tl.where(mk == a, KEY_NONE, mk), tl.where(rk == b, KEY_NONE, rk)
+            km, kr = tl.where(fi == i, a, km), tl.where(fi == i, b, kr)
+        return km, kr
+
+    @triton.jit
+    def evicted_slots(out, h, n, pslot_ptr):
+        """The slots of the pages out (-1: none). Read before finish_swaps' barrier: a page table
+        read after another warp had written it raced (a warp that read a slot after another had
+        freed it copied nowhere: torn slots on the H200), so the tables are read up front and
+        written once by store_swaps."""
+        return tl.load(pslot_ptr + h * n + out, mask=out >= 0, other=-1)
 
     @triton.jit
     def store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr):
@@ -397,7 +436,6 @@ def _build_swap():
           w_head, GRP: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
           PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, DECIDE: tl.constexpr):
         h = tl.program_id(0)
-        fi, src, dst, out = no_swaps(FP)
         offs = tl.arange(0, NP)
         m = offs < n
         sc = tl.full([NP], float("-inf"), tl.float32)
@@ -408,18 +446,10 @@ def _build_swap():
             sc = tl.maximum(sc, v - lse)
         sc = sc + tl.load(bias_ptr + offs, mask=m, other=float("-inf"))
         slot = tl.load(pslot_ptr + h * n + offs, mask=m, other=-1)
-        ms = tl.where(m & (slot < 0), sc, float("-inf"))
-        rs = tl.where(m & (slot >= 0), sc, float("inf"))
+        mk, rk = page_keys(sc, offs, m & (slot < 0), m & (slot >= 0))
         # decisions first (a swap's page pair into slot i of src / dst), then every copy at once
-        for i in tl.static_range(F):
-            bm = tl.argmax(ms, 0)
-            vm = tl.max(ms, 0)
-            wr = tl.argmin(rs, 0)
-            vr = tl.min(rs, 0)
-            ms = tl.where(offs == bm, float("-inf"), ms)
-            rs = tl.where(offs == wr, float("inf"), rs)
-            s = tl.sum(tl.where(offs == wr, slot, 0), 0)
-            src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
+        fi, src, out = greedy_swaps(mk, rk, F, FP)
+        dst = evicted_slots(out, h, n, pslot_ptr)
         finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
                      vs_ptr, dec_ptr, FP, PE, PEB, G, QUANT, DECIDE)
 
@@ -429,13 +459,12 @@ def _build_swap():
     # greedy on those candidates and copies. The global F best are among the chunks' F best, and
     # ties fall to the lowest page as in the one-program kernel, so the decisions are the same.
     @triton.jit
-    def sel(pl_ptr, pm_ptr, psum_ptr, bias_ptr, pslot_ptr, cm_ptr, cmi_ptr, cr_ptr, cri_ptr, n, NB,
+    def sel(pl_ptr, pm_ptr, psum_ptr, bias_ptr, pslot_ptr, cm_ptr, cr_ptr, n, NB,
             GRP: tl.constexpr, NBP: tl.constexpr, C: tl.constexpr, F: tl.constexpr, FP: tl.constexpr):
         h = tl.program_id(0)
         c = tl.program_id(1)
         nc = tl.num_programs(1)
-        loc = tl.arange(0, C)
-        offs = c * C + loc
+        offs = c * C + tl.arange(0, C)
         m = offs < n
         bo = tl.arange(0, NBP)
         sc = tl.full([C], float("-inf"), tl.float32)
@@ -448,52 +477,23 @@ def _build_swap():
             sc = tl.maximum(sc, v - lse)
         sc = sc + tl.load(bias_ptr + offs, mask=m, other=float("-inf"))
         slot = tl.load(pslot_ptr + h * n + offs, mask=m, other=-1)
-        ms = tl.where(m & (slot < 0), sc, float("-inf"))
-        rs = tl.where(m & (slot >= 0), sc, float("inf"))
-        fi = tl.arange(0, FP)
-        vms = tl.full([FP], float("-inf"), tl.float32)
-        vrs = tl.full([FP], float("inf"), tl.float32)
-        ims = tl.zeros([FP], tl.int64)
-        irs = tl.zeros([FP], tl.int64)
-        for i in tl.static_range(F):
-            a = tl.argmax(ms, 0)
-            b = tl.argmin(rs, 0)
-            vms = tl.where(fi == i, tl.max(ms, 0), vms)
-            vrs = tl.where(fi == i, tl.min(rs, 0), vrs)
-            ims = tl.where(fi == i, c * C + a, ims)
-            irs = tl.where(fi == i, c * C + b, irs)
-            ms = tl.where(loc == a, float("-inf"), ms)
-            rs = tl.where(loc == b, float("inf"), rs)
-        base = (h * nc + c) * FP + fi
-        tl.store(cm_ptr + base, vms)
-        tl.store(cmi_ptr + base, ims)
-        tl.store(cr_ptr + base, vrs)
-        tl.store(cri_ptr + base, irs)
+        mk, rk = page_keys(sc, offs, m & (slot < 0), m & (slot >= 0))
+        km, kr = top_keys(mk, rk, F, FP)
+        base = (h * nc + c) * FP + tl.arange(0, FP)
+        tl.store(cm_ptr + base, km)
+        tl.store(cr_ptr + base, kr)
 
     @triton.jit
-    def dec(cm_ptr, cmi_ptr, cr_ptr, cri_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
+    def dec(cm_ptr, cr_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
             vs_ptr, dec_ptr, n, S, w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
             PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, DECIDE: tl.constexpr):
         h = tl.program_id(0)
         offs = tl.arange(0, NCP)
         m = offs < NCAND
-        ms = tl.load(cm_ptr + h * NCAND + offs, mask=m, other=float("-inf"))
-        mi = tl.load(cmi_ptr + h * NCAND + offs, mask=m, other=0)
-        rs = tl.load(cr_ptr + h * NCAND + offs, mask=m, other=float("inf"))
-        ri = tl.load(cri_ptr + h * NCAND + offs, mask=m, other=0)
-        rsl = tl.load(pslot_ptr + h * n + ri, mask=m & (rs < float("inf")), other=-1)     # the candidates' slots
-        fi, src, dst, out = no_swaps(FP)
-        for i in tl.static_range(F):
-            a = tl.argmax(ms, 0)
-            b = tl.argmin(rs, 0)
-            vm = tl.max(ms, 0)
-            vr = tl.min(rs, 0)
-            bm = tl.sum(tl.where(offs == a, mi, 0), 0)
-            wr = tl.sum(tl.where(offs == b, ri, 0), 0)
-            s = tl.sum(tl.where(offs == b, rsl, 0), 0)
-            ms = tl.where(offs == a, float("-inf"), ms)
-            rs = tl.where(offs == b, float("inf"), rs)
-            src, dst, out = commit_swap(i, bm, wr, s, vm, vr, fi, src, dst, out)
+        mk = tl.load(cm_ptr + h * NCAND + offs, mask=m, other=KEY_NONE)
+        rk = tl.load(cr_ptr + h * NCAND + offs, mask=m, other=KEY_NONE)
+        fi, src, out = greedy_swaps(mk, rk, F, FP)
+        dst = evicted_slots(out, h, n, pslot_ptr)
         finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
                      vs_ptr, dec_ptr, FP, PE, PEB, G, QUANT, DECIDE)
 
@@ -586,14 +586,12 @@ def _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, ptrs, quant):
         pm, psum = part
         nc = (n + chunk - 1) // chunk
         NB = pm.shape[-1]
-        cm = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.float32)
+        cm = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.int64)
         cr = torch.empty_like(cm)
-        cmi = torch.empty(nkv, nc * FP, device=pl.device, dtype=torch.int64)
-        cri = torch.empty_like(cmi)
-        kernels[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cmi, cr, cri, n, NB, GRP=grp,
+        kernels[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cr, n, NB, GRP=grp,
                               NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP, num_warps=SWAP_WARPS[0])
         ncand = nc * FP
-        kernels[2][(nkv,)](cm, cmi, cr, cri, page_slot, slot_page, wk, wv, hk, hv, ks, vs, dec_ptr, n, S, w_head,
+        kernels[2][(nkv,)](cm, cr, page_slot, slot_page, wk, wv, hk, hv, ks, vs, dec_ptr, n, S, w_head,
                            ncand, NCP=1 << max(0, (ncand - 1).bit_length()), **dict(common, num_warps=SWAP_WARPS[1]))
         return
     NP = 1 << max(0, (n - 1).bit_length())

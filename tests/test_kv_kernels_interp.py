@@ -71,15 +71,10 @@ SCRIPT = textwrap.dedent('''
             scales = (ks, vs) if bits else None
             ref = [t.clone() for t in (ps0, sp, wk, wv)]
             K.swap_pages_ref(K.page_scores_ref(pl, bias), *ref, ck, cv, F, scales, bits or 8)
-            got = [t.clone() for t in (ps0, sp, wk, wv)]
-            cm = torch.empty(nkv, nc * FP, dtype=torch.int64)
-            cr = torch.empty_like(cm)
-            swk[1][(nkv, nc)](pl, pm, psum, bias, got[0], cm, cr, n, nb, GRP=grp,
-                              NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
-            swk[2][(nkv,)](cm, cr, got[0], got[1], got[2], got[3], ck, cv, *(scales or (ck, cv)), got[0],
-                           n, S, got[2].stride(0), nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP,
-                           PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=4 if scales else 1,
-                           QUANT=bits, DECIDE=False)
+            got = [t.clone() for t in (ps0, sp, wk, wv)]          # the two-stage kernels, then a program a pair
+            quant = dict(G=4 if scales else 1, QUANT=bits)
+            K._swap_launch(pl, bias, got[0], F, (pm, psum), C, (got[1], got[2], got[3], ck, cv,
+                                                                *(scales or (ck, cv)), None), quant)
             assert int((ref[1] != sp).sum()) > 0                   # something moved
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
@@ -98,21 +93,14 @@ SCRIPT = textwrap.dedent('''
                         err = (got[2][h, s] - hk[h, page]).abs().max()
                         assert float(err) <= float(hk[h, page].abs().max()) / qmax * 0.51 + 1e-6
         # a cold store the device cannot read (kv.host_fetch): both kernel forms only decide, the same
-        # as the reference, and `put` applies the decisions from a staging buffer (int8 / int4)
+        # as the reference, and `move` applies the decisions from a staging buffer (int8 / int4)
         want = K.swap_decisions_ref(K.page_scores_ref(pl, bias), ps0, F)
         assert int((want[:, 1] >= 0).sum()) > 0
         for form in ("one", "two"):
             got_dec = torch.full((nkv, 3, FP), 7, dtype=torch.long)          # poisoned: every entry written
             tabs = ps0.clone()
-            if form == "one":
-                swk[0][(nkv,)](pl, bias, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0, GRP=grp,
-                               NP=1 << max(0, (n - 1).bit_length()), F=F, FP=FP, PE=1, PEB=1, G=1, QUANT=0, DECIDE=True)
-            else:
-                swk[1][(nkv, nc)](pl, pm, psum, bias, tabs, cm, cr, n, nb, GRP=grp,
-                                  NBP=1 << max(0, (nb - 1).bit_length()), C=C, F=F, FP=FP)
-                swk[2][(nkv,)](cm, cr, tabs, tabs, tabs, tabs, tabs, tabs, tabs, tabs, got_dec, n, 1, 0,
-                               nc * FP, NCP=1 << max(0, (nc * FP - 1).bit_length()), F=F, FP=FP, PE=1, PEB=1, G=1,
-                               QUANT=0, DECIDE=True)
+            K._swap_launch(pl, bias, tabs, F, None if form == "one" else (pm, psum), C, (tabs,) * 7 + (got_dec,),
+                           dict(G=1, QUANT=0))
             assert torch.equal(got_dec, want) and torch.equal(tabs, ps0), form   # decided; nothing moved
         for bits in (8, 4):
             (ck, ks), (cv, vs) = cold_stores[bits]
@@ -123,8 +111,8 @@ SCRIPT = textwrap.dedent('''
             ref = [t.clone() for t in (ps0, sp, wk, wv)]
             K.apply_swaps_ref(want, *ref, *stage[:2], stage[2:], bits, staged=True)
             got = [t.clone() for t in (ps0, sp, wk, wv)]
-            swk[3][(nkv,)](want, *got, *stage, n, S, got[2].stride(0), F, FP=FP, PE=PE,
-                           PEB=1 << max(0, (PE - 1).bit_length()), G=4, QUANT=bits)
+            swk[3][(nkv, F)](want, *got, *stage, n, S, got[2].stride(0), F, FP=FP, PE=PE,
+                             PEB=1 << max(0, (PE - 1).bit_length()), G=4, QUANT=bits, STAGED=True)
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
             moved = ref[1] != sp                   # the same window as the in-place swap from the store
@@ -136,8 +124,8 @@ SCRIPT = textwrap.dedent('''
             ref = [t.clone() for t in (ps0, sp, wk, wv)]
             K.apply_swaps_ref(want, *ref, *short[:2], short[2:], bits, staged=True)
             got = [t.clone() for t in (ps0, sp, wk, wv)]
-            swk[3][(nkv,)](want, *got, *short, n, S, got[2].stride(0), F - 1, FP=FP, PE=PE,
-                           PEB=1 << max(0, (PE - 1).bit_length()), G=4, QUANT=bits)
+            swk[3][(nkv, F - 1)](want, *got, *short, n, S, got[2].stride(0), F - 1, FP=FP, PE=PE,
+                                 PEB=1 << max(0, (PE - 1).bit_length()), G=4, QUANT=bits, STAGED=True)
             assert all(torch.equal(a, b) for a, b in zip(ref[:2], got[:2]))
             assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ref[2:], got[2:]))
     print("OK")

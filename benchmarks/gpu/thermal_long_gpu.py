@@ -114,12 +114,13 @@ def main():
         kernels = a.sketch_kernels.split(",")
         runs = [(*r, kern, 0) for r in runs for kern in (kernels[:1] if r[2] == 10 ** 6 else kernels)]
         if a.rows:
-            runs = [(rank, fetch, (more or [1])[0], "int8", lag, 8, 4, "triton", kernels[0], ahead)
-                    for rank, fetch, lag, ahead, *more in (map(int, r.split(":")) for r in a.rows.split(","))]
+            runs = [(o["rank"], o["fetch"], o["refresh_every"], "int8", o["lag"], 8, 4, "triton", kernels[0],
+                     o["ahead"], o["budget"]) for o in map(row_options, a.rows.split(";"))]
         if a.frontier:
             runs += [(*r[:-1], d) for d in (bs.int_list(a.ahead) if a.ahead else []) for r in runs
                      if r[4] == 0 and r[2] == 1]
-        for rank, fetch, every, cold, lag, ps, recent, attn, kern, ahead in runs:
+        for rank, fetch, every, cold, lag, ps, recent, attn, kern, ahead, *budget in runs:
+            budget = budget[0] if budget else 0.1
             K.SKETCH_KERNEL = kern
             t = ThermalDecoder(m, ctx, GEN, budget=budget, rank=rank, fetch=fetch, refresh_every=every, cold=cold,
                                page_size=ps, recent_pages=recent, lag=lag, ahead=ahead, attn=attn, **wkw)

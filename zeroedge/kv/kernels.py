@@ -323,12 +323,13 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 def _build_swap():
     global copy_pages, store_swaps, finish_swaps, page_keys, max_pair, greedy_swaps, top_keys, evicted_slots  # Triton looks a jit function's callees up in its module's globals
-    global KEY_SHIFT, KEY_PAGE, KEY_NONE
+    global KEY_SHIFT, KEY_PAGE, KEY_NONE, COPY_COLUMNS
     import triton
     import triton.language as tl
 
     KEY_SHIFT, KEY_PAGE = tl.constexpr(PAGE_BITS), tl.constexpr((1 << PAGE_BITS) - 1)
     KEY_NONE = tl.constexpr(-(1 << 62))     # below the key of every score but NaN
+    COPY_COLUMNS = tl.constexpr(64)         # a page's values copy_pages moves at a time
 
     @triton.jit
     def page_keys(sc, page, missing, resident):
@@ -348,23 +349,9 @@ def _build_swap():
         return tl.maximum(a0, b0), tl.maximum(a1, b1)
 
     @triton.jit
-    def greedy_swaps(mk, rk, F: tl.constexpr, FP: tl.constexpr):
-        """A kv head's greedy decisions from its page keys (page_keys; unique but for KEY_NONE): pair
-        i is the i-th best missing page and the i-th worst resident one, swapped when the missing
-        page scores higher (the pairs' scores are monotone, so a pair not taken ends the swaps).
-        Returns (slot index, page in, page out), -1 where pair i is not swapped."""
-        fi, src, out = tl.arange(0, FP), tl.full([FP], -1, tl.int64), tl.full([FP], -1, tl.int64)
-        for i in tl.static_range(F):
-            a, b = tl.reduce((mk, rk), 0, max_pair)
-            mk, rk = tl.where(mk == a, KEY_NONE, mk), tl.where(rk == b, KEY_NONE, rk)
-            take = (fi == i) & ((fi * 0 + (a >> KEY_SHIFT)) > ((-b) >> KEY_SHIFT))   # a vector: Triton's interpreter has no scalar & vector
-            src = tl.where(take, KEY_PAGE - (a & KEY_PAGE), src)
-            out = tl.where(take, (-b) & KEY_PAGE, out)
-        return fi, src, out
-
-    @triton.jit
     def top_keys(mk, rk, F: tl.constexpr, FP: tl.constexpr):
-        """The F largest keys of mk and of rk, in order (FP long, KEY_NONE padded)."""
+        """The F largest keys of mk and of rk (page_keys: unique but for KEY_NONE), in order, FP long
+        (KEY_NONE padded): a reduction of the pair a pass."""
         fi = tl.arange(0, FP)
         km, kr = tl.full([FP], KEY_NONE, tl.int64), tl.full([FP], KEY_NONE, tl.int64)
         for i in tl.static_range(F):
@@ -372,6 +359,16 @@ def _build_swap():
             mk, rk = tl.where(mk == a, KEY_NONE, mk), tl.where(rk == b, KEY_NONE, rk)
             km, kr = tl.where(fi == i, a, km), tl.where(fi == i, b, kr)
         return km, kr
+
+    @triton.jit
+    def greedy_swaps(mk, rk, F: tl.constexpr, FP: tl.constexpr):
+        """A kv head's greedy decisions from its page keys: pair i is the i-th best missing page and
+        the i-th worst resident one, swapped when the missing page scores higher (the pairs' scores
+        are monotone, so the pairs taken are a prefix). Returns (slot index, page in, page out),
+        -1 where pair i is not swapped."""
+        km, kr = top_keys(mk, rk, F, FP)
+        take = (km >> KEY_SHIFT) > ((-kr) >> KEY_SHIFT)          # the scores' order, without the pages
+        return tl.arange(0, FP), tl.where(take, KEY_PAGE - (km & KEY_PAGE), -1), tl.where(take, (-kr) & KEY_PAGE, -1)
 
     @triton.jit
     def evicted_slots(out, h, n, pslot_ptr):
@@ -396,25 +393,28 @@ def _build_swap():
                    PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
         """Pages src (cold store, -1: none) of kv head h into window slots dst: PE values a page; with
         QUANT = 8 / 4 the cold pages are int8 codes / int4 codes two a byte (low nibble first, +8)
-        with one scale per G values, dequantized on the way."""
-        e = tl.arange(0, PEB)
-        ok = ((src >= 0) & (dst >= 0))[:, None] & (e < PE)[None, :]
-        do = (h * w_head + dst * PE)[:, None] + e[None, :]
-        if QUANT == 4:
-            so = (h * n + src)[:, None] * (PE // 2) + (e // 2)[None, :]
-            sh = ((e % 2) * 4)[None, :]
-            kk = ((tl.load(hk_ptr + so, mask=ok) >> sh) & 15).to(tl.float32) - 8.0
-            vv = ((tl.load(hv_ptr + so, mask=ok) >> sh) & 15).to(tl.float32) - 8.0
-        else:
-            so = (h * n + src)[:, None] * PE + e[None, :]
-            kk = tl.load(hk_ptr + so, mask=ok)
-            vv = tl.load(hv_ptr + so, mask=ok)
-        if QUANT:
-            go = (h * n + src)[:, None] * (PE // G) + (e // G)[None, :]
-            kk = kk.to(tl.float32) * tl.load(ks_ptr + go, mask=ok).to(tl.float32)
-            vv = vv.to(tl.float32) * tl.load(vs_ptr + go, mask=ok).to(tl.float32)
-        tl.store(wk_ptr + do, kk.to(wk_ptr.dtype.element_ty), mask=ok)
-        tl.store(wv_ptr + do, vv.to(wv_ptr.dtype.element_ty), mask=ok)
+        with one scale per G values, dequantized on the way. A page's values go COPY_COLUMNS at a
+        time: a whole (pages, PEB) tile spilled registers (ptxas: 552 bytes of spills at 8 pages
+        and 512 values, 2.3 KB at 12 or 16; fetch 12 / 16 ran 1.4x slower at 128K)."""
+        for e0 in tl.static_range(0, PEB, COPY_COLUMNS):
+            e = e0 + tl.arange(0, COPY_COLUMNS)
+            ok = ((src >= 0) & (dst >= 0))[:, None] & (e < PE)[None, :]
+            do = (h * w_head + dst * PE)[:, None] + e[None, :]
+            if QUANT == 4:
+                so = (h * n + src)[:, None] * (PE // 2) + (e // 2)[None, :]
+                sh = ((e % 2) * 4)[None, :]
+                kk = ((tl.load(hk_ptr + so, mask=ok) >> sh) & 15).to(tl.float32) - 8.0
+                vv = ((tl.load(hv_ptr + so, mask=ok) >> sh) & 15).to(tl.float32) - 8.0
+            else:
+                so = (h * n + src)[:, None] * PE + e[None, :]
+                kk = tl.load(hk_ptr + so, mask=ok)
+                vv = tl.load(hv_ptr + so, mask=ok)
+            if QUANT:
+                go = (h * n + src)[:, None] * (PE // G) + (e // G)[None, :]
+                kk = kk.to(tl.float32) * tl.load(ks_ptr + go, mask=ok).to(tl.float32)
+                vv = vv.to(tl.float32) * tl.load(vs_ptr + go, mask=ok).to(tl.float32)
+            tl.store(wk_ptr + do, kk.to(wk_ptr.dtype.element_ty), mask=ok)
+            tl.store(wv_ptr + do, vv.to(wv_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
@@ -498,21 +498,26 @@ def _build_swap():
                      vs_ptr, dec_ptr, FP, PE, PEB, G, QUANT, DECIDE)
 
     @triton.jit
-    def put(dec_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, sk_ptr, sv_ptr, sks_ptr, svs_ptr, n, S, w_head, F,
-            FP: tl.constexpr, PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr):
-        """A kv head's decisions (DECIDE) applied from a staging buffer (nkv, F, ...) that holds pair
-        i's page in row i: the tables stored, the pages dequantized into their slots."""
+    def move(dec_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr, vs_ptr, n, S, w_head, rows,
+             FP: tl.constexpr, PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr,
+             STAGED: tl.constexpr):
+        """Pair program_id(1) of kv head program_id(0)'s decisions (DECIDE) carried out: its page
+        tables (n pages, S slots a kv head) stored and its page dequantized into its slot, from the
+        cold store (rows = n pages a kv head) or, with STAGED, from a staging buffer (nkv, rows,
+        ...) that holds pair i's page in row i.
+        A program a pair: one program copying a kv head's pages took 30-40 us a layer at fetch
+        12-16 (H200, 128K), where the decisions take 11-21."""
         h = tl.program_id(0)
-        fi = tl.arange(0, FP)
-        staged = fi < F                   # a pair with no staging row is not applied at all
-        src = tl.load(dec_ptr + (h * 3 + 0) * FP + fi)
-        dst = tl.where(staged, tl.load(dec_ptr + (h * 3 + 1) * FP + fi), -1)
-        out = tl.load(dec_ptr + (h * 3 + 2) * FP + fi)
-        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
-        row = tl.where(dst >= 0, fi, -1).to(tl.int64)
-        copy_pages(row, dst, h, F, w_head, sk_ptr, sv_ptr, sks_ptr, svs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
+        i = tl.program_id(1) + tl.arange(0, 1)     # the pair, as a vector of one
+        src = tl.load(dec_ptr + (h * 3 + 0) * FP + i)
+        dst = tl.load(dec_ptr + (h * 3 + 1) * FP + i)
+        out = tl.load(dec_ptr + (h * 3 + 2) * FP + i)
+        store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)       # pairs touch disjoint entries
+        if STAGED:
+            src = tl.where(dst >= 0, i, -1).to(tl.int64)
+        copy_pages(src, dst, h, rows, w_head, hk_ptr, hv_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, PE, PEB, G, QUANT)
 
-    return k, sel, dec, put
+    return k, sel, dec, move
 
 
 SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
@@ -556,9 +561,9 @@ def apply_swaps(dec, page_slot, slot_page, wk, wv, stage, bits: int):
     kernels = _swap_kernels()
     nkv, F = stage[0].shape[:2]
     PE = wk.shape[2]
-    kernels[3][(nkv,)](dec, page_slot, slot_page, wk, wv, *stage, page_slot.shape[1], slot_page.shape[1],
-                       wk.stride(0), F, FP=dec.shape[2], PE=PE, PEB=1 << max(0, (PE - 1).bit_length()),
-                       G=PE // stage[2].shape[-1], QUANT=bits, num_warps=4)
+    kernels[3][(nkv, F)](dec, page_slot, slot_page, wk, wv, *stage, page_slot.shape[1], slot_page.shape[1],
+                         wk.stride(0), F, FP=dec.shape[2], PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=PE // stage[2].shape[-1],
+                         QUANT=bits, STAGED=True, num_warps=4)
 
 
 def _swap_kernels():
@@ -591,8 +596,13 @@ def _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, ptrs, quant):
         kernels[1][(nkv, nc)](pl, pm, psum, page_bias, page_slot, cm, cr, n, NB, GRP=grp,
                               NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP, num_warps=SWAP_WARPS[0])
         ncand = nc * FP
-        kernels[2][(nkv,)](cm, cr, page_slot, slot_page, wk, wv, hk, hv, ks, vs, dec_ptr, n, S, w_head,
-                           ncand, NCP=1 << max(0, (ncand - 1).bit_length()), **dict(common, num_warps=SWAP_WARPS[1]))
+        moves = decide if decide is not None else torch.empty(nkv, 3, FP, device=pl.device, dtype=torch.int64)
+        kernels[2][(nkv,)](cm, cr, page_slot, slot_page, wk, wv, hk, hv, ks, vs, moves, n, S, w_head,
+                           ncand, NCP=1 << max(0, (ncand - 1).bit_length()),
+                           **dict(common, DECIDE=True, num_warps=SWAP_WARPS[1]))
+        if decide is None:      # then a program a pair moves the pages
+            kernels[3][(nkv, F)](moves, page_slot, slot_page, wk, wv, hk, hv, ks, vs, n, S, w_head, n, FP=FP, PE=PE,
+                                 PEB=PEB, G=quant["G"], QUANT=quant["QUANT"], STAGED=False, num_warps=4)
         return
     NP = 1 << max(0, (n - 1).bit_length())
     common["num_warps"] = min(16, max(4, NP // 512))

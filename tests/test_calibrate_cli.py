@@ -123,3 +123,17 @@ def test_eval_kv_ahead_measures_and_names_that_policy(tiny_hf, text_file):
     assert own["options"]["ahead"] == 0 and ahead["options"]["ahead"] == 1
     assert ahead["full_kv_ppl"] == own["full_kv_ppl"] and ahead["thermal_ppl"] != own["thermal_ppl"]
     assert "1 layer(s) ahead" in run_cli(*args, "--kv-ahead", "1", check_rc=0).stdout
+
+
+def test_eval_kv_fetch_measures_and_names_that_policy(tiny_hf, text_file):
+    """`eval --kv-budget F --kv-fetch 1`: the contract with one page swapped in a refresh (the policy
+    `run --kv-fetch 1` serves), named in the JSON options and in the table."""
+    from zeroedge.kv.policy import THERMAL
+
+    args = ("eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--kv-budget", "0.2")   # 20 slot pages
+    own = json.loads(run_cli(*args, "--json", check_rc=0).stdout)
+    one = json.loads(run_cli(*args, "--kv-fetch", "1", "--json", check_rc=0).stdout)
+    assert own["options"]["fetch"] == THERMAL.fetch and one["options"]["fetch"] == 1
+    assert one["fetch_pages_per_step_p99"] == 1 < own["fetch_pages_per_step_p99"]
+    assert one["full_kv_ppl"] == own["full_kv_ppl"] and one["thermal_ppl"] != own["thermal_ppl"]
+    assert "at most 1 fetched a refresh" in run_cli(*args, "--kv-fetch", "1", check_rc=0).stdout

@@ -133,8 +133,17 @@ def test_usage_errors_are_one_line_exit_2(argv):
     (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-ahead", "1", "--calib", "c"], "--kv-ahead needs thermal KV"),
     (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-ahead", "-2"], "--kv-ahead must be"),
     (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-ahead", "1", "--bundle", "b"],
-     "--kv-ahead is the torch decoder's")])
-def test_kv_ahead_is_refused_where_it_cannot_apply(argv, needle):
+     "--kv-ahead is the torch decoder's"),
+    (["run", "tiny", "--prompt", "x", "--kv-fetch", "4"], "--kv-fetch needs thermal KV"),
+    (["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-fetch", "0"], "--kv-fetch must be"),
+    (["run", "tiny", "--prompt", "x", "--kv-budget", "0.1", "--kv-fetch", "65"], "from 1 to 64"),
+    (["run", "--backend", "onnxruntime", "--bundle", ".", "--prompt", "x", "--kv-budget", "0.1", "--kv-fetch", "4"],
+     "--kv-fetch is the torch decoder's"),
+    (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-fetch", "4", "--calib", "c"], "--kv-fetch needs thermal KV"),
+    (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-fetch", "-3"], "--kv-fetch must be"),
+    (["eval", "x", "--text", "kjv", "--ctx", "2048", "--kv-budget", "0.1", "--kv-fetch", "4", "--bundle", "b"],
+     "--kv-fetch is the torch decoder's")])
+def test_kv_policy_options_are_refused_where_they_cannot_apply(argv, needle):
     p = run_cli(*argv)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 

@@ -701,7 +701,7 @@ def test_run_keeps_the_torch_cold_store_in_a_spill_file(tmp_path):
 
 def test_run_kv_ahead_serves_the_policy_eval_reports():
     """`run --kv-ahead 1`: thermal KV with pages scored a layer ahead, its policy in the JSON under the
-    names `eval --kv-budget` reports (kv.policy.ThermalSettings)."""
+    names `eval --kv-budget` reports (kv.policy.ThermalSettings); `--kv-fetch 1` likewise."""
     from dataclasses import fields
 
     from zeroedge.kv.policy import ThermalSettings
@@ -716,6 +716,11 @@ def test_run_kv_ahead_serves_the_policy_eval_reports():
     assert pol["ahead"] == 1 and own["thermal_policy"]["ahead"] == 0
     assert {k: v for k, v in pol.items() if k != "ahead"} == {k: v for k, v in own["thermal_policy"].items()
                                                                  if k != "ahead"}
+    longer = ("run", "tiny", "--prompt", "the quick brown fox jumps over the lazy dog " * 10, "--max-new", "2",
+              "--kv-budget", "0.2", "--json")                  # enough slot pages for more than one fetch
+    own = json.loads(run_cli(*longer, check_rc=0).stdout.splitlines()[-1])
+    one = json.loads(run_cli(*longer, "--kv-fetch", "1", check_rc=0).stdout.splitlines()[-1])
+    assert one["thermal_policy"]["fetch"] == 1 < own["thermal_policy"]["fetch"]
 
 
 def test_run_kv_spill_that_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):

@@ -240,3 +240,14 @@ def memory_cap(device_memory, board):
         t = target(board)
         return t.memory - t.os_reserve
     return None
+
+
+def check_policy_value(flag: str, value: int) -> None:
+    """--kv-ahead: layers >= 0; --kv-fetch: pages 1..kv.policy.MAX_FETCH (run and eval alike)."""
+    if flag == "--kv-ahead" and value < 0:
+        raise UserError(f"--kv-ahead must be a number of layers >= 0 (got {value})")
+    if flag == "--kv-fetch":
+        from zeroedge.kv.policy import MAX_FETCH
+
+        if not 1 <= value <= MAX_FETCH:
+            raise UserError(f"--kv-fetch must be a number of pages from 1 to {MAX_FETCH} (got {value})")

@@ -21,7 +21,8 @@ Without --json it prints a short table (perplexities, % and MiB); --json prints 
 """
 import click
 
-from zeroedge.commands.common import check_model, ctx_option, fraction_option, memory_cap, memory_cap_options
+from zeroedge.commands.common import (check_model, check_policy_value, ctx_option, fraction_option, memory_cap,
+                                     memory_cap_options)
 
 CONTINUATION = 1024
 
@@ -38,6 +39,9 @@ CONTINUATION = 1024
 @click.option("--kv-ahead", "kv_ahead", type=int, default=0, show_default=True,
               help="With thermal KV (--kv-budget, or a cap that serves it): the torch decoder's policy with pages "
                    "scored from the query predicted N layers ahead (`run --kv-ahead N`; 0: each layer's own query).")
+@click.option("--kv-fetch", "kv_fetch", type=int, default=None,
+              help="With thermal KV: the torch decoder's policy with at most N pages swapped into the window a "
+                   "refresh, per kv head and layer (`run --kv-fetch N`; default 8).")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--bundle", type=click.Path(),
               help="With --kv-budget: the thermal policy of this exported bundle's onnxruntime runner (what "
@@ -51,12 +55,12 @@ CONTINUATION = 1024
                    "memory; the same codes, so the same perplexity).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
-        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0):
+        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0, kv_fetch=None):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
     cap = memory_cap(device_memory, board)
-    _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead)
+    _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead, kv_fetch)
     if cold_in_file and cap is None:
         from zeroedge.errors import UserError
 
@@ -75,7 +79,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
     if meta is not None:
         _calib_evals(result, m, ids, calib, meta, cal, paths, ctx)
     if kv_budget is not None:
-        _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead)
+        _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead, kv_fetch)
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -83,16 +87,19 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
             click.echo(line)
 
 
-def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead=0):
+def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead=0, kv_fetch=None):
     """The checks of the options that need no model: a UserError at the first that fails."""
     from zeroedge.errors import UserError
 
-    if kv_ahead < 0:
-        raise UserError(f"--kv-ahead must be a number of layers >= 0 (got {kv_ahead})")
-    if kv_ahead and bundle is not None:
-        raise UserError("--kv-ahead is the torch decoder's policy; a bundle's runner scores pages its own way")
-    if kv_ahead and kv_budget is None and cap is None:
-        raise UserError("--kv-ahead needs thermal KV: give --kv-budget F (or a cap)")
+    for flag, value in (("--kv-ahead", kv_ahead), ("--kv-fetch", kv_fetch)):
+        if value is None or (flag == "--kv-ahead" and value == 0):
+            continue
+        check_policy_value(flag, value)
+        if bundle is not None:
+            raise UserError(f"{flag} is the torch decoder's policy; a bundle's runner scores and fetches pages "
+                            "its own way")
+        if kv_budget is None and cap is None:
+            raise UserError(f"{flag} needs thermal KV: give --kv-budget F (or a cap)")
 
     if calib is None and kv_budget is None and cap is None:
         raise UserError("nothing to evaluate: give --calib ARTIFACT, --kv-budget F and/or --device-memory SIZE")
@@ -177,7 +184,7 @@ def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx):
                        if not (cal.weights is not None and k == "dense_ppl")})
 
 
-def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead=0):
+def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead=0, kv_fetch=None):
     """Thermal KV at kv_budget into result: the torch decoder's policy (with the cold store the device
     memory cap chose, if any), or with --bundle the bundle's onnxruntime runner's."""
     from zeroedge.errors import UserError
@@ -197,9 +204,11 @@ def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv
     else:
         from zeroedge.kv.policy import THERMAL
 
-        cold = {"cold": result["device_memory"]["cold_store"]} if "device_memory" in result else {}
+        opts = {"cold": result["device_memory"]["cold_store"]} if "device_memory" in result else {}
+        if kv_fetch is not None:
+            opts["fetch"] = kv_fetch
         result.update(run_eval(m, ids, kv_budget, page_size=page_size or THERMAL.page_size,
-                               continuation=CONTINUATION, ahead=kv_ahead, **cold))
+                               continuation=CONTINUATION, ahead=kv_ahead, **opts))
 
 
 def weights_eval(m, ids, calib, meta) -> dict:
@@ -322,7 +331,8 @@ def table(r: dict, calib=None, paths=False) -> list:
     elif "thermal_ppl" in r:
         o = r.get("options") or {}
         ahead = f", pages scored {o['ahead']} layer(s) ahead" if o.get("ahead") else ""
-        out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens{ahead})",
+        fetch = f", at most {o['fetch']} fetched a refresh" if o.get("fetch") else ""
+        out += ["", f"thermal KV (--kv-budget {r['budget']:.0%}, pages of {r['page_size']} tokens{fetch}{ahead})",
                 _ppl(f"perplexity, last {r['scored_tokens']} tokens", "full KV", r["full_kv_ppl"], "thermal",
                      r["thermal_ppl"]),
                 f"  {'prefix KV on the device':<30} {_mib(r['hot_kv_bytes'])} of {_mib(r['full_kv_bytes'])} "

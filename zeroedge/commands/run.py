@@ -20,7 +20,7 @@ dense KV would not fit, or refused with both forecasts.
 """
 import click
 
-from zeroedge.commands.common import check_model, fraction_option, memory_cap, memory_cap_options
+from zeroedge.commands.common import check_model, check_policy_value, fraction_option, memory_cap, memory_cap_options
 
 
 class ByteTokenizer:
@@ -112,6 +112,9 @@ def bundle_config(bundle):
               help="torch backend, thermal KV: score layer l's pages with the query predicted from layer l-N's "
                    "input, so on CUDA the page refresh runs beside the step (0: each layer's own query; with "
                    "--kv-spill the refreshes stay on the step's path, the host reading pages between layers).")
+@click.option("--kv-fetch", "kv_fetch", type=int, default=None,
+              help="torch backend, thermal KV: at most N pages swapped into the hot window a refresh, per kv head "
+                   "and layer (default 8; more: closer to full KV, a longer refresh).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")
@@ -129,8 +132,8 @@ def bundle_config(bundle):
 @memory_cap_options("torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
                     "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, paths, calib,
-        release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
+def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch, paths,
+        calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
 
@@ -142,7 +145,9 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
     capped = device_memory is not None or board is not None
     spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, capped)
     if kv_ahead:
-        spill["ahead"] = _ahead_option(kv_ahead, kv_budget, backend, capped)
+        spill["ahead"] = _policy_option("--kv-ahead", kv_ahead, kv_budget, backend, capped)
+    if kv_fetch is not None:
+        spill["fetch"] = _policy_option("--kv-fetch", kv_fetch, kv_budget, backend, capped)
     budget = kv_budget
     cap = memory_cap(device_memory, board)
     if cap is not None and backend != "torch":
@@ -217,18 +222,17 @@ def _read_prompt(prompt, prompt_file) -> str:
     return prompt
 
 
-def _ahead_option(kv_ahead, kv_budget, backend, capped: bool) -> int:
-    """--kv-ahead N, checked: the torch decoder's thermal policy (kv.policy.ThermalSettings.ahead)."""
+def _policy_option(flag: str, value: int, kv_budget, backend, capped: bool) -> int:
+    """--kv-ahead N / --kv-fetch N, checked: the torch decoder's thermal policy (kv.policy.ThermalSettings)."""
     from zeroedge.errors import UserError
 
-    if kv_ahead < 0:
-        raise UserError(f"--kv-ahead must be a number of layers >= 0 (got {kv_ahead})")
+    check_policy_value(flag, value)
     if backend != "torch":
-        raise UserError("--kv-ahead is the torch decoder's thermal policy (the bundle runners score pages "
-                        "with the decode graph's own queries)")
+        raise UserError(f"{flag} is the torch decoder's thermal policy (the bundle runners score and fetch pages "
+                        "their own way)")
     if kv_budget is None and not capped:
-        raise UserError("--kv-ahead needs thermal KV: give --kv-budget F (or a cap, --device-memory / --board)")
-    return kv_ahead
+        raise UserError(f"{flag} needs thermal KV: give --kv-budget F (or a cap, --device-memory / --board)")
+    return value
 
 
 def _spill_options(kv_spill, store_pages, kv_budget, backend, capped: bool) -> dict:

@@ -562,8 +562,8 @@ def apply_swaps(dec, page_slot, slot_page, wk, wv, stage, bits: int):
     nkv, F = stage[0].shape[:2]
     PE = wk.shape[2]
     kernels[3][(nkv, F)](dec, page_slot, slot_page, wk, wv, *stage, page_slot.shape[1], slot_page.shape[1],
-                         wk.stride(0), F, FP=dec.shape[2], PE=PE, PEB=1 << max(0, (PE - 1).bit_length()), G=PE // stage[2].shape[-1],
-                         QUANT=bits, STAGED=True, num_warps=4)
+                         wk.stride(0), F, FP=dec.shape[2], PE=PE, PEB=1 << max(0, (PE - 1).bit_length()),
+                         G=PE // stage[2].shape[-1], QUANT=bits, STAGED=True, num_warps=4)
 
 
 def _swap_kernels():

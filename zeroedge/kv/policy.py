@@ -64,6 +64,7 @@ class ThermalSettings:
 
 
 THERMAL = ThermalSettings()
+MAX_FETCH = 64      # the most `fetch` the CLI takes: the GPU swap kernels unroll one pass a page fetched
 
 COLD_GROUP = 32   # values per fp16 scale in a compressed cold store (along the head dimension)
 COLD_BITS = {"int8": 8, "int4": 4}   # the compressed cold stores (on the device)

@@ -52,6 +52,9 @@ SCRIPT = textwrap.dedent('''
         bias[:1] = float("-inf")
         bias[-2:] = float("-inf")
         sp = torch.stack([torch.randperm(n - 3, generator=g)[:S] + 1 for _ in range(nkv)])
+        if tied:            # NaN scores (pages resident in head 0 and not) never move, as in the reference
+            bias[sp[0, :2]] = float("nan")
+            bias[[p for p in range(1, n - 2) if p not in sp[0].tolist()][:2]] = float("nan")
         ps0 = torch.full((nkv, n), -1, dtype=torch.long)
         for h in range(nkv):
             ps0[h, sp[h]] = torch.arange(S)

@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--sketch-kernels", default="auto",
                     help="comma list of zeroedge.kv.kernels.SKETCH_KERNEL values, each row once a kernel")
     a = ap.parse_args()
+    if a.rows and (a.frontier or a.lag or a.page_sizes or a.only_cold or a.ahead):
+        raise SystemExit("--rows names every row: not with --frontier, --lag, --page-sizes, --only-cold or --ahead")
     import torch
 
     from zeroedge.kv import kernels as K

@@ -31,6 +31,8 @@ for ctx in (32768, 131072):
     t = dec.attention
     ks = vs = None
     q = torch.randn(t.H, t.hd, device=dev, dtype=dt)
+    # every layer's log-sum-exps, normalised by the last layer's shares (t.lse_part is one buffer):
+    # the same inputs to both kernels, which is what this compares (thermal_fetch_gpu.py: each its own)
     pls = [t._page_lse(li, q, t.lse_part).clone() for li in range(L)]
     tied = [p.round() for p in pls]          # many equal scores
     for F in (4, 8, 16):

@@ -23,6 +23,7 @@ import click
 
 from zeroedge.commands.common import (check_model, check_policy_value, ctx_option, fraction_option, memory_cap,
                                      memory_cap_options)
+from zeroedge.kv.policy import THERMAL
 
 CONTINUATION = 1024
 
@@ -41,7 +42,7 @@ CONTINUATION = 1024
                    "scored from the query predicted N layers ahead (`run --kv-ahead N`; 0: each layer's own query).")
 @click.option("--kv-fetch", "kv_fetch", type=int, default=None,
               help="With thermal KV: the torch decoder's policy with at most N pages swapped into the window a "
-                   "refresh, per kv head and layer (`run --kv-fetch N`; default 8).")
+                   f"refresh, per kv head and layer (`run --kv-fetch N`; default {THERMAL.fetch}).")
 @click.option("--threads", type=int, default=0, help="torch threads (0 = default).")
 @click.option("--bundle", type=click.Path(),
               help="With --kv-budget: the thermal policy of this exported bundle's onnxruntime runner (what "
@@ -202,8 +203,6 @@ def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv
         session = ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=m.cfg, threads=threads or None)
         result.update(run_bundle_eval(session.runner, ids, kv_budget, CONTINUATION, page_size))
     else:
-        from zeroedge.kv.policy import THERMAL
-
         opts = {"cold": result["device_memory"]["cold_store"]} if "device_memory" in result else {}
         if kv_fetch is not None:
             opts["fetch"] = kv_fetch

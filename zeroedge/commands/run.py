@@ -21,6 +21,7 @@ dense KV would not fit, or refused with both forecasts.
 import click
 
 from zeroedge.commands.common import check_model, check_policy_value, fraction_option, memory_cap, memory_cap_options
+from zeroedge.kv.policy import THERMAL
 
 
 class ByteTokenizer:
@@ -114,7 +115,7 @@ def bundle_config(bundle):
                    "--kv-spill the refreshes stay on the step's path, the host reading pages between layers).")
 @click.option("--kv-fetch", "kv_fetch", type=int, default=None,
               help="torch backend, thermal KV: at most N pages swapped into the hot window a refresh, per kv head "
-                   "and layer (default 8; more: closer to full KV, a longer refresh).")
+                   f"and layer (default {THERMAL.fetch}; more: closer to full KV, a longer refresh).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")

@@ -236,9 +236,10 @@ def sketch_page_lse(qr, codes, scales, page_size, out=None, pages_per_block: int
 
 
 # ---------------------------------------------------------------------------------------------
-# Page swap for the thermal decoder: one program per kv head turns the sketch's page scores into
-# at most `fetch` swaps (best missing page in, worst resident page out, while the new one scores
-# higher) and copies the fetched pages' K and V from the cold store straight into the freed slots.
+# Page swap for the thermal decoder: the sketch's page scores of each kv head become at most `fetch`
+# swaps (best missing page in, worst resident page out, while the new one scores higher), and the
+# fetched pages' K and V are copied from the cold store straight into the freed slots. One program
+# per kv head for few pages; for many, `sel` / `dec` decide and `move` copies, a program a pair.
 # Replaces a top-k over every page plus ~25 small bookkeeping kernels a layer.
 
 _swap_kernel = None
@@ -274,10 +275,11 @@ def swap_decisions_ref(score, page_slot, fetch: int, out=None):
     F = min(int(fetch), n)
     inf = float("inf")
     score = score.float() + 0.0                   # -0.0 -> 0.0: equal scores, as the kernels compare them
-    missing = torch.where(page_slot < 0, score, -inf)
-    resident = torch.where(page_slot >= 0, score, inf)
-    # among equal scores the lowest page first, as the kernels' argmax / argmin take it: the F best
-    # by a tie-free int64 key (the score's order-preserving bits, then the page), not a full sort
+    real = ~score.isnan()                         # a NaN score neither enters nor leaves (kernels alike)
+    missing = torch.where((page_slot < 0) & real, score, -inf)
+    resident = torch.where((page_slot >= 0) & real, score, inf)
+    # among equal scores the lowest page first, as the kernels' keys order them (page_keys): the F
+    # best by a tie-free int64 key (the score's order-preserving bits, then the page), not a full sort
     page = torch.arange(n, device=score.device)
     bm = _order_key(missing, (1 << PAGE_BITS) - 1 - page).topk(F, dim=1).indices
     wr = _order_key(resident, page).topk(F, dim=1, largest=False).indices
@@ -322,7 +324,7 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 
 def _build_swap():
-    global copy_pages, store_swaps, finish_swaps, page_keys, max_pair, greedy_swaps, top_keys, evicted_slots  # Triton looks a jit function's callees up in its module's globals
+    global copy_pages, store_swaps, store_decisions, finish_swaps, page_keys, max_pair, greedy_swaps, top_keys, evicted_slots  # Triton looks a jit function's callees up in its module's globals
     global KEY_SHIFT, KEY_PAGE, KEY_NONE, COPY_COLUMNS
     import triton
     import triton.language as tl
@@ -340,8 +342,9 @@ def _build_swap():
         one page to drop before the next."""
         b = (sc + 0.0).to(tl.int32, bitcast=True)           # + 0.0: -0.0 -> 0.0, as the reference
         hi = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << KEY_SHIFT
-        mk = tl.where(missing, hi | (KEY_PAGE - page), KEY_NONE)
-        rk = tl.where(resident, -(hi | page), KEY_NONE)
+        real = sc == sc                                      # a NaN score neither enters nor leaves
+        mk = tl.where(missing & real, hi | (KEY_PAGE - page), KEY_NONE)
+        rk = tl.where(resident & real, -(hi | page), KEY_NONE)
         return mk, rk
 
     @triton.jit
@@ -381,8 +384,8 @@ def _build_swap():
     @triton.jit
     def store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr):
         """The page tables after the swaps (src into slot dst, out evicted; -1: no swap). Evicted and
-        fetched pages are disjoint, so the stores do not overlap. Called after a barrier: no warp may
-        still be reading the tables."""
+        fetched pages are disjoint, so the stores do not overlap. Called where nothing still reads
+        the tables: after finish_swaps' barrier, or in `move`, which reads none."""
         ok = dst >= 0
         tl.store(pslot_ptr + h * n + out, tl.full(out.shape, -1, tl.int64), mask=ok)
         tl.store(pslot_ptr + h * n + src, dst, mask=ok)
@@ -417,15 +420,20 @@ def _build_swap():
             tl.store(wv_ptr + do, vv.to(wv_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def store_decisions(fi, src, dst, out, h, dec_ptr, FP: tl.constexpr):
+        """A kv head's decisions into dec_ptr (nkv, 3, FP): page in, its slot, page out (-1: no swap)."""
+        tl.store(dec_ptr + (h * 3 + 0) * FP + fi, src)
+        tl.store(dec_ptr + (h * 3 + 1) * FP + fi, dst)
+        tl.store(dec_ptr + (h * 3 + 2) * FP + fi, out)
+
+    @triton.jit
     def finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
                      vs_ptr, dec_ptr, FP: tl.constexpr, PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr,
                      QUANT: tl.constexpr, DECIDE: tl.constexpr):
         """Either the swaps done (the tables stored, the pages copied) or, with DECIDE, only the
         decisions written to dec_ptr (nkv, 3, FP): page in, slot, page out (-1: no swap)."""
         if DECIDE:
-            tl.store(dec_ptr + (h * 3 + 0) * FP + fi, src)
-            tl.store(dec_ptr + (h * 3 + 1) * FP + fi, dst)
-            tl.store(dec_ptr + (h * 3 + 2) * FP + fi, out)
+            store_decisions(fi, src, dst, out, h, dec_ptr, FP)
         else:
             tl.debug_barrier()     # every warp has read the tables (with one warp's reductions, nothing else orders it)
             store_swaps(src, dst, out, h, n, S, pslot_ptr, spage_ptr)
@@ -455,9 +463,10 @@ def _build_swap():
 
     # two-stage form for many pages: `sel` (a program per kv head and chunk of C pages) scores its
     # chunk, normalising with the per-block log-sum-exp shares the sketch kernel wrote, and keeps
-    # its F best missing and F worst resident pages; `dec` (a program per kv head) runs the same
-    # greedy on those candidates and copies. The global F best are among the chunks' F best, and
-    # ties fall to the lowest page as in the one-program kernel, so the decisions are the same.
+    # its F best missing and F worst resident pages' keys; `dec` (a program per kv head) runs the
+    # same greedy on those candidates and writes the decisions, which `move` carries out. The
+    # global F best are among the chunks' F best, and the keys order ties as in the one-program
+    # kernel, so the decisions are the same.
     @triton.jit
     def sel(pl_ptr, pm_ptr, psum_ptr, bias_ptr, pslot_ptr, cm_ptr, cr_ptr, n, NB,
             GRP: tl.constexpr, NBP: tl.constexpr, C: tl.constexpr, F: tl.constexpr, FP: tl.constexpr):
@@ -484,18 +493,14 @@ def _build_swap():
         tl.store(cr_ptr + base, kr)
 
     @triton.jit
-    def dec(cm_ptr, cr_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
-            vs_ptr, dec_ptr, n, S, w_head, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr,
-            PE: tl.constexpr, PEB: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, DECIDE: tl.constexpr):
+    def dec(cm_ptr, cr_ptr, pslot_ptr, dec_ptr, n, NCAND, NCP: tl.constexpr, F: tl.constexpr, FP: tl.constexpr):
         h = tl.program_id(0)
         offs = tl.arange(0, NCP)
         m = offs < NCAND
         mk = tl.load(cm_ptr + h * NCAND + offs, mask=m, other=KEY_NONE)
         rk = tl.load(cr_ptr + h * NCAND + offs, mask=m, other=KEY_NONE)
         fi, src, out = greedy_swaps(mk, rk, F, FP)
-        dst = evicted_slots(out, h, n, pslot_ptr)
-        finish_swaps(fi, src, dst, out, h, n, S, w_head, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr,
-                     vs_ptr, dec_ptr, FP, PE, PEB, G, QUANT, DECIDE)
+        store_decisions(fi, src, evicted_slots(out, h, n, pslot_ptr), out, h, dec_ptr, FP)
 
     @triton.jit
     def move(dec_ptr, pslot_ptr, spage_ptr, wk_ptr, wv_ptr, hk_ptr, hv_ptr, ks_ptr, vs_ptr, n, S, w_head, rows,
@@ -529,7 +534,8 @@ def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, 
     """pl (nkv, grp, n) from sketch_page_lse; the rest as in swap_pages_ref, except wk / wv are the
     slot part of the window as (nkv, S, PE) views with any head stride (contiguous within a head).
     CUDA: one fused Triton kernel, or with `part` (the sketch kernel's per-block log-sum-exp
-    shares) and more than `chunk` pages the two-stage kernels; elsewhere the torch reference.
+    shares) and more than `chunk` pages the two-stage selection (`sel`, `dec`) and `move`, a
+    program a swap; elsewhere the torch reference.
     `scales`, `bits`: the cold store is int8 / int4 (see swap_pages_ref), dequantized by the copy."""
     bits = bits or 8
     if not pl.is_cuda:
@@ -560,6 +566,8 @@ def apply_swaps(dec, page_slot, slot_page, wk, wv, stage, bits: int):
         return
     kernels = _swap_kernels()
     nkv, F = stage[0].shape[:2]
+    if F > dec.shape[2]:
+        raise ValueError(f"apply_swaps: {F} staging rows for {dec.shape[2]} decisions a kv head")
     PE = wk.shape[2]
     kernels[3][(nkv, F)](dec, page_slot, slot_page, wk, wv, *stage, page_slot.shape[1], slot_page.shape[1],
                          wk.stride(0), F, FP=dec.shape[2], PE=PE, PEB=1 << max(0, (PE - 1).bit_length()),
@@ -597,9 +605,8 @@ def _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, ptrs, quant):
                               NBP=1 << max(0, (NB - 1).bit_length()), C=chunk, F=F, FP=FP, num_warps=SWAP_WARPS[0])
         ncand = nc * FP
         moves = decide if decide is not None else torch.empty(nkv, 3, FP, device=pl.device, dtype=torch.int64)
-        kernels[2][(nkv,)](cm, cr, page_slot, slot_page, wk, wv, hk, hv, ks, vs, moves, n, S, w_head,
-                           ncand, NCP=1 << max(0, (ncand - 1).bit_length()),
-                           **dict(common, DECIDE=True, num_warps=SWAP_WARPS[1]))
+        kernels[2][(nkv,)](cm, cr, page_slot, moves, n, ncand, NCP=1 << max(0, (ncand - 1).bit_length()), F=F, FP=FP,
+                           num_warps=SWAP_WARPS[1])
         if decide is None:      # then a program a pair moves the pages
             kernels[3][(nkv, F)](moves, page_slot, slot_page, wk, wv, hk, hv, ks, vs, n, S, w_head, n, FP=FP, PE=PE,
                                  PEB=PEB, G=quant["G"], QUANT=quant["QUANT"], STAGED=False, num_warps=4)

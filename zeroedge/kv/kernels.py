@@ -324,7 +324,9 @@ def swap_pages_ref(score, page_slot, slot_page, wk, wv, hk, hv, fetch: int, scal
 
 
 def _build_swap():
-    global copy_pages, store_swaps, store_decisions, finish_swaps, page_keys, max_pair, greedy_swaps, top_keys, evicted_slots  # Triton looks a jit function's callees up in its module's globals
+    # Triton looks a jit function's callees (and constexpr globals) up in its module's globals
+    global copy_pages, store_swaps, store_decisions, finish_swaps, page_keys, max_pair, greedy_swaps, top_keys
+    global evicted_slots
     global KEY_SHIFT, KEY_PAGE, KEY_NONE, COPY_COLUMNS
     import triton
     import triton.language as tl
@@ -371,14 +373,15 @@ def _build_swap():
         -1 where pair i is not swapped."""
         km, kr = top_keys(mk, rk, F, FP)
         take = (km >> KEY_SHIFT) > ((-kr) >> KEY_SHIFT)          # the scores' order, without the pages
-        return tl.arange(0, FP), tl.where(take, KEY_PAGE - (km & KEY_PAGE), -1), tl.where(take, (-kr) & KEY_PAGE, -1)
+        src = tl.where(take, KEY_PAGE - (km & KEY_PAGE), -1)
+        return tl.arange(0, FP), src, tl.where(take, (-kr) & KEY_PAGE, -1)
 
     @triton.jit
     def evicted_slots(out, h, n, pslot_ptr):
-        """The slots of the pages out (-1: none). Read before finish_swaps' barrier: a page table
-        read after another warp had written it raced (a warp that read a slot after another had
-        freed it copied nowhere: torn slots on the H200), so the tables are read up front and
-        written once by store_swaps."""
+        """The slots of the pages out (-1: none), read before any table is written (finish_swaps'
+        barrier): a page table read after another warp had written it raced (a warp that read a
+        slot after another had freed it copied nowhere: torn slots on the H200), so the tables are
+        read up front and written once by store_swaps."""
         return tl.load(pslot_ptr + h * n + out, mask=out >= 0, other=-1)
 
     @triton.jit
@@ -397,8 +400,8 @@ def _build_swap():
         """Pages src (cold store, -1: none) of kv head h into window slots dst: PE values a page; with
         QUANT = 8 / 4 the cold pages are int8 codes / int4 codes two a byte (low nibble first, +8)
         with one scale per G values, dequantized on the way. A page's values go COPY_COLUMNS at a
-        time: a whole (pages, PEB) tile spilled registers (ptxas: 552 bytes of spills at 8 pages
-        and 512 values, 2.3 KB at 12 or 16; fetch 12 / 16 ran 1.4x slower at 128K)."""
+        time: a whole (pages, PEB) tile spilled registers (ptxas, sm_90: 552 bytes at 8 pages of 512
+        values, 2.3 KB at 12 or 16)."""
         for e0 in tl.static_range(0, PEB, COPY_COLUMNS):
             e = e0 + tl.arange(0, COPY_COLUMNS)
             ok = ((src >= 0) & (dst >= 0))[:, None] & (e < PE)[None, :]

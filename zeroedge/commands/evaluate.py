@@ -92,8 +92,8 @@ def _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, 
     """The checks of the options that need no model: a UserError at the first that fails."""
     from zeroedge.errors import UserError
 
-    for flag, value in (("--kv-ahead", kv_ahead), ("--kv-fetch", kv_fetch)):
-        if value is None or (flag == "--kv-ahead" and value == 0):
+    for flag, value in (("--kv-ahead", kv_ahead or None), ("--kv-fetch", kv_fetch)):     # given (ahead 0: off)
+        if value is None:
             continue
         check_policy_value(flag, value)
         if bundle is not None:

@@ -1,12 +1,12 @@
 """The plugin library's tensor-core sketch kernel (plugins/kernels/thermal_sketch.cu) against the Triton
-one, with launch variants: units a warp batches (ZE_SKETCH_UNITS), warps a block (ZE_SKETCH_WARPS) and
-pages a block (a share); µs a layer, 16 layers' sketches in one CUDA graph, llama-3.2-1b shape (8 kv
+one, with launch variants: pages a warp loads at a time (ZE_SKETCH_PAGES), warps a block
+(ZE_SKETCH_WARPS) and pages a block (a share), or two builds of the kernel (old and new source); µs a layer, 16 layers' sketches in one CUDA graph, llama-3.2-1b shape (8 kv
 heads x 4 query heads, rank 32, pages of 8), random codes. Its arithmetic is checked by
 device_tests/test_decoders_gpu.py.
 
-    for u in 1 2 4 8; do for w in 4 8; do nvcc -shared -Xcompiler -fPIC -O3 -arch=sm_90 \
-      -DZE_SKETCH_UNITS=$u -DZE_SKETCH_WARPS=$w -Iplugins/include plugins/kernels/thermal_sketch.cu \
-      -o /tmp/v/libU${u}W${w}.so; done; done
+    for u in 2 4 8; do for w in 4 8; do nvcc -shared -Xcompiler -fPIC -O3 -arch=sm_90 \
+      -DZE_SKETCH_PAGES=$u -DZE_SKETCH_WARPS=$w -Iplugins/include plugins/kernels/thermal_sketch.cu \
+      -o /tmp/v/libP${u}W${w}.so; done; done
     PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_sketch_cuda_gpu.py /tmp/v OUT.json
 """
 import glob

@@ -13,8 +13,9 @@
  * pm, psum (both or neither): [nkv, grp, nb] fp32 with nb = ceil(n / pages_per_share). Share c of
  *   query head g is its log-sum-exp over pages c * pages_per_share .. + pages_per_share - 1, as
  *   max pm and sum psum of exp(out - pm) (pm = -inf and psum = 0 for a share of no page).
- * The products run on tensor cores in tf32, the query side split in two tf32 parts (about 21 bits
- * of its 24), codes exact; accumulation in fp32.
+ * The products run on integer tensor cores: each query head's row scaled to 127 * 2^16 steps at its
+ * largest |value| and split into three signed-byte digits (about 23 bits), codes exact, sums exact in
+ * int32 until one float rounding. A non-finite query scores NaN.
  * Limits: rank 16, 32 or 64; page_size 8 or 16; 1 <= grp <= 8; compute capability 8.0 or newer;
  * codes 8-byte and scales 4-byte aligned.
  */

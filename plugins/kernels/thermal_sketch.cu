@@ -1,16 +1,17 @@
-// Thermal KV's page scores from the int4 key sketch (include/zeroedge_thermal.h) on tensor cores.
+// Thermal KV's page scores from the int4 key sketch (include/zeroedge_thermal.h) on integer tensor cores.
 //
-// A warp scores a unit of 8 / HP pages with mma.m16n8k8 (tf32): A (16 x 8) is the query side of
-// one k-step, rows 0..7 the high tf32 part of (query head, page) pairs and rows 8..15 the low part
-// (qr split so that the pair keeps ~21 bits; the same for every page, made once); B (8 x 8) is the
-// codes of one 8-token tile of a page, exact; each token's score is then times its scale. Lane (r = lane / 4, m = lane % 4) loads only its own bytes of a
-// token (m * rank / 8 .. ), so the k index of a product is remapped to the dimensions those bytes
-// hold, on both sides. C row r then holds the high part and row r + 8 the low part of query head
-// r % HP of page r / HP, in the lane that owns both; the lanes of a quad hold a page's 8 tokens (2
-// each) and reduce its log-sum-exp with two shuffles. With HP = 4 (groups of <= 4 query heads) one
-// A operand serves two pages, and a product for the other page's rows is computed and discarded.
-// The sketch kernel in Triton (zeroedge/kv/kernels.py) spends its issue slots unpacking and
-// multiplying on CUDA cores (benchmarks/thermal_kv.md 2o); here the multiply is on tensor cores.
+// A warp scores one page at a time with mma m16n8k32 (rank 16: m16n8k16), s8 x u8 -> s32: B is one
+// 8-token tile of the page's codes as stored (0..15, the +8 offset kept), two instructions unpack a
+// lane's 4 code bytes to 8 bytes; A is the query in integers. Each query head's row is scaled so its
+// largest |value| is 127 * 2^16 steps and split into three signed bytes (hi, mid, lo), ~23 bits: one
+// product holds hi (rows 0..7, a query head a row) and mid (rows 8..15), a second one lo, and the
+// accumulators start at -8 * (the row's digit sum), which removes the code offset exactly. A lane then
+// holds its two tokens of the tile for its query head g: hi * 2^16 + mid * 2^8 + lo, exact until one
+// float rounding. Lane (g = lane / 4, t = lane % 4) loads bytes CB t .. CB t + CB - 1 of token g's codes
+// (CB = rank / 8), so the k index of a product is remapped to the directions those bytes hold, on
+// both sides. The quad of a query head (its 4 lanes) reduces the page's log-sum-exp with two
+// shuffles, in base 2 until the store. The tf32 kernel this replaced did the same with the codes
+// converted to floats one by one: ~2x the instructions a page (benchmarks/thermal_kv.md 2ac).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -22,27 +23,52 @@ namespace {
 #ifndef ZE_SKETCH_WARPS
 #define ZE_SKETCH_WARPS 4
 #endif
-#ifndef ZE_SKETCH_UNITS
-#define ZE_SKETCH_UNITS 2
+#ifndef ZE_SKETCH_PAGES
+#define ZE_SKETCH_PAGES 4
 #endif
 constexpr int kWarps = ZE_SKETCH_WARPS;   // warps a block (one share)
-constexpr int kUnits = ZE_SKETCH_UNITS;   // units a warp loads before it computes
+constexpr int kPages = ZE_SKETCH_PAGES;   // pages a warp loads before it computes
+constexpr int kQMax = 127 * 65536;        // a row's largest |query| in steps: three signed-byte digits
+constexpr float kLn2 = 0.69314718055994531f;
+constexpr float kLog2e = 1.44269504088896341f;
 
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// d = a (16 x 32 s8, row) . b (32 x 8 u8, col) + c: a = {rows 0-7 k 0-15, rows 8-15 k 0-15, rows 0-7
+// k 16-31, rows 8-15 k 16-31} (a lane's 4 bytes each), b = {k 0-15, k 16-31}
+__device__ __forceinline__ void mma_k32(int (&d)[4], const uint32_t* a, const uint32_t* b, const int* c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c[0]), "r"(c[1]), "r"(c[2]),
+          "r"(c[3]));
 #else
     __trap();   // built for an older architecture (e.g. its PTX run on a newer GPU): fail, never score 0
 #endif
 }
 
-// a 4-bit code stored with +8 offset -> the exact float (code - 8): the bits of 2^23 + nibble
-__device__ __forceinline__ uint32_t nibble_f32(uint32_t nib) {
-    return __float_as_uint(__uint_as_float(0x4B000000u | nib) - 8388616.0f);
+// the same with k = 16: a = {rows 0-7, rows 8-15}, b = {k 0-15}
+__device__ __forceinline__ void mma_k16(int (&d)[4], const uint32_t* a, const uint32_t* b, const int* c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b[0]), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // NB bytes at p (NB-aligned) into words
@@ -64,137 +90,197 @@ __device__ __forceinline__ float half_at(uint32_t w, int i) {
     return __half2float(__ushort_as_half((unsigned short)(w >> (16 * i))));
 }
 
-__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+// (max, sum) of base-2 exponentials merged
+__device__ __forceinline__ void lse2_merge(float& m, float& s, float m2, float s2) {
     float mx = fmaxf(m, m2);
     if (mx == -INFINITY) return;
-    s = s * __expf(m - mx) + s2 * __expf(m2 - mx);
+    s = s * ex2(m - mx) + s2 * ex2(m2 - mx);
     m = mx;
 }
 
-// R: rank; PS: page size; HP: query-head rows a page takes in A (4: two pages a unit, 8: one)
+// The direction of a lane's query element e (0 .. R/4 - 1), the order its code bytes unpack to: for
+// rank >= 32 word e / 4 of the unpacked codes is k-step e / 8, low (even e / 4) or high nibbles, of the
+// lane's bytes CB t + 4 (e / 8) + (e % 4); for rank 16 one word, bytes (0, 2, 1, 3) of a lane's 4 directions
+template <int R> __device__ __forceinline__ int lane_dim(int t, int e) {
+    if constexpr (R == 16) return 4 * t + 2 * (e & 1) + (e >> 1);
+    return 2 * ((R / 8) * t + 4 * (e / 8) + (e % 4)) + ((e / 4) & 1);
+}
+
+// R: rank; PS: page size; HP: rows a query digit set takes (4: two pages a step, 8: one)
 template <int R, int PS, int HP>
 __global__ void __launch_bounds__(32 * kWarps)
 sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict__ codes,
                   const __half* __restrict__ scales, float* __restrict__ out, float* __restrict__ pm,
                   float* __restrict__ psum, int grp, int n, int nb, int pps) {
-    constexpr int PP = 8 / HP;   // pages a unit
-    constexpr int T = PS / 8;    // 8-token tiles a page
-    constexpr int KS = R / 8;    // k-steps
-    constexpr int D = R / 4;     // dimensions a lane owns
-    constexpr int CB = R / 8;    // code bytes a lane owns of a token
-    constexpr int CW = (CB + 3) / 4;
+    constexpr int PP = 8 / HP;                 // pages a step
+    constexpr int T = PS / 8;                  // 8-token tiles a page
+    constexpr int CB = R / 8;                  // code bytes a lane owns of a token
+    constexpr int CW = (CB + 3) / 4;           // their words
+    constexpr int KS = R == 16 ? 1 : R / 32;   // k-steps
+    constexpr int NQ = R / 4;                  // query elements a lane owns
+    constexpr int AW = NQ / 4;                 // their words a digit
+    static_assert(kPages % PP == 0, "whole steps");
     const int h = blockIdx.y, c = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = lane >> 2, m = lane & 3;
-    const int g = r % HP, pa = r / HP;
+    const int g = lane >> 2, t = lane & 3;     // row and position in the quad
+    const int head = g % HP, slot = g / HP;    // the lane's query head, and its page of a step
+    const bool real = head < grp;
     const int first = c * pps, last = min(n, first + pps);
-    const int units = (last - first + PP - 1) / PP;
     const size_t P = (size_t)n * PS;
 
-    // the query side of every k-step: the lane's dimensions 2s + e (e: the low or high nibble of its
-    // byte s) as a high and a low tf32 part
-    uint32_t a[KS][4];
+    // the query in integers: the head's row over the quad's directions, its scale, three digits
+    float x[NQ];
+    float amax = 0.0f;
+    int bad = 0;
 #pragma unroll
-    for (int s = 0; s < KS; ++s) {
+    for (int e = 0; e < NQ; ++e) {
+        x[e] = real ? qr[((size_t)h * grp + head) * R + lane_dim<R>(t, e)] : 0.0f;
+        amax = fmaxf(amax, fabsf(x[e]));
+        bad |= !isfinite(x[e]);
+    }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            float x = g < grp ? qr[((size_t)h * grp + g) * R + m * D + 2 * s + e] : 0.0f;
-            uint32_t hi = __float_as_uint(x) & 0xFFFFE000u;
-            a[s][2 * e] = hi;
-            a[s][2 * e + 1] = __float_as_uint(x - __uint_as_float(hi));
+    for (int off = 1; off < 4; off *= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+        bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, off);
+    }
+    const float inv = amax > 0.0f ? (float)kQMax / amax : 0.0f;
+    const float coef = bad ? __int_as_float(0x7FC00000) : (amax / (float)kQMax) * kLog2e;   // a step, in base 2
+    uint32_t hi[AW] = {}, mid[AW] = {}, lo[AW] = {};
+    int shi = 0, smid = 0, slo = 0;
+#pragma unroll
+    for (int e = 0; e < NQ; ++e) {
+        const int q = bad ? 0 : __float2int_rn(x[e] * inv);
+        const int d0 = (q << 24) >> 24, r = (q - d0) >> 8;
+        const int d1 = (r << 24) >> 24, d2 = (r - d1) >> 8;
+        hi[e / 4] |= (uint32_t)(d2 & 0xFF) << (8 * (e % 4));
+        mid[e / 4] |= (uint32_t)(d1 & 0xFF) << (8 * (e % 4));
+        lo[e / 4] |= (uint32_t)(d0 & 0xFF) << (8 * (e % 4));
+        shi += d2, smid += d1, slo += d0;
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off *= 2) {
+        shi += __shfl_xor_sync(0xFFFFFFFFu, shi, off);
+        smid += __shfl_xor_sync(0xFFFFFFFFu, smid, off);
+        slo += __shfl_xor_sync(0xFFFFFFFFu, slo, off);
+    }
+    // A of the two products of page j of a step, k-step s: {hi, mid} and {lo, 0}, nonzero in the lanes
+    // whose page it is (so a step's pages chain into one accumulator); the accumulators start at -8 x
+    // the digit sums, which removes the codes' +8
+    uint32_t a1[PP][KS][4], a2[PP][KS][4];
+#pragma unroll
+    for (int j = 0; j < PP; ++j) {
+        const uint32_t on = slot == j ? 0xFFFFFFFFu : 0u;
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            if constexpr (R == 16) {
+                a1[j][s][0] = hi[0] & on, a1[j][s][1] = mid[0] & on, a2[j][s][0] = lo[0] & on, a2[j][s][1] = 0u;
+            } else {
+                a1[j][s][0] = hi[2 * s] & on, a1[j][s][1] = mid[2 * s] & on;
+                a1[j][s][2] = hi[2 * s + 1] & on, a1[j][s][3] = mid[2 * s + 1] & on;
+                a2[j][s][0] = lo[2 * s] & on, a2[j][s][1] = 0u, a2[j][s][2] = lo[2 * s + 1] & on, a2[j][s][3] = 0u;
+            }
         }
     }
-    const unsigned char* cbase = codes + (size_t)h * P * (R / 2) + m * CB;
-    const __half* sbase = scales + (size_t)h * P + 2 * m;   // this lane's tokens 2m, 2m + 1 of a tile
+    const int c1[4] = {-8 * shi, -8 * shi, -8 * smid, -8 * smid}, c2[4] = {-8 * slo, -8 * slo, 0, 0};
 
+    const unsigned char* cbase = codes + ((size_t)h * P + g) * (R / 2) + t * CB;   // token g of a tile
+    const __half* sbase = scales + (size_t)h * P + 2 * t;                            // tokens 2t, 2t + 1
     float run_m = -INFINITY, run_s = 0.0f;
-    // kUnits units a warp at a time: every load of them issued before the first product
-    for (int u0 = warp; u0 < units; u0 += kWarps * kUnits) {
-        uint32_t sc[kUnits][T];   // the scales of this lane's two tokens of each tile of its page, fp16 pairs
-        uint32_t w[kUnits][PP][T][CW];
+    for (int p0 = first + warp * kPages; p0 < last; p0 += kWarps * kPages) {
+        uint32_t w[kPages][T][CW], sc[kPages / PP][T];
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {
-            const int p0 = first + (u0 + i * kWarps) * PP;
-            const int p = p0 + pa;
+        for (int i = 0; i < kPages; ++i) {
+            const int p = p0 + i;
 #pragma unroll
-            for (int t = 0; t < T; ++t)
-                sc[i][t] = p < last ? __ldg(reinterpret_cast<const unsigned int*>(sbase + (size_t)p * PS + t * 8)) : 0u;
+            for (int tt = 0; tt < T; ++tt) {
+                if (p < last) {
+                    load_bytes<CB>(cbase + ((size_t)p * PS + tt * 8) * (R / 2), w[i][tt]);
+                } else {
 #pragma unroll
-            for (int pp = 0; pp < PP; ++pp)
-#pragma unroll
-                for (int t = 0; t < T; ++t) {
-                    if (p0 + pp < last) {
-                        load_bytes<CB>(cbase + ((size_t)(p0 + pp) * PS + t * 8 + r) * (R / 2), w[i][pp][t]);
-                    } else {
-#pragma unroll
-                        for (int k = 0; k < CW; ++k) w[i][pp][t][k] = 0x88888888u;   // codes 0
-                    }
+                    for (int k = 0; k < CW; ++k) w[i][tt][k] = 0u;
                 }
+            }
         }
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {
-            const int p0 = first + (u0 + i * kWarps) * PP;
-            if (p0 >= last) break;   // the same for the whole warp
-            const int p = p0 + pa;   // this lane's page in the result
-            float acc[T][4];
+        for (int i = 0; i < kPages / PP; ++i) {
+            const int p = p0 + i * PP + slot;   // the lane's page
 #pragma unroll
-            for (int t = 0; t < T; ++t) {
-                float part[PP][4];
+            for (int tt = 0; tt < T; ++tt)
+                sc[i][tt] = p < last ? __ldg(reinterpret_cast<const unsigned int*>(sbase + (size_t)p * PS + tt * 8)) : 0u;
+        }
 #pragma unroll
-                for (int pp = 0; pp < PP; ++pp) {
+        for (int i = 0; i < kPages / PP; ++i) {
+            const int p = p0 + i * PP + slot;
+            if (p0 + i * PP >= last) break;   // the same for the whole warp
+            float v[2 * T];
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) part[pp][k] = 0.0f;
+            for (int tt = 0; tt < T; ++tt) {
+                int d1[4], d2[4];
+#pragma unroll
+                for (int j = 0; j < PP; ++j) {
+                    const uint32_t* wj = w[i * PP + j][tt];
 #pragma unroll
                     for (int s = 0; s < KS; ++s) {
-                        uint32_t byte = (w[i][pp][t][s / 4] >> (8 * (s % 4))) & 0xFFu;
-                        mma_tf32(part[pp], a[s], nibble_f32(byte & 15u), nibble_f32(byte >> 4));
+                        uint32_t b[2];
+                        if constexpr (R == 16) {
+                            b[0] = (wj[0] & 0x0F0Fu) | ((wj[0] & 0xF0F0u) << 12);
+                            b[1] = 0u;
+                        } else {
+                            b[0] = wj[s] & 0x0F0F0F0Fu;
+                            b[1] = (wj[s] >> 4) & 0x0F0F0F0Fu;
+                        }
+                        const bool fresh = j == 0 && s == 0;
+                        if constexpr (R == 16) {
+                            mma_k16(d1, a1[j][s], b, fresh ? c1 : d1);
+                            mma_k16(d2, a2[j][s], b, fresh ? c2 : d2);
+                        } else {
+                            mma_k32(d1, a1[j][s], b, fresh ? c1 : d1);
+                            mma_k32(d2, a2[j][s], b, fresh ? c2 : d2);
+                        }
                     }
                 }
+                // the lane's tokens 2t, 2t + 1 of the tile: hi * 2^16 + mid * 2^8 + lo, times the token's scale
 #pragma unroll
-                for (int k = 0; k < 4; ++k) acc[t][k] = (PP == 1 || pa == 0) ? part[0][k] : part[PP - 1][k];
+                for (int e = 0; e < 2; ++e) {
+                    const float f = __int2float_rn(d1[e]) * 65536.0f + __int2float_rn(d1[2 + e] * 256 + d2[e]);
+                    v[2 * tt + e] = f * (coef * half_at(sc[i][tt], e));
+                }
             }
-            // this lane's tokens: 2m, 2m + 1 of every tile; high + low part, times the token's scale
-            float v[2 * T];
-            float mx = -INFINITY;
+            float mx = v[0];
 #pragma unroll
-            for (int t = 0; t < T; ++t) {
-                v[2 * t] = (acc[t][0] + acc[t][2]) * half_at(sc[i][t], 0);
-                v[2 * t + 1] = (acc[t][1] + acc[t][3]) * half_at(sc[i][t], 1);
-                mx = fmaxf(mx, fmaxf(v[2 * t], v[2 * t + 1]));
-            }
+            for (int k = 1; k < 2 * T; ++k) mx = fmaxf(mx, v[k]);
             mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
             float sum = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 2 * T; ++k) sum += __expf(v[k] - mx);
+            for (int k = 0; k < 2 * T; ++k) sum += ex2(v[k] - mx);
             sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
             sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-            const float l = mx + __logf(sum);
-            if (p < last && g < grp) {
-                if (m == 0) out[((size_t)h * grp + g) * n + p] = l;
-                lse_merge(run_m, run_s, l, 1.0f);
+            const float l2 = mx + lg2(sum);
+            if (real && p < last) {
+                if (t == 0) out[((size_t)h * grp + head) * n + p] = l2 * kLn2;
+                lse2_merge(run_m, run_s, l2, 1.0f);
             }
         }
     }
     if (pm == nullptr) return;
-    // the block's share: lanes of one query head (rows g, g + HP, ... of every warp) merged
-#pragma unroll
-    for (int off = 4 * HP; off < 32; off *= 2) {
-        float m2 = __shfl_xor_sync(0xFFFFFFFFu, run_m, off);
-        float s2 = __shfl_xor_sync(0xFFFFFFFFu, run_s, off);
-        lse_merge(run_m, run_s, m2, s2);
+    // the block's share: a quad holds its head's log-sum-exps of its pages; with two pages a step the
+    // quads of rows g and g + 4 hold the same head's
+    if constexpr (PP == 2) {
+        const float m2 = __shfl_xor_sync(0xFFFFFFFFu, run_m, 16), s2 = __shfl_xor_sync(0xFFFFFFFFu, run_s, 16);
+        lse2_merge(run_m, run_s, m2, s2);
     }
     __shared__ float sm[kWarps][8], ss[kWarps][8];
-    if (m == 0 && r < HP) {
-        sm[warp][g] = run_m;
-        ss[warp][g] = run_s;
+    if (t == 0 && slot == 0) {
+        sm[warp][head] = run_m;
+        ss[warp][head] = run_s;
     }
     __syncthreads();
     if (threadIdx.x < grp) {
         const int gg = threadIdx.x;
         float bm = sm[0][gg], bs = ss[0][gg];
-        for (int w = 1; w < kWarps; ++w) lse_merge(bm, bs, sm[w][gg], ss[w][gg]);
-        pm[((size_t)h * grp + gg) * nb + c] = bm;
+        for (int k = 1; k < kWarps; ++k) lse2_merge(bm, bs, sm[k][gg], ss[k][gg]);
+        pm[((size_t)h * grp + gg) * nb + c] = bm * kLn2;
         psum[((size_t)h * grp + gg) * nb + c] = bs;
     }
 }

@@ -136,6 +136,36 @@ def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, m
         assert torch.allclose(pm, pm2, rtol=1e-5, atol=1e-5)
 
 
+def test_the_tensor_core_sketch_kernel_scales_each_query_row():
+    """The kernel puts each query head's row into integers at its own scale: rows of 1e-30, of 1e30
+    and of zeros beside an ordinary one score as the torch reference does, and a row holding NaN or
+    inf scores NaN (a page never gets a number from a row it could not scale)."""
+    from zeroedge import kernels_lib
+    from zeroedge.kv import cuda_sketch
+    from zeroedge.kv import kernels as K
+
+    lib = cuda_sketch.load(kernels_lib.default_path())
+    nkv, grp, R, PS, n = 2, 4, 32, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    codes = torch.randint(0, 16, (nkv, n * PS, R), generator=g, device="cuda")
+    codes = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    scales = (torch.rand(nkv, n * PS, generator=g, device="cuda") * 0.5 + 0.01).half()
+    qr = torch.randn(nkv, grp, R, generator=g, device="cuda") * 3
+    qr[0, 0] *= 1e-30
+    qr[0, 1] *= 1e30
+    qr[0, 2] = 0
+    qr[1, 0, 5] = float("nan")
+    qr[1, 1, 17] = float("inf")
+    out = torch.empty(nkv, grp, n, device="cuda")
+    cuda_sketch.sketch_page_lse(lib, qr, codes, scales, PS, out, None, 64)
+    ref = K.sketch_page_lse_ref(qr.double(), codes, scales.double(), PS)
+    assert out[1, :2].isnan().all()
+    ok = torch.ones(nkv, grp, dtype=torch.bool)
+    ok[1, :2] = False
+    got, want = out[ok].double(), ref[ok]
+    assert ((got - want).abs() <= 1e-5 * (1 + want.abs())).all(), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("lag,ahead,attn,sketch_kernel", [
     (0, 0, "auto", "triton"), (1, 0, "auto", "triton"), (0, 0, "sdpa", "triton"), (0, 0, "auto", "cuda"),
     (1, 0, "auto", "cuda"), (0, 1, "auto", "cuda"), (0, 2, "auto", "triton"), (0, 1, "sdpa", "triton")],

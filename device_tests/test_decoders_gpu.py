@@ -137,9 +137,10 @@ def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, m
 
 
 def test_the_tensor_core_sketch_kernel_scales_each_query_row():
-    """The kernel puts each query head's row into integers at its own scale: rows of 1e-30, of 1e30
-    and of zeros beside an ordinary one score as the torch reference does, and a row holding NaN or
-    inf scores NaN (a page never gets a number from a row it could not scale)."""
+    """The kernel puts each query head's row into integers at its own scale: rows of 1e-35 (below
+    FLT_MAX's reciprocal of 127 * 2^16 steps), 1e-30, 1e30 and zeros beside ordinary ones score as
+    the torch reference does, and a row holding NaN or inf scores NaN (a page never gets a number
+    from a row it could not scale)."""
     from zeroedge import kernels_lib
     from zeroedge.kv import cuda_sketch
     from zeroedge.kv import kernels as K
@@ -156,6 +157,7 @@ def test_the_tensor_core_sketch_kernel_scales_each_query_row():
     qr[0, 2] = 0
     qr[1, 0, 5] = float("nan")
     qr[1, 1, 17] = float("inf")
+    qr[1, 2] *= 1e-35
     out = torch.empty(nkv, grp, n, device="cuda")
     cuda_sketch.sketch_page_lse(lib, qr, codes, scales, PS, out, None, 64)
     ref = K.sketch_page_lse_ref(qr.double(), codes, scales.double(), PS)

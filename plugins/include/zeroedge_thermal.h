@@ -15,7 +15,8 @@
  *   max pm and sum psum of exp(out - pm) (pm = -inf and psum = 0 for a share of no page).
  * The products run on integer tensor cores: each query head's row scaled to 127 * 2^16 steps at its
  * largest |value| and split into three signed-byte digits (about 23 bits), codes exact, sums exact in
- * int32 until one float rounding. A non-finite query scores NaN.
+ * int32, then rounded to float. A query row holding NaN or inf scores NaN pages, and its shares count
+ * no page (pm = -inf, psum = 0).
  * Limits: rank 16, 32 or 64; page_size 8 or 16; 1 <= grp <= 8; compute capability 8.0 or newer;
  * codes 8-byte and scales 4-byte aligned.
  */

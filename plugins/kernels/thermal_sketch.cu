@@ -1,21 +1,23 @@
 // Thermal KV's page scores from the int4 key sketch (include/zeroedge_thermal.h) on integer tensor cores.
 //
-// A warp scores a page a step with mma m16n8k32 (rank 16: m16n8k16), s8 x u8 -> s32: B is one 8-token
-// tile of the page's codes as stored (0..15, the +8 offset kept), two instructions unpack a lane's 4
-// code bytes to 8 bytes; A is the query in integers. Each query head's row is scaled so its largest
+// A warp scores pages with mma m16n8k32 (rank 16: m16n8k16), s8 x u8 -> s32: B is one 8-token tile of
+// a page's codes as stored (0..15, the +8 offset kept; at rank >= 32 two instructions unpack a lane's
+// 4 code bytes to 8 bytes); A is the query in integers. Each query head's row is scaled so its largest
 // |value| is 127 * 2^16 steps and split into three signed bytes (hi, mid, lo), ~23 bits: one product
-// holds hi (row g: query head g) and mid (row g + 8), a second one lo, and the accumulators start at
-// -8 * (the row's digit sum), which removes the code offset exactly. A lane then holds its two tokens
-// of the tile for its row's query head: hi * 2^16 + mid * 2^8 + lo, exact until one float rounding.
-// Lane (g = lane / 4, t = lane % 4) loads bytes CB t .. CB t + CB - 1 of token g's codes (CB = rank /
-// 8), so the k index of a product is remapped to the directions those bytes hold, on both sides. With
-// <= 4 query heads a kv head, rows 4..7 hold the same heads for a second page (each page's A is zero in
-// the other's rows, so the two chain into one accumulator): a step scores two pages. The quad of a
-// row (its 4 lanes) reduces the page's log-sum-exp with two shuffles, in base 2 until the store. The
-// tf32 kernel this replaced converted each code to a float and discarded half of each product with
-// <= 4 query heads: 295 instructions for 4 pages against 187 (benchmarks/thermal_kv.md 2ac).
+// holds hi (row g) and mid (row g + 8) of the row's query head, a second one lo, and the accumulators
+// start at -8 * (the row's digit sum), which removes the code offset exactly. A lane then holds its two
+// tokens of the tile: hi * 2^16 + mid * 2^8 + lo, exact in int32, then rounded to float (twice at
+// most). Lane (g = lane / 4, t = lane % 4) loads bytes CB t .. CB t + CB - 1 of token g's codes (CB =
+// rank / 8), so the k index of a product is remapped to the directions those bytes hold, on both
+// sides. With more than 4 query heads a kv head, row g is query head g and a step scores one page;
+// with <= 4, rows g and g + 4 are query head g % 4 for two pages (each page's A is zero in the other's
+// rows, so the two chain into one accumulator) and a step scores two. The quad of a row (its 4 lanes)
+// reduces the page's log-sum-exp with two shuffles, in base 2 until the store. The tf32 kernel this
+// replaced converted each code to a float and discarded half of each product with <= 4 query heads:
+// 295 instructions for 4 pages against 187 (benchmarks/thermal_kv.md 2ac).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <float.h>
 #include <stdint.h>
 
 #include "zeroedge_thermal.h"
@@ -145,8 +147,9 @@ sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict_
         amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
         bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, off);
     }
-    const float inv = amax > 0.0f ? (float)kQMax / amax : 0.0f;
-    const float coef = bad ? __int_as_float(0x7FC00000) : (amax / (float)kQMax) * kLog2e;   // a step, in base 2
+    // steps a unit; a row below kQMax / FLT_MAX (~2e-32) takes fewer steps rather than an infinite scale
+    const float inv = amax > 0.0f ? fminf((float)kQMax / amax, FLT_MAX) : 0.0f;
+    const float coef = bad ? __int_as_float(0x7FC00000) : inv > 0.0f ? kLog2e / inv : 0.0f;   // a step, in base 2
     uint32_t hi[AW] = {}, mid[AW] = {}, lo[AW] = {};
     int shi = 0, smid = 0, slo = 0;
 #pragma unroll

@@ -1,7 +1,8 @@
 """The plugin library's tensor-core sketch kernel (plugins/kernels/thermal_sketch.cu) against the Triton
 one, with launch variants: pages a warp loads at a time (ZE_SKETCH_PAGES), warps a block
-(ZE_SKETCH_WARPS) and pages a block (a share), or two builds of the kernel (old and new source); µs a layer, 16 layers' sketches in one CUDA graph, llama-3.2-1b shape (8 kv
-heads x 4 query heads, rank 32, pages of 8), random codes. Its arithmetic is checked by
+(ZE_SKETCH_WARPS) and pages a block (a share), or two builds of the kernel (old and new source);
+µs a layer, 16 layers' sketches in one CUDA graph, llama-3.2-1b shape (8 kv heads x 4 query heads,
+rank 32, pages of 8), random codes. Its arithmetic is checked by
 device_tests/test_decoders_gpu.py.
 
     for u in 2 4 8; do for w in 4 8; do nvcc -shared -Xcompiler -fPIC -O3 -arch=sm_90 \

@@ -1,0 +1,144 @@
+"""What each piece of thermal's side-stream refresh costs the decode step (H200, llama-3.2-1b shape,
+bf16, random weights and prefix): x the dense loop for the 7.5 % hot, ahead-1 setting (14.9 % device KV)
+and for variants that leave a piece out or launch it otherwise. An ablation for speed only: the
+left-out variants decide on stale or no scores. Rows alternate in order over --reps runs; the dense
+loop is timed before and after and its mean is the divisor.
+
+  shipped       the setting as it ships (kv.policy defaults but budget 0.075, ahead 1)
+  window        no refresh after the first step (the ceiling)
+  no_swap       the sketch scored, no selection or page move (kernels.swap_pages left out)
+  no_sketch     no query projection or sketch (kernels.sketch_page_lse_q returns fixed scores)
+  predict_only  neither: the side stream computes only the predicted query
+  dec4          the selection's `dec` program with 4 warps (kernels.SWAP_WARPS (1, 4))
+  two_streams   even and odd layers' refreshes on two side streams (each with its own share buffers)
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_side_costs_gpu.py [--ctx 131072] [--reps 3]
+        [--rows shipped,window,...] [--json OUT]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_setup as bs  # noqa: E402
+
+GEN = 400
+ROWS = ["shipped", "window", "no_swap", "no_sketch", "predict_only", "dec4", "two_streams"]
+
+
+def main():
+    ap = bs.parser(__doc__)
+    ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = a.rows.split(",")
+    if not set(rows) <= set(ROWS):
+        raise SystemExit(f"--rows: each of {', '.join(ROWS)}")
+    if not bs.cuda_or_skip("thermal_side_costs_gpu: needs CUDA"):
+        return
+    import torch
+
+    from zeroedge.kv import attention as KA
+    from zeroedge.kv import kernels as K
+    from zeroedge.kv.tiers import shared_stream
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+    m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16)
+    TA = KA.ThermalAttention
+    shipped = dict(bind=TA.bind, layer_input=TA.layer_input, finish=TA.finish,
+                   lse=K.sketch_page_lse_q, swap=K.swap_pages, warps=K.SWAP_WARPS)
+    fixed = {}
+
+    def fixed_scores(q, A, codes, scales, page_size, **_):
+        key = codes.data_ptr()
+        if key not in fixed:
+            nkv, P, _r2 = codes.shape
+            fixed[key] = torch.randn(nkv, q.shape[0] // nkv, P // page_size, device=codes.device)
+        return fixed[key]
+
+    def two_bind(self, *args, **kw):
+        shipped["bind"](self, *args, **kw)
+        if self.side is not None:
+            low, _ = torch.cuda.Stream.priority_range()
+            self.sides = [self.side, shared_stream(self.device, "refresh2", low)]
+            self.parts = [self.lse_part, tuple(torch.empty_like(t) for t in self.lse_part)]
+
+    def two_layer_input(self, li, x, predict, flag):
+        if not (flag and self.ahead):
+            return
+        targets = range(1, min(self.ahead, self.L - 1) + 1) if li == 0 else (
+            [li + self.ahead] if li + self.ahead < self.L else [])
+        for t in targets:
+            s = self.sides[t % 2]
+            s.wait_stream(torch.cuda.current_stream())
+            x.record_stream(s)
+            self.lse_part = self.parts[t % 2]
+            with torch.cuda.stream(s):
+                self._swap(t, *predict(t, x))
+                self.ready[t].record()
+            self.lse_part = self.parts[0]
+            self._forked = True
+
+    def two_finish(self):
+        if self._forked:
+            for s in self.sides:
+                torch.cuda.current_stream().wait_stream(s)
+            self._forked = False
+
+    def set_row(row):
+        two = row == "two_streams"
+        TA.bind = two_bind if two else shipped["bind"]
+        TA.layer_input = two_layer_input if two else shipped["layer_input"]
+        TA.finish = two_finish if two else shipped["finish"]
+        K.sketch_page_lse_q = fixed_scores if row in ("no_sketch", "predict_only") else shipped["lse"]
+        K.swap_pages = (lambda *_, **__: None) if row in ("no_swap", "predict_only") else shipped["swap"]
+        K.SWAP_WARPS = (1, 4) if row == "dec4" else shipped["warps"]
+
+    def dense_ms():
+        d = DenseDecoder(m, a.ctx + GEN)
+        d.attention.kv.normal_()
+        ms = bs.decode_step_ms(d, start=a.ctx, n=64)
+        del d
+        torch.cuda.empty_cache()
+        return ms
+
+    d_ms = [dense_ms()]
+    ks, vs = bs.random_prefix(m.cfg, a.ctx, "cuda", torch.bfloat16)
+    ms = {r: [] for r in rows}
+    for rep in range(a.reps):
+        for row in (rows if rep % 2 == 0 else rows[::-1]):
+            set_row(row)
+            opts = dict(budget=0.075, ahead=1, cold="int8", attn="triton")
+            if row == "window":
+                opts["refresh_every"] = 10 ** 6
+            t = ThermalDecoder(m, a.ctx, GEN, **opts)
+            t.load_prefix(ks, vs)
+            ms[row].append(bs.decode_step_ms(t, start=a.ctx, n=64))
+            print(json.dumps({"row": row, "rep": rep, "ms": round(ms[row][-1], 4)}), flush=True)
+            del t
+            torch.cuda.empty_cache()
+    set_row("shipped")
+    del ks, vs
+    torch.cuda.empty_cache()
+    d_ms.append(dense_ms())
+    dm = sum(d_ms) / len(d_ms)
+    out = {"ctx": a.ctx, "dense_ms": [round(x, 4) for x in d_ms], "rows": {}}
+    for r, v in ms.items():
+        x = [dm / t for t in v]
+        out["rows"][r] = {"x_dense": [round(e, 3) for e in x], "mean": round(sum(x) / len(x), 3),
+                          "us_a_layer_over_window": None}
+    if "window" in ms:
+        w = sum(ms["window"]) / len(ms["window"])
+        for r, v in ms.items():
+            out["rows"][r]["us_a_layer_over_window"] = round((sum(v) / len(v) - w) * 1e3 / m.cfg.n_layers, 2)
+    print(json.dumps(out), flush=True)
+    if a.json:
+        bs.write_json(a.json, {"device": bs.device_info(), **out})
+
+
+if __name__ == "__main__":
+    main()

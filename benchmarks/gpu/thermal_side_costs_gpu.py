@@ -11,6 +11,8 @@ loop is timed before and after and its mean is the divisor.
   predict_only  neither: the side stream computes only the predicted query
   dec4          the selection's `dec` program with 4 warps (kernels.SWAP_WARPS (1, 4))
   two_streams   even and odd layers' refreshes on two side streams (each with its own share buffers)
+  predict_int8  the predicted query from a packed int8 (group 128, symmetric) copy of the query rows
+  predict_int4  the same from int4 (the queries differ: speed only, quality unmeasured)
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_side_costs_gpu.py [--ctx 131072] [--reps 3]
         [--rows shipped,window,...] [--json OUT]
@@ -25,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_setup as bs  # noqa: E402
 
 GEN = 400
-ROWS = ["shipped", "window", "no_swap", "no_sketch", "predict_only", "dec4", "two_streams"]
+ROWS = ["shipped", "window", "no_swap", "no_sketch", "predict_only", "dec4", "two_streams", "predict_int8",
+        "predict_int4"]
 
 
 def main():
@@ -45,12 +48,26 @@ def main():
     from zeroedge.kv import attention as KA
     from zeroedge.kv import kernels as K
     from zeroedge.kv.tiers import shared_stream
-    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+    from zeroedge.quant import packed as QP
+    from zeroedge.quant.groupwise import Scheme
+    from zeroedge.quant.packed import PackedLinear
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder, fused_weights
 
     m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16)
     TA = KA.ThermalAttention
     shipped = dict(bind=TA.bind, layer_input=TA.layer_input, finish=TA.finish,
-                   lse=K.sketch_page_lse_q, swap=K.swap_pages, warps=K.SWAP_WARPS)
+                   lse=K.sketch_page_lse_q, swap=K.swap_pages, warps=K.SWAP_WARPS, linear=QP.linear)
+    qrows = {}          # (data_ptr, rows) of each layer's query rows -> {bits: PackedLinear}
+
+    def query_rows_packed(bits):
+        def linear(x, w, bias=None, **kw):
+            key = (w.data_ptr(), w.shape[0]) if isinstance(w, torch.Tensor) else None
+            if key in qrows:
+                if bits not in qrows[key]:
+                    qrows[key][bits] = PackedLinear.from_weight(w, Scheme(bits=bits, group=128, symmetric=True))
+                w = qrows[key][bits]
+            return shipped["linear"](x, w, bias, **kw)
+        return linear
     fixed = {}
 
     def fixed_scores(q, A, codes, scales, page_size, **_):
@@ -97,6 +114,7 @@ def main():
         K.sketch_page_lse_q = fixed_scores if row in ("no_sketch", "predict_only") else shipped["lse"]
         K.swap_pages = (lambda *_, **__: None) if row in ("no_swap", "predict_only") else shipped["swap"]
         K.SWAP_WARPS = (1, 4) if row == "dec4" else shipped["warps"]
+        QP.linear = query_rows_packed(int(row[-1])) if row.startswith("predict_int") else shipped["linear"]
 
     def dense_ms():
         d = DenseDecoder(m, a.ctx + GEN)
@@ -106,6 +124,9 @@ def main():
         torch.cuda.empty_cache()
         return ms
 
+    rows_q = m.cfg.n_heads * m.cfg.head_dim
+    for w in fused_weights(m).layers:
+        qrows[(w["wqkv"].data_ptr(), rows_q)] = {}
     d_ms = [dense_ms()]
     ks, vs = bs.random_prefix(m.cfg, a.ctx, "cuda", torch.bfloat16)
     ms = {r: [] for r in rows}

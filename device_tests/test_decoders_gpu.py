@@ -133,7 +133,8 @@ def test_the_tensor_core_sketch_kernel_matches_the_reference_and_triton(shape, m
         pm2, psum2 = torch.empty_like(pm), torch.empty_like(psum)
         tri = K.sketch_page_lse(qr, codes, scales, PS, part=(pm2, psum2))
         assert ((out - tri).abs() <= tol.float()).all()
-        assert torch.allclose(pm, pm2, rtol=1e-5, atol=1e-5)
+        # each share's log-sum-exp (the pair's reference may differ: the CUDA kernel's is a page maximum)
+        assert torch.allclose(pm + psum.log(), pm2 + psum2.log(), rtol=1e-5, atol=1e-5)
 
 
 def test_the_tensor_core_sketch_kernel_scales_each_query_row():
@@ -159,13 +160,18 @@ def test_the_tensor_core_sketch_kernel_scales_each_query_row():
     qr[1, 1, 17] = float("inf")
     qr[1, 2] *= 1e-35
     out = torch.empty(nkv, grp, n, device="cuda")
-    cuda_sketch.sketch_page_lse(lib, qr, codes, scales, PS, out, None, 64)
+    pm, psum = torch.empty(nkv, grp, 4, device="cuda"), torch.empty(nkv, grp, 4, device="cuda")
+    cuda_sketch.sketch_page_lse(lib, qr, codes, scales, PS, out, (pm, psum), 16)
     ref = K.sketch_page_lse_ref(qr.double(), codes, scales.double(), PS)
     assert out[1, :2].isnan().all()
+    assert (pm[1, :2] == float("-inf")).all() and (psum[1, :2] == 0).all()      # its shares count no page
     ok = torch.ones(nkv, grp, dtype=torch.bool)
     ok[1, :2] = False
     got, want = out[ok].double(), ref[ok]
     assert ((got - want).abs() <= 1e-5 * (1 + want.abs())).all(), (got - want).abs().max()
+    shares = (pm.double() + psum.double().log())[ok]
+    want_s = ref.view(nkv, grp, 4, 16).logsumexp(-1)[ok]
+    assert ((shares - want_s).abs() <= 1e-5 * (1 + want_s.abs())).all(), (shares - want_s).abs().max()
 
 
 @pytest.mark.parametrize("lag,ahead,attn,sketch_kernel", [

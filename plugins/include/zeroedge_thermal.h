@@ -12,7 +12,8 @@
  *   out    [nkv, grp, n] fp32
  * pm, psum (both or neither): [nkv, grp, nb] fp32 with nb = ceil(n / pages_per_share). Share c of
  *   query head g is its log-sum-exp over pages c * pages_per_share .. + pages_per_share - 1, as
- *   max pm and sum psum of exp(out - pm) (pm = -inf and psum = 0 for a share of no page).
+ *   a reference pm and the sum psum of exp(out - pm): the share's log-sum-exp is pm + ln(psum), pm at
+ *   most that (pm = -inf and psum = 0 for a share of no page).
  * The products run on integer tensor cores: each query head's row scaled to 127 * 2^16 steps at its
  * largest |value| and split into three signed-byte digits (about 23 bits), codes exact, sums exact in
  * int32, then rounded to float. A query row holding NaN or inf scores NaN pages, and its shares count

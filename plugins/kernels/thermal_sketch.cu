@@ -12,9 +12,11 @@
 // sides. With more than 4 query heads a kv head, row g is query head g and a step scores one page;
 // with <= 4, rows g and g + 4 are query head g % 4 for two pages (each page's A is zero in the other's
 // rows, so the two chain into one accumulator) and a step scores two. The quad of a row (its 4 lanes)
-// reduces the page's log-sum-exp with two shuffles, in base 2 until the store. The tf32 kernel this
-// replaced converted each code to a float and discarded half of each product with <= 4 query heads:
-// 295 instructions for 4 pages against 187 (benchmarks/thermal_kv.md 2ac).
+// sums the page's exponentials with two shuffles, in base 2 until the store, against a reference it
+// keeps for its share (the largest page maximum so far), so a page needs no maximum of its own while its
+// values stay near it; the share's (reference, sum) pair is what pm / psum receive. The tf32 kernel this
+// replaced converted each code to a float and discarded half of each product with <= 4 query heads: 295
+// instructions for 4 pages against 187, 166 with the reference (benchmarks/thermal_kv.md 2ac, 2ad).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <float.h>
@@ -35,6 +37,7 @@ constexpr int kPages = ZE_SKETCH_PAGES;   // pages a warp loads before it comput
 constexpr int kQMax = 127 * 65536;        // a row's largest |query| in steps: three signed-byte digits
 constexpr float kLn2 = 0.69314718055994531f;
 constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kAbove = 16.0f, kBelow = 32.0f;   // base 2: the fast path's window around a quad's reference
 
 // d = a (16 x 32 s8, row) . b (32 x 8 u8, col) + c: a = {rows 0-7 k 0-15, rows 8-15 k 0-15, rows 0-7
 // k 16-31, rows 8-15 k 16-31} (a lane's 4 bytes each), b = {k 0-15, k 16-31}
@@ -190,7 +193,8 @@ sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict_
 
     const unsigned char* cbase = codes + ((size_t)h * P + g) * (R / 2) + t * CB;   // token g of a tile
     const __half* sbase = scales + (size_t)h * P + 2 * t;                            // tokens 2t, 2t + 1
-    float run_m = -INFINITY, run_s = 0.0f;
+    // the share so far: the sum of 2^(page lse - ref) over its pages, and the window of the fast path
+    float ref = -INFINITY, run_s = 0.0f, lo_b = INFINITY, hi_b = -INFINITY;
     for (int p0 = first + warp * kPages; p0 < last; p0 += kWarps * kPages) {
         uint32_t w[kPages][T][CW], sc[kPages / PP][T];
 #pragma unroll
@@ -251,26 +255,43 @@ sketch_lse_kernel(const float* __restrict__ qr, const unsigned char* __restrict_
                     v[2 * tt + e] = f * (coef * half_at(sc[i][tt], e));
                 }
             }
-            float mx = v[0];
+            // the page's log-sum-exp (base 2) against the quad's reference `ref`, the largest page maximum
+            // its share has taken: while every lane's values lie within [ref - kBelow, ref + kAbove], no
+            // exponential over- or underflows, so the page needs no maximum of its own (no shuffles) and
+            // the share's sum takes it with one add. Otherwise (a quad's first page, a page far above or
+            // below, a page whose maximum is not finite) the warp takes each page's maximum, as the kernel did before,
+            // and raises ref to it (the share's sum rescaled)
+            const bool counts = real && p < last;   // the same for the quad (one head, one page)
+            float lm = v[0];
 #pragma unroll
-            for (int k = 1; k < 2 * T; ++k) mx = fmaxf(mx, v[k]);
-            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+            for (int k = 1; k < 2 * T; ++k) lm = fmaxf(lm, v[k]);
+            const bool fast = __all_sync(0xFFFFFFFFu, !counts || (lm <= hi_b && lm >= lo_b));
+            float pr = ref, wgt = 1.0f;
+            if (!fast) {   // the same for the whole warp
+                pr = fmaxf(lm, __shfl_xor_sync(0xFFFFFFFFu, lm, 1));
+                pr = fmaxf(pr, __shfl_xor_sync(0xFFFFFFFFu, pr, 2));
+                if (counts && isfinite(pr) && pr > ref) {
+                    run_s *= ex2(ref - pr);   // 0 while ref is -inf
+                    ref = pr;
+                    lo_b = ref - kBelow, hi_b = ref + kAbove;
+                }
+                wgt = isfinite(pr) ? ex2(pr - ref) : 0.0f;   // a page without a finite maximum: not counted
+            }
             float sum = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 2 * T; ++k) sum += ex2(v[k] - mx);
+            for (int k = 0; k < 2 * T; ++k) sum += ex2(v[k] - pr);
             sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
             sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-            const float l2 = mx + lg2(sum);
-            if (real && p < last) {
-                if (t == 0) out[((size_t)h * grp + head) * n + p] = l2 * kLn2;
-                lse2_merge(run_m, run_s, l2, 1.0f);
+            if (counts) {
+                if (t == 0) out[((size_t)h * grp + head) * n + p] = (pr + lg2(sum)) * kLn2;
+                if (wgt != 0.0f) run_s = fmaf(sum, wgt, run_s);
             }
         }
     }
     if (pm == nullptr) return;
     // the block's share: a quad holds its head's log-sum-exps of its pages; with two pages a step the
     // quads of rows g and g + 4 hold the same head's
+    float run_m = run_s > 0.0f ? ref : -INFINITY;
     if constexpr (PP == 2) {
         const float m2 = __shfl_xor_sync(0xFFFFFFFFu, run_m, 16), s2 = __shfl_xor_sync(0xFFFFFFFFu, run_s, 16);
         lse2_merge(run_m, run_s, m2, s2);

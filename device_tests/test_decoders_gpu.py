@@ -209,15 +209,16 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, ahead, attn, 
 def test_ahead_on_the_side_stream_decides_as_inline(setup, ahead, monkeypatch):
     """ahead: the refreshes on the side stream inside the step's graph (each layer's attention waits
     for its own) leave the same windows, page tables and logits as the same decoder's graph with
-    each refresh inline at the layer that predicts it. Each side-stream refresh is held back ~2 ms
-    first, so a missing join would have the attention read the window before its swaps."""
+    each refresh inline at the layer that predicts it. Each side-stream refresh (even and odd layers on
+    two streams) is held back ~2 ms first, so a missing join would have the attention read the window
+    before its swaps."""
     from zeroedge.kv.attention import ThermalAttention
     from zeroedge.runtime.fast import ThermalDecoder
 
     swap = ThermalAttention._swap
 
     def late_swap(self, li, q, rope=None):
-        if self.side is not None and torch.cuda.current_stream() == self.side:
+        if self.side is not None and torch.cuda.current_stream() in self.sides:
             torch.cuda._sleep(3_000_000)
         return swap(self, li, q, rope)
 

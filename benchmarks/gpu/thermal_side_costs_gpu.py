@@ -10,12 +10,13 @@ loop is timed before and after and its mean is the divisor.
   no_sketch     no query projection or sketch (kernels.sketch_page_lse_q returns fixed scores)
   predict_only  neither: the side stream computes only the predicted query
   dec4          the selection's `dec` program with 4 warps (kernels.SWAP_WARPS (1, 4))
-  two_streams   even and odd layers' refreshes on two side streams (each with its own share buffers)
+  one_stream    every refresh on one side stream, as before session 30 (whose first runs measured the
+                two streams as a `two_streams` row over one: git show d8708f4:benchmarks/gpu/thermal_side_costs_gpu.py)
   predict_int8  the predicted query from a packed int8 (group 128, symmetric) copy of the query rows
   predict_int4  the same from int4 (the queries differ: speed only, quality unmeasured)
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/thermal_side_costs_gpu.py [--ctx 131072] [--reps 3]
-        [--rows shipped,window,...] [--json OUT]
+        [--rows shipped,window,...] [--compile] [--json OUT]
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_setup as bs  # noqa: E402
 
 GEN = 400
-ROWS = ["shipped", "window", "no_swap", "no_sketch", "predict_only", "dec4", "two_streams", "predict_int8",
+ROWS = ["shipped", "window", "no_swap", "no_sketch", "predict_only", "dec4", "one_stream", "predict_int8",
         "predict_int4"]
 
 
@@ -36,6 +37,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--compile", action="store_true",
+                    help="dense and thermal alike with torch.compile'd layer bodies (runtime.fast.Decoder.compile)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = a.rows.split(",")
@@ -47,16 +50,16 @@ def main():
 
     from zeroedge.kv import attention as KA
     from zeroedge.kv import kernels as K
-    from zeroedge.kv.tiers import shared_stream
     from zeroedge.quant import packed as QP
     from zeroedge.quant.groupwise import Scheme
     from zeroedge.quant.packed import PackedLinear
-    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder, fused_weights
+    from zeroedge.runtime.fast import Decoder, DenseDecoder, ThermalDecoder, fused_weights
+
+    Decoder.compile = a.compile
 
     m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16)
     TA = KA.ThermalAttention
-    shipped = dict(bind=TA.bind, layer_input=TA.layer_input, finish=TA.finish,
-                   lse=K.sketch_page_lse_q, swap=K.swap_pages, warps=K.SWAP_WARPS, linear=QP.linear)
+    shipped = dict(fork=TA._fork, lse=K.sketch_page_lse_q, swap=K.swap_pages, warps=K.SWAP_WARPS, linear=QP.linear)
     qrows = {}          # (data_ptr, rows) of each layer's query rows -> {bits: PackedLinear}
 
     def query_rows_packed(bits):
@@ -77,40 +80,11 @@ def main():
             fixed[key] = torch.randn(nkv, q.shape[0] // nkv, P // page_size, device=codes.device)
         return fixed[key]
 
-    def two_bind(self, *args, **kw):
-        shipped["bind"](self, *args, **kw)
-        if self.side is not None:
-            low, _ = torch.cuda.Stream.priority_range()
-            self.sides = [self.side, shared_stream(self.device, "refresh2", low)]
-            self.parts = [self.lse_part, tuple(torch.empty_like(t) for t in self.lse_part)]
-
-    def two_layer_input(self, li, x, predict, flag):
-        if not (flag and self.ahead):
-            return
-        targets = range(1, min(self.ahead, self.L - 1) + 1) if li == 0 else (
-            [li + self.ahead] if li + self.ahead < self.L else [])
-        for t in targets:
-            s = self.sides[t % 2]
-            s.wait_stream(torch.cuda.current_stream())
-            x.record_stream(s)
-            self.lse_part = self.parts[t % 2]
-            with torch.cuda.stream(s):
-                self._swap(t, *predict(t, x))
-                self.ready[t].record()
-            self.lse_part = self.parts[0]
-            self._forked = True
-
-    def two_finish(self):
-        if self._forked:
-            for s in self.sides:
-                torch.cuda.current_stream().wait_stream(s)
-            self._forked = False
+    def one_stream_fork(self, li):
+        return shipped["fork"](self, 0)
 
     def set_row(row):
-        two = row == "two_streams"
-        TA.bind = two_bind if two else shipped["bind"]
-        TA.layer_input = two_layer_input if two else shipped["layer_input"]
-        TA.finish = two_finish if two else shipped["finish"]
+        TA._fork = one_stream_fork if row == "one_stream" else shipped["fork"]
         K.sketch_page_lse_q = fixed_scores if row in ("no_sketch", "predict_only") else shipped["lse"]
         K.swap_pages = (lambda *_, **__: None) if row in ("no_swap", "predict_only") else shipped["swap"]
         K.SWAP_WARPS = (1, 4) if row == "dec4" else shipped["warps"]
@@ -147,7 +121,7 @@ def main():
     torch.cuda.empty_cache()
     d_ms.append(dense_ms())
     dm = sum(d_ms) / len(d_ms)
-    out = {"ctx": a.ctx, "dense_ms": [round(x, 4) for x in d_ms], "rows": {}}
+    out = {"ctx": a.ctx, "compiled": a.compile, "dense_ms": [round(x, 4) for x in d_ms], "rows": {}}
     for r, v in ms.items():
         x = [dm / t for t in v]
         out["rows"][r] = {"x_dense": [round(e, 3) for e in x], "mean": round(sum(x) / len(x), 3),

@@ -15,10 +15,10 @@ attention reads only the window.
 Attention is the dense decoder's Triton kernel over the window's valid prefix on CUDA
 (zeroedge.kv.decode_attention), masked SDPA elsewhere. With lag 1 (kv.policy.ThermalSettings) a
 layer's refresh runs after its attention and serves the next step; on CUDA it then runs on a side
-stream inside the step's graph, beside the rest of the step. With ahead d, layer l's refresh scores
-pages with the query layer l's weights make from layer l - d's input (the decoder's `layer_input`
-hook), and on CUDA runs on that side stream beside layers l - d .. l - 1; layer l's attention waits
-for it. Layer 0's refresh then runs as with lag 1.
+stream inside the step's graph, beside the rest of the step (two side streams, even and odd layers
+apart). With ahead d, layer l's refresh scores pages with the query layer l's weights make from layer
+l - d's input (the decoder's `layer_input` hook), and on CUDA runs on its side stream beside layers
+l - d .. l - 1; layer l's attention waits for it. Layer 0's refresh then runs as with lag 1.
 """
 from __future__ import annotations
 
@@ -215,15 +215,19 @@ class ThermalAttention:
         # lag 1 (ahead: layer 0): each layer's query after RoPE, read by its refresh (on CUDA on a side
         # stream, joined at the end of the step by `finish`)
         self.qbuf = torch.empty(L, H, hd, device=device, dtype=dtype) if self.lag or self.ahead else None
-        # the side stream at the lowest priority and the step's own at the highest: the refreshes fill
-        # the gaps the step leaves (CUDA graphs keep each node's stream priority)
+        # the side streams at the lowest priority and the step's own at the highest: the refreshes fill
+        # the gaps the step leaves (CUDA graphs keep each node's stream priority). Even and odd layers
+        # refresh on two streams, so a layer's refresh can start while the one before it still runs
+        # (with the layer bodies compiled the step otherwise waits on that chain: thermal_kv.md 2ad)
         self.side = self.main_stream = None
+        self.sides = []
         if (self.lag or self.ahead) and pin:
             from zeroedge.kv.tiers import shared_stream
 
             low, high = torch.cuda.Stream.priority_range()
-            self.side, self.main_stream = shared_stream(device, "refresh", low), shared_stream(device, "step", high)
-        self._forked = False
+            self.sides = [shared_stream(device, "refresh", low), shared_stream(device, "refresh-odd", low)]
+            self.side, self.main_stream = self.sides[0], shared_stream(device, "step", high)
+        self._forked = set()        # the side streams this step forked (indices into sides)
         # ahead on the side stream: layer l's refresh done (its attention waits for it)
         self.ready = ([torch.cuda.Event() for _ in range(L)] if self.ahead and self.side is not None
                       and self.spill_dir is None else None)
@@ -243,10 +247,12 @@ class ThermalAttention:
         self.widx = torch.zeros(1, dtype=torch.long, device=device)
         self.ar_slots = torch.arange(self.slots, device=device)
         # per-block shares of each query head's log-sum-exp over pages, written by the sketch kernel
-        # for the two-stage swap (CUDA)
+        # for the two-stage swap (CUDA): a pair of buffers for even layers' refreshes (lse_part) and one
+        # for odd layers', so the two side streams never share one
         nb = part_blocks(n, ps)
-        self.lse_part = (torch.empty(nkv, H // nkv, nb, device=device), torch.empty(nkv, H // nkv, nb, device=device)
-                         ) if pin and sketch_kernel_fits(ps, self.rank) else None
+        self.lse_parts = [tuple(torch.empty(nkv, H // nkv, nb, device=device) for _ in range(2)) for _ in range(2)
+                          ] if pin and sketch_kernel_fits(ps, self.rank) else None
+        self.lse_part = self.lse_parts[0] if self.lse_parts is not None else None
         if self.cold_file is not None:
             from zeroedge.kv.host_fetch import HostFetch
 
@@ -425,11 +431,11 @@ class ThermalAttention:
         from zeroedge.kv.kernels import swap_pages
 
         S, pe = self.slots, self.ps * self.hd
+        part = self.lse_parts[li % 2] if self.lse_parts is not None else None
         wk = self._slots(self.wk, li).view(self.nkv, S, pe)
         wv = self._slots(self.wv, li).view(self.nkv, S, pe)
         if self.host_fetch is not None:         # a cold store in a file: decide, read on the host, apply
-            self.host_fetch.decide(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
-                                   self.lse_part)
+            self.host_fetch.decide(self._page_lse(li, q, part, rope), self.page_bias, self.page_slot[li], part)
             (self.on_host_read or self.host_read)(li)
             self.host_fetch.apply(self.page_slot[li], self.slot_page[li], wk, wv)
             return
@@ -437,8 +443,8 @@ class ThermalAttention:
         hv = self.hv[li].view(self.nkv, self.n, -1)
         scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
                                                     self.cold_vs[li].view(self.nkv, self.n, -1))
-        swap_pages(self._page_lse(li, q, self.lse_part, rope), self.page_bias, self.page_slot[li],
-                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=self.lse_part, scales=scales,
+        swap_pages(self._page_lse(li, q, part, rope), self.page_bias, self.page_slot[li],
+                   self.slot_page[li], wk, wv, hk, hv, self.fetch, part=part, scales=scales,
                    bits=None if self.cold == "host" else self.cold_bits)
 
     def attend(self, li, q, kv, flag):
@@ -497,12 +503,18 @@ class ThermalAttention:
             if not self._refresh_beside:
                 self._swap(t, *predict(t, x))
                 continue
-            self.side.wait_stream(torch.cuda.current_stream())
-            x.record_stream(self.side)
-            with torch.cuda.stream(self.side):
+            side = self._fork(t)
+            x.record_stream(side)
+            with torch.cuda.stream(side):
                 self._swap(t, *predict(t, x))
                 self.ready[t].record()
-            self._forked = True
+
+    def _fork(self, li):
+        """Layer li's side stream (even or odd), made to wait for the step's work so far."""
+        side = self.sides[li % 2]
+        side.wait_stream(torch.cuda.current_stream())
+        self._forked.add(li % 2)
+        return side
 
     def _refresh_after(self, li):
         """Lag 1 (ahead: layer 0): layer li's refresh from its query in qbuf, after its attention; on CUDA on the side
@@ -511,14 +523,12 @@ class ThermalAttention:
         if not self._refresh_beside:
             self._swap(li, self.qbuf[li])
             return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(self._fork(li)):
             self._swap(li, self.qbuf[li])
-        self._forked = True
 
     def finish(self):
-        """End of a step: the step (and its CUDA graph) waits for the side stream's refreshes (only
-        when it forked any: a graph may not wait on a stream outside its capture)."""
-        if self._forked:
-            torch.cuda.current_stream().wait_stream(self.side)
-            self._forked = False
+        """End of a step: the step (and its CUDA graph) waits for the side streams' refreshes (only
+        those it forked: a graph may not wait on a stream outside its capture)."""
+        for i in sorted(self._forked):
+            torch.cuda.current_stream().wait_stream(self.sides[i])
+        self._forked = set()

@@ -9,6 +9,28 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter_script(name): the test checks that script of "
+                                       "interpreter_scripts (started in the background once collected)")
+
+
+def pytest_collection_finish(session):
+    """The selected tests' Triton-interpreter scripts start now, beside the rest of the suite."""
+    import importlib.util
+
+    import interpreter_scripts
+
+    names = [m.args[0] for item in session.items for m in item.iter_markers("interpreter_script")]
+    if names and not session.config.option.collectonly and importlib.util.find_spec("triton") is not None:
+        interpreter_scripts.start(names)
+
+
+def pytest_sessionfinish(session):
+    import interpreter_scripts
+
+    interpreter_scripts.stop()
+
+
 def run_cli(*args, check_rc=None, env=None, timeout=900):
     """Run `python -m zeroedge.cli ARGS` in a subprocess; returns CompletedProcess."""
     import subprocess

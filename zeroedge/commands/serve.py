@@ -49,11 +49,14 @@ from zeroedge.commands.common import check_model, memory_cap, memory_cap_options
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="torch backend device.")
 @click.option("--threads", type=click.IntRange(0, None), default=0, help="CPU threads (0 = all cores).")
+@click.option("--weights", type=click.Choice(["auto", "q4", "model"]), default="auto", show_default=True,
+              help="torch backend: q4 = 4-bit linear layers in onnxruntime on the CPU (the Q4_1 grid: a Q4_1 GGUF's "
+                   "own weights), 8-bit LM head; model = the model's weights in torch. auto: q4 on a CPU.")
 @memory_cap_options("torch backend: device memory the server may use (e.g. 6G); the KV pool is what the "
                     "weights leave of it.")
 def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, served_model_name, max_batch,
         prefill_chunk, kv_memory, ctx, max_queue, max_prompt_tokens, default_max_tokens, max_body, device, threads,
-        device_memory, board):
+        weights, device_memory, board):
     """Serve MODEL (or --bundle) over an OpenAI-compatible HTTP API."""
     from zeroedge.commands.common import parse_size
     from zeroedge.errors import UserError, require
@@ -81,7 +84,7 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
                           served_name=served_model_name, max_batch=max_batch, prefill_chunk=prefill_chunk,
                           kv_bytes=kv_bytes, cap=cap, ctx=ctx, device=device, threads=threads,
                           api_key=key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
-                          default_max_tokens=default_max_tokens, max_body_bytes=body_limit)
+                          default_max_tokens=default_max_tokens, max_body_bytes=body_limit, weights=weights)
     from zeroedge.serve.setup import run_http
 
     run_http(server, bind, port)

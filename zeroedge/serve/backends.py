@@ -1,7 +1,9 @@
 """What the engine steps: a model behind one interface.
 
-  TorchBatched     the reference model's weights (CPU or CUDA), many sequences a step over a paged
-                   KV pool (zeroedge.serve.batch); a prompt is prefilled in chunks between steps
+  TorchBatched     the reference model (CPU or CUDA), many sequences a step over a paged KV pool
+                   (zeroedge.serve.batch); a prompt is prefilled in chunks between steps. Its linear
+                   layers: the model's weights in torch, or on a CPU 4-bit weights in onnxruntime
+                   (zeroedge.serve.cpu_q4)
   BundleSequential an exported bundle's runner (onnxruntime, or TensorRT engines): one sequence at a
                    time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
 
@@ -21,7 +23,7 @@ PAGE_SIZE = 16
 class TorchBatched:
     mode = "batched"
 
-    def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int):
+    def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None):
         import torch
 
         from zeroedge.serve.batch import BatchStep, PagedKV
@@ -34,7 +36,7 @@ class TorchBatched:
             raise UserError(f"a KV pool of {kv_bytes} bytes holds no page of {PAGE_SIZE} positions "
                             f"({page_bytes} bytes)")
         self.pool = PagedKV(cfg, int(n_pages), PAGE_SIZE, p.device, p.dtype)
-        self.step = BatchStep(model, self.pool)
+        self.step = BatchStep(model, self.pool, linears)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.positions_total = self.pool.n_pages * PAGE_SIZE
         self.position_bytes = page_bytes // PAGE_SIZE

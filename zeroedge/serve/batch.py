@@ -7,17 +7,18 @@ one prompt go through the model together, reading each weight once, over a paged
     logits = step.forward([Segment(pages, tokens=[5, 6, 7], start=0), Segment(pages2, [9], start=41)])
     # -> (2, vocab): the last position of each segment
 
-`PagedKV` holds every layer's K and V as one slot axis of pages (`k[layer]`: (kv heads, pages x
-page size, head dim)); a sequence owns a list of pages (its block table), so its KV is as long as it
+`PagedKV` holds every layer's K and V as one slot axis of pages (`k[layer]`: (pages x page size,
+kv heads, head dim)); a sequence owns a list of pages (its block table), so its KV is as long as it
 is and a finished one gives its pages back at once. `BatchStep.forward` concatenates the segments'
 tokens into one row batch for every linear layer; attention is per segment kind: the decode tokens
-(one each) in one batched product over their pages gathered and masked, a prompt chunk against its
-sequence's past and itself, causally.
+(one each) in one SDPA over their pages gathered and masked, a prompt chunk against its sequence's
+past and itself, causally.
 
-Batch invariance: a sequence's greedy output does not depend on what else is in the batch. Rows of
-a float matrix product are computed alike for any number of rows >= 4 (checked on MKL; fewer rows
-take another kernel), so every product runs on at least 4 rows (padding rows are zeros); masked
-padding of the attention adds exact zeros. `tests/test_serve.py` checks the whole server for it.
+Batch invariance: a sequence's greedy output does not depend on what else is in the batch. Rows of a
+matrix product are computed alike for any number of rows from a kernel's `min_rows` up (torch's
+float products on MKL: 4; onnxruntime's MatMulNBits: 2; fewer rows take another kernel), so every
+product runs on at least that many rows (padding rows are zeros); masked padding of the attention
+adds exact zeros. `tests/test_serve.py` checks the whole server for it.
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from zeroedge.model import SDPA_GQA
 
-MIN_ROWS = 4        # a product on fewer rows takes another kernel (batch invariance, above)
 
 
 class PagedKV:
@@ -42,7 +43,7 @@ class PagedKV:
         self.page_size, self.n_pages = page_size, n_pages
         L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         # torch.zeros on the CPU maps memory lazily: pages never written take no RSS
-        self.k = torch.zeros(L, nkv, n_pages * page_size, hd, device=device, dtype=dtype)
+        self.k = torch.zeros(L, n_pages * page_size, nkv, hd, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.page_bytes = 2 * L * nkv * page_size * hd * self.k.element_size()
         self._free = list(range(n_pages - 1, -1, -1))
@@ -76,17 +77,50 @@ class Segment:
     start: int
 
 
-class BatchStep:
-    def __init__(self, model, pool: PagedKV):
+class TorchLinears:
+    """The model's own weights through torch: the same boundaries as zeroedge.serve.cpu_q4.Q4Linears
+    (`boundary(l, x, o) -> (x, qkv)`, `head(x)`), on tensors."""
+
+    min_rows = 4
+
+    def __init__(self, model):
         from zeroedge.runtime.fast import fused_weights
 
+        self.m, self.W, self.L = model, fused_weights(model).layers, len(model.layers)
+
+    @staticmethod
+    def _norm(x, weight, eps):
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+    def boundary(self, li: int, x, o=None):
+        if li > 0:                               # layer li-1's output side
+            w = self.W[li - 1]
+            x = x + F.linear(o, w["wo"])
+            g, u = F.linear(self._norm(x, w["ln2"], w["eps2"]), w["w13"]).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, w["w2"])
+        if li == self.L:
+            return x, None
+        w = self.W[li]
+        return x, F.linear(self._norm(x, w["ln1"], w["eps1"]), w["wqkv"], w["bqkv"])
+
+    def head(self, x):
+        return self.m.lm_head(self.m.norm(x))
+
+
+class BatchStep:
+    """linears: None (the model's weights in torch: TorchLinears) or zeroedge.serve.cpu_q4.Q4Linears
+    (4-bit weights in onnxruntime, CPU)."""
+
+    def __init__(self, model, pool: PagedKV, linears=None):
         self.m, self.pool, cfg = model, pool, model.cfg
         self.H, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if model.layers[0].self_attn.kept_heads.numel() != self.H:
             raise ValueError("batched serving needs unpruned attention heads")
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.W = fused_weights(model).layers
+        self.lin = linears if linears is not None else TorchLinears(model)
+        self.numpy = linears is not None                # the linears take and give numpy arrays
+        self.L = len(model.layers)
         self.inv_freq = model.inv_freq.to(self.device).float()
         self.scale = 1.0 / math.sqrt(self.hd)
 
@@ -102,7 +136,7 @@ class BatchStep:
             slots += self.pool.slots(s.pages, s.start, s.start + n)
             last.append(len(ids) - 1)
         N = len(ids)
-        M = max(N, MIN_ROWS)
+        M = max(N, self.lin.min_rows)
         tok = torch.zeros(M, dtype=torch.long)
         tok[:N] = torch.tensor(ids)
         posf = torch.zeros(M, dtype=torch.float32)
@@ -119,21 +153,23 @@ class BatchStep:
             table = torch.zeros(len(dec), S, dtype=torch.long)
             for j, i in enumerate(dec):
                 table[j, :lens[j]] = torch.tensor(self.pool.slots(segments[i].pages, 0, lens[j]))
-            table = table.to(dev)
+            table = table.view(-1).to(dev)
             valid = torch.arange(S)[None, :] < torch.tensor(lens)[:, None]
-            dmask = torch.zeros(len(dec), S, dtype=torch.float32).masked_fill(~valid, float("-inf"))
-            dmask = dmask.to(dev).view(1, len(dec), 1, S)
+            dmask = torch.zeros(len(dec), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
+            dmask = dmask.to(dev).view(len(dec), 1, 1, S)
             drows = torch.tensor([last[i] for i in dec], device=dev)
         x = self.m.embed_tokens(tok.to(dev))
-        for li, w in enumerate(self.W):
-            h = F.rms_norm(x.float(), (x.shape[-1],), eps=w["eps1"]).to(self.dtype) * w["ln1"]
-            qkv = F.linear(h, w["wqkv"], w["bqkv"]).view(M, self.H + 2 * self.nkv, self.hd)
+        if self.numpy:
+            x = x.numpy()
+        x, qkv = self.lin.boundary(0, x)
+        for li in range(self.L):
+            qkv = (torch.from_numpy(qkv) if self.numpy else qkv).view(M, self.H + 2 * self.nkv, self.hd)
             qk = qkv[:, : self.H + self.nkv]
             qk = qk * cos[:, None] + torch.cat((-qk[..., self.hd // 2:], qk[..., : self.hd // 2]), -1) * sin[:, None]
             q, k, v = qk[:, : self.H], qk[:N, self.H:], qkv[:N, self.H + self.nkv:]
             K, V = self.pool.k[li], self.pool.v[li]
-            K.index_copy_(1, slot_t, k.transpose(0, 1))
-            V.index_copy_(1, slot_t, v.transpose(0, 1))
+            K.index_copy_(0, slot_t, k)
+            V.index_copy_(0, slot_t, v)
             o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
             if dec:
                 o[drows] = self._decode_attention(q[drows], K, V, table, dmask)
@@ -141,35 +177,35 @@ class BatchStep:
                 s = segments[i]
                 a, b = last[i] - len(s.tokens) + 1, last[i] + 1
                 o[a:b] = self._chunk_attention(q[a:b], K, V, s)
-            x = x + F.linear(o.view(M, -1), w["wo"])
-            h = F.rms_norm(x.float(), (x.shape[-1],), eps=w["eps2"]).to(self.dtype) * w["ln2"]
-            g, u = F.linear(h, w["w13"]).chunk(2, -1)
-            x = x + F.linear(F.silu(g) * u, w["w2"])
-        rows = torch.zeros(max(len(last), MIN_ROWS), dtype=torch.long, device=dev)
-        rows[: len(last)] = torch.tensor(last, device=dev)
-        return self.m.lm_head(self.m.norm(x[rows]))[: len(last)].float()
+            o = o.view(M, -1)
+            x, qkv = self.lin.boundary(li + 1, x, o.numpy() if self.numpy else o)
+        rows = torch.zeros(max(len(last), self.lin.min_rows), dtype=torch.long)
+        rows[: len(last)] = torch.tensor(last)
+        if self.numpy:
+            return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(last)]
+        return self.lin.head(x[rows.to(dev)])[: len(last)].float()
+
+    def _sdpa(self, q, K, V, mask):
+        """q (B, H, T, hd), K / V (B, nkv, S, hd) strided views, mask (B | 1, 1, T, S)."""
+        if SDPA_GQA:
+            return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=self.H != self.nkv)
+        rep = self.H // self.nkv
+        return F.scaled_dot_product_attention(q, K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1),
+                                              attn_mask=mask)
 
     def _decode_attention(self, q, K, V, table, mask):
-        """q (B, H, hd) of one token each; K, V (nkv, slots, hd); table (B, S) slots; mask (1, B, 1, S)."""
-        B, grp = q.shape[0], self.H // self.nkv
-        Kg, Vg = K[:, table], V[:, table]                     # (nkv, B, S, hd)
-        qg = q.view(B, self.nkv, grp, self.hd).transpose(0, 1)  # (nkv, B, grp, hd)
-        s = (qg @ Kg.transpose(-1, -2)).float() * self.scale + mask
-        o = s.softmax(-1).to(self.dtype) @ Vg                   # (nkv, B, grp, hd)
-        return o.transpose(0, 1).reshape(B, self.H, self.hd)
+        """q (B, H, hd) of one token each; K, V (slots, nkv, hd); table (B * S) slots; mask (B, 1, 1, S)."""
+        B, S = mask.shape[0], mask.shape[-1]
+        Kg = K.index_select(0, table).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        Vg = V.index_select(0, table).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        return self._sdpa(q[:, :, None], Kg, Vg, mask)[:, :, 0]
 
     def _chunk_attention(self, q, K, V, seg: Segment):
         """q (T, H, hd) at positions seg.start..; attends to the sequence's slots 0..end causally."""
-        T, end = q.shape[0], seg.start + len(seg.tokens)
+        end = seg.start + len(seg.tokens)
         idx = torch.tensor(self.pool.slots(seg.pages, 0, end), device=q.device)
-        Ks, Vs = K[:, idx][None], V[:, idx][None]              # (1, nkv, end, hd)
-        qh = q.transpose(0, 1)[None]                            # (1, H, T, hd)
+        Ks = K.index_select(0, idx).transpose(0, 1)[None]     # (1, nkv, end, hd)
+        Vs = V.index_select(0, idx).transpose(0, 1)[None]
         mask = (torch.arange(end, device=q.device)[None, :]
                 <= torch.arange(seg.start, end, device=q.device)[:, None])
-        if SDPA_GQA:
-            o = F.scaled_dot_product_attention(qh, Ks, Vs, attn_mask=mask, enable_gqa=self.H != self.nkv)
-        else:
-            rep = self.H // self.nkv
-            o = F.scaled_dot_product_attention(qh, Ks.repeat_interleave(rep, 1), Vs.repeat_interleave(rep, 1),
-                                               attn_mask=mask)
-        return o[0].transpose(0, 1)
+        return self._sdpa(q.transpose(0, 1)[None], Ks, Vs, mask)[0].transpose(0, 1)

@@ -58,7 +58,8 @@ def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap:
 
 
 def build_server(model, backend, bundle, engines, plugins, served_name, max_batch, prefill_chunk, kv_bytes, cap,
-                 ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes):
+                 ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes,
+                 weights="auto"):
     from zeroedge.serve.api import Server
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.metrics import ServeMetrics
@@ -66,8 +67,8 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
 
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
     if backend == "torch":
         from zeroedge.commands.run import resolve, tokenizer_for
         from zeroedge.serve.backends import TorchBatched
@@ -80,10 +81,26 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
         pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk)
-        b = TorchBatched(m, pool, max_batch, chunk)
+        if weights == "auto":
+            weights = "q4" if dev == "cpu" else "model"
+        linears = None
+        if weights == "q4":
+            if dev != "cpu":
+                raise UserError("--weights q4 runs on the CPU (onnxruntime); on CUDA the model's weights serve")
+            from zeroedge.errors import require
+
+            require("onnx", "serve")
+            require("onnxruntime", "serve")
+            from zeroedge.serve.cpu_q4 import Q4Linears
+
+            linears = Q4Linears(m, threads)
+            torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
+        b = TorchBatched(m, pool, max_batch, chunk, linears)
         tok = tokenizer_for(cfg, folder)
         name = served_name or (cfg.name if model in _presets() else str(model))
         info = {"mode": "batched", "backend": "torch", "device": b.device, "max_batch": max_batch,
+                "weights": ("4-bit blocks of 32 (the Q4_1 grid), 8-bit LM head, onnxruntime MatMulNBits"
+                            if linears is not None else f"the model's, {str(m.embed_tokens.weight.dtype)[6:]}"),
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
                 "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size}
     else:

@@ -5,7 +5,12 @@ sessions get ZEROEDGE_DEVICE_ROOT=<fake root> and a PATH starting with the root'
 hardware/OS boundary; set by a ForceCommand, after the login shell's rc files, so a host whose
 ~/.bashrc puts its own python3 first, e.g. pyenv's shims, does not leak into the device): `systemctl` and `journalctl` stubs that record calls and run the unit's
 ExecStart (from the installed unit + drop-in) as a background process, and `python3` = this Python
-(which has onnxruntime, paho and prometheus-client, as a prepared Jetson would). The fake root has
+(which has onnxruntime, paho and prometheus-client, as a prepared Jetson would). The one process
+faked beyond that boundary is the model server of zeroedge-serve.service (deploy --serve): the
+release's bundle is the daemon's sensor bundle, which no `zeroedge serve` loads, so the stub runs
+its ExecStart's `zeroedge serve` arguments through stub-bin/fake-serve, a real HTTP server on the
+given --host/--port answering /health as zeroedge serve does; the unit's exact command line is
+then run once more as the real `zeroedge serve` on an exported model bundle. The fake root has
 /etc/nv_tegra_release, /proc/device-tree and /proc/meminfo. The client side is a temporary HOME
 with ~/.ssh/config (aliases), known_hosts and a key: deploy reads them exactly as it would for a user.
 
@@ -96,7 +101,11 @@ def start():
     if not execs:
         sys.exit("stub systemctl: %s has no ExecStart" % unit)
     log = open(os.path.join(root, "var/log", unit + ".log"), "ab")
-    p = subprocess.Popen(shlex.split(execs[-1]), cwd=wd, env=dict(os.environ, **env), stdout=log,
+    argv = shlex.split(execs[-1])
+    fake = os.path.join(root, "stub-bin", "fake-serve")
+    if "zeroedge.cli" in argv and argv[argv.index("zeroedge.cli") + 1:][:1] == ["serve"] and os.path.exists(fake):
+        argv = [argv[0], fake] + argv[argv.index("zeroedge.cli") + 1:]
+    p = subprocess.Popen(argv, cwd=wd, env=dict(os.environ, **env), stdout=log,
                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     open(pidf, "w").write(str(p.pid))
 
@@ -116,7 +125,52 @@ else:
     sys.exit("stub systemctl: unsupported %r" % args)
 '''
 STUB_JOURNALCTL = r'''#!/bin/sh
-tail -n 15 "$ZEROEDGE_DEVICE_ROOT/var/log/zeroedge.service.log" 2>/dev/null
+# journalctl -u UNIT -n 15 --no-pager
+tail -n 15 "$ZEROEDGE_DEVICE_ROOT/var/log/$2.log" 2>/dev/null
+'''
+FAKE_SERVE = r'''#!{python}
+"""Fake `zeroedge serve` (the model server; the release's sensor bundle is no model it loads): takes
+its command line, records it, and answers GET /health on --host:--port as zeroedge serve does: 200
+{"status": "ok", ...}, or 503 {"status": "error", ...} when the sha256 of the bundle's manifest is
+listed in <root>/etc/fake-serve-unhealthy (an engine that stopped)."""
+import argparse, hashlib, json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+root = os.environ["ZEROEDGE_DEVICE_ROOT"]
+ap = argparse.ArgumentParser()
+ap.add_argument("command", choices=["serve"])
+for opt in ("--backend", "--bundle", "--engines", "--plugins", "--host"):
+    ap.add_argument(opt)
+ap.add_argument("--port", type=int)
+a = ap.parse_args()
+with open(os.path.join(root, "var/lib/stub-systemd/serve-argv.json"), "w") as f:
+    json.dump(sys.argv[1:], f)
+with open(os.path.join(a.bundle, "manifest.json"), "rb") as f:
+    sha = hashlib.sha256(f.read()).hexdigest()
+try:
+    with open(os.path.join(root, "etc/fake-serve-unhealthy")) as f:
+        sick = sha in f.read()
+except OSError:
+    sick = False
+body = json.dumps({"status": "error", "waiting": 0, "running": 0, "mode": "sequential",
+                   "error": "the engine is not running"} if sick else
+                  {"status": "ok", "waiting": 0, "running": 0, "mode": "sequential"}).encode()
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response((503 if sick else 200) if self.path == "/health" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+srv = HTTPServer((a.host, a.port), Health)
+print("fake zeroedge serve: engine %s, http://%s:%d" % ("stopped" if sick else "running", a.host, a.port), flush=True)
+srv.serve_forever()
 '''
 
 
@@ -157,7 +211,8 @@ def make_jetson(root: Path, rev="4.3", soc="tegra234", nv_release=True, mem_avai
     (b / "systemctl").write_text(STUB_SYSTEMCTL.replace("{python}", sys.executable))
     (b / "journalctl").write_text(STUB_JOURNALCTL)
     (b / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
-    for n in ("systemctl", "journalctl", "python3"):
+    (b / "fake-serve").write_text(FAKE_SERVE.replace("{python}", sys.executable))
+    for n in ("systemctl", "journalctl", "python3", "fake-serve"):
         (b / n).chmod(0o755)
     return root
 
@@ -211,20 +266,29 @@ class FakeDevice:
         p = self.root / "var/lib/stub-systemd/calls.jsonl"
         return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
-    def daemon_pid(self):
-        p = self.root / "var/lib/stub-systemd/zeroedge.service.pid"
+    def daemon_pid(self, unit="zeroedge.service"):
+        p = self.root / f"var/lib/stub-systemd/{unit}.pid"
         return int(p.read_text()) if p.exists() else None
+
+    def serve_pid(self):
+        """The serve unit's process while it runs, else None."""
+        pid = self.daemon_pid("zeroedge-serve.service")
+        try:
+            os.kill(pid, 0)
+            return pid if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" else None
+        except (OSError, TypeError):
+            return None
 
     def tree(self):
         return tree(self.root)
 
     def stop(self):
-        pid = self.daemon_pid()
-        if pid:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        for pid in (self.daemon_pid(), self.daemon_pid("zeroedge-serve.service")):
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(5)
@@ -395,6 +459,8 @@ def test_deploy_status_redeploy_rollback(lab, jetson_a, tmp_path):
     cfg = (base / "current/daemon.toml").read_text()
     assert 'bundle = "bundle"' in cfg and f"port = {port}" in cfg and str(d.root / "var/lib/zeroedge") in cfg
     assert ["restart", "zeroedge.service"] in d.calls() and ["enable", "zeroedge.service"] in d.calls()
+    assert not [c for c in d.calls() if "zeroedge-serve.service" in c] and "serve" not in r1
+    assert not list((d.root / "etc/systemd/system").glob("zeroedge-serve*"))
     unit = d.root / "etc/systemd/system/zeroedge.service.d/zeroedge-deploy.conf"
     assert f"{base}/current/daemon.toml" in unit.read_text()
     pid1 = d.daemon_pid()
@@ -755,3 +821,168 @@ def test_uploads_are_private(lab, jetson_a, tmp_path, monkeypatch):
         asyncio.run(up(inc))
     assert os.listdir(d.root / "elsewhere") == []
     inc.unlink()
+
+
+# ------------------------------------------------------------------ deploy --serve
+
+SERVE_IMPORTS = ("torch", "fastapi", "uvicorn", "sse_starlette")   # zeroedge serve's, asked of the device's python3
+
+
+def test_deploy_serve_status_rollback(lab, tmp_path):
+    """--serve: zeroedge-serve.service beside the daemon (Type=notify, watchdog, restarted on
+    failure), its ExecStart `zeroedge serve` on the current release's bundle bound to 127.0.0.1,
+    checked through its /health after every (re)start. An unhealthy server rolls the release back
+    as an unhealthy daemon does; status shows the unit; rollback restarts, reinstalls or removes it
+    with the release; a deploy without --serve stops and removes it. The unit's command line is
+    also run as the real `zeroedge serve` (READY=1, WATCHDOG=1, /health on 127.0.0.1)."""
+    for mod in SERVE_IMPORTS:
+        pytest.importorskip(mod)
+    d = lab.device("jetson-serve")
+    port, sport = free_port(), free_port()
+    common = ["--host", "jetson-serve", "--config", lab.config, "--metrics-port", port, "--health-timeout", 30]
+    serve = ["--serve", "--serve-port", sport]
+    base, units = d.root / "opt/zeroedge", d.root / "etc/systemd/system"
+    unit, dropin = units / "zeroedge-serve.service", units / "zeroedge-serve.service.d/zeroedge-deploy.conf"
+
+    # 0. refused before anything changes: --serve-port alone, the daemon's port; --dry-run says what it would do
+    before = d.tree()
+    _one_line_error(deploy(lab, lab.bundle, *common, "--serve-port", sport), "--serve-port", "with --serve")
+    _one_line_error(deploy(lab, lab.bundle, *common, "--serve", "--serve-port", port),
+                    f"jetson-serve: --serve-port {port} is the daemon's metrics port")
+    p = deploy(lab, lab.bundle, *common, *serve, "--dry-run", rc=0)
+    assert f"restart zeroedge.service and zeroedge-serve.service (zeroedge serve on 127.0.0.1:{sport})" in p.stdout
+    assert d.tree() == before and d.calls() == []
+
+    # 1. both units installed, (re)started and healthy
+    r1 = last_json(deploy(lab, lab.bundle, *common, *serve, "--json", rc=0))["hosts"][0]
+    rel1 = r1["release"]
+    sh = r1["serve"]["health"]
+    assert r1["ok"] and r1["health"]["ok"] and r1["serve"]["unit"] == "zeroedge-serve.service"
+    assert sh["ok"] and sh["code"] == 200 and sh["body"]["status"] == "ok"
+    assert sh["url"] == f"http://127.0.0.1:{sport}/health"
+    text = unit.read_text()
+    assert text == (lab.cwd / "zeroedge/systemd/zeroedge-serve.service").read_text()
+    for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30", "Restart=on-failure"):
+        assert line in text.splitlines(), line
+    cmd = [sys.executable, "-m", "zeroedge.cli", "serve", "--backend", "onnxruntime", "--bundle",
+           f"{base}/current/bundle", "--host", "127.0.0.1", "--port", str(sport)]
+    lines = dropin.read_text().splitlines()
+    assert lines[-2:] == ["ExecStart=", "ExecStart=" + " ".join(cmd)], lines
+    assert f"Environment=PYTHONPATH={base}/current/app" in lines
+    assert json.loads((d.root / "var/lib/stub-systemd/serve-argv.json").read_text()) == cmd[3:]
+    assert _mode(unit) == _mode(dropin) == 0o644
+    calls = d.calls()
+    assert ["enable", "zeroedge-serve.service"] in calls
+    assert calls.index(["restart", "zeroedge.service"]) < calls.index(["restart", "zeroedge-serve.service"])
+    spid = d.serve_pid()
+    assert spid
+
+    # 2. status shows the serve unit
+    p = zcli(lab, "status", "--host", "jetson-serve", rc=0)
+    assert f"jetson-serve: zeroedge-serve.service active on 127.0.0.1:{sport}; health ok" in p.stdout, p.stdout
+
+    # 3. the same deploy again: unchanged, both checked, nothing restarted
+    n = len(d.calls())
+    r = last_json(deploy(lab, lab.bundle, *common, *serve, "--json", rc=0))["hosts"][0]
+    assert not r["changed"] and r["release"] == rel1 and r["serve"]["health"]["ok"]
+    assert d.serve_pid() == spid and not [c for c in d.calls()[n:] if c[0] == "restart"]
+
+    # 4. the installed command line is a working zeroedge serve (a model bundle in place of the sensor one)
+    _run_serve_unit_command(dropin, tmp_path)
+
+    # 5. a release whose server is unhealthy (503 from /health) is rolled back on the spot
+    b2 = make_sensor_bundle(tmp_path / "bundle2", seed=1)
+    sick = d.root / "etc/fake-serve-unhealthy"
+    sick.write_text(hashlib.sha256((b2 / "manifest.json").read_bytes()).hexdigest())
+    p = deploy(lab, b2, "--host", "jetson-serve", "--config", lab.config, "--metrics-port", port, *serve,
+               "--health-timeout", 5)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (f"zeroedge-serve.service is not healthy (HTTP 503 status=error (the engine is not running) from "
+            f"http://127.0.0.1:{sport}/health); rolled back to {rel1}; serve log: fake zeroedge serve: engine "
+            "stopped") in err, err
+    assert os.readlink(base / "current") == f"releases/{rel1}"
+    h = last_json(zcli(lab, "status", "--host", "jetson-serve", "--json", rc=0))["hosts"][0]
+    assert h["release"] == rel1 and h["health"]["ok"]
+    assert h["result"]["serve"]["service"] == "active" and h["result"]["serve"]["health"]["ok"]
+    assert d.serve_pid() not in (None, spid)
+
+    # 6. healthy: deployed; then a deploy without --serve stops and removes the serve unit
+    sick.unlink()
+    rel2 = last_json(deploy(lab, b2, *common, *serve, "--json", rc=0))["hosts"][0]["release"]
+    n = len(d.calls())
+    p = deploy(lab, b2, *common, rc=0)
+    assert "zeroedge-serve.service stopped and removed (this deploy has no --serve)" in p.stdout, p.stdout
+    rel3 = os.readlink(base / "current").split("/")[-1]
+    assert rel3 not in (rel1, rel2)
+    assert [c for c in d.calls()[n:] if "zeroedge-serve.service" in c] == [
+        ["stop", "zeroedge-serve.service"], ["disable", "zeroedge-serve.service"]]
+    assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None
+    p = zcli(lab, "status", "--host", "jetson-serve", rc=0)
+    assert "service active; health ok" in p.stdout and "zeroedge-serve" not in p.stdout, p.stdout
+
+    # 7. rollback to the release deployed with --serve: the unit is back, started and checked
+    p = zcli(lab, "rollback", "--host", "jetson-serve", rc=0)
+    assert f"rolled back {rel3} -> {rel2}; health ok; zeroedge-serve.service health ok" in p.stdout, p.stdout
+    assert unit.read_text() == text and dropin.read_text().splitlines() == lines and d.serve_pid()
+    # and back to the one without: stopped and removed again
+    p = zcli(lab, "rollback", "--host", "jetson-serve", "--to", rel3, rc=0)
+    assert f"zeroedge-serve.service stopped and removed ({rel3} has no serve unit)" in p.stdout, p.stdout
+    assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None
+
+
+def _run_serve_unit_command(dropin: Path, tmp: Path):
+    """The serve unit's command line run as systemd runs it (the drop-in's WorkingDirectory,
+    Environment= and ExecStart, with NOTIFY_SOCKET and WATCHDOG_USEC), on an exported tiny model
+    bundle and a free port in place of the release's sensor bundle and the port the fake holds: it
+    says READY=1 and WATCHDOG=1, and answers /health with 200 on 127.0.0.1."""
+    import shlex
+    import urllib.request
+
+    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.model import build
+
+    model = tmp / "model-bundle"
+    export_bundle(build("tiny", seed=0), model, window=64)
+    env, wd, argv = dict(os.environ), "/", None
+    for line in dropin.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key == "Environment":
+            k, _, v = value.partition("=")
+            env[k] = v
+        elif key == "WorkingDirectory":
+            wd = value
+        elif key == "ExecStart" and value:
+            argv = shlex.split(value)
+    port = free_port()
+    argv[argv.index("--bundle") + 1], argv[argv.index("--port") + 1] = str(model), str(port)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    sock_path = tmp / "notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(sock_path))
+    notify.settimeout(60)
+    env.update(NOTIFY_SOCKET=str(sock_path), WATCHDOG_USEC="1000000")
+    proc = subprocess.Popen(argv, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        got = []
+        while not {"READY=1", "WATCHDOG=1"} <= set(got):
+            try:
+                got += notify.recv(4096).decode().splitlines()
+            except socket.timeout:
+                break
+        assert {"READY=1", "WATCHDOG=1"} <= set(got), (got, proc.poll())
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+        if shutil.which("ss"):
+            ss = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+            assert [c for c in ss.split() if c.endswith(f":{port}")] == [f"127.0.0.1:{port}"], ss
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=30)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0].decode(errors="replace")
+        notify.close()
+    assert proc.returncode == 0, out[-2000:]

@@ -17,23 +17,32 @@ from zeroedge.deploy.cli import finish, targets_from
 @click.option("--min-free", default="256M", show_default=True, help="Disk kept free on the device after upload.")
 @click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
 @click.option("--no-auto-rollback", is_flag=True, help="Leave an unhealthy new release in place.")
+@click.option("--serve", "serve", is_flag=True,
+              help="Also run zeroedge-serve.service: `zeroedge serve` on the release's bundle (its TensorRT engines "
+                   "when the release holds them), on the device's 127.0.0.1, health-checked through its /health. "
+                   "A deploy without --serve stops and removes a serve unit an earlier deploy installed.")
+@click.option("--serve-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="Port of the serve unit on the device's 127.0.0.1 (default 8000); needs --serve.")
 @click.option("--pin-key", "pin_keys", multiple=True, type=click.Path(dir_okay=False), metavar="KEY.pub",
               help="Pin this bundle signing key on the devices (zeroedge keygen): from then on they refuse "
                    "bundles it (or another pinned key) did not sign. Repeatable.")
 def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, dry_run, config,
-        metrics_port, keep, min_free, health_timeout, no_auto_rollback, pin_keys):
+        metrics_port, keep, min_free, health_timeout, no_auto_rollback, serve, serve_port, pin_keys):
     """Deploy BUNDLE over SSH: preflight (L4T/JetPack, TensorRT, sm_87, Python, disk, memory, the
     bundle's signature where the device pins signing keys), content-hash upload (a re-deploy moves
     0 bytes), on-device build, releases/<id> with an atomic `current` link, systemd service, health
-    check through the daemon's /healthz."""
+    check through the daemon's /healthz (and, with --serve, zeroedge serve's /health)."""
     from pathlib import Path
 
     from zeroedge.bundle import verify
     from zeroedge.deploy import runner
     from zeroedge.deploy.preflight import fmt_bytes
+    from zeroedge.deploy.release import DEFAULT_SERVE_PORT
     from zeroedge.trust import public_key_raw
     from zeroedge.errors import UserError
 
+    if serve_port is not None and not serve:
+        raise UserError("--serve-port is the port of the serve unit: give it with --serve")
     min_free_bytes = parse_size(min_free, what="--min-free", minimum=0)
     targets = targets_from(host, hosts_file)           # a bad inventory line: refused here
     manifest = verify(Path(bundle))                     # an unverifiable bundle: refused here
@@ -48,7 +57,8 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
                           min_free=min_free_bytes, keep=keep, sudo=sudo, dry_run=dry_run,
                           health_timeout=health_timeout, auto_rollback=not no_auto_rollback,
                           config=Path(config) if config else None, metrics_port=metrics_port, quiet=as_json,
-                          pin_keys=pems)
+                          pin_keys=pems, serve=serve,
+                          serve_port=serve_port if serve_port is not None else DEFAULT_SERVE_PORT)
     results = runner.deploy(Path(bundle), manifest, targets, opts)
 
     def lines(r):
@@ -74,6 +84,14 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
                    f"(release is {fmt_bytes(r.bytes_total)}); backend {r.backend}")
         out.append(f"{r.name}: release {r.release} {verb}; health {body.get('status', 'ok')} "
                    f"(daemon {body.get('version', '?')}) in {r.seconds:.1f} s")
+        if r.extra.get("serve"):
+            s = r.extra["serve"]
+            sb = (s.get("health") or {}).get("body")
+            sb = sb if isinstance(sb, dict) else {}
+            out.append(f"{r.name}: {s['unit']} serving on 127.0.0.1:{s['port']}; health {sb.get('status', 'ok')}"
+                       + (f" ({sb['mode']})" if sb.get("mode") else ""))
+        elif r.extra.get("serve_removed"):
+            out.append(f"{r.name}: {runner.SERVE_UNIT} stopped and removed (this deploy has no --serve)")
         return out
 
     finish(results, as_json, "deploy", bool(hosts_file), lines, {"bundle": str(bundle), "dry_run": dry_run})

@@ -11,7 +11,8 @@ from zeroedge.deploy.cli import finish, targets_from
 @click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, to, health_timeout):
     """Swap the device's `current` link back to the previous release (atomically), restart
-    zeroedge.service and check its health."""
+    zeroedge.service and check its health; zeroedge-serve.service too where that release was
+    deployed with --serve (and stopped where it was not)."""
     from zeroedge.deploy import runner
 
     targets = targets_from(host, hosts_file)
@@ -22,8 +23,12 @@ def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_jso
     def lines(r):
         if not r.ok:
             return [f"{r.name}: FAILED: {r.error}"]
-        if r.extra["result"].get("unchanged"):
+        res = r.extra["result"]
+        if res.get("unchanged"):
             return [f"{r.name}: {r.release} is already current"]
-        return [f"{r.name}: rolled back {r.previous} -> {r.release}; health ok in {r.seconds:.1f} s"]
+        serve = (f"; {runner.SERVE_UNIT} health ok" if "serve_health" in res
+                 else f"; {runner.SERVE_UNIT} stopped and removed ({r.release} has no serve unit)"
+                 if res.get("serve_removed") else "")
+        return [f"{r.name}: rolled back {r.previous} -> {r.release}; health ok{serve} in {r.seconds:.1f} s"]
 
     finish(results, as_json, "rollback", bool(hosts_file), lines)

@@ -8,7 +8,8 @@ from zeroedge.deploy.cli import finish, targets_from
 @click.command(name="status")
 @host_options
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json):
-    """Show each device's current release, zeroedge version, service state, /healthz and memory."""
+    """Show each device's current release, zeroedge version, service state, /healthz and memory (and
+    zeroedge-serve.service's state and /health where the current release was deployed with --serve)."""
     from zeroedge.deploy import runner
     from zeroedge.deploy.preflight import fmt_bytes
 
@@ -26,11 +27,17 @@ def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_jso
         info, h, m = s.get("info") or {}, s.get("health") or {}, s.get("memory") or {}
         body = h.get("body") if isinstance(h.get("body"), dict) else {}
         health = body.get("status") or ("ok" if h.get("ok") else f"down ({h.get('error') or h.get('code')})")
-        return [f"{r.name}: release {s['release']} (bundle {info.get('bundle')}, backend {info.get('backend')}, "
-                f"{len(s.get('releases', []))} kept)",
-                f"{r.name}: zeroedge {body.get('version') or info.get('zeroedge_version')}; service {s.get('service')}"
-                f"; health {health}",
-                f"{r.name}: memory {fmt_bytes(m.get('available'))} available of {fmt_bytes(m.get('total'))}"
-                + (f"; daemon RSS {fmt_bytes(s['rss'])}" if s.get("rss") else "")]
+        out = [f"{r.name}: release {s['release']} (bundle {info.get('bundle')}, backend {info.get('backend')}, "
+               f"{len(s.get('releases', []))} kept)",
+               f"{r.name}: zeroedge {body.get('version') or info.get('zeroedge_version')}; service {s.get('service')}"
+               f"; health {health}"]
+        if s.get("serve"):      # the current release was deployed with --serve
+            sv = s["serve"]
+            sh = sv.get("health") or {}
+            sb = sh.get("body") if isinstance(sh.get("body"), dict) else {}
+            out.append(f"{r.name}: {sv['unit']} {sv.get('service')} on 127.0.0.1:{sv['port']}; health "
+                       + (sb.get("status") or ("ok" if sh.get("ok") else f"down ({sh.get('error') or sh.get('code')})")))
+        return out + [f"{r.name}: memory {fmt_bytes(m.get('available'))} available of {fmt_bytes(m.get('total'))}"
+                      + (f"; daemon RSS {fmt_bytes(s['rss'])}" if s.get("rss") else "")]
 
     finish(results, as_json, "status", bool(hosts_file), lines)

@@ -10,6 +10,9 @@ MIN_PYTHON = (3, 10)
 # what the daemon imports on the device (import name -> pip name)
 DAEMON_MODULES = {"numpy": "numpy", "onnxruntime": "onnxruntime", "paho": "paho-mqtt",
                   "prometheus_client": "prometheus-client"}
+# what `zeroedge serve` imports on the device (deploy --serve); llguidance is optional there
+SERVE_MODULES = {"torch": "torch", "fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
+                 "prometheus_client": "prometheus-client"}
 
 
 @dataclass
@@ -59,16 +62,16 @@ def plan_memory_bytes(plan) -> int | None:
 
 def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo: bool = False,
              app_has_plugins: bool = False, app_has_trt_backend: bool = False, signer: str | None = None,
-             new_pins=()) -> Verdict:
+             new_pins=(), serve: bool = False) -> Verdict:
     """`signer`: key id of the bundle's (checked) signature, None if unsigned; `new_pins`: key ids
-    this deploy pins (--pin-key)."""
+    this deploy pins (--pin-key); `serve`: the deploy also runs zeroedge serve (--serve)."""
     v = Verdict()
     if not facts.get("jetson"):
         v.problems.append(f"not a Jetson: no /etc/nv_tegra_release on the device (zeroedge deploys to Jetson "
                           f"Orin with {SUPPORTED})")
         return v
     _check_platform(facts, v)
-    _check_python(facts, v)
+    _check_python(facts, v, serve)
     _plan_build(facts, manifest, v, app_has_plugins, app_has_trt_backend)
     _check_resources(facts, manifest, v, upload_bytes, min_free, sudo)
     _check_signature(facts, v, signer, new_pins)
@@ -93,8 +96,8 @@ def _check_platform(facts: dict, v: Verdict):
         P(f"GPU is {what}; zeroedge targets Jetson Orin (sm_87)")
 
 
-def _check_python(facts: dict, v: Verdict):
-    """The device's python3 and the daemon's imports."""
+def _check_python(facts: dict, v: Verdict, serve: bool = False):
+    """The device's python3 and the daemon's imports (and zeroedge serve's, with --serve)."""
     P = v.problems.append
     py = facts.get("python", {}).get("version", "?")
     if _ver(py)[:2] < MIN_PYTHON:
@@ -105,6 +108,11 @@ def _check_python(facts: dict, v: Verdict):
         missing.append("tomli")
     if missing and not v.problems:
         P(f"device python3 lacks {', '.join(missing)}; install with: python3 -m pip install {' '.join(missing)}")
+    if serve and not v.problems:
+        lack = [pip for mod, pip in SERVE_MODULES.items() if mods.get(mod) is False]
+        if lack:
+            P(f"device python3 lacks {', '.join(lack)}, which zeroedge serve needs (--serve); install with: "
+              f"python3 -m pip install {' '.join(lack)}")
 
 
 def _plan_build(facts: dict, manifest: dict, v: Verdict, app_has_plugins: bool, app_has_trt_backend: bool):

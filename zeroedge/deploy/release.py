@@ -17,6 +17,8 @@ from zeroedge.errors import UserError
 
 PKG = Path(__file__).resolve().parents[1]        # .../zeroedge
 REPO = PKG.parent                                 # source checkout (plugins/, scripts/) when present
+SERVE_UNIT_FILE = PKG / "systemd" / "zeroedge-serve.service"
+DEFAULT_SERVE_PORT = 8000
 DEFAULT_UNIT = """[Unit]
 Description=zeroedge inference daemon
 After=network-online.target
@@ -48,6 +50,7 @@ class Release:
     entries: dict = field(default_factory=dict)      # rel -> Entry
     info: dict = field(default_factory=dict)          # release.json
     unit: str = DEFAULT_UNIT
+    serve: dict | None = None                         # --serve: {"unit": text, "port": N}
 
     def files_payload(self) -> dict:
         return {e.rel: {"sha256": e.sha256, "bytes": e.bytes, "mode": e.mode} for e in self.entries.values()}
@@ -208,9 +211,19 @@ def metrics_port(template: dict, override: int | None) -> int:
 
 # ---------------------------------------------------------------- the release
 
+def serve_spec(port: int) -> dict:
+    """--serve: the zeroedge-serve.service template shipped with zeroedge and the port its server
+    binds on the device's 127.0.0.1 (the device writes the ExecStart: zeroedge.deploy.remote)."""
+    if not SERVE_UNIT_FILE.is_file():
+        raise UserError(f"{SERVE_UNIT_FILE} is missing from this zeroedge install; reinstall zeroedge")
+    return {"unit": SERVE_UNIT_FILE.read_text(), "port": int(port)}
+
+
 def build_release(bundle: Path, manifest: dict, template: dict, port: int, backend: str, workdir: Path,
                   unit_file: Path | None = None, root: str = "/", base: str = "/opt/zeroedge",
-                  name: str | None = None) -> Release:
+                  name: str | None = None, serve: dict | None = None) -> Release:
+    """serve: serve_spec(...) for a release that also runs zeroedge-serve.service (part of the
+    release's identity, like its unit: a release with the server is not the same release without)."""
     bundle = Path(bundle)
     entries: dict = {}
     for rel, info in sorted(manifest["files"].items()):
@@ -239,13 +252,17 @@ def build_release(bundle: Path, manifest: dict, template: dict, port: int, backe
     for e in sorted(entries.values(), key=lambda e: e.rel):
         h.update(f"{e.rel}\0{e.sha256}\0{e.mode:o}\n".encode())
     h.update(unit.encode())
+    if serve:
+        h.update(b"\0serve\0" + json.dumps(serve, sort_keys=True).encode())
     rid = h.hexdigest()[:12]
     from zeroedge import __version__
 
     info = {"id": rid, "bundle": bundle.resolve().name, "bundle_manifest_sha256": entries[f"bundle/{MANIFEST}"].sha256,
             "target": manifest.get("target"), "zeroedge_version": __version__, "metrics_port": port,
             "backend": backend, "files": len(entries), "bytes": sum(e.bytes for e in entries.values())}
+    if serve:
+        info["serve_port"] = serve["port"]
     rj = workdir / "release.json"
     rj.write_text(json.dumps(info, indent=2, sort_keys=True))
     _add(entries, "release.json", rj)
-    return Release(rid, entries, info, unit)
+    return Release(rid, entries, info, unit, serve)

@@ -10,6 +10,10 @@ Layout on the device (all under the device root, default "/"):
                                         daemon.toml (it can hold the MQTT password) is its own 0600 copy
     /opt/zeroedge/current -> releases/… swapped atomically (symlink to a temp name + rename)
     /etc/systemd/system/zeroedge.service and zeroedge.service.d/zeroedge-deploy.conf
+    /etc/systemd/system/zeroedge-serve.service and zeroedge-serve.service.d/zeroedge-deploy.conf
+                                        a release deployed with --serve: zeroedge serve on the
+                                        current release's bundle, 127.0.0.1 only (written through
+                                        directory fds; a release without it stops and removes them)
     /etc/zeroedge/trusted-keys/<key id>.pub  pinned bundle signing keys: when any is present, a
                                         bundle not signed by one of them is refused
 
@@ -33,7 +37,10 @@ if "probe" not in globals():  # imported from the package; over SSH probe.py's a
 
 MARKER = "@@ZEROEDGE-RESULT@@"
 UNIT = "zeroedge.service"
+SERVE_UNIT = "zeroedge-serve.service"
 DROPIN = "zeroedge-deploy.conf"
+SERVE_HOST = "127.0.0.1"         # the serve unit's listener: never another address
+PLUGIN_LIB = "build/plugins/libzeroedge_plugins.so"
 OPS = ("probe", "activate", "rollback", "status")
 RELEASE_ID = re.compile(r"[0-9a-f]{12}")
 RELEASE_NAME = re.compile(r"\d{8}T\d{12}Z-[0-9a-f]{12}")   # what stage() names a release
@@ -69,6 +76,8 @@ def check_payload(p):
     for h in p.get("hashes") or []:
         if not (isinstance(h, str) and HEX64.fullmatch(h)):
             raise Fail("bad sha256 %r: must be 64 lowercase hex digits" % (h,))
+    if "serve" in p and serve_problem(p["serve"]):
+        raise Fail("bad serve spec: %s" % serve_problem(p["serve"]))
     for rel, info in (p.get("files") or {}).items():
         why = path_problem(rel)
         if not why and not (rel in ("daemon.toml", "release.json") or rel.split("/")[0] in ("app", "bundle")
@@ -79,6 +88,39 @@ def check_payload(p):
         if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and HEX64.fullmatch(info["sha256"])
                 and info.get("mode", 0o644) in MODES):
             raise Fail("bad entry for %r: needs a lowercase hex sha256 and mode 644, 755 or 600" % rel)
+
+
+def serve_problem(s):
+    """Why a serve spec ({"unit": text, "port": N}) is unusable, or None."""
+    if not isinstance(s, dict) or set(s) != {"unit", "port"}:
+        return "needs exactly the unit text and the port"
+    if not isinstance(s["unit"], str) or not s["unit"].strip():
+        return "the unit text is empty"
+    port = s["port"]
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        return "port %r is not 1 to 65535" % (port,)
+    return None
+
+
+def put_text(name, dir_fd, text, what):
+    """`name` in dir_fd holds `text` afterwards; True if it was written. A temp file made with
+    O_EXCL | O_NOFOLLOW, then renamed over `name`: never written through a link, and a link or
+    anything but a regular file at `name` is refused, not replaced."""
+    data = text.encode("utf-8")
+    fd = open_regular(name, dir_fd, what)
+    if fd is not None:
+        with os.fdopen(fd, "rb") as f:
+            if f.read() == data:
+                return False
+    tmp = ".%s.tmp-%d" % (name, os.getpid())
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    with create(tmp, dir_fd, 0o644) as f:
+        f.write(data)
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return True
 
 
 def pinned_keys(root):
@@ -411,11 +453,14 @@ class Device:
         return out
 
     def service_spec(self, name):
-        """The unit text and python a release was deployed with (kept in the release, so a rollback
-        reinstalls the unit that went with it)."""
+        """The unit text and python a release was deployed with, and its serve spec when it was
+        deployed with --serve (kept in the release, so a rollback reinstalls the units that went
+        with it)."""
         path = os.path.join(self.releases, name, ".service.json")
         if "unit" in self.p and "python" in self.p:
             spec = {"unit": self.p["unit"], "python": self.p["python"]}
+            if "serve" in self.p:
+                spec["serve"] = self.p["serve"]
             if not os.path.isfile(path):
                 with open(path + ".tmp", "w") as f:
                     json.dump(spec, f)
@@ -471,18 +516,143 @@ class Device:
             self.systemctl("enable", UNIT)
         return changed
 
+    # ----- the serve unit (deploy --serve)
+    def serve_of(self, name, strict=True):
+        """The serve spec a release was deployed with ({"unit", "port"}), or None: a release
+        without zeroedge-serve.service. strict=False: None too when the release has no spec."""
+        if not name:
+            return None
+        try:
+            return self.service_spec(name).get("serve")
+        except Fail:
+            if strict:
+                raise
+            return None
+
+    def serve_command(self, name, port, py):
+        """zeroedge serve on the current release's bundle, bound to 127.0.0.1: on its TensorRT
+        engines when the release's on-device build made them (and with its plugin library when
+        that was built too), else on onnxruntime."""
+        cur = self.current
+        try:
+            with open(os.path.join(self.releases, name, "build.json")) as f:
+                build = json.load(f)
+        except (OSError, ValueError):
+            build = {}
+        done = {s.get("name") for s in build.get("steps", []) if isinstance(s, dict) and "seconds" in s}
+        argv = [py, "-m", "zeroedge.cli", "serve"]
+        if build.get("backend") == "tensorrt" and "engine" in done:
+            argv += ["--backend", "tensorrt", "--bundle", cur + "/bundle", "--engines", cur + "/build"]
+            if "plugins" in done:
+                argv += ["--plugins", cur + "/" + PLUGIN_LIB]
+        else:
+            argv += ["--backend", "onnxruntime", "--bundle", cur + "/bundle"]
+        return " ".join(argv + ["--host", SERVE_HOST, "--port", str(int(port))])
+
+    def unit_dir_fd(self):
+        os.makedirs(self.unit_dir, exist_ok=True)
+        try:
+            return os.open(self.unit_dir, DIR_FLAGS)
+        except OSError as e:
+            raise Fail("%s is unusable (%s); refused" % (self.unit_dir, e.strerror))
+
+    def install_serve(self, name):
+        """zeroedge-serve.service and its drop-in for release `name` (reload and enable when
+        something changed); a release without the server stops and removes one a deploy installed.
+        Returns whether anything changed."""
+        spec = self.serve_of(name)
+        if not spec:
+            return self.remove_serve()
+        py = self.service_spec(name)["python"]
+        dropin = "\n".join([
+            "# written by zeroedge deploy: serves the bundle of the current release on %s" % SERVE_HOST,
+            "[Service]",
+            "WorkingDirectory=%s" % self.current,
+            "Environment=PYTHONPATH=%s/app" % self.current,
+            "Environment=ZEROEDGE_DEVICE_ROOT=%s" % self.root,
+            "ExecStart=",
+            "ExecStart=%s" % self.serve_command(name, spec["port"], py),
+            ""])
+        ufd = self.unit_dir_fd()
+        dfd = None
+        try:
+            changed = put_text(SERVE_UNIT, ufd, spec["unit"], os.path.join(self.unit_dir, SERVE_UNIT))
+            try:
+                os.mkdir(SERVE_UNIT + ".d", 0o755, dir_fd=ufd)
+            except FileExistsError:
+                pass
+            try:
+                dfd = os.open(SERVE_UNIT + ".d", DIR_FLAGS, dir_fd=ufd)
+            except OSError as e:
+                raise Fail("%s/%s.d is not a directory (%s); refused" % (self.unit_dir, SERVE_UNIT, e.strerror))
+            changed = put_text(DROPIN, dfd, dropin, os.path.join(self.unit_dir, SERVE_UNIT + ".d", DROPIN)) \
+                or changed
+        finally:
+            for fd in (dfd, ufd):
+                if fd is not None:
+                    os.close(fd)
+        if changed:
+            self.systemctl("daemon-reload")
+            self.systemctl("enable", SERVE_UNIT)
+        return changed
+
+    def remove_serve(self):
+        """Stop, disable and remove the serve unit, only when a deploy installed it (its drop-in
+        is there); nothing at all, not even a systemctl call, otherwise."""
+        if not os.path.lexists(os.path.join(self.unit_dir, SERVE_UNIT + ".d", DROPIN)):
+            return False
+        self.systemctl("stop", SERVE_UNIT, check=False)
+        self.systemctl("disable", SERVE_UNIT, check=False)
+        ufd = self.unit_dir_fd()
+        try:
+            try:
+                dfd = os.open(SERVE_UNIT + ".d", DIR_FLAGS, dir_fd=ufd)
+            except OSError as e:
+                raise Fail("%s/%s.d is not a directory (%s); refused" % (self.unit_dir, SERVE_UNIT, e.strerror))
+            try:
+                os.unlink(DROPIN, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            try:
+                os.rmdir(SERVE_UNIT + ".d", dir_fd=ufd)
+            except OSError:  # something else of the admin's is in there: theirs
+                pass
+            try:
+                os.unlink(SERVE_UNIT, dir_fd=ufd)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(ufd)
+        self.systemctl("daemon-reload")
+        return True
+
+    def serve_active(self):
+        return self.systemctl("is-active", SERVE_UNIT, check=False).stdout.strip() == "active"
+
+    def serve_health(self, name, restart=True, timeout=None):
+        """Restart the serve unit (unless restart=False) and poll its /health as the daemon's."""
+        spec = self.serve_of(name)
+        if restart:
+            self.systemctl("restart", SERVE_UNIT)
+        h = self.health(spec["port"], self.p.get("health_timeout", 60) if timeout is None else timeout,
+                        path="/health")
+        if not h["ok"] and timeout != 0:
+            h["logs"] = self.logs(SERVE_UNIT)
+        return h
+
     def service_active(self):
         r = self.systemctl("is-active", UNIT, check=False)
         return r.stdout.strip() == "active"
 
-    def health(self, port, timeout, stable=None):
-        """Poll /healthz until it has answered 200 for `stable` seconds in a row (a daemon that
-        answers once and then degrades or dies is not healthy), or `timeout` passes."""
+    def health(self, port, timeout, stable=None, path="/healthz"):
+        """Poll `path` (the daemon's /healthz, the server's /health) until it has answered 200 for
+        `stable` seconds in a row (a service that answers once and then degrades or dies is not
+        healthy), or `timeout` passes."""
         import urllib.error
         import urllib.request
 
         stable = self.p.get("health_stable", 1.5) if stable is None else stable
-        url = "http://127.0.0.1:%d/healthz" % port
+        url = "http://127.0.0.1:%d%s" % (port, path)
         deadline = time.time() + timeout
         ok_since = None
         while True:
@@ -505,9 +675,9 @@ class Device:
                 return last
             time.sleep(0.25)
 
-    def logs(self):
+    def logs(self, unit=UNIT):
         try:
-            r = subprocess.run(["journalctl", "-u", UNIT, "-n", "15", "--no-pager"], stdout=subprocess.PIPE,
+            r = subprocess.run(["journalctl", "-u", unit, "-n", "15", "--no-pager"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, universal_newlines=True, timeout=20)
             return r.stdout[-2000:]
         except (OSError, subprocess.SubprocessError):
@@ -525,8 +695,9 @@ class Device:
         return h
 
     def activate(self):
-        """stage -> build -> install unit -> swap current -> restart -> health; on an unhealthy
-        new release, put the previous one back."""
+        """stage -> build -> install units -> swap current -> restart -> health (the daemon's, and
+        the server's for a release deployed with --serve); on an unhealthy new release, put the
+        previous one back."""
         signer = self.check_signature()  # read-only: a refusal changes nothing
         self.lock()
         if self.p.get("hashes"):  # uploads of this deploy: verify and move into the store
@@ -540,28 +711,46 @@ class Device:
         if name == before:
             res["unchanged"] = True
             res["build"] = self.build(name)
+            serve = self.serve_of(name)
+            serve_changed = self.install_serve(name)
             changed = self.install_unit(name)
             if changed or not self.service_active():
                 res["restarted"] = True
                 res["health"] = self.restart_and_check(name)
             else:
                 res["health"] = self.health(self.port_of(name), self.p.get("health_timeout", 60))
+            if serve:
+                restart = serve_changed or not self.serve_active()
+                res["serve_restarted"] = restart
+                res["serve_health"] = self.serve_health(name, restart)
+            elif serve_changed:
+                res["serve_removed"] = True
             res["gc"] = self.gc()
             return res
         t = time.time()
         res["build"] = self.build(name)
         res["build_s"] = round(time.time() - t, 3)
+        serve = self.serve_of(name)
+        if self.install_serve(name) and not serve:
+            res["serve_removed"] = True
         self.install_unit(name)
         self.swap_current(name)
         t = time.time()
         res["health"] = self.restart_and_check(name)
+        if serve:
+            res["serve_health"] = self.serve_health(name)
         res["restart_to_healthy_s"] = round(time.time() - t, 3)
-        if not res["health"]["ok"] and before and self.p.get("auto_rollback", True):
+        healthy = res["health"]["ok"] and (not serve or res["serve_health"]["ok"])
+        if not healthy and before and self.p.get("auto_rollback", True):
             self.p.pop("unit", None)
+            self.p.pop("serve", None)
+            self.install_serve(before)
             self.install_unit(before)
             self.swap_current(before)
             res["rolled_back_to"] = before
             res["rollback_health"] = self.restart_and_check(before)
+            if self.serve_of(before):
+                res["rollback_serve_health"] = self.serve_health(before)
         res["gc"] = self.gc()
         return res
 
@@ -616,11 +805,20 @@ class Device:
                 raise Fail("no release older than %s to roll back to" % cur)
             target = names[i - 1]
         if target == cur:
-            return {"release": cur, "previous": cur, "unchanged": True,
-                    "health": self.health(self.port_of(cur), self.p.get("health_timeout", 60))}
+            out = {"release": cur, "previous": cur, "unchanged": True,
+                   "health": self.health(self.port_of(cur), self.p.get("health_timeout", 60))}
+            if self.serve_of(cur, strict=False):
+                out["serve_health"] = self.serve_health(cur, restart=False)
+            return out
+        removed = self.install_serve(target) and not self.serve_of(target)
         self.install_unit(target)
         self.swap_current(target)
-        return {"release": target, "previous": cur, "health": self.restart_and_check(target)}
+        out = {"release": target, "previous": cur, "health": self.restart_and_check(target)}
+        if self.serve_of(target):
+            out["serve_health"] = self.serve_health(target)
+        elif removed:
+            out["serve_removed"] = True
+        return out
 
     def status(self):
         cur = self.current_name()
@@ -641,6 +839,11 @@ class Device:
             except OSError:
                 pass
         out["health"] = self.health(self.port_of(cur), 0)
+        serve = self.serve_of(cur, strict=False)
+        if serve:
+            out["serve"] = {"unit": SERVE_UNIT, "port": serve["port"],
+                            "service": self.systemctl("is-active", SERVE_UNIT, check=False).stdout.strip() or "unknown",
+                            "health": self.serve_health(cur, restart=False, timeout=0)}
         return out
 
 

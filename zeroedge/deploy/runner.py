@@ -21,6 +21,7 @@ from .inventory import Target
 from .ssh import HostError, agent, connect, upload
 
 DEFAULT_BASE = "/opt/zeroedge"
+SERVE_UNIT = "zeroedge-serve.service"
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Options:
     unit_file: Path | None = None
     quiet: bool = False       # --json: no progress bars
     pin_keys: list = field(default_factory=list)   # --pin-key: PEM public keys to pin on the devices
+    serve: bool = False       # --serve: also zeroedge-serve.service (zeroedge serve on the release's bundle)
+    serve_port: int = 8000    # --serve-port: where it listens on the device's 127.0.0.1
 
 
 @dataclass
@@ -113,7 +116,7 @@ class Deployer:
 
     # ---------------- phase 1: read-only on every device
     async def prepare(self, t: Target, r: HostResult):
-        from .release import build_release, metrics_port
+        from .release import build_release, metrics_port, serve_spec
 
         r.phase = "connect"
         t0 = time.perf_counter()
@@ -123,18 +126,28 @@ class Deployer:
         t0 = time.perf_counter()
         r.phase = "preflight"
         want = list(pf.DAEMON_MODULES) + ["tomli", "cryptography"]
+        if self.opts.serve:
+            want += [m for m in pf.SERVE_MODULES if m not in want]
         facts, _ = await _run(t, self.opts, conn, "probe", modules=want)
         r.facts = facts
         # a first verdict decides the backend (which shapes daemon.toml); the disk check needs the
         # upload size, known once the release exists, so evaluate again below
         sig = {"signer": self.signer, "new_pins": self.new_pins}
+        if self.opts.serve:
+            sig["serve"] = True
         v0 = pf.evaluate(facts, self.manifest, 0, 0, self.opts.sudo, self.has_plugins, self.has_trt, **sig)
         if v0.problems:
             raise HostError(t, "; ".join(v0.problems), "preflight")
         port = metrics_port(self.template, _s(t, "metrics_port", self.opts.metrics_port))
+        serve = None
+        if self.opts.serve:
+            if self.opts.serve_port == port:
+                raise HostError(t, f"--serve-port {port} is the daemon's metrics port on the device; "
+                                   "give another", "preflight")
+            serve = serve_spec(self.opts.serve_port)
         rel = build_release(self.bundle, self.manifest, self.template, port, v0.backend,
                             Path(self.tmp.name) / t.name, self.opts.unit_file, root=facts["root"],
-                            base=_s(t, "base", DEFAULT_BASE), name=t.name)
+                            base=_s(t, "base", DEFAULT_BASE), name=t.name, serve=serve)
         present = set(facts.pop("store", []))
         missing, seen = [], set()
         for e in rel.entries.values():
@@ -177,10 +190,11 @@ class Deployer:
         t0 = time.perf_counter()
         r.phase = "activate"
         steps = v.steps
+        more = {"serve": rel.serve} if rel.serve else {}
         res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], incoming=incoming, release_id=rel.id, files=rel.files_payload(),
                               unit=rel.unit, python=r.facts["python"]["executable"],
                               metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,
-                              build={"backend": v.backend, "steps": steps}, pin_keys=self.opts.pin_keys)
+                              build={"backend": v.backend, "steps": steps}, pin_keys=self.opts.pin_keys, **more)
         _tick(r, "activate_s", t0)
         r.release, r.previous, r.health = res["release"], res.get("previous"), res.get("health")
         r.changed = not res.get("unchanged") or bool(r.bytes_uploaded)
@@ -192,6 +206,10 @@ class Deployer:
         r.extra.update(signed_by=res.get("signed_by"), pinned=res.get("pinned"))
         if res.get("rolled_back_to"):
             r.extra["rolled_back_to"] = res["rolled_back_to"]
+        if rel.serve:
+            r.extra["serve"] = {"unit": SERVE_UNIT, "port": rel.serve["port"], "health": res.get("serve_health")}
+        if res.get("serve_removed"):
+            r.extra["serve_removed"] = True
         if not (r.health or {}).get("ok"):
             r.phase = "health"
             h = r.health or {}
@@ -203,6 +221,12 @@ class Deployer:
             r.error = (f"release {r.release} is not healthy ({why} from {h.get('url')}){back}"
                        + (f"; daemon log: {logs[-1][:200]}" if logs else ""))
             return
+        if rel.serve and not (res.get("serve_health") or {}).get("ok"):
+            r.phase = "health"
+            back = (f"; rolled back to {res['rolled_back_to']}" if res.get("rolled_back_to")
+                    else "; no previous release to roll back to" if not r.previous else "")
+            r.error = f"release {r.release}: {_unhealthy(res.get('serve_health'))}{back}"
+            return
         r.phase, r.ok = "done", True
 
     def dry(self, t: Target, r: HostResult):
@@ -210,8 +234,13 @@ class Deployer:
         cur = None
         r.would.append(f"upload {len(missing)} of {len(rel.entries)} files, {pf.fmt_bytes(sum(m[2] for m in missing))}"
                        f" of {pf.fmt_bytes(rel.total_bytes)}")
-        r.would.append(f"activate release ...-{rel.id} (backend {v.backend}) and restart zeroedge.service, "
-                       "unless it is already current and healthy")
+        if rel.serve:
+            r.would.append(f"activate release ...-{rel.id} (backend {v.backend}) and restart zeroedge.service and "
+                           f"{SERVE_UNIT} (zeroedge serve on 127.0.0.1:{rel.serve['port']}), unless they are "
+                           "already current and healthy")
+        else:
+            r.would.append(f"activate release ...-{rel.id} (backend {v.backend}) and restart zeroedge.service, "
+                           "unless it is already current and healthy")
         for s in v.steps:
             r.would.append(f"build {s['name']}: " + (" ".join(s["argv"]) if s.get("argv") else f"skipped ({s['why']})"))
         r.release, r.ok, r.phase = cur, True, "dry-run"
@@ -279,6 +308,15 @@ def _tick(r: HostResult, key: str, t0: float):
     r.extra.setdefault("timings", {})[key] = round(time.perf_counter() - t0, 3)
 
 
+def _unhealthy(h) -> str:
+    """The serve unit's failed health check, for one line: why, from where, its last log line."""
+    h = h or {}
+    why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200) else h.get("error", "no answer")
+    logs = (h.get("logs") or "").strip().splitlines()
+    return (f"{SERVE_UNIT} is not healthy ({why} from {h.get('url')})"
+            + (f"; serve log: {logs[-1][:200]}" if logs else ""))
+
+
 def _short(body) -> str:
     if isinstance(body, dict):
         return f"status={body.get('status')}" + (f" ({body.get('reason') or body.get('error')})"
@@ -306,6 +344,8 @@ async def _simple(targets: list[Target], opts: Options, op: str, **kw) -> list[H
                 h = r.health or {}
                 r.error = (f"rolled back to {r.release}, but it is not healthy "
                            f"({'HTTP %s' % h['code'] if h.get('code') else h.get('error')})")
+            elif op == "rollback" and "serve_health" in res and not (res["serve_health"] or {}).get("ok"):
+                r.error = f"rolled back to {r.release}, but {_unhealthy(res['serve_health'])}"
             else:
                 r.ok, r.phase = True, "done"
         except HostError as e:

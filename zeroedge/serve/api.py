@@ -223,17 +223,30 @@ def create_app(server: Server):
     async def _crash(request, exc):              # a bug: this request fails, the server goes on
         return fail(f"internal error: {type(exc).__name__}: {exc}", 500, "internal_error")
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if S.api_key is not None and request.url.path != "/health":
-            got = request.headers.get("authorization", "")
-            want = "Bearer " + S.api_key
-            if not hmac.compare_digest(got.encode(), want.encode()):
-                return fail("missing or wrong API key (Authorization: Bearer KEY)", 401, "invalid_api_key")
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > S.max_body_bytes):
-            return fail(f"the body is over {S.max_body_bytes} bytes", 413, "request_too_large")
-        return await call_next(request)
+    class Guard:
+        """Pure ASGI (BaseHTTPMiddleware would hide a client's disconnect from the streams): the API
+        key on every route but /health, and the body limit from Content-Length."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            status = None
+            if S.api_key is not None and scope["path"] != "/health":
+                want = ("Bearer " + S.api_key).encode()
+                if not hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), want):
+                    status, msg, code = 401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_api_key"
+            size = headers.get("content-length")
+            if status is None and size is not None and (not size.isdigit() or int(size) > S.max_body_bytes):
+                status, msg, code = 413, f"the body is over {S.max_body_bytes} bytes", "request_too_large"
+            if status is None:
+                return await self.inner(scope, receive, send)
+            await fail(msg, status, code)(scope, receive, send)
+
+    app.add_middleware(Guard)
 
     @app.get("/health")
     async def health():

@@ -897,8 +897,8 @@ def test_deploy_serve_status_rollback(lab, tmp_path):
     p = deploy(lab, b2, "--host", "jetson-serve", "--config", lab.config, "--metrics-port", port, *serve,
                "--health-timeout", 5)
     assert p.returncode == 1, (p.stdout, p.stderr)
-    err = p.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    err = p.stderr.strip().splitlines()[-1]     # after the upload's progress bar
+    assert "Traceback" not in p.stderr and err.startswith("zeroedge: error: jetson-serve: release "), p.stderr
     assert (f"zeroedge-serve.service is not healthy (HTTP 503 status=error (the engine is not running) from "
             f"http://127.0.0.1:{sport}/health); rolled back to {rel1}; serve log: fake zeroedge serve: engine "
             "stopped") in err, err
@@ -908,25 +908,25 @@ def test_deploy_serve_status_rollback(lab, tmp_path):
     assert h["result"]["serve"]["service"] == "active" and h["result"]["serve"]["health"]["ok"]
     assert d.serve_pid() not in (None, spid)
 
-    # 6. healthy: deployed; then a deploy without --serve stops and removes the serve unit
-    sick.unlink()
-    rel2 = last_json(deploy(lab, b2, *common, *serve, "--json", rc=0))["hosts"][0]["release"]
+    # 6. a deploy without --serve stops and removes the serve unit
+    rel2 = sorted(os.listdir(base / "releases"))[-1]        # the release rolled back in 5
     n = len(d.calls())
     p = deploy(lab, b2, *common, rc=0)
     assert "zeroedge-serve.service stopped and removed (this deploy has no --serve)" in p.stdout, p.stdout
     rel3 = os.readlink(base / "current").split("/")[-1]
-    assert rel3 not in (rel1, rel2)
+    assert rel3 not in (rel1, rel2) and rel3 > rel2
     assert [c for c in d.calls()[n:] if "zeroedge-serve.service" in c] == [
         ["stop", "zeroedge-serve.service"], ["disable", "zeroedge-serve.service"]]
     assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None
     p = zcli(lab, "status", "--host", "jetson-serve", rc=0)
     assert "service active; health ok" in p.stdout and "zeroedge-serve" not in p.stdout, p.stdout
 
-    # 7. rollback to the release deployed with --serve: the unit is back, started and checked
+    # 7. rollback to a release deployed with --serve (its server healthy now): the unit is back,
+    # started and checked; and back to the one without: stopped and removed again
+    sick.unlink()
     p = zcli(lab, "rollback", "--host", "jetson-serve", rc=0)
     assert f"rolled back {rel3} -> {rel2}; health ok; zeroedge-serve.service health ok" in p.stdout, p.stdout
     assert unit.read_text() == text and dropin.read_text().splitlines() == lines and d.serve_pid()
-    # and back to the one without: stopped and removed again
     p = zcli(lab, "rollback", "--host", "jetson-serve", "--to", rel3, rc=0)
     assert f"zeroedge-serve.service stopped and removed ({rel3} has no serve unit)" in p.stdout, p.stdout
     assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None
@@ -985,4 +985,6 @@ def _run_serve_unit_command(dropin: Path, tmp: Path):
             proc.kill()
             out = proc.communicate()[0].decode(errors="replace")
         notify.close()
-    assert proc.returncode == 0, out[-2000:]
+    # exit 0, or death by the SIGTERM it was sent (uvicorn raises the signal it handled again once it
+    # has shut down): both a clean stop to systemd, so Restart=on-failure leaves it stopped
+    assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]

@@ -225,7 +225,7 @@ class Deployer:
             r.phase = "health"
             back = (f"; rolled back to {res['rolled_back_to']}" if res.get("rolled_back_to")
                     else "; no previous release to roll back to" if not r.previous else "")
-            r.error = f"release {r.release}: {_unhealthy(res.get('serve_health'))}{back}"
+            r.error = f"release {r.release}: {_unhealthy(res.get('serve_health'), back)}"
             return
         r.phase, r.ok = "done", True
 
@@ -308,12 +308,13 @@ def _tick(r: HostResult, key: str, t0: float):
     r.extra.setdefault("timings", {})[key] = round(time.perf_counter() - t0, 3)
 
 
-def _unhealthy(h) -> str:
-    """The serve unit's failed health check, for one line: why, from where, its last log line."""
+def _unhealthy(h, back: str = "") -> str:
+    """The serve unit's failed health check as one line: why, from where, what was done about it
+    (`back`), its last log line."""
     h = h or {}
     why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200) else h.get("error", "no answer")
     logs = (h.get("logs") or "").strip().splitlines()
-    return (f"{SERVE_UNIT} is not healthy ({why} from {h.get('url')})"
+    return (f"{SERVE_UNIT} is not healthy ({why} from {h.get('url')}){back}"
             + (f"; serve log: {logs[-1][:200]}" if logs else ""))
 
 

@@ -41,6 +41,7 @@ class _Body(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[Dict[str, float]] = None
+    ignore_eos: bool = False        # an extension (llama.cpp, vLLM): generate max_tokens whatever comes
 
 
 class _Message(BaseModel):
@@ -288,7 +289,8 @@ def create_app(server: Server):
             if why:
                 raise Refused(why)
             ids = S.prompt_ids(body)
-            plan = S.planner.plan(ids, S.sampling(body, len(ids)), S.grammar(body) if chat else None)
+            plan = S.planner.plan(ids, S.sampling(body, len(ids)), S.grammar(body) if chat else None,
+                                  ignore_eos=body.ignore_eos)
             if not S.engine.alive():
                 raise Refused(f"the engine stopped: {S.engine.error}", 503, "engine_stopped")
             if S.engine.load()["waiting"] >= S.max_queue:

@@ -96,6 +96,7 @@ class _Graph:
 
     def session(self, inputs: List[tuple], outputs: List[tuple], threads: int):
         import onnxruntime as ort
+
         from onnx import TensorProto, helper
 
         vi = lambda n, d: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["M", d])  # noqa: E731
@@ -105,6 +106,8 @@ class _Graph:
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+        # L + 2 sessions keep a pool each: spinning, their idle threads would take the cores from the
+        # others (and from torch's attention between calls)
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 

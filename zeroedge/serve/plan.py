@@ -52,7 +52,8 @@ class Planner:
         self.ctx, self.positions_total, self.position_bytes = ctx, positions_total, position_bytes
         self.eos, self.where = tuple(eos), where
 
-    def plan(self, prompt: List[int], sampling: Sampling, grammar: Optional[str] = None) -> Plan:
+    def plan(self, prompt: List[int], sampling: Sampling, grammar: Optional[str] = None,
+             ignore_eos: bool = False) -> Plan:
         n = len(prompt)
         if n == 0:
             raise Refused("the prompt is empty")
@@ -65,4 +66,8 @@ class Planner:
                           f"{_mib(need * self.position_bytes)} of KV; {self.where} holds "
                           f"{_mib(self.positions_total * self.position_bytes)} in all",
                           code="insufficient_memory")
-        return Plan(list(prompt), sampling, need, need * self.position_bytes, grammar, self.eos)
+        if ignore_eos and grammar is not None:
+            raise Refused("ignore_eos cannot go with response_format (the grammar ends with EOS)",
+                          param="ignore_eos")
+        return Plan(list(prompt), sampling, need, need * self.position_bytes, grammar,
+                    () if ignore_eos else self.eos)

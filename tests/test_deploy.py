@@ -872,8 +872,7 @@ def test_deploy_serve_status_rollback(lab, tmp_path):
     assert json.loads((d.root / "var/lib/stub-systemd/serve-argv.json").read_text()) == cmd[3:]
     assert _mode(unit) == _mode(dropin) == 0o644
     calls = d.calls()
-    assert ["enable", "zeroedge-serve.service"] in calls
-    assert calls.index(["restart", "zeroedge.service"]) < calls.index(["restart", "zeroedge-serve.service"])
+    assert ["enable", "zeroedge-serve.service"] in calls and ["restart", "zeroedge-serve.service"] in calls
     spid = d.serve_pid()
     assert spid
 
@@ -883,8 +882,9 @@ def test_deploy_serve_status_rollback(lab, tmp_path):
 
     # 3. the same deploy again: unchanged, both checked, nothing restarted
     n = len(d.calls())
-    r = last_json(deploy(lab, lab.bundle, *common, *serve, "--json", rc=0))["hosts"][0]
-    assert not r["changed"] and r["release"] == rel1 and r["serve"]["health"]["ok"]
+    p = deploy(lab, lab.bundle, *common, *serve, rc=0)
+    assert f"release {rel1} already current, unchanged; health ok" in p.stdout, p.stdout
+    assert f"jetson-serve: zeroedge-serve.service serving on 127.0.0.1:{sport}; health ok (sequential)" in p.stdout
     assert d.serve_pid() == spid and not [c for c in d.calls()[n:] if c[0] == "restart"]
 
     # 4. the installed command line is a working zeroedge serve (a model bundle in place of the sensor one)
@@ -895,7 +895,7 @@ def test_deploy_serve_status_rollback(lab, tmp_path):
     sick = d.root / "etc/fake-serve-unhealthy"
     sick.write_text(hashlib.sha256((b2 / "manifest.json").read_bytes()).hexdigest())
     p = deploy(lab, b2, "--host", "jetson-serve", "--config", lab.config, "--metrics-port", port, *serve,
-               "--health-timeout", 5)
+               "--health-timeout", 8)      # the daemon must still be healthy in time, the server never is
     assert p.returncode == 1, (p.stdout, p.stderr)
     err = p.stderr.strip().splitlines()[-1]     # after the upload's progress bar
     assert "Traceback" not in p.stderr and err.startswith("zeroedge: error: jetson-serve: release "), p.stderr
@@ -988,3 +988,66 @@ def _run_serve_unit_command(dropin: Path, tmp: Path):
     # exit 0, or death by the SIGTERM it was sent (uvicorn raises the signal it handled again once it
     # has shut down): both a clean stop to systemd, so Restart=on-failure leaves it stopped
     assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]
+
+
+def test_serve_unit_files_command_and_preflight(tmp_path, monkeypatch):
+    """The device agent's side of --serve, on a fake root without SSH: the unit and drop-in are
+    written through directory fds, never through a link (a link where either goes is refused, a
+    planted temp-file link replaced); the ExecStart serves the TensorRT engines when the release's
+    build made them, always on 127.0.0.1; removal touches nothing when the deploy never installed
+    the unit; a bad serve spec is refused by the agent; preflight asks the device's python3 for
+    zeroedge serve's imports only with --serve."""
+    from zeroedge.deploy import preflight as pf
+    from zeroedge.deploy.remote import Device, Fail
+    from zeroedge.device.probe import probe
+
+    root = make_jetson(tmp_path / "root")
+    monkeypatch.setenv("ZEROEDGE_DEVICE_ROOT", str(root))
+    monkeypatch.setenv("PATH", f"{root}/stub-bin:{os.environ['PATH']}")
+    name = "20260101T000000000000Z-0123456789ab"
+    rel = root / "opt/zeroedge/releases" / name
+    rel.mkdir(parents=True)
+    serve_unit = "[Unit]\nDescription=test\n"
+    (rel / ".service.json").write_text(json.dumps({"unit": "[Service]\n", "python": "/usr/bin/python3",
+                                                   "serve": {"unit": serve_unit, "port": 8123}}))
+    (rel / "build.json").write_text(json.dumps({"backend": "tensorrt", "steps": [
+        {"name": "plugins", "seconds": 1.0}, {"name": "engine", "seconds": 2.0}]}))
+    units = root / "etc/systemd/system"
+    unit, dd = units / "zeroedge-serve.service", units / "zeroedge-serve.service.d"
+    outside, elsewhere = tmp_path / "outside", tmp_path / "elsewhere"
+    outside.write_text("keep")
+    elsewhere.mkdir()
+    dev = Device({"base": "/opt/zeroedge"})
+    assert dev.remove_serve() is False and not (root / "var/lib/stub-systemd/calls.jsonl").exists()
+    unit.symlink_to(outside)
+    with pytest.raises(Fail, match="zeroedge-serve.service is not a regular file"):
+        dev.install_serve(name)
+    unit.unlink()
+    dd.symlink_to(elsewhere)
+    with pytest.raises(Fail, match=r"zeroedge-serve.service.d is not a directory"):
+        dev.install_serve(name)
+    dd.unlink()
+    (units / f".zeroedge-serve.service.tmp-{os.getpid()}").symlink_to(outside)
+    assert dev.install_serve(name) is True and dev.install_serve(name) is False
+    assert outside.read_text() == "keep" and os.listdir(elsewhere) == []
+    assert unit.read_text() == serve_unit and not unit.is_symlink() and _mode(unit) == 0o644
+    cur = root / "opt/zeroedge/current"
+    assert (dd / "zeroedge-deploy.conf").read_text().splitlines()[-1] == (
+        f"ExecStart=/usr/bin/python3 -m zeroedge.cli serve --backend tensorrt --bundle {cur}/bundle "
+        f"--engines {cur}/build --plugins {cur}/build/plugins/libzeroedge_plugins.so --host 127.0.0.1 --port 8123")
+    calls = (root / "var/lib/stub-systemd/calls.jsonl").read_text().splitlines()
+    assert [json.loads(c) for c in calls] == [["daemon-reload"], ["enable", "zeroedge-serve.service"]]
+    assert dev.remove_serve() is True and not list(units.glob("zeroedge-serve*"))
+    # the agent refuses a serve spec it cannot use, before anything is done
+    for bad in ({"unit": "[Unit]\n", "port": 0}, {"unit": "", "port": 8000}, {"port": 8000},
+                {"unit": "[Unit]\n", "port": True}, {"unit": "[Unit]\n", "port": 8000, "host": "0.0.0.0"}):
+        res = run_agent(root, {"op": "activate", "base": "/opt/zeroedge", "serve": bad})
+        assert not res["ok"] and res["error"].startswith("bad serve spec"), (bad, res)
+    # preflight: zeroedge serve's imports are asked for with --serve only
+    facts = probe(root=str(root), want_modules=list(pf.DAEMON_MODULES) + list(pf.SERVE_MODULES))
+    facts["modules"].update(fastapi=False, sse_starlette=False)
+    manifest = {"target": "jetpack-6.2", "files": {}}
+    assert not [p for p in pf.evaluate(facts, manifest, 0, 0).problems if "fastapi" in p]
+    problems = pf.evaluate(facts, manifest, 0, 0, serve=True).problems
+    assert problems == ["device python3 lacks fastapi, sse-starlette, which zeroedge serve needs (--serve); "
+                        "install with: python3 -m pip install fastapi sse-starlette"], problems

@@ -15,7 +15,8 @@ from zeroedge.deploy.cli import finish, targets_from
 @click.option("--metrics-port", type=int, help="Daemon metrics/health port on the device (default: from the config).")
 @click.option("--keep", type=int, default=3, show_default=True, help="Releases kept on the device.")
 @click.option("--min-free", default="256M", show_default=True, help="Disk kept free on the device after upload.")
-@click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
+@click.option("--health-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for /healthz (and, with --serve, for the server's /health).")
 @click.option("--no-auto-rollback", is_flag=True, help="Leave an unhealthy new release in place.")
 @click.option("--serve", "serve", is_flag=True,
               help="Also run zeroedge-serve.service: `zeroedge serve` on the release's bundle (its TensorRT engines "

@@ -8,7 +8,8 @@ from zeroedge.deploy.cli import finish, targets_from
 @click.command(name="rollback")
 @host_options
 @click.option("--to", "to", metavar="RELEASE", help="Release name or id to go back to (default: the one before current).")
-@click.option("--health-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for /healthz.")
+@click.option("--health-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for /healthz (and for zeroedge serve's /health where it runs).")
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, to, health_timeout):
     """Swap the device's `current` link back to the previous release (atomically), restart
     zeroedge.service and check its health; zeroedge-serve.service too where that release was

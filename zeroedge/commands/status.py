@@ -35,8 +35,9 @@ def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_jso
             sv = s["serve"]
             sh = sv.get("health") or {}
             sb = sh.get("body") if isinstance(sh.get("body"), dict) else {}
+            down = f"down ({sh.get('error') or sh.get('code')})"
             out.append(f"{r.name}: {sv['unit']} {sv.get('service')} on 127.0.0.1:{sv['port']}; health "
-                       + (sb.get("status") or ("ok" if sh.get("ok") else f"down ({sh.get('error') or sh.get('code')})")))
+                       + (sb.get("status") or ("ok" if sh.get("ok") else down)))
         return out + [f"{r.name}: memory {fmt_bytes(m.get('available'))} available of {fmt_bytes(m.get('total'))}"
                       + (f"; daemon RSS {fmt_bytes(s['rss'])}" if s.get("rss") else "")]
 

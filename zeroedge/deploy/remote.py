@@ -629,6 +629,30 @@ class Device:
     def serve_active(self):
         return self.systemctl("is-active", SERVE_UNIT, check=False).stdout.strip() == "active"
 
+    def with_serve(self, name, daemon, restart_serve=True):
+        """daemon() (the daemon's restart and/or health check) and, at the same time in a thread,
+        the serve unit's (serve_health): both services start and settle side by side, so the
+        deploy waits for the slower one, not for the two in a row. Returns (daemon's, server's)."""
+        import threading
+
+        box = {}
+
+        def serve():
+            try:
+                box["health"] = self.serve_health(name, restart_serve)
+            except BaseException as e:  # raised here, after the daemon's part
+                box["error"] = e
+
+        th = threading.Thread(target=serve)
+        th.start()
+        try:
+            h = daemon()
+        finally:
+            th.join()
+        if "error" in box:
+            raise box["error"]
+        return h, box["health"]
+
     def serve_health(self, name, restart=True, timeout=None):
         """Restart the serve unit (unless restart=False) and poll its /health as the daemon's."""
         spec = self.serve_of(name)
@@ -716,15 +740,16 @@ class Device:
             changed = self.install_unit(name)
             if changed or not self.service_active():
                 res["restarted"] = True
-                res["health"] = self.restart_and_check(name)
+                daemon = lambda: self.restart_and_check(name)  # noqa: E731
             else:
-                res["health"] = self.health(self.port_of(name), self.p.get("health_timeout", 60))
+                daemon = lambda: self.health(self.port_of(name), self.p.get("health_timeout", 60))  # noqa: E731
             if serve:
-                restart = serve_changed or not self.serve_active()
-                res["serve_restarted"] = restart
-                res["serve_health"] = self.serve_health(name, restart)
-            elif serve_changed:
-                res["serve_removed"] = True
+                res["serve_restarted"] = serve_changed or not self.serve_active()
+                res["health"], res["serve_health"] = self.with_serve(name, daemon, res["serve_restarted"])
+            else:
+                res["health"] = daemon()
+                if serve_changed:
+                    res["serve_removed"] = True
             res["gc"] = self.gc()
             return res
         t = time.time()
@@ -736,9 +761,10 @@ class Device:
         self.install_unit(name)
         self.swap_current(name)
         t = time.time()
-        res["health"] = self.restart_and_check(name)
         if serve:
-            res["serve_health"] = self.serve_health(name)
+            res["health"], res["serve_health"] = self.with_serve(name, lambda: self.restart_and_check(name))
+        else:
+            res["health"] = self.restart_and_check(name)
         res["restart_to_healthy_s"] = round(time.time() - t, 3)
         healthy = res["health"]["ok"] and (not serve or res["serve_health"]["ok"])
         if not healthy and before and self.p.get("auto_rollback", True):
@@ -748,9 +774,11 @@ class Device:
             self.install_unit(before)
             self.swap_current(before)
             res["rolled_back_to"] = before
-            res["rollback_health"] = self.restart_and_check(before)
             if self.serve_of(before):
-                res["rollback_serve_health"] = self.serve_health(before)
+                res["rollback_health"], res["rollback_serve_health"] = self.with_serve(
+                    before, lambda: self.restart_and_check(before))
+            else:
+                res["rollback_health"] = self.restart_and_check(before)
         res["gc"] = self.gc()
         return res
 
@@ -805,19 +833,23 @@ class Device:
                 raise Fail("no release older than %s to roll back to" % cur)
             target = names[i - 1]
         if target == cur:
-            out = {"release": cur, "previous": cur, "unchanged": True,
-                   "health": self.health(self.port_of(cur), self.p.get("health_timeout", 60))}
+            out = {"release": cur, "previous": cur, "unchanged": True}
+            daemon = lambda: self.health(self.port_of(cur), self.p.get("health_timeout", 60))  # noqa: E731
             if self.serve_of(cur, strict=False):
-                out["serve_health"] = self.serve_health(cur, restart=False)
+                out["health"], out["serve_health"] = self.with_serve(cur, daemon, restart_serve=False)
+            else:
+                out["health"] = daemon()
             return out
         removed = self.install_serve(target) and not self.serve_of(target)
         self.install_unit(target)
         self.swap_current(target)
-        out = {"release": target, "previous": cur, "health": self.restart_and_check(target)}
+        out = {"release": target, "previous": cur}
         if self.serve_of(target):
-            out["serve_health"] = self.serve_health(target)
-        elif removed:
-            out["serve_removed"] = True
+            out["health"], out["serve_health"] = self.with_serve(target, lambda: self.restart_and_check(target))
+        else:
+            out["health"] = self.restart_and_check(target)
+            if removed:
+                out["serve_removed"] = True
         return out
 
     def status(self):

@@ -106,17 +106,18 @@ class Deployer:
         self.tmp = tempfile.TemporaryDirectory(prefix="zeroedge-deploy-")
         from zeroedge.bundle import signer
 
-        from .release import daemon_template, has_plugins, has_trt_backend
+        from .release import daemon_template, has_plugins, has_trt_backend, serve_spec
         from zeroedge.trust import key_id, public_key_raw
 
         self.template = daemon_template(opts.config)
+        self.serve = serve_spec(opts.serve_port) if opts.serve else None   # --serve: unit template + port
         self.has_plugins, self.has_trt = has_plugins(), has_trt_backend()
         self.signer = signer(self.bundle)      # None: unsigned; a bad signature is refused here
         self.new_pins = [key_id(public_key_raw(pem)) for pem in opts.pin_keys]
 
     # ---------------- phase 1: read-only on every device
     async def prepare(self, t: Target, r: HostResult):
-        from .release import build_release, metrics_port, serve_spec
+        from .release import build_release, metrics_port
 
         r.phase = "connect"
         t0 = time.perf_counter()
@@ -139,15 +140,12 @@ class Deployer:
         if v0.problems:
             raise HostError(t, "; ".join(v0.problems), "preflight")
         port = metrics_port(self.template, _s(t, "metrics_port", self.opts.metrics_port))
-        serve = None
-        if self.opts.serve:
-            if self.opts.serve_port == port:
-                raise HostError(t, f"--serve-port {port} is the daemon's metrics port on the device; "
-                                   "give another", "preflight")
-            serve = serve_spec(self.opts.serve_port)
+        if self.serve and self.serve["port"] == port:
+            raise HostError(t, f"--serve-port {port} is the daemon's metrics port on the device; give another",
+                            "preflight")
         rel = build_release(self.bundle, self.manifest, self.template, port, v0.backend,
                             Path(self.tmp.name) / t.name, self.opts.unit_file, root=facts["root"],
-                            base=_s(t, "base", DEFAULT_BASE), name=t.name, serve=serve)
+                            base=_s(t, "base", DEFAULT_BASE), name=t.name, serve=self.serve)
         present = set(facts.pop("store", []))
         missing, seen = [], set()
         for e in rel.entries.values():
@@ -312,7 +310,8 @@ def _unhealthy(h, back: str = "") -> str:
     """The serve unit's failed health check as one line: why, from where, what was done about it
     (`back`), its last log line."""
     h = h or {}
-    why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200) else h.get("error", "no answer")
+    why = (f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200)
+           else h.get("error", "no answer"))
     logs = (h.get("logs") or "").strip().splitlines()
     return (f"{SERVE_UNIT} is not healthy ({why} from {h.get('url')}){back}"
             + (f"; serve log: {logs[-1][:200]}" if logs else ""))

@@ -148,13 +148,10 @@ class BatchStep:
         dec = [i for i, s in enumerate(segments) if len(s.tokens) == 1]
         pre = [i for i, s in enumerate(segments) if len(s.tokens) > 1]
         if dec:
-            lens = [segments[i].start + 1 for i in dec]
-            S = -(-max(lens) // ps) * ps
-            table = torch.zeros(len(dec), S, dtype=torch.long)
-            for j, i in enumerate(dec):
-                table[j, :lens[j]] = torch.tensor(self.pool.slots(segments[i].pages, 0, lens[j]))
-            table = table.view(-1).to(dev)
-            valid = torch.arange(S)[None, :] < torch.tensor(lens)[:, None]
+            lens = torch.tensor([segments[i].start + 1 for i in dec])
+            S = -(-int(lens.max()) // ps) * ps
+            table = self._slot_table([segments[i].pages for i in dec], S // ps).view(-1).to(dev)
+            valid = torch.arange(S)[None, :] < lens[:, None]
             dmask = torch.zeros(len(dec), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
             dmask = dmask.to(dev).view(len(dec), 1, 1, S)
             drows = torch.tensor([last[i] for i in dec], device=dev)
@@ -185,6 +182,15 @@ class BatchStep:
             return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(last)]
         return self.lin.head(x[rows.to(dev)])[: len(last)].float()
 
+    def _slot_table(self, page_lists, n_pages: int) -> torch.Tensor:
+        """(sequences, n_pages * page size) slots of each sequence's first n_pages pages (0 past its end)."""
+        pt = torch.zeros(len(page_lists), n_pages, dtype=torch.long)
+        for j, pages in enumerate(page_lists):
+            k = min(n_pages, len(pages))
+            pt[j, :k] = torch.tensor(pages[:k])
+        ps = self.pool.page_size
+        return (pt[:, :, None] * ps + torch.arange(ps)).view(len(page_lists), -1)
+
     def _sdpa(self, q, K, V, mask):
         """q (B, H, T, hd), K / V (B, nkv, S, hd) strided views, mask (B | 1, 1, T, S)."""
         if SDPA_GQA:
@@ -203,7 +209,8 @@ class BatchStep:
     def _chunk_attention(self, q, K, V, seg: Segment):
         """q (T, H, hd) at positions seg.start..; attends to the sequence's slots 0..end causally."""
         end = seg.start + len(seg.tokens)
-        idx = torch.tensor(self.pool.slots(seg.pages, 0, end), device=q.device)
+        ps = self.pool.page_size
+        idx = self._slot_table([seg.pages], -(-end // ps))[0, :end].to(q.device)
         Ks = K.index_select(0, idx).transpose(0, 1)[None]     # (1, nkv, end, hd)
         Vs = V.index_select(0, idx).transpose(0, 1)[None]
         mask = (torch.arange(end, device=q.device)[None, :]

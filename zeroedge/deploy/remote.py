@@ -654,12 +654,20 @@ class Device:
         return h, box["health"]
 
     def serve_health(self, name, restart=True, timeout=None):
-        """Restart the serve unit (unless restart=False) and poll its /health as the daemon's."""
+        """Restart the serve unit (unless restart=False) and poll its /health as the daemon's. The
+        restart does not wait for the job (--no-block): a Type=notify unit's restart would block
+        until READY=1, i.e. until the model is loaded, and fail outright when the server exits, so
+        the health check, not systemctl, decides whether the release stays (or is rolled back)."""
         spec = self.serve_of(name)
+        failed = None
         if restart:
-            self.systemctl("restart", SERVE_UNIT)
+            r = self.systemctl("restart", "--no-block", SERVE_UNIT, check=False)
+            if r.returncode != 0:
+                failed = (r.stderr or r.stdout).strip()[-300:] or "exit %d" % r.returncode
         h = self.health(spec["port"], self.p.get("health_timeout", 60) if timeout is None else timeout,
                         path="/health")
+        if failed:
+            h["restart_error"] = failed
         if not h["ok"] and timeout != 0:
             h["logs"] = self.logs(SERVE_UNIT)
         return h

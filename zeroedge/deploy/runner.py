@@ -314,6 +314,7 @@ def _unhealthy(h, back: str = "") -> str:
            else h.get("error", "no answer"))
     logs = (h.get("logs") or "").strip().splitlines()
     return (f"{SERVE_UNIT} is not healthy ({why} from {h.get('url')}){back}"
+            + (f"; systemctl restart: {h['restart_error'].splitlines()[-1][:200]}" if h.get("restart_error") else "")
             + (f"; serve log: {logs[-1][:200]}" if logs else ""))
 
 

@@ -7,9 +7,10 @@
 
 Each step: queued plans are admitted in order while the batch has room and the backend can reserve
 their KV (prompt + max_tokens: a running request never runs out of memory); then one forward runs
-the next token of every decoding sequence together with the next chunk of the oldest prompt still
-prefilling, so a long prompt never stalls the running streams for longer than one chunk. The chunks
-of a prompt always fall at the same positions, whatever else runs (batch invariance).
+the next token of every decoding sequence together with the next chunk of the prompts still
+prefilling, oldest first, as many as fit in one chunk's tokens (at least one), so a long prompt
+never stalls the running streams for longer than one chunk. A prompt's chunks always fall at the
+same positions, whatever else runs (batch invariance).
 
 Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict), ("error", message).
 finish_reason: "stop" (EOS, a stop string, the grammar's end), "length" (max_tokens), "cancelled".
@@ -162,20 +163,25 @@ class Engine:
             if s.prefilled == len(s.plan.prompt):
                 segs.append((s.kv, [s.out[-1]], len(s.plan.prompt) + len(s.out) - 1))
                 who.append(s)
-        pre = next((s for s in self.running if s.prefilled < len(s.plan.prompt)), None)
-        if pre is not None:                     # the oldest prompt still prefilling: its next chunk
-            n = len(pre.plan.prompt)
-            c = self.b.prefill_chunk or n
-            a, z = pre.prefilled, min(n, pre.prefilled + c)
-            segs.append((pre.kv, pre.plan.prompt[a:z], a))
-            who.append(pre)
+        pre, budget = [], self.b.prefill_chunk
+        for s in self.running:                  # prompts still prefilling, oldest first: a chunk each
+            n = len(s.plan.prompt)
+            if s.prefilled == n:
+                continue
+            c = budget if budget is not None else n
+            a, z = s.prefilled, min(n, s.prefilled + c)
+            if pre and budget is not None and sum(len(t) for _, t, _ in segs[-len(pre):]) + z - a > budget:
+                break                           # the step's prefill tokens stay within one chunk's
+            segs.append((s.kv, s.plan.prompt[a:z], a))
+            who.append(s)
+            pre.append(s)
         t0 = time.perf_counter()
         logits = self.b.forward(segs)
         self.steps += 1
         if self.metrics is not None:
-            self.metrics.step(time.perf_counter() - t0, sum(1 for s in who if s is not pre), len(segs))
+            self.metrics.step(time.perf_counter() - t0, len(who) - len(pre), len(segs))
         for i, s in enumerate(who):
-            if s is pre:
+            if s in pre:
                 s.prefilled = segs[i][2] + len(segs[i][1])
                 if s.prefilled < len(s.plan.prompt):
                     continue

@@ -7,7 +7,7 @@ ones inside functions included):
     mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only)
     workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation, generate
     backends     backends (onnxruntime, tensorrt, the plugin reference)
-    serving      runtime (the serving session and decoders), daemon
+    serving      runtime (the serving session and decoders), daemon, serve (the HTTP API and its engine)
     deploy       deploy
     commands     commands, cli
 
@@ -25,7 +25,7 @@ LAYERS = [
     ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant"}),
     ("workstation", {"export", "evaluation", "generate"}),
     ("backends", {"backends"}),
-    ("serving", {"runtime", "daemon"}),
+    ("serving", {"runtime", "daemon", "serve"}),
     ("deploy", {"deploy"}),
     ("commands", {"commands", "cli"}),
 ]

@@ -153,3 +153,50 @@ def tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: for preset models with random weights (vocab >= 256)."""
+
+    eos_token_id = None
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def resolve_model(model: str, need_weights: bool):
+    """MODEL -> (Transformer or None, config, tokenizer folder or None)."""
+    import sys
+
+    from zeroedge.model import PRESETS
+
+    if model in BUNDLED or Path(model).exists():
+        if need_weights:
+            m, folder = load(model)
+            return m, m.cfg, folder
+        folder = resolve(model)
+        return None, config_from_hf(folder), folder
+    if model in PRESETS:
+        if need_weights:
+            from zeroedge.model import build
+
+            print(f"zeroedge: warning: {model} is a preset with random weights: its text is noise (real "
+                  f"weights: {', '.join(BUNDLED)}, an HF folder or a .gguf file)", file=sys.stderr)
+            m = build(model, seed=0)
+            return m, m.cfg, None
+        return None, PRESETS[model], None
+    raise UserError(f"unknown model: {model} (a bundled name: {', '.join(BUNDLED)}; a preset "
+                    f"with random weights: {', '.join(PRESETS)}; an HF folder; or a .gguf file)")
+
+
+def tokenizer_for(cfg, *folders):
+    """The first folder's tokenizer files, else bytes (ByteTokenizer) for a vocabulary of >= 256."""
+    for f in folders:
+        if f is not None and any((Path(f) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            return tokenizer(Path(f))
+    if cfg.vocab_size >= 256:
+        return ByteTokenizer()
+    raise UserError(f"{cfg.name}: no tokenizer files and a vocabulary of {cfg.vocab_size} (< 256 bytes)")

@@ -22,59 +22,7 @@ import click
 
 from zeroedge.commands.common import check_model, check_policy_value, fraction_option, memory_cap, memory_cap_options
 from zeroedge.kv.policy import THERMAL
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: for preset models with random weights (vocab >= 256)."""
-
-    eos_token_id = None
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-def resolve(model: str, need_weights: bool):
-    """MODEL -> (Transformer or None, config, tokenizer folder or None)."""
-    from pathlib import Path
-
-    from zeroedge import weights
-    from zeroedge.errors import UserError
-    from zeroedge.model import PRESETS
-
-    if model in weights.BUNDLED or Path(model).exists():
-        if need_weights:
-            m, folder = weights.load(model)
-            return m, m.cfg, folder
-        folder = weights.resolve(model)
-        return None, weights.config_from_hf(folder), folder
-    if model in PRESETS:
-        if need_weights:
-            from zeroedge.model import build
-
-            click.echo(f"zeroedge: warning: {model} is a preset with random weights: its text is noise (real "
-                       f"weights: {', '.join(weights.BUNDLED)}, an HF folder or a .gguf file)", err=True)
-            m = build(model, seed=0)
-            return m, m.cfg, None
-        return None, PRESETS[model], None
-    raise UserError(f"unknown model: {model} (a bundled name: {', '.join(weights.BUNDLED)}; a preset "
-                    f"with random weights: {', '.join(PRESETS)}; an HF folder; or a .gguf file)")
-
-
-def tokenizer_for(cfg, *folders):
-    from pathlib import Path
-
-    from zeroedge import weights
-    from zeroedge.errors import UserError
-
-    for f in folders:
-        if f is not None and any((Path(f) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-            return weights.tokenizer(Path(f))
-    if cfg.vocab_size >= 256:
-        return ByteTokenizer()
-    raise UserError(f"{cfg.name}: no tokenizer files and a vocabulary of {cfg.vocab_size} (< 256 bytes)")
+from zeroedge.weights import resolve_model as resolve, tokenizer_for  # noqa: F401 (used below)
 
 
 def bundle_config(bundle):

@@ -70,13 +70,13 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     if backend == "torch":
-        from zeroedge.commands.run import resolve, tokenizer_for
+        from zeroedge.weights import resolve_model, tokenizer_for
         from zeroedge.serve.backends import TorchBatched
 
         dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
         if dev == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device here")
-        m, cfg, folder = resolve(model, need_weights=True)
+        m, cfg, folder = resolve_model(model, need_weights=True)
         m = m.to(dev, torch.bfloat16 if dev == "cuda" else torch.float32).eval()
         ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
@@ -104,7 +104,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
                 "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size}
     else:
-        from zeroedge.commands.run import tokenizer_for
+        from zeroedge.weights import tokenizer_for
         from zeroedge.runtime.session import ServingSession
         from zeroedge.serve.backends import BundleSequential
 

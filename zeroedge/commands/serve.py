@@ -28,7 +28,7 @@ from zeroedge.commands.common import check_model, memory_cap, memory_cap_options
 @click.option("--bundle", type=click.Path(), help="Exported bundle (onnxruntime and tensorrt backends).")
 @click.option("--engines", type=click.Path(), help="tensorrt backend: the engines `zeroedge build` made.")
 @click.option("--plugins", type=click.Path(), help="tensorrt backend: the zeroedge plugin library.")
-@click.option("--host", "bind", default="127.0.0.1", show_default=True, metavar="ADDRESS",
+@click.option("--host", "bind", default="127.0.0.1", show_default=True, metavar="HOST",
               help="Address to bind; not a loopback address only with --api-key-file.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="Bearer key, in a file of mode 0600.")

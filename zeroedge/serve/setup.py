@@ -171,6 +171,9 @@ def _watchdog():
 
 def run_http(server, bind: str, port: int) -> None:
     """uvicorn in this thread until SIGINT / SIGTERM; READY=1 once it listens, STOPPING=1 after."""
+    import signal
+    import time
+
     import uvicorn
 
     from zeroedge.daemon.notify import notify
@@ -189,8 +192,11 @@ def run_http(server, bind: str, port: int) -> None:
             print(f"zeroedge serve: {server.model_name} ({server.info['mode']}) on http://{addr}/v1", flush=True)
             notify("READY=1")
 
-    import time
-
+    # uvicorn restores the handlers it found and raises a captured SIGTERM / SIGINT again once it has
+    # shut down: found as Python handlers, that second raise returns here instead of killing the
+    # process before the engine stops and systemd hears STOPPING=1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda n, f: None)
     threading.Thread(target=ready, daemon=True).start()
     try:
         http.run()

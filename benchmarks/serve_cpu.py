@@ -119,6 +119,7 @@ def main():
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    load_at_start = os.getloadavg()
     commit = open(os.path.join(args.llama_bin, "..", "..", "..", "..", "..", "COMMIT")).read().strip() \
         if os.path.exists(os.path.join(args.llama_bin, "..", "..", "..", "..", "..", "COMMIT")) else "unknown"
     rows = []
@@ -137,7 +138,7 @@ def main():
                 p.wait(30)
     res = {"what": "aggregate streamed tokens/s and time to first token, SmolLM2-135M-Instruct Q4_1 GGUF",
            "hardware": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "load_before": os.getloadavg(), "threads": args.threads, "new_tokens": args.new,
+           "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "threads": args.threads, "new_tokens": args.new,
            "requests_per_client": args.requests, "llama_cpp_commit": commit,
            "zeroedge": "serve --weights q4 (4-bit linears on the GGUF's Q4_1 grid, 8-bit LM head, int8-rounded "
                        "inputs, onnxruntime MatMulNBits; attention in torch fp32)",

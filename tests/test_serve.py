@@ -219,6 +219,10 @@ def test_body_over_the_limit_is_413(server):
     r = httpx.post(server.base + "/v1/completions", content=b"x" * (5 << 20),
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    chunks = (b"x" * (1 << 20) for _ in range(6))      # no Content-Length: chunked, stopped at the limit
+    r = httpx.post(server.base + "/v1/completions", content=chunks, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
 
 
 # -- a second server: an API key and a memory cap -----------------------------------------------------

@@ -267,9 +267,12 @@ def create_app(server: Server):
                                             "owned_by": "zeroedge", "zeroedge": S.info}]}
 
     async def _body(request: Request, cls):
-        raw = await request.body()
-        if len(raw) > S.max_body_bytes:
-            raise Refused(f"the body is over {S.max_body_bytes} bytes", 413, "request_too_large")
+        raw = bytearray()
+        async for part in request.stream():     # a body without Content-Length stops at the limit too
+            raw += part
+            if len(raw) > S.max_body_bytes:
+                raise Refused(f"the body is over {S.max_body_bytes} bytes", 413, "request_too_large")
+        raw = bytes(raw)
         try:
             return cls.model_validate_json(raw)
         except Exception as e:                   # pydantic.ValidationError: the first complaint

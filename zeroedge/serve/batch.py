@@ -42,9 +42,16 @@ class PagedKV:
             raise ValueError("a KV pool needs at least one page of at least one position")
         self.page_size, self.n_pages = page_size, n_pages
         L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-        # torch.zeros on the CPU maps memory lazily: pages never written take no RSS
-        self.k = torch.zeros(L, n_pages * page_size, nkv, hd, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        shape = (L, n_pages * page_size, nkv, hd)
+        if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float16):
+            # numpy's zeros is calloc: fresh pages the kernel maps on first write, so the pool takes
+            # memory as requests use it (torch.zeros would write every byte up front)
+            npd = np.float32 if dtype == torch.float32 else np.float16
+            self.k = torch.from_numpy(np.zeros(shape, npd))
+            self.v = torch.from_numpy(np.zeros(shape, npd))
+        else:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros_like(self.k)
         self.page_bytes = 2 * L * nkv * page_size * hd * self.k.element_size()
         self._free = list(range(n_pages - 1, -1, -1))
 

@@ -215,6 +215,25 @@ def test_bad_requests_get_a_json_error(server, body, status, words):
     assert _chat(server.client(), "Say hi.", max_tokens=2).choices[0].message.content is not None  # still serving
 
 
+def test_edge_requests_leave_the_engine_running(server):
+    url = server.base + "/v1/chat/completions"
+    msg = [{"role": "user", "content": "Say hi."}]
+    r = httpx.post(url, json={"model": MODEL, "messages": msg, "max_tokens": 3, "temperature": 1e-38}, timeout=60)
+    assert r.status_code == 200, r.text                      # greedy, not inf / NaN
+    r = httpx.post(url, json={"model": MODEL, "messages": msg, "max_tokens": 3, "temperature": None,
+                              "top_p": None, "n": None, "stream": None, "seed": None}, timeout=60)
+    assert r.status_code == 200, r.text                      # null is as good as absent
+    for body, words in (
+            ({"model": MODEL, "messages": msg, "seed": 2 ** 64}, "seed"),
+            ({"model": MODEL, "messages": msg, "stop": ["}"], "response_format": {"type": "json_object"}}, "stop")):
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": "x", "response_format":
+                                                          {"type": "json_object"}}, timeout=60)
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+
+
 def test_body_over_the_limit_is_413(server):
     r = httpx.post(server.base + "/v1/completions", content=b"x" * (5 << 20),
                    headers={"content-type": "application/json"}, timeout=60)
@@ -284,5 +303,9 @@ def test_bundle_served_one_at_a_time(tmp_path):
         [t.start() for t in ts]
         [t.join() for t in ts]
         assert len({o.choices[0].text for o in outs}) == 1 and outs[0].usage.completion_tokens == 6
+        with pytest.raises(openai.BadRequestError) as e:              # its prefill takes two tokens or more
+            c.completions.create(model=info.id, prompt=[5], max_tokens=2)
+        assert "at least 2" in str(e.value)
+        assert httpx.get(s.base + "/health").status_code == 200
     finally:
         s.stop()

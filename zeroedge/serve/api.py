@@ -27,21 +27,23 @@ from zeroedge.serve.plan import Refused, Sampling
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")   # clients send fields we do not use (user, metadata, ...)
 
+    # null is as good as absent (the OpenAI spec marks these nullable); the defaults are applied in
+    # Server.sampling and _unsupported
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = Field(None, ge=-2**63, lt=2**64)
     stop: Union[str, List[str], None] = None
-    n: int = 1
-    stream: bool = False
-    stream_options: Optional[Dict[str, Any]] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[Dict[str, Any]] = None   # usage always comes in the last chunk
     logprobs: Optional[Union[bool, int]] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, float]] = None
-    ignore_eos: bool = False        # an extension (llama.cpp, vLLM): generate max_tokens whatever comes
+    ignore_eos: Optional[bool] = None   # an extension (llama.cpp, vLLM): generate max_tokens whatever comes
 
 
 class _Message(BaseModel):
@@ -87,7 +89,7 @@ def error_body(message: str, status: int, code: Optional[str] = None, param: Opt
 def _unsupported(body: _Body, chat: bool) -> Optional[str]:
     """A field whose meaning the server does not implement, set to something other than its default:
     refused, never silently ignored."""
-    if body.n != 1:
+    if body.n not in (None, 1):
         return "n must be 1"
     if body.logprobs:
         return "logprobs are not supported"
@@ -99,6 +101,11 @@ def _unsupported(body: _Body, chat: bool) -> Optional[str]:
         return "tools / functions are not supported"
     if not chat and (body.echo or body.suffix):
         return "echo and suffix are not supported"
+    if not chat and getattr(body, "response_format", None) is not None:
+        return "response_format is for /v1/chat/completions"
+    rf = getattr(body, "response_format", None)
+    if chat and body.stop and rf is not None and rf.type != "text":
+        return "stop cannot go with a JSON response_format (a stop string could cut the JSON)"
     return None
 
 
@@ -123,7 +130,8 @@ class Server:
         mt = body.max_completion_tokens or body.max_tokens
         if mt is None:                        # until the context ends, at most the server's default
             mt = max(1, min(self.default_max_tokens, self.planner.ctx - n_prompt))
-        return Sampling(int(mt), float(body.temperature), float(body.top_p), body.seed, tuple(stop))
+        return Sampling(int(mt), 1.0 if body.temperature is None else float(body.temperature),
+                        1.0 if body.top_p is None else float(body.top_p), body.seed, tuple(stop))
 
     def prompt_ids(self, body) -> List[int]:
         if isinstance(body, ChatBody):
@@ -222,7 +230,10 @@ def create_app(server: Server):
 
     @app.exception_handler(Exception)
     async def _crash(request, exc):              # a bug: this request fails, the server goes on
-        return fail(f"internal error: {type(exc).__name__}: {exc}", 500, "internal_error")
+        import logging
+
+        logging.getLogger("zeroedge.serve").exception("internal error on %s", request.url.path)
+        return fail("internal error (the server's log has the details)", 500, "internal_error")
 
     class Guard:
         """Pure ASGI (BaseHTTPMiddleware would hide a client's disconnect from the streams): the API
@@ -291,9 +302,11 @@ def create_app(server: Server):
             why = _unsupported(body, chat)
             if why:
                 raise Refused(why)
-            ids = S.prompt_ids(body)
-            plan = S.planner.plan(ids, S.sampling(body, len(ids)), S.grammar(body) if chat else None,
-                                  ignore_eos=body.ignore_eos)
+            # tokenising, the chat template and a schema's compilation run beside the event loop,
+            # which keeps serving the streams meanwhile
+            ids = await asyncio.to_thread(S.prompt_ids, body)
+            grammar = await asyncio.to_thread(S.grammar, body) if chat else None
+            plan = S.planner.plan(ids, S.sampling(body, len(ids)), grammar, ignore_eos=bool(body.ignore_eos))
             if not S.engine.alive():
                 raise Refused(f"the engine stopped: {S.engine.error}", 503, "engine_stopped")
             if S.engine.load()["waiting"] >= S.max_queue:
@@ -313,23 +326,40 @@ def create_app(server: Server):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
-            return EventSourceResponse(_stream(seq, events, rid, created, chat), ping=15)
+            # on SIGTERM running streams get up to 25 s to finish (uvicorn waits 30)
+            return EventSourceResponse(_stream(seq, events, rid, created, chat), ping=15, shutdown_grace_period=25)
         return await _whole(request, seq, events, rid, created, chat)
 
-    async def _whole(request, seq, events, rid, created, chat):
-        parts = []
+    async def _next(events, request=None):
+        """The next engine event; None when the client went away (checked every second, events or
+        not) or the engine died without a word."""
+        last = time.monotonic()
         while True:
             try:
                 ev = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
+                ev = None
+            if request is not None and time.monotonic() - last >= 1.0:
+                last = time.monotonic()
                 if await request.is_disconnected():
-                    S.engine.cancel(seq)
-                    return Response(status_code=499)
-                continue
+                    return None
+            if ev is not None:
+                return ev
+            if not S.engine.alive() and events.empty():
+                return ("error", f"the engine stopped: {S.engine.error or 'the server is shutting down'}")
+
+    async def _whole(request, seq, events, rid, created, chat):
+        parts = []
+        while True:
+            ev = await _next(events, request)
+            if ev is None:
+                S.engine.cancel(seq)
+                return Response(status_code=499)
             if ev[0] == "text":
                 parts.append(ev[1])
             elif ev[0] == "error":
-                return fail(ev[1], 503 if "engine stopped" in ev[1] else 400)
+                return fail(ev[1], 503 if "engine stopped" in ev[1] else 400 if ev[1].startswith("response_format")
+                            else 500)
             else:
                 _, reason, usage = ev
                 text = "".join(parts)
@@ -355,7 +385,7 @@ def create_app(server: Server):
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
             while True:
-                ev = await events.get()
+                ev = await _next(events)
                 if ev[0] == "text":
                     yield chunk({"content": ev[1]})
                 elif ev[0] == "error":

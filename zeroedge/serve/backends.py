@@ -22,6 +22,7 @@ PAGE_SIZE = 16
 
 class TorchBatched:
     mode = "batched"
+    min_prompt = 1
 
     def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None):
         import torch
@@ -58,19 +59,23 @@ class TorchBatched:
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
         return {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": PAGE_SIZE,
-                "device_bytes": used * self.pool.page_bytes, "cold_bytes": 0}
+                "device_bytes": used * self.pool.page_bytes}
 
 
 class BundleSequential:
-    """One request at a time through OrtRunner / TrtRunner (zeroedge.backends)."""
+    """One request at a time through OrtRunner / TrtRunner (zeroedge.backends). onnxruntime sizes its
+    window to each request (exact KV); TensorRT engines were built for the bundle's window, so a request
+    must fit it (the planner refuses a longer one)."""
 
     mode = "sequential"
     max_batch = 1
     prefill_chunk = None
+    min_prompt = 2                      # a bundle's prefill graph takes two tokens or more
 
-    def __init__(self, runner, ctx: int):
+    def __init__(self, runner, ctx: int, fixed_window: bool):
         self.r = runner
-        self.positions_total = ctx
+        self.fixed = fixed_window
+        self.positions_total = min(ctx, runner.slots) if fixed_window else ctx
         self.position_bytes = 2 * runner.L * runner.nkv * runner.hd * 4
         self.busy = False
         self.device = "cpu"
@@ -79,7 +84,9 @@ class BundleSequential:
         if self.busy:
             return None
         self.busy = True
-        self.r.slots, self.r.policy = positions, None          # a window of every position: exact
+        if not self.fixed:
+            self.r.slots = positions            # a window of every position: exact
+        self.r.policy = None
         return positions
 
     def release(self, handle) -> None:
@@ -95,4 +102,4 @@ class BundleSequential:
 
     def kv_stats(self) -> dict:
         return {"pages_total": 1, "pages_used": int(self.busy), "page_size": self.positions_total,
-                "device_bytes": self.r.window_bytes() if self.busy else 0, "cold_bytes": 0}
+                "device_bytes": self.r.window_bytes() if self.busy else 0}

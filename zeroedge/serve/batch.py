@@ -1,5 +1,5 @@
-"""One engine step over many sequences: the decode tokens of every running sequence and a chunk of
-one prompt go through the model together, reading each weight once, over a paged KV pool.
+"""One engine step over many sequences: the decode tokens of every running sequence and chunks of
+prompts go through the model together, reading each weight once, over a paged KV pool.
 
     pool = PagedKV(cfg, n_pages=512, page_size=16, device, dtype)
     pages = pool.alloc(pool.pages_for(prompt_len + max_new))     # None when the pool has too few
@@ -14,11 +14,12 @@ tokens into one row batch for every linear layer; attention is per segment kind:
 (one each) in one SDPA over their pages gathered and masked, a prompt chunk against its sequence's
 past and itself, causally.
 
-Batch invariance: a sequence's greedy output does not depend on what else is in the batch. Rows of a
-matrix product are computed alike for any number of rows from a kernel's `min_rows` up (torch's
-float products on MKL: 4; onnxruntime's MatMulNBits: 2; fewer rows take another kernel), so every
-product runs on at least that many rows (padding rows are zeros); masked padding of the attention
-adds exact zeros. `tests/test_serve.py` checks the whole server for it.
+Batch invariance on the CPU: a sequence's greedy output does not depend on what else is in the batch.
+Rows of a matrix product are computed alike for any number of rows from a kernel's `min_rows` up
+(torch's float products on MKL: 4; onnxruntime's MatMulNBits: 2; fewer rows take another kernel), so
+every product runs on at least that many rows (padding rows are zeros); masked padding of the
+attention adds exact zeros. `tests/test_serve.py` checks the whole server for it on the CPU; on CUDA
+cuBLAS may pick kernels by batch size, and nothing here checks it.
 """
 from __future__ import annotations
 

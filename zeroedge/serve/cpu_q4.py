@@ -8,9 +8,9 @@ does for these types); its fast path takes no float zero point, so a product is 
 `blocksums(x) @ C`, C = s * 8 + m, computed exactly in float.
 
 The step between two attentions is one graph: layer l-1's o_proj and residual, its FFN and residual,
-then layer l's RMSNorm and q/k/v projection (`boundary(l, x, o) -> (x, qkv)`); `first(x)` is layer 0's
-input side, `last(x, o)` layer L-1's output side, `head(x)` the final norm and the LM head. A step of
-the serving engine is L + 2 onnxruntime calls whatever the batch.
+then layer l's RMSNorm and q/k/v projection (`boundary(l, x, o) -> (x, qkv)`; `boundary(0, x)` is
+layer 0's input side alone, `boundary(L, x, o)` layer L-1's output side alone); `head(x)` is the final
+norm and the LM head. A step of the serving engine is L + 2 onnxruntime calls whatever the batch.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ prefilling, oldest first, as many as fit in one chunk's tokens (at least one), s
 never stalls the running streams for longer than one chunk. A prompt's chunks always fall at the
 same positions, whatever else runs (batch invariance).
 
-Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict), ("error", message).
+Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict), ("error", message):
+every submitted request gets a "done" or an "error", also when the engine stops.
 finish_reason: "stop" (EOS, a stop string, the grammar's end), "length" (max_tokens), "cancelled".
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()           # submit against the engine's end: nobody left waiting
         self._thread = threading.Thread(target=self._loop, name="zeroedge-engine", daemon=True)
         self.error: Optional[str] = None        # set when the engine thread died (health says so)
         self.steps = 0
@@ -73,7 +75,11 @@ class Engine:
 
     def submit(self, plan: Plan, sink: Callable) -> Sequence:
         seq = Sequence(next(self._ids), plan, sink, time.perf_counter())
-        self._inbox.put(seq)
+        with self._lock:
+            if self.error is not None or self._stop.is_set():
+                sink(("error", f"the engine stopped: {self.error or 'the server is shutting down'}"))
+                return seq
+            self._inbox.put(seq)
         self._wake.set()
         return seq
 
@@ -82,10 +88,12 @@ class Engine:
         self._wake.set()
 
     def load(self) -> dict:
-        return {"waiting": len(self.waiting), "running": len(self.running)}
+        """Requests waiting for admission (those not yet taken from the inbox included) and running."""
+        return {"waiting": len(self.waiting) + self._inbox.qsize(), "running": len(self.running)}
 
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self):
+        why = "the server is shutting down"
         try:
             while not self._stop.is_set():
                 self._take_inbox()
@@ -99,13 +107,19 @@ class Engine:
                     continue
                 self._step()
         except BaseException as e:          # noqa: BLE001 - reported on /health and to every client
-            self.error = f"{type(e).__name__}: {e}"
-            for s in list(self.running) + list(self.waiting):
-                s.sink(("error", f"the engine stopped: {self.error}"))
+            self.error = why = f"{type(e).__name__}: {e}"
             raise
         finally:
-            for s in self.running:
-                self.b.release(s.kv)
+            with self._lock:                    # after this, submit answers at once
+                self._stop.set()
+                self._take_inbox()
+            for s in list(self.running) + list(self.waiting):
+                if s.kv is not None:
+                    self.b.release(s.kv)
+                    s.kv = None
+                s.sink(("error", f"the engine stopped: {why}"))
+            self.running.clear()
+            self.waiting.clear()
 
     def _take_inbox(self):
         while True:
@@ -153,7 +167,7 @@ class Engine:
             except Exception as e:              # noqa: BLE001 - a grammar llguidance refuses: this request only
                 self.b.release(kv)
                 s.kv = None
-                s.sink(("error", f"response_format: {e}"))
+                s.sink(("error", f"response_format: {e}" if p.grammar is not None else str(e)))
                 continue
             self.running.append(s)
 
@@ -185,7 +199,15 @@ class Engine:
                 s.prefilled = segs[i][2] + len(segs[i][1])
                 if s.prefilled < len(s.plan.prompt):
                     continue
-            self._emit(s, logits[i])
+            try:
+                self._emit(s, logits[i])
+            except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on
+                if s in self.running:
+                    self.running.remove(s)
+                if s.kv is not None:
+                    self.b.release(s.kv)
+                    s.kv = None
+                s.sink(("error", f"generation failed: {e}"))
 
     def _emit(self, s: Sequence, row):
         if s.grammar is not None:

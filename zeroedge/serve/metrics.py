@@ -23,10 +23,9 @@ class ServeMetrics:
         queue.set_function(lambda: engine_load()["waiting"])
         running = Gauge(p + "running_requests", "Requests in the running batch", registry=r)
         running.set_function(lambda: engine_load()["running"])
-        pages = Gauge(p + "kv_pages", "KV pages by where they are", ["where"], registry=r)
+        pages = Gauge(p + "kv_pages", "KV pages: in use (device) and free", ["where"], registry=r)
         pages.labels("device").set_function(lambda: kv_stats()["pages_used"])
         pages.labels("free").set_function(lambda: kv_stats()["pages_total"] - kv_stats()["pages_used"])
-        pages.labels("cold").set_function(lambda: kv_stats().get("pages_cold", 0))
 
     def step(self, seconds: float, decoded: int, batch: int):
         self.step_s.observe(seconds)

@@ -7,6 +7,9 @@ from typing import List, Optional
 import torch
 
 
+GREEDY_BELOW = 1e-5     # a temperature this small is greedy (dividing by it would overflow to inf)
+
+
 class Sampler:
     def __init__(self, temperature: float, top_p: float, seed: Optional[int]):
         self.temperature, self.top_p = temperature, top_p
@@ -14,11 +17,13 @@ class Sampler:
         if seed is None:
             self.gen.seed()
         else:
-            self.gen.manual_seed(int(seed))
+            self.gen.manual_seed(int(seed) % 2**64)
 
     def pick(self, logits: torch.Tensor) -> int:
         """logits: (vocab,) float32 on the CPU, -inf where the grammar forbids."""
-        if self.temperature <= 0:
+        if not bool(torch.isfinite(logits).any()):
+            raise ValueError("the model gave no finite logit (all masked, or NaN)")
+        if self.temperature < GREEDY_BELOW:
             return int(logits.argmax())
         p = torch.softmax(logits / self.temperature, -1)
         if self.top_p < 1:
@@ -73,9 +78,9 @@ class TextOut:
         if token is not None:
             self.ids.append(token)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        end = len(text)
-        if token is not None and text.endswith("\ufffd"):
-            end -= 1
+        # an incomplete UTF-8 sequence decodes to U+FFFD (one, or one a byte with byte-fallback
+        # tokenizers) and becomes shorter text once complete: never released before the end
+        end = len(text.rstrip("\ufffd")) if token is not None else len(text)
         for s in self.stop:
             i = text.find(s, max(0, self.sent - len(s) + 1))
             if i != -1 and i < end:

@@ -48,15 +48,18 @@ class Planner:
     """ctx: the longest prompt + completion the model takes; positions_total / position_bytes: the
     KV the server holds for all requests together (its pool) and one position's bytes."""
 
-    def __init__(self, ctx: int, positions_total: int, position_bytes: int, eos=(), where: str = "the KV pool"):
+    def __init__(self, ctx: int, positions_total: int, position_bytes: int, eos=(), where: str = "the KV pool",
+                 min_prompt: int = 1):
         self.ctx, self.positions_total, self.position_bytes = ctx, positions_total, position_bytes
-        self.eos, self.where = tuple(eos), where
+        self.eos, self.where, self.min_prompt = tuple(eos), where, min_prompt
 
     def plan(self, prompt: List[int], sampling: Sampling, grammar: Optional[str] = None,
              ignore_eos: bool = False) -> Plan:
         n = len(prompt)
         if n == 0:
             raise Refused("the prompt is empty")
+        if n < self.min_prompt:
+            raise Refused(f"this server's model (a bundle) needs a prompt of at least {self.min_prompt} tokens")
         if n + sampling.max_tokens > self.ctx:
             raise Refused(f"{n} prompt tokens + max_tokens {sampling.max_tokens} exceed the model's context "
                           f"of {self.ctx} tokens", code="context_length_exceeded")

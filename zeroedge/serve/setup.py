@@ -113,7 +113,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         r = sess.runner
         mc = r.manifest["model"]
         ctx = min(ctx or int(mc.get("max_seq_len") or 2048), int(mc.get("max_seq_len") or 2048))
-        b = BundleSequential(r, ctx)
+        b = BundleSequential(r, ctx, fixed_window=backend == "tensorrt")
         from types import SimpleNamespace
 
         tok = tokenizer_for(SimpleNamespace(vocab_size=mc["vocab_size"], name=mc.get("name")), bundle)
@@ -121,9 +121,9 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         info = {"mode": "sequential", "backend": backend, "device": "cuda" if backend == "tensorrt" else "cpu",
                 "max_batch": 1, "context": ctx, "vocab_size": mc["vocab_size"],
                 "note": "a bundle serves one request at a time; the others wait in the queue"}
-    lltok = _llguidance_tokenizer(tok)
-    eos = [t for t in (getattr(tok, "eos_token_id", None),) if t is not None]
-    planner = Planner(ctx, b.positions_total, b.position_bytes, eos)
+    eos = _eos_ids(tok, folder if backend == "torch" else bundle)
+    lltok = _llguidance_tokenizer(tok, eos)
+    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt)
     holder = {}
     engine = Engine(b, tok, lltok, on_tick=lambda: holder["tick"]())
     metrics = ServeMetrics(engine.load, b.kv_stats)
@@ -142,7 +142,24 @@ def _presets():
     return set(PRESETS) | set(weights.BUNDLED)
 
 
-def _llguidance_tokenizer(tok):
+def _eos_ids(tok, folder) -> list:
+    """The tokens that end a reply: the tokenizer's EOS and generation_config.json's eos_token_id
+    (Llama 3 Instruct ends a turn with <|eot_id|>, not its tokenizer's EOS)."""
+    import json
+    from pathlib import Path
+
+    ids = [getattr(tok, "eos_token_id", None)]
+    gc = Path(folder) / "generation_config.json" if folder is not None else None
+    if gc is not None and gc.is_file():
+        try:
+            e = json.loads(gc.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            e = None
+        ids += e if isinstance(e, list) else [e]
+    return sorted({int(i) for i in ids if isinstance(i, int)})
+
+
+def _llguidance_tokenizer(tok, eos):
     """llguidance's view of a Hugging Face tokenizer (None for the byte tokenizer of random presets)."""
     try:
         import llguidance.hf
@@ -150,7 +167,7 @@ def _llguidance_tokenizer(tok):
         return None
     if not hasattr(tok, "backend_tokenizer") and not hasattr(tok, "_tokenizer"):
         return None
-    return llguidance.hf.from_tokenizer(tok)
+    return llguidance.hf.from_tokenizer(tok, eos_token=eos or None)
 
 
 def _watchdog():

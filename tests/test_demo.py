@@ -14,6 +14,9 @@ def test_demo_runs_dense_vs_zero_and_sensor_path(tmp_path):
     rise = float(re.search(r"continuation ppl = [\d.]+ \(([-+\d.]+)%\)", out).group(1))
     assert rise < 5.0, out
     assert "fdr" in out and (tmp_path / "sensor_timeline.png").is_file()
+    # the HTTP server: four concurrent requests answered, 32 tokens each at most
+    m = re.search(r"(\d+) tokens for 4 concurrent requests", out)
+    assert m and 4 <= int(m.group(1)) <= 128, out
 
 
 def test_demo_bad_options_exit_2(tmp_path):

@@ -2,7 +2,8 @@
 
 SmolLM2-135M on a long KJV passage, dense and zero (SIH + anchors + PAD compaction, the shipped
 calibration artifact) side by side: continuation perplexity, prefill FFN FLOPs skipped, prefill
-time, as a trtexec-style summary and a PNG. Then the sensor path on the TEP simulator, if present.
+time, as a trtexec-style summary and a PNG. Then the model behind `zeroedge serve` (four clients at
+once over its OpenAI-compatible API on 127.0.0.1), then the sensor path on the TEP simulator, if present.
 """
 import click
 
@@ -19,7 +20,8 @@ from zeroedge.commands.common import ctx_option, output_option
 @output_option("Folder for the plot and the sensor-path results.", dest="out_dir", required=False,
                default="out/demo", old_out=True, metavar="DIR")
 @click.option("--skip-sensor", is_flag=True, help="Only the language-model part.")
-def cmd(ctx, offset, calib, repeats, out_dir, skip_sensor):
+@click.option("--skip-serve", is_flag=True, help="Leave out the HTTP server part.")
+def cmd(ctx, offset, calib, repeats, out_dir, skip_sensor, skip_serve):
     """Dense vs zero on SmolLM2 + KJV, then the sensor-stream path."""
     from pathlib import Path
 
@@ -32,6 +34,8 @@ def cmd(ctx, offset, calib, repeats, out_dir, skip_sensor):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = language_demo(ctx, offset, calib, repeats, out)
+    if not skip_serve:
+        serve_demo()
     if not skip_sensor:
         sensor_demo(out)
     return summary
@@ -150,6 +154,67 @@ def plot(path, d, z, times, meta, title: str):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def serve_demo():
+    """`zeroedge serve smollm2-135m` on a free loopback port, four chat requests at once, then SIGTERM."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    import urllib.request
+
+    from zeroedge.errors import Failure
+
+    click.echo("")
+    click.echo("=== zeroedge demo: zeroedge serve (OpenAI-compatible HTTP, four clients at once) ===")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    p = subprocess.Popen([sys.executable, "-m", "zeroedge.cli", "serve", "smollm2-135m", "--port", str(port),
+                          "--max-batch", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while True:
+            if p.poll() is not None:
+                raise Failure(f"zeroedge serve exited {p.returncode}: {p.stderr.read()[-500:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+            if time.time() - t0 > 300:
+                raise Failure("zeroedge serve did not come up in 300 s")
+        questions = ["Write one sentence about the sea.", "Name three colours.", "Why do birds sing?",
+                     "Give one tip for a new gardener."]
+        answers = [None] * len(questions)
+
+        def ask(i):
+            body = json.dumps({"model": "smollm2-135m", "messages": [{"role": "user", "content": questions[i]}],
+                               "max_tokens": 32, "temperature": 0}).encode()
+            req = urllib.request.Request(base + "/v1/chat/completions", body, {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                answers[i] = json.loads(r.read())
+
+        t1 = time.perf_counter()
+        ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        wall = time.perf_counter() - t1
+        if any(a is None for a in answers):
+            raise Failure("a demo request to zeroedge serve failed")
+        for q, a in zip(questions, answers):
+            click.echo(f"  > {q}\n    {a['choices'][0]['message']['content'].strip()}")
+        n = sum(a["usage"]["completion_tokens"] for a in answers)
+        click.echo(f"  {n} tokens for 4 concurrent requests in {wall:.1f} s ({n / wall:.1f} tokens/s together, "
+                   f"one batch); the same server answers any OpenAI client at {base}/v1")
+    finally:
+        p.terminate()
+        p.wait(60)
 
 
 def sensor_demo(out):

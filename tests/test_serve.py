@@ -10,12 +10,11 @@ import sys
 import threading
 import time
 
+import httpx
+import openai
 import pytest
 
 from conftest import run_cli
-
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
 
 MODEL = "smollm2-135m"
 
@@ -277,7 +276,6 @@ def test_api_key_and_memory_cap(tmp_path):
 
 # -- a bundle: one request at a time ---------------------------------------------------------------
 def test_bundle_served_one_at_a_time(tmp_path):
-    pytest.importorskip("onnxruntime")
     import torch
 
     from zeroedge.export.bundle_writer import export_bundle

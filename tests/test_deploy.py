@@ -5,18 +5,16 @@ sessions get ZEROEDGE_DEVICE_ROOT=<fake root> and a PATH starting with the root'
 hardware/OS boundary; set by a ForceCommand, after the login shell's rc files, so a host whose
 ~/.bashrc puts its own python3 first, e.g. pyenv's shims, does not leak into the device): `systemctl` and `journalctl` stubs that record calls and run the unit's
 ExecStart (from the installed unit + drop-in) as a background process, and `python3` = this Python
-(which has onnxruntime, paho and prometheus-client, as a prepared Jetson would). The one process
-faked beyond that boundary is the model server of zeroedge-serve.service (deploy --serve): the
-release's bundle is the daemon's sensor bundle, which no `zeroedge serve` loads, so the stub runs
-its ExecStart's `zeroedge serve` arguments through stub-bin/fake-serve, a real HTTP server on the
-given --host/--port answering /health as zeroedge serve does; the unit's exact command line is
-then run once more as the real `zeroedge serve` on an exported model bundle. The fake root has
-/etc/nv_tegra_release, /proc/device-tree and /proc/meminfo. The client side is a temporary HOME
-with ~/.ssh/config (aliases), known_hosts and a key: deploy reads them exactly as it would for a user.
+(which has onnxruntime, paho and prometheus-client, as a prepared Jetson would). Where a test listens
+for a unit's sd_notify messages, the stub hands the unit NOTIFY_SOCKET and WATCHDOG_USEC as systemd
+would. The fake root has /etc/nv_tegra_release, /proc/device-tree and /proc/meminfo. The client side
+is a temporary HOME with ~/.ssh/config (aliases), known_hosts and a key: deploy reads them exactly as
+it would for a user.
 
 The daemon that answers /healthz is the real `zeroedge daemon` (zeroedge/daemon), on onnxruntime,
 reading MQTT from a real mosquitto started here. The bundle is a real sensor bundle built from an
-ONNX graph (onnx helper API) run by onnxruntime.
+ONNX graph (onnx helper API) run by onnxruntime. The server that answers /health (deploy --serve) is
+the real `zeroedge serve` on a tiny exported model bundle (zeroedge.export), on onnxruntime.
 
 Full disk: the fake device's /opt is a 2 MB tmpfs filled to the brim when the tests may mount (root
 on Linux); otherwise the same preflight check is driven by --min-free larger than the free space.
@@ -43,7 +41,9 @@ SFTP_SERVER = "/usr/lib/openssh/sftp-server"     # Debian's openssh-server depen
 NV_RELEASE = "# R36 (release), REVISION: {rev}, GCID: 38968081, BOARD: generic, EABI: aarch64, DATE: Wed Jan  8 01:49:37 UTC 2025\n"
 STUB_SYSTEMCTL = r'''#!{python}
 """Stub systemctl at the device boundary: records calls; start/restart runs the unit's ExecStart
-(unit + drop-ins, last ExecStart wins, Environment=, WorkingDirectory=) in the background."""
+(unit + drop-ins, last ExecStart wins, Environment=, WorkingDirectory=) in the background, with
+NOTIFY_SOCKET (and WATCHDOG_USEC from WatchdogSec=) when <state>/<unit>.notify-socket names a socket
+a test listens on."""
 import json, os, shlex, signal, subprocess, sys, time
 root = os.environ["ZEROEDGE_DEVICE_ROOT"]
 state = os.path.join(root, "var/lib/stub-systemd"); os.makedirs(state, exist_ok=True)
@@ -86,7 +86,7 @@ def start():
     dd = os.path.join(d, unit + ".d")
     if os.path.isdir(dd):
         files += [os.path.join(dd, x) for x in sorted(os.listdir(dd)) if x.endswith(".conf")]
-    execs, env, wd = [], {}, "/"
+    execs, env, wd, watchdog = [], {}, "/", None
     for path in files:
         for line in open(path):
             line = line.strip()
@@ -98,13 +98,18 @@ def start():
                 env[k] = v
             elif line.startswith("WorkingDirectory="):
                 wd = line[len("WorkingDirectory="):]
+            elif line.startswith("WatchdogSec="):
+                watchdog = float(line[len("WatchdogSec="):])
     if not execs:
         sys.exit("stub systemctl: %s has no ExecStart" % unit)
+    try:
+        env["NOTIFY_SOCKET"] = open(os.path.join(state, unit + ".notify-socket")).read().strip()
+        if watchdog:
+            env["WATCHDOG_USEC"] = str(int(watchdog * 1e6))
+    except OSError:
+        pass
     log = open(os.path.join(root, "var/log", unit + ".log"), "ab")
     argv = shlex.split(execs[-1])
-    fake = os.path.join(root, "stub-bin", "fake-serve")
-    if "zeroedge.cli" in argv and argv[argv.index("zeroedge.cli") + 1:][:1] == ["serve"] and os.path.exists(fake):
-        argv = [argv[0], fake] + argv[argv.index("zeroedge.cli") + 1:]
     p = subprocess.Popen(argv, cwd=wd, env=dict(os.environ, **env), stdout=log,
                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     open(pidf, "w").write(str(p.pid))
@@ -128,50 +133,13 @@ STUB_JOURNALCTL = r'''#!/bin/sh
 # journalctl -u UNIT -n 15 --no-pager
 tail -n 15 "$ZEROEDGE_DEVICE_ROOT/var/log/$2.log" 2>/dev/null
 '''
-FAKE_SERVE = r'''#!{python}
-"""Fake `zeroedge serve` (the model server; the release's sensor bundle is no model it loads): takes
-its command line, records it, and answers GET /health on --host:--port as zeroedge serve does: 200
-{"status": "ok", ...}, or 503 {"status": "error", ...} when the sha256 of the bundle's manifest is
-listed in <root>/etc/fake-serve-unhealthy (an engine that stopped)."""
-import argparse, hashlib, json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-root = os.environ["ZEROEDGE_DEVICE_ROOT"]
-ap = argparse.ArgumentParser()
-ap.add_argument("command", choices=["serve"])
-for opt in ("--backend", "--bundle", "--engines", "--plugins", "--host"):
-    ap.add_argument(opt)
-ap.add_argument("--port", type=int)
-a = ap.parse_args()
-with open(os.path.join(root, "var/lib/stub-systemd/serve-argv.json"), "w") as f:
-    json.dump(sys.argv[1:], f)
-with open(os.path.join(a.bundle, "manifest.json"), "rb") as f:
-    sha = hashlib.sha256(f.read()).hexdigest()
-try:
-    with open(os.path.join(root, "etc/fake-serve-unhealthy")) as f:
-        sick = sha in f.read()
-except OSError:
-    sick = False
-body = json.dumps({"status": "error", "waiting": 0, "running": 0, "mode": "sequential",
-                   "error": "the engine is not running"} if sick else
-                  {"status": "ok", "waiting": 0, "running": 0, "mode": "sequential"}).encode()
-
-
-class Health(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response((503 if sick else 200) if self.path == "/health" else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-srv = HTTPServer((a.host, a.port), Health)
-print("fake zeroedge serve: engine %s, http://%s:%d" % ("stopped" if sick else "running", a.host, a.port), flush=True)
-srv.serve_forever()
-'''
+def alive(pid) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, TypeError):
+        return False
 
 
 def free_port():
@@ -211,8 +179,7 @@ def make_jetson(root: Path, rev="4.3", soc="tegra234", nv_release=True, mem_avai
     (b / "systemctl").write_text(STUB_SYSTEMCTL.replace("{python}", sys.executable))
     (b / "journalctl").write_text(STUB_JOURNALCTL)
     (b / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
-    (b / "fake-serve").write_text(FAKE_SERVE.replace("{python}", sys.executable))
-    for n in ("systemctl", "journalctl", "python3", "fake-serve"):
+    for n in ("systemctl", "journalctl", "python3"):
         (b / n).chmod(0o755)
     return root
 
@@ -273,11 +240,7 @@ class FakeDevice:
     def serve_pid(self):
         """The serve unit's process while it runs, else None."""
         pid = self.daemon_pid("zeroedge-serve.service")
-        try:
-            os.kill(pid, 0)
-            return pid if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" else None
-        except (OSError, TypeError):
-            return None
+        return pid if alive(pid) else None
 
     def tree(self):
         return tree(self.root)
@@ -828,179 +791,228 @@ def test_uploads_are_private(lab, jetson_a, tmp_path, monkeypatch):
 SERVE_IMPORTS = ("torch", "fastapi", "uvicorn", "sse_starlette")   # zeroedge serve's, asked of the device's python3
 
 
-def test_deploy_serve_status_rollback(lab, tmp_path):
-    """--serve: zeroedge-serve.service beside the daemon (Type=notify, watchdog, restarted on
-    failure), its ExecStart `zeroedge serve` on the current release's bundle bound to 127.0.0.1,
-    checked through its /health after every (re)start. An unhealthy server rolls the release back
-    as an unhealthy daemon does; status shows the unit; rollback restarts, reinstalls or removes it
-    with the release; a deploy without --serve stops and removes it. The unit's command line is
-    also run as the real `zeroedge serve` (READY=1, WATCHDOG=1, /health on 127.0.0.1)."""
-    for mod in SERVE_IMPORTS:
-        pytest.importorskip(mod)
-    d = lab.device("jetson-serve")
-    port, sport = free_port(), free_port()
-    common = ["--host", "jetson-serve", "--config", lab.config, "--metrics-port", port, "--health-timeout", 30]
-    serve = ["--serve", "--serve-port", sport]
-    base, units = d.root / "opt/zeroedge", d.root / "etc/systemd/system"
-    unit, dropin = units / "zeroedge-serve.service", units / "zeroedge-serve.service.d/zeroedge-deploy.conf"
+class Notifications:
+    """A datagram socket in place of systemd's notify socket for one unit of a fake device: the stub
+    systemctl hands its path to the unit's process as NOTIFY_SOCKET; a thread keeps what arrives."""
 
-    # 0. refused before anything changes: --serve-port alone, the daemon's port; --dry-run says what it would do
-    before = d.tree()
-    _one_line_error(deploy(lab, lab.bundle, *common, "--serve-port", sport), "--serve-port", "with --serve")
-    _one_line_error(deploy(lab, lab.bundle, *common, "--serve", "--serve-port", port),
-                    f"jetson-serve: --serve-port {port} is the daemon's metrics port")
-    p = deploy(lab, lab.bundle, *common, *serve, "--dry-run", rc=0)
-    assert f"restart zeroedge.service and zeroedge-serve.service (zeroedge serve on 127.0.0.1:{sport})" in p.stdout
-    assert d.tree() == before and d.calls() == []
+    def __init__(self, device, unit):
+        import tempfile
+        import threading
 
-    # 1. both units installed, (re)started and healthy
-    r1 = last_json(deploy(lab, lab.bundle, *common, *serve, "--json", rc=0))["hosts"][0]
-    rel1 = r1["release"]
-    sh = r1["serve"]["health"]
-    assert r1["ok"] and r1["health"]["ok"] and r1["serve"]["unit"] == "zeroedge-serve.service"
-    assert sh["ok"] and sh["code"] == 200 and sh["body"]["status"] == "ok"
-    assert sh["url"] == f"http://127.0.0.1:{sport}/health"
-    text = unit.read_text()
-    assert text == (lab.cwd / "zeroedge/systemd/zeroedge-serve.service").read_text()
-    for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30", "Restart=on-failure"):
-        assert line in text.splitlines(), line
-    cmd = [sys.executable, "-m", "zeroedge.cli", "serve", "--backend", "onnxruntime", "--bundle",
-           f"{base}/current/bundle", "--host", "127.0.0.1", "--port", str(sport)]
-    lines = dropin.read_text().splitlines()
-    assert lines[-2:] == ["ExecStart=", "ExecStart=" + " ".join(cmd)], lines
-    assert f"Environment=PYTHONPATH={base}/current/app" in lines
-    assert json.loads((d.root / "var/lib/stub-systemd/serve-argv.json").read_text()) == cmd[3:]
-    assert _mode(unit) == _mode(dropin) == 0o644
-    calls = d.calls()
-    assert ["enable", "zeroedge-serve.service"] in calls
-    assert ["restart", "--no-block", "zeroedge-serve.service"] in calls    # the health check decides, not systemctl
-    spid = d.serve_pid()
-    assert spid
+        self.dir = tempfile.mkdtemp(prefix="zn-")      # short: a socket's path holds 107 bytes at most
+        self.path = os.path.join(self.dir, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.got, self.done = [], False
+        state = device.root / "var/lib/stub-systemd"
+        state.mkdir(parents=True, exist_ok=True)
+        (state / f"{unit}.notify-socket").write_text(self.path)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
 
-    # 2. status shows the serve unit
-    p = zcli(lab, "status", "--host", "jetson-serve", rc=0)
-    assert f"jetson-serve: zeroedge-serve.service active on 127.0.0.1:{sport}; health ok" in p.stdout, p.stdout
+    def _read(self):
+        while not self.done:
+            try:
+                self.got += self.sock.recv(4096).decode().splitlines()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
 
-    # 3. the same deploy again: unchanged, both checked, nothing restarted
-    n = len(d.calls())
-    p = deploy(lab, lab.bundle, *common, *serve, rc=0)
-    assert f"release {rel1} already current, unchanged; health ok" in p.stdout, p.stdout
-    assert f"jetson-serve: zeroedge-serve.service serving on 127.0.0.1:{sport}; health ok (sequential)" in p.stdout
-    assert d.serve_pid() == spid and not [c for c in d.calls()[n:] if c[0] == "restart"]
+    def wait_for(self, since: int, *states, timeout=30.0):
+        """The messages from index `since` on, once they hold every one of `states` (or at timeout)."""
+        t = time.time()
+        while not set(states) <= set(self.got[since:]) and time.time() - t < timeout:
+            time.sleep(0.05)
+        return self.got[since:]
 
-    # 4. the installed command line is a working zeroedge serve (a model bundle in place of the sensor one)
-    _run_serve_unit_command(dropin, tmp_path)
-
-    # 5. a release whose server is unhealthy (503 from /health) is rolled back on the spot
-    b2 = make_sensor_bundle(tmp_path / "bundle2", seed=1)
-    sick = d.root / "etc/fake-serve-unhealthy"
-    sick.write_text(hashlib.sha256((b2 / "manifest.json").read_bytes()).hexdigest())
-    p = deploy(lab, b2, "--host", "jetson-serve", "--config", lab.config, "--metrics-port", port, *serve,
-               "--health-timeout", 8)      # the daemon must still be healthy in time, the server never is
-    assert p.returncode == 1, (p.stdout, p.stderr)
-    err = p.stderr.strip().splitlines()[-1]     # after the upload's progress bar
-    assert "Traceback" not in p.stderr and err.startswith("zeroedge: error: jetson-serve: release "), p.stderr
-    assert (f"zeroedge-serve.service is not healthy (HTTP 503 status=error (the engine is not running) from "
-            f"http://127.0.0.1:{sport}/health); rolled back to {rel1}; serve log: fake zeroedge serve: engine "
-            "stopped") in err, err
-    assert os.readlink(base / "current") == f"releases/{rel1}"
-    h = last_json(zcli(lab, "status", "--host", "jetson-serve", "--json", rc=0))["hosts"][0]
-    assert h["release"] == rel1 and h["health"]["ok"]
-    assert h["result"]["serve"]["service"] == "active" and h["result"]["serve"]["health"]["ok"]
-    assert d.serve_pid() not in (None, spid)
-
-    # 6. a deploy without --serve stops and removes the serve unit
-    rel2 = sorted(os.listdir(base / "releases"))[-1]        # the release rolled back in 5
-    n = len(d.calls())
-    p = deploy(lab, b2, *common, rc=0)
-    assert "zeroedge-serve.service stopped and removed (this deploy has no --serve)" in p.stdout, p.stdout
-    rel3 = os.readlink(base / "current").split("/")[-1]
-    assert rel3 not in (rel1, rel2) and rel3 > rel2
-    assert [c for c in d.calls()[n:] if "zeroedge-serve.service" in c] == [
-        ["stop", "zeroedge-serve.service"], ["disable", "zeroedge-serve.service"]]
-    assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None
-    p = zcli(lab, "status", "--host", "jetson-serve", rc=0)
-    assert "service active; health ok" in p.stdout and "zeroedge-serve" not in p.stdout, p.stdout
-
-    # 7. rollback to a release deployed with --serve (its server healthy now): the unit is back,
-    # started and checked; and back to the one without: stopped and removed again
-    sick.unlink()
-    p = zcli(lab, "rollback", "--host", "jetson-serve", rc=0)
-    assert f"rolled back {rel3} -> {rel2}; health ok; zeroedge-serve.service health ok" in p.stdout, p.stdout
-    assert unit.read_text() == text and dropin.read_text().splitlines() == lines and d.serve_pid()
-    p = zcli(lab, "rollback", "--host", "jetson-serve", "--to", rel3, rc=0)
-    assert f"zeroedge-serve.service stopped and removed ({rel3} has no serve unit)" in p.stdout, p.stdout
-    assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None
+    def close(self):
+        self.done = True
+        self.thread.join(2)
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _run_serve_unit_command(dropin: Path, tmp: Path):
-    """The serve unit's command line run as systemd runs it (the drop-in's WorkingDirectory,
-    Environment= and ExecStart, with NOTIFY_SOCKET and WATCHDOG_USEC), on an exported tiny model
-    bundle and a free port in place of the release's sensor bundle and the port the fake holds: it
-    says READY=1 and WATCHDOG=1, and answers /health with 200 on 127.0.0.1."""
-    import shlex
+def complete(port: int) -> dict:
+    """A real completion from zeroedge serve on 127.0.0.1:port: the model id from /v1/models, then
+    POST /v1/completions of 3 tokens after the token ids [5, 6, 7]."""
     import urllib.request
 
+    url = f"http://127.0.0.1:{port}/v1"
+    with urllib.request.urlopen(url + "/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    req = urllib.request.Request(url + "/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 3}).encode())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+        body = json.loads(r.read())
+    c, u = body["choices"][0], body["usage"]
+    assert body["object"] == "text_completion" and body["model"] == model == "tiny", body
+    assert u["prompt_tokens"] == 3 and 1 <= u["completion_tokens"] <= 3 and isinstance(c["text"], str), body
+    assert c["finish_reason"] == "length" if u["completion_tokens"] == 3 else c["finish_reason"] == "stop", body
+    return body
+
+
+def test_deploy_serve_role_follows_the_bundle(lab, tmp_path):
+    """A release runs one service and its bundle decides which: a model bundle deployed with --serve
+    runs zeroedge-serve.service (the real `zeroedge serve` on the release's bundle, 127.0.0.1 only,
+    READY=1 and WATCHDOG=1 to systemd, health through /health, completions over HTTP) and no daemon;
+    a sensor bundle runs zeroedge.service as ever. Every deploy and rollback stops and removes the
+    other unit where a deploy installed it, so the device goes daemon -> serve -> daemon and back;
+    status shows the current release's service; a server that never gets healthy is rolled back on
+    the spot, to a daemon release. The mismatches (--serve with a sensor bundle, a model bundle
+    without --serve) are refused with one line before anything changes."""
+    for mod in SERVE_IMPORTS:
+        pytest.importorskip(mod)
+    from zeroedge import __version__
     from zeroedge.export.bundle_writer import export_bundle
     from zeroedge.model import build
 
-    model = tmp / "model-bundle"
-    export_bundle(build("tiny", seed=0), model, window=64)
-    env, wd, argv = dict(os.environ), "/", None
-    for line in dropin.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == "Environment":
-            k, _, v = value.partition("=")
-            env[k] = v
-        elif key == "WorkingDirectory":
-            wd = value
-        elif key == "ExecStart" and value:
-            argv = shlex.split(value)
-    port = free_port()
-    argv[argv.index("--bundle") + 1], argv[argv.index("--port") + 1] = str(model), str(port)
-    assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    sock_path = tmp / "notify"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(sock_path))
-    notify.settimeout(60)
-    env.update(NOTIFY_SOCKET=str(sock_path), WATCHDOG_USEC="1000000")
-    proc = subprocess.Popen(argv, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    d = lab.device("jetson-serve")
+    model = tmp_path / "model-bundle"
+    export_bundle(build("tiny", seed=0), model, window=64, flavours=("portable",))
+    port, sport = free_port(), free_port()
+    host = ["--host", "jetson-serve"]
+    daemon = [*host, "--config", lab.config, "--metrics-port", port, "--health-timeout", 30]
+    serve = [*host, "--serve", "--serve-port", sport, "--health-timeout", 60]
+    base, units = d.root / "opt/zeroedge", d.root / "etc/systemd/system"
+    unit, dropin = units / "zeroedge-serve.service", units / "zeroedge-serve.service.d/zeroedge-deploy.conf"
+    daemon_dropin, etc_cfg = units / "zeroedge.service.d/zeroedge-deploy.conf", d.root / "etc/zeroedge/daemon.toml"
+    notes = Notifications(d, "zeroedge-serve.service")
     try:
-        got = []
-        while not {"READY=1", "WATCHDOG=1"} <= set(got):
-            try:
-                got += notify.recv(4096).decode().splitlines()
-            except socket.timeout:
-                break
-        assert {"READY=1", "WATCHDOG=1"} <= set(got), (got, proc.poll())
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+        # 0. refused before anything changes: the two mismatches, --serve-port alone, --config with --serve;
+        # --dry-run says what it would do
+        before = d.tree()
+        _one_line_error(deploy(lab, lab.bundle, *serve), f"{lab.bundle} is a sensor bundle",
+                        "the sensor daemon (zeroedge.service) runs it, not zeroedge serve; deploy it without --serve")
+        _one_line_error(deploy(lab, model, *daemon), f"{model} is a model bundle (it has a decode graph)",
+                        "zeroedge serve runs it", "deploy it with --serve")
+        _one_line_error(deploy(lab, model, *host, "--serve-port", sport), "--serve-port", "with --serve")
+        _one_line_error(deploy(lab, model, *serve, "--config", lab.config), "--config is the sensor daemon's")
+        p = deploy(lab, model, *serve, "--dry-run", rc=0)
+        assert f"restart zeroedge-serve.service (zeroedge serve on 127.0.0.1:{sport}; no daemon" in p.stdout, p.stdout
+        assert d.tree() == before and d.calls() == []
+
+        # 1. a sensor bundle: the daemon, as ever
+        r1 = last_json(deploy(lab, lab.bundle, *daemon, "--json", rc=0))["hosts"][0]
+        rel1, dpid = r1["release"], d.daemon_pid()
+        assert r1["role"] == "daemon" and r1["health"]["url"].endswith(f":{port}/healthz") and "removed" not in r1
+        assert daemon_dropin.is_file() and os.path.islink(etc_cfg) and not unit.exists() and alive(dpid)
+
+        # 2. the model bundle with --serve: zeroedge serve on it; the daemon stopped and removed
+        n = len(d.calls())
+        r2 = last_json(deploy(lab, model, *serve, "--json", rc=0))["hosts"][0]
+        rel2, h = r2["release"], r2["health"]
+        assert r2["ok"] and r2["role"] == "serve" and r2["removed"] == "zeroedge.service" and r2["previous"] == rel1
+        assert h["ok"] and h["code"] == 200 and h["body"]["status"] == "ok" and h["body"]["mode"] == "sequential"
+        assert h["url"] == f"http://127.0.0.1:{sport}/health" and r2["serve"]["port"] == sport
+        calls = d.calls()[n:]
+        assert [c for c in calls if "zeroedge.service" in c] == [["stop", "zeroedge.service"],
+                                                                  ["disable", "zeroedge.service"]], calls
+        assert ["enable", "zeroedge-serve.service"] in calls
+        assert ["restart", "--no-block", "zeroedge-serve.service"] in calls  # the health check decides, not systemctl
+        assert not list(units.glob("zeroedge.service*")) and not os.path.lexists(etc_cfg) and not alive(dpid)
+        cur = base / "current"
+        assert os.readlink(cur) == f"releases/{rel2}" and not (cur / "daemon.toml").exists()
+        info = json.loads((cur / "release.json").read_text())
+        assert info["role"] == "serve" and info["serve_port"] == sport and "metrics_port" not in info
+        text = unit.read_text()
+        assert text == (lab.cwd / "zeroedge/systemd/zeroedge-serve.service").read_text()
+        for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30", "Restart=on-failure"):
+            assert line in text.splitlines(), line
+        cmd = [sys.executable, "-m", "zeroedge.cli", "serve", "--backend", "onnxruntime", "--bundle",
+               f"{base}/current/bundle", "--host", "127.0.0.1", "--port", str(sport)]
+        lines = dropin.read_text().splitlines()
+        assert lines[-2:] == ["ExecStart=", "ExecStart=" + " ".join(cmd)], lines
+        assert f"Environment=PYTHONPATH={base}/current/app" in lines and _mode(unit) == _mode(dropin) == 0o644
+        spid = d.serve_pid()
+        assert Path(f"/proc/{spid}/cmdline").read_bytes().split(b"\0")[:-1] == [c.encode() for c in cmd]
+        got = notes.wait_for(0, "READY=1", "WATCHDOG=1")
+        assert {"READY=1", "WATCHDOG=1"} <= set(got), got
+        complete(sport)
         if shutil.which("ss"):
-            ss = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
-            assert [c for c in ss.split() if c.endswith(f":{port}")] == [f"127.0.0.1:{port}"], ss
-    finally:
-        proc.send_signal(signal.SIGTERM)
+            ss = subprocess.run(["ss", "-Hltn", f"sport = :{sport}"], capture_output=True, text=True).stdout
+            assert [c for c in ss.split() if c.endswith(f":{sport}")] == [f"127.0.0.1:{sport}"], ss
+
+        # 3. status shows the server as the release's service
+        p = zcli(lab, "status", *host, rc=0)
+        assert f"jetson-serve: release {rel2} (bundle model-bundle, backend onnxruntime, 2 kept)" in p.stdout, p.stdout
+        assert (f"jetson-serve: zeroedge {__version__}; zeroedge-serve.service active on 127.0.0.1:{sport}; "
+                "health ok (sequential)") in p.stdout, p.stdout
+        assert "; server RSS " in p.stdout and "daemon" not in p.stdout, p.stdout
+
+        # 4. the same deploy again: unchanged, checked, nothing restarted
+        n = len(d.calls())
+        p = deploy(lab, model, *serve, rc=0)
+        assert (f"release {rel2} already current, unchanged; zeroedge-serve.service serving on 127.0.0.1:{sport}; "
+                "health ok (sequential)") in p.stdout, p.stdout
+        assert d.serve_pid() == spid and not [c for c in d.calls()[n:] if c[0] in ("restart", "stop")]
+
+        # 5. rollback to the sensor release: the daemon back, the server stopped and removed
+        p = zcli(lab, "rollback", *host, rc=0)
+        assert (f"rolled back {rel2} -> {rel1}; health ok; zeroedge-serve.service stopped and removed "
+                f"({rel1} has no serve unit)") in p.stdout, p.stdout
+        assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None and not alive(spid)
+        assert daemon_dropin.is_file() and os.readlink(etc_cfg) == str(base / "current/daemon.toml")
+        h = last_json(zcli(lab, "status", *host, "--json", rc=0))["hosts"][0]
+        assert h["release"] == rel1 and h["result"]["role"] == "daemon" and h["health"]["body"]["status"] == "ok"
+
+        # 6. a server that never gets healthy (its port is taken) is rolled back on the spot, to the daemon
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
         try:
-            out = proc.communicate(timeout=30)[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out = proc.communicate()[0].decode(errors="replace")
-        notify.close()
-    # exit 0, or death by the SIGTERM it was sent (uvicorn raises the signal it handled again once it
-    # has shut down): both a clean stop to systemd, so Restart=on-failure leaves it stopped
-    assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]
+            tport = taken.getsockname()[1]
+            p = deploy(lab, model, *host, "--serve", "--serve-port", tport, "--health-timeout", 4)
+        finally:
+            taken.close()
+        assert p.returncode == 1, (p.stdout, p.stderr)
+        err = p.stderr.strip().splitlines()[-1]     # after the upload's progress bar
+        assert "Traceback" not in p.stderr and err.startswith("zeroedge: error: jetson-serve: release "), p.stderr
+        assert "zeroedge-serve.service is not healthy (" in err, err
+        assert f"from http://127.0.0.1:{tport}/health); rolled back to {rel1}" in err, err
+        assert os.readlink(base / "current") == f"releases/{rel1}" and d.serve_pid() is None
+        assert not list(units.glob("zeroedge-serve*")) and daemon_dropin.is_file() and alive(d.daemon_pid())
+        h = last_json(zcli(lab, "status", *host, "--json", rc=0))["hosts"][0]
+        assert h["result"]["role"] == "daemon" and h["health"]["ok"]
+
+        # 7. rollback to the serve release: the server back on its bundle, the daemon stopped and removed
+        since = len(notes.got)
+        p = zcli(lab, "rollback", *host, "--to", rel2, rc=0)
+        assert (f"rolled back {rel1} -> {rel2}; zeroedge-serve.service health ok; zeroedge.service stopped and "
+                f"removed ({rel2} runs zeroedge serve, no daemon)") in p.stdout, p.stdout
+        assert unit.read_text() == text and dropin.read_text().splitlines() == lines
+        assert not list(units.glob("zeroedge.service*")) and not os.path.lexists(etc_cfg)
+        assert "READY=1" in notes.wait_for(since, "READY=1")
+        complete(sport)
+
+        # 8. a deploy of the sensor bundle (no --serve): the daemon again, the server stopped and removed
+        n = len(d.calls())
+        p = deploy(lab, lab.bundle, *daemon, rc=0)
+        assert "zeroedge-serve.service stopped and removed (this deploy has no --serve)" in p.stdout, p.stdout
+        assert [c for c in d.calls()[n:] if "zeroedge-serve.service" in c] == [
+            ["stop", "zeroedge-serve.service"], ["disable", "zeroedge-serve.service"]]
+        assert not list(units.glob("zeroedge-serve*")) and d.serve_pid() is None and alive(d.daemon_pid())
+        p = zcli(lab, "status", *host, rc=0)
+        assert "service active; health ok" in p.stdout and "zeroedge-serve" not in p.stdout, p.stdout
+    finally:
+        notes.close()
 
 
 def test_serve_unit_files_command_and_preflight(tmp_path, monkeypatch):
     """The device agent's side of --serve, on a fake root without SSH: the unit and drop-in are
     written through directory fds, never through a link (a link where either goes is refused, a
     planted temp-file link replaced); the ExecStart serves the TensorRT engines when the release's
-    build made them, always on 127.0.0.1; removal touches nothing when the deploy never installed
-    the unit; a bad serve spec is refused by the agent; preflight asks the device's python3 for
-    zeroedge serve's imports only with --serve."""
+    build made them, always on 127.0.0.1; removal (of either unit) touches nothing when the deploy
+    never installed the unit, and the daemon's goes with the /etc/zeroedge/daemon.toml link deploy
+    made, never an admin's file; a release runs one service: a payload with both units, or a
+    bundle that is not the kind its service runs, is refused by the agent before anything changes,
+    as is a bad serve spec; preflight asks the device's python3 for zeroedge serve's imports, and
+    not the daemon's, only with --serve."""
     from zeroedge.deploy import preflight as pf
-    from zeroedge.deploy.remote import Device, Fail
+    from zeroedge.deploy.remote import UNIT, Device, Fail
     from zeroedge.device.probe import probe
+    from zeroedge.trust import bundle_role, role_problem
 
     root = make_jetson(tmp_path / "root")
     monkeypatch.setenv("ZEROEDGE_DEVICE_ROOT", str(root))
@@ -1009,7 +1021,7 @@ def test_serve_unit_files_command_and_preflight(tmp_path, monkeypatch):
     rel = root / "opt/zeroedge/releases" / name
     rel.mkdir(parents=True)
     serve_unit = "[Unit]\nDescription=test\n"
-    (rel / ".service.json").write_text(json.dumps({"unit": "[Service]\n", "python": "/usr/bin/python3",
+    (rel / ".service.json").write_text(json.dumps({"python": "/usr/bin/python3",
                                                    "serve": {"unit": serve_unit, "port": 8123}}))
     (rel / "build.json").write_text(json.dumps({"backend": "tensorrt", "steps": [
         {"name": "plugins", "seconds": 1.0}, {"name": "engine", "seconds": 2.0}]}))
@@ -1039,6 +1051,59 @@ def test_serve_unit_files_command_and_preflight(tmp_path, monkeypatch):
     calls = (root / "var/lib/stub-systemd/calls.jsonl").read_text().splitlines()
     assert [json.loads(c) for c in calls] == [["daemon-reload"], ["enable", "zeroedge-serve.service"]]
     assert dev.remove_serve() is True and not list(units.glob("zeroedge-serve*"))
+    # the daemon's unit: removed only where a deploy installed it; the daemon.toml link with it
+    daemon_rel = "20260101T000000000001Z-ba9876543210"
+    (root / "opt/zeroedge/releases" / daemon_rel).mkdir()
+    (root / "opt/zeroedge/releases" / daemon_rel / ".service.json").write_text(
+        json.dumps({"unit": "[Service]\n", "python": "/usr/bin/python3"}))
+    assert dev.serve_of(daemon_rel) is None and dev.serve_of(name)["port"] == 8123
+    legacy = root / "opt/zeroedge/releases/20260101T000000000002Z-aaaaaaaaaaaa"   # both units: a sensor bundle's
+    legacy.mkdir()
+    (legacy / ".service.json").write_text(json.dumps({"unit": "[Service]\n", "python": "/usr/bin/python3",
+                                                      "serve": {"unit": serve_unit, "port": 8123}}))
+    assert dev.serve_of(legacy.name) is None
+    n_calls = len((root / "var/lib/stub-systemd/calls.jsonl").read_text().splitlines())
+    assert dev.remove_unit(UNIT) is False
+    assert len((root / "var/lib/stub-systemd/calls.jsonl").read_text().splitlines()) == n_calls
+    etc = root / "etc/zeroedge/daemon.toml"
+    assert dev.install_services(daemon_rel) == (True, None) and os.path.islink(etc)
+    assert (units / UNIT).is_file() and (units / f"{UNIT}.d/zeroedge-deploy.conf").is_file()
+    assert dev.install_services(name) == (True, UNIT)
+    assert not list(units.glob("zeroedge.service*")) and not os.path.lexists(etc) and unit.is_file()
+    assert dev.install_services(daemon_rel) == (True, "zeroedge-serve.service")
+    assert not list(units.glob("zeroedge-serve*")) and os.path.islink(etc)
+    etc.unlink()
+    etc.write_text("# the admin's own\n")
+    assert dev.remove_unit(UNIT) is True and etc.read_text() == "# the admin's own\n"
+    # one service a release, the kind its bundle is: refused by the agent before anything changes
+    sensor = json.dumps({"format": "zeroedge-bundle", "kind": "sensor", "files": {}}).encode()
+    llm = json.dumps({"format": "zeroedge-bundle", "model": {"dim": 8}, "files": {},
+                      "graph_files": {"prefill.portable.onnx": {"graph": "prefill"},
+                                      "decode.portable.onnx": {"graph": "decode"}}}).encode()
+    objects = root / "opt/zeroedge/objects"
+    objects.mkdir(parents=True, exist_ok=True)
+    sha = {}
+    for data in (sensor, llm):
+        sha[data] = hashlib.sha256(data).hexdigest()
+        (objects / sha[data]).write_bytes(data)
+    assert bundle_role(json.loads(sensor)) == "daemon" and bundle_role(json.loads(llm)) == "serve"
+    foreign = dict(json.loads(llm), graph_files={"prefill.portable.onnx": {"graph": "prefill"}})
+    assert bundle_role(foreign) is None and "lists no decode graph" in role_problem(foreign, True)
+    assert "is not a sensor bundle (kind=None)" in role_problem(foreign, False)
+    before = tree(root)
+    good = {"op": "activate", "base": "/opt/zeroedge", "release_id": "0123456789ab", "hashes": [],
+            "python": sys.executable, "build": {"backend": "onnxruntime", "steps": []}}
+    spec = {"unit": "[Unit]\n", "port": 8000}
+    for payload, needle in [
+            (dict(good, unit="[Service]\n", serve=spec, files={}), "bad payload: a release runs the daemon's unit or"),
+            (dict(good, serve=spec, files={"bundle/manifest.json": {"sha256": sha[sensor]}}),
+             "the release's bundle is a sensor bundle"),
+            (dict(good, unit="[Service]\n", files={"bundle/manifest.json": {"sha256": sha[llm]}}),
+             "the release's bundle is a model bundle (it has a decode graph)")]:
+        res = run_agent(root, payload)
+        assert not res["ok"] and res["error"].startswith(needle), (needle, res)
+        assert "nothing was changed" in res["error"] or needle.startswith("bad payload"), res
+    assert tree(root) == before
     # the agent refuses a serve spec it cannot use, before anything is done
     for bad in ({"unit": "[Unit]\n", "port": 0}, {"unit": "", "port": 8000}, {"port": 8000},
                 {"unit": "[Unit]\n", "port": True}, {"unit": "[Unit]\n", "port": 8000, "host": "0.0.0.0"}):
@@ -1052,3 +1117,8 @@ def test_serve_unit_files_command_and_preflight(tmp_path, monkeypatch):
     problems = pf.evaluate(facts, manifest, 0, 0, serve=True).problems
     assert problems == ["device python3 lacks fastapi, sse-starlette, which zeroedge serve needs (--serve); "
                         "install with: python3 -m pip install fastapi sse-starlette"], problems
+    # a --serve release runs no daemon: the daemon's own imports are not asked for
+    facts["modules"].update(fastapi=True, sse_starlette=True, paho=False)
+    assert pf.evaluate(facts, manifest, 0, 0, serve=True).problems == []
+    assert pf.evaluate(facts, manifest, 0, 0).problems == [
+        "device python3 lacks paho-mqtt; install with: python3 -m pip install paho-mqtt"]

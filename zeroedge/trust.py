@@ -1,5 +1,5 @@
 """What the workstation and the device both check before trusting a bundle: safe relative paths,
-and Ed25519 manifest signatures against pinned public keys.
+Ed25519 manifest signatures against pinned public keys, and which service runs it (its role).
 
 Standard library only (the `cryptography` package is imported lazily, only to check a signature),
 because the device agent ships this file's source over SSH (zeroedge.deploy.ssh.agent_source). It
@@ -82,3 +82,40 @@ def signature_problem(manifest_bytes, sig_bytes, pinned):
     except (InvalidSignature, ValueError):
         return "manifest.sig does not verify against manifest.json with key %s (edited after signing?)" % kid
     return None
+
+
+def bundle_role(manifest):
+    """What runs a bundle, read from its manifest: "daemon" for a sensor bundle ("kind": "sensor",
+    the only kind the sensor daemon loads), "serve" for a model bundle whose graph_files list a
+    decode graph (what `zeroedge serve` loads), None for anything else (a rewritten foreign graph
+    has no decode graph)."""
+    if not isinstance(manifest, dict):
+        return None
+    if manifest.get("kind") == "sensor":
+        return "daemon"
+    graphs = manifest.get("graph_files")
+    decode = isinstance(graphs, dict) and any(isinstance(g, dict) and g.get("graph") == "decode"
+                                              for g in graphs.values())
+    if decode and isinstance(manifest.get("model"), dict):
+        return "serve"
+    return None
+
+
+def role_problem(manifest, serve):
+    """Why a release of this bundle cannot run as the deploy asks (serve: `zeroedge deploy --serve`,
+    zeroedge-serve.service; else the sensor daemon, zeroedge.service), as words that follow the
+    bundle's name ("<bundle> is ..."); None when it can. A release runs one of the two, and which
+    one follows the bundle."""
+    role = bundle_role(manifest)
+    if role == ("serve" if serve else "daemon"):
+        return None
+    if role == "daemon":
+        return ('is a sensor bundle ("kind": "sensor"): the sensor daemon (zeroedge.service) runs it, '
+                "not zeroedge serve; deploy it without --serve")
+    if role == "serve":
+        return ("is a model bundle (it has a decode graph): zeroedge serve runs it (zeroedge-serve.service), "
+                "not the sensor daemon; deploy it with --serve")
+    if serve:
+        return "is not a model bundle zeroedge serve can run (its manifest lists no decode graph)"
+    return ("is not a sensor bundle (kind=%r), the only kind the sensor daemon runs"
+            % ((manifest.get("kind") if isinstance(manifest, dict) else None),))

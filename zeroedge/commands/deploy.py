@@ -1,5 +1,6 @@
 """zeroedge deploy: put a bundle on one Jetson (--host) or a fleet (--hosts), build there, start the
-service and prove it healthy."""
+service and prove it healthy. The bundle decides the service: a sensor bundle runs in the sensor
+daemon (zeroedge.service), a model bundle in zeroedge serve (zeroedge-serve.service, --serve)."""
 import click
 
 from zeroedge.commands.common import host_options, parse_size
@@ -11,17 +12,22 @@ from zeroedge.deploy.cli import finish, targets_from
 @host_options
 @click.option("--dry-run", is_flag=True, help="Say what would change on each device; change nothing.")
 @click.option("--config", "config", type=click.Path(dir_okay=False),
-              help="Daemon TOML to deploy (default: the daemon's example.toml); model and port are set by deploy.")
-@click.option("--metrics-port", type=int, help="Daemon metrics/health port on the device (default: from the config).")
+              help="Daemon TOML to deploy (default: the daemon's example.toml); model and port are set by deploy. "
+                   "Not with --serve (no daemon runs).")
+@click.option("--metrics-port", type=int, help="Daemon metrics/health port on the device (default: from the config). "
+                                               "Not with --serve.")
 @click.option("--keep", type=int, default=3, show_default=True, help="Releases kept on the device.")
 @click.option("--min-free", default="256M", show_default=True, help="Disk kept free on the device after upload.")
 @click.option("--health-timeout", type=float, default=60.0, show_default=True,
               help="Seconds to wait for /healthz (and, with --serve, for the server's /health).")
 @click.option("--no-auto-rollback", is_flag=True, help="Leave an unhealthy new release in place.")
 @click.option("--serve", "serve", is_flag=True,
-              help="Also run zeroedge-serve.service: `zeroedge serve` on the release's bundle (its TensorRT engines "
-                   "when the release holds them), on the device's 127.0.0.1, health-checked through its /health. "
-                   "A deploy without --serve stops and removes a serve unit an earlier deploy installed.")
+              help="BUNDLE is a model bundle (exported with a decode graph): run it in zeroedge-serve.service, "
+                   "`zeroedge serve` on the release's bundle (its TensorRT engines when the release holds them) on "
+                   "the device's 127.0.0.1, health-checked through its /health, in place of the sensor daemon "
+                   "(zeroedge.service, stopped and removed where a deploy installed it). A sensor bundle deploys "
+                   "without --serve, which stops and removes a serve unit an earlier deploy installed; the other "
+                   "way round is refused.")
 @click.option("--serve-port", type=click.IntRange(1, 65535), metavar="PORT",
               help="Port of the serve unit on the device's 127.0.0.1 (default 8000); needs --serve.")
 @click.option("--pin-key", "pin_keys", multiple=True, type=click.Path(dir_okay=False), metavar="KEY.pub",
@@ -32,7 +38,8 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
     """Deploy BUNDLE over SSH: preflight (L4T/JetPack, TensorRT, sm_87, Python, disk, memory, the
     bundle's signature where the device pins signing keys), content-hash upload (a re-deploy moves
     0 bytes), on-device build, releases/<id> with an atomic `current` link, systemd service, health
-    check through the daemon's /healthz (and, with --serve, zeroedge serve's /health)."""
+    check through the daemon's /healthz (a sensor bundle) or, with --serve, zeroedge serve's /health
+    (a model bundle)."""
     from pathlib import Path
 
     from zeroedge.bundle import verify
@@ -44,6 +51,10 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
 
     if serve_port is not None and not serve:
         raise UserError("--serve-port is the port of the serve unit: give it with --serve")
+    if serve and (config is not None or metrics_port is not None):
+        opt = "--config" if config is not None else "--metrics-port"
+        raise UserError(f"{opt} is the sensor daemon's; a --serve release runs zeroedge serve and no daemon: "
+                        "leave it out")
     min_free_bytes = parse_size(min_free, what="--min-free", minimum=0)
     targets = targets_from(host, hosts_file)           # a bad inventory line: refused here
     manifest = verify(Path(bundle))                     # an unverifiable bundle: refused here
@@ -83,16 +94,18 @@ def cmd(bundle, host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo
             out.append(f"{r.name}: bundle signature checked by the device (key {r.extra['signed_by']})")
         out.append(f"{r.name}: uploaded {r.files_uploaded} files, {fmt_bytes(r.bytes_uploaded)} "
                    f"(release is {fmt_bytes(r.bytes_total)}); backend {r.backend}")
-        out.append(f"{r.name}: release {r.release} {verb}; health {body.get('status', 'ok')} "
-                   f"(daemon {body.get('version', '?')}) in {r.seconds:.1f} s")
         if r.extra.get("serve"):
             s = r.extra["serve"]
-            sb = (s.get("health") or {}).get("body")
-            sb = sb if isinstance(sb, dict) else {}
-            out.append(f"{r.name}: {s['unit']} serving on 127.0.0.1:{s['port']}; health {sb.get('status', 'ok')}"
-                       + (f" ({sb['mode']})" if sb.get("mode") else ""))
-        elif r.extra.get("serve_removed"):
+            out.append(f"{r.name}: release {r.release} {verb}; {s['unit']} serving on 127.0.0.1:{s['port']}; "
+                       f"health {body.get('status', 'ok')}" + (f" ({body['mode']})" if body.get("mode") else "")
+                       + f" in {r.seconds:.1f} s")
+        else:
+            out.append(f"{r.name}: release {r.release} {verb}; health {body.get('status', 'ok')} "
+                       f"(daemon {body.get('version', '?')}) in {r.seconds:.1f} s")
+        if r.extra.get("removed") == runner.SERVE_UNIT:
             out.append(f"{r.name}: {runner.SERVE_UNIT} stopped and removed (this deploy has no --serve)")
+        elif r.extra.get("removed"):
+            out.append(f"{r.name}: {r.extra['removed']} stopped and removed (a --serve release runs no daemon)")
         return out
 
     finish(results, as_json, "deploy", bool(hosts_file), lines, {"bundle": str(bundle), "dry_run": dry_run})

@@ -9,11 +9,11 @@ from zeroedge.deploy.cli import finish, targets_from
 @host_options
 @click.option("--to", "to", metavar="RELEASE", help="Release name or id to go back to (default: the one before current).")
 @click.option("--health-timeout", type=float, default=60.0, show_default=True,
-              help="Seconds to wait for /healthz (and for zeroedge serve's /health where it runs).")
+              help="Seconds to wait for /healthz (zeroedge serve's /health for a release deployed with --serve).")
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json, to, health_timeout):
-    """Swap the device's `current` link back to the previous release (atomically), restart
-    zeroedge.service and check its health; zeroedge-serve.service too where that release was
-    deployed with --serve (and stopped where it was not)."""
+    """Swap the device's `current` link back to the previous release (atomically), restart its
+    service and check its health: zeroedge.service, or zeroedge-serve.service for a release
+    deployed with --serve (the other unit stopped and removed: a release runs one)."""
     from zeroedge.deploy import runner
 
     targets = targets_from(host, hosts_file)
@@ -27,9 +27,10 @@ def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_jso
         res = r.extra["result"]
         if res.get("unchanged"):
             return [f"{r.name}: {r.release} is already current"]
-        serve = (f"; {runner.SERVE_UNIT} health ok" if "serve_health" in res
-                 else f"; {runner.SERVE_UNIT} stopped and removed ({r.release} has no serve unit)"
-                 if res.get("serve_removed") else "")
-        return [f"{r.name}: rolled back {r.previous} -> {r.release}; health ok{serve} in {r.seconds:.1f} s"]
+        health = f"{runner.SERVE_UNIT} health ok" if res.get("role") == "serve" else "health ok"
+        removed = res.get("removed")
+        why = "has no serve unit" if removed == runner.SERVE_UNIT else "runs zeroedge serve, no daemon"
+        gone = f"; {removed} stopped and removed ({r.release} {why})" if removed else ""
+        return [f"{r.name}: rolled back {r.previous} -> {r.release}; {health}{gone} in {r.seconds:.1f} s"]
 
     finish(results, as_json, "rollback", bool(hosts_file), lines)

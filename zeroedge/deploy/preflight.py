@@ -10,9 +10,10 @@ MIN_PYTHON = (3, 10)
 # what the daemon imports on the device (import name -> pip name)
 DAEMON_MODULES = {"numpy": "numpy", "onnxruntime": "onnxruntime", "paho": "paho-mqtt",
                   "prometheus_client": "prometheus-client"}
-# what `zeroedge serve` imports on the device (deploy --serve); llguidance is optional there
-SERVE_MODULES = {"torch": "torch", "fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
-                 "prometheus_client": "prometheus-client"}
+# what `zeroedge serve` imports on the device (deploy --serve: it runs instead of the daemon; onnxruntime
+# for a bundle on the portable backend); llguidance is optional there
+SERVE_MODULES = {"numpy": "numpy", "onnxruntime": "onnxruntime", "torch": "torch", "fastapi": "fastapi",
+                 "uvicorn": "uvicorn", "sse_starlette": "sse-starlette", "prometheus_client": "prometheus-client"}
 
 
 @dataclass
@@ -64,7 +65,7 @@ def evaluate(facts: dict, manifest: dict, upload_bytes: int, min_free: int, sudo
              app_has_plugins: bool = False, app_has_trt_backend: bool = False, signer: str | None = None,
              new_pins=(), serve: bool = False) -> Verdict:
     """`signer`: key id of the bundle's (checked) signature, None if unsigned; `new_pins`: key ids
-    this deploy pins (--pin-key); `serve`: the deploy also runs zeroedge serve (--serve)."""
+    this deploy pins (--pin-key); `serve`: the release runs zeroedge serve, not the daemon (--serve)."""
     v = Verdict()
     if not facts.get("jetson"):
         v.problems.append(f"not a Jetson: no /etc/nv_tegra_release on the device (zeroedge deploys to Jetson "
@@ -97,22 +98,24 @@ def _check_platform(facts: dict, v: Verdict):
 
 
 def _check_python(facts: dict, v: Verdict, serve: bool = False):
-    """The device's python3 and the daemon's imports (and zeroedge serve's, with --serve)."""
+    """The device's python3 and the imports of what the release runs: the daemon's, or zeroedge
+    serve's (--serve)."""
     P = v.problems.append
     py = facts.get("python", {}).get("version", "?")
     if _ver(py)[:2] < MIN_PYTHON:
         P(f"device python3 is {py}; zeroedge needs Python >= 3.10 (JetPack 6 ships 3.10)")
     mods = facts.get("modules", {})
+    if serve:
+        lack = [pip for mod, pip in SERVE_MODULES.items() if mods.get(mod) is False]
+        if lack and not v.problems:
+            P(f"device python3 lacks {', '.join(lack)}, which zeroedge serve needs (--serve); install with: "
+              f"python3 -m pip install {' '.join(lack)}")
+        return
     missing = [pip for mod, pip in DAEMON_MODULES.items() if mods.get(mod) is False]
     if _ver(py)[:2] < (3, 11) and mods.get("tomli") is False:
         missing.append("tomli")
     if missing and not v.problems:
         P(f"device python3 lacks {', '.join(missing)}; install with: python3 -m pip install {' '.join(missing)}")
-    if serve and not v.problems:
-        lack = [pip for mod, pip in SERVE_MODULES.items() if mods.get(mod) is False]
-        if lack:
-            P(f"device python3 lacks {', '.join(lack)}, which zeroedge serve needs (--serve); install with: "
-              f"python3 -m pip install {' '.join(lack)}")
 
 
 def _plan_build(facts: dict, manifest: dict, v: Verdict, app_has_plugins: bool, app_has_trt_backend: bool):

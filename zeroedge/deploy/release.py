@@ -1,6 +1,7 @@
 """What goes into a release, decided on the workstation: the verified bundle, the device-side
 zeroedge code (so the daemon that runs is the one that was tested with the bundle, and a rollback
-restores both), the plugin sources for the on-device build, and the daemon's config. Every file is
+restores both), the plugin sources for the on-device build, and the daemon's config (none in a
+release of a model bundle, deployed with --serve: zeroedge serve runs it, not the daemon). Every file is
 named by its sha256, so uploading moves only what the device's store lacks, and the release id is a
 hash of the whole content: the same bundle + code + config is the same release."""
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Release:
     id: str
     entries: dict = field(default_factory=dict)      # rel -> Entry
     info: dict = field(default_factory=dict)          # release.json
-    unit: str = DEFAULT_UNIT
+    unit: str | None = DEFAULT_UNIT                   # the daemon's unit; None for a --serve release
     serve: dict | None = None                         # --serve: {"unit": text, "port": N}
 
     def files_payload(self) -> dict:
@@ -211,6 +212,18 @@ def metrics_port(template: dict, override: int | None) -> int:
 
 # ---------------------------------------------------------------- the release
 
+def check_role(bundle: Path, manifest: dict, serve: bool) -> str:
+    """The service a release of this bundle runs: "serve" (zeroedge serve, a model bundle, deploy
+    --serve) or "daemon" (the sensor daemon, a sensor bundle); a UserError, before anything
+    connects, when the bundle is not the kind that service runs (zeroedge.trust.role_problem)."""
+    from zeroedge.trust import role_problem
+
+    why = role_problem(manifest, serve)
+    if why:
+        raise UserError(f"{bundle} {why}")
+    return "serve" if serve else "daemon"
+
+
 def serve_spec(port: int) -> dict:
     """--serve: the zeroedge-serve.service template shipped with zeroedge and the port its server
     binds on the device's 127.0.0.1 (the device writes the ExecStart: zeroedge.deploy.remote)."""
@@ -222,8 +235,10 @@ def serve_spec(port: int) -> dict:
 def build_release(bundle: Path, manifest: dict, template: dict, port: int, backend: str, workdir: Path,
                   unit_file: Path | None = None, root: str = "/", base: str = "/opt/zeroedge",
                   name: str | None = None, serve: dict | None = None) -> Release:
-    """serve: serve_spec(...) for a release that also runs zeroedge-serve.service (part of the
-    release's identity, like its unit: a release with the server is not the same release without)."""
+    """A release of a sensor bundle runs the daemon: its daemon.toml (from `template`, metrics on
+    `port`) and zeroedge.service. serve: serve_spec(...) for a release of a model bundle, which
+    runs zeroedge-serve.service instead (no daemon, no daemon.toml); the spec is part of the
+    release's identity, as the daemon's unit is."""
     bundle = Path(bundle)
     entries: dict = {}
     for rel, info in sorted(manifest["files"].items()):
@@ -234,34 +249,36 @@ def build_release(bundle: Path, manifest: dict, template: dict, port: int, backe
     app_entries(entries)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = workdir / "daemon.toml"
-    dc = daemon_config(template, port, backend, root, base, name)
-    why = validate_daemon_config(dc)
-    if why:
-        raise UserError(f"the daemon config deploy would write is invalid: {why}")
-    text = "# written by zeroedge deploy (schema: zeroedge/daemon/config.py)\n" + dump_toml(dc)
-    if _load_toml(text) != dc:
-        raise UserError("internal error: daemon.toml does not round-trip")
-    cfg.unlink(missing_ok=True)
-    with open(os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(text)
-    _add(entries, "daemon.toml", cfg, mode=0o600)   # a secret (the MQTT password): 0600 on the device
-    unit_path = unit_file or PKG / "systemd" / "zeroedge.service"
-    unit = unit_path.read_text() if unit_path.is_file() else DEFAULT_UNIT
+    unit = None
+    if not serve:
+        cfg = workdir / "daemon.toml"
+        dc = daemon_config(template, port, backend, root, base, name)
+        why = validate_daemon_config(dc)
+        if why:
+            raise UserError(f"the daemon config deploy would write is invalid: {why}")
+        text = "# written by zeroedge deploy (schema: zeroedge/daemon/config.py)\n" + dump_toml(dc)
+        if _load_toml(text) != dc:
+            raise UserError("internal error: daemon.toml does not round-trip")
+        cfg.unlink(missing_ok=True)
+        with open(os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(text)
+        _add(entries, "daemon.toml", cfg, mode=0o600)   # a secret (the MQTT password): 0600 on the device
+        unit_path = unit_file or PKG / "systemd" / "zeroedge.service"
+        unit = unit_path.read_text() if unit_path.is_file() else DEFAULT_UNIT
     h = hashlib.sha256()
     for e in sorted(entries.values(), key=lambda e: e.rel):
         h.update(f"{e.rel}\0{e.sha256}\0{e.mode:o}\n".encode())
-    h.update(unit.encode())
-    if serve:
+    if unit is not None:
+        h.update(unit.encode())
+    else:
         h.update(b"\0serve\0" + json.dumps(serve, sort_keys=True).encode())
     rid = h.hexdigest()[:12]
     from zeroedge import __version__
 
     info = {"id": rid, "bundle": bundle.resolve().name, "bundle_manifest_sha256": entries[f"bundle/{MANIFEST}"].sha256,
-            "target": manifest.get("target"), "zeroedge_version": __version__, "metrics_port": port,
+            "target": manifest.get("target"), "zeroedge_version": __version__,
             "backend": backend, "files": len(entries), "bytes": sum(e.bytes for e in entries.values())}
-    if serve:
-        info["serve_port"] = serve["port"]
+    info.update({"role": "serve", "serve_port": serve["port"]} if serve else {"metrics_port": port})
     rj = workdir / "release.json"
     rj.write_text(json.dumps(info, indent=2, sort_keys=True))
     _add(entries, "release.json", rj)

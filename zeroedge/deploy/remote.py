@@ -10,12 +10,17 @@ Layout on the device (all under the device root, default "/"):
                                         daemon.toml (it can hold the MQTT password) is its own 0600 copy
     /opt/zeroedge/current -> releases/… swapped atomically (symlink to a temp name + rename)
     /etc/systemd/system/zeroedge.service and zeroedge.service.d/zeroedge-deploy.conf
+                                        a release of a sensor bundle: the sensor daemon
     /etc/systemd/system/zeroedge-serve.service and zeroedge-serve.service.d/zeroedge-deploy.conf
-                                        a release deployed with --serve: zeroedge serve on the
-                                        current release's bundle, 127.0.0.1 only (written through
-                                        directory fds; a release without it stops and removes them)
+                                        a release of a model bundle (deploy --serve): zeroedge serve
+                                        on the current release's bundle, 127.0.0.1 only (written
+                                        through directory fds)
     /etc/zeroedge/trusted-keys/<key id>.pub  pinned bundle signing keys: when any is present, a
                                         bundle not signed by one of them is refused
+
+A release runs one service, and which one follows its bundle (trust.bundle_role): installing a
+release's unit stops, disables and removes the other unit where a deploy installed it (its
+drop-in is there), so a deploy or a rollback can switch a device between the two.
 
 The agent trusts nothing in the payload: every path is checked again here (zeroedge.trust),
 and the release tree is written through directory file descriptors, never following a link.
@@ -33,7 +38,8 @@ import time
 
 if "probe" not in globals():  # imported from the package; over SSH probe.py's and trust.py's source come first
     from zeroedge.device.probe import device_root, meminfo, probe, under  # noqa: F401
-    from zeroedge.trust import HEX64, key_id, path_problem, public_key_raw, public_pem, signature_problem
+    from zeroedge.trust import (HEX64, key_id, path_problem, public_key_raw, public_pem, role_problem,
+                                signature_problem)
 
 MARKER = "@@ZEROEDGE-RESULT@@"
 UNIT = "zeroedge.service"
@@ -78,6 +84,8 @@ def check_payload(p):
             raise Fail("bad sha256 %r: must be 64 lowercase hex digits" % (h,))
     if "serve" in p and serve_problem(p["serve"]):
         raise Fail("bad serve spec: %s" % serve_problem(p["serve"]))
+    if "serve" in p and "unit" in p:
+        raise Fail("bad payload: a release runs the daemon's unit or the serve unit, not both")
     for rel, info in (p.get("files") or {}).items():
         why = path_problem(rel)
         if not why and not (rel in ("daemon.toml", "release.json") or rel.split("/")[0] in ("app", "bundle")
@@ -453,14 +461,12 @@ class Device:
         return out
 
     def service_spec(self, name):
-        """The unit text and python a release was deployed with, and its serve spec when it was
-        deployed with --serve (kept in the release, so a rollback reinstalls the units that went
-        with it)."""
+        """The python a release was deployed with and its service: the daemon's unit text
+        ({"unit", "python"}) or, deployed with --serve, the serve spec ({"serve", "python"}); kept
+        in the release, so a rollback reinstalls the unit that went with it."""
         path = os.path.join(self.releases, name, ".service.json")
-        if "unit" in self.p and "python" in self.p:
-            spec = {"unit": self.p["unit"], "python": self.p["python"]}
-            if "serve" in self.p:
-                spec["serve"] = self.p["serve"]
+        if "python" in self.p and ("unit" in self.p or "serve" in self.p):
+            spec = {k: self.p[k] for k in ("unit", "python", "serve") if k in self.p}
             if not os.path.isfile(path):
                 with open(path + ".tmp", "w") as f:
                     json.dump(spec, f)
@@ -518,16 +524,36 @@ class Device:
 
     # ----- the serve unit (deploy --serve)
     def serve_of(self, name, strict=True):
-        """The serve spec a release was deployed with ({"unit", "port"}), or None: a release
-        without zeroedge-serve.service. strict=False: None too when the release has no spec."""
+        """The serve spec ({"unit", "port"}) of a release that runs zeroedge serve (deployed with
+        --serve), or None: a release that runs the daemon. A spec that holds the daemon's unit too
+        (from before a release ran one service) runs the daemon: its bundle is a sensor bundle.
+        strict=False: None too when the release has no spec."""
         if not name:
             return None
         try:
-            return self.service_spec(name).get("serve")
+            spec = self.service_spec(name)
         except Fail:
             if strict:
                 raise
             return None
+        return spec.get("serve") if "unit" not in spec else None
+
+    def check_role(self):
+        """Read-only, before anything changes: the release's bundle must be one its service runs
+        (trust.bundle_role, from the bundle's manifest): a sensor bundle for the daemon, a model
+        bundle for zeroedge serve (the payload's serve spec). A payload without the manifest is
+        no release deploy sends; the other checks refuse it, or the service, which verifies its
+        bundle before it loads anything."""
+        files = self.p.get("files") or {}
+        if "bundle/manifest.json" not in files:
+            return
+        try:
+            manifest = json.loads(self.stored_bytes(files["bundle/manifest.json"]["sha256"]).decode("utf-8"))
+        except ValueError:
+            raise Fail("the release's bundle/manifest.json is not JSON: nothing was changed")
+        why = role_problem(manifest, "serve" in self.p)
+        if why:
+            raise Fail("the release's bundle %s: nothing was changed" % why)
 
     def serve_command(self, name, port, py):
         """zeroedge serve on the current release's bundle, bound to 127.0.0.1: on its TensorRT
@@ -562,7 +588,7 @@ class Device:
         Returns whether anything changed."""
         spec = self.serve_of(name)
         if not spec:
-            return self.remove_serve()
+            return self.remove_unit(SERVE_UNIT)
         py = self.service_spec(name)["python"]
         dropin = "\n".join([
             "# written by zeroedge deploy: serves the bundle of the current release on %s" % SERVE_HOST,
@@ -597,61 +623,81 @@ class Device:
         return changed
 
     def remove_serve(self):
-        """Stop, disable and remove the serve unit, only when a deploy installed it (its drop-in
-        is there); nothing at all, not even a systemctl call, otherwise."""
-        if not os.path.lexists(os.path.join(self.unit_dir, SERVE_UNIT + ".d", DROPIN)):
+        return self.remove_unit(SERVE_UNIT)
+
+    def remove_unit(self, unit):
+        """Stop, disable and remove `unit` (the daemon's or the server's), only when a deploy
+        installed it (its drop-in is there); nothing at all, not even a systemctl call, otherwise.
+        Through directory fds: a link where the drop-in folder is, is refused, never followed. The
+        daemon's /etc/zeroedge/daemon.toml link goes with it when it is the one install_unit made."""
+        if not os.path.lexists(os.path.join(self.unit_dir, unit + ".d", DROPIN)):
             return False
-        self.systemctl("stop", SERVE_UNIT, check=False)
-        self.systemctl("disable", SERVE_UNIT, check=False)
+        self.systemctl("stop", unit, check=False)
+        self.systemctl("disable", unit, check=False)
         ufd = self.unit_dir_fd()
         try:
             try:
-                dfd = os.open(SERVE_UNIT + ".d", DIR_FLAGS, dir_fd=ufd)
+                dfd = os.open(unit + ".d", DIR_FLAGS, dir_fd=ufd)
             except OSError as e:
-                raise Fail("%s/%s.d is not a directory (%s); refused" % (self.unit_dir, SERVE_UNIT, e.strerror))
+                raise Fail("%s/%s.d is not a directory (%s); refused" % (self.unit_dir, unit, e.strerror))
             try:
                 os.unlink(DROPIN, dir_fd=dfd)
             finally:
                 os.close(dfd)
             try:
-                os.rmdir(SERVE_UNIT + ".d", dir_fd=ufd)
+                os.rmdir(unit + ".d", dir_fd=ufd)
             except OSError:  # something else of the admin's is in there: theirs
                 pass
             try:
-                os.unlink(SERVE_UNIT, dir_fd=ufd)
+                os.unlink(unit, dir_fd=ufd)
             except FileNotFoundError:
                 pass
         finally:
             os.close(ufd)
+        if unit == UNIT:
+            self.remove_config_link()
         self.systemctl("daemon-reload")
         return True
 
+    def remove_config_link(self):
+        """/etc/zeroedge/daemon.toml, when it is the link install_unit made (to the current
+        release's daemon.toml): a regular file there is the admin's and stays. Read and removed
+        relative to /etc/zeroedge opened without following a link."""
+        try:
+            efd = os.open(under(self.root, "/etc/zeroedge"), DIR_FLAGS)
+        except OSError:
+            return
+        try:
+            if os.readlink("daemon.toml", dir_fd=efd) == os.path.join(self.current, "daemon.toml"):
+                os.unlink("daemon.toml", dir_fd=efd)      # the link itself: unlink never follows one
+        except OSError:  # absent, or not a link
+            pass
+        finally:
+            os.close(efd)
+
+    def install_services(self, name):
+        """The unit of release `name`'s service installed (the daemon's, or the server's for a
+        release deployed with --serve) and the other one, where a deploy installed it, stopped and
+        removed: a release runs one service. Returns (whether its unit changed, the unit removed
+        or None)."""
+        if self.serve_of(name):
+            removed = UNIT if self.remove_unit(UNIT) else None
+            return self.install_serve(name), removed
+        removed = SERVE_UNIT if self.remove_unit(SERVE_UNIT) else None
+        return self.install_unit(name), removed
+
+    def check(self, name, restart=True, timeout=None):
+        """Release `name`'s service restarted (unless restart=False) and its health checked: the
+        daemon's /healthz, or the server's /health for a release deployed with --serve (a release
+        without a spec runs the daemon here: installing its units is what refuses it)."""
+        if self.serve_of(name, strict=False):
+            return self.serve_health(name, restart, timeout)
+        if restart:
+            return self.restart_and_check(name)
+        return self.health(self.port_of(name), self.p.get("health_timeout", 60) if timeout is None else timeout)
+
     def serve_active(self):
         return self.systemctl("is-active", SERVE_UNIT, check=False).stdout.strip() == "active"
-
-    def with_serve(self, name, daemon, restart_serve=True):
-        """daemon() (the daemon's restart and/or health check) and, at the same time in a thread,
-        the serve unit's (serve_health): both services start and settle side by side, so the
-        deploy waits for the slower one, not for the two in a row. Returns (daemon's, server's)."""
-        import threading
-
-        box = {}
-
-        def serve():
-            try:
-                box["health"] = self.serve_health(name, restart_serve)
-            except BaseException as e:  # raised here, after the daemon's part
-                box["error"] = e
-
-        th = threading.Thread(target=serve)
-        th.start()
-        try:
-            h = daemon()
-        finally:
-            th.join()
-        if "error" in box:
-            raise box["error"]
-        return h, box["health"]
 
     def serve_health(self, name, restart=True, timeout=None):
         """Restart the serve unit (unless restart=False) and poll its /health as the daemon's. The
@@ -727,10 +773,12 @@ class Device:
         return h
 
     def activate(self):
-        """stage -> build -> install units -> swap current -> restart -> health (the daemon's, and
-        the server's for a release deployed with --serve); on an unhealthy new release, put the
-        previous one back."""
+        """stage -> build -> install the release's unit (and remove the other one a deploy
+        installed) -> swap current -> restart -> health (the daemon's /healthz, or the server's
+        /health for a release deployed with --serve); on an unhealthy new release, put the previous
+        one back, with its own service."""
         signer = self.check_signature()  # read-only: a refusal changes nothing
+        self.check_role()                # read-only too
         self.lock()
         if self.p.get("hashes"):  # uploads of this deploy: verify and move into the store
             self.commit()
@@ -743,52 +791,43 @@ class Device:
         if name == before:
             res["unchanged"] = True
             res["build"] = self.build(name)
-            serve = self.serve_of(name)
-            serve_changed = self.install_serve(name)
-            changed = self.install_unit(name)
-            if changed or not self.service_active():
+            changed, removed = self.install_services(name)
+            restart = changed or not (self.serve_active() if self.serve_of(name) else self.service_active())
+            if restart:
                 res["restarted"] = True
-                daemon = lambda: self.restart_and_check(name)  # noqa: E731
-            else:
-                daemon = lambda: self.health(self.port_of(name), self.p.get("health_timeout", 60))  # noqa: E731
-            if serve:
-                res["serve_restarted"] = serve_changed or not self.serve_active()
-                res["health"], res["serve_health"] = self.with_serve(name, daemon, res["serve_restarted"])
-            else:
-                res["health"] = daemon()
-                if serve_changed:
-                    res["serve_removed"] = True
+            res["health"] = self.check(name, restart=restart)
+            res.update(self.role_result(name, removed))
             res["gc"] = self.gc()
             return res
         t = time.time()
         res["build"] = self.build(name)
         res["build_s"] = round(time.time() - t, 3)
-        serve = self.serve_of(name)
-        if self.install_serve(name) and not serve:
-            res["serve_removed"] = True
-        self.install_unit(name)
+        _, removed = self.install_services(name)    # the other service stops before the swap
         self.swap_current(name)
         t = time.time()
-        if serve:
-            res["health"], res["serve_health"] = self.with_serve(name, lambda: self.restart_and_check(name))
-        else:
-            res["health"] = self.restart_and_check(name)
+        res["health"] = self.check(name)
         res["restart_to_healthy_s"] = round(time.time() - t, 3)
-        healthy = res["health"]["ok"] and (not serve or res["serve_health"]["ok"])
-        if not healthy and before and self.p.get("auto_rollback", True):
+        res.update(self.role_result(name, removed))
+        if not res["health"]["ok"] and before and self.p.get("auto_rollback", True):
             self.p.pop("unit", None)
             self.p.pop("serve", None)
-            self.install_serve(before)
-            self.install_unit(before)
+            self.install_services(before)
             self.swap_current(before)
             res["rolled_back_to"] = before
-            if self.serve_of(before):
-                res["rollback_health"], res["rollback_serve_health"] = self.with_serve(
-                    before, lambda: self.restart_and_check(before))
-            else:
-                res["rollback_health"] = self.restart_and_check(before)
+            res["rollback_health"] = self.check(before)
         res["gc"] = self.gc()
         return res
+
+    def role_result(self, name, removed):
+        """What a result says of release `name`'s service: its role and unit, the serve port, and
+        the unit stopped and removed on the way (None when none was)."""
+        serve = self.serve_of(name, strict=False)
+        out = {"role": "serve" if serve else "daemon", "unit": SERVE_UNIT if serve else UNIT}
+        if serve:
+            out["serve_port"] = serve["port"]
+        if removed:
+            out["removed"] = removed
+        return out
 
     def gc(self):
         keep_n = max(1, int(self.p.get("keep", 3)))
@@ -841,34 +880,28 @@ class Device:
                 raise Fail("no release older than %s to roll back to" % cur)
             target = names[i - 1]
         if target == cur:
-            out = {"release": cur, "previous": cur, "unchanged": True}
-            daemon = lambda: self.health(self.port_of(cur), self.p.get("health_timeout", 60))  # noqa: E731
-            if self.serve_of(cur, strict=False):
-                out["health"], out["serve_health"] = self.with_serve(cur, daemon, restart_serve=False)
-            else:
-                out["health"] = daemon()
+            out = {"release": cur, "previous": cur, "unchanged": True, "health": self.check(cur, restart=False)}
+            out.update(self.role_result(cur, None))
             return out
-        removed = self.install_serve(target) and not self.serve_of(target)
-        self.install_unit(target)
+        _, removed = self.install_services(target)
         self.swap_current(target)
-        out = {"release": target, "previous": cur}
-        if self.serve_of(target):
-            out["health"], out["serve_health"] = self.with_serve(target, lambda: self.restart_and_check(target))
-        else:
-            out["health"] = self.restart_and_check(target)
-            if removed:
-                out["serve_removed"] = True
+        out = {"release": target, "previous": cur, "health": self.check(target)}
+        out.update(self.role_result(target, removed))
         return out
 
     def status(self):
+        """The current release, its service (the daemon, or zeroedge serve for a release deployed
+        with --serve): state, main process' RSS, health; the releases kept; the device's memory."""
         cur = self.current_name()
         info = self.release_info(cur)
         out = {"release": cur, "info": info, "releases": self.release_names(), "memory": meminfo(self.root)}
         if cur is None:
             out["service"] = "not deployed"
             return out
-        out["service"] = self.systemctl("is-active", UNIT, check=False).stdout.strip() or "unknown"
-        pid = self.systemctl("show", "-p", "MainPID", "--value", UNIT, check=False).stdout.strip()
+        out.update(self.role_result(cur, None))
+        unit = out["unit"]
+        out["service"] = self.systemctl("is-active", unit, check=False).stdout.strip() or "unknown"
+        pid = self.systemctl("show", "-p", "MainPID", "--value", unit, check=False).stdout.strip()
         if pid.isdigit() and int(pid) > 0:
             out["pid"] = int(pid)
             try:
@@ -878,12 +911,7 @@ class Device:
                             out["rss"] = int(line.split()[1]) * 1024
             except OSError:
                 pass
-        out["health"] = self.health(self.port_of(cur), 0)
-        serve = self.serve_of(cur, strict=False)
-        if serve:
-            out["serve"] = {"unit": SERVE_UNIT, "port": serve["port"],
-                            "service": self.systemctl("is-active", SERVE_UNIT, check=False).stdout.strip() or "unknown",
-                            "health": self.serve_health(cur, restart=False, timeout=0)}
+        out["health"] = self.check(cur, restart=False, timeout=0)
         return out
 
 

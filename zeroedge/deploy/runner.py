@@ -5,6 +5,10 @@ ask which objects each store already has, evaluate. If any host fails phase 1, n
 any device and the exit code is 2. Phase 2 (in parallel): upload what is missing, then one device
 operation stages the release, builds, installs the unit, swaps `current`, restarts and checks
 health; an unhealthy new release is rolled back to the previous one on the spot.
+
+A release runs one service, and the bundle decides which: a sensor bundle the daemon
+(zeroedge.service, health /healthz), a model bundle zeroedge serve (zeroedge-serve.service, deploy
+--serve, health /health). A deploy that asks for the other one is refused before anything connects.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ class Options:
     unit_file: Path | None = None
     quiet: bool = False       # --json: no progress bars
     pin_keys: list = field(default_factory=list)   # --pin-key: PEM public keys to pin on the devices
-    serve: bool = False       # --serve: also zeroedge-serve.service (zeroedge serve on the release's bundle)
+    serve: bool = False       # --serve: zeroedge-serve.service (zeroedge serve on the release's model bundle)
     serve_port: int = 8000    # --serve-port: where it listens on the device's 127.0.0.1
 
 
@@ -109,7 +113,7 @@ class Deployer:
         from .release import daemon_template, has_plugins, has_trt_backend, serve_spec
         from zeroedge.trust import key_id, public_key_raw
 
-        self.template = daemon_template(opts.config)
+        self.template = {} if opts.serve else daemon_template(opts.config)   # a --serve release has no daemon
         self.serve = serve_spec(opts.serve_port) if opts.serve else None   # --serve: unit template + port
         self.has_plugins, self.has_trt = has_plugins(), has_trt_backend()
         self.signer = signer(self.bundle)      # None: unsigned; a bad signature is refused here
@@ -126,9 +130,8 @@ class Deployer:
         _tick(r, "connect_s", t0)
         t0 = time.perf_counter()
         r.phase = "preflight"
-        want = list(pf.DAEMON_MODULES) + ["tomli", "cryptography"]
-        if self.opts.serve:
-            want += [m for m in pf.SERVE_MODULES if m not in want]
+        want = list(pf.SERVE_MODULES) + ["cryptography"] if self.serve else \
+            list(pf.DAEMON_MODULES) + ["tomli", "cryptography"]
         facts, _ = await _run(t, self.opts, conn, "probe", modules=want)
         r.facts = facts
         # a first verdict decides the backend (which shapes daemon.toml); the disk check needs the
@@ -139,10 +142,7 @@ class Deployer:
         v0 = pf.evaluate(facts, self.manifest, 0, 0, self.opts.sudo, self.has_plugins, self.has_trt, **sig)
         if v0.problems:
             raise HostError(t, "; ".join(v0.problems), "preflight")
-        port = metrics_port(self.template, _s(t, "metrics_port", self.opts.metrics_port))
-        if self.serve and self.serve["port"] == port:
-            raise HostError(t, f"--serve-port {port} is the daemon's metrics port on the device; give another",
-                            "preflight")
+        port = None if self.serve else metrics_port(self.template, _s(t, "metrics_port", self.opts.metrics_port))
         rel = build_release(self.bundle, self.manifest, self.template, port, v0.backend,
                             Path(self.tmp.name) / t.name, self.opts.unit_file, root=facts["root"],
                             base=_s(t, "base", DEFAULT_BASE), name=t.name, serve=self.serve)
@@ -188,11 +188,11 @@ class Deployer:
         t0 = time.perf_counter()
         r.phase = "activate"
         steps = v.steps
-        more = {"serve": rel.serve} if rel.serve else {}
-        res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], incoming=incoming, release_id=rel.id, files=rel.files_payload(),
-                              unit=rel.unit, python=r.facts["python"]["executable"],
-                              metrics_port=rel.info["metrics_port"], auto_rollback=self.opts.auto_rollback,
-                              build={"backend": v.backend, "steps": steps}, pin_keys=self.opts.pin_keys, **more)
+        service = {"serve": rel.serve} if rel.serve else {"unit": rel.unit, "metrics_port": rel.info["metrics_port"]}
+        res, log = await _run(t, self.opts, conn, "activate", hashes=[m[1] for m in missing], incoming=incoming,
+                              release_id=rel.id, files=rel.files_payload(), python=r.facts["python"]["executable"],
+                              auto_rollback=self.opts.auto_rollback, build={"backend": v.backend, "steps": steps},
+                              pin_keys=self.opts.pin_keys, **service)
         _tick(r, "activate_s", t0)
         r.release, r.previous, r.health = res["release"], res.get("previous"), res.get("health")
         r.changed = not res.get("unchanged") or bool(r.bytes_uploaded)
@@ -204,26 +204,24 @@ class Deployer:
         r.extra.update(signed_by=res.get("signed_by"), pinned=res.get("pinned"))
         if res.get("rolled_back_to"):
             r.extra["rolled_back_to"] = res["rolled_back_to"]
+        r.extra["role"] = "serve" if rel.serve else "daemon"
         if rel.serve:
-            r.extra["serve"] = {"unit": SERVE_UNIT, "port": rel.serve["port"], "health": res.get("serve_health")}
-        if res.get("serve_removed"):
-            r.extra["serve_removed"] = True
+            r.extra["serve"] = {"unit": SERVE_UNIT, "port": rel.serve["port"], "health": r.health}
+        if res.get("removed"):
+            r.extra["removed"] = res["removed"]     # the other service's unit, stopped and removed
         if not (r.health or {}).get("ok"):
             r.phase = "health"
             h = r.health or {}
-            why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200) \
-                else h.get("error", "no answer")
             back = (f"; rolled back to {res['rolled_back_to']}" if res.get("rolled_back_to")
                     else "; no previous release to roll back to" if not r.previous else "")
+            if rel.serve:
+                r.error = f"release {r.release}: {_unhealthy(h, back)}"
+                return
+            why = f"HTTP {h['code']} {_short(h.get('body'))}" if h.get("code") not in (None, 200) \
+                else h.get("error", "no answer")
             logs = (h.get("logs") or "").strip().splitlines()
             r.error = (f"release {r.release} is not healthy ({why} from {h.get('url')}){back}"
                        + (f"; daemon log: {logs[-1][:200]}" if logs else ""))
-            return
-        if rel.serve and not (res.get("serve_health") or {}).get("ok"):
-            r.phase = "health"
-            back = (f"; rolled back to {res['rolled_back_to']}" if res.get("rolled_back_to")
-                    else "; no previous release to roll back to" if not r.previous else "")
-            r.error = f"release {r.release}: {_unhealthy(res.get('serve_health'), back)}"
             return
         r.phase, r.ok = "done", True
 
@@ -233,9 +231,9 @@ class Deployer:
         r.would.append(f"upload {len(missing)} of {len(rel.entries)} files, {pf.fmt_bytes(sum(m[2] for m in missing))}"
                        f" of {pf.fmt_bytes(rel.total_bytes)}")
         if rel.serve:
-            r.would.append(f"activate release ...-{rel.id} (backend {v.backend}) and restart zeroedge.service and "
-                           f"{SERVE_UNIT} (zeroedge serve on 127.0.0.1:{rel.serve['port']}), unless they are "
-                           "already current and healthy")
+            r.would.append(f"activate release ...-{rel.id} (backend {v.backend}) and restart {SERVE_UNIT} (zeroedge "
+                           f"serve on 127.0.0.1:{rel.serve['port']}; no daemon: zeroedge.service stopped and removed "
+                           "where a deploy installed it), unless it is already current and healthy")
         else:
             r.would.append(f"activate release ...-{rel.id} (backend {v.backend}) and restart zeroedge.service, "
                            "unless it is already current and healthy")
@@ -343,10 +341,9 @@ async def _simple(targets: list[Target], opts: Options, op: str, **kw) -> list[H
             r.changed = op == "rollback" and not res.get("unchanged")
             if op == "rollback" and not (r.health or {}).get("ok"):
                 h = r.health or {}
-                r.error = (f"rolled back to {r.release}, but it is not healthy "
+                r.error = (f"rolled back to {r.release}, but {_unhealthy(h)}" if res.get("role") == "serve" else
+                           f"rolled back to {r.release}, but it is not healthy "
                            f"({'HTTP %s' % h['code'] if h.get('code') else h.get('error')})")
-            elif op == "rollback" and "serve_health" in res and not (res["serve_health"] or {}).get("ok"):
-                r.error = f"rolled back to {r.release}, but {_unhealthy(res['serve_health'])}"
             else:
                 r.ok, r.phase = True, "done"
         except HostError as e:
@@ -366,6 +363,9 @@ def status(targets, opts):
 
 
 def deploy(bundle, manifest, targets, opts, echo=print):
+    from .release import check_role
+
     if not targets:
         raise UserError("no hosts: give --host HOST or --hosts FILE")
+    check_role(bundle, manifest, opts.serve)   # a sensor bundle runs in the daemon, a model bundle in zeroedge serve
     return asyncio.run(Deployer(bundle, manifest, targets, opts, echo).run())

@@ -120,8 +120,8 @@ def main():
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     load_at_start = os.getloadavg()
-    commit = open(os.path.join(args.llama_bin, "..", "..", "..", "..", "..", "COMMIT")).read().strip() \
-        if os.path.exists(os.path.join(args.llama_bin, "..", "..", "..", "..", "..", "COMMIT")) else "unknown"
+    commit_file = os.path.join(args.llama_bin, *[".."] * 5, "COMMIT")     # written by build-llama-cpp
+    commit = open(commit_file).read().strip() if os.path.exists(commit_file) else "unknown"
     rows = []
     for rnd in range(args.rounds):
         for kind in (("zeroedge", "llama-server") if rnd % 2 == 0 else ("llama-server", "zeroedge")):

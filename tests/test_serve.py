@@ -204,6 +204,12 @@ def _kv_pages(server):
      400, "schema"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      400, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
+     400, "at most 4"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+      "response_format": {"type": "json_object"}}, 400, "ignore_eos"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "text"),
 ])
 def test_bad_requests_get_a_json_error(server, body, status, words):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
@@ -243,7 +249,29 @@ def test_body_over_the_limit_is_413(server):
     assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
 
 
-# -- a second server: an API key and a memory cap -----------------------------------------------------
+def test_cli_refusals_are_one_line(tmp_path):
+    link = tmp_path / "link.key"
+    real = tmp_path / "real.key"
+    real.write_text("k" * 32)
+    real.chmod(0o600)
+    link.symlink_to(real)
+    short = tmp_path / "short.key"
+    short.write_text("tooshort")
+    short.chmod(0o600)
+    for args, words in ((("serve",), "needs MODEL"),
+                        (("serve", MODEL, "--bundle", tmp_path), "--bundle / --engines"),
+                        (("serve", "--backend", "onnxruntime"), "needs --bundle"),
+                        (("serve", "--backend", "onnxruntime", "--bundle", tmp_path, "--board", "orin-nano-8gb"),
+                         "torch backend's KV pool"),
+                        (("serve", MODEL, "--api-key-file", link), "symbolic link"),
+                        (("serve", MODEL, "--api-key-file", short), "at least 16 characters"),
+                        (("serve", MODEL, "--kv-memory", "12x"), "not a size"),
+                        (("serve", MODEL, "--device-memory", "200M"), "no room for KV")):
+        p = run_cli(*args, check_rc=2)
+        assert words in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# -- a second server: an API key, a memory cap, a short queue ----------------------------------------
 def test_api_key_and_memory_cap(tmp_path):
     key = tmp_path / "api.key"
     key.write_text("k" * 32 + "\n")
@@ -254,7 +282,7 @@ def test_api_key_and_memory_cap(tmp_path):
     assert "--api-key-file" in p.stderr and "Traceback" not in p.stderr
     key.chmod(0o600)
     # 600 MiB: SmolLM2's fp32 weights (~540 MiB) leave a KV pool of a few thousand positions
-    s = Served(MODEL, "--api-key-file", key, "--device-memory", "600M", "--max-batch", 2)
+    s = Served(MODEL, "--api-key-file", key, "--device-memory", "600M", "--max-batch", 2, "--max-queue", 1)
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client().models.list()
@@ -268,6 +296,22 @@ def test_api_key_and_memory_cap(tmp_path):
             _chat(c, "hi", max_tokens=7000)
         assert "KV" in str(e.value) and "MiB" in str(e.value)
         assert _chat(c, "Say hi.", max_tokens=3).usage.completion_tokens >= 1   # a request that fits runs
+        # two running, one waiting: the next is told to come back (429), and the queue drains after
+        hdr = {"authorization": "Bearer " + "k" * 32}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=s.base, headers=hdr, timeout=120) as h:
+            streams = [h.stream("POST", "/v1/chat/completions", json=body) for _ in range(3)]
+            for st in streams:
+                next(st.__enter__().iter_lines())        # the role chunk: each request was accepted
+            r = h.post("/v1/chat/completions", json=dict(body, stream=False, max_tokens=2))
+            assert r.status_code == 429 and "waiting" in r.json()["error"]["message"]
+            for st in streams:
+                st.__exit__(None, None, None)
+            deadline = time.time() + 60                  # the dropped streams are freed at the next steps
+            while time.time() < deadline and h.get("/health").json()["waiting"] + h.get("/health").json()["running"]:
+                time.sleep(0.2)
+        assert _chat(c, "Say hi.", max_tokens=3).usage.completion_tokens >= 1
         assert s.p.poll() is None
     finally:
         s.stop()

@@ -25,8 +25,6 @@ class TorchBatched:
     min_prompt = 1
 
     def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None):
-        import torch
-
         from zeroedge.serve.batch import BatchStep, PagedKV
 
         p = next(model.parameters())
@@ -42,7 +40,6 @@ class TorchBatched:
         self.positions_total = self.pool.n_pages * PAGE_SIZE
         self.position_bytes = page_bytes // PAGE_SIZE
         self.device = str(p.device)
-        self._torch = torch
 
     def reserve(self, positions: int) -> Optional[List[int]]:
         return self.pool.alloc(self.pool.pages_for(positions))

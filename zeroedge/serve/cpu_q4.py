@@ -116,6 +116,8 @@ class Q4Linears:
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
     def __init__(self, model, threads: int):
+        import torch
+
         cfg = model.cfg
         self.D, self.L = cfg.dim, cfg.n_layers
         self.qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
@@ -131,8 +133,6 @@ class Q4Linears:
                 mlp = p.mlp
                 x = g.node("Add", ["x", g.q4("o", p.self_attn.o_proj.weight, f"l{li - 1}_o")])
                 h = g.norm(x, p.post_attention_layernorm.weight, p.post_attention_layernorm.eps, f"l{li - 1}_ln2")
-                import torch
-
                 w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
                 gu = g.q4(h, w13, f"l{li - 1}_w13")
                 gate = g.node("Slice", [gu, g.const(f"l{li}_s0", np.array([0], np.int64)),
@@ -146,8 +146,6 @@ class Q4Linears:
             g.nodes.append(_identity(x, "x_out"))
             if li < self.L:                      # layer li's input side
                 a = layers[li].self_attn
-                import torch
-
                 h = g.norm(x, layers[li].input_layernorm.weight, layers[li].input_layernorm.eps, f"l{li}_ln1")
                 w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
                 b = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None)

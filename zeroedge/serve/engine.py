@@ -140,7 +140,7 @@ class Engine:
         usage = {"prompt_tokens": len(s.plan.prompt), "completion_tokens": len(s.out),
                  "total_tokens": len(s.plan.prompt) + len(s.out)}
         if self.metrics is not None:
-            self.metrics.finished(reason, usage, s)
+            self.metrics.finished(reason, usage)
         s.sink(("done", reason, usage))
 
     def _drop_cancelled(self):

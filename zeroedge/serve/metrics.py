@@ -36,7 +36,7 @@ class ServeMetrics:
     def first_token(self, seconds: float):
         self.ttft.observe(seconds)
 
-    def finished(self, reason: str, usage: dict, seq):
+    def finished(self, reason: str, usage: dict):
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.completion_tokens.inc(usage["completion_tokens"])

@@ -124,11 +124,9 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
     eos = _eos_ids(tok, folder if backend == "torch" else bundle)
     lltok = _llguidance_tokenizer(tok, eos)
     planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt)
-    holder = {}
-    engine = Engine(b, tok, lltok, on_tick=lambda: holder["tick"]())
+    engine = Engine(b, tok, lltok, on_tick=_watchdog())
     metrics = ServeMetrics(engine.load, b.kv_stats)
     engine.metrics = metrics
-    holder["tick"] = _watchdog()
     engine.start()
     return Server(engine, planner, tok, lltok, metrics, name, info, api_key=api_key, max_queue=max_queue,
                   max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,

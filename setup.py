@@ -7,7 +7,8 @@ from setuptools import setup
 here = Path(__file__).parent
 version = re.search(r'__version__ = "([^"]+)"', (here / "zeroedge" / "__init__.py").read_text()).group(1)
 
-# Subpackages of the device side (zeroedge/) and of the workstation side (export/ -> zeroedge.export).
+# Subpackages of the device side (zeroedge/) and of the workstation side (export/ -> zeroedge.export);
+# tests/ (with its helpers) is not installed.
 device_pkgs = ["zeroedge"] + ["zeroedge." + p.name for p in (here / "zeroedge").iterdir()
                               if p.is_dir() and (p / "__init__.py").exists()]
 export_pkgs = ["zeroedge.export"] + ["zeroedge.export." + p.name for p in (here / "export").iterdir()
@@ -16,14 +17,26 @@ export_pkgs = ["zeroedge.export"] + ["zeroedge.export." + p.name for p in (here 
 setup(
     name="zeroedge",
     version=version,
-    description="Export transformers to Jetson Orin; SIH/PAD compute skipping and thermal KV tiers",
-    long_description=(here / "README.md").read_text(),
+    description="Export transformers to NVIDIA Jetson Orin and run them there: thermal KV tiers, SIH/PAD "
+                "compute skipping, 4-bit weights",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    license="Apache-2.0",
+    license="Apache-2.0",          # an SPDX expression (PEP 639), so no License :: classifier
+    license_files=["LICENSE"],
     python_requires=">=3.10",
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=device_pkgs + export_pkgs,
     package_dir={"zeroedge.export": "export"},
-    package_data={"zeroedge": ["data/*", "systemd/*"]},
+    package_data={"zeroedge": ["data/*", "systemd/*", "daemon/example.toml"]},
     install_requires=[
         "click>=8.1",
         "rich>=13",

@@ -6,7 +6,7 @@ restarted, then counted: lost, duplicated, late arrivals, per-sensor order.
         [--per-sensor 5000] [--rate 200] [--seeds 1 2 ...] [--compare REV]
 
 --compare REV runs the same schedule against the daemon of git revision REV (a worktree on its
-PYTHONPATH) in the same run. Writes benchmarks/daemon_faults.json and prints a markdown table.
+PYTHONPATH) in the same run. Writes benchmarks/results/sensor/daemon_faults_kill9_broker_restarts.json and prints a markdown table.
 """
 import argparse
 import json
@@ -28,12 +28,13 @@ def main():
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--seeds", type=int, nargs="*", default=[None], help="random schedules (default: even)")
     ap.add_argument("--compare", metavar="REV", help="also run the daemon of this git revision")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "daemon_faults.json"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sensor" / "daemon_faults_kill9_broker_restarts.json"))
     a = ap.parse_args()
 
     import numpy as np
 
-    from zeroedge.daemon.testing import fault_run
+    sys.path.insert(0, str(REPO / "tests"))
+    from daemon_harness import fault_run
     from zeroedge.sensor.tep import load_run
     from zeroedge.sensor.train import ensure_bundle
 

@@ -20,7 +20,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-OUT = REPO / "benchmarks"
+sys.path.insert(0, str(REPO / "tests"))  # daemon_harness
+OUT = REPO / "benchmarks" / "results" / "sensor"
 
 
 def detect():
@@ -86,9 +87,9 @@ def detect():
                  f"of faults 1-21 excl. 3, 9, 15")
     text = "\n".join(lines)
     print(text)
-    (OUT / "sensor_detect.json").write_text(json.dumps({"table": {str(k): v for k, v in table.items()},
+    (OUT / "detect_tep_test_runs.json").write_text(json.dumps({"table": {str(k): v for k, v in table.items()},
                                                         "summary": summary, "far": allfar}, indent=1))
-    (OUT / "sensor_detect.md").write_text(text + "\n")
+    (OUT / "detect_tep_test_runs.md").write_text(text + "\n")
     _plot_fdr(table)
 
 
@@ -112,14 +113,14 @@ def _plot_fdr(table):
     ax.legend(fontsize=8, loc="upper center", ncol=3)
     ax.set_title("Fault detection rate on held-out tep-studio test runs (fault at sample 160 of 960)")
     fig.tight_layout()
-    fig.savefig(OUT / "sensor_fdr.png", dpi=110)
+    fig.savefig(OUT / "detect_tep_test_runs.png", dpi=110)
 
 
 def speed(only_paced=False, daemon_only=False):
     """Per-window latency with one reading at a time (batch 1), and end-to-end daemon throughput."""
     import subprocess
 
-    from zeroedge.daemon import testing as T
+    import daemon_harness as T
     from zeroedge.sensor import tep
     from zeroedge.sensor.runtime import Engine, load_bundle
     from zeroedge.sensor.train import ensure_bundle
@@ -181,7 +182,7 @@ def speed(only_paced=False, daemon_only=False):
                         "readings_per_s": round(n / (max(ts) - min(ts)), 1), "rc": p.returncode,
                         "latency": latline.split("results: ")[-1]}
             print(key, res[key], flush=True)
-    path = OUT / "sensor_speed.json"
+    path = OUT / "speed_shared_2core_epyc.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     old.update(res)
     path.write_text(json.dumps(old, indent=1))
@@ -191,7 +192,7 @@ def kill(n_kills=20, n=2000, seed=0):
     """Publish n readings over MQTT while killing the daemon with SIGKILL n_kills times at random."""
     import tempfile
 
-    from zeroedge.daemon import testing as T
+    import daemon_harness as T
     from zeroedge.sensor import tep
     from zeroedge.sensor.train import ensure_bundle
 
@@ -228,7 +229,7 @@ def kill(n_kills=20, n=2000, seed=0):
         pub.close()
         broker.stop()
     print(out)
-    (OUT / "sensor_kill.json").write_text(json.dumps(out, indent=1))
+    (OUT / "kill9_exactly_once.json").write_text(json.dumps(out, indent=1))
 
 
 def memory(streams=20, days=7.0):
@@ -237,7 +238,7 @@ def memory(streams=20, days=7.0):
     import tempfile
     import threading
 
-    from zeroedge.daemon import testing as T
+    import daemon_harness as T
     from zeroedge.sensor import tep
     from zeroedge.sensor.train import ensure_bundle
 
@@ -280,7 +281,7 @@ def memory(streams=20, days=7.0):
            "hot_state_bytes": samples[-1][2], "spool_mb_at_end": round(spool_mb, 1),
            "samples": [(round(a, 3), int(b)) for a, b, _ in samples]}
     print({k: v for k, v in out.items() if k != "samples"})
-    (OUT / "sensor_memory.json").write_text(json.dumps(out, indent=1))
+    (OUT / "memory_7days_20streams.json").write_text(json.dumps(out, indent=1))
     _plot_memory(out)
 
 
@@ -300,13 +301,13 @@ def _plot_memory(out):
     ax.set_title(f"{out['streams']} streams, bounded {window}-frame window per stream (no thermal KV)")
     ax.set_ylim(0, rss.max() * 1.2)
     fig.tight_layout()
-    fig.savefig(OUT / "sensor_memory.png", dpi=110)
+    fig.savefig(OUT / "memory_7days_20streams.png", dpi=110)
 
 
 def replot():
-    d = json.loads((OUT / "sensor_detect.json").read_text())
+    d = json.loads((OUT / "detect_tep_test_runs.json").read_text())
     _plot_fdr({int(k): v for k, v in d["table"].items()})
-    _plot_memory(json.loads((OUT / "sensor_memory.json").read_text()))
+    _plot_memory(json.loads((OUT / "memory_7days_20streams.json").read_text()))
 
 
 if __name__ == "__main__":

@@ -140,6 +140,6 @@ def test_paths_decoder_cuda_kernels_match_torch_loop(lib_path, method):
     ids = torch.randint(0, 512, (24,), generator=gen).tolist()
     errs = [_rel(got.step(t, pos).float(), ref.step(t, pos).float()) for pos, t in enumerate(ids)]
     # the kernels agree where they make the same decisions; a channel whose predictor score sits at the
-    # threshold can fall either side in fp16 and move that step's logits by a few % (H200, session 21,
+    # threshold can fall either side in fp16 and move that step's logits by a few % (H200,
     # the same every run, graph or not, PDL on or off: predictor median 6e-4, two steps 2.2 % and 3.8 %)
     assert sorted(errs)[len(errs) // 2] < 2e-3 and max(errs) < 5e-2, errs

@@ -516,7 +516,7 @@ def _write_graphs(graphs: dict, tmp: Path, weights: str, info: dict, scheme=None
             if flavour == "portable" and name == "decode":
                 ort_fusions.fuse_decode(p)
                 if cpu_kernels == "zeroedge":
-                    # the 8-bit LM head: ours below accuracy level 4 (int16 inputs), else MatMulNBits' (int8)
+                    # the 8-bit LM head: zeroedge's below accuracy level 4 (int16 inputs), else MatMulNBits' (int8)
                     head = scheme is not None and scheme.accuracy_level != 4
                     nodes = {"Q4Linear": ort_fusions.q4_linears(p), "Q4Linear swiglu": ort_fusions.swiglu_q4_linears(p),
                              "Q8Linear": ort_fusions.q8_linears(p) if head else 0,

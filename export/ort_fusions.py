@@ -60,7 +60,7 @@ def _set_nodes(graph, nodes) -> None:
 
 
 def _stored_scales(name: str, inits: dict, producer: dict):
-    """A MatMulNBits' scales as our kernels read them: the initializer behind a Cast to float, or a
+    """A MatMulNBits' scales as zeroedge's kernels read them: the initializer behind a Cast to float, or a
     float initializer; None when they are neither (the node's input is then not float32 either, or
     not constant: it keeps MatMulNBits)."""
     from onnx import TensorProto, helper
@@ -187,7 +187,7 @@ def side_product_gemms(model) -> int:
 
 
 def q4_linears(model) -> int:
-    """Each 4-bit MatMulNBits -> one zeroedge.ort Q4Linear(x, B, S[, offsets]), in place: our
+    """Each 4-bit MatMulNBits -> one zeroedge.ort Q4Linear(x, B, S[, offsets]), in place: zeroedge's
     onnxruntime CPU kernel (ortops/q4_linear.cc) reads the same codes and the float16-stored S behind
     its Cast. A float zero point's MatMulNBits and its side product (MatMulNBits(x) + Gemm(x @ E, C),
     after side_product_gemms) become one node reading C (no fp32 side-product matrix); an integer

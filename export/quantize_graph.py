@@ -307,7 +307,7 @@ def _offset_nodes(x: str, y_sym: str, y: str, K: int, N: int, bs: int, s, z, bas
 def _float_zero_points(model, original: dict, group: int):
     """Each 4-bit MatMulNBits on the min/max grid with a float zero point z: onnxruntime's kernel
     takes float zero points but on a slow path (5.6 tok/s decode vs 38 with uint4 ones, SmolLM2 on
-    this CPU), so the node keeps no zero point (offset 8, the fast path) and the rest, s * (8 - z),
+    a 2-thread x86 CPU), so the node keeps no zero point (offset 8, the fast path) and the rest, s * (8 - z),
     is the same side product as in the TensorRT graphs (_offset_nodes)."""
     from onnx import numpy_helper
 

@@ -8,7 +8,7 @@
                                         joined through element-wise ops into one [F, D] MatMul
     h' = h + y                          (the residual; recorded when present)
 
-It is structural (op types and constant weight shapes, never tensor names), so it works on our
+It is structural (op types and constant weight shapes, never tensor names), so it works on zeroedge's
 TorchScript export and on `torch.onnx.export(..., dynamo=True)` graphs of transformers'
 LlamaForCausalLM / Qwen2ForCausalLM alike. Layers are numbered in topological order.
 
@@ -31,7 +31,7 @@ with plugin_dtype="float16" (the plugin takes fp16 / bf16 only): Cast(x) -> node
 -> Cast(y).
 
 `mask_heads` applies head pruning to graphs that still carry the pruned heads: it zeroes the pruned
-heads' rows of the o_proj weight, which is exactly equivalent to removing them; our own export
+heads' rows of the o_proj weight, which is exactly equivalent to removing them; zeroedge's own export
 slices them out before export instead.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ NORM_OPS = {"RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedL
 
 
 class NoPattern(UserError):
-    """The graph has no RMSNorm -> MLP pattern we recognise; carries a report of what was found."""
+    """The graph has no RMSNorm -> MLP pattern the rewrite recognises; carries a report of what was found."""
 
     def __init__(self, report: dict):
         self.report = report

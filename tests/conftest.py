@@ -210,7 +210,7 @@ def tep_frames():
 @pytest.fixture
 def mqtt_broker(tmp_path):
     """A real mosquitto on 127.0.0.1 with persistence."""
-    from zeroedge.daemon import testing as T
+    import daemon_harness as T
 
     if T.mosquitto_bin() is None:
         pytest.fail("mosquitto is not installed (scripts/setup installs it)")

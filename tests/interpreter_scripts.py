@@ -1,4 +1,4 @@
-"""Our Triton kernels' checks in Triton's CPU interpreter: scripts run in a child process with
+"""The Triton kernels' checks in Triton's CPU interpreter: scripts run in a child process with
 TRITON_INTERPRET=1 (Triton reads it at import). They take minutes of one core each, so once
 collection is done the session starts the selected ones in the background, one after another
 (conftest.pytest_collection_finish), and each test then waits for its own; a test whose script was

@@ -132,8 +132,8 @@ def test_module_build_is_the_same_path(rtx, plugin_lib, tiny_trt_bundles, tmp_pa
     out = tmp_path / "build"
     (out / "plugins").mkdir(parents=True)
     (out / "plugins" / "keep.so").write_bytes(b"x")
-    p = subprocess.run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build", "--bundle",
-                        tiny_trt_bundles / "zero", "--plugins", plugin_lib, "--out", out, "--cc", CC],
+    p = subprocess.run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build",
+                        tiny_trt_bundles / "zero", "--plugins", plugin_lib, "-o", out, "--cc", CC],
                        capture_output=True, text=True, env=_env(plugin_lib), timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
@@ -143,8 +143,10 @@ def test_module_build_is_the_same_path(rtx, plugin_lib, tiny_trt_bundles, tmp_pa
     assert (out / "plugins" / "keep.so").read_bytes() == b"x" and not _leftovers(out)
     p = subprocess.run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build", "--bundle",
                         tmp_path / "nope", "--out", out], capture_output=True, text=True, env=_env(plugin_lib),
-                       timeout=600, cwd=REPO)
+                       timeout=600, cwd=REPO)          # the old spellings: a note each, then the error
     assert p.returncode == 2 and "bundle not found" in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.splitlines()[:2] == ["zeroedge: warning: --bundle is deprecated; use BUNDLE (an argument)",
+                                         "zeroedge: warning: --out is deprecated; use -o/--output"]
 
 
 def test_help_does_not_import_tensorrt():

@@ -1,8 +1,10 @@
 """The command line's conventions (zeroedge.commands.common) and its one error path (zeroedge.errors):
 -o/--output for outputs, --ctx, fractions as 10% or 0.1, --target = JetPack, --board for plan,
 --host always a hostname, no hidden commands; old spellings still work with a deprecation note;
-every error one line; bad input refused before torch is imported; readable eval / run output."""
+every error one line; bad input refused before torch is imported; readable eval / run output;
+every --help ends with examples, and run's options are listed under headings."""
 import json
+import shlex
 import subprocess
 import sys
 
@@ -53,6 +55,42 @@ def test_option_conventions_hold_for_every_command():
     outputs = {n for n, c in cmds.items() for p in c.params if "--output" in getattr(p, "opts", ())}
     assert {"calibrate", "export", "build", "keygen", "demo"} <= outputs
     assert [p.opts for p in cmds["plan"].params if not getattr(p, "hidden", False) and "--board" in p.opts]
+
+
+def _help(command, name):
+    from zeroedge.cli import cli
+
+    parent = click.Context(cli, info_name="zeroedge")
+    return command.get_help(click.Context(command, info_name=name, parent=parent))
+
+
+def test_every_help_ends_with_examples_that_parse():
+    """`zeroedge --help` and every command's --help end with "Example(s):" and one or two invocations;
+    each parses with that command's own options (names, choices, required options)."""
+    from zeroedge.cli import cli
+
+    cmds = _commands()
+    for name, c in [("", cli), *cmds.items()]:
+        lines = _help(c, name or "zeroedge").rstrip().splitlines()
+        heads = [i for i, line in enumerate(lines) if line.strip() in ("Example:", "Examples:")]
+        assert heads, f"zeroedge {name} --help has no example"
+        head = heads[-1]
+        runs = [line.strip() for line in lines[head + 1:]]
+        assert 1 <= len(runs) <= 2 and all(r.startswith(f"zeroedge {name}".strip()) for r in runs), (name, runs)
+        for piece in (p for r in runs for p in r.split("&&")):
+            argv = shlex.split(piece, comments=True)
+            assert argv[0] == "zeroedge" and argv[1] in cmds, piece
+            sub = cmds[argv[1]]
+            sub.make_context(argv[1], argv[2:], parent=click.Context(cli))   # raises on a bad option or value
+
+
+def test_run_help_lists_its_options_under_headings():
+    text = _help(_commands()["run"], "run")
+    heads = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert heads == ["Input and output", "Backend", "Thermal KV cache", "Weights, decode paths, release level",
+                     "Device memory", "Other options"], heads
+    other = text.split("Other options:")[1].split("Examples:")[0].strip().splitlines()
+    assert len(other) == 1 and other[0].endswith("Show this message and exit."), other   # every option placed
 
 
 def test_fractions_take_percent_and_decimal():
@@ -153,14 +191,31 @@ def test_tensorrt_module_cli_takes_the_same_error_path(tmp_path):
         return subprocess.run([sys.executable, "-m", "zeroedge.backends.tensorrt", *map(str, args)],
                               capture_output=True, text=True, cwd=REPO, timeout=120)
 
-    for args, needle in [(["build", "--bundle", tmp_path / "nope", "--out", tmp_path / "o"], "bundle not found"),
-                         (["build", "--bundle", tmp_path / "nope"], "Missing option"),
-                         (["generate", "--bundle", "b", "--engines", "e", "--tokens", "1 x"], "token ids"),
+    for args, needle in [(["build", tmp_path / "nope", "-o", tmp_path / "o"], "bundle not found"),
+                         (["build", tmp_path / "nope"], "Missing option '-o'"),
+                         (["build", "-o", tmp_path / "o"], "Missing argument 'BUNDLE'"),
+                         (["build", tmp_path / "nope", "-o", tmp_path / "o", "--workspace", "lots"], "not a size"),
+                         (["generate", "b", "--engines", "e", "--tokens", "1 x"], "token ids"),
                          (["frobnicate"], "No such command")]:
         p = mod(*args)
         assert p.returncode == 2, (args, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("zeroedge: error: ") and needle in lines[0], p.stderr
+    # spelled like `zeroedge build`; the old spellings still work, each with a note
+    p = mod("build", "--bundle", tmp_path / "nope", "--out", tmp_path / "o", "--workspace-mb", 64)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        "zeroedge: warning: --bundle is deprecated; use BUNDLE (an argument)",
+        "zeroedge: warning: --out is deprecated; use -o/--output",
+        "zeroedge: warning: --workspace-mb is deprecated; use --workspace SIZE",
+        f"zeroedge: error: bundle not found: {tmp_path / 'nope'}"], p.stderr
+    p = mod("build", tmp_path / "nope", "--bundle", tmp_path / "nope", "-o", tmp_path / "o")
+    assert p.returncode == 2 and "not both" in p.stderr
+    from zeroedge.backends.tensorrt import module_cli
+
+    def spellings(c):
+        return {o for q in c.params if isinstance(q, click.Option) and not q.hidden for o in q.opts}
+
+    assert spellings(module_cli().commands["build"]) <= spellings(_commands()["build"])
 
 
 def test_deploy_exit_codes_user_error_2_failure_1():

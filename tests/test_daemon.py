@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeroedge.daemon import testing as T
+import daemon_harness as T
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tep-braatz"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from zeroedge.daemon import testing as T
+import daemon_harness as T
 from zeroedge.daemon.spool import DeadLetter, Reading, Spool, parse
 
 CH = 52

@@ -603,7 +603,7 @@ def test_hostile_bundles_refused_by_deploy(lab, jetson_a, tmp_path):
     """Manifest entries that would write outside the release, and links in the bundle: refused on
     the workstation (exit 2, one line) before anything connects; the device is unchanged."""
     d = jetson_a
-    ws = tmp_path / "ws"                       # the old code resolved these paths on the workstation too
+    ws = tmp_path / "ws"                       # the same paths on the workstation: never resolved
     (ws / "etc").mkdir(parents=True)
     (ws / "etc/passwd").write_bytes(b"evil")
     (ws / "outside/deep").mkdir(parents=True)

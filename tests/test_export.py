@@ -227,7 +227,7 @@ def test_tampered_and_partial_bundle_refused(tiny_dense, tmp_path):
     (b / "decode.portable.onnx").unlink()
     with pytest.raises(UserError, match="missing decode.portable.onnx"):
         OrtRunner(b)
-    # a consistent bundle whose decode graph is not ours (its window input renamed): one line, no traceback
+    # a consistent bundle whose decode graph is not zeroedge's (its window input renamed): one line, no traceback
     shutil.rmtree(b)
     shutil.copytree(tiny_dense, b)
     g = onnx.load(str(b / "decode.portable.onnx"), load_external_data=False)

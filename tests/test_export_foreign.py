@@ -1,4 +1,4 @@
-"""The rewrite on graphs nobody here wrote: torch.onnx.export(..., dynamo=True) of transformers'
+"""The rewrite on graphs zeroedge did not write: torch.onnx.export(..., dynamo=True) of transformers'
 LlamaForCausalLM (SmolLM2 real weights, first 2 layers to keep CI fast; the full 30-layer graph is
 in benchmarks/export.md) and of a small Qwen2ForCausalLM config (random weights)."""
 import numpy as np

@@ -168,7 +168,7 @@ def test_scheduler_defers_with_hysteresis_and_drains_when_idle():
     assert s.submit([(2, 3)], do) == 0 and s.deferring
     u[0] = 0.8                                            # between low and high: still deferring
     assert not s.may_migrate()
-    s.record("fetch", 900, 0.5)                           # our own transfers: 900 B in the window
+    s.record("fetch", 900, 0.5)                           # the policy's own transfers: 900 B in the window
     u[0] = 0.0
     assert s.utilization() == pytest.approx(0.91) and not s.may_migrate()   # + 10 B migrated
     now[0] = 5.0                                          # window passed, traffic gone

@@ -5,7 +5,7 @@ ones inside functions included):
                  preflight, device (the probe), triton_launch (PDL for the Triton kernels), kernels_lib
                  (where the plugin library's CUDA kernels are)
     mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only)
-    workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation, generate
+    workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation
     backends     backends (onnxruntime, tensorrt, the plugin reference)
     serving      runtime (the serving session and decoders), daemon, serve (the HTTP API and its engine)
     deploy       deploy
@@ -23,7 +23,7 @@ LAYERS = [
     ("core", {"zeroedge", "model", "weights", "texts", "errors", "bundle", "trust", "plugin_spec", "calib_artifact",
               "planner", "preflight", "device", "systemd", "data", "triton_launch", "kernels_lib"}),
     ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant"}),
-    ("workstation", {"export", "evaluation", "generate"}),
+    ("workstation", {"export", "evaluation"}),
     ("backends", {"backends"}),
     ("serving", {"runtime", "daemon", "serve"}),
     ("deploy", {"deploy"}),
@@ -105,7 +105,7 @@ def test_folders_import_each_other_without_cycles():
 
 
 def test_the_checker_sees_lazy_imports(tmp_path):
-    """The graph includes imports inside functions (where most of ours are)."""
+    """The graph includes imports inside functions (where most of zeroedge's are)."""
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from zeroedge.export import rewrite\n    import zeroedge.runtime.session\n")
     assert sorted(t for t, _ in _imports(f)) == ["zeroedge.export", "zeroedge.runtime.session"]

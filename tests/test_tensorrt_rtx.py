@@ -1,18 +1,19 @@
 """Real TensorRT in CI, on the CPU: TensorRT for RTX (`tensorrt_rtx`, pip tensorrt-rtx-cu13==1.7.1.116)
-parses the tiny bundles' *.trt.onnx graphs with our plugin library (plugins/, built against the
+parses the tiny bundles' *.trt.onnx graphs with the zeroedge plugin library (plugins/, built against the
 TensorRT 10.3 headers) and builds SM86 engines ahead of time, through zeroedge.backends.tensorrt:
 
 * every graph a bundle can hold (dense prefill / decode, SIH/PAD prefill, paths prefill / decode):
   no parser error, a non-empty engine, one plugin layer per zeroedge node of the graph;
 * bad plugin fields (missing, wrong type, wrong length, bad values, unsupported D, a plugin_version or
-  namespace we do not ship) through the real parser and builder: a UserError that names the field or
-  the rule, never an abort. Each of those cases runs in its own process, so an abort fails that case
+  namespace zeroedge does not ship) through the real parser and builder: a UserError that names the
+  field or the rule, never an abort. Each of those cases runs in its own process, so an abort fails that case
   instead of ending the test session.
 
-No test here skips in CI (or wherever the TensorRT 10.3 headers are at ../shared, as on every machine
-of this project): scripts/setup installs TensorRT-RTX and builds the plugin library into
-plugins/build; conftest's `plugin_lib` fixture (re)builds it once per session if it is missing or
-older than its sources (`rtx`, `plugin_lib` and the tiny bundles are shared with test_build_cli.py). Building engines needs no GPU (TensorRT-RTX cannot run them on the H200 anyway).
+No test here skips in CI (or wherever the TensorRT 10.3 headers are at ../shared): scripts/setup
+installs TensorRT-RTX and builds the plugin library into plugins/build; conftest's `plugin_lib`
+fixture (re)builds it once per session if it is missing or older than its sources (`rtx`,
+`plugin_lib` and the tiny bundles are shared with test_build_cli.py). Building engines needs no GPU
+(TensorRT-RTX cannot run them on an H200 anyway).
 """
 import json
 import os

@@ -33,8 +33,8 @@ FORMAT_VERSION = 1
 
 
 # the prefill chunk a bundle's runners use unless told (manifest "prefill": {"chunk", "one_pass", "why"});
-# 512: the chunk's scores are [h, 512, past+512], a 16th of one pass at 8K, and on this CPU a chunk of
-# 512 prefills as fast as one pass or faster (benchmarks/chunked_prefill.md)
+# 512: the chunk's scores are [h, 512, past+512], a 16th of one pass at 8K, and on a 2-thread x86 CPU a chunk
+# of 512 prefills as fast as one pass or faster (benchmarks/prefill.md)
 DEFAULT_PREFILL_CHUNK = 512
 
 

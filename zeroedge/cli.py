@@ -6,6 +6,7 @@ import importlib
 import click
 
 from zeroedge import __version__
+from zeroedge.commands.common import examples
 from zeroedge.errors import run_command
 
 # name -> module under zeroedge.commands holding a click command called `cmd`
@@ -44,7 +45,9 @@ class LazyGroup(click.Group):
         return importlib.import_module(f"zeroedge.commands.{COMMANDS[name]}").cmd
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=examples(
+    'zeroedge run smollm2-135m --prompt "In the beginning" --max-new 32',
+    "zeroedge export smollm2-135m -o bundle/ && zeroedge plan bundle/ --board orin-nano-8gb --ctx 8192"))
 @click.version_option(__version__, prog_name="zeroedge")
 def cli():
     """zeroedge: export transformers to Jetson Orin; SIH/PAD skipping and thermal KV tiers."""

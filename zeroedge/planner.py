@@ -4,7 +4,7 @@ Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
   weights        every weight tensor once per engine, at the plan dtype: WEIGHT_COPIES = 2, because
                  that is what the runtimes hold. Prefill and decode are two graphs; an onnxruntime
                  session keeps its own initializers (the fp16 -> fp32 Casts are folded per session)
-                 and its own prepacked GEMM copies: measured here, prefill alone 58-74 MiB, both
+                 and its own prepacked GEMM copies: measured on an x86 CPU, prefill alone 58-74 MiB, both
                  sessions 132 MiB for 45 MiB of fp32 weights (6-layer d384 bundle); sharing them
                  would need onnxruntime's prepacked-weights container, which its Python API does not
                  offer. A TensorRT engine carries and deserializes its own weights (both engines of
@@ -50,6 +50,21 @@ from typing import Optional
 from zeroedge.errors import UserError
 
 GiB = 1 << 30
+
+
+def parse_size(text: str, what: str = "--workspace", minimum: int = 1 << 20) -> int:
+    """'512M' / '1G' / '1.5GiB' / '268435456' -> bytes (K, M, G, T are binary: 1G = 1 GiB); at least
+    `minimum` (1 MiB unless said otherwise)."""
+    import re
+
+    s = str(text).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?", s)
+    if not m:
+        raise UserError(f"{what} {text!r} is not a size (use e.g. 512M, 1G or a number of bytes)")
+    n = float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " ")))
+    if n < minimum:
+        raise UserError(f"{what} {text!r} is too small: give at least {minimum >> 20}M")
+    return int(n)
 
 
 @dataclass(frozen=True)
@@ -113,8 +128,8 @@ ONNX_DTYPE_BYTES = {1: 4, 10: 2, 16: 2, 11: 8}     # float, float16, bfloat16, d
 
 
 def _window_bytes(manifest: dict):
-    """Bytes of one key + one value element in the hot window, as the decode graph takes them (since
-    session 8: fp32 K + fp16 V = 6), or None (no decode graph recorded: the plan dtype then)."""
+    """Bytes of one key + one value element in the hot window, as the decode graph takes them (fp32 K
+    + fp16 V = 6), or None (no decode graph recorded: the plan dtype then)."""
     inputs = {i["name"]: i["dtype"] for i in
               ((manifest.get("export") or {}).get("graphs") or {}).get("decode", {}).get("inputs", [])}
     k, v = (ONNX_DTYPE_BYTES.get(inputs.get(n)) for n in ("past_k.0", "past_v.0"))
@@ -150,7 +165,7 @@ def _weights_once(m: dict, b: int, device: bool) -> float:
 
 SCORE_COPIES_HOST = 9     # onnxruntime CPU, one pass: live [h, T, T] fp32 tensors at the peak (measured 8.7-10.5)
 SCORE_COPIES_HOST_CHUNKED = 11   # onnxruntime CPU, chunked: [h, C, T] at the last chunk (its arena, measured 9.2-12.3)
-SCORE_COPIES_DEVICE = 2   # TensorRT fuses the softmax chain (assumption, not measured here)
+SCORE_COPIES_DEVICE = 2   # TensorRT fuses the softmax chain (assumption, not measured)
 WEIGHT_COPIES = 2         # prefill and decode each hold the weights (module docstring)
 
 

@@ -18,7 +18,7 @@ Rules (each finding: severity, file, node, message, fix hint):
   shapes    input shapes it refuses where the graph states them (plugin_spec.shape_problems: D a
             multiple of 8, SIH head width 1..32, PathsFFN [B, D] x [D, 2F] x [F, D], B 1..8)
   types     the first input's element type (SIH / PAD: float or float16; PathsFFN: float16 or bfloat16)
-            These three are what TensorRT-RTX's builder taught us (tests/test_tensorrt_rtx.py checks
+            These three come from TensorRT-RTX's builder (tests/test_tensorrt_rtx.py checks
             that this pre-flight and the real parse + build agree on every case it feeds them).
   int64     INT64 initializers whose values do not fit int32 (clamped by the parser)
   profiles  graph inputs without a rank, and dynamic dimensions (each needs a min/opt/max profile)

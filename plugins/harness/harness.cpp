@@ -1,7 +1,7 @@
 // Host harness for libzeroedge_plugins.so, built against the TensorRT headers but not libnvinfer.
 //
 //   zeroedge_harness LIB.so          dlopen, getCreators, create every plugin from fields, check
-//                                    getOutputShapes through our own IExprBuilder, formats, data types,
+//                                    getOutputShapes through its own IExprBuilder, formats, data types,
 //                                    workspace, bad fields / shapes (clear errors, no crash), and the
 //                                    field round trip (serialize -> create at kRUNTIME -> same fields)
 //   zeroedge_harness LIB.so --gpu    also enqueue every plugin on a CUDA device (SIH / PAD fp32,
@@ -75,7 +75,7 @@ public:
     CaptureLogger logger;
 };
 
-// ------------------------------------------------------------------------- our own expression builder
+// ----------------------------------------------------------------------- the harness's expression builder
 struct Node
 {
     enum Kind { kConst, kSym, kOp, kSize } kind{kConst};
@@ -907,7 +907,7 @@ int main(int argc, char** argv)
         Env env{{"T", 4096}};
         CHECK(out[0].nbDims == 1 && evalDims(out[0], env) == std::vector<int64_t>({4096}), "keep is [T]");
         CHECK(out[1].nbDims == 2 && evalDims(out[1], env) == std::vector<int64_t>({4096, 2048}), "base is [T, D]");
-        std::printf("SIH: getOutputShapes keep [T], base [T, 2048] (T=4096 evaluated through our IExprBuilder)\n");
+        std::printf("SIH: getOutputShapes keep [T], base [T, 2048] (T=4096 through the harness IExprBuilder)\n");
         // unsupported shapes: clear error, non-zero
         auto in3 = in;
         in3[0] = dims(b, {"1", "T", "2048"});

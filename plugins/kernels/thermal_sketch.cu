@@ -16,7 +16,7 @@
 // keeps for its share (the largest page maximum so far), so a page needs no maximum of its own while its
 // values stay near it; the share's (reference, sum) pair is what pm / psum receive. The tf32 kernel this
 // replaced converted each code to a float and discarded half of each product with <= 4 query heads: 295
-// instructions for 4 pages against 187, 166 with the reference (benchmarks/thermal_kv.md 2ac, 2ad).
+// instructions for 4 pages against 187, 166 with the reference (benchmarks/thermal_kv.md).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <float.h>

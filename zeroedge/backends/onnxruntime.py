@@ -249,7 +249,7 @@ class OrtRunner:
     def _bind(self):
         """The decode step's inputs and outputs bound to this runner's arrays, by address: the window
         and slot_pos are updated in place, so a step passes nothing and allocates nothing (SmolLM2 on
-        this CPU: ~3 % of a step at 512 slots, none at 2048; benchmarks/ort_binding_ab.py). It holds
+        a 2-thread x86 CPU: ~3 % of a step at 512 slots, none at 2048; benchmarks/ort_binding_ab.py). It holds
         the arrays it binds; step() makes it again when one was replaced (reset() makes new ones)."""
         np = self.np
         io = self.dec.io_binding()

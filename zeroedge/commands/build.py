@@ -4,7 +4,7 @@ import json
 
 import click
 
-from zeroedge.commands.common import output_option
+from zeroedge.commands.common import examples, output_option
 
 WORKSPACE_HELP = ("builder workspace pool, e.g. 512M or 1G (default: the bundle plan's, else 256M, and a graph "
                   "that runs out of it, as a SmolLM2 prefill at 2048 tokens does, is built again once with "
@@ -61,7 +61,9 @@ class _NativeQuiet:
             self.stream.close()
 
 
-@click.command("build")
+@click.command("build", epilog=examples(
+    "zeroedge build bundle/ -o engines/",
+    "zeroedge build bundle/ -o engines/ --cc 8.6 --json"))
 @click.argument("bundle", type=click.Path())
 @output_option("folder for the engines (GRAPH.engine per GRAPH.trt.onnx), engines.json and the timing "
                "cache where the runtime keeps one; must be absent or empty unless --force",

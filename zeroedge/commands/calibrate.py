@@ -6,10 +6,12 @@ and the SIH/PAD (and --paths) calibrations then run on the fake-quantized model,
 see the weights the bundle ships; one artifact holds both sections. --weights-only skips SIH/PAD."""
 import click
 
-from zeroedge.commands.common import check_model, fraction_option, output_option
+from zeroedge.commands.common import check_model, examples, fraction_option, output_option
 
 
-@click.command("calibrate")
+@click.command("calibrate", epilog=examples(
+    "zeroedge calibrate smollm2-135m --text kjv --text essays --budget 1% -o smol.calib",
+    "zeroedge calibrate smollm2-135m --text kjv --weights int4 --weights-only -o smol-int4.calib"))
 @click.argument("model")
 @click.option("--text", "texts_", multiple=True, required=True,
               help="Calibration text: a file, or kjv / essays / licenses. Repeat to mix texts.")

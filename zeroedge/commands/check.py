@@ -4,10 +4,11 @@ import sys
 
 import click
 
-from zeroedge.commands.common import target_option
+from zeroedge.commands.common import examples, target_option
 
 
-@click.command("check")
+@click.command("check", epilog=examples(
+    "zeroedge check bundle/ --target jetpack-6.2"))
 @click.argument("bundle", type=click.Path())
 @target_option
 @click.option("--json", "as_json", is_flag=True, help="findings as JSON")

@@ -10,11 +10,14 @@ Conventions of the `zeroedge` command line:
                      a board there, is a hidden alias that takes board names only (no JetPack value
                      is a board name, so it cannot be misread)
   --host HOST        always a device's hostname ([user@]host[:port] or an ~/.ssh/config alias)
+  --help             ends with one or two example invocations (examples()); a command with many
+                     options lists them under headings (SectionedCommand)
 """
 import click
 from click.core import ParameterSource
 
 from zeroedge.errors import UserError
+from zeroedge.planner import parse_size  # noqa: F401 (a size option's parser; the TensorRT module's CLI shares it)
 
 
 def parse_budget(text, what: str = "budget") -> float:
@@ -32,21 +35,6 @@ def parse_budget(text, what: str = "budget") -> float:
     return v
 
 
-def parse_size(text: str, what: str = "--workspace", minimum: int = 1 << 20) -> int:
-    """'512M' / '1G' / '1.5GiB' / '268435456' -> bytes (K, M, G, T are binary: 1G = 1 GiB); at least
-    `minimum` (1 MiB unless said otherwise)."""
-    import re
-
-    s = str(text).strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?", s)
-    if not m:
-        raise UserError(f"{what} {text!r} is not a size (use e.g. 512M, 1G or a number of bytes)")
-    n = float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " ")))
-    if n < minimum:
-        raise UserError(f"{what} {text!r} is too small: give at least {minimum >> 20}M")
-    return int(n)
-
-
 class Fraction(click.ParamType):
     """A budget or fraction in (0, 1]: '10%' or '0.1' (parse_budget)."""
 
@@ -60,6 +48,38 @@ class Fraction(click.ParamType):
 
 
 FRACTION = Fraction()
+
+
+# ------------------------------------------------------------------ help: examples and option headings
+
+def examples(*lines: str) -> str:
+    """A command's help epilog: its example invocations, printed as written (click's \\b marker keeps
+    the lines unwrapped)."""
+    head = "Example:" if len(lines) == 1 else "Examples:"
+    return "\b\n" + head + "\n" + "\n".join("  " + line for line in lines)
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options under headings: `sections` is [(heading, [parameter
+    names])], in order; an option named in no section goes under "Other options"."""
+
+    def __init__(self, *args, sections=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sections = list(sections)
+
+    def format_options(self, ctx, formatter):
+        records = {}
+        for p in self.get_params(ctx):
+            rec = p.get_help_record(ctx) if isinstance(p, click.Option) else None
+            if rec is not None:                  # hidden options have none
+                records[p.name] = rec
+        width = min(max(len(term) for term, _ in records.values()), 30)
+        groups = [(title, [records.pop(n) for n in names if n in records]) for title, names in self.sections]
+        groups.append(("Other options", list(records.values())))
+        for title, rows in groups:
+            if rows:
+                with formatter.section(title):     # one first-column width across the sections
+                    formatter.write_dl([(term.ljust(width), text) for term, text in rows])
 
 
 # ------------------------------------------------------------------ options with deprecated aliases

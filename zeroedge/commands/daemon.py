@@ -1,8 +1,12 @@
 """`zeroedge daemon --config FILE`: the sensor-stream daemon (see zeroedge/daemon/config.py)."""
 import click
 
+from zeroedge.commands.common import examples
 
-@click.command("daemon")
+
+@click.command("daemon", epilog=examples(
+    "zeroedge daemon --config daemon.toml --check",
+    "zeroedge daemon --config daemon.toml"))
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="TOML config (schema in zeroedge/daemon/config.py; example zeroedge/daemon/example.toml)")
 @click.option("--exit-at-end", is_flag=True,

@@ -3,11 +3,13 @@ service and prove it healthy. The bundle decides the service: a sensor bundle ru
 daemon (zeroedge.service), a model bundle in zeroedge serve (zeroedge-serve.service, --serve)."""
 import click
 
-from zeroedge.commands.common import host_options, parse_size
+from zeroedge.commands.common import examples, host_options, parse_size
 from zeroedge.deploy.cli import finish, targets_from
 
 
-@click.command(name="deploy")
+@click.command("deploy", epilog=examples(
+    "zeroedge deploy bundle/ --host orin-1 --dry-run",
+    "zeroedge deploy llm-bundle/ --hosts inventory.txt --serve"))
 @click.argument("bundle", type=click.Path(file_okay=False))
 @host_options
 @click.option("--dry-run", is_flag=True, help="Say what would change on each device; change nothing.")

@@ -21,14 +21,16 @@ Without --json it prints a short table (perplexities, % and MiB); --json prints 
 """
 import click
 
-from zeroedge.commands.common import (check_model, check_policy_value, ctx_option, fraction_option, memory_cap,
-                                     memory_cap_options)
+from zeroedge.commands.common import (check_model, check_policy_value, ctx_option, examples, fraction_option,
+                                     memory_cap, memory_cap_options)
 from zeroedge.kv.policy import THERMAL
 
 CONTINUATION = 1024
 
 
-@click.command("eval")
+@click.command("eval", epilog=examples(
+    "zeroedge eval smollm2-135m --text kjv --ctx 4096 --kv-budget 10%",
+    "zeroedge eval smollm2-135m --calib smol.calib --text licenses --ctx 4096 --json"))
 @click.argument("model")
 @click.option("--calib", "calib", type=click.Path(), help="Calibration artifact (SIH/PAD).")
 @click.option("--text", "text", required=True, help="A file, or kjv / essays / licenses.")

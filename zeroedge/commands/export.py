@@ -3,10 +3,12 @@ import json
 
 import click
 
-from zeroedge.commands.common import check_model, output_option, target_option
+from zeroedge.commands.common import check_model, examples, output_option, target_option
 
 
-@click.command("export")
+@click.command("export", epilog=examples(
+    "zeroedge export smollm2-135m -o bundle/",
+    "zeroedge export smollm2-135m --calib smol-int4.calib -o bundle-int4/   # int4: the weights section"))
 @click.argument("model")
 @click.option("--calib", "calib", type=click.Path(), default=None,
               help="calibration artifact (zeroedge calibrate); without it the bundle is dense")

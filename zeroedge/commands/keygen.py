@@ -1,10 +1,11 @@
 """zeroedge keygen: an Ed25519 key pair for signing bundle manifests."""
 import click
 
-from zeroedge.commands.common import output_option
+from zeroedge.commands.common import examples, output_option
 
 
-@click.command(name="keygen")
+@click.command("keygen", epilog=examples(
+    "zeroedge keygen -o ~/.zeroedge/sign.key"))
 @output_option("Private key file to write (KEY.pub gets the public key).", dest="out", old_out=True,
                metavar="KEY", dir_okay=False)
 def cmd(out):

@@ -4,21 +4,22 @@ import sys
 
 import click
 
-from zeroedge.commands.common import board_option, ctx_option
+from zeroedge.commands.common import board_option, ctx_option, examples
 
 
 def _mb(x):
     return f"{x / 2**20:,.0f} MiB"
 
 
-@click.command("plan")
+@click.command("plan", epilog=examples(
+    "zeroedge plan bundle/ --board orin-nano-8gb --ctx 8192"))
 @click.argument("bundle", type=click.Path())
 @board_option
 @ctx_option("tokens of context to plan for", required=True, old_context=True)
 @click.option("--window", type=int, default=None, help="hot KV slots (default: the bundle's)")
 @click.option("--dtype", default="fp16", show_default=True, help="engine precision: fp16 | fp32")
 @click.option("--onnxruntime-process", "ort_process", is_flag=True,
-              help="plan for an onnxruntime process on this machine instead of the device's TensorRT "
+              help="plan for an onnxruntime process (on the CPU host running it) instead of the device's TensorRT "
                    "engines (no TensorRT workspace / CUDA runtime, no OS reserve), to compare with what it "
                    "allocates")
 @click.option("--prefill-chunk", "chunk", type=int, default=None,

@@ -1,11 +1,12 @@
 """zeroedge rollback: make the previous release current again and restart the service."""
 import click
 
-from zeroedge.commands.common import host_options
+from zeroedge.commands.common import examples, host_options
 from zeroedge.deploy.cli import finish, targets_from
 
 
-@click.command(name="rollback")
+@click.command("rollback", epilog=examples(
+    "zeroedge rollback --host orin-1"))
 @host_options
 @click.option("--to", "to", metavar="RELEASE", help="Release name or id to go back to (default: the one before current).")
 @click.option("--health-timeout", type=float, default=60.0, show_default=True,

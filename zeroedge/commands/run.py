@@ -20,7 +20,8 @@ dense KV would not fit, or refused with both forecasts.
 """
 import click
 
-from zeroedge.commands.common import check_model, check_policy_value, fraction_option, memory_cap, memory_cap_options
+from zeroedge.commands.common import (SectionedCommand, check_model, check_policy_value, examples, fraction_option,
+                                     memory_cap, memory_cap_options)
 from zeroedge.kv.policy import THERMAL
 from zeroedge.weights import resolve_model as resolve, tokenizer_for  # noqa: F401 (used below)
 
@@ -39,7 +40,19 @@ def bundle_config(bundle):
     return SimpleNamespace(name=str(model.get("name") or "bundle"), vocab_size=model["vocab_size"])
 
 
-@click.command("run")
+# the headings of `zeroedge run --help`
+SECTIONS = [
+    ("Input and output", ["prompt", "prompt_file", "max_new", "as_json"]),
+    ("Backend", ["backend", "bundle", "engines", "plugins", "device", "threads"]),
+    ("Thermal KV cache", ["kv_budget", "page_size", "kv_spill", "kv_store_pages", "kv_ahead", "kv_fetch"]),
+    ("Weights, decode paths, release level", ["calib", "paths", "release_level"]),
+    ("Device memory", ["device_memory", "board"]),
+]
+
+
+@click.command("run", cls=SectionedCommand, sections=SECTIONS, epilog=examples(
+    'zeroedge run smollm2-135m --prompt "In the beginning" --max-new 32',
+    "zeroedge run --backend onnxruntime --bundle bundle/ --prompt-file doc.txt --kv-budget 10%"))
 @click.argument("model", required=False)
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(), help="Read the prompt from a file.")
@@ -70,7 +83,7 @@ def bundle_config(bundle):
 @click.option("--release-level", type=int, default=3, show_default=True,
               help="0 off, 1 < 512 tokens, 2 < 4096 tokens at temperature 0, 3 all.")
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch",
-              show_default=True)
+              show_default=True, help="torch: MODEL in PyTorch; onnxruntime / tensorrt: an exported --bundle.")
 @click.option("--bundle", type=click.Path(), help="Exported bundle (onnxruntime and tensorrt backends).")
 @click.option("--engines", type=click.Path(), help="TensorRT engines of --bundle (zeroedge build BUNDLE -o DIR).")
 @click.option("--plugins", type=click.Path(), help="tensorrt: the plugin library, when the engines were built "

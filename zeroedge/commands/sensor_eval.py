@@ -1,8 +1,11 @@
 """`zeroedge sensor-eval FILE... --onset N --json`: fault-detection metrics per run file."""
 import click
 
+from zeroedge.commands.common import examples
 
-@click.command("sensor-eval")
+
+@click.command("sensor-eval", epilog=examples(
+    "zeroedge sensor-eval d01_te.dat d02_te.dat --onset 160 --json"))
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--onset", type=int, required=True, help="The fault is active from sample N on.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per file on stdout.")

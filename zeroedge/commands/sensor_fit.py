@@ -1,10 +1,12 @@
 """`zeroedge sensor-fit NORMAL_FILE... [--faults FILE...] -o BUNDLE`: fit the sensor detector to a plant."""
 import click
 
-from zeroedge.commands.common import output_option
+from zeroedge.commands.common import examples, output_option
 
 
-@click.command("sensor-fit")
+@click.command("sensor-fit", epilog=examples(
+    "zeroedge sensor-fit normal.dat -o plant.sensor",
+    "zeroedge sensor-fit normal.dat --faults d01.dat --faults d02.dat -o plant.sensor"))
 @click.argument("normal_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--faults", "fault_files", multiple=True, type=click.Path(dir_okay=False),
               help="A labelled fault run (faulty from its first sample); repeat, or list several after one "
@@ -28,7 +30,7 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     """Fit the sensor detector to a plant from its own runs: normalisation from NORMAL_FILE(s)
     (52 columns, one row per sample; a file stored transposed is transposed back), the alarm threshold
     for the target --far on their held-out tail, and, with --faults, a fine-tune of the shipped
-    detector on this CPU (early stopping on the held-out tail of every file). Writes a sensor bundle
+    detector on the CPU (early stopping on the held-out tail of every file). Writes a sensor bundle
     that zeroedge daemon, deploy and sensor-eval take like the shipped one; its manifest records the
     files, their hashes, the split, the FAR chosen and the validation figures."""
     import json

@@ -18,10 +18,12 @@ is refused (HTTP 400, with both numbers).
 """
 import click
 
-from zeroedge.commands.common import check_model, memory_cap, memory_cap_options
+from zeroedge.commands.common import check_model, examples, memory_cap, memory_cap_options
 
 
-@click.command("serve")
+@click.command("serve", epilog=examples(
+    "zeroedge serve smollm2-135m --port 8000",
+    "zeroedge serve --backend onnxruntime --bundle bundle/"))
 @click.argument("model", required=False)
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch", show_default=True,
               help="torch: batched (continuous batching); onnxruntime / tensorrt: a bundle, one request at a time.")

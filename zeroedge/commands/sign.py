@@ -1,8 +1,11 @@
 """zeroedge sign: sign a bundle's manifest with an Ed25519 key from `zeroedge keygen`."""
 import click
 
+from zeroedge.commands.common import examples
 
-@click.command(name="sign")
+
+@click.command("sign", epilog=examples(
+    "zeroedge sign bundle/ --key ~/.zeroedge/sign.key"))
 @click.argument("bundle", type=click.Path(file_okay=False))
 @click.option("--key", "key", required=True, type=click.Path(dir_okay=False), metavar="KEY",
               help="Private key from `zeroedge keygen`.")

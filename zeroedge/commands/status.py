@@ -1,11 +1,12 @@
 """zeroedge status: version, release, service, health and memory of deployed devices."""
 import click
 
-from zeroedge.commands.common import host_options
+from zeroedge.commands.common import examples, host_options
 from zeroedge.deploy.cli import finish, targets_from
 
 
-@click.command(name="status")
+@click.command("status", epilog=examples(
+    "zeroedge status --hosts inventory.txt"))
 @host_options
 def cmd(host, hosts_file, ssh_config, known_hosts, connect_timeout, sudo, as_json):
     """Show each device's current release, zeroedge version, service state, health and memory: the

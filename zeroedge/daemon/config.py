@@ -152,7 +152,7 @@ def from_dict(raw: dict, base: Path = Path("."), path: Path = None) -> Config:
         raise UserError(f"{where}: [metrics] host must be an address such as \"127.0.0.1\" or \"::1\"")
     warnings = []
     if not _is_loopback(m["host"]):
-        warnings.append(f"[metrics] host = {m['host']!r} serves /metrics and /healthz beyond this machine; "
+        warnings.append(f"[metrics] host = {m['host']!r} serves /metrics and /healthz beyond this host; "
                         "they carry plant data (sensor ids, alarm counts): prefer 127.0.0.1 behind a proxy")
     d["bundle"] = _resolve(base, d["bundle"])
     d["state_dir"] = _resolve(base, d["state_dir"])

@@ -27,7 +27,7 @@ def notify(state: str, wait_s: float = 0.0) -> bool:
 
 
 def watchdog_interval_s():
-    """Half of WatchdogSec (from $WATCHDOG_USEC, when $WATCHDOG_PID is unset or ours), else None."""
+    """Half of WatchdogSec (from $WATCHDOG_USEC, when $WATCHDOG_PID is unset or this process's), else None."""
     usec = os.environ.get("WATCHDOG_USEC")
     pid = os.environ.get("WATCHDOG_PID")
     if not usec or (pid and pid.isdigit() and int(pid) != os.getpid()):

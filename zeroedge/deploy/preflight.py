@@ -139,9 +139,8 @@ def _plan_build(facts: dict, manifest: dict, v: Verdict, app_has_plugins: bool, 
             why = "no plugin sources in this zeroedge" if not app_has_plugins else "no nvcc/cmake on the device"
             v.steps.append({"name": "plugins", "why": why})
         v.steps.append({"name": "engine", "argv": [facts["python"]["executable"], "-m", "zeroedge.backends.tensorrt",
-                                                   "build", "--bundle", "{release}/bundle", "--plugins",
-                                                   "{release}/build/plugins/libzeroedge_plugins.so",
-                                                   "--out", "{release}/build"]})
+                                                   "build", "{release}/bundle", "-o", "{release}/build", "--plugins",
+                                                   "{release}/build/plugins/libzeroedge_plugins.so"]})
     else:
         if not trt_ver:
             why = "TensorRT not found on the device"

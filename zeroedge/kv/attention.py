@@ -84,7 +84,7 @@ def quantized_sketch(k, rank: int, bits: int, qcov=None, chunk: int = SKETCH_CHU
     scales[t], up to a per-query constant. The coordinates are whitened (each divided by its root
     mean square over the keys, which A takes back), so one scale a token serves all of them: codes
     round-to-nearest on `bits` bits (|code| <= 2^(bits-1) - 1, scale = the token's max |coord| over
-    that), or signs with the token's mean |coord| when bits = 1 (benchmarks/thermal_kv.md 2z: the
+    that), or signs with the token's mean |coord| when bits = 1 (benchmarks/thermal_kv.md: the
     quality of a scale per (page, direction), in 2 bytes a token instead of rank / 4). A rank above
     hd is hd. Coordinates are made a chunk at a time. out: (codes (nkv, P, rank / 2) uint8, scales)
     to fill instead, the codes packed two a byte (kernels.pack_int4) a chunk at a time: nothing the
@@ -218,7 +218,7 @@ class ThermalAttention:
         # the side streams at the lowest priority and the step's own at the highest: the refreshes fill
         # the gaps the step leaves (CUDA graphs keep each node's stream priority). Even and odd layers
         # refresh on two streams, so a layer's refresh can start while the one before it still runs
-        # (with the layer bodies compiled the step otherwise waits on that chain: thermal_kv.md 2ad)
+        # (with the layer bodies compiled the step otherwise waits on that chain: benchmarks/thermal_kv.md)
         self.side = self.main_stream = None
         self.sides = []
         if (self.lag or self.ahead) and pin:

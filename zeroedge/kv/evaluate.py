@@ -14,7 +14,7 @@ of prefix tokens a step):
   snapkv        SnapKV: the last 32 prefill queries' attention, max-pooled (kernel 7), + that window
   oracle_token  per query and query head, the exact top-F prefix tokens by score (a limit)
   oracle_page   per query and kv head, the top pages by exact max score (the retrieval limit)
-  thermal       ours: sink page and a recent window always hot; every step each kv head ranks the
+  thermal       zeroedge's: sink page and a recent window always hot; every step each kv head ranks the
                 other pages by a low-rank quantized key sketch (the summaries that stay on device)
                 and reads the best ones through a fixed slot window (fetching the pages it lacks)
 

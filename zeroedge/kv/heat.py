@@ -1,7 +1,7 @@
 """Page heat: attention mass a page received, decayed with age as t^-0.7, weighted by how close
 the page's mean key is (cosine) to the recent queries. Torch-free.
 
-Exact power-law decay needs the whole history. We keep 7 accumulators per page, each decaying
+Exact power-law decay needs the whole history. Instead each page keeps 7 accumulators, each decaying
 exponentially with time constants 1..4096 steps; a fixed non-negative mix of them follows t^-0.7
 within 6.5 % (relative) for every age from 1 to 4096 steps (fitted by NNLS; see
 `decay_kernel` and tests/test_kv_bookkeeping.py). Decay is applied lazily when a page is read or

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 _kernel = None
-# the sketch kernel's launch: the best of H200 sweeps (benchmarks/thermal_kv.md 2m: 33 / 11 / 5 us a
-# layer at 128K / 32K / 8K positions, against 43 / 15 / 6 with 32 pages, 64 programs, 4 warps; 2r:
-# pages of 8 want the same 64 tokens a block, 8 pages, not 4)
+# the sketch kernel's launch: the best of H200 sweeps (64 tokens a block beat 32 pages, 64 programs,
+# 4 warps; pages of 8 want the same 64 tokens a block, 8 pages, not 4)
 SKETCH_TOKENS = 64    # tokens a sketch program scores at a time (whole pages, a power of two of them)
 SKETCH_PROGRAMS = 256  # programs a kv head at most: each loops over its share of the pages
 SKETCH_WARPS = 1      # warps a sketch program
@@ -529,7 +528,7 @@ def _build_swap():
 
 
 SWAP_CHUNK = 256   # pages a `sel` program scores in the two-stage swap
-SWAP_WARPS = (1, 2)  # warps of the two-stage swap's `sel` and `dec` programs (H200 sweep, thermal_kv.md 2y)
+SWAP_WARPS = (1, 2)  # warps of the two-stage swap's `sel` and `dec` programs (an H200 sweep)
 
 
 def swap_pages(pl, page_bias, page_slot, slot_page, wk, wv, hk, hv, fetch: int, part=None,

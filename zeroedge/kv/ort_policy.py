@@ -14,7 +14,7 @@ bookkeeping (numpy only):
   q . mean key / sqrt(hd) + log(tokens in the page), averaged over layers and query heads). It ranks
   every page, in the window or not, and serves the next step (one step late: the graph attends
   before the runner sees the query). SmolLM2, 4096 tokens, 10 % hot, essays: +2.9 % perplexity
-  against +13.7 % with the proxy below (benchmarks/thermal_kv.md §2t).
+  against +13.7 % with the proxy below (benchmarks/thermal_kv.md).
 - without queries (older bundles): heat (HeatTracker, t^-0.7) = the decode graph's mass on its slots
   (mean over layers), weighted by the cosine of the page's mean key to the mean of the last
   `cos_window` new keys (the new tokens' keys stand in for the queries; per layer and kv head,

@@ -31,27 +31,27 @@ log = logging.getLogger("zeroedge.kv")
 class ThermalSettings:
     """The thermal KV policy and sketch: one set of defaults for the serving decoder
     (zeroedge.kv.attention.ThermalAttention) and the evaluation contract (zeroedge.kv.evaluate),
-    which simulates that decoder's arithmetic step by step. Chosen in benchmarks/thermal_kv.md §2h;
-    pages of 8 since §2r (with pages of 16 even the exact page oracle misses <= 3 % on essays, §2l).
+    which simulates that decoder's arithmetic step by step. Chosen in benchmarks/thermal_kv.md; pages
+    of 8 (with pages of 16 even the exact page oracle misses <= 3 % on essays).
 
     page_size      tokens a page (another page size: `thermal_settings`)
     rank, bits     the key sketch: rank-`rank` query-aware basis, signed `bits`-bit codes (1..4;
                    stored two a byte) of whitened coordinates, one fp16 scale a token
     sink_pages, recent_pages   always in the window (the recent window: 32 tokens)
     fetch          at most this many pages swapped into the window a refresh, per kv head and layer
-                   (8 since session 28: essays at 4096 +3.13 % with 4, +2.96 % with 8; the swap's
-                   one-reduction selection makes 8 cost what 4 did; benchmarks/thermal_kv.md 2ab)
+                   (8: essays at 4096 +3.13 % with 4, +2.96 % with 8; the swap's one-reduction
+                   selection makes 8 cost what 4 did; benchmarks/thermal_kv.md)
     refresh_every  steps between refreshes (page scoring + swaps)
     lag            0: a step's refresh uses its own query and its attention reads the result;
                    1: the refresh runs after the step's attention, so its swaps serve the next
-                   step (the GPU decoder then overlaps it with the rest of the step: 1.24x dense
-                   at 128K on the H200, but essays +8 % ppl; benchmarks/thermal_kv.md 2m, 2n)
+                   step (the GPU decoder then overlaps it with the rest of the step, at a higher
+                   perplexity cost than `ahead`)
     ahead          0: off; d > 0: layer l's pages are scored with the query layer l's weights make
                    from layer l - d's input (layers 1..d: from the first layer's), so its refresh
                    can run beside the d layers before it (the InfiniGen idea), and layer 0's
                    refresh runs one step late (as lag 1): no refresh on the step's path. H200,
-                   128K: 1.35-1.38x dense against lag 0's 1.14-1.15x, essays +2.9 to +3.5 %
-                   (benchmarks/thermal_kv.md 2z)"""
+                   128K, 10 % hot: 1.48-1.50x dense against lag 0's 1.19x, essays +2.84 % against
+                   +2.96 % at 4096 (benchmarks/thermal_kv.md)"""
     page_size: int = 8
     rank: int = 32
     bits: int = 4

@@ -2,13 +2,13 @@
 
 A stream whose cold pages outgrow DRAM spills them here (zeroedge.kv.ort_policy with `spill_dir`);
 the torch decoder maps its whole cold store from one (zeroedge.kv.tiers.FileTensors). The file is
-private and ours:
+private to the process:
 
 - its folder is checked before any page is written (zeroedge.kv.policy.check_cold_path: exists or
   can be made, writable, room for the first reservation);
 - it is made by tempfile.mkstemp (a random name, O_EXCL | O_NOFOLLOW, mode 0600) and unlinked at
-  once: only our descriptor reaches it, nothing is left on the disk when the process ends however
-  it ends, and a link planted in the folder is never followed;
+  once: only the process's own descriptor reaches it, nothing is left on the disk when the process
+  ends however it ends, and a link planted in the folder is never followed;
 - it grows by doubling, each growth reserved (posix_fallocate) before a page is written there; a
   growth the disk refuses is given back (the file cut to its old size) and retried for just the
   page needed, so a full disk fails the one write that needs the room (OSError) and never a page

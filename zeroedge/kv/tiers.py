@@ -210,7 +210,7 @@ def shared_stream(device, role: str, priority: int = 0):
     repeats (graph warm-ups and captures, thermal KV's step and refresh streams). cuBLAS keeps a
     workspace for every stream it has run on: a new stream a request (torch's pool has 32 a
     priority) left 32-64 MiB a request allocated on the H200 until the pool came round
-    (benchmarks/thermal_kv.md 2x). Per thread: a capture records whatever its stream runs."""
+    (benchmarks/thermal_kv.md). Per thread: a capture records whatever its stream runs."""
     d = torch.device(device)
     return _stream(torch.cuda.current_device() if d.index is None else d.index, role, priority,
                    threading.get_ident())

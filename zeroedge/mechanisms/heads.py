@@ -1,7 +1,7 @@
 """Attention-head profiling by softmax entropy, and the two readings of "useless head".
 
 The article says heads with *low* entropy are useless; but near-uniform attention has *high* entropy.
-We measure both readings (and random as a control) and keep what the numbers support.
+Both readings are measured (and random as a control); what the numbers support is kept.
 Entropy is normalised by log(number of visible keys), so 1.0 = uniform at any position."""
 from __future__ import annotations
 

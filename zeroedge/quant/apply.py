@@ -15,7 +15,7 @@
      and halves its fp16 bytes, which is what brings a 4-bit SmolLM2 bundle under 120 MB. int4
      (`calibrate --embedding int4`, symmetric) halves the LM head's bytes again, the largest single
      read of a decode step on a GPU (+5 % decode on the H200 at 8K), but costs SmolLM2 +12 / +16 /
-     +29 % perplexity on KJV / essays / licenses (benchmarks/weights.md, session 17); the ONNX
+     +29 % perplexity on KJV / essays / licenses (benchmarks/weights.md); the ONNX
      export refuses it. Its numerics
      are MatMulNBits' 8-bit ones on the LM head's B = E^T [D, V] (blocks along D); the embedding's
      rows dequantize to the same values (the same blocks).

@@ -22,7 +22,7 @@ int8 inputs (gemv_i8_kernel, `int8_inputs=True`): each word's inputs (8 for 4-bi
 inputs summed by dp4a, four products an instruction -- the unpack-convert-multiply of every code is
 what bounds the fp32 kernel (Nsight Compute on gate/up: ~78 instructions a 32-bit word, 119 registers,
 25 % occupancy; 0.5-1.1 TB/s). On the H200, with the prepared inputs below: 1.3-1.9x cuBLAS's bf16
-GEMV of the same shape, decode 1.99-2.10x our bf16 loop at 8K (with PDL and weights ahead of the
+GEMV of the same shape, decode 1.99-2.10x zeroedge's uncompiled bf16 loop at 8K (with PDL and weights ahead of the
 wait, below); on SmolLM2 the rounding costs under 0.3 % of perplexity (benchmarks/weights.md).
 Triton's interpreter has no inline PTX: there (DP4A False) the same integer sums by shifts.
 Prepared int8 inputs (`PREPARED` in a launch setting): a first kernel (quantize_inputs_kernel) rounds
@@ -40,7 +40,7 @@ dependent launch a kernel starts while the one ahead still runs and waits (gridd
 before reading what that one writes. Weights are never written, so each program loads its first
 tile of codes, steps and offsets before the wait: the bytes stream in under the previous kernel's
 tail. H200, llama-3.2-1b shape at 8K: int4 g128 decode +10.8 % (1464 -> 1622 tok/s), logits bit
-for bit the same (benchmarks/weights.md, session 17). Without PDL (a Jetson Orin) it changes nothing.
+for bit the same (benchmarks/weights.md). Without PDL (a Jetson Orin) it changes nothing.
 Launch settings per matrix shape (CONFIG, CONFIG_I8) are the best of an H200 sweep
 (benchmarks/gpu/weights_gpu.py); `pick` falls back on the common choice for other shapes.
 The kernels are in zeroedge.quant.gemv_kernels (imported on first use: it imports Triton).
@@ -81,7 +81,7 @@ def _gather_kernel():
 
 
 # (rows N, inputs K, bits, group) -> launch settings: the best of the H200 sweep at llama-3.2-1b's
-# shapes (benchmarks/gpu/weights_gpu.py, benchmarks/weights_gpu.json)
+# shapes (benchmarks/gpu/weights_gpu.py, benchmarks/results/weights/h200_gemv_launch_sweep_vs_cublas.json)
 CONFIG: dict = {
     (3072, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=2, num_warps=4),      # q/k/v
     (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=4),
@@ -94,8 +94,8 @@ CONFIG: dict = {
     (128256, 2048, 8, 128): dict(BN=8, BW=128, SPLIT=1, num_warps=4),   # LM head, int8
 }
 CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once by a first kernel
-    # (the FFN rows: session 12's sweep of each GEMV alone, benchmarks/ffn_gemv_first_sweep_gpu.json;
-    # q/k/v g32: session 13's, benchmarks/qkvo_gemv_gpu.json, 4.15 against 4.76 us)
+    # (the FFN rows: a sweep of each GEMV alone, benchmarks/results/weights/h200_gemv_ffn_launch_sweep_first.json;
+    # q/k/v g32: benchmarks/results/weights/h200_gemv_qkvo_launch_sweep.json, 4.15 against 4.76 us)
     (3072, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=4, PREPARED=False),
     (3072, 2048, 4, 128): dict(BN=8, BW=256, SPLIT=4, num_warps=8, PREPARED=False),
     (2048, 2048, 4, 32): dict(BN=4, BW=256, SPLIT=1, num_warps=8, PREPARED=False),
@@ -106,7 +106,7 @@ CONFIG_I8: dict = {     # the int8-input kernels; PREPARED: inputs rounded once 
     (2048, 8192, 4, 128): dict(BN=8, BW=256, SPLIT=8, num_warps=4, PREPARED=True),
     (128256, 2048, 8, 128): dict(BN=16, BW=128, SPLIT=1, num_warps=8, PREPARED=True),
     # a 4-bit LM head (embedding int4: groups of 128 at this hidden size): the int8 head's rows and
-    # warps, 2.6 % faster decode than pick's fallback (session 17, benchmarks/head4_launch_gpu.json)
+    # warps, 2.6 % faster decode than pick's fallback (benchmarks/results/weights/h200_ab_int4_head_launch.json)
     (128256, 2048, 4, 128): dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True),
 }
 

@@ -21,7 +21,7 @@ thermal KV when dense KV would not fit, from these numbers.
                layer's dequantized past (K and V; the fp32 step one block of it) + a span's hidden
                states + max(activations, sketch copies); thermal host: weights + prefill_kv +
                max(activations, decoder + sketch copies); a cap admits peak x (1 + HEADROOM)
-Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md §2j).
+Checked against torch.cuda.max_memory_allocated on an H200 (benchmarks/thermal_kv.md).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def cap_allocator(environ) -> None:
     in place (expandable_segments), in both variables, unless either already chose. A cap holds the
     allocator's reserved bytes, and with fixed segments the reserve beside the allocated ones took
     ~1 GiB of the Orin Nano's 5.90 GiB: its largest dense and thermal prompts ran out of memory
-    (H200; benchmarks/thermal_kv.md 2x)."""
+    (H200; benchmarks/thermal_kv.md)."""
     if any("expandable_segments" in environ.get(k, "") for k in ALLOC_CONF):
         return
     for k in ALLOC_CONF:

@@ -2,7 +2,7 @@
 
 - `tep`: read the 52-column run files (Braatz layout), generate runs with the tep-studio simulator.
 - `model`: the causal sensor transformer (torch, built from zeroedge.model's blocks).
-- `train`: reproducible training on this CPU; `export_bundle` writes an ONNX sensor bundle.
+- `train`: reproducible training on the CPU; `export_bundle` writes an ONNX sensor bundle.
 - `pca`: the classical PCA T^2 / Q monitor (99 % control limits) as the baseline.
 - `runtime`: torch-free detector (onnxruntime) and a torch backend; one code path for the daemon
   and `zeroedge sensor-eval`.

@@ -3,7 +3,7 @@
 1. Normal-operation files give the normalisation (mean / std per channel, from their training part)
    and, from their held-out tail, the false-alarm calibration.
 2. Labelled fault files (one per fault class; the class from the file name `dNN...` or `--label`)
-   fine-tune the shipped detector on this CPU, with early stopping on the held-out tail of every
+   fine-tune the shipped detector on the CPU, with early stopping on the held-out tail of every
    file. Fault files are read as faulty from their first sample (the standard training runs).
    Without fault files the model is not trained: the shipped weights score windows of the plant's
    own normalised data (an anomaly detector).

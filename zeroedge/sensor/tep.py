@@ -90,7 +90,7 @@ def load_run(path, channels: int = N_CHANNELS, finite: bool = True) -> np.ndarra
                         f"{MAX_RUN_BYTES >> 30} GiB a run file may hold; split it")
     try:
         delim, skip = _layout(path)
-        with warnings.catch_warnings():          # numpy's note on an empty file: ours below is the one line
+        with warnings.catch_warnings():          # numpy's note on an empty file: the error below is the one line
             warnings.simplefilter("ignore", UserWarning)
             a = np.loadtxt(path, dtype=np.float64, ndmin=2, delimiter=delim, skiprows=skip, encoding="utf-8")
     except (ValueError, UnicodeDecodeError, OSError) as e:

@@ -1,4 +1,4 @@
-"""Reproducible training of the sensor transformer on this CPU, alarm calibration on validation
+"""Reproducible training of the sensor transformer on the CPU, alarm calibration on validation
 runs, and export to a sensor bundle (ONNX + manifest). Needs torch (workstation side).
 
 Data: the tep-studio `train` split (fault introduced 2 h in) plus the Braatz training runs d00 and

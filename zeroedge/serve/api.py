@@ -25,7 +25,7 @@ from zeroedge.serve.plan import Refused, Sampling
 
 # -- request bodies ---------------------------------------------------------------------------------
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")   # clients send fields we do not use (user, metadata, ...)
+    model_config = ConfigDict(extra="allow")   # clients send fields the server does not use (user, metadata, ...)
 
     # null is as good as absent (the OpenAI spec marks these nullable); the defaults are applied in
     # Server.sampling and _unsupported

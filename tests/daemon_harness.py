@@ -1,5 +1,6 @@
-"""Helpers for tests and benchmarks: a real mosquitto on 127.0.0.1, a daemon subprocess, a QoS 1
-publisher with a persistent session. (Not used by the daemon itself.)"""
+"""Helpers for the daemon's tests and benchmarks (benchmarks/daemon_faults.py, benchmarks/sensor_bench.py):
+a real mosquitto on 127.0.0.1, a daemon subprocess, a QoS 1 publisher with a persistent session.
+Not part of the installed package."""
 from __future__ import annotations
 
 import getpass
@@ -27,7 +28,7 @@ def mosquitto_bin():
 
 def make_pki(out: Path, host: str = "127.0.0.1") -> dict:
     """A test CA, a server certificate for `host` (IP SAN), a client certificate, and a second CA
-    that signed nothing here (for "wrong CA" tests). Returns {name: path}; keys are 0600."""
+    that signed nothing (for "wrong CA" tests). Returns {name: path}; keys are 0600."""
     import datetime
     import ipaddress
 
@@ -91,7 +92,7 @@ class Broker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.conf = self.dir / "mosquitto.conf"
-        # as root, mosquitto drops to user "mosquitto", which cannot write this folder: stay who we are
+        # as root, mosquitto drops to user "mosquitto", which cannot write this folder: keep the current user
         conf = (f"user {getpass.getuser()}\n"
                 f"listener {self.port} 127.0.0.1\nallow_anonymous {'false' if users else 'true'}\n"
                 f"persistence true\npersistence_location {self.dir}/\nautosave_interval 1\n"

@@ -1,4 +1,5 @@
-"""Prompt prefill + sampling loop on the reference model, with the mechanisms where they are allowed.
+"""The tests' reference generation loop: prompt prefill + sampling on the reference model, with the
+mechanisms where they are allowed (the decoders are checked against it).
 
 The zero mechanisms run in prefill (the prompt); decode steps are single tokens and bypass them
 (inputs under 32 tokens). Sampling at temperature > 1.0 disables them unless forced: pruning

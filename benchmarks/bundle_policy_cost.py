@@ -9,13 +9,13 @@ on the values. The window is what serving gives a request (10 % of the prompt pl
 long prefill.
 
     python benchmarks/bundle_policy_cost.py --ctx 4096,8192,32768,131072 --bundle B \
-        --json benchmarks/bundle_policy_cost.json
+        --json benchmarks/results/thermal_kv/cost_cpu_bundle_policy_step.json
     # A/B against another version of the policy module:
     git show REV:zeroedge/kv/ort_policy.py > /tmp/old_policy.py
     python benchmarks/bundle_policy_cost.py ... --policy-module /tmp/old_policy.py
     # the plot of both runs' JSON (no measuring):
-    python benchmarks/bundle_policy_cost.py --plot benchmarks/bundle_policy_cost.png \
-        --from benchmarks/bundle_policy_cost_before.json,benchmarks/bundle_policy_cost.json
+    python benchmarks/bundle_policy_cost.py --plot benchmarks/results/thermal_kv/cost_cpu_bundle_policy_step.png \
+        --from BEFORE.json,benchmarks/results/thermal_kv/cost_cpu_bundle_policy_step.json
 """
 import argparse
 import importlib.util
@@ -108,7 +108,7 @@ def plot(png, files):
         if graph and f == files[-1]:
             ax.plot(*zip(*graph), "k:", marker="s", label="SmolLM2 fp32 decode graph (onnxruntime)")
     ax.set(xscale="log", yscale="log", xlabel="prompt tokens (window: 10 % + 1024 new)",
-           ylabel="ms a decode step (this CPU)", title="OrtThermalPolicy's own work a step")
+           ylabel="ms a decode step (host CPU)", title="OrtThermalPolicy's own work a step")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)

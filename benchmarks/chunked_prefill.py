@@ -1,6 +1,6 @@
-"""Peak memory and speed of the onnxruntime prefill, one pass against chunks, on this CPU.
+"""Peak memory and speed of the onnxruntime prefill, one pass against chunks, on the host CPU.
 
-    python benchmarks/chunked_prefill.py -o benchmarks/chunked_prefill.json
+    python benchmarks/chunked_prefill.py -o benchmarks/results/prefill/chunked_prefill_ort_cpu.json
 
 A random-weight bundle (8 layers, d512, 8 heads / 4 KV heads, FFN 1408, vocab 8192: small enough
 that one pass fits at 4K) is exported once; each (context, chunk) runs in a fresh process:
@@ -40,7 +40,7 @@ print(json.dumps({"context": T, "chunk": C if C < T else None, "mode": r.prefill
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("-o", "--output", default="benchmarks/chunked_prefill.json")
+    ap.add_argument("-o", "--output", default="benchmarks/results/prefill/chunked_prefill_ort_cpu.json")
     ap.add_argument("--contexts", default="1024,2048,4096")
     ap.add_argument("--chunks", default="256,512,1024")
     a = ap.parse_args()

@@ -4,11 +4,11 @@ madvise(MADV_PAGEOUT), as memory pressure on a Jetson would): the llama-3.2-1b s
 heads, 64-wide heads), int8 cold store, pages of 8, 4 pages fetched a kv head and layer, the pages
 drawn at random. "Not in memory" pushes the whole file out before every step: a store far larger
 than the memory left for it, where no page stays in memory from one step to the next (here the file
-fits this machine's memory, and the kernel's read-around would otherwise bring most of it in after
+fits the measuring host's memory, and the kernel's read-around would otherwise bring most of it in after
 one step). With the prefetch (shipped: madvise WILLNEED on every chosen page once reads run
 slow) and without it (its threshold set out of reach).
 
-    python benchmarks/file_tier_read.py --ctx 32768 --dir /path/on/the/disk --json benchmarks/file_tier_read.json
+    python benchmarks/file_tier_read.py --ctx 32768 --dir /path/on/the/disk --json benchmarks/results/thermal_kv/read_cpu_file_store_cold_disk.json
 """
 import argparse
 import ctypes

@@ -25,7 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ks", nargs="+", type=int, default=[9, 27, 54])
     ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--out", default="benchmarks/head_pruning")
+    ap.add_argument("--out", default="benchmarks/results/prefill/head_pruning_smollm2_cpu")
     a = ap.parse_args()
     torch.set_num_threads(2)
     from zeroedge import texts, weights
@@ -69,7 +69,7 @@ def main():
     im = ax.imshow(prof.T.numpy(), aspect="auto", cmap="viridis")
     ax.set_xlabel("layer"); ax.set_ylabel("head"); ax.set_title("normalised attention entropy (1 = uniform)")
     fig.colorbar(im); fig.tight_layout(); fig.savefig(out.with_suffix(".png"), dpi=110)
-    lines += ["", "![entropy profile](head_pruning.png)"]
+    lines += ["", f"![entropy profile]({out.with_suffix('.png').name})"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

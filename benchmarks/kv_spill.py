@@ -1,10 +1,10 @@
-"""The file tier of the bundle runners' thermal KV (issue 16): one prompt decoded with the stored
+"""The file tier of the bundle runners' thermal KV: one prompt decoded with the stored
 pages in memory, and with them spilled to a page file (all, or all but N), interleaved reps.
 Reports decode tok/s, the bytes kept in memory and in the file, pages spilled and read back, and
 whether the tokens equal the in-memory run's.
 
-    zeroedge export smollm2-135m --weights int4 --zero-point float --accuracy-level 4 --graphs portable -o /tmp/s9/base
-    python benchmarks/kv_spill.py --bundle /tmp/s9/base --spill /tmp/kv-spill -o benchmarks/kv_spill.json
+    zeroedge export smollm2-135m --weights int4 --zero-point float --accuracy-level 4 --graphs portable -o /tmp/smollm2-int4
+    python benchmarks/kv_spill.py --bundle /tmp/smollm2-int4 --spill /tmp/kv-spill -o benchmarks/results/thermal_kv/speed_cpu_bundle_file_tier.json
 """
 import argparse
 import json

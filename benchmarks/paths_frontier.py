@@ -6,7 +6,7 @@ licenses (never calibrated on). Every token teacher-forced with the mechanism on
 `--ctx - 1` predictions scored. Predictors and CATS thresholds are fitted on the first 1024 tokens
 of KJV and the essays (the calibration region); evaluation reads KJV and essays from token 40000.
 
-  python benchmarks/paths_frontier.py --out benchmarks/paths_frontier.jsonl [--artifact DIR]
+  python benchmarks/paths_frontier.py --out benchmarks/results/paths/ppl_vs_ffn_bytes_smollm2_cpu.jsonl [--artifact DIR]
   python benchmarks/paths_frontier.py --out ... --methods "" --artifact DIR   (the artifact only)
 """
 import argparse

@@ -1,11 +1,11 @@
-"""Orin forecast of the decode-path saving (issue 5) from the planner's roofline, checked against
+"""Orin forecast of the decode-path saving from the planner's roofline, checked against
 the H200 where it was measured.
 
-    python benchmarks/paths_orin_forecast.py > benchmarks/paths_orin_forecast.md
+    python benchmarks/paths_orin_forecast.py > benchmarks/results/paths/orin_forecast.md
 
 Inputs: the model shapes (zeroedge.model.PRESETS), the fraction of FFN weight bytes a decode step
 skips, and the bandwidth the sparse FFN kernels reach relative to cuBLAS's dense GEMV, both from
-benchmarks/paths_cuda_h200.json (magnitude rule, CUDA C kernels; keep k of inputs and of
+benchmarks/results/paths/h200_cuda_kernels_llama1b_shape.json (magnitude rule, CUDA C kernels; keep k of inputs and of
 activations skips 1 - k of FFN bytes). The roofline is zeroedge.planner.roofline: decode is
 bandwidth-bound, time = bytes / (DRAM bandwidth x 0.7).
 """
@@ -30,7 +30,7 @@ def numbers(cfg) -> dict:
 
 
 def main():
-    r = json.loads((HERE / "paths_cuda_h200.json").read_text())
+    r = json.loads((HERE / "results" / "paths" / "h200_cuda_kernels_llama1b_shape.json").read_text())
     micro = r["micro"]
     dense_bw = micro["dense_GBs"]
     eff = {round(1 - k, 2): micro[f"keep{k}"]["mag_cuda"]["GBs"] / dense_bw for k in (0.9, 0.7, 0.5, 0.3)}
@@ -47,10 +47,10 @@ def main():
     dec = r.get("decode", {})
     measured = {0.13: dec.get("magnitude_cuda_keep0.87"), 0.27: dec.get("magnitude_cuda_keep0.73"),
                 0.5: dec.get("magnitude_cuda_keep0.5")}
-    print("# Decode paths: Orin forecast from the planner (issue 5)\n")
-    print("Command: `python benchmarks/paths_orin_forecast.py > benchmarks/paths_orin_forecast.md`. "
+    print("# Decode paths: Orin forecast from the planner\n")
+    print("Command: `python benchmarks/paths_orin_forecast.py > benchmarks/results/paths/orin_forecast.md`. "
           "Sparse-kernel efficiency relative to the dense GEMV, measured on the H200 "
-          "(`benchmarks/paths_cuda_h200.json`, magnitude rule, CUDA C kernels): "
+          "(`benchmarks/results/paths/h200_cuda_kernels_llama1b_shape.json`, magnitude rule, CUDA C kernels): "
           + ", ".join(f"{s:.0%} skipped: {e:.2f}" for s, e in sorted(eff.items())) + ". "
           "17 % is the calibrated SmolLM2 artifact (+0.8 / +0.9 / +2.3 % perplexity on licenses / KJV / "
           "essays, measured per-layer costs); 27 % costs +4.7-5.4 %; 50 % is far past the quality "

@@ -1,6 +1,6 @@
-"""Plot and tabulate benchmarks/paths_frontier.jsonl (written by paths_frontier.py).
+"""Plot and tabulate benchmarks/results/paths/ppl_vs_ffn_bytes_smollm2_cpu.jsonl (written by paths_frontier.py).
 
-  python benchmarks/paths_plot.py benchmarks/paths_frontier.jsonl benchmarks/paths_frontier.png
+  python benchmarks/paths_plot.py benchmarks/results/paths/ppl_vs_ffn_bytes_smollm2_cpu.jsonl benchmarks/results/paths/ppl_vs_ffn_bytes_smollm2_cpu.png
 """
 import json
 import sys

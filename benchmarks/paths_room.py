@@ -4,9 +4,9 @@ each layer's FFN is cut alone at 50 % of its channels by
   topk   the oracle on |silu(g) * u| (skips only down columns: 1/6 of the FFN bytes),
   cats   a per-layer |silu(g)| threshold (skips up rows and down columns: 1/3),
   pred   the rank-32 path predictor's top 50 % (skips all three, minus its own 4.4 %),
-and we report the relative output error ||dy||^2 / ||y||^2 and the first-order loss change
+and reports the relative output error ||dy||^2 / ||y||^2 and the first-order loss change
 mean_t |dL/dy_t . dy_t| (nats/token; a per-layer perplexity-rise estimate without 30 x 3 x 2 full
-forwards, which this 2-core machine cannot afford). Predictors and thresholds are fitted on the
+forwards, which a 2-core CPU cannot afford). Predictors and thresholds are fitted on the
 first half of each sequence and measured on the second half.
 
   python benchmarks/paths_room.py [--cache DIR]   (DIR holds io_kjv.pt / io_essays.pt to reuse)

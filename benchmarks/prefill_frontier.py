@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--alloc-methods", nargs="*", default=["random", "norm"],
                     help="peers given the artifact's own per-layer skip rates (isolates the token "
                          "ranking from the layer allocation)")
-    ap.add_argument("--out", default="benchmarks/prefill_frontier")
+    ap.add_argument("--out", default="benchmarks/results/prefill/sih_pad_frontier_smollm2_cpu")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

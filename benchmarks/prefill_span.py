@@ -7,7 +7,7 @@ loop did; "span 16384" is the shipped PREFILL_SPAN. "Not in memory" pushes the f
 cache before every read of the past (madvise(MADV_PAGEOUT)), as on a Jetson whose store outgrows the
 memory left for it; "in memory": the page cache holds the whole store.
 
-    python benchmarks/prefill_span.py --ctx 32768,131072 --dir /path/on/the/disk --json benchmarks/prefill_span.json
+    python benchmarks/prefill_span.py --ctx 32768,131072 --dir /path/on/the/disk --json benchmarks/results/prefill/span_cold_store_file_reads.json
 """
 import argparse
 import json

@@ -20,7 +20,7 @@ def main():
     ap.add_argument("--calib", default="zeroedge/data/smollm2-135m.calib")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--rates", nargs="+", type=float, default=[0.15, 0.3])
-    ap.add_argument("--out", default="benchmarks/query_drop")
+    ap.add_argument("--out", default="benchmarks/results/prefill/query_drop_smollm2_cpu")
     a = ap.parse_args()
     torch.set_num_threads(2)
     from zeroedge import calib_artifact, texts, weights

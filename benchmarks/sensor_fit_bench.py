@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """`zeroedge sensor-fit` on the standard TEP training runs, scored on a held-out split made from them
 (the standard test runs are not in this repository). Results: benchmarks/sensor.md ("Fitting to a
-plant"), raw numbers in benchmarks/sensor_fit.json.
+plant"), raw numbers in benchmarks/results/sensor/fit_braatz_two_folds.json.
 
-  python benchmarks/sensor_fit_bench.py [--folds A B] [--out benchmarks/sensor_fit.json]
+  python benchmarks/sensor_fit_bench.py [--folds A B] [--out benchmarks/results/sensor/fit_braatz_two_folds.json]
 
 Split (per fold), from ../shared/data/tep-braatz:
   fold A ("onset held out"):  normal d00[160:500] and faults dNN[160:480] fit; test runs are
@@ -164,7 +164,7 @@ def table(res):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--folds", nargs="+", default=["A", "B"])
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "sensor_fit.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "sensor" / "fit_braatz_two_folds.json")
     a = ap.parse_args()
     allres = {}
     for fold in a.folds:

@@ -1,7 +1,7 @@
 """zeroedge serve against llama.cpp's llama-server on the same GGUF, the same threads, in one run.
 
     python benchmarks/serve_cpu.py --llama-bin ~/.cache/llama-cpp-peer/src/vendor/llama.cpp/build/bin \
-        --clients 1,4,16 --rounds 2 -o benchmarks/results/serve/cpu_smollm2_q4.json
+        --clients 1,4,16 --rounds 2 -o benchmarks/results/serve/cpu_smollm2_q4_clients.json
 
 For each round, each server in turn (zeroedge first in odd rounds, llama-server first in even ones):
 start it, then for each client count N run N client threads that each stream `--requests` chat

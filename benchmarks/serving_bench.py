@@ -3,7 +3,7 @@
     python benchmarks/serving_bench.py --bundle BUNDLE --calib PATHS_ARTIFACT [--max-new 32] [--reps 2]
 
 One KJV prompt; configurations run alternately `reps` times; median tokens/s. Writes a markdown
-table to stdout (paste into benchmarks/serving.md)."""
+table to stdout (paste into benchmarks/serve.md)."""
 import argparse
 import statistics
 import time

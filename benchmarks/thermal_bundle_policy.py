@@ -5,7 +5,7 @@ contract's protocol, through `zeroedge.kv.evaluate.run_bundle_eval` (= `zeroedge
 1024 teacher-forced, against the same runner with every position in its window.
 
     zeroedge export smollm2-135m -o B --weights fp32 --graphs portable
-    python benchmarks/thermal_bundle_policy.py --bundle B --ctx 4096 --json benchmarks/thermal_bundle_policy.json
+    python benchmarks/thermal_bundle_policy.py --bundle B --ctx 4096 --json benchmarks/results/thermal_kv/quality_smollm2_cpu_4096_bundle_policy_ort.json
 
 (The JSON's "F x (prompt + new), before" rows were measured with this script at commit b38b11a, when a
 bundle request's window was F of prompt + new tokens.)

@@ -3,7 +3,7 @@ over real text (prefix prefilled, the continuation scored one decode step at a t
 KV with the full-precision cold store (a discrete GPU's pinned host memory), thermal KV with the int8
 cold store (what a Jetson's unified DRAM gets), at the same hot budget.
 
-    python benchmarks/thermal_cold_int8.py --prefix 2048 --score 512 --budget 0.1 --json benchmarks/thermal_cold_int8.json
+    python benchmarks/thermal_cold_int8.py --prefix 2048 --score 512 --budget 0.1 --json benchmarks/results/thermal_kv/quality_smollm2_cpu_cold_int8.json
 """
 import argparse
 import json

@@ -3,8 +3,9 @@
 Protocol: prefill the first N-1024 tokens with full attention, score the last 1024 teacher-forced;
 the budget is the fraction of the prefix a continuation token may read. One prefill per
 (text, N) is shared by every method (cached under $ZEROEDGE_CACHE/kvbench, never in the repo).
-Results are appended to benchmarks/thermal_kv_results.jsonl (a run resumes where it stopped);
-`--table` rewrites benchmarks/thermal_kv_table.md and the plot from it.
+Results are appended to benchmarks/results/thermal_kv/quality_smollm2_cpu_peers_pages16.jsonl (a run resumes where it
+stopped); `--table` rewrites benchmarks/results/thermal_kv/quality_smollm2_cpu_peers_pages16_table.md and the plot
+benchmarks/thermal_kv.png from it.
 
     python benchmarks/thermal_kv_bench.py --texts kjv,essays --ctx 4096 --budgets 0.1,0.25
     python benchmarks/thermal_kv_bench.py --needle --ctx 4096,8192
@@ -22,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-RESULTS = HERE / "thermal_kv_results.jsonl"
+RESULTS = HERE / "results" / "thermal_kv" / "quality_smollm2_cpu_peers_pages16.jsonl"
 
 NEEDLE = ("\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a "
           "sunny day.\n")
@@ -219,7 +220,7 @@ def table():
             ans = r["answer"].replace("|", "/").replace("\n", " ")
             lines.append(f"| {r['ctx']} | {r['depth']:.0%} | {r['method']} | {r['budget']:.0%} | "
                          f"{'yes' if r['found'] else 'no'} | {ans} |")
-    (HERE / "thermal_kv_table.md").write_text("\n".join(lines) + "\n")
+    (RESULTS.parent / "quality_smollm2_cpu_peers_pages16_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         plot(ppl, full)

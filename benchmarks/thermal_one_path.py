@@ -1,9 +1,9 @@
 """Which policy and sketch the serving decoder and the evaluation contract share (kv.policy.THERMAL):
-SmolLM2-135M on this CPU, the eval contract's protocol (prefill N - 1024 tokens, score the last
+SmolLM2-135M on the CPU, the eval contract's protocol (prefill N - 1024 tokens, score the last
 1024 teacher-forced, kv.evaluate.score_continuation, which computes what the serving decoder does:
 tests/test_kv_runtime.py checks it token for token), 10 % hot, per text and setting.
 
-    python benchmarks/thermal_one_path.py --ctx 4096 --json benchmarks/thermal_one_path.json
+    python benchmarks/thermal_one_path.py --ctx 4096 --json benchmarks/results/thermal_kv/quality_smollm2_cpu_4096_settings.json
 """
 import argparse
 import json
@@ -15,43 +15,43 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SETTINGS = {   # name: options over kv.evaluate.DEFAULTS
-    "r16 int4, fetch 4 (serving, session 5)": dict(rank=16, bits=4, fetch=4),
-    "r32 int3, no fetch cap (eval, session 5)": dict(rank=32, bits=3, fetch=0),
+    "r16 int4, fetch 4 (former serving setting)": dict(rank=16, bits=4, fetch=4),
+    "r32 int3, no fetch cap (former eval setting)": dict(rank=32, bits=3, fetch=0),
     "r16 int4, no fetch cap": dict(rank=16, bits=4, fetch=0),
     "r32 int4, fetch 4": dict(rank=32, bits=4, fetch=4),
     "r32 int4, fetch 8": dict(rank=32, bits=4, fetch=8),
     "r32 int4, no fetch cap": dict(rank=32, bits=4, fetch=0),
     "r32 int4, fetch 8, int8 cold": dict(rank=32, bits=4, fetch=8, cold="int8"),
     "r32 int4, fetch 8, every 4 steps": dict(rank=32, bits=4, fetch=8, refresh_every=4),
-    # session 6, the cold store with the default policy (r32 int4, fetch 4, every step); a compressed
+    # the cold store with the default policy (r32 int4, fetch 4, every step); a compressed
     # store is also what the prefill writes (chunks attend to the compressed past, kv.evaluate.quant_prefill)
     "default, exact cold pages (host)": dict(cold="host"),
     "default, int8 cold store": dict(cold="int8"),
     "default, int4 cold store": dict(cold="int4"),
-    # session 9: the page-retrieval limit (the exact top pages by max score, per query and kv head) and
+    # the page-retrieval limit (the exact top pages by max score, per query and kv head) and
     # 8-token pages with the same 32 recent tokens (page_size / method are this script's keys)
     "oracle pages of 16 (exact, a limit)": dict(method="oracle_page", page_size=16, recent_pages=2),
     "oracle pages of 8 (exact, a limit)": dict(method="oracle_page", page_size=8, recent_pages=4),
     "pages of 8, 4 recent, int8 cold store": dict(cold="int8", page_size=8, recent_pages=4),
-    # session 11: the refresh one step behind (its swaps serve the next step), which lets the GPU
+    # the refresh one step behind (its swaps serve the next step), which lets the GPU
     # decoder run it beside the rest of the step
     "default, int8 cold, lag 1": dict(cold="int8", lag=1),
     "r16, int8 cold, lag 1": dict(cold="int8", rank=16, lag=1),
     "pages of 8, 4 recent, int8 cold, lag 1": dict(cold="int8", page_size=8, recent_pages=4, lag=1),
-    # session 14: does a larger fetch budget win back what the lag costs?
+    # does a larger fetch budget win back what the lag costs?
     "lag 1, fetch 8, int8 cold": dict(cold="int8", lag=1, fetch=8),
     "lag 1, fetch 16, int8 cold": dict(cold="int8", lag=1, fetch=16),
-    # session 18: the default is pages of 8 (4 recent); the default before it, for comparison
+    # the default is pages of 8 (4 recent); the earlier default, pages of 16, for comparison
     "pages of 16, 2 recent, int8 cold store": dict(cold="int8", page_size=16, recent_pages=2),
     "pages of 16, 2 recent, int4 cold store": dict(cold="int4", page_size=16, recent_pages=2),
     "default, fetch 8 (the tokens of fetch 4 at pages of 16), int8 cold": dict(cold="int8", fetch=8),
-    # session 25: rank 16 at the default pages of 8, 15.1 % device KV (the 1.5x target's <= 15 %)
+    # rank 16 at the default pages of 8, 15.1 % device KV (the 1.5x target's <= 15 %)
     "r16, int8 cold": dict(cold="int8", rank=16),
-    # session 26: pages scored a layer (or d layers) ahead, by the query layer l's weights make from
+    # pages scored a layer (or d layers) ahead, by the query layer l's weights make from
     # layer l - d's input (layer 0's refresh one step late), so the GPU decoder refreshes off the step's path
     "default, int8 cold": dict(cold="int8"),    # "default, int8 cold store" again, beside its ahead rows
     "default, int8 cold, ahead 1": dict(cold="int8", ahead=1),
-    "default, int8 cold, fetch 4": dict(cold="int8", fetch=4),   # the default before session 28
+    "default, int8 cold, fetch 4": dict(cold="int8", fetch=4),   # the earlier default (fetch is 8 now)
     "default, int8 cold, ahead 2": dict(cold="int8", ahead=2),
     "default, int8 cold, ahead 3": dict(cold="int8", ahead=3),
     "r16, int8 cold, ahead 1": dict(cold="int8", rank=16, ahead=1),

@@ -8,7 +8,7 @@ rounded outward to B bits), "proj:..." (plain key PCA basis).
 
     python benchmarks/thermal_page_bound.py --texts essays \
         --variants "sketch;full;qproj:r=32;qproj:r=32,b=8;qproj:r=64,b=8;proj:r=32,b=8" \
-        --json benchmarks/thermal_page_bound_s23.json
+        --json benchmarks/results/thermal_kv/quality_smollm2_cpu_4096_page_bound.json
 """
 import argparse
 import json

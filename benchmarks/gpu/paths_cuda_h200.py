@@ -425,10 +425,10 @@ def main(argv=None):
     res["micro"] = ffn_micro(fb, res)
     del fb
     torch.cuda.empty_cache()
-    bs.write_json(out / "paths_cuda_h200.json", res)
+    bs.write_json(out / "h200_cuda_kernels_llama1b_shape.json", res)
     if not a.skip_decode:
         res["decode"] = decode_bench(so, cfg, torch.bfloat16)
-    bs.write_json(out / "paths_cuda_h200.json", res)
+    bs.write_json(out / "h200_cuda_kernels_llama1b_shape.json", res)
     print_summary(res)
 
 

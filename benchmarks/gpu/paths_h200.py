@@ -2,7 +2,7 @@
 plugin's CUDA C) against torch references, time them against copy bandwidth, and time batch-1 decode
 of a llama-3.2-1b-shaped model (random weights, real shapes) dense vs sparse.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu/paths_h200.py --out DIR [--layers benchmarks/paths_gate_layers.json]
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu/paths_h200.py --out DIR [--layers benchmarks/results/paths/gate_keep_per_layer_smollm2.json]
 
 Dense side: zeroedge.runtime.fast.DenseDecoder (fused qkv / gate-up GEMVs, one CUDA graph a step).
 Sparse side: the same decoder with each FFN replaced by z = h A (rank R), the Triton gate-up kernel
@@ -30,7 +30,7 @@ ROOT = bs.ROOT
 def parse_args(argv=None):
     ap = bs.parser(__doc__)
     bs.add_out(ap, "/tmp/paths_out")
-    ap.add_argument("--layers", default=str(ROOT / "benchmarks" / "paths_gate_layers.json"),
+    ap.add_argument("--layers", default=str(ROOT / "benchmarks" / "results" / "paths" / "gate_keep_per_layer_smollm2.json"),
                     help="per-layer kept fractions measured by calibration (JSON with 'kept')")
     ap.add_argument("--rank", type=int, default=32, help="predictor rank R")
     return ap.parse_args(argv)
@@ -420,7 +420,7 @@ def main(argv=None):
     res["ffn_micro"] = ffn_micro(D, Fd, R, L, dt)
     print(json.dumps(res["ffn_micro"], indent=1), flush=True)
     res["decode"] = decode_bench(cfg, R, dt, a.layers)
-    bs.write_json(out / "paths_h200.json", res)
+    bs.write_json(out / "h200_triton_kernels_llama1b_shape.json", res)
     print_summary(res)
 
 

@@ -1,6 +1,6 @@
 """The plugins' enqueue paths on a GPU, on the very nodes a real TensorRT builder accepted.
 
-TensorRT-RTX builds our graphs in CI but runs no engine on the H200 (compute capability 9.0). So the
+TensorRT-RTX builds the exported graphs in CI but runs no engine on the H200 (compute capability 9.0). So the
 nodes of bundles whose engines built (fields, weights, shapes) are written out on the workstation, and
 on the GPU the harness (`zeroedge_harness LIB --run CASE.txt`) creates each plugin from exactly those
 fields and enqueues it; the outputs are compared with zeroedge.backends.plugin_reference.

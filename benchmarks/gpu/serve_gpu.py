@@ -2,7 +2,7 @@
 sequence at an 8K context, beside the dense single-sequence decoder (zeroedge.runtime.fast, CUDA graph
 and Triton attention) and the bandwidth roofline. Random weights at the llama-3.2-1b shape, bf16.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu/serve_gpu.py --ctx 8192 --batches 1,4,16,64 -o serve_gpu.json
+    PYTHONPATH=$PWD python3 benchmarks/gpu/serve_gpu.py --ctx 8192 --batches 1,4,16,64 -o benchmarks/results/serve/gpu_llama1b_8k_batches.json
 
 The KV of each sequence is filled with random values (a prefill would only cost time here); each
 batch runs `--steps` decode steps after two warm-up steps, timed with CUDA events. Roofline: the bytes

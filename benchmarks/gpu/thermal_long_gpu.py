@@ -21,11 +21,11 @@ GEN = 400          # decode_step_ms takes 3 + 5 x 64 steps
 SETTINGS = [       # (rank, fetch, refresh_every, cold store)
     (16, 4, 1, "host"), (32, 4, 1, "host"), (32, 8, 2, "host"), (32, 8, 4, "host"), (32, 8, 8, "host"),
     (32, 16, 8, "host"), (16, 8, 8, "host"), (32, 4, 1, "int8"), (32, 4, 1, "int4")]
-# --page-sizes (sessions 9, 18): the default policy with the int8 cold store at pages of 16 (2 recent) and
-# of 8 (4 recent: the same 32 recent tokens; fetch 4 and 8 pages; the default since session 18)
+# --page-sizes: the default policy with the int8 cold store at pages of 16 (2 recent) and
+# of 8 (4 recent: the same 32 recent tokens; fetch 4 and 8 pages; pages of 8 are the default)
 # -- (page size, recent pages, fetch)
 PAGE_SETTINGS = [(16, 2, 4), (8, 4, 4), (8, 4, 8)]
-# --lag (session 11): the window's attention by SDPA (before) or the Triton kernel, and the refresh
+# --lag: the window's attention by SDPA (before) or the Triton kernel, and the refresh
 # one step behind on a side stream (lag 1) -- (rank, fetch, refresh_every, cold store, lag, page
 # size, recent pages, attention); the refresh_every of 10^6 row is the window alone (one refresh at
 # the first step only)
@@ -33,14 +33,15 @@ LAG_SETTINGS = [(32, 4, 1, "int8", 0, 16, 2, "sdpa"), (32, 4, 1, "int8", 0, 16, 
                 (16, 4, 1, "int8", 0, 16, 2, "triton"), (32, 4, 1, "int8", 1, 16, 2, "triton"),
                 (16, 4, 1, "int8", 1, 16, 2, "triton"), (32, 4, 1, "int8", 0, 8, 4, "triton"),
                 (32, 4, 10 ** 6, "int8", 0, 16, 2, "triton")]
-# --frontier (session 25): the defaults since session 18 (pages of 8, 4 recent) at rank 32 and 16, lag 0
+# --frontier: the defaults (pages of 8, 4 recent) at rank 32 and 16, lag 0
 # and 1, and the window alone; with --sketch-kernels each row (but the window alone) once a sketch kernel
 FRONTIER_SETTINGS = [(32, 4, 1, "int8", 0, 8, 4, "triton"), (16, 4, 1, "int8", 0, 8, 4, "triton"),
                      (32, 4, 1, "int8", 1, 8, 4, "triton"), (16, 4, 1, "int8", 1, 8, 4, "triton"),
                      (32, 4, 10 ** 6, "int8", 0, 8, 4, "triton")]
-# --ahead D,... (session 26): with --frontier, its lag-0 rows once more for each D (kv.policy.ThermalSettings.ahead)
-# (the predict rows of benchmarks/thermal_lag_gpu.json were measured with commit 9d9b594's
-# PREDICT_SETTINGS and ThermalAttention(predict=1), since removed: thermal_kv.md section 2m)
+# --ahead D,...: with --frontier, its lag-0 rows once more for each D (kv.policy.ThermalSettings.ahead)
+# (the predict rows of benchmarks/results/thermal_kv/speed_h200_llama1b_32k_128k_lag_predict_pages16_old.json
+# were measured with commit 9d9b594's PREDICT_SETTINGS and ThermalAttention(predict=1), since removed:
+# benchmarks/thermal_kv.md)
 
 
 def row_options(text: str) -> dict:

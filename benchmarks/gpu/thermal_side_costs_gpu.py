@@ -10,7 +10,7 @@ loop is timed before and after and its mean is the divisor.
   no_sketch     no query projection or sketch (kernels.sketch_page_lse_q returns fixed scores)
   predict_only  neither: the side stream computes only the predicted query
   dec4          the selection's `dec` program with 4 warps (kernels.SWAP_WARPS (1, 4))
-  one_stream    every refresh on one side stream, as before session 30 (whose first runs measured the
+  one_stream    every refresh on one side stream, as before the two-stream refresh (whose first runs measured the
                 two streams as a `two_streams` row over one: git show d8708f4:benchmarks/gpu/thermal_side_costs_gpu.py)
   predict_int8  the predicted query from a packed int8 (group 128, symmetric) copy of the query rows
   predict_int4  the same from int4 (the queries differ: speed only, quality unmeasured)

@@ -1,0 +1,289 @@
+"""The README cannot rot: every quick-start line runs (or, where it needs a Jetson or a broker, is
+parsed by the real CLI), every figure of the results table equals what its raw file says, and every
+repository path the README and the guides name exists."""
+import json
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import click
+import pytest
+
+from conftest import REPO
+
+README = REPO / "README.md"
+# lines that need what CI cannot have (a Jetson over SSH, an MQTT broker and a sensor bundle in /opt):
+# parsed by the CLI with every option and path it names; the commands themselves run in
+# tests/test_deploy.py and tests/test_daemon.py against sshd and mosquitto on 127.0.0.1
+PARSE_ONLY = {"deploy", "daemon"}
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def quickstart_lines() -> list[list[str]]:
+    block = re.search(r"```\n(.*?)```", _section("Quick start"), re.S).group(1)
+    lines = []
+    for raw in block.splitlines():
+        words = shlex.split(raw, comments=True)
+        if words:
+            lines.append(words)
+    return lines
+
+
+def test_quickstart_is_zeroedge_commands_only():
+    lines = quickstart_lines()
+    assert len(lines) >= 8 and all(words[0] == "zeroedge" for words in lines)
+    names = {words[1] for words in lines}
+    assert {"run", "serve", "export", "build", "plan", "deploy", "daemon"} <= names
+
+
+def _parse(words: list[str], cwd: Path):
+    """What `zeroedge WORDS` would do up to calling the command: every option and argument converted
+    (paths checked) by the real CLI, nothing run."""
+    from zeroedge.cli import cli
+
+    args = [str(REPO / w) if not (cwd / w).exists() and (REPO / w).exists() else w for w in words[2:]]
+    cmd = cli.get_command(click.Context(cli), words[1])
+    assert cmd is not None, words[1]
+    cmd.make_context(words[1], args)
+
+
+def _serve_answers(words: list[str], cwd: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "zeroedge.cli", *words[1:], "--port", str(port)], cwd=cwd,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            assert p.poll() is None, p.stdout.read()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("zeroedge serve never answered /health")
+        body = json.dumps({"model": words[2], "max_tokens": 8,
+                           "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reply = json.load(r)
+        assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] > 0
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
+
+
+def test_quickstart_runs(tmp_path, rtx, plugin_lib, monkeypatch):
+    """In order, in an empty folder: each line exits 0 (serve answers a chat request), and the
+    deploy / daemon lines parse."""
+    monkeypatch.setenv("ZEROEDGE_PLUGINS_LIB", str(plugin_lib))
+    for words in quickstart_lines():
+        name = words[1]
+        if name in PARSE_ONLY:
+            monkeypatch.chdir(tmp_path)
+            _parse(words, tmp_path)
+        elif name == "serve":
+            _serve_answers(words, tmp_path)
+        else:
+            r = subprocess.run([sys.executable, "-m", "zeroedge.cli", *words[1:]], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0, f"{shlex.join(words)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+def test_named_paths_exist():
+    """Every repository path the README, the guides and the benchmark index name is there."""
+    pages = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]
+    missing = []
+    pattern = re.compile(r"`((?:docs|benchmarks|zeroedge|scripts|tests|plugins|ortops|device_tests|export)/"
+                         r"[\w./-]+)`|\]\(((?:docs|benchmarks)/[\w./-]+)\)")
+    for page in pages:
+        for m in pattern.finditer(page.read_text()):
+            rel = (m.group(1) or m.group(2)).rstrip(".")
+            if "<" in rel or "*" in rel:
+                continue
+            base = REPO if page.parent.name != "benchmarks" or rel.startswith("benchmarks/") else page.parent
+            if not (base / rel).exists() and not (REPO / rel).exists():
+                missing.append(f"{page.relative_to(REPO)}: {rel}")
+    assert not missing, "\n".join(missing)
+
+
+# --- the results table -------------------------------------------------------------------------------
+# One check per row, keyed by the row's first cell: it reads the row's raw file(s) and returns every
+# figure the row's result / peer / quality cells may show, formatted as the README shows it. The test
+# asserts that each of those figures is in the row and that the row shows no other figure.
+RESULTS = REPO / "benchmarks" / "results"
+NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?(?![\w.-])")  # not 128K, 0c1e570, 4-bit
+
+
+def _load(rel: str):
+    path = RESULTS / rel
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(path.read_text())
+
+
+def _f(x: float, digits: int) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _pct(x: float, digits: int = 2) -> str:
+    """A relative change as the README writes it: +1.14, −0.09 (the cell adds the %)."""
+    s = f"{100 * x:+.{digits}f}"
+    return s.replace("-", "−")
+
+
+def _range(xs, digits: int) -> str:
+    lo, hi = min(xs), max(xs)
+    return _f(lo, digits) if _f(lo, digits) == _f(hi, digits) else f"{_f(lo, digits)}–{_f(hi, digits)}"
+
+
+def _serve_cpu_clients():
+    d = _load("serve/cpu_smollm2_q4_clients.json")
+
+    def per(server, clients):
+        return [r["tokens_per_s"] for r in d["rows"] if r["server"] == server and r["clients"] == clients]
+
+    figures = []
+    for clients in (1, 4, 16):
+        figures += [_range(per("zeroedge", clients), 1), _range(per("llama-server", clients), 1)]
+    q = {r["text"]: r["q4_rise"] for r in _load("serve/quality_smollm2_cpu_weights.json")["rows"]}
+    return figures + [_pct(q["kjv"]), _pct(q["licenses"])]
+
+
+def _serve_gpu_batch():
+    d = _load("serve/gpu_llama1b_8k_batches.json")
+    row = {r["batch"]: r for r in d["rows"]}
+    return [_f(row[16]["tokens_per_s"], 0), _f(row[64]["tokens_per_s"], 0),
+            _f(d["dense_decoder_tokens_per_s"], 0), _f(row[16]["x_dense_decoder"], 2),
+            _f(row[64]["x_dense_decoder"], 2)]
+
+
+def _sih_pad():
+    rows = _load("prefill/sih_pad_frontier_smollm2_cpu.json")["rows"]
+    figures = []
+    for text in ("kjv", "essays", "licenses"):
+        sih = next(r for r in rows if r["text"] == text and r["method"].startswith("**SIH, gated"))
+        rnd = next(r for r in rows if r["text"] == text and r["method"] == "random at the gated layer rates")
+        figures += [_f(100 * sih["sk"], 1), _pct(sih["rise"]), _pct(rnd["rise"])]
+    return figures + [_f(100 * rnd["sk"], 1)]
+
+
+def _sensor_alarm():
+    d = _load("sensor/detect_tep_test_runs.json")
+    s = d["summary"]["1-21 excl. 3, 9, 15"]
+    return [_f(s["model"]["fdr"], 3), _f(d["far"]["model"], 3), _f(d["summary"]["1-21"]["model"]["fdr"], 3),
+            _f(s["pca_t2_or_q"]["fdr"], 3), _f(d["far"]["pca_t2_or_q"], 3)]
+
+
+def _thermal_row(rows, ctx, **setting):
+    return next(r for r in rows if r["ctx"] == ctx and all(r.get(k) == v for k, v in setting.items()))
+
+
+def _thermal_fast():
+    rows = _load("thermal_kv/speed_h200_llama1b_32k_128k_random_compiled.json")["rows"]
+    t = _thermal_row(rows, 131072, decoder="thermal", budget=0.075, ahead=1, refresh_every=1)
+    dense = _thermal_row(rows, 131072, decoder="dense")
+    q = {r["text"]: r["ppl_rise_pct"] for r in _load("thermal_kv/quality_smollm2_cpu_small_budgets.json")["rows"]
+         if r["ctx"] == 4096 and r["budget"] == 0.075 and r["options"] == {"fetch": 8, "ahead": 1}}
+    return [_f(t["tok_s"] / dense["tok_s"], 2), _f(t["tok_s"], 1), _f(dense["tok_s"], 1),
+            _f(100 * t["device_kv_frac"], 1), _f(100 * t["with_cold_on_device_frac"], 1),
+            *("+" + _f(q[x], 2) for x in ("kjv", "essays", "licenses"))]
+
+
+def _thermal_default():
+    rows = _load("thermal_kv/speed_h200_llama1b_32k_128k_random.json")["rows"]
+    figures = []
+    for ctx in (131072, 32768):
+        t = _thermal_row(rows, ctx, decoder="thermal", budget=0.1, ahead=0, refresh_every=1)
+        dense = _thermal_row(rows, ctx, decoder="dense")
+        figures += [_f(t["tok_s"] / dense["tok_s"], 2), _f(dense["tok_s"], 1)]
+        if ctx == 131072:
+            figures.append(_f(100 * t["device_kv_frac"], 1))
+    q = {r["text"]: r["ppl_rise"] for r in _load("thermal_kv/quality_smollm2_cpu_4096_default_ahead_fetch4.json")
+         if r["setting"] == "default, int8 cold"}
+    return figures + [_pct(q[x]) for x in ("kjv", "essays", "licenses")]
+
+
+def _thermal_orin_nano_cap():
+    rows = {r["mode"]: r for r in _load("thermal_kv/memory_h200_orin_nano_cap_llama1b_dense_earlier.json")["rows"]}
+    file, dense = rows["thermal int8 file"]["largest_prompt"], rows["dense"]["largest_prompt"]
+    return [_f(file, 0), _f(dense, 0), _f(file / dense, 2)]
+
+
+def _thermal_peers():
+    lines = _load("thermal_kv/quality_smollm2_cpu_peers_pages16.jsonl")
+
+    def rise(method, budget, tag=""):
+        full = next(r for r in lines if r["text"] == "essays" and r["ctx"] == 4096 and r["method"] == "full")
+        r = next(r for r in lines if r["text"] == "essays" and r["ctx"] == 4096 and r["method"] == method
+                 and r["budget"] == budget and r["tag"] == tag)
+        return r, _pct(r["ppl"] / full["ppl"] - 1)
+
+    r, x = rise("thermal", 0.1, "r32b3")
+    figures = [x, _f(100 * r["hot_fraction"], 1)]
+    for method in ("streaming", "h2o", "snapkv"):
+        r, x = rise(method, 0.1)
+        figures += [x, _f(100 * r["hot_fraction"], 1)]
+    return figures
+
+
+ROW_CHECKS = {
+    "thermal KV, 128K, 7.5 % hot, `--kv-ahead 1`": _thermal_fast,
+    "thermal KV, default (10 % hot), 128K / 32K": _thermal_default,
+    "thermal KV, largest prompt under an Orin Nano 8 GB cap": _thermal_orin_nano_cap,
+    "thermal KV against eviction peers, essays, 4096": _thermal_peers,
+    "`serve`, 1 / 4 / 16 clients": _serve_cpu_clients,
+    "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
+    "SIH + PAD prefill, 4096-token passages": _sih_pad,
+    "sensor alarm, tep-studio test runs": _sensor_alarm,
+}
+
+
+def results_rows() -> list[list[str]]:
+    rows = []
+    for line in _section("Results").splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_results_table_matches_raw_files():
+    header, *rows = results_rows()
+    assert header[:8] == ["what", "hardware", "weights", "result", "peer, same run", "quality cost, same setting",
+                          "command", "raw file"], header
+    checked = set()
+    for row in rows:
+        what, hardware, _, result, peer, quality, command, raw = row[:8]
+        if result.startswith("not measured"):
+            assert "Jetson" in hardware or "Jetson" in what, row
+            continue
+        assert what in ROW_CHECKS, f"no check for the README row {what!r}"
+        for rel in re.findall(r"`([^`]+\.jsonl?)`", raw):
+            assert (RESULTS / rel).is_file(), rel
+        assert command.strip("`"), what
+        expected = ROW_CHECKS[what]()
+        shown = " ".join((result, peer, quality))
+        found = NUMBER.findall(shown)
+        for figure in expected:
+            for part in figure.split("–"):
+                assert part in found, f"{what}: {part} (from the raw file) is not in {shown!r}"
+        allowed = {p for f in expected for p in f.split("–")}
+        extra = [n for n in found if n not in allowed]
+        assert not extra, f"{what}: {extra} in {shown!r} come from no raw file"
+        checked.add(what)
+    assert checked == set(ROW_CHECKS), set(ROW_CHECKS) - checked

@@ -1,7 +1,7 @@
 """The serving session on a CUDA GPU: the decoders it picks run there (CUDA graphs), agree with
 CPU where they must, and what a request gets (tokens/s, device KV bytes, pages migrated).
 
-    python benchmarks/serving_gpu.py            # on a CUDA machine; writes gpu_session_llama1b_dense_thermal.json to $OUT
+    python benchmarks/serving_gpu.py            # on a CUDA machine; writes gpu_run_llama1b_dense_thermal.json to $OUT
 
 1. tiny model (fp32, TF32 off): session dense on CUDA == on CPU; thermal at budget 1 == dense;
    paths (magnitude rule, Triton) and thermal + paths run.
@@ -83,7 +83,7 @@ def main():
             torch.cuda.empty_cache()
     res["llama-3.2-1b"] = rows
     out = Path(os.environ.get("OUT", "."))
-    (out / "gpu_session_llama1b_dense_thermal.json").write_text(json.dumps(res, indent=1))
+    (out / "gpu_run_llama1b_dense_thermal.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """fp16 against fp32 weights in a bundle (SmolLM2-135M, dense export, onnxruntime CPU): bundle bytes,
 export time, perplexity of a teacher-forced continuation of real text, greedy agreement.
 
-    python benchmarks/bundle_weights.py --prompt 512 --score 256 --json benchmarks/bundle_weights.json
+    python benchmarks/bundle_weights.py --prompt 512 --score 256 --json benchmarks/results/weights/cpu_bundle_fp16_vs_fp32_ppl.json
 
 Both bundles come from the same model in the same run; the text is KJV (Debian bible-kjv) and the
 essays corpus, tokens [0, prompt) prefilled and the next `score` tokens scored one decode step at a
@@ -39,7 +39,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--score", type=int, default=256)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default="benchmarks/results/weights/cpu_bundle_fp16_vs_fp32_ppl.json")
     a = ap.parse_args()
     from zeroedge import bundle as bundle_mod
     from zeroedge import texts, weights

@@ -4,16 +4,15 @@ step at a time (benchmarks/bundle_weights.nll_run: the decode graph the device r
 the greedy agreement of the two bundles, and the largest logit difference over the steps relative
 to the largest logit.
 
-Session 8 used it for the decode graph's rewrite (fused q/k/v and gate/up GEMVs, RoPE as a matrix,
-a float16 V window), with both bundles exported at accuracy level 0 (exact fp32 activations: at
-level 4 each MatMulNBits rounds its inputs to int8, and any change upstream flips some of those
-roundings, which hides the graph's own error):
+To compare two graphs of the same weights, export both at accuracy level 0 (exact fp32
+activations: at level 4 each MatMulNBits rounds its inputs to int8, and any change upstream flips
+some of those roundings, which hides the graph's own error). Against the fp32 bundle (the cost of
+the 4-bit bundle's decode path, benchmarks/weights_cpu.md):
 
-    git worktree add /tmp/old <commit before the rewrite>      # export the old graph from there
-    (cd /tmp/old && ln -s ../export zeroedge/export && PYTHONPATH=/tmp/old python3 -m zeroedge.cli \\
-        export smollm2-135m --weights int4 --zero-point float --graphs portable -o /tmp/old_b)
-    zeroedge export smollm2-135m --weights int4 --zero-point float --graphs portable -o /tmp/new_b
-    python3 benchmarks/decode_graph_check.py /tmp/old_b /tmp/new_b -o benchmarks/decode_graph_s8.json
+    zeroedge export smollm2-135m --weights fp32 --graphs portable -o /tmp/f32
+    zeroedge export smollm2-135m --weights int4 --zero-point float --graphs portable --cpu-kernels zeroedge -o /tmp/zk
+    python3 benchmarks/decode_graph_check.py /tmp/f32 /tmp/zk --score 1024 \\
+        -o benchmarks/results/weights/cpu_int4_bundle_ppl_vs_fp32_bundle.json
 """
 import argparse
 import json

@@ -3,7 +3,7 @@ the same session fed a dict every step, interleaved in one process: SmolLM2's in
 prompt, 8 reps x 20 greedy steps each, 2 threads; also checks both decode the same tokens.
 
     zeroedge export smollm2-135m --weights int4 --zero-point float --accuracy-level 4 --graphs portable -o /tmp/cpu/new
-    python benchmarks/ort_binding_ab.py --bundle /tmp/cpu/new --runs 3 -o benchmarks/ort_binding_ab.json
+    python benchmarks/ort_binding_ab.py --bundle /tmp/cpu/new --runs 3 -o benchmarks/results/weights/cpu_ort_iobinding_ab.json
 """
 import argparse
 import json
@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("-o", "--output", type=Path)
+    ap.add_argument("-o", "--output", type=Path, default=Path("benchmarks/results/weights/cpu_ort_iobinding_ab.json"))
     a = ap.parse_args()
     rows = []
     for run in range(a.runs):

@@ -1,5 +1,7 @@
-"""SmolLM2-135M on this CPU: zeroedge's onnxruntime bundles (fp16 / fp32 / int4 ...) against llama.cpp
-running the Q4_1 GGUF the model ships as, on the same KJV token ids.
+"""SmolLM2-135M on a CPU: zeroedge's onnxruntime bundles (fp16 / fp32 / int4 ...) against each other
+and against llama.cpp through llama-cpp-python, running the Q4_1 GGUF the model ships as, on the
+same KJV token ids. (For llama.cpp's own binaries, llama-bench and llama-perplexity, see
+benchmarks/weights_cpu_llamacpp.py, which imports the runner from here.)
 
 Per runner and prompt length T: prefill tok/s (T tokens), then decode tok/s (64 greedy tokens, one
 at a time). Runs are interleaved (rep -> length -> runner) so load drift hits every runner alike; the
@@ -7,13 +9,14 @@ median of the reps is reported. The onnxruntime runner gets exactly T + 64 hot s
 no empty slots: the same attention as llama.cpp) and prefills in the bundle's chunks, as `zeroedge
 run` does. llama.cpp gets n_ctx = max T + 72, n_batch 512, the same thread count.
 
-  zeroedge export smollm2-135m --weights fp16 -o /tmp/b16          # and fp32, int4 (see weights_cpu.md)
+  zeroedge export smollm2-135m --weights int4 --zero-point float --accuracy-level 4 --graphs portable -o /tmp/cpu/new
   zeroedge export smollm2-135m --weights int4 --zero-point float --accuracy-level 4 --graphs portable \
-      --cpu-kernels zeroedge -o /tmp/bz                             # zeroedge's own kernels (ortops/)
-  python benchmarks/weights_cpu.py --bundle fp16=/tmp/b16 --bundle int4=/tmp/b4 ... -o benchmarks/weights_cpu.json
+      --cpu-kernels zeroedge -o /tmp/cpu/zkf                        # zeroedge's own kernels (ortops/)
+  python benchmarks/weights_cpu.py --bundle stock=/tmp/cpu/new --bundle zeroedge-kernels=/tmp/cpu/zkf --reps 5 \
+      -o benchmarks/results/weights/cpu_stock_vs_zeroedge_kernels_int8_inputs.json
 
-llama.cpp (in a worker process of its own) is the `llama_cpp` module of llama-cpp-python (`pip install llama-cpp-python`: it compiles
-llama.cpp, ~17 min on this machine; not part of CI); --no-llama skips it.
+llama-cpp-python (`pip install llama-cpp-python`: it compiles llama.cpp, ~17 min on a 2-core CPU; not
+part of CI) runs in a worker process of its own; --no-llama skips it.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ layer's inputs (q/k/v, o, gate/up, down and the int8 LM head) are rounded as the
 int8 scale a run) by forward pre-hooks, in the teacher-forced forward of `zeroedge eval`'s protocol
 (4096 tokens at offset 0 of KJV / essays / licenses, the last 1024 scored).
 
-    python benchmarks/weights_int8_inputs.py -o benchmarks/weights_int8_inputs.json [--threads 2]
+    python benchmarks/weights_int8_inputs.py -o benchmarks/results/weights/smollm2_ppl_int8_inputs_cpu.json [--threads 2]
 """
 import argparse
 import copy
@@ -25,7 +25,7 @@ SCHEMES = [(4, 32, False, "float"), (4, 128, True, "int")]
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("-o", "--output", default="benchmarks/results/weights/smollm2_ppl_int8_inputs_cpu.json")
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
     if a.threads:

@@ -2,7 +2,7 @@
 m the block minimum, blocks of 32 along the input dimension) on SmolLM2's linear weights. Not a scheme
 zeroedge ships (onnxruntime's quantizer writes integer zero points); it shows what "aligned" means.
 
-    python benchmarks/weights_q41_check.py > benchmarks/weights_q41_check.json
+    python benchmarks/weights_q41_check.py > benchmarks/results/weights/smollm2_q41_grid_check.json
 """
 import torch, json
 from zeroedge import weights, texts

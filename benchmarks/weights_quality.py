@@ -3,8 +3,8 @@ onnxruntime MatMulNBits numerics), RTN and AWQ, on KJV / essays / licenses (4096
 the last 1024 scored: `zeroedge eval`'s protocol); weight bytes per scheme; how far each scheme's
 dequantized weights are from the model's own (a Q4_1 GGUF, dequantized).
 
-    python benchmarks/weights_quality.py -o benchmarks/weights_quality.json [--threads 2]
-    python benchmarks/weights_quality.py -o benchmarks/weights_quality.json --append \
+    python benchmarks/weights_quality.py -o benchmarks/results/weights/smollm2_ppl_by_scheme_cpu.json [--threads 2]
+    python benchmarks/weights_quality.py -o benchmarks/results/weights/smollm2_ppl_by_scheme_cpu.json --append \
         --rows 'int4 g32 asym float-zp RTN, embedding int8' ...       (more rows into the same JSON:
         fp32 re-measured in the run and checked against the file's)
 
@@ -34,7 +34,7 @@ SCHEMES = [  # (bits, group, symmetric, method, embedding int8 (its group: quant
     (4, 32, False, "rtn", None), (8, 128, True, "rtn", 128), (8, 32, False, "rtn", 128),
     # a float zero point (Q4_1's form, zeroedge.quant.groupwise.quantize_float): (..., "float")
     (4, 32, False, "rtn", 128, "float"), (4, 32, False, "rtn", None, "float"), (4, 128, False, "rtn", 128, "float"),
-    # the embedding (= tied LM head) int4 (`calibrate --embedding int4`, session 17): (..., zp, 4)
+    # the embedding (= tied LM head) int4 (`calibrate --embedding int4`): (..., zp, 4)
     (4, 32, False, "rtn", 128, "float", 4), (4, 128, True, "rtn", 128, "int", 4),
 ]
 
@@ -70,7 +70,7 @@ def grid_match(model, scheme):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("-o", "--output", default="benchmarks/results/weights/smollm2_ppl_by_scheme_cpu.json")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--awq-grid", type=int, default=10)

@@ -242,11 +242,42 @@ def _thermal_peers():
     return figures
 
 
+def _weights_cpu_llama():
+    d = _load("weights/cpu_int4_bundle_vs_llamacpp.json")
+    sm, ppl = d["summary"], d["perplexity"]["contexts"]
+    figures = []
+    for key in ("decode_tok_s_median",):
+        for side in ("zeroedge", "llama-bench fa off", "llama-bench fa on"):
+            figures += [_f(sm[side][t][key], 1) for t in ("512", "2048")]
+    figures += [_f(d["decode_ratio_of_medians"][t]["zeroedge_over_best_llama_bench"], 2) for t in ("512", "2048")]
+    for side in ("zeroedge_rise_over_fp32_pct", "llama_fa_off_rise_over_fp32_pct"):
+        figures += [_pct(ppl[t][side] / 100) for t in ("512", "2048")]
+    return figures
+
+
+def _weights_h200(weights: str, scheme: str, inputs, digits: int):
+    def check():
+        rows = _load("weights/h200_decode_int4_vs_bf16.json")["decode"]
+        q4 = next(r for r in rows if r["ctx"] == 8192 and r["weights"] == weights)
+        bf16 = next(r for r in rows if r["ctx"] == 8192 and r["weights"] == "bf16")
+        source = "smollm2_ppl_int8_inputs_cpu.json" if inputs else "smollm2_ppl_by_scheme_cpu.json"
+        q = next(r for r in _load(f"weights/{source}")["rows"]
+                 if r["scheme"] == scheme and r.get("inputs") == inputs)
+        return [_f(q4["tok_s"], 1), _f(q4["tok_s"] / bf16["tok_s"], 2), _f(bf16["tok_s"], 1),
+                *(_pct(q["rise"][x], digits) for x in ("kjv", "essays", "licenses"))]
+    return check
+
+
 ROW_CHECKS = {
     "thermal KV, 128K, 7.5 % hot, `--kv-ahead 1`": _thermal_fast,
     "thermal KV, default (10 % hot), 128K / 32K": _thermal_default,
     "thermal KV, largest prompt under an Orin Nano 8 GB cap": _thermal_orin_nano_cap,
     "thermal KV against eviction peers, essays, 4096": _thermal_peers,
+    "4-bit bundle decode, 512 / 2048 tokens of context": _weights_cpu_llama,
+    "4-bit decode, the Q4_1 grid (groups of 32), 8K": _weights_h200(
+        "int4-g32-fzp/int8-inputs", "int4 g32 asym float-zp RTN, embedding int8", "int8", 2),
+    "4-bit everything (groups of 128, int4 embedding), 8K": _weights_h200(
+        "int4-g128-sym-e4/int8-inputs", "int4 g128 sym RTN, embedding int4", None, 1),
     "`serve`, 1 / 4 / 16 clients": _serve_cpu_clients,
     "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,

@@ -57,7 +57,7 @@ def main(argv=None):
             del d
         torch.cuda.empty_cache()
     DA.SPLITS, DA.BLOCK, DA.WARPS, DA.STAGES = saved
-    bs.write_json(bs.out_dir(a.out) / ("decode_attention_launch_gpu.json" if launch else "decode_attention_gpu.json"),
+    bs.write_json(bs.out_dir(a.out) / ("h200_decode_attention_launch.json" if launch else "h200_decode_attention_splits.json"),
                   res)
     for ctx in ctxs:
         first = next(r["ms"] for r in rows if r["ctx"] == ctx)

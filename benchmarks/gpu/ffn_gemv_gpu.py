@@ -2,7 +2,7 @@
 and g32 float zero point): gate/up with the norm, SwiGLU and the down projection's inputs prepared
 in its epilogue, then down on those inputs with the residual. Each launch setting timed as a CUDA
 graph of 20 calls (us a call, TB/s of the weight bytes), the setting in triton_gemv.CONFIG_I8 first.
-(The "pipelined" rows of benchmarks/ffn_gemv_gpu.json ran a kernel variant of commit 291925e, removed.)
+(The "pipelined" rows of benchmarks/results/weights/h200_gemv_ffn_launch_sweep.json ran a kernel variant of commit 291925e, removed.)
 
 With --qkvo: the attention's two packed GEMVs instead (q/k/v with the norm, o with the residual), in
 the one-kernel form and prepared.
@@ -75,7 +75,7 @@ def main(argv=None):
                 t = us(lambda: call(c))
                 rows.append(dict(shape=shape, group=group, setting=name, config=c, us=t, tb_s=nbytes / t / 1e6))
                 print(json.dumps(rows[-1]), flush=True)
-    bs.write_json(bs.out_dir(a.out) / ("qkvo_gemv_gpu.json" if a.qkvo else "ffn_gemv_gpu.json"), res)
+    bs.write_json(bs.out_dir(a.out) / ("h200_gemv_qkvo_launch_sweep.json" if a.qkvo else "h200_gemv_ffn_launch_sweep.json"), res)
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for group in (128, 32):
             rs = [r for r in rows if r["shape"] == shape and r["group"] == group]

@@ -2,23 +2,23 @@
 shape, random weights; bf16 and packed int4 with int8 inputs), the switch alternated off / on twice
 (three times with --reps 3), and the logits of one step with and without it (the same arithmetic:
 they must agree bit for bit). Switches:
-  pdl           programmatic dependent launch (ZEROEDGE_PDL=0 / 1; session 10)
+  pdl           programmatic dependent launch (ZEROEDGE_PDL=0 / 1)
   fused-inputs  the down projection's int8 inputs prepared in the gate/up GEMV's epilogue (the
-                `then` of zeroedge.quant.triton_gemv.gemv) or by a launch of their own (session 12)
-  qkv-g32       the g32 q/k/v GEMV's launch setting of session 13 or session 12's (CONFIG_I8)
+                `then` of zeroedge.quant.triton_gemv.gemv) or by a launch of their own
+  qkv-g32       the g32 q/k/v GEMV's launch setting (4 rows x 256 words, 4 warps) or the one before (CONFIG_I8)
   qkvo-split1   the g128 q/k/v and o GEMVs in one launch each (SPLIT 1) or split 4 with a sum launch
   early-weights the int8-input GEMVs' first weight tile loaded before PDL's wait
-                (zeroedge.quant.triton_gemv.EARLY_WEIGHTS; session 17) or after it
+                (zeroedge.quant.triton_gemv.EARLY_WEIGHTS) or after it
   qkvo-prepared q/k/v and o on inputs rounded by a launch of their own, or in every program
-  one-tile      gate/up g128, down g32 and the int8 LM head read in one tile a program (session 17)
-  head4         the LM head packed in the body's 4-bit scheme instead of int8 g128 (session 17)
+  one-tile      gate/up g128, down g32 and the int8 LM head read in one tile a program
+  head4         the LM head packed in the body's 4-bit scheme instead of int8 g128
   head4-launch  with --head4: the 4-bit head's launch (pick's fallback / the int8 head's shape)
   (the launch-setting switches sum in another order: the logits may differ by rounding; head4
   changes the weights)
-(benchmarks/cuda_q4_gpu.json came from a third switch, cuda-q4, in this script at commit 88eab61;
-benchmarks/early_kv_gpu.json from early-kv, the dense attention's first K / V block loaded before
-PDL's wait, at commit 5ec0cbb + a change not kept: bf16 -1.6 %, int4 +0.7 % at 8K, -1.2 % at 32K;
-benchmarks/early2_gpu.json from early2, the prepared-input GEMVs' first two tiles before the wait
+(benchmarks/results/weights/h200_ab_cuda_q4_gemv.json came from a third switch, cuda-q4, in this script at commit 88eab61;
+benchmarks/results/weights/h200_ab_early_kv.json from early-kv, the dense attention's first K / V block loaded before
+PDL's wait, at commit 5ec0cbb + a change not kept: bf16 -1.5 %, int4 g128 +0.7 % at 8K, -1.1 % at 32K;
+benchmarks/results/weights/h200_ab_early_two_tiles.json from early2, the prepared-input GEMVs' first two tiles before the wait
 instead of one, a kernel change not kept: int4 g128 -1.3 %, g32 float-zp -3.1 % at 8K.)
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu/pdl_gpu.py [--switch pdl] [--ctx 8192,32768] [--out DIR]
@@ -38,7 +38,7 @@ LAUNCH = {   # launch-setting switches: CONFIG_I8 key -> (off, on)
                                            dict(BN=8, BW=256, SPLIT=1, num_warps=8)),
                     (2048, 2048, 4, 128): (dict(BN=4, BW=256, SPLIT=4, num_warps=8),
                                            dict(BN=4, BW=256, SPLIT=1, num_warps=8))},
-    # the multi-tile GEMVs in one tile a program (session 17: the first tile loads before PDL's wait)
+    # the multi-tile GEMVs in one tile a program (the first tile loads before PDL's wait)
     "one-tile": {(16384, 2048, 4, 128): (dict(BN=16, BW=128, SPLIT=1, num_warps=8, num_stages=4, PREPARED=True),
                                          dict(BN=16, BW=256, SPLIT=1, num_warps=8, PREPARED=True)),
                  (2048, 8192, 4, 32): (dict(BN=8, BW=128, SPLIT=4, num_warps=8, num_stages=1, PREPARED=True),
@@ -146,7 +146,10 @@ def main(argv=None):
         torch.cuda.empty_cache()
     _set(a.switch, True)
     os.environ.pop("ZEROEDGE_PDL", None)
-    bs.write_json(bs.out_dir(a.out) / f"{'pdl' if a.switch == 'pdl' else a.switch.replace('-', '_')}_gpu.json", res)
+    names = {"early-weights": "early_weights", "head4": "int4_head", "head4-launch": "int4_head_launch",
+             "qkv-g32": "qkv_g32_launch", "qkvo-split1": "qkvo_one_launch", "qkvo-prepared": "qkvo_prepared_inputs"}
+    name = names.get(a.switch, a.switch.replace("-", "_"))     # the names under benchmarks/results/weights/
+    bs.write_json(bs.out_dir(a.out) / f"h200_ab_{name}.json", res)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the PyTorch reference, then time them.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu/run_kernels_h200.py [--out DIR] [--arch sm_90]
-    python3 benchmarks/gpu/run_kernels_h200.py --plot results.json benchmarks/plugins.png
+    python3 benchmarks/gpu/run_kernels_h200.py --plot results.json benchmarks/results/plugins/h200_sih_pad_kernels.png
 
 Timing: CUDA graphs of 8 iterations over 8 rotating input sets (more bytes than the 60 MB L2),
 3 warm-up replays, then the median of 25 timed replays (device events), divided by 8.
@@ -33,7 +33,7 @@ def parse_args(argv=None):
     bs.add_out(ap, "/tmp/zeroedge_bench")
     ap.add_argument("--arch", default="sm_90", help="nvcc architecture (default sm_90)")
     ap.add_argument("--plot", nargs=2, metavar=("RESULTS_JSON", "PNG"),
-                    help="only draw benchmarks/plugins.png from a results.json (no GPU needed)")
+                    help="only draw benchmarks/results/plugins/h200_sih_pad_kernels.png from a results.json (no GPU needed)")
     return ap.parse_args(argv)
 
 
@@ -378,7 +378,7 @@ def render_markdown(res) -> str:
 
 
 def plot(results_json: str, png: str):
-    """benchmarks/plugins.png from a results.json: SIH stages against the layer; compaction vs kept."""
+    """benchmarks/results/plugins/h200_sih_pad_kernels.png from a results.json: SIH stages against the layer; compaction vs kept."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -20,7 +20,7 @@ import bench_setup as bs
 
 GEN = 400
 SCHEMES = {"int4-g32-fzp": (4, 32, False, "float"), "int4-g128-sym": (4, 128, True, "int")}
-# the same with the embedding (= tied LM head) int4 (`calibrate --embedding int4`; session 17)
+# the same with the embedding (= tied LM head) int4 (`calibrate --embedding int4`)
 EMBEDDING4 = {"int4-g32-fzp-e4": "int4-g32-fzp", "int4-g128-sym-e4": "int4-g128-sym"}
 
 
@@ -345,7 +345,9 @@ def main(argv=None):
     res["decode"] = decode("llama-3.2-1b", bs.int_list(a.ctx), res["copy_bw_GBs"] * 1e9, paths_only=a.paths_only,
                            attn_compare=a.attn_compare, variants=a.variants and a.variants.split(","),
                            dense_only=a.dense_only)
-    bs.write_json(out / "weights_gpu.json", res)
+    name = ("h200_decode_int4_paths.json" if a.paths_only else "h200_decode_int4_vs_bf16.json" if a.no_sweep
+            else "h200_gemv_launch_sweep_vs_cublas.json")      # the names under benchmarks/results/weights/
+    bs.write_json(out / name, res)
     print("\nSUMMARY  copy %.0f GB/s" % res["copy_bw_GBs"])
     print("checks max rel", max(v["rel"] for v in res["checks"].values()),
           "int8 inputs", max(v["rel_int8_inputs"] for v in res["checks"].values()))

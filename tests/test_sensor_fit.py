@@ -65,6 +65,12 @@ def test_fit_manifest_records_provenance(split, fitted):
     assert prov["train"]["best_step"] <= prov["train"]["steps"] <= 200
     assert s["alarm"]["far_target"] == 0.01 and 0 < s["alarm"]["threshold"] < 1
     assert s["alarm"]["val_far"] <= 0.01 and summary["held_out_far"] == s["alarm"]["val_far"]
+    # 85 held-out normal samples are two independent alarm blocks: far too few to support FAR 0.01,
+    # and the fit says so (log, manifest, summary) instead of promising the 0.000 it saw
+    ev = prov["validation"]["far_evidence"]
+    assert ev == s["alarm"]["val_far_evidence"] and ev["independent_blocks"] <= 3 and not ev["supported"]
+    assert ev["far_upper"] > 0.5 and summary["held_out_far_upper_95"] == ev["far_upper"]
+    assert summary["far_target_supported"] is False and "bound the FAR only below" in log
     assert set(prov["validation"]["per_class"]) == {"fault_01", "fault_02", "fault_06"}
     # the normalisation is the plant's own (training part of d00), not the shipped one
     from zeroedge.sensor.tep import load_run
@@ -148,6 +154,20 @@ def test_daemon_warns_on_data_unlike_the_bundle(tmp_path, sensor_bundle, fitted)
         logs[name] = p.stderr
     assert "sensor=line1: the first 32 samples do not look like" in logs["shipped"]
     assert "do not look like" not in logs["fitted"]
+
+
+def test_far_evidence_counts_independent_blocks():
+    from zeroedge.sensor.fit import far_evidence
+
+    quiet = far_evidence([np.zeros(20_000, bool)], 32, 0.5, 0.01)   # blocks of 32 + 7 samples
+    assert quiet["block_samples"] == 39 and quiet["independent_blocks"] == 512 and quiet["alarmed_blocks"] == 0
+    assert abs(quiet["far_upper"] - (1 - 0.05 ** (1 / 512))) < 1e-4 and quiet["supported"]
+    few = far_evidence([np.zeros(100, bool), np.zeros(100, bool)], 32, 1.0, 0.01)
+    assert few["independent_blocks"] == 6 and not few["supported"]
+    noisy = np.zeros(20_000, bool)
+    noisy[::390] = True                                              # one block in ten alarms
+    loud = far_evidence([noisy], 32, 0.5, 0.01)
+    assert loud["alarmed_blocks"] == 52 and 0.1 < loud["far_upper"] < 0.2 and not loud["supported"]
 
 
 def test_threshold_and_monitor_units():

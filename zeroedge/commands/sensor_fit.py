@@ -53,12 +53,15 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     summary = {"bundle": str(out), "window": s["window"], "threshold": s["alarm"]["threshold"],
                "ema_alpha": s["alarm"]["ema_alpha"], "far_target": far,
                "held_out_far": s["fit"]["validation"]["far"], "held_out_fdr": s["fit"]["validation"]["fdr"],
+               "held_out_far_upper_95": s["alarm"]["val_far_evidence"]["far_upper"],
+               "far_target_supported": s["alarm"]["val_far_evidence"]["supported"],
                "unobservable": s["fit"]["unobservable_classes"], "seconds": s["fit"]["seconds"]}
     if as_json:
         click.echo(json.dumps(summary))
     else:
         click.echo(f"sensor bundle -> {out}: threshold {summary['threshold']:.6f}, EMA alpha {summary['ema_alpha']}, "
-                   f"held-out FAR {summary['held_out_far']:.3f}"
+                   f"held-out FAR {summary['held_out_far']:.3f} (95 % bound {summary['held_out_far_upper_95']:.3f}"
+                   + ("" if summary["far_target_supported"] else f", above the {far} target") + ")"
                    + ("" if summary["held_out_fdr"] is None else f", held-out FDR {summary['held_out_fdr']:.3f}"))
 
 

@@ -395,7 +395,8 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
         "fault_files": [{"file": str(r.path), "sha256": r.sha256, "samples": len(r.data),
                          "class": CLASS_NAMES[r.label]} for r in faults],
         "unobservable_classes": [CLASS_NAMES[k] for k in runs.unobs], "split": runs.split, "train": train_info,
-        "validation": {"far": alarm["val_far"], "fdr": alarm["val_fdr"], "per_class": per_class},
+        "validation": {"far": alarm["val_far"], "far_evidence": alarm["val_far_evidence"], "fdr": alarm["val_fdr"],
+                       "per_class": per_class},
         "far_target": far, "window": window, "seconds": None}
     meta = {"config": model.cfg.to_dict(), "window": window, "channels": N_CHANNELS,
             "class_names": list(CLASS_NAMES), "hard_faults": list(runs.unobs),
@@ -440,6 +441,35 @@ def _split_faults(faults, nz, Zval_all, mon, pca, window: int, log) -> _FaultRun
     return runs
 
 
+def far_evidence(alarmed, window: int, alpha: float, far: float, level: float = 0.95) -> dict:
+    """What held-out normal data can say about the false-alarm rate: the smoothed alarm of nearby
+    samples is one decision (a window plus the EMA's memory apart), so n samples are only about
+    n / (window + memory) independent trials. With k of those blocks alarmed, the one-sided
+    Clopper-Pearson bound at `level`; the data support the target only when that bound is at or
+    below it. `alarmed`: one boolean array per held-out normal stretch."""
+    memory = 0 if alpha >= 1 else int(np.ceil(np.log(0.01) / np.log(1 - alpha)))
+    span = window + memory
+    blocks = [a[i:i + span] for a in alarmed for i in range(0, len(a) - span + 1, span)]
+    n, k = len(blocks), int(sum(bool(b.any()) for b in blocks))
+    upper = 1.0 if n == 0 else _binomial_upper(k, n, 1 - level)
+    return {"independent_blocks": n, "block_samples": span, "alarmed_blocks": k,
+            "far_upper": round(upper, 4), "level": level, "supported": upper <= far}
+
+
+def _binomial_upper(k: int, n: int, tail: float) -> float:
+    """The p at which P(X <= k | n, p) = tail (bisection on the binomial CDF)."""
+    from math import comb
+
+    if k >= n:
+        return 1.0
+    lo, hi = k / n, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        cdf = sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+        lo, hi = (p, hi) if cdf > tail else (lo, p)
+    return hi
+
+
 def _calibrate_alarm(det, n_val, val_raw, far: float, log) -> tuple:
     """The alarm filter on the held-out data: for each EMA alpha the threshold for the target FAR on
     normal runs, the alpha with the best held-out FDR on the fault runs (each after a normal
@@ -467,12 +497,17 @@ def _calibrate_alarm(det, n_val, val_raw, far: float, log) -> tuple:
         guess = np.argmax(P[o:, 1:], 1) + 1
         pred = int(np.bincount(guess[post], minlength=len(CLASS_NAMES)).argmax()) if post.any() else 0
         per_class[CLASS_NAMES[k]] = {"fdr": round(float(post.mean()), 4), "predicted": CLASS_NAMES[pred]}
+    evidence = far_evidence([ema(s, alpha) > thr for s in norm_scores], det.window, alpha, far)
     alarm = {"ema_alpha": alpha, "threshold": thr, "far_target": far, "val_far": round(val_far, 5),
-             "val_fdr": round(val_fdr, 5) if fault_runs else None,
+             "val_far_evidence": evidence, "val_fdr": round(val_fdr, 5) if fault_runs else None,
              "rule": "threshold: Gaussian fit of the smoothed log-odds of held-out normal scores, "
                      "mean + z(1-far) * std, at least their maximum; alpha: best held-out FDR"}
     log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}; held-out FAR {val_far:.3f}"
         + (f", held-out FDR {val_fdr:.3f} over {len(fault_runs)} fault files" if fault_runs else ""))
+    if not evidence["supported"]:
+        log(f"[sensor-fit] warning: the held-out normal data are {evidence['independent_blocks']} independent "
+            f"alarm blocks of {evidence['block_samples']} samples; they bound the FAR only below "
+            f"{evidence['far_upper']:.3f} (95 %), not the {far} target: give more normal data")
     return alarm, per_class
 
 

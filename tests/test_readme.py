@@ -4,15 +4,11 @@ repository path the README and the guides name exists."""
 import json
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import click
-import pytest
 
 from conftest import REPO
 
@@ -58,34 +54,17 @@ def _parse(words: list[str], cwd: Path):
     cmd.make_context(words[1], args)
 
 
-def _serve_answers(words: list[str], cwd: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "zeroedge.cli", *words[1:], "--port", str(port)], cwd=cwd,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _serve_answers(words: list[str]):
+    """`zeroedge serve ...` comes up and answers a chat request from the openai client."""
+    from test_serve import Served
+
+    server = Served(*words[2:])
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            assert p.poll() is None, p.stdout.read()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("zeroedge serve never answered /health")
-        body = json.dumps({"model": words[2], "max_tokens": 8,
-                           "messages": [{"role": "user", "content": "Say hello."}]}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            reply = json.load(r)
-        assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] > 0
+        reply = server.client().chat.completions.create(
+            model=words[2], max_tokens=8, messages=[{"role": "user", "content": "Say hello."}])
+        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
     finally:
-        p.terminate()
-        p.wait(timeout=60)
+        server.stop()
 
 
 def test_quickstart_runs(tmp_path, rtx, plugin_lib, monkeypatch):
@@ -98,7 +77,7 @@ def test_quickstart_runs(tmp_path, rtx, plugin_lib, monkeypatch):
             monkeypatch.chdir(tmp_path)
             _parse(words, tmp_path)
         elif name == "serve":
-            _serve_answers(words, tmp_path)
+            _serve_answers(words)
         else:
             r = subprocess.run([sys.executable, "-m", "zeroedge.cli", *words[1:]], cwd=tmp_path,
                                capture_output=True, text=True, timeout=900)

@@ -85,9 +85,9 @@ def _plot(png: Path, frames, res, onset, det, summary):
 
 
 def fit_demo(out_dir: Path, seed_fit: int = 515151, seed_run: int = 626262, fault: int = FAULT,
-             hours: float = 10.0, onset_h: float = 4.0, log=print) -> dict:
+             hours: float = 15.0, onset_h: float = ONSET_H, log=print) -> dict:
     """`zeroedge sensor-fit` on one plant, detection on another run of it: the simulator's normal
-    operation (10 h, one seed) fits a bundle (normalisation, T^2 monitor, threshold for FAR 1 %);
+    operation (15 h, one seed) fits a bundle (normalisation, T^2 monitor, threshold for FAR 1 %);
     a different run (another seed, IDV(1) at 4 h) streams through the daemon's path with it."""
     from zeroedge.sensor import fit as F
     from zeroedge.sensor.runtime import evaluate_frames, load_bundle

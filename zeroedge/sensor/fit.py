@@ -1,16 +1,20 @@
 """`zeroedge sensor-fit`: fit the sensor detector to a plant from its own recorded runs.
 
-1. Normal-operation files give the normalisation (mean / std per channel, from their training part)
-   and, from their held-out tail, the false-alarm calibration.
+1. Normal-operation files give the normalisation (mean / std per channel, from their training part).
 2. Labelled fault files (one per fault class; the class from the file name `dNN...` or `--label`)
    fine-tune the shipped detector on the CPU, with early stopping on the held-out tail of every
-   file. Fault files are read as faulty from their first sample (the standard training runs).
+   file. Fault files are read as faulty from their first sample (the standard training runs); a
+   fault class the PCA monitor cannot tell from normal operation trains the normal class instead.
    Without fault files the model is not trained: the shipped weights score windows of the plant's
    own normalised data (an anomaly detector).
-3. The alarm filter (EMA alpha, threshold) is chosen on held-out data: the threshold keeps the
-   false-alarm rate on held-out normal windows at the target, estimated from a Gaussian fit of the
-   smoothed log-odds scores (robust with few normal samples) and never below the largest held-out
-   normal score; alpha maximises the held-out detection rate of the fault files at that threshold.
+3. The alarm filter (EMA alpha, threshold) is calibrated on out-of-fold scores that imitate runs
+   the fit never saw: in each of 4 folds a detector fitted without one normal run (held out whole;
+   with a single normal file, a block of it) and without a block of every fault file, a gap of a
+   window plus the EMA's memory around each block, scores what it was not fitted on. The threshold
+   keeps the false-alarm rate of those normal scores at the target (their quantile, guarded by a
+   Gaussian fit of the smoothed log-odds); alpha maximises the fault blocks' detection rate. The
+   FAR this predicts rests on the independent alarm blocks counted in the manifest, with its 95 %
+   upper bound; when that bound is above the target, the fit says so.
 4. The bundle (ONNX + weights + manifest, "kind": "sensor") records its provenance: files, their
    SHA-256, the split, the target FAR, the validation figures and the normal-operation statistics of
    the fit data (used by the drift warning of `sensor-eval` and the daemon).
@@ -34,7 +38,7 @@ from zeroedge.sensor import CLASS_NAMES, N_CHANNELS
 from zeroedge.sensor.metrics import ema
 from zeroedge.sensor.tep import load_run
 
-VAL_FRAC = 0.25           # tail of every file held out for early stopping and alarm calibration
+VAL_FRAC = 0.25           # tail of every file held out for early stopping
 ALPHAS = (1.0, 0.5, 0.3, 0.2, 0.1)
 _LABEL_RE = re.compile(r"^d(\d{1,3})(?:_te)?(?:\.\w+)?$", re.IGNORECASE)
 
@@ -124,11 +128,12 @@ def load_inputs(normal_files, fault_files=(), label_specs=(), window: int = 32):
     if extra:
         raise UserError(f"--label names a file that is not among --faults: {extra[0]}")
     n_normal = sum(len(r.data) for r in normal)
-    need = 4 * window
-    if n_normal < need:
+    if not folds_can_train([len(r.data) for r in normal], window):
+        need = next(n for n in range(4 * window, 100 * window) if folds_can_train([n], window))
         raise UserError(f"{n_normal} normal samples: too few for the window of {window} (need at least "
-                        f"{need}: a training part and a held-out part of 2 windows each); give more normal "
-                        f"data or a smaller --window")
+                        f"{need} in one file: each of {FOLDS} validation folds holds out a block and the "
+                        f"{fold_gap(window)} samples either side, and keeps 2 windows to train on); give more "
+                        f"normal data or a smaller --window")
     short = [r for r in normal if len(r.data) < 2 * window]
     if short:
         raise UserError(f"{short[0].path}: {len(short[0].data)} samples, fewer than 2 windows ({2 * window})")
@@ -175,18 +180,6 @@ def normal_profile(Z: np.ndarray, window: int) -> dict:
 def _logit(p):
     p = np.clip(np.asarray(p, np.float64), 1e-9, 1 - 1e-9)
     return np.log(p) - np.log1p(-p)
-
-
-def choose_threshold(normal_scores: np.ndarray, far: float) -> float:
-    """Threshold on smoothed scores for a false-alarm rate `far` on normal data, from few samples:
-    a Gaussian fit of the log-odds (mean + z * std), never below the largest normal score seen."""
-    from statistics import NormalDist
-
-    lo = _logit(normal_scores)
-    z = NormalDist().inv_cdf(1 - far)
-    t = float(lo.mean() + z * lo.std(ddof=1)) if len(lo) > 1 else float(lo.max())
-    t = max(t, float(lo.max()))
-    return float(1 / (1 + np.exp(-t)))
 
 
 def _batch(rng, normal, faults, window, batch, p_mix=0.5):
@@ -239,9 +232,11 @@ def train_detector(model, normal_tr, faults_tr, normal_val, faults_val, window, 
     C = model.cfg.n_classes
     weight = torch.ones(C)
     weight[0] = normal_weight
+    if not normal_val:                                 # fixed steps, no early stopping (fold models)
+        return _train_fixed(model, normal_tr, faults_tr, window, max_steps, batch, lr, noise, rng, weight)
     xv, yv = _val_windows(normal_val, faults_val, window)
     xv, yv = torch.from_numpy(xv), torch.from_numpy(yv)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+    opt = _optimizer(model, lr)
     t0 = time.time()
     best = (float("inf"), 0, None)
     bad = 0
@@ -262,14 +257,7 @@ def train_detector(model, normal_tr, faults_tr, normal_val, faults_val, window, 
     log(f"[sensor-fit] step 0: held-out loss {best[0]:.4f}")
     model.train()
     for step in range(1, max_steps + 1):
-        xb, yb = _batch(rng, normal_tr, faults_tr, window, batch)
-        xt = torch.from_numpy(xb)
-        xt = xt + noise * torch.randn_like(xt)
-        loss = F.cross_entropy(model(xt).reshape(-1, C), torch.from_numpy(yb).reshape(-1), weight=weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _step(model, opt, rng, normal_tr, faults_tr, window, batch, noise, weight)
         if step % eval_every == 0 or step == max_steps:
             v = val_loss()
             mark = ""
@@ -287,6 +275,39 @@ def train_detector(model, normal_tr, faults_tr, normal_val, faults_val, window, 
     return {"steps": step, "best_step": best[1], "best_val_loss": round(best[0], 5),
             "seconds": round(time.time() - t0, 1), "batch": batch, "lr": lr, "noise": noise,
             "seed": seed, "patience_evals": patience, "eval_every": eval_every}
+
+
+def _optimizer(model, lr):
+    import torch
+
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+
+
+def _step(model, opt, rng, normal_tr, faults_tr, window, batch, noise, weight):
+    """One optimiser step on a random batch (white noise of `noise` standard deviations added)."""
+    import torch
+    import torch.nn.functional as F
+
+    xb, yb = _batch(rng, normal_tr, faults_tr, window, batch)
+    xt = torch.from_numpy(xb)
+    xt = xt + noise * torch.randn_like(xt)
+    C = model.cfg.n_classes
+    loss = F.cross_entropy(model(xt).reshape(-1, C), torch.from_numpy(yb).reshape(-1), weight=weight)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def _train_fixed(model, normal_tr, faults_tr, window, steps, batch, lr, noise, rng, weight):
+    t0 = time.time()
+    opt = _optimizer(model, lr)
+    model.train()
+    for _ in range(steps):
+        _step(model, opt, rng, normal_tr, faults_tr, window, batch, noise, weight)
+    model.eval()
+    return {"steps": steps, "seconds": round(time.time() - t0, 1)}
 
 
 # ---- the normal-operation monitor (T^2 on the plant's own principal components) --------------------
@@ -337,8 +358,6 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     import torch
 
     from zeroedge.sensor.pca import PCAMonitor
-    from zeroedge.sensor.runtime import Detector, TorchBackend
-    from zeroedge.sensor.train import SHIPPED, load_model
 
     t_start = time.time()
     if not 0 < far < 0.5:
@@ -372,22 +391,21 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     log(f"[sensor-fit] normalisation from {len(Zall_tr)} normal samples; {sum(map(len, Zn_val))} held out; "
         f"{len(runs.f_tr)} fault files to learn from" + (f", {len(runs.unobs)} unobservable" if runs.unobs else ""))
 
-    model, _ = load_model(SHIPPED)
-    if model.cfg.window != window:
-        from dataclasses import replace
-
-        model.cfg = replace(model.cfg, window=window)
+    model = _shipped_model(window)
     torch.set_num_threads(threads)
     train_info = None
     if runs.f_tr:
         train_info = train_detector(model, Zn_tr + [a for a, _ in runs.extra_normal], runs.f_tr,
                                     Zn_val + [b for _, b in runs.extra_normal], runs.f_val, window,
                                     max_steps=max_steps, seed=seed, threads=threads, log=log)
-    # alarm calibration on the held-out data, through the runtime's own scoring
-    sensor_meta = {"window": window, "channels": N_CHANNELS, "class_names": list(CLASS_NAMES),
-                   "normalisation": {"mean": mean.tolist(), "std": std.tolist()},
-                   "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": mon}
-    alarm, per_class = _calibrate_alarm(Detector(sensor_meta, TorchBackend(model)), n_val, runs.val_raw, far, log)
+    # the alarm, calibrated on out-of-fold scores: models fitted without a block of every file score it
+    steps = train_info["best_step"] if train_info else 0
+    # (fault runs that cannot be told from normal operation count as normal runs here too: they
+    # are the other runs of the plant that the fit has, so they stand for the runs it has not)
+    scores = fold_scores([r.data for r in normal] + [r.data for r in faults if r.label in runs.unobs],
+                         [(r.data, r.label) for r in faults if r.label not in runs.unobs], window, steps,
+                         seed=seed, threads=threads, log=log)
+    alarm, per_class = _calibrate_alarm(scores, window, far, log)
     provenance = {
         "tool": "zeroedge sensor-fit", "started_from": "shipped weights (zeroedge/data/tep_sensor.npz), "
         + ("fine-tuned" if train_info else "not trained (normal data only: an anomaly detector)"),
@@ -407,20 +425,121 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     return _write(out, model, meta, provenance, t_start, log)
 
 
+def _shipped_model(window: int):
+    from dataclasses import replace
+
+    from zeroedge.sensor.train import SHIPPED, load_model
+
+    model, _ = load_model(SHIPPED)
+    if model.cfg.window != window:
+        model.cfg = replace(model.cfg, window=window)
+    return model
+
+
+FOLDS = 4
+GAP_ALPHA = min(ALPHAS)          # the gap between training and held-out blocks covers the slowest EMA
+
+
+def ema_memory(alpha: float) -> int:
+    """Samples after which a reading's weight in the EMA has fallen below 1 %."""
+    return 0 if alpha >= 1 else int(np.ceil(np.log(0.01) / np.log(1 - alpha)))
+
+
+def fold_blocks(n: int, j: int, gap: int, folds: int = FOLDS) -> tuple:
+    """Fold j over a stretch of n samples: (held-out block (a, b), training pieces), the pieces
+    `gap` samples clear of the block on either side."""
+    a, b = round(j * n / folds), round((j + 1) * n / folds)
+    return (a, b), [(s, e) for s, e in ((0, a - gap), (b + gap, n)) if e - s > 0]
+
+
+def fold_gap(window: int) -> int:
+    return window + ema_memory(GAP_ALPHA)
+
+
+def folds_can_train(lengths, window: int) -> bool:
+    """Does every fold keep at least 2 windows of normal training data (in pieces of a window or more)?"""
+    gap = fold_gap(window)
+    return all(sum(e - s for n in lengths for s, e in fold_blocks(n, j, gap)[1] if e - s >= window) >= 2 * window
+               for j in range(FOLDS))
+
+
+@dataclass
+class FoldScores:
+    """Out-of-fold scores: every held-out block scored by a model that never saw it nor the `gap`
+    samples around it. normal: 1 - P(normal) per held-out normal block; faults: (class, (T, classes)
+    probabilities, onset) for each held-out fault block after a held-out normal block."""
+    normal: list
+    faults: list
+    folds: int
+    gap: int
+
+
+def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0, threads: int = 2,
+                folds: int = FOLDS, log=print) -> FoldScores:
+    """Blocked, rotated validation imitating a run the fit never saw: for each fold a detector
+    (normalisation, monitor, `steps` fine-tuning steps from the shipped weights) fitted on the files
+    without their fold block and its gap, scoring that block through the runtime's own path. Normal
+    runs are held out whole when there are several (one per fold in turn), in blocks when there is
+    one; fault files always in blocks."""
+    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores
+
+    gap = fold_gap(window)
+    out = FoldScores([], [], folds, gap)
+    t0 = time.time()
+    whole = len(normal_raw) >= 2               # several normal runs: each is held out whole in one fold
+    for j in range(folds):
+        def pieces(X):
+            return fold_blocks(len(X), j, gap, folds)
+
+        def normal_pieces(i, X):
+            if not whole:
+                return pieces(X)
+            return ((0, len(X)), []) if i % folds == j else (None, [(0, len(X))])
+
+        n_tr = [X[s:e] for i, X in enumerate(normal_raw) for s, e in normal_pieces(i, X)[1] if e - s >= window]
+        f_tr = [(X[s:e], k) for X, k in fault_raw for s, e in pieces(X)[1] if e - s >= window]
+        mean, std = norm_stats_checked(np.concatenate(n_tr), [], allow_constant=True)
+        model = _shipped_model(window)
+        if steps and f_tr:
+            nz = lambda X: np.clip((X - mean) / std, -50, 50).astype(np.float32)  # noqa: E731
+            train_detector(model, [nz(X) for X in n_tr], [(nz(X), k) for X, k in f_tr],
+                           [], [], window, max_steps=steps, seed=seed + 1 + j, threads=threads)
+        zn = np.clip((np.concatenate(n_tr) - mean) / std, -50, 50)
+        det = Detector({"window": window, "channels": N_CHANNELS, "class_names": list(CLASS_NAMES),
+                        "normalisation": {"mean": mean.tolist(), "std": std.tolist()},
+                        "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": fit_monitor(zn)},
+                       TorchBackend(model))
+
+        held = []
+        for i, X in enumerate(normal_raw):             # the block, scored with the window before it as context
+            block = normal_pieces(i, X)[0]
+            if block is not None:
+                a, b = block
+                c = max(0, a - window + 1)
+                out.normal.append(evaluate_scores(det, X[c:b])[a - c:])
+                held.append(X[a:b])
+        prefix = held[0][-2 * window:] if held else normal_raw[0][-2 * window:]
+        for X, k in fault_raw:
+            (a, b), _ = pieces(X)
+            P = evaluate_scores(det, np.concatenate([prefix, X[a:b]]), probs=True)
+            out.faults.append((k, P, len(prefix)))
+        log(f"[sensor-fit] fold {j + 1}/{folds}: {steps} steps, held-out blocks scored ({time.time() - t0:.0f}s)")
+    return out
+
+
 @dataclass
 class _FaultRuns:
     """The fault files split for training: observable ones (train / held-out parts, the raw held-out
     part for the alarm), unobservable ones as extra normal data."""
     f_tr: list
     f_val: list
-    val_raw: list
     extra_normal: list
     unobs: list
     split: dict
 
 
 def _split_faults(faults, nz, Zval_all, mon, pca, window: int, log) -> _FaultRuns:
-    runs = _FaultRuns([], [], [], [], [], {"held_out_fraction": VAL_FRAC, "normal": [], "faults": []})
+    runs = _FaultRuns([], [], [], [], {"held_out_fraction": VAL_FRAC, "normal": [], "faults": []})
     for r in faults:
         c = split_point(len(r.data), window)
         Z = nz(r.data)
@@ -431,7 +550,6 @@ def _split_faults(faults, nz, Zval_all, mon, pca, window: int, log) -> _FaultRun
         if ok:
             runs.f_tr.append((Z[:c], r.label))
             runs.f_val.append((Z[c:], r.label))
-            runs.val_raw.append((r.data[c:], r.label))
         else:
             runs.unobs.append(r.label)
             runs.extra_normal.append((Z[:c], Z[c:]))
@@ -447,8 +565,7 @@ def far_evidence(alarmed, window: int, alpha: float, far: float, level: float = 
     n / (window + memory) independent trials. With k of those blocks alarmed, the one-sided
     Clopper-Pearson bound at `level`; the data support the target only when that bound is at or
     below it. `alarmed`: one boolean array per held-out normal stretch."""
-    memory = 0 if alpha >= 1 else int(np.ceil(np.log(0.01) / np.log(1 - alpha)))
-    span = window + memory
+    span = window + ema_memory(alpha)
     blocks = [a[i:i + span] for a in alarmed for i in range(0, len(a) - span + 1, span)]
     n, k = len(blocks), int(sum(bool(b.any()) for b in blocks))
     upper = 1.0 if n == 0 else _binomial_upper(k, n, 1 - level)
@@ -470,40 +587,47 @@ def _binomial_upper(k: int, n: int, tail: float) -> float:
     return hi
 
 
-def _calibrate_alarm(det, n_val, val_raw, far: float, log) -> tuple:
-    """The alarm filter on the held-out data: for each EMA alpha the threshold for the target FAR on
-    normal runs, the alpha with the best held-out FDR on the fault runs (each after a normal
-    prefix). Returns (alarm, per-class FDR and predicted fault)."""
-    from zeroedge.sensor.runtime import evaluate_scores
+def choose_threshold(normal_scores: np.ndarray, far: float) -> float:
+    """Threshold on smoothed out-of-fold normal scores for a false-alarm rate `far`: the larger of
+    their empirical (1 - far) quantile and a Gaussian fit of their log-odds (mean + z(1 - far) * std),
+    the latter guarding the tail when there are few blocks."""
+    from statistics import NormalDist
 
-    norm_scores = [evaluate_scores(det, X) for X in n_val]
-    fault_runs = []
-    for Xv, k in val_raw:
-        prefix = n_val[0]
-        P = evaluate_scores(det, np.concatenate([prefix, Xv]), probs=True)
-        fault_runs.append((k, P, len(prefix)))
+    lo = _logit(normal_scores)
+    z = NormalDist().inv_cdf(1 - far)
+    t = float(lo.mean() + z * lo.std(ddof=1)) if len(lo) > 1 else float(lo.max())
+    t = max(t, float(np.quantile(lo, 1 - far, method="higher")))
+    return float(1 / (1 + np.exp(-t)))
+
+
+def _calibrate_alarm(scores: FoldScores, window: int, far: float, log) -> tuple:
+    """The alarm filter on out-of-fold scores: for each EMA alpha the threshold for the target FAR
+    on the held-out normal blocks, the alpha with the best held-out FDR on the fault blocks (each
+    after a normal block). Returns (alarm, per-class FDR and predicted fault)."""
     best = None
     for alpha in ALPHAS:
-        sm = np.concatenate([ema(s, alpha) for s in norm_scores])
-        thr = choose_threshold(sm, far)
-        fdrs = [float((ema(1 - P[:, 0], alpha)[o:] > thr).mean()) for k, P, o in fault_runs]
+        sm = [ema(s, alpha) for s in scores.normal]
+        thr = choose_threshold(np.concatenate(sm), far)
+        fdrs = [float((ema(1 - P[:, 0], alpha)[o:] > thr).mean()) for k, P, o in scores.faults]
         fdr = float(np.mean(fdrs)) if fdrs else 0.0
         if best is None or fdr > best[0] + 1e-9:
-            best = (fdr, alpha, thr, float((sm > thr).mean()))
-    val_fdr, alpha, thr, val_far = best
+            best = (fdr, alpha, thr, float(np.mean(np.concatenate(sm) > thr)), sm)
+    val_fdr, alpha, thr, val_far, sm = best
     per_class = {}
-    for k, P, o in fault_runs:
-        post = (ema(1 - P[:, 0], alpha) > thr)[o:]
-        guess = np.argmax(P[o:, 1:], 1) + 1
+    for k in sorted({k for k, _, _ in scores.faults}):
+        post = np.concatenate([(ema(1 - P[:, 0], alpha) > thr)[o:] for kk, P, o in scores.faults if kk == k])
+        guess = np.concatenate([np.argmax(P[o:, 1:], 1) + 1 for kk, P, o in scores.faults if kk == k])
         pred = int(np.bincount(guess[post], minlength=len(CLASS_NAMES)).argmax()) if post.any() else 0
         per_class[CLASS_NAMES[k]] = {"fdr": round(float(post.mean()), 4), "predicted": CLASS_NAMES[pred]}
-    evidence = far_evidence([ema(s, alpha) > thr for s in norm_scores], det.window, alpha, far)
+    evidence = far_evidence([s > thr for s in sm], window, alpha, far)
     alarm = {"ema_alpha": alpha, "threshold": thr, "far_target": far, "val_far": round(val_far, 5),
-             "val_far_evidence": evidence, "val_fdr": round(val_fdr, 5) if fault_runs else None,
-             "rule": "threshold: Gaussian fit of the smoothed log-odds of held-out normal scores, "
-                     "mean + z(1-far) * std, at least their maximum; alpha: best held-out FDR"}
-    log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}; held-out FAR {val_far:.3f}"
-        + (f", held-out FDR {val_fdr:.3f} over {len(fault_runs)} fault files" if fault_runs else ""))
+             "val_far_evidence": evidence, "val_fdr": round(val_fdr, 5) if scores.faults else None,
+             "validation": {"kind": "blocked folds", "folds": scores.folds, "gap_samples": scores.gap,
+                            "normal_samples": int(sum(map(len, scores.normal)))},
+             "rule": "out-of-fold scores of blocked folds; threshold: the larger of the (1 - far) quantile and "
+                     "a Gaussian fit of the smoothed log-odds of held-out normal scores; alpha: best held-out FDR"}
+    log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}; out-of-fold FAR {val_far:.3f}"
+        + (f", FDR {val_fdr:.3f} over {len(scores.faults)} fault blocks" if scores.faults else ""))
     if not evidence["supported"]:
         log(f"[sensor-fit] warning: the held-out normal data are {evidence['independent_blocks']} independent "
             f"alarm blocks of {evidence['block_samples']} samples; they bound the FAR only below "

@@ -216,6 +216,47 @@ def generate(split: str, root: Optional[Path] = None, log=print, workers: int = 
     return root
 
 
+# Replicates shaped like the standard Braatz set, from seeds no other split uses: per replicate r a
+# normal run d00.dat (500 samples), training fault runs dNN.dat (480 samples, the fault active from 1 h
+# before the first recorded sample) and test runs dNN_te.dat (960 samples, the fault from sample 160;
+# d00_te.dat normal throughout). They stand in for "another run of the same plant" when measuring how
+# a fitted alarm transfers (benchmarks/sensor_unseen_runs.py).
+SHAPED_TRAIN_SKIP = 20      # the first recorded sample of a training fault run is 1 h after onset
+
+
+def shaped_plan(replicate: int):
+    """[(file name, fault, seed, hours, onset_h, first kept sample)] of one Braatz-shaped replicate."""
+    base = 20000 + 1000 * int(replicate)
+    runs = [("d00.dat", 0, base, 25.0, 0.0, 0)]
+    runs += [(f"d{f:02d}.dat", f, base + f, 25.0 + SHAPED_TRAIN_SKIP * SAMPLE_H, SHAPED_TRAIN_SKIP * SAMPLE_H,
+              SHAPED_TRAIN_SKIP) for f in range(1, 22)]
+    runs += [(f"d{f:02d}_te.dat", f, base + 500 + f, 48.0, 8.0 if f else 0.0, 0) for f in range(0, 22)]
+    return runs
+
+
+def _shaped_job(job):
+    name, fault, seed, hours, onset_h, skip = job
+    return name, simulate(fault, seed, hours, onset_h)[skip:]
+
+
+def generate_shaped(replicate: int, root: Optional[Path] = None, workers: int = 1, log=print) -> Path:
+    """Generate (or complete) one Braatz-shaped replicate in the cache; returns its folder."""
+    d = Path(root or cache_dir()) / "braatz_shaped" / f"r{int(replicate)}"
+    d.mkdir(parents=True, exist_ok=True)
+    todo = [job for job in shaped_plan(replicate) if not (d / job[0]).is_file()]
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(workers) as pool:
+            results = list(pool.imap_unordered(_shaped_job, todo))
+    else:
+        results = map(_shaped_job, todo)
+    for name, data in results:
+        save_run(d / name, data)
+        log(f"[gen_tep_runs] braatz_shaped/r{replicate}/{name}: {len(data)} samples")
+    return d
+
+
 def normal_runs(split: str = "train", root: Optional[Path] = None):
     """The normal-operation runs of a split that are in the cache (no generation)."""
     d = Path(root or cache_dir()) / split

@@ -59,6 +59,7 @@ def score_bundle(bundle: Path, src: Path) -> dict:
         X = load_run(src / f"d{f:02d}_te.dat")
         m = evaluate_frames(det, X, ONSET if f else len(X))
         rows[f] = {k: m[k] for k in ("fdr", "far", "delay", "predicted_fault", "samples")}
+        rows[f]["false_alarm_samples"] = np.flatnonzero(m["_alarm"][:ONSET if f else len(X)]).tolist()[:200]
     return rows
 
 

@@ -69,7 +69,7 @@ def test_fit_manifest_records_provenance(split, fitted):
     # each held out whole; 660 samples are a score of independent alarm blocks, too few to support
     # FAR 0.01, and the fit says so (log, manifest, summary)
     assert s["alarm"]["validation"] == {"kind": "blocked folds", "folds": 4, "gap_samples": 32 + 44,
-                                        "normal_samples": 340 + 320}
+                                        "normal_held_out": "whole runs", "normal_samples": 340 + 320}
     ev = prov["validation"]["far_evidence"]
     span = ev["block_samples"]
     assert ev == s["alarm"]["val_far_evidence"] and ev["independent_blocks"] == 340 // span + 320 // span
@@ -196,7 +196,7 @@ def test_folds_hold_out_blocks_with_a_gap_and_whole_runs():
     assert np.mean(sc.normal[1] > 0.5) > 0.9
     # one normal run: blocks of it, each scored once
     one = fold_scores([d0], [(load_run(SHARED / "d01.dat"), 1)], 32, 0, log=lambda m: None)
-    assert [len(x) for x in one.normal] == [125] * 4 and len(one.faults) == 4
+    assert [len(x) for x in one.normal] == [125] * 4 and len(one.faults) == 4 and not one.whole_runs
 
 
 def test_threshold_and_monitor_units():

@@ -14,7 +14,7 @@ from zeroedge.commands.common import examples, output_option
 @click.option("--label", "labels", multiple=True, metavar="FILE=N",
               help="The fault class of a --faults file whose name does not say it (N or fault_NN); repeatable.")
 @click.option("--far", type=float, default=0.01, show_default=True,
-              help="Target false-alarm rate on held-out normal data.")
+              help="Target false-alarm rate on normal runs the fit has not seen (set on out-of-fold scores).")
 @click.option("--window", type=int, default=32, show_default=True, help="Frames of context per decision.")
 @output_option("The sensor bundle folder to write.", dest="out", old_out=True, metavar="BUNDLE")
 @click.option("--force", is_flag=True, help="Replace an existing -o folder.")
@@ -28,11 +28,13 @@ from zeroedge.commands.common import examples, output_option
 def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, seed, threads, allow_constant,
         as_json):
     """Fit the sensor detector to a plant from its own runs: normalisation from NORMAL_FILE(s)
-    (52 columns, one row per sample; a file stored transposed is transposed back), the alarm threshold
-    for the target --far on their held-out tail, and, with --faults, a fine-tune of the shipped
-    detector on the CPU (early stopping on the held-out tail of every file). Writes a sensor bundle
-    that zeroedge daemon, deploy and sensor-eval take like the shipped one; its manifest records the
-    files, their hashes, the split, the FAR chosen and the validation figures."""
+    (52 columns, one row per sample; a file stored transposed is transposed back), with --faults a
+    fine-tune of the shipped detector on the CPU (early stopping on the held-out tail of every file),
+    and the alarm threshold for the target --far on out-of-fold scores: four folds, each fitted
+    without one normal run (or a block of it) and a block of every fault file, score what they did
+    not see. Writes a sensor bundle that zeroedge daemon, deploy and sensor-eval take like the
+    shipped one; its manifest records the files, their hashes, the split, the FAR chosen, the
+    out-of-fold figures and the evidence behind them."""
     import json
     import sys
 

@@ -334,12 +334,6 @@ def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, stee
             "samples": int(n)}
 
 
-def monitor_alarm_rate(mon: dict, Z: np.ndarray) -> float:
-    from zeroedge.sensor.runtime import monitor_t2
-
-    return float((monitor_t2(mon, Z) > mon["limit"]).mean())
-
-
 def observable(Z_fault: np.ndarray, Z_normal_val: np.ndarray, mon: dict, q_pca) -> tuple:
     """Is a fault class visible in the measurements at all? Its file's rate of PCA T^2-or-Q alarms
     (99 % limits, normal training data) against the held-out normal data's rate: a class within
@@ -472,6 +466,7 @@ class FoldScores:
     faults: list
     folds: int
     gap: int
+    whole_runs: bool = False        # normal runs held out whole (else blocks of the one normal run)
 
 
 def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0, threads: int = 2,
@@ -484,9 +479,9 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
     from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores
 
     gap = fold_gap(window)
-    out = FoldScores([], [], folds, gap)
-    t0 = time.time()
     whole = len(normal_raw) >= 2               # several normal runs: each is held out whole in one fold
+    out = FoldScores([], [], folds, gap, whole)
+    t0 = time.time()
     for j in range(folds):
         def pieces(X):
             return fold_blocks(len(X), j, gap, folds)
@@ -623,6 +618,7 @@ def _calibrate_alarm(scores: FoldScores, window: int, far: float, log) -> tuple:
     alarm = {"ema_alpha": alpha, "threshold": thr, "far_target": far, "val_far": round(val_far, 5),
              "val_far_evidence": evidence, "val_fdr": round(val_fdr, 5) if scores.faults else None,
              "validation": {"kind": "blocked folds", "folds": scores.folds, "gap_samples": scores.gap,
+                            "normal_held_out": "whole runs" if scores.whole_runs else "blocks",
                             "normal_samples": int(sum(map(len, scores.normal)))},
              "rule": "out-of-fold scores of blocked folds; threshold: the larger of the (1 - far) quantile and "
                      "a Gaussian fit of the smoothed log-odds of held-out normal scores; alpha: best held-out FDR"}

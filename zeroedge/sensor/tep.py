@@ -217,9 +217,9 @@ def generate(split: str, root: Optional[Path] = None, log=print, workers: int = 
 
 
 # Replicates shaped like the standard Braatz set, from seeds no other split uses: per replicate r a
-# normal run d00.dat (500 samples), training fault runs dNN.dat (480 samples, the fault active from 1 h
-# before the first recorded sample) and test runs dNN_te.dat (960 samples, the fault from sample 160;
-# d00_te.dat normal throughout). They stand in for "another run of the same plant" when measuring how
+# normal run d00.dat (25 h, 500 samples), training fault runs dNN.dat (25 h recorded from 1 h after
+# the fault's onset, 500 samples) and test runs dNN_te.dat (48 h, 960 samples, the fault from sample
+# 160; d00_te.dat normal throughout). A run that trips the plant ends early. They stand in for "another run of the same plant" when measuring how
 # a fitted alarm transfers (benchmarks/sensor_unseen_runs.py).
 SHAPED_TRAIN_SKIP = 20      # the first recorded sample of a training fault run is 1 h after onset
 

@@ -3,8 +3,9 @@
 1. Normal-operation files give the normalisation (mean / std per channel, from their training part).
 2. Labelled fault files (one per fault class; the class from the file name `dNN...` or `--label`)
    fine-tune the shipped detector on the CPU, with early stopping on the held-out tail of every
-   file. Fault files are read as faulty from their first sample (the standard training runs); a
-   fault class the PCA monitor cannot tell from normal operation trains the normal class instead.
+   file. Fault files are read as faulty from their first sample (the standard training runs), and
+   their fault windows start two windows in (the fault may not show before); a fault class the PCA
+   monitor cannot tell from normal operation trains the normal class instead.
    Without fault files the model is not trained: the shipped weights score windows of the plant's
    own normalised data (an anomaly detector).
 3. The alarm filter (EMA alpha, threshold) is calibrated on out-of-fold scores that imitate runs
@@ -182,9 +183,16 @@ def _logit(p):
     return np.log(p) - np.log1p(-p)
 
 
+FAULT_SETTLE_WINDOWS = 2   # fault windows start this many windows into a fault file (see _batch)
+
+
 def _batch(rng, normal, faults, window, batch, p_mix=0.5):
     """Random training windows: normal crops, fault crops, and (p_mix of the fault ones) a normal
-    prefix followed by the start of a fault run (the onset, as a test run shows it)."""
+    prefix followed by a stretch of a fault run (an onset, as a test run shows it). Fault windows
+    start FAULT_SETTLE_WINDOWS windows into their file: a run read as faulty from its first sample
+    often does not show a slow fault there yet, and labelling those samples as the fault teaches the
+    plant's state at that hour (in simulated runs, the hours after start-up) as the fault."""
+    settle = FAULT_SETTLE_WINDOWS * window
     xb = np.zeros((batch, window, normal[0].shape[1]), np.float32)
     yb = np.zeros((batch, window), np.int64)
     n_norm = batch // 3 if faults else batch
@@ -200,10 +208,11 @@ def _batch(rng, normal, faults, window, batch, p_mix=0.5):
             Z = normal[rng.integers(len(normal))]
             s = rng.integers(0, len(Z) - m + 1)
             xb[i, :m] = Z[s:s + m]
-            xb[i, m:] = Zf[:window - m]
+            f0 = min(settle, len(Zf) - window)
+            xb[i, m:] = Zf[f0:f0 + window - m]
             yb[i, m:] = k
         else:
-            s = rng.integers(0, len(Zf) - window + 1)
+            s = rng.integers(min(settle, len(Zf) - window), len(Zf) - window + 1)
             xb[i] = Zf[s:s + window]
             yb[i] = k
     return xb, yb

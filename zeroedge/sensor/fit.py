@@ -533,8 +533,8 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
 
 @dataclass
 class _FaultRuns:
-    """The fault files split for training: observable ones (train / held-out parts, the raw held-out
-    part for the alarm), unobservable ones as extra normal data."""
+    """The fault files split for training: observable ones (train / held-out parts for early
+    stopping), unobservable ones as extra normal data."""
     f_tr: list
     f_val: list
     extra_normal: list

@@ -194,6 +194,12 @@ def test_folds_hold_out_blocks_with_a_gap_and_whole_runs():
     sc = fold_scores([d0, other], [], 32, 0, log=lambda m: None)
     assert [len(x) for x in sc.normal] == [500, 500] and sc.gap == gap
     assert np.mean(sc.normal[1] > 0.5) > 0.9
+    # what the input check accepts is what the folds can train on: one run needs 280 samples, two
+    # runs held out in turn need 2 windows each
+    from zeroedge.sensor.fit import folds_can_train
+
+    assert folds_can_train([280], 32) and not folds_can_train([279], 32)
+    assert folds_can_train([150, 150], 32) and not folds_can_train([150, 63], 32)
     # one normal run: blocks of it, each scored once
     one = fold_scores([d0], [(load_run(SHARED / "d01.dat"), 1)], 32, 0, log=lambda m: None)
     assert [len(x) for x in one.normal] == [125] * 4 and len(one.faults) == 4 and not one.whole_runs
@@ -230,6 +236,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path):
     f1 = _write(tmp_path / "d01.dat", load_run(SHARED / "d01.dat")[:100])
     cols = _write(tmp_path / "cols.dat", d0[:, :40])
     few = _write(tmp_path / "few.dat", d0[:100])
+    mid = _write(tmp_path / "mid.dat", d0[:250])           # enough once, too few for the validation folds
     const = d0.copy()
     const[:, 7] = 3.0
     const = _write(tmp_path / "const.dat", const)
@@ -244,6 +251,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path):
     cases = [
         ([cols], "52 columns"),
         ([few], "too few"),
+        ([mid], "validation folds"),
         ([few, "--window", "16", "--faults", f1, "--window", "64"], "too few"),
         ([const], "constant"),
         ([nan], "non-finite"),

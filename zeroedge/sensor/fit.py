@@ -460,7 +460,10 @@ def fold_gap(window: int) -> int:
 
 
 def folds_can_train(lengths, window: int) -> bool:
-    """Does every fold keep at least 2 windows of normal training data (in pieces of a window or more)?"""
+    """Does every fold keep at least 2 windows of normal training data (in pieces of a window or more)?
+    Several runs are held out whole (see fold_scores): the others, 2 windows each at least, train."""
+    if len(lengths) >= 2:
+        return all(n >= 2 * window for n in lengths)
     gap = fold_gap(window)
     return all(sum(e - s for n in lengths for s, e in fold_blocks(n, j, gap)[1] if e - s >= window) >= 2 * window
                for j in range(FOLDS))

@@ -148,3 +148,84 @@ def test_generate_disables_mechanisms_at_high_temperature_unless_forced():
     with torch.no_grad():
         full = m(torch.tensor([prompt + dense[:-1]]))
     assert full[0, len(prompt) - 1:].argmax(-1).tolist() == dense
+
+
+def _sih_policies(m, thresholds):
+    """Seeded SIH heads on the layers of `thresholds` (layer -> (threshold, block_size))."""
+    torch.manual_seed(3)
+    return {i: LayerPolicy(scorer="sih", threshold=thr, sih=SIHHead(m.cfg.dim, 8).eval(), block_size=bs)
+            for i, (thr, bs) in thresholds.items()}
+
+
+def _thresholds_at_median(m, ids, pols):
+    """Each layer's threshold at the median of its smoothed scores on ids (half the rows skip)."""
+    rt = ZeroRuntime(record_masks=True)
+    install(m, {i: LayerPolicy(scorer="sih", threshold=0.0, sih=p.sih) for i, p in pols.items()}, rt)
+    seen = {}
+    for i, p in pols.items():
+        orig = p.sih.forward
+        p.sih.forward = lambda x, orig=orig, i=i: seen.setdefault(i, orig(x))
+    with torch.no_grad():
+        rt.active = True
+        m(ids)
+    for i, p in pols.items():
+        del p.sih.forward
+        p.threshold = float(smooth(seen[i]).median())
+    remove(m)
+
+
+@pytest.mark.parametrize("T, chunk", [(100, 32), (100, 48), (96, 32), (96, 96), (40, 16)])
+def test_chunked_prefill_skips_exactly_what_one_pass_skips(T, chunk):
+    """Chunks that do and do not divide the prompt: the same keep masks on every layer (token rule
+    and 16-token block rule), the same last logits and the same K/V within float rounding."""
+    m = tiny()
+    ids = torch.randint(0, 256, (1, T))
+    pols = _sih_policies(m, {1: (0.0, 0), 2: (0.0, 16)})
+    _thresholds_at_median(m, ids, pols)
+
+    def prefill(c):
+        rt = ZeroRuntime(record_masks=True)
+        install(m, pols, rt)
+        m.setup_cache(1, T)
+        try:
+            with torch.no_grad():
+                rt.active = True
+                if c:
+                    rt.begin_prompt(T)
+                for s in range(0, T, c or T):
+                    h = m.hidden_states(ids[:, s:s + (c or T)], start=s)
+            kv = [blk.self_attn.kv_cache.v[:, :, :T].clone() for blk in m.layers]
+        finally:
+            m.drop_cache()
+            remove(m)
+        return {i: k.clone() for i, k in rt.masks.items()}, m.lm_head(h[:, -1]), kv, rt.stats
+
+    one, logits1, kv1, stats1 = prefill(None)
+    got, logits2, kv2, stats2 = prefill(chunk)
+    for i in pols:
+        assert got[i].shape == (1, T) and torch.equal(got[i], one[i]), i
+        skipped = int((~one[i]).sum())
+        assert 0 < skipped < T - 5, (i, skipped)      # the rule really skips (and keeps) rows here
+    assert stats1 == stats2
+    torch.testing.assert_close(logits2, logits1, rtol=1e-4, atol=1e-4)
+    for a, b in zip(kv1, kv2):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_chunks_off_a_block_boundary_are_refused():
+    from zeroedge.mechanisms.sih import ChunkError
+
+    m = tiny()
+    ids = torch.randint(0, 256, (1, 64))
+    rt = ZeroRuntime()
+    install(m, _sih_policies(m, {1: (0.5, 16)}), rt)
+    m.setup_cache(1, 64)
+    try:
+        with torch.no_grad(), pytest.raises(ChunkError, match="block boundary"):
+            rt.active = True
+            rt.begin_prompt(64)
+            for s in range(0, 64, 24):
+                m.hidden_states(ids[:, s:s + 24], start=s)
+    finally:
+        m.drop_cache()
+        remove(m)

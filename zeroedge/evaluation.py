@@ -18,8 +18,9 @@ def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def continuation_ppl(model, ids: torch.Tensor, continuation: int = 1024,
-                     runtime: ZeroRuntime | None = None) -> dict:
-    """ids: (1, N). Returns ppl of the last `continuation` tokens, prefill time and FLOP stats."""
+                     runtime: ZeroRuntime | None = None, chunk: int | None = None) -> dict:
+    """ids: (1, N). Returns ppl of the last `continuation` tokens, prefill time and FLOP stats.
+    chunk: prefill the first N - continuation tokens `chunk` at a time (None: one pass)."""
     N = ids.shape[1]
     P = N - continuation
     model.setup_cache(1, N)
@@ -27,12 +28,16 @@ def continuation_ppl(model, ids: torch.Tensor, continuation: int = 1024,
         if runtime is not None:
             runtime.reset_stats()
             runtime.active, runtime.limit = True, None
+            if chunk:
+                runtime.begin_prompt(P)
         t0 = time.perf_counter()
-        h = model.hidden_states(ids[:, :P], start=0)
+        for s in range(0, P, chunk or P):
+            h = model.hidden_states(ids[:, s:min(s + (chunk or P), P)], start=s)
         prefill_s = time.perf_counter() - t0
         stats = flops_summary(model, runtime) if runtime is not None else {}
         if runtime is not None:
             runtime.active = False
+            runtime.end_prompt()
         first = model.lm_head(h[:, -1:])
         rest = model(ids[:, P:N - 1], start=P)
         nll = nll_sum(torch.cat([first, rest], 1), ids[:, P:N])
@@ -40,6 +45,7 @@ def continuation_ppl(model, ids: torch.Tensor, continuation: int = 1024,
         model.drop_cache()
         if runtime is not None:
             runtime.active = False
+            runtime.end_prompt()
     return {"ppl": math.exp(nll / continuation), "prefill_s": prefill_s, **stats}
 
 

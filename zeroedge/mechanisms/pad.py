@@ -6,6 +6,11 @@ over the anchor's output (or zeros). The FLOPs of skipped rows are never spent.
 
 `install(model, policies, runtime)` swaps the wrappers in; `runtime.active` turns them on and off,
 so one model can prefill with the mechanisms and score a continuation dense.
+
+Chunked prefill: `runtime.begin_prompt(n)` before the first chunk of an n-token prompt; each wrapper
+then counts the positions it has seen and carries its last two raw SIH scores into the next chunk, so
+any chunk loop (zeroedge.model.chunked_prefill, a layer at a time or a chunk at a time) skips exactly
+the rows one pass would. `runtime.end_prompt()` after the last chunk.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, protect, smooth
+from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, protect, smooth, smooth_chunk
 from zeroedge.plugin_spec import BLOCK_FRAC
 
 MIN_TOKENS = 32
@@ -51,12 +56,26 @@ class ZeroRuntime:
     seed: int = 0
     external: dict = field(default_factory=dict)   # layer -> (B, T) scores for scorer="external"
     stats: dict = field(default_factory=dict)      # layer -> [kept, total, anchor_flops]
-    masks: dict = field(default_factory=dict)      # layer -> last keep mask (when record_masks)
+    masks: dict = field(default_factory=dict)      # layer -> last prompt's keep mask (when record_masks)
     record_masks: bool = False
+    prompt_len: Optional[int] = None               # set by begin_prompt: prefill in chunks
+    carry: dict = field(default_factory=dict)      # layer -> (B, 2) last raw SIH scores of its last chunk
+    seen: dict = field(default_factory=dict)       # layer -> positions of the prompt it has run
 
     def reset_stats(self):
         self.stats.clear()
         self.masks.clear()
+
+    def begin_prompt(self, n: int):
+        """The next calls are chunks, in order, of one n-token prompt (each layer sees every chunk)."""
+        self.prompt_len = int(n)
+        self.carry.clear()
+        self.seen.clear()
+
+    def end_prompt(self):
+        self.prompt_len = None
+        self.carry.clear()
+        self.seen.clear()
 
 
 class ZeroMLP(nn.Module):
@@ -85,6 +104,20 @@ class ZeroMLP(nn.Module):
             return torch.zeros(B, T, device=x.device)
         raise ValueError(f"unknown scorer {p.scorer}")
 
+    def decide_chunk(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The keep mask of the chunk at positions start.. of a prompt of rt.prompt_len tokens."""
+        p, rt = self.policy, self.rt
+        if p.scorer != "sih" or p.rate is not None:
+            raise MechanismError(f"chunked prefill runs the deployed SIH rule only (layer {self.layer} "
+                                 f"scores with {p.scorer!r}{' at a fixed rate' if p.rate is not None else ''})")
+        raw = p.sih(x).float()
+        carry = self.rt.carry.get(self.layer) if start else None
+        if carry is None:
+            carry = raw.new_zeros(raw.shape[0], 2)
+        s, rt.carry[self.layer] = smooth_chunk(raw, carry, start, MA_WEIGHTS)
+        return keep_mask(s, p.threshold, rt.protect_first, rt.protect_last, p.block_size, p.block_frac,
+                         rt.prompt_len, start)
+
     def decide(self, x: torch.Tensor) -> torch.Tensor:
         p, rt = self.policy, self.rt
         s = self.scores(x).float()
@@ -109,7 +142,11 @@ class ZeroMLP(nn.Module):
         rt, B, T, D = self.rt, x.shape[0], x.shape[1], x.shape[2]
         if not rt.active:
             return self.mlp(x)
-        if T < rt.min_tokens:  # short inputs bypass the mechanisms
+        start = None
+        if rt.prompt_len is not None:                 # a chunk of a prompt (begin_prompt)
+            start = rt.seen.get(self.layer, 0)
+            rt.seen[self.layer] = start + T
+        if (rt.prompt_len if start is not None else T) < rt.min_tokens:  # short prompts bypass the mechanisms
             self._count(B * T, B * T, 0)
             return self.mlp(x)
         if self.training:
@@ -118,9 +155,10 @@ class ZeroMLP(nn.Module):
             raise MechanismError("zeroedge mechanisms are inference-only: run under "
                                  "torch.no_grad() / torch.inference_mode()")
         with torch.no_grad():
-            keep = self.decide(x)
-        if rt.record_masks:
-            rt.masks[self.layer] = keep.cpu()
+            keep = self.decide(x) if start is None else self.decide_chunk(x, start)
+        if rt.record_masks:        # a prompt's chunks: its whole mask so far
+            prev = rt.masks.get(self.layer) if start else None
+            rt.masks[self.layer] = keep.cpu() if prev is None else torch.cat((prev, keep.cpu()), 1)
         anchor = self.policy.anchor
         flat = x.reshape(B * T, D)
         out = anchor(flat) if anchor is not None else flat.new_zeros(B * T, D)

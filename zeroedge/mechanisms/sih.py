@@ -1,6 +1,11 @@
 """SIH, the semantic importance head: per layer, a tiny MLP (4 linear layers, sigmoid) that reads the
 normalised FFN input of each token and scores whether the token's FFN matters. Scores are smoothed
-over the last 3 positions and thresholded into a keep mask (the same rule the CUDA plugin runs)."""
+over the last 3 positions and thresholded into a keep mask (the same rule the CUDA plugin runs).
+
+A prompt prefilled in chunks decides exactly as in one pass: `smooth_chunk` takes the previous
+chunk's last two raw scores (the carry), `keep_mask` takes the chunk's first absolute position and
+the prompt's length, and block-rule blocks are counted from position 0 (a chunk starts on a block
+boundary: `ChunkError` otherwise)."""
 from __future__ import annotations
 
 import torch
@@ -71,32 +76,61 @@ def smooth(scores: torch.Tensor, weights=MA_WEIGHTS) -> torch.Tensor:
     return (w0 * scores + w1 * s1 + w2 * s2) / norm
 
 
+class ChunkError(ValueError):
+    """A chunk does not start on a block-rule block boundary (its decisions would differ from one pass)."""
+
+
+def smooth_chunk(scores: torch.Tensor, carry: torch.Tensor, start: int, weights=MA_WEIGHTS):
+    """`smooth` for the chunk of raw scores (B, T) at positions start..start+T-1, given the carry
+    (B, 2): the raw scores at positions start-2, start-1 (read only where those positions exist).
+    Returns (smoothed (B, T), the next chunk's carry (B, 2)). Same arithmetic as `smooth`, so the
+    chunks of a prompt give bit-identical scores to one pass."""
+    w0, w1, w2 = weights
+    T = scores.shape[-1]
+    ext = torch.cat((carry.to(scores.dtype), scores), -1)
+    pos = torch.arange(start, start + T, device=scores.device)
+    s1 = torch.where(pos >= 1, ext[..., 1:T + 1], torch.zeros_like(scores))
+    s2 = torch.where(pos >= 2, ext[..., :T], torch.zeros_like(scores))
+    norm = torch.full((T,), w0 + w1 + w2, dtype=scores.dtype, device=scores.device)
+    norm[pos == 0] = w0
+    norm[pos == 1] = w0 + w1
+    return (w0 * scores + w1 * s1 + w2 * s2) / norm, ext[..., -2:]
+
+
 def keep_mask(score: torch.Tensor, threshold: float, protect_first: int = 4, protect_last: int = 1,
-              block_size: int = 0, block_frac: float = BLOCK_FRAC, limit: int | None = None) -> torch.Tensor:
+              block_size: int = 0, block_frac: float = BLOCK_FRAC, limit: int | None = None,
+              start: int = 0) -> torch.Tensor:
     """Bool (B, T): True = compute the FFN. Low importance = smoothed score below threshold.
 
-    Block rule (block_size > 0): a block of N tokens skips when more than block_frac of it is low;
-    otherwise every token in it is computed. Positions >= limit (not part of the prompt being
-    prefilled) are always kept; so are the first `protect_first` (attention sinks) and the last
-    `protect_last` positions of the prompt (its logits are needed)."""
+    `score` holds positions start..start+T-1 (start > 0: a chunk of a longer prompt). Block rule
+    (block_size > 0): a block of N tokens (counted from position 0) skips when more than block_frac
+    of it is low; otherwise every token in it is computed. Positions >= limit (the prompt's length;
+    not part of the prompt being prefilled) are always kept; so are the first `protect_first`
+    (attention sinks) and the last `protect_last` positions of the prompt (its logits are needed)."""
     B, T = score.shape
     keep = score >= threshold
     if block_size > 0:
+        if start % block_size:
+            raise ChunkError(f"a chunk starting at position {start} is not on a {block_size}-token block "
+                             "boundary: prefill in chunks of a multiple of the block size")
         nb = (T + block_size - 1) // block_size
         low = torch.nn.functional.pad((~keep).float(), (0, nb * block_size - T), value=0.0)
         counts = torch.full((nb,), float(block_size), device=score.device)
         counts[-1] = T - (nb - 1) * block_size
         frac = low.view(B, nb, block_size).sum(-1) / counts
         keep = (frac <= block_frac).repeat_interleave(block_size, dim=1)[:, :T]
-    return protect(keep, protect_first, protect_last, limit)
+    return protect(keep, protect_first, protect_last, limit, start)
 
 
-def protect(keep: torch.Tensor, protect_first: int, protect_last: int, limit: int | None):
+def protect(keep: torch.Tensor, protect_first: int, protect_last: int, limit: int | None, start: int = 0):
+    """keep with the protected positions set (positions start.., the prompt's length limit, or
+    start + T when None)."""
     keep = keep.clone()
     T = keep.shape[1]
-    end = T if limit is None else min(limit, T)
-    keep[:, :protect_first] = True
+    end = T if limit is None else min(max(limit - start, 0), T)    # chunk-local end of the prompt
+    keep[:, :max(protect_first - start, 0)] = True
     if protect_last:
-        keep[:, max(end - protect_last, 0):end] = True
+        last = (start + T if limit is None else limit) - protect_last - start
+        keep[:, max(last, 0):end] = True
     keep[:, end:] = True
     return keep

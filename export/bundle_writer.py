@@ -32,6 +32,7 @@ Everything is written under BUNDLE.tmp and renamed into place at the end: a fail
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 import time
 from pathlib import Path
@@ -386,16 +387,17 @@ def _copy_tokenizer_files(folder, tmp: Path):
 
 
 def prefill_section(chunk: int, meta: Optional[dict], foreign: bool = False) -> dict:
-    """The manifest's "prefill": the chunk the runners prefill a long prompt in, or one_pass with why
-    (SIH/PAD layers see the whole prompt; a foreign graph has no prefix inputs)."""
-    skip = [L["index"] for L in (meta or {}).get("layers", []) if L.get("skip")]
+    """The manifest's "prefill": the chunk the runners prefill a long prompt in (a multiple of the SIH
+    block rule's blocks, written as "multiple"), or one_pass with why (a foreign graph has no prefix
+    inputs)."""
     if foreign:
         return {"chunk": None, "one_pass": True, "why": "a rewritten foreign graph has no prefix inputs"}
-    if skip:
-        return {"chunk": chunk, "one_pass": True,
-                "why": f"SIH/PAD on layers {skip} see the whole prompt (first / last positions, the score "
-                       "moving average): chunks would change what they skip"}
-    return {"chunk": chunk, "one_pass": False}
+    multiple = 1
+    for L in (meta or {}).get("layers", []):
+        if L.get("skip") and int(L.get("block_size") or 0) > 0:
+            multiple = math.lcm(multiple, int(L["block_size"]))
+    out = {"chunk": -(-chunk // multiple) * multiple, "one_pass": False}
+    return {**out, "multiple": multiple} if multiple > 1 else out
 
 
 def _foreign_graphs(path: str, meta, tensors, has_paths: bool, step):
@@ -449,7 +451,7 @@ def _model_graphs(model: str, meta, tensors, paths: dict, calib, tmp: Path, step
     if meta is not None:
         step("rewrite")
         pre, rinfo = rewrite.rewrite_model(pre, rewrite.params_from_artifact(meta, tensors),
-                                           expect_layers=model_cfg["n_layers"])
+                                           expect_layers=model_cfg["n_layers"], chunked=True)
         info["rewrite"] = {"layers_found": rinfo["report"]["matched_layers"], "rewritten": rinfo["rewritten_layers"]}
     if paths:
         step("decode paths")

@@ -65,7 +65,9 @@ def _fn(op, inputs, outputs, nodes):
     return f
 
 
-def sih_function():
+def sih_function(chunked: bool = False):
+    """ZeroEdgeSIH, or with chunked=True ZeroEdgeSIHChunk: positions start.. of a prompt_len-token prompt
+    (span), the moving average continued from the carry, the next chunk's carry out."""
     from onnx import TensorProto, helper
 
     N = helper.make_node
@@ -85,16 +87,18 @@ def sih_function():
         c("zf", 0.0), c("onef", 1.0), c("ni", 0, TensorProto.INT64), c("oi", 1, TensorProto.INT64),
         N("Squeeze", ["T1", "zero1"], ["T"]),
         N("Range", ["ni", "T", "oi"], ["pos"]),
-        # moving average over t, t-1, t-2 (renormalised at the start)
-        N("Pad", ["s", "pads1"], ["sp1"]),
-        N("Pad", ["s", "pads2"], ["sp2"]),
-        N("Slice", ["sp1", "zero1", "T1", "zero1"], ["s1"]),
-        N("Slice", ["sp2", "zero1", "T1", "zero1"], ["s2"]),
+        *(_chunk_positions(N, c1) if chunked else [
+            N("Identity", ["pos"], ["apos"]), N("Identity", ["T"], ["plen"]),
+            # moving average over t, t-1, t-2 (renormalised at the start)
+            c1("pads1", [1, 0]), c1("pads2", [2, 0]),
+            N("Pad", ["s", "pads1"], ["sp1"]), N("Pad", ["s", "pads2"], ["sp2"]),
+            N("Slice", ["sp1", "zero1", "T1", "zero1"], ["s1"]),
+            N("Slice", ["sp2", "zero1", "T1", "zero1"], ["s2"])]),
         _const_ref("w0", "ma_w0"), _const_ref("w1c", "ma_w1"), _const_ref("w2c", "ma_w2"),
         N("Mul", ["s", "w0"], ["m0"]), N("Mul", ["s1", "w1c"], ["m1"]), N("Mul", ["s2", "w2c"], ["m2"]),
         N("Add", ["m0", "m1"], ["m01"]), N("Add", ["m01", "m2"], ["num"]),
         N("Add", ["w0", "w1c"], ["n01"]), N("Add", ["n01", "w2c"], ["n012"]),
-        N("Equal", ["pos", "ni"], ["is0"]), N("Equal", ["pos", "oi"], ["is1"]),
+        N("Equal", ["apos", "ni"], ["is0"]), N("Equal", ["apos", "oi"], ["is1"]),
         N("Where", ["is1", "n01", "n012"], ["nrm1"]), N("Where", ["is0", "w0", "nrm1"], ["nrm"]),
         N("Div", ["num", "nrm"], ["sm"]),
         # threshold
@@ -122,19 +126,38 @@ def sih_function():
         N("And", ["use_blk", "keep_blk"], ["kr1"]), N("And", ["use_tok", "keep_tok"], ["kr2"]),
         N("Or", ["kr1", "kr2"], ["keep_r"]),
         # protections: sinks, the prompt's last positions, short inputs
-        _const_ref("pf", "protect_first"), N("Less", ["pos", "pf"], ["first"]),
-        _const_ref("pl", "protect_last"), N("Sub", ["T", "pl"], ["lastfrom"]),
-        N("GreaterOrEqual", ["pos", "lastfrom"], ["last"]),
-        _const_ref("mt", "min_tokens"), N("Less", ["T", "mt"], ["short"]),
+        _const_ref("pf", "protect_first"), N("Less", ["apos", "pf"], ["first"]),
+        _const_ref("pl", "protect_last"), N("Sub", ["plen", "pl"], ["lastfrom"]),
+        N("GreaterOrEqual", ["apos", "lastfrom"], ["last"]),
+        _const_ref("mt", "min_tokens"), N("Less", ["plen", "mt"], ["short"]),
         N("Or", ["keep_r", "first"], ["k1"]), N("Or", ["k1", "last"], ["k2"]), N("Or", ["k2", "short"], ["kb"]),
         N("Cast", ["kb"], ["keep"], to=TensorProto.INT32),
         # anchor output where skipped
         N("Gemm", ["x", "anchor_a"], ["ax"], transB=1), N("Gemm", ["ax", "anchor_b", "anchor_c"], ["anc"], transB=1),
         N("Unsqueeze", ["kb", "one1"], ["kb2"]), N("Where", ["kb2", "zf", "anc"], ["base"]),
     ]
-    # pad amounts of the shifts: 1 and 2 zeros in front, none behind
-    nodes[:0] = [c1("pads1", [1, 0]), c1("pads2", [2, 0])]
-    return _fn("ZeroEdgeSIH", spec.NODES["ZeroEdgeSIH"]["inputs"], spec.NODES["ZeroEdgeSIH"]["outputs"], nodes)
+    op = "ZeroEdgeSIHChunk" if chunked else "ZeroEdgeSIH"
+    return _fn(op, spec.NODES[op]["inputs"], spec.NODES[op]["outputs"], nodes)
+
+
+def _chunk_positions(N, c1):
+    """ZeroEdgeSIHChunk's absolute positions apos = start + pos, the prompt's length plen, the shifted
+    scores s1, s2 (the carry in front; zero before position 0) and carry_out (the last two of them)."""
+    from onnx import TensorProto, helper
+
+    return [
+        c1("big1", [2**62]), c1("minus2", [-2]),
+        N("Constant", [], ["two"], value=helper.make_tensor("two", TensorProto.INT64, [], [2])),
+        N("Cast", ["span"], ["span64"], to=TensorProto.INT64),
+        N("Gather", ["span64", "ni"], ["start"], axis=0), N("Gather", ["span64", "oi"], ["plen"], axis=0),
+        N("Add", ["pos", "start"], ["apos"]),
+        N("Concat", ["carry", "s"], ["ext"], axis=0),
+        N("Add", ["T1", "one1"], ["T1p1"]),
+        N("Slice", ["ext", "one1", "T1p1", "zero1"], ["s1r"]), N("Slice", ["ext", "zero1", "T1", "zero1"], ["s2r"]),
+        N("GreaterOrEqual", ["apos", "oi"], ["has1"]), N("GreaterOrEqual", ["apos", "two"], ["has2"]),
+        N("Where", ["has1", "s1r", "zf"], ["s1"]), N("Where", ["has2", "s2r", "zf"], ["s2"]),
+        N("Slice", ["ext", "minus2", "big1", "zero1"], ["carry_out"]),
+    ]
 
 
 def gather_function():
@@ -186,4 +209,4 @@ def paths_function():
 
 
 def all_functions():
-    return [sih_function(), gather_function(), scatter_function(), paths_function()]
+    return [sih_function(), sih_function(chunked=True), gather_function(), scatter_function(), paths_function()]

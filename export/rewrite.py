@@ -17,7 +17,10 @@ LlamaForCausalLM / Qwen2ForCausalLM alike. Layers are numbered in topological or
     n2 = Reshape(n, [-1, D]);  keep, base = ZeroEdgeSIH(n2, ...);  xs, idx, cnt = ZeroEdgePADGather(n2, keep)
     y2 = MLP(xs);  out = ZeroEdgePADScatter(base, y2, idx);  y = Reshape(out, Shape(n))
 
-(batch 1: the sequence is the flattened B*T axis).
+(batch 1: the sequence is the flattened B*T axis). With chunked=True (a prefill graph a runner feeds in
+chunks) the node is ZeroEdgeSIHChunk: it also reads the graph inputs sih_span (int32 [2]: the chunk's
+first position, the prompt's length) and sih_carry.{i} (float32 [2]) and writes the graph output
+sih_carry_out.{i}, so layer i's score moving average runs on across chunks.
 
 `rewrite_decode_paths(model, params)` (magnitude decode paths; `paths_from_artifact` reads
 the artifact's "paths" section and refuses predictor paths) replaces each selected layer's FFN in
@@ -250,12 +253,17 @@ class SIHParams:
                 "block_frac": float(self.block_frac), "anchor_rank": int(self.anchor_rank)}
 
 
-def rewrite(graph, matches, params: dict):
-    """Insert SIH / PAD nodes into the layers in `params` (layer index -> SIHParams)."""
+def rewrite(graph, matches, params: dict, chunked: bool = False):
+    """Insert SIH / PAD nodes into the layers in `params` (layer index -> SIHParams); chunked: the
+    ZeroEdgeSIHChunk form with its span / carry graph inputs and carry graph outputs."""
     import numpy as np
     import onnx_graphsurgeon as gs
 
     done = []
+    span = None
+    if chunked and any(m.index in params for m in matches):
+        span = gs.Variable("sih_span", dtype=np.int32, shape=[2])
+        graph.inputs.append(span)
     for m in matches:
         p = params.get(m.index)
         if p is None:
@@ -272,8 +280,17 @@ def rewrite(graph, matches, params: dict):
                             "anchor_a", "anchor_b", "anchor_c")]
         keep = gs.Variable(f"{pre}/keep", dtype=np.int32)
         base = gs.Variable(f"{pre}/base", dtype=n.dtype)
-        graph.nodes.append(gs.Node("ZeroEdgeSIH", f"{pre}/ZeroEdgeSIH", attrs=p.attrs(),
-                                   inputs=[n2, *consts], outputs=[keep, base], domain=spec.DOMAIN))
+        if span is None:
+            graph.nodes.append(gs.Node("ZeroEdgeSIH", f"{pre}/ZeroEdgeSIH", attrs=p.attrs(),
+                                       inputs=[n2, *consts], outputs=[keep, base], domain=spec.DOMAIN))
+        else:
+            carry = gs.Variable(f"sih_carry.{m.index}", dtype=np.float32, shape=[2])
+            carry_out = gs.Variable(f"sih_carry_out.{m.index}", dtype=np.float32, shape=[2])
+            graph.inputs.append(carry)
+            graph.outputs.append(carry_out)
+            graph.nodes.append(gs.Node("ZeroEdgeSIHChunk", f"{pre}/ZeroEdgeSIHChunk", attrs=p.attrs(),
+                                       inputs=[n2, *consts, carry, span], outputs=[keep, base, carry_out],
+                                       domain=spec.DOMAIN))
         xs = gs.Variable(f"{pre}/xs", dtype=n.dtype)
         idx = gs.Variable(f"{pre}/idx", dtype=np.int32)
         cnt = gs.Variable(f"{pre}/count", dtype=np.int32)
@@ -585,14 +602,15 @@ def params_from_artifact(meta: dict, tensors: dict) -> dict:
 
 
 def rewrite_model(model, sih_params: dict, pruned_heads: Optional[dict] = None, head_dim: int = 0,
-                  n_heads: int = 0, expect_layers: Optional[int] = None):
-    """onnx ModelProto -> (rewritten ModelProto, info). NoPattern if nothing matches."""
+                  n_heads: int = 0, expect_layers: Optional[int] = None, chunked: bool = False):
+    """onnx ModelProto -> (rewritten ModelProto, info). NoPattern if nothing matches. chunked: SIH
+    nodes for a prefill fed in chunks (ZeroEdgeSIHChunk, see `rewrite`)."""
     import onnx_graphsurgeon as gs
 
     graph = gs.import_onnx(model)
     matches, report = _layers_of(graph, expect_layers)
     heads = mask_heads(graph, matches, pruned_heads or {}, head_dim, n_heads) if pruned_heads else {}
-    done = rewrite(graph, matches, sih_params)
+    done = rewrite(graph, matches, sih_params, chunked)
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
     del out.opset_import[:]

@@ -1,8 +1,7 @@
 """Chunked prefill in the onnxruntime and TensorRT runners: the prefill graph takes the K/V of the tokens
 before a chunk (prefix_k/v) and the runners feed a long prompt chunk by chunk. Checked: the same logits,
-window K/V, heat and greedy tokens as one pass; old bundles (no prefix inputs) and SIH/PAD bundles run
-one pass and say so; the real TensorRT-RTX builder takes the chunked graph with profiles that cover
-every chunk."""
+window K/V, heat and greedy tokens as one pass; old bundles (no prefix inputs) run one pass and say
+so; the real TensorRT-RTX builder takes the chunked graph with profiles that cover every chunk; SIH/PAD bundles chunk too and skip exactly the rows one pass skips."""
 import json
 
 import numpy as np
@@ -108,18 +107,94 @@ def test_old_bundle_runs_one_pass(dense, tmp_path):
     np.testing.assert_allclose(r.prefill(p), OrtRunner(dense, slots=256, chunk=32).prefill(p), rtol=1e-5, atol=1e-5)
 
 
-def test_sih_bundle_runs_one_pass(tmp_path):
+@pytest.fixture(scope="module")
+def sih_bundle(tmp_path_factory):
+    """A tiny model's bundle with SIH/PAD on layers 0-2 (layer 1 by the 16-token block rule), each
+    threshold at a quantile of its smoothed scores on the test prompt, so a good share of rows skip."""
+    import torch
     from artifacts import sih_artifact
 
-    from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge import calib_artifact
     from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.mechanisms.pad import install_artifact, remove
+    from zeroedge.mechanisms.sih import keep_mask, smooth
+    from zeroedge.model import PRESETS, build
 
-    sih_artifact(tmp_path / "c", "tiny", thr={0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5})
-    mf = export_bundle("tiny", tmp_path / "zero", calib=tmp_path / "c", window=48, prefill_chunk=32)
-    assert mf["prefill"]["one_pass"] and "SIH/PAD" in mf["prefill"]["why"]
-    r = OrtRunner(tmp_path / "zero", slots=48, chunk=16)
-    assert r.chunk is None and r.prefill_mode.startswith("one pass: SIH/PAD")
-    assert len(r.generate(_prompt(100), 3)) == 3
+    tmp = tmp_path_factory.mktemp("sih")
+    cfg = PRESETS["tiny"].with_(max_seq_len=1024)
+    m = build(cfg, seed=3).eval()
+    meta, t = sih_artifact(tmp / "c", "tiny", skip=[0, 1, 2], block={1: 16}, cfg=cfg)
+    install_artifact(m, meta, t)
+    seen = {}
+    for i in (0, 1, 2):
+        head = m.layers[i].mlp.policy.sih
+        head.forward = lambda x, f=head.forward, i=i: seen.setdefault(i, f(x))
+    with torch.no_grad():
+        m.layers[0].mlp.rt.active = True
+        m(torch.from_numpy(_prompt(SIH_T))[None])
+    remove(m)
+    for L in meta["layers"]:
+        if L["skip"]:
+            sm = smooth(seen[L["index"]])
+            # the threshold at which closest to half the rows skip (whole blocks, under the block rule)
+            L["threshold"] = min((float(sm.quantile(q)) for q in np.linspace(0.3, 0.95, 27)),
+                                 key=lambda thr: abs(keep_mask(sm, thr, 4, 1, L["block_size"]).float().mean() - 0.5))
+    calib_artifact.save(tmp / "c", meta, t)
+    export_bundle(m, tmp / "zero", calib=tmp / "c", window=256, prefill_chunk=40)
+    return tmp / "zero"
+
+
+SIH_T = 200
+
+
+def _keeps(bundle, prompt, chunk):
+    """Every SIH layer's keep mask for the prompt, prefilled `chunk` tokens at a time through the
+    portable prefill graph (its keep tensors added as outputs), and the last logits."""
+    import onnx
+    import onnxruntime as ort
+
+    from zeroedge.backends.onnxruntime import PrefillGraph
+
+    m = onnx.load(str(bundle / "prefill.portable.onnx"))
+    keep_names = sorted({o for n in m.graph.node if n.op_type == "ZeroEdgeSIHChunk" for o in n.output[:1]})
+    m.graph.output.extend(onnx.helper.make_tensor_value_info(k, onnx.TensorProto.INT32, None) for k in keep_names)
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    pg = PrefillGraph(s, [i.name for i in s.get_inputs()], 2, 16, [o.name for o in s.get_outputs()])
+    T, L = len(prompt), len([i for i in s.get_inputs() if i.name.startswith("prefix_k.")])
+    kv = [np.zeros((1, 0, 2, 16), np.float32) for _ in range(2 * L)]
+    keeps, toks = [[] for _ in keep_names], np.asarray(prompt, np.int64)[None]
+    for a in range(0, T, chunk):
+        feed = {"tokens": toks[:, a:a + chunk], **{n: kv[j] for j, n in enumerate(pg.prefix)}}
+        out = pg.run(None, feed, a, T)
+        kv = [np.concatenate((kv[j], out[1 + j].transpose(0, 2, 1, 3)), 1) for j in range(2 * L)]
+        for j, k in enumerate(out[-len(keep_names):]):
+            keeps[j].append(k)
+        logits = out[0]
+    return [np.concatenate(k) for k in keeps], logits
+
+
+@pytest.mark.parametrize("chunk", [32, 48, 64, 100])
+def test_sih_bundle_chunks_skip_what_one_pass_skips(sih_bundle, chunk):
+    """The exported SIH/PAD prefill graph fed in chunks that do and do not divide the prompt: the same
+    keep mask on every SIH layer (token rule and block rule), the same logits; the runner chunks by
+    default, rounds a chunk up to the block rule's 16 and gives the one-pass results."""
+    from zeroedge.backends.onnxruntime import OrtRunner
+
+    mf = json.loads((sih_bundle / "manifest.json").read_text())
+    assert mf["prefill"] == {"chunk": 48, "one_pass": False, "multiple": 16}
+    p = _prompt(SIH_T)
+    rounded = -(-chunk // 16) * 16                           # chunks start on block boundaries
+    one, l1 = _keeps(sih_bundle, p, SIH_T)
+    got, l2 = _keeps(sih_bundle, p, rounded)
+    assert len(one) == 3
+    for a, b in zip(one, got):
+        assert 0.15 < 1 - a.mean() < 0.85, a.mean()          # the rule really skips (and keeps) rows
+        assert np.array_equal(a, b)
+    np.testing.assert_allclose(l2, l1, rtol=1e-4, atol=1e-4)
+    r = OrtRunner(sih_bundle, slots=256, chunk=chunk)
+    assert r.chunk == rounded and (rounded == chunk or "a multiple of the SIH block rule" in r.prefill_mode)
+    np.testing.assert_allclose(r.prefill(p), OrtRunner(sih_bundle, slots=256, chunk=10 ** 6).prefill(p),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_bad_chunk_is_one_line(dense):

@@ -32,7 +32,8 @@ SIGNATURE = "manifest.sig"
 FORMAT_VERSION = 1
 
 
-# the prefill chunk a bundle's runners use unless told (manifest "prefill": {"chunk", "one_pass", "why"});
+# the prefill chunk a bundle's runners use unless told (manifest "prefill": {"chunk", "one_pass", "why",
+# "multiple": the SIH block rule's block, when a layer has one: every chunk is a multiple of it});
 # 512: the chunk's scores are [h, 512, past+512], a 16th of one pass at 8K, and on a 2-thread x86 CPU a chunk
 # of 512 prefills as fast as one pass or faster (benchmarks/prefill.md)
 DEFAULT_PREFILL_CHUNK = 512
@@ -40,8 +41,9 @@ DEFAULT_PREFILL_CHUNK = 512
 
 def prefill_plan(manifest: dict, prefix_inputs: bool = True, chunk: int | None = None):
     """(chunk, why) for a bundle's prefill graph; chunk None means one pass: a graph without prefix
-    inputs (exported before chunked prefill) or a manifest that says one_pass (SIH/PAD layers).
-    `chunk` (a runner's or the planner's argument) overrides the manifest's."""
+    inputs (exported before chunked prefill) or a manifest that says one_pass (SIH/PAD layers exported
+    before their chunked form). `chunk` (a runner's or the planner's argument) overrides the manifest's,
+    rounded up to the manifest's "multiple"."""
     pm = manifest.get("prefill") if isinstance(manifest.get("prefill"), dict) else None
     if not prefix_inputs or pm is None:
         return None, "one pass: the prefill graph has no prefix inputs (exported before chunked prefill)"
@@ -50,6 +52,10 @@ def prefill_plan(manifest: dict, prefix_inputs: bool = True, chunk: int | None =
     c = int(chunk if chunk is not None else (pm.get("chunk") or DEFAULT_PREFILL_CHUNK))
     if c < 1:
         raise UserError(f"prefill chunk must be >= 1 (got {c})")
+    multiple = int(pm.get("multiple") or 1)
+    if c % multiple:
+        c = -(-c // multiple) * multiple
+        return c, f"chunks of {c} tokens (a multiple of the SIH block rule's {multiple}-token blocks)"
     return c, f"chunks of {c} tokens"
 
 

@@ -15,6 +15,22 @@ The rewritten FFN of one decoder layer:
     out          = ZeroEdgePADScatter(base, y, idx)    out[idx[k]] = y[k]; other rows keep base
     h'           = h + out
 
+A prompt prefilled in chunks uses the chunked form of the SIH node (a new node, the others are
+unchanged, so no ABI bump); its decisions for the whole prompt are exactly those of ZeroEdgeSIH over
+the whole prompt in one pass:
+
+    keep, base, carry' = ZeroEdgeSIHChunk(n, W1..b4, A, B, c, carry, span)
+                                                       the T rows are positions start..start+T-1 of a
+                                                       prompt of prompt_len tokens: span int32 [2] =
+                                                       (start, prompt_len); carry float32 [2] = the raw
+                                                       scores of positions start-2, start-1 (read only
+                                                       where those exist); carry' float32 [2] = those of
+                                                       start+T-2, start+T-1 (the next chunk's carry).
+                                                       Protections and min_tokens take absolute
+                                                       positions and prompt_len; block-rule blocks are
+                                                       counted from position 0 (a chunk starts on a
+                                                       block boundary)
+
 The decode paths FFN of one decode step (magnitude rule of plugins/include/zeroedge_paths.h; a new
 node, the others are unchanged, so no ABI bump):
 
@@ -57,6 +73,12 @@ NODES = {
             "anchor_rank": (INT, 16),        # 0: plain skipping (base is zero)
         },
     },
+    "ZeroEdgeSIHChunk": {
+        "inputs": ["x", "w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4",
+                   "anchor_a", "anchor_b", "anchor_c", "carry", "span"],
+        "outputs": ["keep", "base", "carry_out"],
+        "fields": {},                        # ZeroEdgeSIH's (below)
+    },
     "ZeroEdgePADGather": {
         "inputs": ["x", "keep"],
         "outputs": ["xs", "idx", "count"],
@@ -77,6 +99,9 @@ NODES = {
     },
 }
 
+
+NODES["ZeroEdgeSIHChunk"]["fields"] = NODES["ZeroEdgeSIH"]["fields"]
+SIH_OPS = ("ZeroEdgeSIH", "ZeroEdgeSIHChunk")
 
 # the SIH fields' defaults, for every Python side that needs one (calibration, reference, rewrite)
 SIH_DEFAULTS = {k: d for k, (_, d) in NODES["ZeroEdgeSIH"]["fields"].items() if d is not None}
@@ -115,7 +140,7 @@ def field_value_problems(op: str, values: dict) -> list:
     fields = NODES[op]["fields"]
     p = {k: values.get(k, default) for k, (_, default) in fields.items()}
     out = []
-    if op == "ZeroEdgeSIH":
+    if op in SIH_OPS:
         if p["threshold"] is not None and not _finite(p["threshold"]):
             out.append("field 'threshold' must be a finite number")
         w = [p["ma_w0"], p["ma_w1"], p["ma_w2"]]
@@ -143,13 +168,13 @@ def shape_problems(op: str, shapes: list, values: dict) -> list:
 
     out = []
     lim = LIMITS
-    if op in ("ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter"):
+    if op in (*SIH_OPS, "ZeroEdgePADGather", "ZeroEdgePADScatter"):
         x = dims(0)
         name = "base" if op == "ZeroEdgePADScatter" else "x"
         if x is not None and len(x) != 2:
             out.append(f"input 0 ({name}) must be 2-D [T, D], got rank {len(x)}")
         D = x[1] if x is not None and len(x) == 2 else None
-        if op == "ZeroEdgeSIH":
+        if op in SIH_OPS:
             w1 = dims(1)
             if D is None and w1 is not None and len(w1) == 2:
                 D = w1[1]

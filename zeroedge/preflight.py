@@ -182,8 +182,8 @@ def _known_tensors(graph) -> dict:
 
 
 # element types each plugin's first input may have (plugins/src/plugin.cpp supportsFormatCombination)
-_X_TYPES = {"ZeroEdgeSIH": ("FLOAT", "FLOAT16"), "ZeroEdgePADGather": ("FLOAT", "FLOAT16"),
-            "ZeroEdgePADScatter": ("FLOAT", "FLOAT16"), "ZeroEdgePathsFFN": ("FLOAT16", "BFLOAT16")}
+_X_TYPES = {"ZeroEdgeSIH": ("FLOAT", "FLOAT16"), "ZeroEdgeSIHChunk": ("FLOAT", "FLOAT16"),
+            "ZeroEdgePADGather": ("FLOAT", "FLOAT16"), "ZeroEdgePADScatter": ("FLOAT", "FLOAT16"), "ZeroEdgePathsFFN": ("FLOAT16", "BFLOAT16")}
 
 
 def _check_plugin_node(n, nm, dom, fname, known=None):

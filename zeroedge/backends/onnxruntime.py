@@ -20,11 +20,12 @@ Chunked prefill: a prompt longer than `chunk` tokens runs through the prefill gr
 a time; each chunk reads the K/V of the tokens before it (the graph's prefix_k/v inputs, token-major,
 fed as views of one [T, Hkv, hd] buffer per layer) and adds its attention mass to the whole prompt's,
 so the results equal one pass within float rounding while the scores live at [h, chunk, past+chunk]
-instead of [h, T, T]. The chunk: the `chunk` argument, else the manifest's prefill.chunk, else
-zeroedge.bundle.DEFAULT_PREFILL_CHUNK. One pass instead, said in `prefill_mode`: a bundle whose
-prefill graph has no prefix inputs (exported before chunking), or one with SIH/PAD layers (the
-manifest's prefill.one_pass: the plugins see the whole prompt, its first and last positions and the
-score moving average, so chunks would change what they skip).
+instead of [h, T, T]. SIH/PAD layers exported for chunks (ZeroEdgeSIHChunk) carry their score moving
+average from chunk to chunk (PrefillGraph) and skip exactly what one pass skips. The chunk: the `chunk`
+argument, else the manifest's prefill.chunk, else zeroedge.bundle.DEFAULT_PREFILL_CHUNK (rounded up to
+the manifest's prefill.multiple: the SIH block rule's block). One pass instead, said in `prefill_mode`: a
+bundle whose prefill graph has no prefix inputs (exported before chunking), or one with SIH/PAD layers
+exported for one pass (the manifest's prefill.one_pass).
 """
 from __future__ import annotations
 
@@ -39,20 +40,42 @@ from zeroedge.errors import UserError
 
 class PrefillGraph:
     """A prefill session (onnxruntime or TensorRT) whose `run(None, feed)` fills prefix inputs the feed
-    leaves out with empty ones (P = 0): a whole prompt runs as before from {"tokens": ...} alone."""
+    leaves out with empty ones (P = 0): a whole prompt runs as before from {"tokens": ...} alone.
 
-    def __init__(self, session, input_names, nkv: int, hd: int):
+    A graph with chunked SIH/PAD nodes (inputs sih_span, sih_carry.i; outputs sih_carry_out.i) is fed
+    here too: `run(None, feed, start, prompt_len)` for the chunk at positions start.. of a prompt_len-token
+    prompt passes (start, prompt_len) and the carry the previous chunk returned, keeps the new carry
+    and returns the other outputs, in order."""
+
+    def __init__(self, session, input_names, nkv: int, hd: int, output_names=()):
         import numpy as np
 
+        self.np = np
         self.session = session
         self.prefix = [n for n in input_names if n.startswith("prefix_")]
         self.empty = np.zeros((1, 0, nkv, hd), np.float32)
+        self.sih_in = [n for n in input_names if n.startswith("sih_carry.")]
+        self.sih_out = [i for i, n in enumerate(output_names) if n.startswith("sih_carry_out.")]
+        if len(self.sih_in) != len(self.sih_out) or (self.sih_in and "sih_span" not in input_names):
+            raise UserError("the prefill graph's SIH carry inputs and outputs do not match "
+                            f"({len(self.sih_in)} sih_carry inputs, {len(self.sih_out)} sih_carry_out outputs)")
+        self.carry = None
 
-    def run(self, names, feed: dict):
+    def run(self, names, feed: dict, start: int = 0, prompt_len: Optional[int] = None):
+        np = self.np
         missing = [n for n in self.prefix if n not in feed]
         if missing:
             feed = {**feed, **{n: self.empty for n in missing}}
-        return self.session.run(names, feed)
+        if not self.sih_in:
+            return self.session.run(names, feed)
+        n = start + feed["tokens"].shape[1] if prompt_len is None else prompt_len
+        carry = self.carry if start else None
+        if carry is None:
+            carry = [np.zeros(2, np.float32)] * len(self.sih_in)
+        feed = {**feed, "sih_span": np.array([start, n], np.int32), **dict(zip(self.sih_in, carry))}
+        out = self.session.run(None, feed)
+        self.carry = [out[i] for i in self.sih_out]
+        return [o for i, o in enumerate(out) if i not in set(self.sih_out)]
 
     def __getattr__(self, name):             # close(), buffers, get_inputs() ... of the session
         if name == "session":
@@ -106,7 +129,8 @@ class OrtRunner:
         except Exception as e:  # onnxruntime raises its own types for bad graphs
             raise UserError(f"{bundle}: onnxruntime cannot load the {flavour} graphs "
                             f"({type(e).__name__}: {str(e)[:300]})") from None
-        self.pre = PrefillGraph(self.pre, [i.name for i in self.pre.get_inputs()], self.nkv, self.hd)
+        self.pre = PrefillGraph(self.pre, [i.name for i in self.pre.get_inputs()], self.nkv, self.hd,
+                                [o.name for o in self.pre.get_outputs()])
         self.chunk, self.prefill_mode = prefill_plan(self.manifest, bool(self.pre.prefix), chunk)
         self.sinks, self.decay = sinks, decay
         self.evict = evict or self._coldest
@@ -202,7 +226,7 @@ class OrtRunner:
             feed = {"tokens": tokens[:, a:e]}
             for n, b in zip(names, buf):
                 feed[n] = b[:, :a]                   # contiguous: the first a rows
-            out = self.pre.run(None, feed)
+            out = self.pre.run(None, feed, a, T)
             for j, b in enumerate(buf):
                 b[0, a:e] = out[1 + j][0].transpose(1, 0, 2)
             mass[:, :, :e] += out[-1]

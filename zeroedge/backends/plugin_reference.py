@@ -7,6 +7,7 @@ kernels against them, and the portable ONNX functions compute the same thing. Ar
 tokens for paths_ffn.
 
     keep, base   = sih(x, w1, b1, w2, b2, w3, b3, w4, b4, anchor_a, anchor_b, anchor_c, **fields)
+    keep, base, carry_out = sih_chunk(x, w1, ..., anchor_c, carry, span, **fields)
     xs, idx, cnt = pad_gather(x, keep)
     out          = pad_scatter(base, y, idx)
     y            = paths_ffn(x, w13_t, wd_t, threshold_in, threshold)
@@ -49,38 +50,44 @@ def sih_scores(x, w1, b1, w2, b2, w3, b3, w4, b4):
     return torch.sigmoid((h @ w4.T + b4).reshape(-1))
 
 
-def smooth(scores, ma_w0: float, ma_w1: float, ma_w2: float):
+def smooth(scores, ma_w0: float, ma_w1: float, ma_w2: float, carry=None, start: int = 0):
     """Causal 3-position weighted moving average, renormalised over the positions that exist.
 
-    The weights are float32 plugin fields; the normalisers are their float64 sums rounded to float32,
-    and the sum runs w0*s[t] + w1*s[t-1] + w2*s[t-2] in that order (as the kernel does)."""
+    `scores` [T] are positions start..start+T-1; carry [2] the raw scores of start-2, start-1 (read
+    only where those positions exist). The weights are float32 plugin fields; the normalisers are
+    their float64 sums rounded to float32, and the sum runs w0*s[t] + w1*s[t-1] + w2*s[t-2] in that
+    order (as the kernel does)."""
     import torch
 
     f32 = torch.float32
     w0, w1, w2 = (float(torch.tensor(w, dtype=f32)) for w in (ma_w0, ma_w1, ma_w2))
     s = scores
-    s1 = torch.nn.functional.pad(s, (1, 0))[:-1]
-    s2 = torch.nn.functional.pad(s, (2, 0))[:-2]
     T = s.shape[0]
+    ext = torch.cat((s.new_zeros(2) if carry is None else carry.to(s.dtype), s))
+    pos = torch.arange(start, start + T, device=s.device)
+    s1 = torch.where(pos >= 1, ext[1:T + 1], torch.zeros_like(s))
+    s2 = torch.where(pos >= 2, ext[:T], torch.zeros_like(s))
     norm = torch.full((T,), w0 + w1 + w2, dtype=s.dtype, device=s.device)
-    norm[:1] = w0
-    if T > 1:
-        norm[1:2] = w0 + w1
+    norm[pos == 0] = w0
+    norm[pos == 1] = w0 + w1
     return (w0 * s + w1 * s1 + w2 * s2) / norm
 
 
 def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.333333, ma_w2: float = 0.166667,
              min_tokens: int = 32, protect_first: int = 4, protect_last: int = 1, block_size: int = 0,
-             block_frac: float = plugin_spec.BLOCK_FRAC, **_ignored):
-    """int32 [T] keep mask from raw scores [T] (float32): the decision half of ZeroEdgeSIH."""
+             block_frac: float = plugin_spec.BLOCK_FRAC, carry=None, start: int = 0, prompt_len=None,
+             **_ignored):
+    """int32 [T] keep mask from raw scores [T] (float32): the decision half of ZeroEdgeSIH, or of
+    ZeroEdgeSIHChunk for positions start.. of a prompt_len-token prompt with the carry."""
     import torch
 
     T = scores.shape[0]
+    n = T if prompt_len is None else int(prompt_len)
     dev = scores.device
-    if T < min_tokens:
+    if n < min_tokens:
         return torch.ones(T, dtype=torch.int32, device=dev)
     thr = torch.tensor(threshold, dtype=torch.float32).item()
-    keep = smooth(scores.float(), ma_w0, ma_w1, ma_w2) >= thr
+    keep = smooth(scores.float(), ma_w0, ma_w1, ma_w2, carry, start) >= thr
     if block_size > 0:
         nb = (T + block_size - 1) // block_size
         low = torch.nn.functional.pad((~keep).float(), (0, nb * block_size - T))
@@ -89,10 +96,8 @@ def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.3333
         frac = low.view(nb, block_size).sum(-1) / counts
         bf = torch.tensor(block_frac, dtype=torch.float32).item()
         keep = (frac <= bf).repeat_interleave(block_size)[:T]
-    keep = keep.clone()
-    keep[:protect_first] = True
-    if protect_last > 0:
-        keep[max(T - protect_last, 0):] = True
+    pos = torch.arange(start, start + T, device=dev)
+    keep = keep | (pos < protect_first) | (pos >= n - protect_last)
     return keep.to(torch.int32)
 
 
@@ -112,6 +117,19 @@ def sih(x, w1, b1, w2, b2, w3, b3, w4, b4, anchor_a, anchor_b, anchor_c, **field
     scores = sih_scores(x, w1, b1, w2, b2, w3, b3, w4, b4).float()
     keep = sih_keep(scores, **f)
     return keep, sih_base(x, keep, anchor_a, anchor_b, anchor_c, f["anchor_rank"])
+
+
+def sih_chunk(x, w1, b1, w2, b2, w3, b3, w4, b4, anchor_a, anchor_b, anchor_c, carry, span, **fields):
+    """ZeroEdgeSIHChunk: (keep int32 [T], base [T, D], carry_out float32 [2]) for the rows x [T, D] at
+    positions span[0].. of a span[1]-token prompt, carry [2] the raw scores of the two positions before."""
+    import torch
+
+    f = sih_fields(**fields)
+    scores = sih_scores(x, w1, b1, w2, b2, w3, b3, w4, b4).float()
+    start, n = (int(v) for v in span)
+    keep = sih_keep(scores, **f, carry=carry.float(), start=start, prompt_len=n)
+    carry_out = torch.cat((carry.float(), scores))[-2:]
+    return keep, sih_base(x, keep, anchor_a, anchor_b, anchor_c, f["anchor_rank"]), carry_out
 
 
 def pad_gather(x, keep):

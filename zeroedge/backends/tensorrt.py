@@ -1027,7 +1027,7 @@ class TrtRunner(OrtRunner):
         self.pre = self.dec = None
         self.pre = TrtSession(engines / "prefill.engine", plugin_lib, order("prefill"))
         self.dec = TrtSession(engines / "decode.engine", plugin_lib, order("decode"))
-        self.pre = PrefillGraph(self.pre, self.pre.inputs, self.nkv, self.hd)
+        self.pre = PrefillGraph(self.pre, self.pre.inputs, self.nkv, self.hd, self.pre.outputs)
         built = self.engines_meta.get("prefill_chunk")   # the chunk the prefill engine's profile covers
         if self.pre.prefix and "prefill_chunk" not in self.engines_meta:
             self.chunk, self.prefill_mode = None, "one pass: engines built before chunked prefill"

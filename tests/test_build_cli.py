@@ -177,7 +177,7 @@ def _bad_field_bundle(bundles: Path, dst: Path) -> Path:
         import onnx
 
         m = onnx.load(str(b / "prefill.trt.onnx"), load_external_data=False)
-        sih = next(n for n in m.graph.node if n.op_type == "ZeroEdgeSIH")
+        sih = next(n for n in m.graph.node if n.op_type in ("ZeroEdgeSIH", "ZeroEdgeSIHChunk"))
         next(a for a in sih.attribute if a.name == "threshold").f = float("nan")
         onnx.save(m, str(b / "prefill.trt.onnx"))
     return _rewrite(bundles / "zero", dst, edit)

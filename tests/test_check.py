@@ -29,7 +29,7 @@ def trt(bundle):
 
 
 def sih(m):
-    return next(n for n in m.graph.node if n.op_type == "ZeroEdgeSIH")
+    return next(n for n in m.graph.node if n.op_type in ("ZeroEdgeSIH", "ZeroEdgeSIHChunk"))
 
 
 def findings(m, tmp_path, name="seeded.onnx"):

@@ -252,6 +252,7 @@ def test_trt_runner_feeds_the_engine_chunks(rtx, plugin_lib, dense, tmp_path, mo
             g = path.name.split(".")[0]
             self.s = ort.InferenceSession(str(dense / f"{g}.trt.onnx"), providers=["CPUExecutionProvider"])
             self.inputs = [i.name for i in self.s.get_inputs()]
+            self.outputs = [o.name for o in self.s.get_outputs()]
             self.buffers = {}
 
         def run(self, names, feed):

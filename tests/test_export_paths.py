@@ -128,8 +128,8 @@ def test_decode_graph_has_one_paths_node_per_sparse_layer(tiny_paths):
     # the prefill graph is untouched by paths: SIH/PAD nodes and functions only
     pre = _load(tiny_paths, "prefill.portable.onnx")
     assert not any(n.op_type == "ZeroEdgePathsFFN" for n in pre.graph.node)
-    assert {f.name for f in pre.functions} == {"ZeroEdgeSIH", "ZeroEdgePADGather", "ZeroEdgePADScatter"}
-    assert sum(n.op_type == "ZeroEdgeSIH" for n in pre.graph.node) == len(SIH_SKIP)
+    assert {f.name for f in pre.functions} == {"ZeroEdgeSIHChunk", "ZeroEdgePADGather", "ZeroEdgePADScatter"}
+    assert sum(n.op_type == "ZeroEdgeSIHChunk" for n in pre.graph.node) == len(SIH_SKIP)
 
 
 def test_weights_shared_and_manifest(tiny_paths):

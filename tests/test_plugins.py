@@ -181,7 +181,8 @@ def test_glue_links_without_libnvinfer_and_passes_harness(kernels_obj, paths_obj
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "harness:" in r.stdout and "checks passed" in r.stdout
     assert "count 0-D size tensor" in r.stdout and "round-trip" in r.stdout
-    assert "creators: 4" in r.stdout and "ZeroEdgePathsFFN: 3 fields round-trip" in r.stdout
+    assert "creators: 5" in r.stdout and "ZeroEdgePathsFFN: 3 fields round-trip" in r.stdout
+    assert "SIH chunk: 14 inputs / 3 outputs" in r.stdout
 
 
 def test_build_plugins_refuses_tensorrt_8(tmp_path):

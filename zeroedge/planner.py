@@ -21,8 +21,8 @@ Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
                  them: fp32 K + fp16 V; the plan dtype's for bundles that do not record it)
   compressed     the rest of the context in the int8 tier: 1 byte per value + an fp16 scale per 64
   activations    the larger of prefill and one decode step. Prefill runs in chunks of C tokens
-                 (the bundle's prefill.chunk; one pass, C = T, for bundles from before chunking and
-                 SIH/PAD bundles): `score_copies` live [h, c, past + c] fp32 score tensors of the
+                 (the bundle's prefill.chunk; one pass, C = T, for bundles from before chunking and for
+                 SIH/PAD bundles exported one pass): `score_copies` live [h, c, past + c] fp32 score tensors of the
                  largest chunk (the last full one or the last; onnxruntime CPU: 9 in one pass, 11
                  chunked, fitted on an 8-layer d512 model (9.2-12.3 over T 1-4K, C 256-1K) and
                  checked on another shape in tests/test_plan.py; TensorRT: 2, assumed) + the

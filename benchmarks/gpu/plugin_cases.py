@@ -10,7 +10,8 @@ fields and enqueues it; the outputs are compared with zeroedge.backends.plugin_r
 
 extract: one folder per plugin node, `node.json` (op, fields as the graph gives them, where it came
 from) and `weights.npz` (SIH: its head and anchor; PathsFFN: w13_t, wd_t). run: SIH at several
-prompt lengths in float32 and float16, then PAD gather / scatter on its keep mask; PathsFFN at
+prompt lengths in float32 and float16 (ZeroEdgeSIHChunk also in chunks, the carry passed on, against the
+reference's one pass), then PAD gather / scatter on its keep mask; PathsFFN at
 B = 1, 4, 8 in float16 and bfloat16. Prints one line per check and a summary; exit 1 on a mismatch.
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ def extract(bundles, out: Path, per_op: int = 3) -> list:
                     continue
                 row = {"op": n.op_type, "bundle": b.name, "graph": g.name, "node": n.name, "written": False}
                 seen.append(row)
-                if n.op_type not in ("ZeroEdgeSIH", "ZeroEdgePathsFFN") or count.get(n.op_type, 0) >= per_op:
+                if n.op_type not in (*spec.SIH_OPS, "ZeroEdgePathsFFN") or count.get(n.op_type, 0) >= per_op:
                     continue  # PAD nodes run on each SIH case's keep mask
                 count[n.op_type] = count.get(n.op_type, 0) + 1
                 fields = {}
@@ -70,7 +71,8 @@ def extract(bundles, out: Path, per_op: int = 3) -> list:
                     if a.name in spec.NODES[n.op_type]["fields"]:
                         fields[a.name] = ("i", int(a.i)) if a.type == onnx.AttributeProto.INT else ("f", float(a.f))
                 names = spec.NODES[n.op_type]["inputs"]
-                arrays = {names[i]: _initializer_of(model.graph, n.input[i]) for i in range(1, len(n.input))}
+                weights = 12 if n.op_type in spec.SIH_OPS else len(n.input)   # not SIHChunk's carry / span
+                arrays = {names[i]: _initializer_of(model.graph, n.input[i]) for i in range(1, weights)}
                 if any(v is None for v in arrays.values()):
                     continue
                 d = out / f"{b.name}.{g.name.split('.')[0]}.{len(list(out.iterdir())):03d}"
@@ -122,8 +124,9 @@ def _torch_dtypes() -> dict:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows) -> int:
-    """SIH on T random tokens, then PAD gather / scatter on its keep mask; returns the failures."""
+def _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows, chunk=None) -> int:
+    """SIH on T random tokens (ZeroEdgeSIHChunk: in chunks of `chunk`, the carry passed on), against
+    the reference's one pass, then PAD gather / scatter on its keep mask; returns the failures."""
     import torch
 
     from zeroedge.backends import plugin_reference as ref
@@ -133,15 +136,26 @@ def _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows) -> int:
     names = ["w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4", "anchor_a", "anchor_b", "anchor_c"]
     x = torch.randn(T, D).to(tdt[dt])
     ws = [w[n].to(tdt[dt]) for n in names]
-    ins = [(dt, list(x.shape), "x.bin", x)] + [(dt, list(t.shape), f"{n}.bin", t) for n, t in zip(names, ws)]
-    c = _write_case(tmp, "ZeroEdgeSIH", fields, ins,
-                    [("int32", [T], "keep.bin", None), (dt, [T, D], "base.bin", None)])
-    rc, msg = _harness(harness, lib, c)
-    if rc != 0:
-        rows.append((case.name, f"SIH T={T} {dt}", "FAIL", msg[0]))
-        return 1
-    keep = _read(tmp, "keep.bin", torch.int32, (T,))
-    base = _read(tmp, "base.bin", tdt[dt], (T, D))
+    what = f"SIH T={T} {dt}" if chunk is None else f"SIH chunks of {chunk}, T={T} {dt}"
+    keeps, bases, carry = [], [], torch.zeros(2)
+    for a in range(0, T, chunk or T):
+        xc = x[a:a + (chunk or T)]
+        n = xc.shape[0]
+        ins = [(dt, list(xc.shape), "x.bin", xc)] + [(dt, list(t.shape), f"{k}.bin", t) for k, t in zip(names, ws)]
+        outs = [("int32", [n], "keep.bin", None), (dt, [n, D], "base.bin", None)]
+        if chunk is not None:
+            ins += [("float32", [2], "carry.bin", carry), ("int32", [2], "span.bin", torch.tensor([a, T], dtype=torch.int32))]
+            outs += [("float32", [2], "carry_out.bin", None)]
+        rc, msg = _harness(harness, lib, _write_case(tmp, "ZeroEdgeSIH" if chunk is None else "ZeroEdgeSIHChunk",
+                                                     fields, ins, outs))
+        if rc != 0:
+            rows.append((case.name, what, "FAIL", msg[0]))
+            return 1
+        keeps.append(_read(tmp, "keep.bin", torch.int32, (n,)))
+        bases.append(_read(tmp, "base.bin", tdt[dt], (n, D)))
+        if chunk is not None:
+            carry = _read(tmp, "carry_out.bin", torch.float32, (2,)).clone()
+    keep, base = torch.cat(keeps), torch.cat(bases)
     rk, rb = ref.sih(x.double(), *[t.double() for t in ws], **values)
     diff = int((keep != rk.to(torch.int32)).sum())
     # the reference's base on the plugin's own keep mask (a token at the threshold may flip)
@@ -151,7 +165,7 @@ def _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows) -> int:
     tol = 1e-5 if dt == "float32" else 2e-2
     ok = diff <= max(1, T // 100) and err <= tol
     bad = int(not ok)
-    rows.append((case.name, f"SIH T={T} {dt}", "ok" if ok else "FAIL",
+    rows.append((case.name, what, "ok" if ok else "FAIL",
                  f"kept {int(keep.sum())}/{T}, {diff} differ from the reference, base rel err {err:.1e}"))
     return bad + _pad_check(case, tmp, x, keep, base, T, D, dt, harness, lib, rows)
 
@@ -224,10 +238,14 @@ def run(cases: Path, harness, lib) -> int:
         fields = {k: tuple(v) for k, v in node["fields"].items()}
         values = {k: v for k, (_, v) in fields.items()}
         tmp = Path(tempfile.mkdtemp(dir=case))
-        if node["op"] == "ZeroEdgeSIH":
+        if node["op"] in ("ZeroEdgeSIH", "ZeroEdgeSIHChunk"):
+            block = max(int(values.get("block_size", 0)), 1)
             for T in SIH_T:
                 for dt in ("float32", "float16"):
                     bad += _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows)
+                    if node["op"] == "ZeroEdgeSIHChunk":     # chunks that do not divide T, on block boundaries
+                        chunk = -(-(T // 3 + 1) // block) * block
+                        bad += _sih_check(case, tmp, fields, values, w, T, dt, harness, lib, rows, chunk)
         else:
             for B in PATHS_B:
                 for dt in ("float16", "bfloat16"):

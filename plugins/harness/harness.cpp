@@ -314,7 +314,82 @@ static PluginTensorDesc pdesc(DataType t, std::vector<int64_t> const& d)
     return x;
 }
 
-static void gpuChecks(IPluginCreatorV3One* sihC, IPluginCreatorV3One* gatC, IPluginCreatorV3One* scaC)
+// ZeroEdgeSIHChunk over the prompt in chunks (carry_out fed back as the next carry) against ZeroEdgeSIH
+// over the whole prompt in one pass: the same keep and base on every row
+static void chunkGpuCheck(IPluginCreatorV3One* sihC, IPluginCreatorV3One* chunkC,
+    std::vector<std::vector<float>> const& in, std::vector<std::vector<int64_t>> const& shp, float thr, int R,
+    int blockSize, int chunk, bool expectMix)
+{
+    int const T = int(shp[0][0]), D = int(shp[0][1]);
+    FieldSet fs;
+    fs.fl("threshold", thr).in("anchor_rank", R).in("block_size", blockSize);
+    auto fc = fs.fc();
+    IPluginV3* one = sihC->createPlugin("sih", &fc, TensorRTPhase::kRUNTIME);
+    IPluginV3* chk = chunkC->createPlugin("sih_chunk", &fc, TensorRTPhase::kRUNTIME);
+    auto* ort = cap<IPluginV3OneRuntime>(one, PluginCapabilityType::kRUNTIME);
+    auto* crt = cap<IPluginV3OneRuntime>(chk, PluginCapabilityType::kRUNTIME);
+    auto* cbl = cap<IPluginV3OneBuild>(chk, PluginCapabilityType::kBUILD);
+    CHECK(ort && crt && cbl && cbl->getNbOutputs() == 3, "SIH chunk runtime/build interfaces, 3 outputs");
+    if (!ort || !crt || !cbl) return;
+    std::vector<std::unique_ptr<DevBuf>> bufs;
+    std::vector<void const*> ptrs;
+    std::vector<DynamicPluginTensorDesc> dyn;
+    for (size_t i = 0; i < shp.size(); ++i)
+    {
+        bufs.emplace_back(new DevBuf(in[i].size() * 4));
+        bufs.back()->put(in[i]);
+        ptrs.push_back(bufs.back()->p);
+        dyn.push_back(desc(DataType::kFLOAT, shp[i]));
+    }
+    dyn.push_back(desc(DataType::kFLOAT, {2}));
+    dyn.push_back(desc(DataType::kINT32, {2}));
+    DevBuf ws(cbl->getWorkspaceSize(dyn.data(), 14, nullptr, 3));
+    auto run = [&](IPluginV3OneRuntime* rt, int a, int n, bool chunked, DevBuf& keep, DevBuf& base, DevBuf& carry,
+                   DevBuf& span, DevBuf& carryOut) {
+        std::vector<PluginTensorDesc> ind;
+        for (auto const& s : shp) ind.push_back(pdesc(DataType::kFLOAT, s));
+        ind[0] = pdesc(DataType::kFLOAT, {n, D});
+        std::vector<void const*> ip(ptrs);
+        ip[0] = static_cast<float const*>(ptrs[0]) + size_t(a) * D;
+        std::vector<PluginTensorDesc> outd = {pdesc(DataType::kINT32, {n}), pdesc(DataType::kFLOAT, {n, D})};
+        void* outs[3] = {static_cast<int32_t*>(keep.p) + a, static_cast<float*>(base.p) + size_t(a) * D, carryOut.p};
+        if (chunked)
+        {
+            ind.push_back(pdesc(DataType::kFLOAT, {2}));
+            ind.push_back(pdesc(DataType::kINT32, {2}));
+            ip.push_back(carry.p);
+            ip.push_back(span.p);
+            outd.push_back(pdesc(DataType::kFLOAT, {2}));
+        }
+        return rt->enqueue(ind.data(), outd.data(), ip.data(), outs, ws.p, nullptr);
+    };
+    DevBuf k1(T * 4), b1(size_t(T) * D * 4), k2(T * 4), b2(size_t(T) * D * 4), carry(8), span(8), carryOut(8);
+    cudaMemset(b2.p, 0xff, size_t(T) * D * 4);
+    CHECK(run(ort, 0, T, false, k1, b1, carry, span, carryOut) == 0, "SIH one-pass enqueue");
+    bool ok = true;
+    for (int a = 0; a < T && ok; a += chunk)
+    {
+        int n = std::min(chunk, T - a);
+        span.put(std::vector<int32_t>{a, T});
+        ok = run(crt, a, n, true, k2, b2, carry, span, carryOut) == 0;
+        cudaOk(cudaMemcpy(carry.p, carryOut.p, 8, cudaMemcpyDeviceToDevice), "carry");
+    }
+    CHECK(ok, "SIH chunk enqueue");
+    cudaOk(cudaDeviceSynchronize(), "SIH chunk sync");
+    auto ka = k1.get<int32_t>(T), kb = k2.get<int32_t>(T);
+    auto ba = b1.get<float>(size_t(T) * D), bb = b2.get<float>(size_t(T) * D);
+    int kept = int(std::count(ka.begin(), ka.end(), 1));
+    CHECK(ka == kb, "SIH chunks of " + std::to_string(chunk) + " keep what one pass keeps");
+    CHECK(ba == bb, "SIH chunks of " + std::to_string(chunk) + " write one pass's base");
+    CHECK(!expectMix || (kept > 0 && kept < T), "the case keeps some rows and skips some");
+    std::printf("gpu: SIH chunk fp32 T=%d chunks of %d, block %d: %d/%d kept, keep and base equal one pass\n", T, chunk,
+        blockSize, kept, T);
+    delete one;
+    delete chk;
+}
+
+static void gpuChecks(IPluginCreatorV3One* sihC, IPluginCreatorV3One* gatC, IPluginCreatorV3One* scaC,
+    IPluginCreatorV3One* chunkC)
 {
     std::mt19937 rng(1234);
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -426,6 +501,9 @@ static void gpuChecks(IPluginCreatorV3One* sihC, IPluginCreatorV3One* gatC, IPlu
     CHECK(rel <= 1e-5, "SIH base rel err " + std::to_string(rel));
     std::printf("gpu: SIH enqueue fp32 T=%d D=%d: keep %d/%d kept, %d differ; base rel err %.2e\n", T, D,
         int(std::count(k.begin(), k.end(), 1)), T, keepDiff, rel);
+    for (int chunk : {64, 100, 1})
+        chunkGpuCheck(sihC, chunkC, in, shp, thr, R, 0, chunk, true);
+    chunkGpuCheck(sihC, chunkC, in, shp, thr, R, 16, 64, false);
 
     // gather on the SIH keep, then scatter y = xs * 2 back onto base
     PluginFieldCollection none{0, nullptr};
@@ -807,7 +885,7 @@ int main(int argc, char** argv)
 
     int32_t n = 0;
     IPluginCreatorInterface* const* creators = getCreators(n);
-    CHECK(n == 4, "4 creators");
+    CHECK(n == 5, "5 creators");
     std::map<std::string, IPluginCreatorV3One*> byName;
     for (int32_t i = 0; i < n; ++i)
     {
@@ -822,9 +900,10 @@ int main(int argc, char** argv)
     auto* gatC = byName["ZeroEdgePADGather"];
     auto* scaC = byName["ZeroEdgePADScatter"];
     auto* pathsC = byName["ZeroEdgePathsFFN"];
-    CHECK(sihC && gatC && scaC && pathsC,
-        "creators for ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter, ZeroEdgePathsFFN");
-    if (!sihC || !gatC || !scaC || !pathsC) return 1;
+    auto* chunkC = byName["ZeroEdgeSIHChunk"];
+    CHECK(sihC && gatC && scaC && pathsC && chunkC,
+        "creators for ZeroEdgeSIH, ZeroEdgeSIHChunk, ZeroEdgePADGather, ZeroEdgePADScatter, ZeroEdgePathsFFN");
+    if (!sihC || !gatC || !scaC || !pathsC || !chunkC) return 1;
     if (runPath)
     {
         int rc = runCase(byName, runPath);
@@ -845,7 +924,8 @@ int main(int argc, char** argv)
             && std::strcmp(pnames->fields[1].name, "threshold") == 0 && pnames->fields[0].type == PluginFieldType::kFLOAT32
             && pnames->fields[1].type == PluginFieldType::kFLOAT32,
         "ZeroEdgePathsFFN advertises threshold_in, threshold (FLOAT32)");
-    std::printf("creators: %d (ZeroEdgeSIH %d fields, ZeroEdgePADGather, ZeroEdgePADScatter, ZeroEdgePathsFFN %d fields), "
+    std::printf("creators: %d (ZeroEdgeSIH and ZeroEdgeSIHChunk %d fields, ZeroEdgePADGather, ZeroEdgePADScatter, "
+                "ZeroEdgePathsFFN %d fields), "
                 "namespace zeroedge, version 1\n",
         n, names->nbFields, pnames->nbFields);
 
@@ -975,6 +1055,60 @@ int main(int argc, char** argv)
         delete c1;
         delete c2;
         std::printf("SIH: %zu fields round-trip through getFieldsToSerialize -> createPlugin(kRUNTIME)\n", before.size());
+    }
+
+    // SIH chunk: the same fields, two more inputs (carry float [2], span int32 [2]), carry_out float [2]
+    {
+        IPluginV3* ch = chunkC->createPlugin("layer0.sih_chunk", &sfc, TensorRTPhase::kBUILD);
+        auto* cb = cap<IPluginV3OneBuild>(ch, PluginCapabilityType::kBUILD);
+        auto* cc = cap<IPluginV3OneCore>(ch, PluginCapabilityType::kCORE);
+        CHECK(cb && cc && std::strcmp(cc->getPluginName(), "ZeroEdgeSIHChunk") == 0 && cb->getNbOutputs() == 3,
+            "SIH chunk created with 3 outputs: " + log.last());
+        if (cb)
+        {
+            DataType inT[14], outT[3];
+            for (auto& t : inT) t = DataType::kHALF;
+            inT[12] = DataType::kFLOAT;
+            inT[13] = DataType::kINT32;
+            CHECK(cb->getOutputDataTypes(outT, 3, inT, 14) == 0 && outT[0] == DataType::kINT32 && outT[1] == DataType::kHALF
+                    && outT[2] == DataType::kFLOAT,
+                "SIH chunk output types (int32, half, float)");
+            Builder b;
+            std::vector<DimsExprs> in = {dims(b, {"T", "2048"}), dims(b, {"2", "2048"}), dims(b, {"2"}), dims(b, {"2", "2"}),
+                dims(b, {"2"}), dims(b, {"2", "2"}), dims(b, {"2"}), dims(b, {"1", "2"}), dims(b, {"1"}),
+                dims(b, {"16", "2048"}), dims(b, {"2048", "16"}), dims(b, {"2048"}), dims(b, {"2"}), dims(b, {"2"})};
+            DimsExprs out[3];
+            CHECK(cb->getOutputShapes(in.data(), 14, nullptr, 0, out, 3, b) == 0, "SIH chunk shapes: " + log.last());
+            Env env{{"T", 512}};
+            CHECK(evalDims(out[0], env) == std::vector<int64_t>({512}) && evalDims(out[2], env) == std::vector<int64_t>({2}),
+                "keep [T], carry_out [2]");
+            CHECK(cb->getOutputShapes(in.data(), 12, nullptr, 0, out, 3, b) != 0 && log.saw("expects 14 inputs"),
+                "12 inputs refused: " + log.last());
+            auto inS = in;
+            inS[13] = dims(b, {"3"});
+            CHECK(cb->getOutputShapes(inS.data(), 14, nullptr, 0, out, 3, b) != 0 && log.saw("(span) must be [2]"),
+                "span [3] refused: " + log.last());
+            std::vector<DynamicPluginTensorDesc> io;
+            std::vector<std::vector<int64_t>> shp = {{-1, 2048}, {2, 2048}, {2}, {2, 2}, {2}, {2, 2}, {2}, {1, 2}, {1},
+                {16, 2048}, {2048, 16}, {2048}};
+            for (auto& s : shp) io.push_back(desc(DataType::kHALF, s, s[0] < 0 ? std::vector<int64_t>{512, 2048} : s));
+            io.push_back(desc(DataType::kFLOAT, {2}));
+            io.push_back(desc(DataType::kINT32, {2}));
+            io.push_back(desc(DataType::kINT32, {-1}, {512}));
+            io.push_back(desc(DataType::kHALF, {-1, 2048}, {512, 2048}));
+            io.push_back(desc(DataType::kFLOAT, {2}));
+            bool all = true;
+            for (int pos = 0; pos < 17; ++pos) all = all && cb->supportsFormatCombination(pos, io.data(), 14, 3);
+            CHECK(all, "SIH chunk formats: x / weights half, carry float, span int32, keep int32, carry_out float");
+            auto io2 = io;
+            io2[13].desc.type = DataType::kFLOAT;
+            CHECK(!cb->supportsFormatCombination(13, io2.data(), 14, 3), "float span refused");
+            CHECK(cb->configurePlugin(io.data(), 14, io.data() + 14, 3) == 0, "SIH chunk configurePlugin: " + log.last());
+            auto before = fieldValues(cap<IPluginV3OneRuntime>(ch, PluginCapabilityType::kRUNTIME)->getFieldsToSerialize());
+            CHECK(before["block_size"] == "i:64", "SIH chunk serializes the SIH fields");
+            std::printf("SIH chunk: 14 inputs / 3 outputs, carry_out [2], formats, configure, fields\n");
+        }
+        delete ch;
     }
 
     // Gather: data-dependent K through a size tensor
@@ -1218,7 +1352,7 @@ int main(int argc, char** argv)
         }
         else
         {
-            gpuChecks(sihC, gatC, scaC);
+            gpuChecks(sihC, gatC, scaC, chunkC);
             pathsGpuChecks(pathsC);
         }
     }

@@ -16,6 +16,7 @@ namespace zeroedge
 {
 
 extern char const* const kSihName;     // "ZeroEdgeSIH"
+extern char const* const kSihChunkName; // "ZeroEdgeSIHChunk": ZeroEdgeSIH for one chunk of a prompt
 extern char const* const kGatherName;  // "ZeroEdgePADGather"
 extern char const* const kScatterName; // "ZeroEdgePADScatter"
 extern char const* const kPathsName;   // "ZeroEdgePathsFFN"
@@ -76,8 +77,10 @@ struct Shape
     int64_t d[8]; // -1: not known at build time
 };
 
-//! Input counts and shapes. On success checkSihShapes stores the head width W in *width if given.
-std::string checkSihShapes(Shape const* in, int32_t nbInputs, ze_sih_params const& p, int32_t* width);
+//! Input counts and shapes. On success checkSihShapes stores the head width W in *width if given;
+//! chunk: ZeroEdgeSIHChunk's inputs (two more: carry [2], span [2]).
+std::string checkSihShapes(Shape const* in, int32_t nbInputs, ze_sih_params const& p, int32_t* width,
+    bool chunk = false);
 std::string checkGatherShapes(Shape const* in, int32_t nbInputs);
 std::string checkScatterShapes(Shape const* in, int32_t nbInputs);
 //! x [B, D], w13_t [D, 2F], wd_t [F, D]: B in 1..ZE_PATHS_MAX_BATCH, D % 256 == 0 and D <= 8192,

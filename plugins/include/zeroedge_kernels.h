@@ -68,6 +68,16 @@ ZE_API int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_
     const ze_sih_params* p, int32_t* keep, void* base, float* scores_out, void* workspace, size_t workspace_bytes,
     void* stream);
 
+/* SIH for one chunk of a prompt (ZeroEdgeSIHChunk): the T rows are positions span[0].. of a prompt of
+ * span[1] tokens; carry [2] holds the raw scores of positions span[0]-2, span[0]-1 (read only where
+ * those exist). Protections and min_tokens take absolute positions and the prompt's length; block-rule
+ * blocks are counted from the chunk's first row (a chunk starts on a block boundary). carry_out [2]:
+ * the raw scores of the chunk's last two positions (from carry where T < 2). span, carry and carry_out
+ * are device memory, read and written by the kernels (no host synchronisation). */
+ZE_API int ze_sih_chunk_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
+    const ze_sih_params* p, const float* carry, const int32_t* span, int32_t* keep, void* base, float* carry_out,
+    float* scores_out, void* workspace, size_t workspace_bytes, void* stream);
+
 /* PAD gather: idx[k] = k-th position with keep != 0 (ascending), count = K, xs[k] = x[idx[k]].
  * xs and idx must have room for T rows; rows >= K are not written. */
 ZE_API size_t ze_pad_gather_workspace_size(int64_t T);

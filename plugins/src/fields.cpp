@@ -10,6 +10,7 @@ namespace zeroedge
 {
 
 char const* const kSihName = "ZeroEdgeSIH";
+char const* const kSihChunkName = "ZeroEdgeSIHChunk";
 char const* const kGatherName = "ZeroEdgePADGather";
 char const* const kScatterName = "ZeroEdgePADScatter";
 char const* const kPathsName = "ZeroEdgePathsFFN";
@@ -123,7 +124,7 @@ std::string num(float v)
 
 std::vector<FieldSpec> const& fieldSpecs(std::string const& op)
 {
-    return op == kSihName ? kSihSpecs : op == kPathsName ? kPathsSpecs : kNoSpecs;
+    return op == kSihName || op == kSihChunkName ? kSihSpecs : op == kPathsName ? kPathsSpecs : kNoSpecs;
 }
 
 ze_sih_params sihDefaults()
@@ -214,11 +215,16 @@ std::string checkSihParams(ze_sih_params const& p)
     return "";
 }
 
-std::string checkSihShapes(Shape const* in, int32_t nbInputs, ze_sih_params const& p, int32_t* width)
+std::string checkSihShapes(Shape const* in, int32_t nbInputs, ze_sih_params const& p, int32_t* width, bool chunk)
 {
-    static char const* names[] = {"x", "w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4", "anchor_a", "anchor_b", "anchor_c"};
-    std::string n = std::string(kSihName) + ": ";
-    if (nbInputs != 12) return n + "expects 12 inputs (x, w1..b4, anchor_a, anchor_b, anchor_c), got " + std::to_string(nbInputs);
+    static char const* names[] = {"x", "w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4", "anchor_a", "anchor_b", "anchor_c",
+        "carry", "span"};
+    std::string n = std::string(chunk ? kSihChunkName : kSihName) + ": ";
+    if (!chunk && nbInputs != 12)
+        return n + "expects 12 inputs (x, w1..b4, anchor_a, anchor_b, anchor_c), got " + std::to_string(nbInputs);
+    if (chunk && nbInputs != 14)
+        return n + "expects 14 inputs (x, w1..b4, anchor_a, anchor_b, anchor_c, carry, span), got "
+            + std::to_string(nbInputs);
     auto bad = [&](int i, char const* want) {
         return n + "input " + std::to_string(i) + " (" + names[i] + ") must be " + want + ", got " + shapeStr(in[i]);
     };
@@ -248,6 +254,8 @@ std::string checkSihShapes(Shape const* in, int32_t nbInputs, ze_sih_params cons
         if (!mat(10, D, R)) return bad(10, "[D, anchor_rank]");
         if (!vec(11, D)) return bad(11, "[D]");
     }
+    if (chunk && !vec(12, 2)) return bad(12, "[2] (the raw scores of the two positions before the chunk)");
+    if (chunk && !vec(13, 2)) return bad(13, "[2] (the chunk's first position, the prompt's length)");
     if (width) *width = int32_t(W);
     return "";
 }
@@ -335,8 +343,9 @@ std::string specJson()
     o << "{\"abi\": " << ZE_PLUGIN_ABI << ", \"namespace\": \"" << kNamespace << "\", \"version\": \"" << kVersion
       << "\", \"nodes\": {";
     struct N { char const* name; int ni, no; };
-    N nodes[] = {{kSihName, 12, 2}, {kGatherName, 2, 3}, {kScatterName, 3, 1}, {kPathsName, 3, 1}};
-    for (int k = 0; k < 4; ++k)
+    N nodes[] = {{kSihName, 12, 2}, {kSihChunkName, 14, 3}, {kGatherName, 2, 3}, {kScatterName, 3, 1},
+        {kPathsName, 3, 1}};
+    for (int k = 0; k < 5; ++k)
     {
         o << (k ? ", " : "") << "\"" << nodes[k].name << "\": {\"inputs\": " << nodes[k].ni << ", \"outputs\": "
           << nodes[k].no << ", \"fields\": {";

@@ -328,23 +328,46 @@ __global__ void __launch_bounds__(kProjWarps * 32, 1) sih_proj_tc(const __half* 
 struct DecideArgs {
     float thr, w0, w1, w2, n0, n1, n2, block_frac;
     int32_t min_tokens, protect_first, protect_last, block_size;
+    const int32_t* span;  // a chunk (ZeroEdgeSIHChunk): (first position, prompt length); nullptr: one pass
+    const float* carry;   // ... and the raw scores of the two positions before it
 };
 
-// Same operation order as the PyTorch reference: (w0*s + w1*s1 + w2*s2) / norm, no contraction.
-__device__ __forceinline__ float smoothed(const float* s, int64_t t, const DecideArgs& a)
+// Where the rows sit in the prompt: row t is position start + t of an n-token prompt.
+struct Place {
+    int64_t start, n;
+    const float* carry;
+};
+
+__device__ __forceinline__ Place place_of(const DecideArgs& a, int64_t Tn)
 {
+    if (!a.span) return Place{0, Tn, nullptr};
+    return Place{int64_t(a.span[0]), int64_t(a.span[1]), a.carry};
+}
+
+// the raw score of row t (t >= -2): rows before the chunk come from the carry
+__device__ __forceinline__ float score_at(const float* s, int64_t t, const Place& c)
+{
+    return t >= 0 ? s[t] : c.carry[2 + t];
+}
+
+// Same operation order as the PyTorch reference: (w0*s + w1*s1 + w2*s2) / norm, no contraction.
+__device__ __forceinline__ float smoothed(const float* s, int64_t t, const DecideArgs& a, const Place& c)
+{
+    int64_t p = c.start + t;
     float num = __fmul_rn(a.w0, s[t]);
     float norm = a.n0;
-    if (t >= 1) { num = __fadd_rn(num, __fmul_rn(a.w1, s[t - 1])); norm = a.n1; }
+    if (p >= 1) { num = __fadd_rn(num, __fmul_rn(a.w1, score_at(s, t - 1, c))); norm = a.n1; }
     else num = __fadd_rn(num, 0.f);
-    if (t >= 2) { num = __fadd_rn(num, __fmul_rn(a.w2, s[t - 2])); norm = a.n2; }
+    if (p >= 2) { num = __fadd_rn(num, __fmul_rn(a.w2, score_at(s, t - 2, c))); norm = a.n2; }
     return __fdiv_rn(num, norm);
 }
 
-__device__ __forceinline__ int protect(int k, int64_t t, int64_t Tn, const DecideArgs& a)
+__device__ __forceinline__ int protect(int k, int64_t t, const DecideArgs& a, const Place& c)
 {
-    if (t < a.protect_first) k = 1;
-    if (a.protect_last > 0 && t >= Tn - a.protect_last) k = 1;
+    int64_t p = c.start + t;
+    if (p < a.protect_first) k = 1;
+    if (a.protect_last > 0 && p >= c.n - a.protect_last) k = 1;
+    if (p >= c.n) k = 1;
     return k;
 }
 
@@ -353,7 +376,8 @@ __device__ __forceinline__ int protect(int k, int64_t t, int64_t Tn, const Decid
 __device__ void decide_rows(const float* __restrict__ scores, int64_t Tn, int64_t r0, int nrows, const DecideArgs& a,
     int* ks, int32_t* __restrict__ keep_out)
 {
-    if (a.block_size <= 0 || Tn < a.min_tokens)
+    Place c = place_of(a, Tn);
+    if (a.block_size <= 0 || c.n < a.min_tokens)
     {
         for (int r = threadIdx.x; r < nrows; r += blockDim.x)
         {
@@ -361,8 +385,8 @@ __device__ void decide_rows(const float* __restrict__ scores, int64_t Tn, int64_
             int k = 1;
             if (t < Tn)
             {
-                k = Tn < a.min_tokens ? 1 : int(smoothed(scores, t, a) >= a.thr);
-                k = protect(k, t, Tn, a);
+                k = c.n < a.min_tokens ? 1 : int(smoothed(scores, t, a, c) >= a.thr);
+                k = protect(k, t, a, c);
                 if (keep_out) keep_out[t] = k;
             }
             ks[r] = k;
@@ -385,13 +409,13 @@ __device__ void decide_rows(const float* __restrict__ scores, int64_t Tn, int64_
         int64_t b1 = b0 + a.block_size < Tn ? b0 + a.block_size : Tn;
         if (b0 != prev)
         {
-            int c = 0;
-            for (int64_t j = b0 + lane; j < b1; j += 32) c += !(smoothed(scores, j, a) >= a.thr);
-            low = warp_sum_int(c);
+            int cnt = 0;
+            for (int64_t j = b0 + lane; j < b1; j += 32) cnt += !(smoothed(scores, j, a, c) >= a.thr);
+            low = warp_sum_int(cnt);
             prev = b0;
         }
         float frac = __fdiv_rn(float(low), float(b1 - b0));
-        int k = protect(int(frac <= a.block_frac), t, Tn, a);
+        int k = protect(int(frac <= a.block_frac), t, a, c);
         if (lane == 0)
         {
             ks[r] = k;
@@ -721,6 +745,21 @@ unsigned copy_blocks(int64_t rows)
     return unsigned(b < 1 ? 1 : (b > 65535 * 16 ? 65535 * 16 : b));
 }
 
+// carry_out = the raw scores of the chunk's last two rows (rows before it from the carry)
+__global__ void sih_carry_out(const float* __restrict__ scores, int64_t Tn, const float* __restrict__ carry,
+    float* __restrict__ carry_out)
+{
+    if (threadIdx.x < 2)
+    {
+        int64_t t = Tn - 2 + threadIdx.x;
+        carry_out[threadIdx.x] = t >= 0 ? scores[t] : carry[2 + t];
+    }
+}
+
+int sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
+    const ze_sih_params* p, const float* carry, const int32_t* span, int32_t* keep, void* base, float* carry_out,
+    float* scores_out, void* workspace, size_t workspace_bytes, void* stream_);
+
 } // namespace
 
 extern "C" {
@@ -754,7 +793,29 @@ size_t ze_sih_workspace_size(int64_t T, int64_t D, int32_t W, int32_t R, int dty
 
 int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
     const ze_sih_params* p, int32_t* keep, void* base, float* scores_out, void* workspace, size_t workspace_bytes,
-    void* stream_)
+    void* stream)
+{
+    return sih_forward(dtype, x, T, D, W, w, p, nullptr, nullptr, keep, base, nullptr, scores_out, workspace,
+        workspace_bytes, stream);
+}
+
+int ze_sih_chunk_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
+    const ze_sih_params* p, const float* carry, const int32_t* span, int32_t* keep, void* base, float* carry_out,
+    float* scores_out, void* workspace, size_t workspace_bytes, void* stream)
+{
+    if (!carry || !span || !carry_out) return ZE_ERR_ARG;
+    return sih_forward(dtype, x, T, D, W, w, p, carry, span, keep, base, carry_out, scores_out, workspace,
+        workspace_bytes, stream);
+}
+
+} // extern "C"
+
+namespace
+{
+
+int sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
+    const ze_sih_params* p, const float* carry, const int32_t* span, int32_t* keep, void* base, float* carry_out,
+    float* scores_out, void* workspace, size_t workspace_bytes, void* stream_)
 {
     if (dtype != ZE_F32 && dtype != ZE_F16) return ZE_ERR_DTYPE;
     if (!w || !p || T < 0 || D < 1) return ZE_ERR_ARG;
@@ -839,6 +900,8 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
     a.block_frac = p->block_frac;
     a.min_tokens = p->min_tokens; a.protect_first = p->protect_first; a.protect_last = p->protect_last;
     a.block_size = p->block_size;
+    a.span = span;
+    a.carry = carry;
     bool tc_base = dtype == ZE_F16 && (g_variant & 4) == 0 && R > 0 && R % 16 == 0 && D % 16 == 0
         && aligned(w->anchor_b, 32) && aligned(w->anchor_c, 16);
     if (tc_base)
@@ -862,8 +925,15 @@ int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, co
                        static_cast<const float*>(wz.anchor_b), static_cast<const float*>(wz.anchor_c), keep,
                        static_cast<float*>(base));
     }
+    if (e == cudaSuccess && carry_out)
+        e = launch(sih_carry_out, dim3(1), dim3(32), 0, stream, false, static_cast<const float*>(scores), T, carry,
+                   carry_out);
     return e == cudaSuccess ? 0 : int(e);
 }
+
+} // namespace
+
+extern "C" {
 
 size_t ze_pad_gather_workspace_size(int64_t) { return 0; }
 

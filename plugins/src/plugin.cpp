@@ -1,5 +1,5 @@
-// TensorRT IPluginV3 glue for the zeroedge nodes (ZeroEdgeSIH, ZeroEdgePADGather, ZeroEdgePADScatter,
-// ZeroEdgePathsFFN).
+// TensorRT IPluginV3 glue for the zeroedge nodes (ZeroEdgeSIH, ZeroEdgeSIHChunk, ZeroEdgePADGather,
+// ZeroEdgePADScatter, ZeroEdgePathsFFN).
 //
 // One shared library that exports only getCreators and setLoggerFinder (exports.map) and is linked
 // with -Wl,--no-undefined and without libnvinfer: TensorRT loads it with
@@ -191,19 +191,23 @@ protected:
 
 // ------------------------------------------------------------------------------------------ SIH
 
+// ZeroEdgeSIH, or (chunk) ZeroEdgeSIHChunk: two more inputs (carry float32 [2], span int32 [2]) and one
+// more output (carry_out float32 [2]); the same fields and kernels.
 class SihPlugin final : public PluginBase
 {
 public:
-    explicit SihPlugin(ze_sih_params const& p)
+    SihPlugin(ze_sih_params const& p, bool chunk)
         : mP(p)
+        , mChunk(chunk)
     {
     }
     SihPlugin(SihPlugin const& o)
         : PluginBase()
         , mP(o.mP)
+        , mChunk(o.mChunk)
     {
     }
-    char const* getPluginName() const noexcept override { return kSihName; }
+    char const* getPluginName() const noexcept override { return mChunk ? kSihChunkName : kSihName; }
     IPluginV3* clone() noexcept override
     {
         try
@@ -212,45 +216,58 @@ public:
         }
         catch (std::exception const& e)
         {
-            logError(std::string(kSihName) + ": clone failed: " + e.what());
+            logError(std::string(getPluginName()) + ": clone failed: " + e.what());
             return nullptr;
         }
     }
-    int32_t getNbOutputs() const noexcept override { return 2; }
+    int32_t getNbOutputs() const noexcept override { return mChunk ? 3 : 2; }
     int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override
     {
-        if (nbInputs != 12 || nbOutputs != 2) return fail(std::string(kSihName) + ": expects 12 inputs and 2 outputs");
-        if (!isFloat(in[0])) return fail(std::string(kSihName) + ": x must be float32 or float16");
+        if (nbInputs != nbIn() || nbOutputs != getNbOutputs())
+            return fail(std::string(getPluginName()) + (mChunk ? ": expects 14 inputs and 3 outputs"
+                                                               : ": expects 12 inputs and 2 outputs"));
+        if (!isFloat(in[0])) return fail(std::string(getPluginName()) + ": x must be float32 or float16");
         out[0] = DataType::kINT32;
         out[1] = in[0];
+        if (mChunk) out[2] = DataType::kFLOAT;
         return 0;
     }
     int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
-        int32_t nbOutputs, IExprBuilder&) noexcept override
+        int32_t nbOutputs, IExprBuilder& eb) noexcept override
     {
         try
         {
-            if (nbOutputs != 2) return fail(std::string(kSihName) + ": expects 2 outputs (keep, base)");
+            if (nbOutputs != getNbOutputs())
+                return fail(std::string(getPluginName()) + (mChunk ? ": expects 3 outputs (keep, base, carry_out)"
+                                                                   : ": expects 2 outputs (keep, base)"));
             auto s = shapes(in, nbInputs);
-            std::string e = checkSihShapes(s.data(), nbInputs, mP, nullptr);
+            std::string e = checkSihShapes(s.data(), nbInputs, mP, nullptr, mChunk);
             if (!e.empty()) return fail(e);
             out[0].nbDims = 1;
             out[0].d[0] = in[0].d[0];
             out[1] = in[0];
+            if (mChunk)
+            {
+                out[2].nbDims = 1;
+                out[2].d[0] = eb.constant(2);
+            }
             return 0;
         }
         catch (std::exception const& e)
         {
-            return fail(std::string(kSihName) + ": " + e.what());
+            return fail(std::string(getPluginName()) + ": " + e.what());
         }
     }
     bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs, int32_t nbOutputs) noexcept override
     {
-        if (nbInputs != 12 || nbOutputs != 2 || pos < 0 || pos >= 14) return false;
+        int32_t ni = nbIn();
+        if (nbInputs != ni || nbOutputs != getNbOutputs() || pos < 0 || pos >= ni + nbOutputs) return false;
         PluginTensorDesc const& d = io[pos].desc;
         if (d.format != TensorFormat::kLINEAR) return false;
         if (pos == 0) return isFloat(d.type);
-        if (pos == 12) return d.type == DataType::kINT32;
+        if (mChunk && (pos == 12 || pos == ni + 2)) return d.type == DataType::kFLOAT;   // carry, carry_out
+        if (mChunk && pos == 13) return d.type == DataType::kINT32;                     // span
+        if (pos == ni) return d.type == DataType::kINT32;                              // keep
         return d.type == io[0].desc.type;
     }
     int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
@@ -261,20 +278,20 @@ public:
             for (bool useMax : {false, true})
             {
                 auto s = shapes(in, nbInputs, useMax);
-                std::string e = checkSihShapes(s.data(), nbInputs, mP, nullptr);
+                std::string e = checkSihShapes(s.data(), nbInputs, mP, nullptr, mChunk);
                 if (!e.empty()) return fail(e);
             }
             return 0;
         }
         catch (std::exception const& e)
         {
-            return fail(std::string(kSihName) + ": " + e.what());
+            return fail(std::string(getPluginName()) + ": " + e.what());
         }
     }
     size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
         int32_t) const noexcept override
     {
-        if (nbInputs != 12) return 0;
+        if (nbInputs != nbIn()) return 0;
         int dt = dtypeCode(in[0].desc.type);
         return ze_sih_workspace_size(in[0].max.d[0], in[0].max.d[1], int32_t(in[1].max.d[0]), mP.anchor_rank,
                    dt < 0 ? ZE_F32 : dt)
@@ -284,12 +301,17 @@ public:
         void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
     {
         int dt = dtypeCode(inDesc[0].type);
-        if (dt < 0) return fail(std::string(kSihName) + ": x must be float32 or float16");
+        if (dt < 0) return fail(std::string(getPluginName()) + ": x must be float32 or float16");
         int64_t T = inDesc[0].dims.d[0], D = inDesc[0].dims.d[1];
         int32_t W = int32_t(inDesc[1].dims.d[0]);
         ze_sih_weights w{inputs[1], inputs[2], inputs[3], inputs[4], inputs[5], inputs[6], inputs[7], inputs[8],
             inputs[9], inputs[10], inputs[11]};
         size_t ws = ze_sih_workspace_size(T, D, W, mP.anchor_rank, dt);
+        if (mChunk)
+            return launchResult(ze_sih_chunk_forward(dt, inputs[0], T, D, W, &w, &mP,
+                static_cast<float const*>(inputs[12]), static_cast<int32_t const*>(inputs[13]),
+                static_cast<int32_t*>(outputs[0]), outputs[1], static_cast<float*>(outputs[2]), nullptr,
+                align256(workspace), ws, stream));
         return launchResult(ze_sih_forward(dt, inputs[0], T, D, W, &w, &mP, static_cast<int32_t*>(outputs[0]),
             outputs[1], nullptr, align256(workspace), ws, stream));
     }
@@ -313,7 +335,9 @@ public:
     }
 
 private:
+    int32_t nbIn() const { return mChunk ? 14 : 12; }
     ze_sih_params mP;
+    bool mChunk;
 };
 
 // ------------------------------------------------------------------------------------------ PAD
@@ -662,8 +686,9 @@ protected:
 class SihCreator final : public CreatorBase
 {
 public:
-    SihCreator()
-        : CreatorBase(kSihName)
+    explicit SihCreator(bool chunk)
+        : CreatorBase(chunk ? kSihChunkName : kSihName)
+        , mChunk(chunk)
     {
     }
 
@@ -677,8 +702,11 @@ protected:
             logError(e);
             return nullptr;
         }
-        return new SihPlugin(p);
+        return new SihPlugin(p, mChunk);
     }
+
+private:
+    bool mChunk;
 };
 
 template <class P>
@@ -755,12 +783,13 @@ __attribute__((visibility("default"))) size_t zeroedge_plugin_messages(char* buf
 
 __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
-    static zeroedge::SihCreator sih;
+    static zeroedge::SihCreator sih(false);
+    static zeroedge::SihCreator sihChunk(true);
     static zeroedge::PadCreator<zeroedge::GatherPlugin> gather(zeroedge::kGatherName);
     static zeroedge::PadCreator<zeroedge::ScatterPlugin> scatter(zeroedge::kScatterName);
     static zeroedge::PathsCreator paths;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&sih, &gather, &scatter, &paths};
-    nbCreators = 4;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&sih, &sihChunk, &gather, &scatter, &paths};
+    nbCreators = 5;
     return creators;
 }
 

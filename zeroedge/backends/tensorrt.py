@@ -841,7 +841,8 @@ def build_bundle_engines(bundle, plugin_lib, out, *, max_tokens: Optional[int] =
 
 def build_report(meta: dict, out) -> dict:
     """`zeroedge build --json`: {"backend": "<name> <version>", "engines": [{"graph", "file" (the
-    engine's path), "bytes", "layers", "plugin_layers", ...}], ...}."""
+    engine's path), "bytes", "layers", "plugin_layers", ...}], "prefill_chunk" (the chunk the prefill
+    engine's profile covers; None: one pass), ...}."""
     out = Path(os.path.abspath(out))
     engines = [dict({"graph": g, "file": str(out / e["file"])}, **{k: v for k, v in e.items()
                                                                  if k not in ("file", "profiles")})
@@ -850,6 +851,7 @@ def build_report(meta: dict, out) -> dict:
     return {"backend": meta["backend"], "engines": engines, "out": str(out), "cc": meta.get("cc"),
             "plugins": meta["plugins"], "plugins_serialized": bool(meta["serialize_plugins"]),
             "max_tokens": meta["max_tokens"], "workspace_bytes": meta["workspace_bytes"],
+            "prefill_chunk": meta.get("prefill_chunk"),
             "timing_cache": str(out / cache) if cache and (out / cache).is_file() else None,
             "tensorrt": meta["tensorrt"]}
 

@@ -23,9 +23,9 @@ Memory (bytes, unified DRAM on Orin: GPU and CPU share it):
   activations    the larger of prefill and one decode step. Prefill runs in chunks of C tokens
                  (the bundle's prefill.chunk; one pass, C = T, for bundles from before chunking and for
                  SIH/PAD bundles exported one pass): `score_copies` live [h, c, past + c] fp32 score tensors of the
-                 largest chunk (the last full one or the last; onnxruntime CPU: 9 in one pass, 11
-                 chunked, fitted on an 8-layer d512 model (9.2-12.3 over T 1-4K, C 256-1K) and
-                 checked on another shape in tests/test_plan.py; TensorRT: 2, assumed) + the
+                 largest chunk (the last full one or the last; onnxruntime CPU: 3 in one pass, 4
+                 chunked, fitted on two shapes (1.9-4.9 over T 1-4K, C 512-1K) and checked on a
+                 third in tests/test_plan.py; TensorRT: 2, assumed) + the
                  prompt's K/V (one pass: the graph's presents; chunked: the runner's fp32 buffer,
                  on a device also the prefix copied into the engine's inputs) + one chunk's MLP
                  intermediates + logits
@@ -163,8 +163,10 @@ def _weights_once(m: dict, b: int, device: bool) -> float:
             + rest * b)
 
 
-SCORE_COPIES_HOST = 9     # onnxruntime CPU, one pass: live [h, T, T] fp32 tensors at the peak (measured 8.7-10.5)
-SCORE_COPIES_HOST_CHUNKED = 11   # onnxruntime CPU, chunked: [h, C, T] at the last chunk (its arena, measured 9.2-12.3)
+# onnxruntime CPU with OrtRunner's priority-based node order, live fp32 score tensors at the peak, fitted on
+# two shapes (8 layers d512 8/4 heads; SmolLM2's 30 layers d576 9/3 heads; T 1-4K, C 512-1K):
+SCORE_COPIES_HOST = 3     # one pass: [h, T, T] (measured 1.9-4.0)
+SCORE_COPIES_HOST_CHUNKED = 4    # chunked: [h, C, T] at the last chunk (measured 3.2-4.9)
 SCORE_COPIES_DEVICE = 2   # TensorRT fuses the softmax chain (assumption, not measured)
 WEIGHT_COPIES = 2         # prefill and decode each hold the weights (module docstring)
 

@@ -1,6 +1,8 @@
 """The calibrate / eval contracts end to end on a tiny Llama (fast), plus every bad-input path."""
 import json
 
+import pytest
+
 from conftest import run_cli
 
 SMALL = ["--seq-len", "256", "--continuation", "64", "--train-seqs", "2", "--gate-seqs", "1",
@@ -23,8 +25,12 @@ def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
     for k in ("dense_ppl", "zero_ppl", "ffn_flops_skipped", "tokens", "zero_ppl_all_tokens"):
         assert k in r, k
     assert r["tokens"] == 1024 and r["ffn_flops_skipped"] > 0
+    # the prefill as bundles run it (chunks of 512; the SIH scores carried between them)
+    assert r["chunk"] == 512 and r["chunked_same_skips"] is True
+    assert r["zero_ppl_chunked"] == pytest.approx(r["zero_ppl"], rel=1e-4)
     text = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", check_rc=0).stdout
     assert "perplexity, all tokens" in text and "zero_ppl_all_tokens" in text and "net of anchors" in text
+    assert "prefill in chunks of 512" in text and "the same rows skipped as in one pass" in text
     assert f"{r['ffn_flops_skipped']:.1%}" in text and "dense_ppl:" not in text
     assert meta.get("paths"), "calibrate --paths wrote no path section"
     p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--paths",

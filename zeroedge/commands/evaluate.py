@@ -265,9 +265,19 @@ def zero_eval(m, ids, calib, meta) -> dict:
     t = torch.tensor([ids])
     dense = continuation_ppl(m, t, CONTINUATION)
     dense_all = all_tokens_ppl(m, t)
+    from zeroedge.bundle import DEFAULT_PREFILL_CHUNK
+
     rt = install_artifact(m, meta, calib_artifact.load_tensors(calib))
+    rt.record_masks = True
     try:
         zero = continuation_ppl(m, t, CONTINUATION, rt)
+        one_pass_masks = dict(rt.masks)
+        # the prefill as exported bundles run it: in chunks, the SIH scores carried between them
+        chunk = -(-DEFAULT_PREFILL_CHUNK // rt.block_multiple()) * rt.block_multiple()
+        chunked = continuation_ppl(m, t, CONTINUATION, rt, chunk=chunk)
+        same = one_pass_masks.keys() == rt.masks.keys() and all(
+            torch.equal(one_pass_masks[i], rt.masks[i]) for i in one_pass_masks)
+        rt.record_masks = False
         zero_all = all_tokens_ppl(m, t, rt)
     finally:
         remove(m)
@@ -275,6 +285,7 @@ def zero_eval(m, ids, calib, meta) -> dict:
             "ppl_rise": zero["ppl"] / dense["ppl"] - 1,
             "ffn_flops_skipped": zero["ffn_flops_skipped"],
             "ffn_flops_skipped_gross": zero["ffn_flops_skipped_gross"],
+            "zero_ppl_chunked": chunked["ppl"], "chunk": chunk, "chunked_same_skips": same,
             "dense_ppl_all_tokens": dense_all, "zero_ppl_all_tokens": zero_all,
             "prefill_s_dense": dense["prefill_s"], "prefill_s_zero": zero["prefill_s"]}
 
@@ -304,6 +315,9 @@ def table(r: dict, calib=None, paths=False) -> list:
         base = r["weights_ppl"] if "weights_ppl" in r else r["dense_ppl"]
         out += ["", f"SIH/PAD in prefill ({calib})",
                 _ppl(f"perplexity, last {r['tokens']} tokens", "dense", base, "zero", r["zero_ppl"]),
+                *([f"  {'prefill in chunks of ' + str(r['chunk']):<30} zero {r['zero_ppl_chunked']:.3f}   "
+                   + ("the same rows skipped as in one pass" if r["chunked_same_skips"]
+                      else "OTHER ROWS SKIPPED THAN IN ONE PASS")] if "zero_ppl_chunked" in r else []),
                 _ppl("perplexity, all tokens", "dense", r["dense_ppl_all_tokens"], "zero", r["zero_ppl_all_tokens"]),
                 *(f"  {'':<30} {line}" for line in ALL_TOKENS_NOTE),
                 f"  {'prefill FFN FLOPs skipped':<30} {r['ffn_flops_skipped']:.1%} net of anchors "

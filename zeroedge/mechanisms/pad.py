@@ -14,6 +14,7 @@ the rows one pass would. `runtime.end_prompt()` after the last chunk.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -61,6 +62,7 @@ class ZeroRuntime:
     prompt_len: Optional[int] = None               # set by begin_prompt: prefill in chunks
     carry: dict = field(default_factory=dict)      # layer -> (B, 2) last raw SIH scores of its last chunk
     seen: dict = field(default_factory=dict)       # layer -> positions of the prompt it has run
+    wrappers: list = field(default_factory=list)   # the installed ZeroMLPs (install)
 
     def reset_stats(self):
         self.stats.clear()
@@ -71,6 +73,13 @@ class ZeroRuntime:
         self.prompt_len = int(n)
         self.carry.clear()
         self.seen.clear()
+
+    def block_multiple(self) -> int:
+        """What every chunk must be a multiple of: the block rule's blocks of the installed layers."""
+        out = 1
+        for mlp in self.wrappers:
+            out = math.lcm(out, max(mlp.policy.block_size, 1))
+        return out
 
     def end_prompt(self):
         self.prompt_len = None
@@ -184,6 +193,7 @@ def install(model, policies: dict, runtime: ZeroRuntime):
         if p.scorer == "attn":
             blk.self_attn.record_probs = True
         blk.mlp = ZeroMLP(blk.mlp, i, runtime, p, blk.self_attn).train(model.training)
+    runtime.wrappers = [blk.mlp for blk in model.layers if isinstance(blk.mlp, ZeroMLP)]
     return runtime
 
 

@@ -536,20 +536,47 @@ def test_run_cli_bad_input_is_a_one_line_error(args, msg):
     assert msg in p.stderr and "Traceback" not in p.stderr and p.stdout == ""
 
 
-def test_an_artifact_s_sih_section_is_said_not_applied_by_the_torch_backend(model, tmp_path):
-    """The same artifact gives the same mechanisms on every backend, or the command says which it
-    cannot apply: the torch serving prefill runs dense, so an artifact's SIH/PAD layers are reported
-    as not applied (the exported bundle runs them); a paths-only artifact reports nothing."""
+@pytest.mark.parametrize("chunk", [2048, 40])      # one chunk; 3 chunks of 48 (40 rounded to the block of 16)
+def test_the_torch_prefill_runs_an_artifact_s_sih_layers_as_one_pass_would(model, tmp_path, monkeypatch, chunk):
+    """The same artifact gives the same mechanisms on every backend: the torch serving prefill runs its
+    SIH/PAD layers (block rule on one), in chunks, skipping exactly the rows one pass over the same
+    tokens skips; the model is left dense for decode and the next request; at temperature > 1 and for
+    a paths-only artifact nothing is skipped, and the result says why."""
+    import copy
+
+    from zeroedge import model as model_mod
+
+    monkeypatch.setattr(model_mod, "PREFILL_CHUNK", chunk)
     from artifacts import paths_only, sih_artifact, with_paths
 
+    from zeroedge.mechanisms.pad import ZeroMLP, install_artifact
     from zeroedge.runtime.session import ServingSession
 
-    meta, t = sih_artifact(tmp_path / "sih", None, cfg=model.cfg, skip=[1, 3])
+    meta, t = sih_artifact(tmp_path / "sih", None, cfg=model.cfg, skip=[1, 3], block={3: 16}, thr={1: 0.5, 3: 0.5})
     with_paths(tmp_path / "both", meta, t, paths={0: (0.5, 0.01)}, n_layers=model.cfg.n_layers)
-    res = ServingSession(model, paths=tmp_path / "both").generate(ids_(40), 3, paths=True)
-    assert res.mechanisms["paths"] and "layers [1, 3]" in res.mechanisms["not_applied"][0]
+    s = ServingSession(model, paths=tmp_path / "both")
+    s.sih[1].record_masks = True
+    prompt = ids_(130)
+    res = s.generate(prompt, 3, paths=True)
+    mech = res.mechanisms
+    assert mech["paths"] and mech["sih_pad"] and mech["sih_pad_layers"] == [1, 3] and "not_applied" not in mech
+    assert -1 < mech["sih_pad_ffn_flops_skipped"] < 1          # net of the anchors (negative on a tiny model)
+    assert not any(isinstance(b.mlp, ZeroMLP) for b in model.layers)       # dense again after the prefill
+    served = {i: k.clone() for i, k in s.sih[1].masks.items()}
+    P = served[1].shape[1]
+    assert P == (len(prompt) - 1) // s.page_size * s.page_size           # the prompt up to its last page
+    ref = copy.deepcopy(model)
+    rt = install_artifact(ref, meta, t)
+    rt.record_masks, rt.active = True, True
+    with torch.inference_mode():
+        ref.hidden_states(torch.tensor([prompt[:P]]))
+    for i in (1, 3):
+        assert torch.equal(served[i], rt.masks[i]), i
+        assert 0 < int((~served[i]).sum()) < P                          # the rule skips (and keeps) rows
+    hot = s.generate(prompt, 3, temperature=1.5, paths=True).mechanisms
+    assert hot["sih_pad"] is False and "temperature 1.5" in hot["sih_pad_reason"]
     res = ServingSession(model, paths=paths_only(tmp_path / "p", model.cfg)).generate(ids_(40), 3, paths=True)
-    assert "not_applied" not in res.mechanisms
+    assert "not_applied" not in res.mechanisms and "sih_pad" not in res.mechanisms
 
 
 def test_chunked_prefill_gives_the_whole_prompt_s_kv(model):

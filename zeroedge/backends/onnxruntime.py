@@ -55,8 +55,10 @@ class PrefillGraph:
         self.prefix = [n for n in input_names if n.startswith("prefix_")]
         self.empty = np.zeros((1, 0, nkv, hd), np.float32)
         self.sih_in = [n for n in input_names if n.startswith("sih_carry.")]
-        self.sih_out = [i for i, n in enumerate(output_names) if n.startswith("sih_carry_out.")]
-        if len(self.sih_in) != len(self.sih_out) or (self.sih_in and "sih_span" not in input_names):
+        # output index -> the input its value feeds next chunk (sih_carry_out.i -> sih_carry.i)
+        self.sih_out = {i: "sih_carry." + n[len("sih_carry_out."):] for i, n in enumerate(output_names)
+                        if n.startswith("sih_carry_out.")}
+        if sorted(self.sih_in) != sorted(self.sih_out.values()) or (self.sih_in and "sih_span" not in input_names):
             raise UserError("the prefill graph's SIH carry inputs and outputs do not match "
                             f"({len(self.sih_in)} sih_carry inputs, {len(self.sih_out)} sih_carry_out outputs)")
         self.carry = None
@@ -71,11 +73,10 @@ class PrefillGraph:
         n = start + feed["tokens"].shape[1] if prompt_len is None else prompt_len
         carry = self.carry if start else None
         if carry is None:
-            carry = [np.zeros(2, np.float32)] * len(self.sih_in)
-        feed = {**feed, "sih_span": np.array([start, n], np.int32), **dict(zip(self.sih_in, carry))}
-        out = self.session.run(None, feed)
-        self.carry = [out[i] for i in self.sih_out]
-        return [o for i, o in enumerate(out) if i not in set(self.sih_out)]
+            carry = {name: np.zeros(2, np.float32) for name in self.sih_in}
+        out = self.session.run(None, {**feed, "sih_span": np.array([start, n], np.int32), **carry})
+        self.carry = {name: out[i] for i, name in self.sih_out.items()}
+        return [o for i, o in enumerate(out) if i not in self.sih_out]
 
     def __getattr__(self, name):             # close(), buffers, get_inputs() ... of the session
         if name == "session":

@@ -258,8 +258,7 @@ def zero_eval(m, ids, calib, meta) -> dict:
 
     from zeroedge import calib_artifact
     from zeroedge.evaluation import all_tokens_ppl, continuation_ppl
-    from zeroedge.mechanisms.pad import install_artifact
-    from zeroedge.mechanisms.pad import remove
+    from zeroedge.mechanisms.pad import block_multiple, install_artifact, installed_policies, remove
 
     calib_artifact.check_model(meta, m.cfg, calib)
     t = torch.tensor([ids])
@@ -273,7 +272,8 @@ def zero_eval(m, ids, calib, meta) -> dict:
         zero = continuation_ppl(m, t, CONTINUATION, rt)
         one_pass_masks = dict(rt.masks)
         # the prefill as exported bundles run it: in chunks, the SIH scores carried between them
-        chunk = -(-DEFAULT_PREFILL_CHUNK // rt.block_multiple()) * rt.block_multiple()
+        mult = block_multiple(installed_policies(m))
+        chunk = -(-DEFAULT_PREFILL_CHUNK // mult) * mult
         chunked = continuation_ppl(m, t, CONTINUATION, rt, chunk=chunk)
         same = one_pass_masks.keys() == rt.masks.keys() and all(
             torch.equal(one_pass_masks[i], rt.masks[i]) for i in one_pass_masks)

@@ -274,7 +274,7 @@ def summary(res, asked_kv: bool, asked_paths: bool) -> list:
     """The text output's lines after the generated text (stderr): tokens, speed, the mechanisms and,
     for one asked for but not used, why; device KV in MiB and % of full."""
     mech = res.mechanisms
-    used = [k for k in ("thermal_kv", "paths") if mech.get(k)] or ["dense"]
+    used = [k for k in ("sih_pad", "thermal_kv", "paths") if mech.get(k)] or ["dense"]
     full = res.full_kv_bytes
     share = f" ({res.device_kv_bytes / full:.0%})" if full else ""
     lines = [f"[run] {len(res.tokens)} tokens, {res.tokens_per_s:.1f} tok/s, mechanisms: {'+'.join(used)}, "

@@ -62,7 +62,6 @@ class ZeroRuntime:
     prompt_len: Optional[int] = None               # set by begin_prompt: prefill in chunks
     carry: dict = field(default_factory=dict)      # layer -> (B, 2) last raw SIH scores of its last chunk
     seen: dict = field(default_factory=dict)       # layer -> positions of the prompt it has run
-    wrappers: list = field(default_factory=list)   # the installed ZeroMLPs (install)
 
     def reset_stats(self):
         self.stats.clear()
@@ -73,13 +72,6 @@ class ZeroRuntime:
         self.prompt_len = int(n)
         self.carry.clear()
         self.seen.clear()
-
-    def block_multiple(self) -> int:
-        """What every chunk must be a multiple of: the block rule's blocks of the installed layers."""
-        out = 1
-        for mlp in self.wrappers:
-            out = math.lcm(out, max(mlp.policy.block_size, 1))
-        return out
 
     def end_prompt(self):
         self.prompt_len = None
@@ -193,8 +185,19 @@ def install(model, policies: dict, runtime: ZeroRuntime):
         if p.scorer == "attn":
             blk.self_attn.record_probs = True
         blk.mlp = ZeroMLP(blk.mlp, i, runtime, p, blk.self_attn).train(model.training)
-    runtime.wrappers = [blk.mlp for blk in model.layers if isinstance(blk.mlp, ZeroMLP)]
     return runtime
+
+
+def block_multiple(policies) -> int:
+    """What every prefill chunk must be a multiple of for these LayerPolicies: their block-rule blocks."""
+    out = 1
+    for p in policies:
+        out = math.lcm(out, max(p.block_size, 1))
+    return out
+
+
+def installed_policies(model) -> list:
+    return [blk.mlp.policy for blk in model.layers if isinstance(blk.mlp, ZeroMLP)]
 
 
 def remove(model):
@@ -241,9 +244,9 @@ def check_sampling(temperature: float, force: bool = False) -> bool:
     return force or temperature <= 1.0
 
 
-def install_artifact(model, meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] = None) -> ZeroRuntime:
-    """Install a calibration artifact's deployed SIH/PAD policies (thresholds, heads, anchors) and its
-    head pruning on the model; returns the runtime that switches them on (runtime.active)."""
+def artifact_policies(meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] = None):
+    """A calibration artifact's deployed SIH/PAD policies (layer -> LayerPolicy: thresholds, heads,
+    anchors) and the runtime that switches them on, set to the artifact's protections."""
     from zeroedge.calib_artifact import Calibration
     from zeroedge.mechanisms.anchors import Anchor
 
@@ -256,8 +259,16 @@ def install_artifact(model, meta: dict, tensors: dict, runtime: Optional[ZeroRun
         pol[L.index] = LayerPolicy(scorer="sih", threshold=L.threshold,
                                    sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih"), anchor=anchor,
                                    block_size=L.block_size, block_frac=L.block_frac)
-    for layer, heads in cal.pruned_heads.items():
+    return pol, rt
+
+
+def install_artifact(model, meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] = None) -> ZeroRuntime:
+    """Install a calibration artifact's deployed SIH/PAD policies (thresholds, heads, anchors) and its
+    head pruning on the model; returns the runtime that switches them on (runtime.active)."""
+    from zeroedge.calib_artifact import Calibration
+
+    pol, rt = artifact_policies(meta, tensors, runtime)
+    for layer, heads in Calibration.from_meta(meta).pruned_heads.items():
         model.layers[layer].self_attn.prune_heads(heads)
     install(model, pol, rt)
     return rt
-

@@ -20,6 +20,9 @@ over `trip_pages` -> one level down, an alert).
 The artifact (`paths=`: a folder or (meta, tensors)) may also hold a weights section (4-bit weights):
 the torch backend applies it to the model when the session starts (zeroedge.quant.apply, packed), and
 on CUDA the decoders read the packed GEMVs with int8 inputs (mechanisms "weights", "weights_decode").
+Its SIH/PAD layers run in the torch backend's prefill (chunked, each chunk deciding as one pass would;
+mechanisms "sih_pad", "sih_pad_layers", "sih_pad_ffn_flops_skipped"), off at temperature > 1; head
+pruning is not applied there (said in "not_applied"); the bundle backends run what the bundle holds.
 
 Backends: "torch" runs zeroedge.runtime.fast's Decoder with the attention (dense or thermal) and FFN
 (dense or paths) the gates chose: DenseDecoder, ThermalDecoder, PathsDecoder or ThermalPathsDecoder;
@@ -37,6 +40,7 @@ The breaker counts whole-model pages on both backends: torch fetches divided by 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -89,17 +93,18 @@ def _why_not(gate: ReleaseGate, n: int, temperature: float) -> str:
     return f"release level L{gate.level} ({LEVELS[gate.level]}) excludes {n} tokens at temperature {temperature:g}"
 
 
-def _sih_not_applied(paths) -> List[str]:
-    """The artifact's SIH/PAD section, which the torch serving prefill does not run (the exported
-    bundle does): said, never silently dropped."""
+def _sih_prefill(meta: dict, tensors: dict):
+    """(the artifact's SIH/PAD policies and their runtime, or None; what the artifact holds that the
+    torch session does not run): the torch prefill runs the SIH/PAD layers (in its chunks, deciding as
+    one pass), but keeps every attention head."""
     from zeroedge import calib_artifact
+    from zeroedge.mechanisms.pad import artifact_policies
 
-    meta = paths[0] if isinstance(paths, (tuple, list)) else calib_artifact.read_meta(paths)
-    layers = [L.index for L in calib_artifact.Calibration.from_meta(meta).skip_layers]
-    if not layers:
-        return []
-    return [f"SIH/PAD on layers {layers}: the torch serving prefill runs dense; the exported bundle runs "
-            "them (zeroedge export MODEL --calib ARTIFACT, then run --backend onnxruntime or tensorrt)"]
+    cal = calib_artifact.Calibration.from_meta(meta)
+    pruned = sorted(layer for layer, heads in cal.pruned_heads.items() if heads)
+    not_applied = [f"head pruning on layers {pruned}: the torch session keeps every head (the exported "
+                   "bundle prunes them)"] if pruned else []
+    return (artifact_policies(meta, tensors) if cal.skip_layers else None), not_applied
 
 
 def _artifact(calib, where="artifact"):
@@ -191,6 +196,7 @@ class ServingSession:
             self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg, engines, plugin_lib)
         self.bundle_paths = []
         self.not_applied: List[str] = []   # what the artifact holds that this backend does not run
+        self.sih = None                    # (policies, runtime): the artifact's SIH/PAD layers (torch prefill)
         self.weights = None                # the artifact's weights section, applied (torch backend)
         if backend == "torch":
             if paths is not None:
@@ -202,7 +208,7 @@ class ServingSession:
                     self.policies = path_policies(model, (meta, tensors), where)
                 if cal.weights is not None:     # the model changes in place: after every check
                     self.weights = quantize_weights(model, (meta, tensors), where)
-                self.not_applied = _sih_not_applied((meta, tensors))
+                self.sih, self.not_applied = _sih_prefill(meta, tensors)
             if device_memory is not None:       # after the weights section: its packed forms count
                 self._cap_memory(device_memory)
             dev = next(model.parameters()).device
@@ -470,7 +476,7 @@ class ServingSession:
         P = ((T - 1) // ps) * ps
         thermal, budget, cold = self._torch_attention(T, P, max_new, temperature, mech)
         t0 = time.perf_counter()
-        dec, cold = self._torch_decoder(prompt, P, max_new, thermal, budget, cold, mech)
+        dec, cold = self._torch_decoder(prompt, P, max_new, thermal, budget, cold, mech, temperature)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
         out, t1, t2 = self._torch_loop(dec, prompt, P, max_new, thermal, moved,
                                        self._sampler(temperature, seed), eos)
@@ -514,14 +520,51 @@ class ServingSession:
             return self._fit_memory(T, max_new, temperature, thermal, mech)
         return thermal, self.kv_budget, None
 
-    def _torch_decoder(self, prompt, P, max_new, thermal, budget, cold, mech):
+    @contextlib.contextmanager
+    def _sih_prefill_on(self, n: int, temperature: float, mech: dict):
+        """The artifact's SIH/PAD layers on for the n-token prefill inside the block (its chunks decide
+        as one pass would), off again after it; mech says whether they ran and what they skipped."""
+        if self.sih is None:
+            yield
+            return
+        from zeroedge.mechanisms.pad import check_sampling, flops_summary, install, remove
+
+        pol, rt = self.sih
+        if not check_sampling(temperature):
+            mech.update(sih_pad=False, sih_pad_reason=f"temperature {temperature:g} > 1.0 (skipping prunes the "
+                                                      "tail sampling draws from)")
+        elif n < rt.min_tokens:
+            mech.update(sih_pad=False, sih_pad_reason=f"prefill of {n} tokens, under {rt.min_tokens}")
+        if "sih_pad" in mech:
+            yield
+            return
+        install(self.model, pol, rt)
+        rt.reset_stats()
+        rt.active = True
+        rt.begin_prompt(n)
+        try:
+            yield
+            mech.update(sih_pad=True, sih_pad_layers=sorted(pol),
+                        sih_pad_ffn_flops_skipped=flops_summary(self.model, rt)["ffn_flops_skipped"])
+        finally:
+            rt.active = False
+            rt.end_prompt()
+            remove(self.model)
+
+    def _torch_decoder(self, prompt, P, max_new, thermal, budget, cold, mech, temperature=0.0):
         """The decoder the gates chose (one attention strategy, one FFN), its cache filled by the
-        prompt's first P tokens; and the cold store it uses (None without thermal KV)."""
+        prompt's first P tokens (with the artifact's SIH/PAD layers); and the cold store it uses (None
+        without thermal KV)."""
         from zeroedge.model import PREFILL_CHUNK, chunked_prefill
         from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
 
         m, T = self.model, len(prompt)
         dev = next(m.parameters()).device
+        if self.sih is not None:              # every chunk a whole number of the block rule's blocks
+            from zeroedge.mechanisms.pad import block_multiple
+
+            mult = block_multiple(self.sih[0].values())
+            PREFILL_CHUNK = -(-PREFILL_CHUNK // mult) * mult
         # packed weights on a GPU: the GEMV on int8-rounded inputs (dp4a; benchmarks/weights.md: +0.1 % ppl)
         i8 = self.weights is not None and dev.type == "cuda"
         if thermal:
@@ -537,9 +580,12 @@ class ServingSession:
 
             if cold != "host":                  # the prefill writes int8 / int4 K/V straight into the cold store
                 dec = decoder()
-                ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK, caches=dec.attention.prefill_caches())
+                with self._sih_prefill_on(P, temperature, mech):
+                    ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK,
+                                                   caches=dec.attention.prefill_caches())
             else:                               # full-precision K/V, copied to pinned host memory
-                ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK)
+                with self._sih_prefill_on(P, temperature, mech):
+                    ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK)
                 dec = decoder()
             dec.load_prefix(ks, vs, qcov)
             del ks, vs, qcov                    # the prefill cache goes here
@@ -549,7 +595,8 @@ class ServingSession:
                    else DenseDecoder(m, T + max_new, graph=self.graph, int8_inputs=i8))
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
-                chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
+                with self._sih_prefill_on(P, temperature, mech):
+                    chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
         mech["attention_decode"] = (("thermal window, " if thermal else "")
                                     + ("Triton split attention" if dec.attention.takes_qkv else dec.attention.attn))
         if self.weights is not None:

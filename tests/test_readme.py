@@ -162,6 +162,19 @@ def _sih_pad():
     return figures + [_f(100 * rnd["sk"], 1)]
 
 
+def _sih_chunked():
+    rows = _load("prefill/chunked_prefill_sih_smollm2_ort_cpu.json")["rows"]
+    chunked = next(r for r in rows if r["context"] == 8192 and r["chunk"] == 512)
+    one = next(r for r in rows if r["context"] == 8192 and r["chunk"] is None)
+    assert chunked["max_abs_logit_diff_vs_one_pass"] == 0                # "bit-identical"
+    plans = _load("prefill/plan_sih_smollm2_orin_nano_8gb_8k.json")["plans"]
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    assert plans["chunks of 512 (the bundle's)"]["fits"]
+    return [mib(chunked["peak_rss_bytes"]), _f(chunked["tok_s"], 0),
+            mib(plans["chunks of 512 (the bundle's)"]["memory"]["activations"]),
+            mib(one["peak_rss_bytes"]), _f(one["tok_s"], 0), mib(plans["one pass"]["memory"]["activations"])]
+
+
 def _sensor_alarm():
     d = _load("sensor/detect_tep_test_runs.json")
     s = d["summary"]["1-21 excl. 3, 9, 15"]
@@ -260,6 +273,7 @@ ROW_CHECKS = {
     "`serve`, 1 / 4 / 16 clients": _serve_cpu_clients,
     "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
+    "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,
 }
 

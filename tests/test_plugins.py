@@ -450,3 +450,48 @@ def test_reference_matches_portable_onnx_function(block_size, T, R):
     (out_o,) = _run_function_node("ZeroEdgePADScatter", {"base": base_o.astype(f32), "y": y,
                                                          "idx": idx_o.astype(np.int32)}, ["out"])
     assert np.array_equal(out_o, ref.pad_scatter(torch.from_numpy(base_o), torch.from_numpy(y), idx_r).numpy())
+
+
+@pytest.mark.parametrize("block_size,T,chunk", [(0, 100, 30), (8, 77, 24), (0, 40, 1), (16, 100, 32)])
+def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T, chunk):
+    """ZeroEdgeSIHChunk fed chunk by chunk (the carry of one into the next): the reference and the
+    exporter's portable function both give ZeroEdgeSIH's one-pass keep and base; the carry is the
+    chunk's last two raw scores."""
+    torch = pytest.importorskip("torch")
+    from zeroedge.backends import plugin_reference as ref
+
+    rng = np.random.default_rng(T + chunk)
+    D, W, R = 16, 3, 4
+    f32 = np.float32
+    w = {"x": rng.standard_normal((T, D)).astype(f32), "w1": (rng.standard_normal((W, D)) / 2).astype(f32),
+         "b1": np.full(W, 0.5, f32), "w2": rng.standard_normal((W, W)).astype(f32), "b2": np.full(W, 0.5, f32),
+         "w3": rng.standard_normal((W, W)).astype(f32), "b3": np.full(W, 0.5, f32),
+         "w4": rng.standard_normal((1, W)).astype(f32), "b4": np.zeros(1, f32),
+         "anchor_a": rng.standard_normal((R, D)).astype(f32), "anchor_b": rng.standard_normal((D, R)).astype(f32),
+         "anchor_c": rng.standard_normal(D).astype(f32)}
+    t = {k: torch.from_numpy(v) for k, v in w.items()}
+    scores = ref.sih_scores(t["x"], *(t[k] for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
+    sm = np.sort(ref.smooth(scores, 0.5, 0.333333, 0.166667).numpy())
+    lo, hi = (T // 4, 3 * T // 4) if not block_size else (3 * T // 4, T - 2)   # blocks skip when > 70 % low
+    i = int(np.argmax(np.diff(sm[lo:hi]))) + lo                     # a threshold far from every score
+    fields = ref.sih_fields(threshold=float((sm[i] + sm[i + 1]) / 2), block_size=block_size, anchor_rank=R)
+    keep1, base1 = ref.sih(*(t[k] for k in w), **fields)
+    assert 0 < int(keep1.sum()) < T
+    keeps_r, keeps_o, bases_o = [], [], []
+    carry_r = carry_o = np.zeros(2, f32)
+    for a in range(0, T, chunk):
+        part = {**w, "x": w["x"][a:a + chunk]}
+        span = np.array([a, T], np.int32)
+        k_r, b_r, carry_r = ref.sih_chunk(*(torch.from_numpy(v) for v in part.values()), torch.from_numpy(carry_r),
+                                          torch.from_numpy(span), **fields)
+        carry_r = carry_r.numpy()
+        k_o, b_o, carry_o = _run_function_node("ZeroEdgeSIHChunk", {**part, "carry": carry_o, "span": span},
+                                               ["keep", "base", "carry_out"], fields)
+        np.testing.assert_allclose(carry_o, carry_r, rtol=1e-5, atol=1e-6)   # onnxruntime's own rounding
+        keeps_r.append(k_r.numpy())
+        keeps_o.append(k_o.reshape(-1))
+        bases_o.append(b_o)
+    assert np.array_equal(np.concatenate(keeps_r), keep1.numpy())
+    assert np.array_equal(np.concatenate(keeps_o), keep1.numpy())
+    assert np.allclose(np.concatenate(bases_o), base1.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(carry_r, scores[-2:].numpy())

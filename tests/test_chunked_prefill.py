@@ -197,6 +197,21 @@ def test_sih_bundle_chunks_skip_what_one_pass_skips(sih_bundle, chunk):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_graph_whose_sih_carries_do_not_pair_up_is_refused():
+    """sih_carry.i in, no sih_carry_out.i out (a hand-edited graph): a clear error when the runner
+    opens it, not a wrong carry at the second chunk."""
+    from zeroedge.backends.onnxruntime import PrefillGraph
+    from zeroedge.errors import UserError
+
+    ins = ["tokens", "prefix_k.0", "prefix_v.0", "sih_span", "sih_carry.0", "sih_carry.1"]
+    with pytest.raises(UserError, match="2 sih_carry inputs, 1 sih_carry_out outputs"):
+        PrefillGraph(object(), ins, 2, 16, ["logits", "sih_carry_out.0"])
+    with pytest.raises(UserError, match="do not match"):
+        PrefillGraph(object(), ins, 2, 16, ["logits", "sih_carry_out.0", "sih_carry_out.7"])
+    assert PrefillGraph(object(), ins, 2, 16, ["sih_carry_out.1", "logits", "sih_carry_out.0"]).sih_out == {
+        0: "sih_carry.1", 2: "sih_carry.0"}
+
+
 def test_bad_chunk_is_one_line(dense):
     from zeroedge.backends.onnxruntime import OrtRunner
     from zeroedge.errors import UserError

@@ -229,3 +229,28 @@ def test_chunks_off_a_block_boundary_are_refused():
     finally:
         m.drop_cache()
         remove(m)
+
+
+def test_chunks_run_the_deployed_sih_rule_only():
+    """A benchmark scorer (random tokens at a fixed rate) has no chunked form: refused, not run wrong."""
+    m = tiny()
+    ids = torch.randint(0, 256, (1, 64))
+    rt = ZeroRuntime()
+    install(m, {1: LayerPolicy(scorer="random", rate=0.5)}, rt)
+    m.setup_cache(1, 64)
+    try:
+        with torch.no_grad(), pytest.raises(MechanismError, match="deployed SIH rule only.*'random'"):
+            rt.active = True
+            rt.begin_prompt(64)
+            m.hidden_states(ids[:, :32], start=0)
+    finally:
+        m.drop_cache()
+        remove(m)
+
+
+def test_chunk_on_blocks_rounds_up_to_every_layer_s_block():
+    from zeroedge.mechanisms.pad import chunk_on_blocks
+
+    pols = [LayerPolicy(block_size=0), LayerPolicy(block_size=16), LayerPolicy(block_size=24)]
+    assert chunk_on_blocks(512, pols) == 528 and chunk_on_blocks(48, pols) == 48
+    assert chunk_on_blocks(512, [LayerPolicy()]) == 512

@@ -45,7 +45,7 @@ class PrefillGraph:
     A graph with chunked SIH/PAD nodes (inputs sih_span, sih_carry.i; outputs sih_carry_out.i) is fed
     here too: `run(None, feed, start, prompt_len)` for the chunk at positions start.. of a prompt_len-token
     prompt passes (start, prompt_len) and the carry the previous chunk returned, keeps the new carry
-    and returns the other outputs, in order."""
+    and returns the other outputs, in order (all of them: the runners ask for every output)."""
 
     def __init__(self, session, input_names, nkv: int, hd: int, output_names=()):
         import numpy as np

@@ -257,23 +257,21 @@ def zero_eval(m, ids, calib, meta) -> dict:
     import torch
 
     from zeroedge import calib_artifact
+    from zeroedge.bundle import DEFAULT_PREFILL_CHUNK
     from zeroedge.evaluation import all_tokens_ppl, continuation_ppl
-    from zeroedge.mechanisms.pad import block_multiple, install_artifact, installed_policies, remove
+    from zeroedge.mechanisms.pad import chunk_on_blocks, install_artifact, installed_policies, remove
 
     calib_artifact.check_model(meta, m.cfg, calib)
     t = torch.tensor([ids])
     dense = continuation_ppl(m, t, CONTINUATION)
     dense_all = all_tokens_ppl(m, t)
-    from zeroedge.bundle import DEFAULT_PREFILL_CHUNK
-
     rt = install_artifact(m, meta, calib_artifact.load_tensors(calib))
     rt.record_masks = True
     try:
         zero = continuation_ppl(m, t, CONTINUATION, rt)
         one_pass_masks = dict(rt.masks)
         # the prefill as exported bundles run it: in chunks, the SIH scores carried between them
-        mult = block_multiple(installed_policies(m))
-        chunk = -(-DEFAULT_PREFILL_CHUNK // mult) * mult
+        chunk = chunk_on_blocks(DEFAULT_PREFILL_CHUNK, installed_policies(m))
         chunked = continuation_ppl(m, t, CONTINUATION, rt, chunk=chunk)
         same = one_pass_masks.keys() == rt.masks.keys() and all(
             torch.equal(one_pass_masks[i], rt.masks[i]) for i in one_pass_masks)

@@ -188,12 +188,13 @@ def install(model, policies: dict, runtime: ZeroRuntime):
     return runtime
 
 
-def block_multiple(policies) -> int:
-    """What every prefill chunk must be a multiple of for these LayerPolicies: their block-rule blocks."""
-    out = 1
+def chunk_on_blocks(chunk: int, policies) -> int:
+    """`chunk` rounded up to a whole number of the block-rule blocks of these LayerPolicies (a chunk
+    that starts on a block boundary decides as one pass would)."""
+    multiple = 1
     for p in policies:
-        out = math.lcm(out, max(p.block_size, 1))
-    return out
+        multiple = math.lcm(multiple, max(p.block_size, 1))
+    return -(-chunk // multiple) * multiple
 
 
 def installed_policies(model) -> list:

@@ -560,11 +560,11 @@ class ServingSession:
 
         m, T = self.model, len(prompt)
         dev = next(m.parameters()).device
+        chunk = PREFILL_CHUNK
         if self.sih is not None:              # every chunk a whole number of the block rule's blocks
-            from zeroedge.mechanisms.pad import block_multiple
+            from zeroedge.mechanisms.pad import chunk_on_blocks
 
-            mult = block_multiple(self.sih[0].values())
-            PREFILL_CHUNK = -(-PREFILL_CHUNK // mult) * mult
+            chunk = chunk_on_blocks(chunk, self.sih[0].values())
         # packed weights on a GPU: the GEMV on int8-rounded inputs (dp4a; benchmarks/weights.md: +0.1 % ppl)
         i8 = self.weights is not None and dev.type == "cuda"
         if thermal:
@@ -581,11 +581,11 @@ class ServingSession:
             if cold != "host":                  # the prefill writes int8 / int4 K/V straight into the cold store
                 dec = decoder()
                 with self._sih_prefill_on(P, temperature, mech):
-                    ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK,
+                    ks, vs, qcov = chunked_prefill(m, prompt[:P], chunk,
                                                    caches=dec.attention.prefill_caches())
             else:                               # full-precision K/V, copied to pinned host memory
                 with self._sih_prefill_on(P, temperature, mech):
-                    ks, vs, qcov = chunked_prefill(m, prompt[:P], PREFILL_CHUNK)
+                    ks, vs, qcov = chunked_prefill(m, prompt[:P], chunk)
                 dec = decoder()
             dec.load_prefix(ks, vs, qcov)
             del ks, vs, qcov                    # the prefill cache goes here
@@ -596,7 +596,7 @@ class ServingSession:
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
                 with self._sih_prefill_on(P, temperature, mech):
-                    chunked_prefill(m, prompt[:P], PREFILL_CHUNK, into=list(zip(att.k, att.v)))
+                    chunked_prefill(m, prompt[:P], chunk, into=list(zip(att.k, att.v)))
         mech["attention_decode"] = (("thermal window, " if thermal else "")
                                     + ("Triton split attention" if dec.attention.takes_qkv else dec.attention.attn))
         if self.weights is not None:

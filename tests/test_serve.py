@@ -351,3 +351,16 @@ def test_bundle_served_one_at_a_time(tmp_path):
         assert httpx.get(s.base + "/health").status_code == 200
     finally:
         s.stop()
+
+
+def test_speculative_drafts_are_checked_and_counted(server):
+    """The default --speculative auto: a reply that copies its prompt is drafted by prompt lookup and
+    /metrics counts the drafts (that the output is the model's own: tests/test_speculative.py)."""
+    info = httpx.get(server.base + "/v1/models").json()["data"][0]["zeroedge"]
+    assert info["speculative"] == "auto"
+    drafted0 = server.metric("zeroedge_serve_speculative_draft_tokens_total")
+    text = "one two three four five six seven eight nine ten. " * 8
+    r = server.client().completions.create(model=MODEL, prompt=text, max_tokens=40, temperature=0)
+    assert r.usage.completion_tokens == 40
+    assert server.metric("zeroedge_serve_speculative_draft_tokens_total") > drafted0
+    assert server.metric("zeroedge_serve_speculative_accepted_tokens_total") > 0

@@ -93,9 +93,14 @@ SECTIONS = [
 @click.option("--threads", type=int, default=0, help="CPU threads (0 = default).")
 @memory_cap_options("torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
                     "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
+@click.option("--speculative", type=click.Choice(["auto", "off", "ngram"]), default="off", show_default=True,
+              help="torch backend, dense decoder: tokens drafted by n-gram lookup in the prompt and the text so "
+                   "far, checked by the model in one step (the output is the model's own). auto: a draft only where "
+                   "its measured acceptance and step cost pay; ngram: whenever the lookup finds one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch, paths,
-        calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, as_json):
+        calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, speculative,
+        as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     import json
 
@@ -104,6 +109,9 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
     prompt = _read_prompt(prompt, prompt_file)
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
+    if speculative != "off" and backend != "torch":
+        raise UserError(f"--speculative {speculative}: the {backend} backend's step gives the last position's "
+                        "logits only (use the torch backend, or --speculative off)")
     capped = device_memory is not None or board is not None
     spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, capped)
     if kv_ahead:
@@ -153,7 +161,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
                           model_cfg=cfg if model is not None else None, device_memory=cap, thermal_opts=spill,
                           on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
     res = sess.generate(ids, max_new, paths=True if paths else None,
-                        eos=getattr(tok, "eos_token_id", None))
+                        eos=getattr(tok, "eos_token_id", None), speculative=speculative)
     text = tok.decode(res.tokens, skip_special_tokens=True)
     if as_json:
         click.echo(json.dumps({"model": model or cfg.name, "backend": backend, "text": text, **res.to_dict(),

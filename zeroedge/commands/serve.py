@@ -54,11 +54,15 @@ from zeroedge.commands.common import check_model, examples, memory_cap, memory_c
 @click.option("--weights", type=click.Choice(["auto", "q4", "model"]), default="auto", show_default=True,
               help="torch backend: q4 = 4-bit linear layers in onnxruntime on the CPU (the Q4_1 grid: a Q4_1 GGUF's "
                    "own weights), 8-bit LM head; model = the model's weights in torch. auto: q4 on a CPU.")
+@click.option("--speculative", type=click.Choice(["auto", "off", "ngram"]), default="auto", show_default=True,
+              help="torch backend: tokens drafted by n-gram lookup in the prompt and the reply, checked by the "
+                   "model in one step (the output is the model's own). auto: while at most 4 requests decode, and "
+                   "paused for a request whose drafts are rarely accepted; ngram: always.")
 @memory_cap_options("torch backend: device memory the server may use (e.g. 6G); the KV pool is what the "
                     "weights leave of it.")
 def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, served_model_name, max_batch,
         prefill_chunk, kv_memory, ctx, max_queue, max_prompt_tokens, default_max_tokens, max_body, device, threads,
-        weights, device_memory, board):
+        weights, speculative, device_memory, board):
     """Serve MODEL (or --bundle) over an OpenAI-compatible HTTP API."""
     from zeroedge.commands.common import parse_size
     from zeroedge.errors import UserError, require
@@ -86,7 +90,8 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
                           served_name=served_model_name, max_batch=max_batch, prefill_chunk=prefill_chunk,
                           kv_bytes=kv_bytes, cap=cap, ctx=ctx, device=device, threads=threads,
                           api_key=key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
-                          default_max_tokens=default_max_tokens, max_body_bytes=body_limit, weights=weights)
+                          default_max_tokens=default_max_tokens, max_body_bytes=body_limit, weights=weights,
+                          speculative=speculative)
     from zeroedge.serve.setup import run_http
 
     run_http(server, bind, port)

@@ -300,6 +300,24 @@ class Decoder:
             self.graphs[flag].replay()
         return self.outs[flag]
 
+    def verify(self, tokens, pos: int) -> torch.Tensor:
+        """tokens at positions pos.. through the model's own layers (zeroedge.model, one forward of
+        len(tokens) rows) against this decoder's dense cache, which takes their K/V; -> (len(tokens),
+        vocab) logits, one row per position: the check of a speculative draft (zeroedge.speculative).
+        Positions past the ones kept are simply written again by the next step."""
+        att = self.attention
+        if not isinstance(att, DenseAttention) or self.ffn is not None:
+            raise ValueError("verify runs on the dense decoder (no thermal KV, no decode paths)")
+        if pos < 0 or pos + len(tokens) > self.max_len:
+            raise ValueError(f"positions {pos}..{pos + len(tokens)} are outside the cache of {self.max_len}")
+        m = self.m
+        m.setup_cache(1, self.max_len, buffers=[(att.k[li][None], att.v[li][None]) for li in range(att.L)])
+        try:
+            with torch.no_grad():
+                return m(torch.tensor([list(tokens)], device=self.device), start=pos)[0]
+        finally:
+            m.drop_cache()
+
     def _capture_pieces(self, flag) -> list:
         """The step as graphs cut at each host read (attention.on_host_read): [(graph, layer whose
         pages the host reads after it, or None for the last)], captured in order into one memory

@@ -412,7 +412,10 @@ class ServingSession:
         return out
 
     def generate(self, prompt: List[int], max_new: int, temperature: float = 0.0,
-                 paths: Optional[bool] = None, eos: Optional[int] = None, seed: int = 0) -> Result:
+                 paths: Optional[bool] = None, eos: Optional[int] = None, seed: int = 0,
+                 speculative: str = "off") -> Result:
+        """speculative: "off", "ngram" or "auto" (zeroedge.speculative: drafts by prompt lookup, checked
+        by the model; the torch backend's dense decoder)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise UserError("the prompt is empty")
@@ -421,9 +424,12 @@ class ServingSession:
         if temperature < 0 or temperature != temperature:
             raise UserError(f"temperature must be >= 0 (got {temperature})")
         mech = self.decide(len(prompt), max_new, temperature, paths)
+        if speculative != "off" and self.backend != "torch":
+            raise UserError(f"speculative decoding needs the torch backend (the {self.backend} backend's step "
+                            "gives the last position's logits only)")
         if self.backend == "torch":
             try:
-                res = self._torch(prompt, max_new, temperature, mech, eos, seed)
+                res = self._torch(prompt, max_new, temperature, mech, eos, seed, speculative)
             except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
                 if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
                     raise
@@ -464,7 +470,7 @@ class ServingSession:
         return pick
 
     # -- torch ---------------------------------------------------------------------------------
-    def _torch(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
+    def _torch(self, prompt, max_new, temperature, mech, eos, seed, speculative="off") -> Result:
         import torch
 
         m, T, ps = self.model, len(prompt), self.page_size
@@ -478,8 +484,9 @@ class ServingSession:
         t0 = time.perf_counter()
         dec, cold = self._torch_decoder(prompt, P, max_new, thermal, budget, cold, mech, temperature)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
+        spec = self._speculator(speculative, prompt, dec, thermal, mech)
         out, t1, t2 = self._torch_loop(dec, prompt, P, max_new, thermal, moved,
-                                       self._sampler(temperature, seed), eos)
+                                       self._sampler(temperature, seed), eos, spec)
         el = torch.finfo(dec.dtype).bits // 8
         full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + max_new) * m.cfg.head_dim * el
         detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
@@ -495,6 +502,8 @@ class ServingSession:
             device_kv = dec.kv_bytes()
         if mech["paths"]:
             detail["paths_channels_kept_last_step"] = dec.kept()
+        if spec is not None:
+            detail["speculative"] = spec.stats.to_dict()
         steps = len(out) - 1
         return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
                       device_kv, full, int(moved) if thermal else 0, detail)
@@ -606,9 +615,28 @@ class ServingSession:
         return dec, cold
 
     @staticmethod
-    def _torch_loop(dec, prompt, P, max_new, thermal, moved, pick, eos):
+    def _speculator(mode: str, prompt, dec, thermal: bool, mech: dict):
+        """The request's zeroedge.speculative.Speculator, or None (mech says why not)."""
+        if mode == "off":
+            return None
+        why = ("thermal KV: its decoder checks one token a step" if thermal
+               else "decode paths: their decoder checks one token a step" if dec.ffn is not None
+               else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
+               if dec.int8_inputs else None)
+        mech["speculative"] = why is None and mode
+        if why is not None:
+            mech["speculative_reason"] = why
+            return None
+        from zeroedge.speculative import Speculator
+
+        return Speculator.create(mode, prompt)
+
+    @staticmethod
+    def _torch_loop(dec, prompt, P, max_new, thermal, moved, pick, eos, spec=None):
         """The prompt's tail teacher-forced, then up to max_new tokens; the tokens and the times the
-        first token and the last one were ready. Thermal page swaps are counted into `moved`."""
+        first token and the last one were ready. Thermal page swaps are counted into `moved`. With
+        `spec`, a step checks the drafter's tokens with the model (Decoder.verify) and keeps the
+        model's own picks while they agree: every token is picked from the model's logits there."""
         import torch
 
         T = len(prompt)
@@ -629,6 +657,9 @@ class ServingSession:
         sync()
         t1 = time.perf_counter()
         out = [nxt]
+        if spec is not None:
+            ServingSession._spec_loop(dec, spec, step, pick, out, T, max_new, eos)
+            return out, t1, time.perf_counter()
         for i in range(max_new - 1):
             if eos is not None and nxt == eos:
                 break
@@ -637,6 +668,27 @@ class ServingSession:
             out.append(nxt)
         sync()
         return out, t1, time.perf_counter()
+
+    @staticmethod
+    def _spec_loop(dec, spec, step, pick, out, T, max_new, eos):
+        from zeroedge.speculative import agreed
+
+        while len(out) < max_new and not (eos is not None and out[-1] == eos):
+            pos = T + len(out) - 1
+            draft = spec.propose(max_new - len(out) - 1)
+            t0 = time.perf_counter()
+            if draft:
+                rows = dec.verify([out[-1]] + draft, pos).float().cpu().numpy()
+            else:
+                rows = step(out[-1], pos).float().cpu().numpy()[None]
+            picks = []
+            for i, row in enumerate(rows):
+                picks.append(pick(row))
+                if picks[-1] == eos or i >= len(draft) or picks[-1] != draft[i]:
+                    break
+            spec.cost.observe(len(draft), time.perf_counter() - t0)
+            spec.update(len(draft), agreed(draft, picks), picks)
+            out += picks
 
     # -- bundle backends: onnxruntime, tensorrt ------------------------------------------------
     def _open_bundle(self, bundle, threads, want_cfg=None, engines=None, plugin_lib=None):

@@ -8,8 +8,10 @@
                    time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
 
 Both: `reserve(positions)` -> a KV handle or None (not now), `release(handle)`, `forward(segments)`
--> (n, vocab) float32 logits on the CPU, `positions_total` / `position_bytes` for the planner,
-`max_batch`, `prefill_chunk` (None: the whole prompt), `mode` and `kv_stats()`.
+(each (handle, tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
+position of a verify segment), `positions_total` / `position_bytes` for the planner, `max_batch`,
+`prefill_chunk` (None: the whole prompt), `verifies` (takes verify segments: speculative decoding),
+`mode` and `kv_stats()`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ PAGE_SIZE = 16
 class TorchBatched:
     mode = "batched"
     min_prompt = 1
+    verifies = True
 
     def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None):
         from zeroedge.serve.batch import BatchStep, PagedKV
@@ -50,7 +53,7 @@ class TorchBatched:
     def forward(self, segments):
         from zeroedge.serve.batch import Segment
 
-        out = self.step.forward([Segment(h, toks, start) for h, toks, start in segments])
+        out = self.step.forward([Segment(h, toks, start, verify) for h, toks, start, verify in segments])
         return out.cpu()
 
     def kv_stats(self) -> dict:
@@ -67,6 +70,7 @@ class BundleSequential:
     mode = "sequential"
     max_batch = 1
     prefill_chunk = None
+    verifies = False
     min_prompt = 2                      # a bundle's prefill graph takes two tokens or more
 
     def __init__(self, runner, ctx: int, fixed_window: bool):
@@ -93,7 +97,7 @@ class BundleSequential:
         import numpy as np
         import torch
 
-        (_, toks, start), = segments
+        (_, toks, start, _), = segments
         lg = self.r.prefill(np.array(toks)) if start == 0 else self.r.step(toks[0])
         return torch.from_numpy(np.asarray(lg, np.float32).reshape(1, -1).copy())
 

@@ -6,13 +6,17 @@ prompts go through the model together, reading each weight once, over a paged KV
     step = BatchStep(model, pool)
     logits = step.forward([Segment(pages, tokens=[5, 6, 7], start=0), Segment(pages2, [9], start=41)])
     # -> (2, vocab): the last position of each segment
+    logits = step.forward([Segment(pages2, [9, 4, 4], start=41, verify=True)])
+    # -> (3, vocab): every position of a verify segment (a token and its speculative draft)
 
 `PagedKV` holds every layer's K and V as one slot axis of pages (`k[layer]`: (pages x page size,
 kv heads, head dim)); a sequence owns a list of pages (its block table), so its KV is as long as it
 is and a finished one gives its pages back at once. `BatchStep.forward` concatenates the segments'
 tokens into one row batch for every linear layer; attention is per segment kind: the decode tokens
-(one each) in one SDPA over their pages gathered and masked, a prompt chunk against its sequence's
-past and itself, causally.
+(one each, and every token of a verify segment, each as the decode row it would be) in one SDPA
+over their pages gathered and masked, a prompt chunk against its sequence's past and itself,
+causally. A verify row at position p attends to positions 0..p exactly as a plain decode step there
+would, so checking a draft gives the logits plain decoding would have given, bit for bit.
 
 Batch invariance on the CPU: a sequence's greedy output does not depend on what else is in the batch.
 Rows of a matrix product are computed alike for any number of rows from a kernel's `min_rows` up
@@ -79,10 +83,11 @@ class PagedKV:
 @dataclass
 class Segment:
     """Tokens of one sequence at positions start.. (its pages hold them afterwards); the step
-    returns the logits of its last position."""
+    returns the logits of its last position, or of every position if `verify`."""
     pages: List[int]
     tokens: List[int]
     start: int
+    verify: bool = False
 
 
 class TorchLinears:
@@ -134,15 +139,21 @@ class BatchStep:
 
     @torch.no_grad()
     def forward(self, segments: List[Segment]) -> torch.Tensor:
-        """-> (len(segments), vocab) float32 logits at each segment's last position."""
+        """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's,
+        in segment order."""
         dev, ps = self.device, self.pool.page_size
-        ids, pos, slots, last = [], [], [], []
+        ids, pos, slots, out_rows = [], [], [], []
+        dec, pre = [], []            # decode rows (row, pages, length); prompt chunks (first row, segment)
         for s in segments:
-            n = len(s.tokens)
+            n, r0 = len(s.tokens), len(ids)
             ids += s.tokens
             pos += range(s.start, s.start + n)
             slots += self.pool.slots(s.pages, s.start, s.start + n)
-            last.append(len(ids) - 1)
+            if n == 1 or s.verify:
+                dec += [(r0 + i, s.pages, s.start + i + 1) for i in range(n)]
+            else:
+                pre.append((r0, s))
+            out_rows += range(r0, r0 + n) if s.verify else [r0 + n - 1]
         N = len(ids)
         M = max(N, self.lin.min_rows)
         tok = torch.zeros(M, dtype=torch.long)
@@ -152,17 +163,15 @@ class BatchStep:
         f = torch.outer(posf.to(dev), self.inv_freq)
         cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
         slot_t = torch.tensor(slots, device=dev)
-        # decode rows (segments of one token) attend in one batched product: their slots, masked
-        dec = [i for i, s in enumerate(segments) if len(s.tokens) == 1]
-        pre = [i for i, s in enumerate(segments) if len(s.tokens) > 1]
+        # decode rows attend in one batched product: their slots, masked to their own length
         if dec:
-            lens = torch.tensor([segments[i].start + 1 for i in dec])
+            lens = torch.tensor([n for _, _, n in dec])
             S = -(-int(lens.max()) // ps) * ps
-            table = self._slot_table([segments[i].pages for i in dec], S // ps).view(-1).to(dev)
+            table = self._slot_table([p for _, p, _ in dec], S // ps).view(-1).to(dev)
             valid = torch.arange(S)[None, :] < lens[:, None]
             dmask = torch.zeros(len(dec), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
             dmask = dmask.to(dev).view(len(dec), 1, 1, S)
-            drows = torch.tensor([last[i] for i in dec], device=dev)
+            drows = torch.tensor([r for r, _, _ in dec], device=dev)
         x = self.m.embed_tokens(tok.to(dev))
         if self.numpy:
             x = x.numpy()
@@ -178,17 +187,15 @@ class BatchStep:
             o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
             if dec:
                 o[drows] = self._decode_attention(q[drows], K, V, table, dmask)
-            for i in pre:
-                s = segments[i]
-                a, b = last[i] - len(s.tokens) + 1, last[i] + 1
-                o[a:b] = self._chunk_attention(q[a:b], K, V, s)
+            for r0, s in pre:
+                o[r0:r0 + len(s.tokens)] = self._chunk_attention(q[r0:r0 + len(s.tokens)], K, V, s)
             o = o.view(M, -1)
             x, qkv = self.lin.boundary(li + 1, x, o.numpy() if self.numpy else o)
-        rows = torch.zeros(max(len(last), self.lin.min_rows), dtype=torch.long)
-        rows[: len(last)] = torch.tensor(last)
+        rows = torch.zeros(max(len(out_rows), self.lin.min_rows), dtype=torch.long)
+        rows[: len(out_rows)] = torch.tensor(out_rows)
         if self.numpy:
-            return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(last)]
-        return self.lin.head(x[rows.to(dev)])[: len(last)].float()
+            return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(out_rows)]
+        return self.lin.head(x[rows.to(dev)])[: len(out_rows)].float()
 
     def _slot_table(self, page_lists, n_pages: int) -> torch.Tensor:
         """(sequences, n_pages * page size) slots of each sequence's first n_pages pages (0 past its end)."""

@@ -15,6 +15,14 @@ same positions, whatever else runs (batch invariance).
 Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict), ("error", message):
 every submitted request gets a "done" or an "error", also when the engine stops.
 finish_reason: "stop" (EOS, a stop string, the grammar's end), "length" (max_tokens), "cancelled".
+
+Speculative decoding (`speculative` "ngram" or "auto", on a backend that verifies): a decoding
+sequence whose drafter (zeroedge.speculative) proposes tokens sends them with its last token as one
+verify segment; every position's logits come back, and the sequence's own picks (grammar, sampler)
+run over them in order while they agree with the draft. Each emitted token is picked from the logits
+plain decoding would have given (zeroedge.serve.batch), so the output is the same. "auto" drafts only
+while at most AUTO_MAX_BATCH sequences decode (a larger batch already reads each weight for many
+tokens; draft rows would only add work) and pauses a sequence's drafts when they are rarely accepted.
 """
 from __future__ import annotations
 
@@ -28,6 +36,10 @@ from typing import Callable, List, Optional
 
 from zeroedge.serve.output import Grammar, Sampler, TextOut
 from zeroedge.serve.plan import Plan
+from zeroedge.speculative import Speculator, SpecStats, StepCost, agreed
+
+
+AUTO_MAX_BATCH = 4
 
 
 @dataclass(eq=False)
@@ -44,12 +56,18 @@ class Sequence:
     sampler: Optional[Sampler] = None
     grammar: Optional[Grammar] = None
     text: Optional[TextOut] = None
+    spec: Optional[Speculator] = None
 
 
 class Engine:
-    def __init__(self, backend, tokenizer, lltok=None, metrics=None, on_tick: Optional[Callable] = None):
+    def __init__(self, backend, tokenizer, lltok=None, metrics=None, on_tick: Optional[Callable] = None,
+                 speculative: str = "off"):
         self.b, self.tok, self.lltok = backend, tokenizer, lltok
         self.metrics, self.on_tick = metrics, on_tick
+        # drafts need a backend whose step returns every position's logits (a bundle's does not)
+        self.speculative = speculative if getattr(backend, "verifies", False) else "off"
+        self.spec_stats = SpecStats()           # of finished requests
+        self.step_cost = StepCost(getattr(backend, "row_cost", 0.1))   # measured on the steps without prefill
         self.waiting: collections.deque = collections.deque()
         self.running: List[Sequence] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,8 +157,10 @@ class Engine:
             s.sink(("text", tail))
         usage = {"prompt_tokens": len(s.plan.prompt), "completion_tokens": len(s.out),
                  "total_tokens": len(s.plan.prompt) + len(s.out)}
+        if s.spec is not None:
+            self.spec_stats.add(s.spec.stats)
         if self.metrics is not None:
-            self.metrics.finished(reason, usage)
+            self.metrics.finished(reason, usage, s.spec.stats if s.spec is not None else None)
         s.sink(("done", reason, usage))
 
     def _drop_cancelled(self):
@@ -164,6 +184,7 @@ class Engine:
                 s.text = TextOut(self.tok, p.sampling.stop)
                 if p.grammar is not None:
                     s.grammar = Grammar(self.lltok, p.grammar)
+                s.spec = Speculator.create(self.speculative, p.prompt, cost=self.step_cost)
             except Exception as e:              # noqa: BLE001 - a grammar llguidance refuses: this request only
                 self.b.release(kv)
                 s.kv = None
@@ -172,11 +193,14 @@ class Engine:
             self.running.append(s)
 
     def _step(self):
-        segs, who = [], []
-        for s in self.running:                  # every decoding sequence: its last token
-            if s.prefilled == len(s.plan.prompt):
-                segs.append((s.kv, [s.out[-1]], len(s.plan.prompt) + len(s.out) - 1))
-                who.append(s)
+        segs, who, drafts = [], [], {}
+        decoding = [s for s in self.running if s.prefilled == len(s.plan.prompt)]
+        spec = self.speculative == "ngram" or (self.speculative == "auto" and len(decoding) <= AUTO_MAX_BATCH)
+        for s in decoding:                      # every decoding sequence: its last token (and a draft)
+            draft = s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1) if spec and s.spec else []
+            drafts[s.id] = draft
+            segs.append((s.kv, [s.out[-1]] + draft, len(s.plan.prompt) + len(s.out) - 1, bool(draft)))
+            who.append(s)
         pre, budget = [], self.b.prefill_chunk
         for s in self.running:                  # prompts still prefilling, oldest first: a chunk each
             n = len(s.plan.prompt)
@@ -184,23 +208,26 @@ class Engine:
                 continue
             c = budget if budget is not None else n
             a, z = s.prefilled, min(n, s.prefilled + c)
-            if pre and budget is not None and sum(len(t) for _, t, _ in segs[-len(pre):]) + z - a > budget:
+            if pre and budget is not None and sum(len(t) for _, t, _, _ in segs[-len(pre):]) + z - a > budget:
                 break                           # the step's prefill tokens stay within one chunk's
-            segs.append((s.kv, s.plan.prompt[a:z], a))
+            segs.append((s.kv, s.plan.prompt[a:z], a, False))
             who.append(s)
             pre.append(s)
         t0 = time.perf_counter()
         logits = self.b.forward(segs)
         self.steps += 1
-        if self.metrics is not None:
-            self.metrics.step(time.perf_counter() - t0, len(who) - len(pre), len(segs))
+        dt = time.perf_counter() - t0
+        if not pre:
+            self.step_cost.observe(sum(len(d) for d in drafts.values()), dt)
+        made, row = 0, 0
         for i, s in enumerate(who):
+            r0, row = row, row + (len(segs[i][1]) if segs[i][3] else 1)
             if s in pre:
                 s.prefilled = segs[i][2] + len(segs[i][1])
                 if s.prefilled < len(s.plan.prompt):
                     continue
             try:
-                self._emit(s, logits[i])
+                made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []))
             except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on
                 if s in self.running:
                     self.running.remove(s)
@@ -208,8 +235,27 @@ class Engine:
                     self.b.release(s.kv)
                     s.kv = None
                 s.sink(("error", f"generation failed: {e}"))
+        if self.metrics is not None:
+            self.metrics.step(dt, made, len(segs))
 
-    def _emit(self, s: Sequence, row):
+    def _emit_rows(self, s: Sequence, rows, draft: List[int]) -> int:
+        """The sequence's picks over its rows, while they agree with the draft -> tokens made."""
+        picks, end = [], None
+        for i in range(len(rows)):
+            t, end = self._emit(s, rows[i])
+            if t is not None:
+                picks.append(t)
+            if end is not None or i >= len(draft) or t != draft[i]:
+                break                           # finished, or the draft's next rows are not the model's
+        if s.spec is not None:
+            s.spec.update(len(draft), agreed(draft, picks), picks)
+        if end is not None:
+            self._finish(s, end)
+        return len(picks)
+
+    def _emit(self, s: Sequence, row) -> tuple:
+        """Pick the sequence's next token from its logits row -> (the token or None for EOS, the
+        finish reason or None)."""
         if s.grammar is not None:
             s.grammar.apply(row)
         t = s.sampler.pick(row)
@@ -219,7 +265,7 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.first_token(now - s.t_submit)
         if t in s.plan.eos:                     # a grammar allows EOS only where it accepts
-            return self._finish(s, "stop")
+            return None, "stop"
         if s.grammar is not None:
             s.grammar.consume(t)
         s.out.append(t)
@@ -227,6 +273,5 @@ class Engine:
         if piece:
             s.sink(("text", piece))
         if s.text.stopped or (s.grammar is not None and s.grammar.done()):
-            return self._finish(s, "stop")
-        if len(s.out) >= s.plan.sampling.max_tokens:
-            return self._finish(s, "length")
+            return t, "stop"
+        return t, "length" if len(s.out) >= s.plan.sampling.max_tokens else None

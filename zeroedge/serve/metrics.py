@@ -17,6 +17,9 @@ class ServeMetrics:
         self.requests = Counter(p + "requests", "Finished requests by finish reason", ["reason"], registry=r)
         self.rejected = Counter(p + "rejected_requests", "Requests refused before they ran, by HTTP status",
                                 ["status"], registry=r)
+        self.drafted = Counter(p + "speculative_draft_tokens", "Draft tokens checked (finished requests)", registry=r)
+        self.accepted = Counter(p + "speculative_accepted_tokens", "Draft tokens the model agreed with", registry=r)
+        self.verify_steps = Counter(p + "speculative_verify_steps", "Model steps that checked a draft", registry=r)
         self.tokens_per_s = Gauge(p + "decode_tokens_per_second", "Tokens a second over the last step", registry=r)
         self.batch = Gauge(p + "batch_size", "Sequences in the last step", registry=r)
         queue = Gauge(p + "queue_depth", "Requests waiting for admission", registry=r)
@@ -36,8 +39,13 @@ class ServeMetrics:
     def first_token(self, seconds: float):
         self.ttft.observe(seconds)
 
-    def finished(self, reason: str, usage: dict):
+    def finished(self, reason: str, usage: dict, spec=None):
+        """spec: the request's zeroedge.speculative.SpecStats (None: it did not speculate)."""
         self.requests.labels(reason).inc()
+        if spec is not None:
+            self.drafted.inc(spec.drafted)
+            self.accepted.inc(spec.accepted)
+            self.verify_steps.inc(spec.verify_steps)
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.completion_tokens.inc(usage["completion_tokens"])
 

@@ -59,7 +59,7 @@ def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap:
 
 def build_server(model, backend, bundle, engines, plugins, served_name, max_batch, prefill_chunk, kv_bytes, cap,
                  ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes,
-                 weights="auto"):
+                 weights="auto", speculative="off"):
     from zeroedge.serve.api import Server
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.metrics import ServeMetrics
@@ -124,7 +124,10 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
     eos = _eos_ids(tok, folder if backend == "torch" else bundle)
     lltok = _llguidance_tokenizer(tok, eos)
     planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt)
-    engine = Engine(b, tok, lltok, on_tick=_watchdog())
+    engine = Engine(b, tok, lltok, on_tick=_watchdog(), speculative=speculative)
+    info["speculative"] = engine.speculative
+    if engine.speculative != speculative:
+        info["speculative_reason"] = "a bundle's step gives the last position's logits only"
     metrics = ServeMetrics(engine.load, b.kv_stats)
     engine.metrics = metrics
     engine.start()

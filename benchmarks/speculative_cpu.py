@@ -1,0 +1,134 @@
+"""Speculative decoding (n-gram prompt lookup) in the serving engine on the CPU, real SmolLM2.
+
+    python benchmarks/speculative_cpu.py --repeats 3 -o benchmarks/results/speculative/ngram_smollm2_cpu_q4.json
+
+The bundled SmolLM2-135M-Instruct (a Q4_1 GGUF) behind zeroedge's serving engine with the weights
+`zeroedge serve` uses on a CPU (4-bit linears in onnxruntime, `--weights q4`), one request at a time,
+greedy, on prompts of the project's texts: summarising and extracting (chat template) and plain
+continuation of KJV, essays and licenses. Each prompt runs with `--speculative off`, `ngram` and
+`auto`, interleaved `--repeats` times; a row gives the decode tokens/s (first token to last), the
+speed-up over off in the same round, the acceptance rate, tokens per model step, and whether the
+tokens equal plain decoding's.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+
+TASKS = {
+    "summarise": ("essays", "Summarise the text above in five sentences, keeping its own words where you can."),
+    "extract": ("licenses", "From the text above, write a JSON object with the keys \"name\", \"version\", "
+                            "\"permissions\" (a list) and \"conditions\" (a list), quoting the text's own phrases."),
+    "kjv": ("kjv", None),
+    "essays": ("essays", None),
+    "licenses": ("licenses", None),
+}
+
+
+def prompts(tok, prompt_tokens: int, offset: int) -> dict:
+    from zeroedge.texts import load_text
+
+    out = {}
+    for name, (text_name, ask) in TASKS.items():
+        ids = tok.encode(load_text(text_name), add_special_tokens=False)
+        body = tok.decode(ids[offset:offset + prompt_tokens])
+        if ask is None:
+            out[name] = tok.encode(body, add_special_tokens=False)
+        else:
+            msgs = [{"role": "user", "content": body + "\n\n" + ask}]
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            out[name] = tok.encode(text, add_special_tokens=False)
+    return out
+
+
+def generate(engine, prompt, new: int) -> dict:
+    from zeroedge.serve.plan import Plan, Sampling
+
+    done = threading.Event()
+    events = []
+
+    def sink(ev):
+        events.append((time.perf_counter(), ev))
+        if ev[0] in ("done", "error"):
+            done.set()
+
+    seq = engine.submit(Plan(list(prompt), Sampling(max_tokens=new, temperature=0.0), len(prompt) + new, 0,
+                             eos=()), sink)
+    done.wait()
+    if events[-1][1][0] == "error":
+        raise RuntimeError(events[-1][1][1])
+    t_first = seq.t_first
+    t_end = events[-1][0]
+    n = len(seq.out)
+    st = seq.spec.stats.to_dict() if seq.spec is not None else None
+    return {"tokens": list(seq.out), "decode_tok_s": (n - 1) / (t_end - t_first), "spec": st}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, default=700)
+    ap.add_argument("--offset", type=int, default=2000, help="where in each text the prompt starts (tokens)")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("-o", "--out")
+    a = ap.parse_args()
+
+    import torch
+
+    from zeroedge.serve.backends import TorchBatched
+    from zeroedge.serve.cpu_q4 import Q4Linears
+    from zeroedge.serve.engine import Engine
+    from zeroedge.weights import resolve_model, tokenizer_for
+
+    torch.set_num_threads(a.threads)
+    m, cfg, folder = resolve_model("smollm2-135m", need_weights=True)
+    m = m.float().eval()
+    tok = tokenizer_for(cfg, folder)
+    lin = Q4Linears(m, a.threads)
+    torch.set_num_threads(1)
+    b = TorchBatched(m, 256 << 20, 1, 128, lin)
+    engines = {mode: Engine(b, tok, speculative=mode) for mode in ("off", "ngram", "auto")}
+    for e in engines.values():
+        e.start()
+    ps = prompts(tok, a.prompt_tokens, a.offset)
+    tasks = a.tasks.split(",")
+    generate(engines["off"], ps[tasks[0]], 8)                        # warm-up
+    runs = {t: {mode: [] for mode in engines} for t in tasks}
+    for r in range(a.repeats):
+        for t in tasks:
+            for mode, e in engines.items():
+                runs[t][mode].append(generate(e, ps[t], a.new))
+    rows = []
+    for t in tasks:
+        off = runs[t]["off"]
+        row = {"task": t, "text": TASKS[t][0], "prompt_tokens": len(ps[t]), "new_tokens": len(off[0]["tokens"]),
+               "off_tok_s": statistics.median(x["decode_tok_s"] for x in off)}
+        for mode in ("ngram", "auto"):
+            rs = runs[t][mode]
+            row[f"{mode}_tok_s"] = statistics.median(x["decode_tok_s"] for x in rs)
+            row[f"{mode}_speedup"] = statistics.median(x["decode_tok_s"] / o["decode_tok_s"] for x, o in zip(rs, off))
+            row[f"{mode}_identical"] = all(x["tokens"] == o["tokens"] for x, o in zip(rs, off))
+            row[f"{mode}_acceptance_rate"] = rs[0]["spec"]["acceptance_rate"]
+            row[f"{mode}_tokens_per_step"] = rs[0]["spec"]["tokens_per_step"]
+        rows.append(row)
+        print(json.dumps(row))
+    for e in engines.values():
+        e.stop()
+    res = {"what": "speculative decoding by n-gram prompt lookup in the serving engine, batch 1, greedy",
+           "hardware": f"CPU ({platform.processor() or platform.machine()}), {a.threads} threads",
+           "load_before": os.getloadavg(), "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF), real weights",
+           "weights_path": "4-bit linears in onnxruntime MatMulNBits (zeroedge serve --weights q4)",
+           "args": vars(a), "rows": rows}
+    if a.out:
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

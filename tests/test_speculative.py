@@ -1,0 +1,171 @@
+"""Speculative decoding: the prompt-lookup drafter, the draft length, and the output — the serving
+engine and `zeroedge run` give, token for token, what plain decoding gives on real SmolLM2 (greedy,
+and sampled with a seed), whatever the drafter proposes."""
+import json
+import random
+import threading
+
+import pytest
+import torch
+
+from conftest import run_cli
+from zeroedge.speculative import PromptLookup, Speculator, StepCost, agreed
+
+MODEL = "smollm2-135m"
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_match():
+    pl = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3], max_ngram=3)
+    # suffix (1, 2, 3) last seen at 0..2, followed by 4 5 9
+    assert pl.propose(3) == (3, [4, 5, 9])
+    pl.extend([7])                    # (2, 3, 7) seen at 6..8: what followed it
+    assert pl.propose(2) == (3, [8, 1])
+    pl.extend([42])                   # 42 never seen: nothing to propose
+    assert pl.propose(4) == (0, [])
+    assert pl.propose(0) == (0, [])
+    with pytest.raises(ValueError):
+        PromptLookup([], max_ngram=1, min_ngram=2)
+
+
+def test_prompt_lookup_prefers_the_latest_of_equal_matches():
+    pl = PromptLookup([5, 6, 1, 5, 6, 2, 5, 6])
+    assert pl.propose(1) == (2, [2])
+
+
+def test_agreed_counts_the_confirmed_prefix():
+    assert agreed([4, 5, 6], [4, 5, 9]) == 2
+    assert agreed([4, 5], [4, 5, 7]) == 2
+    assert agreed([4], [3]) == 0
+    assert agreed([], [3]) == 0
+
+
+def test_step_cost_is_measured_from_the_steps():
+    c = StepCost(prior=0.5)
+    assert c.ratio == 0.5
+    c.observe(0, 0.010)
+    c.observe(4, 0.014)
+    assert c.ratio == pytest.approx(0.1)
+
+
+def _replay(spec, out, cost_ratio):
+    """Drive a speculator against a known greedy output -> (steps, cost in plain steps)."""
+    spec.cost.plain, spec.cost.per_row = 1.0, cost_ratio
+    i, steps, cost = 1, 0, 0.0
+    while i < len(out):
+        d = spec.propose(len(out) - i - 1)
+        a = agreed(d, out[i:])
+        made = out[i:i + a + 1]
+        spec.update(len(d), a, made)
+        i, steps, cost = i + len(made), steps + 1, cost + 1 + cost_ratio * len(d)
+    return steps, cost
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    text = list(range(100, 160))
+    copy = text + text                         # a reply that copies its prompt: drafts always agree
+    spec = Speculator.create("auto", copy[:61])
+    steps, cost = _replay(spec, copy[60:], 0.05)
+    assert spec.stats.accepted == spec.stats.drafted > 0
+    assert steps < 20 and spec.stats.to_dict()["tokens_per_step"] > 3
+    # a reply that never repeats what the lookup proposes: auto stops drafting, ngram keeps trying
+    rng = random.Random(0)
+    prompt = [rng.randrange(50) for _ in range(400)]
+    reply = [rng.randrange(50, 100) if i % 2 else prompt[rng.randrange(400)] for i in range(300)]
+    auto = Speculator.create("auto", prompt + reply[:1])
+    _, auto_cost = _replay(auto, reply, 0.3)
+    ngram = Speculator.create("ngram", prompt + reply[:1])
+    _, ngram_cost = _replay(ngram, reply, 0.3)
+    assert auto.stats.drafted < ngram.stats.drafted / 3
+    assert auto_cost < 1.05 * (len(reply) - 1) < ngram_cost
+    assert Speculator.create("off", prompt) is None
+    with pytest.raises(ValueError):
+        Speculator.create("packed", prompt)
+
+
+# -- the serving engine on real weights -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_tok(smollm2, smol_tok):
+    return smollm2[0].float().eval(), smol_tok
+
+
+def _engine_outputs(model_tok, mode, requests, weights):
+    from zeroedge.serve.backends import TorchBatched
+    from zeroedge.serve.engine import Engine
+    from zeroedge.serve.plan import Plan
+
+    m, tok = model_tok
+    lin = None
+    if weights == "q4":
+        from zeroedge.serve.cpu_q4 import Q4Linears
+
+        lin = Q4Linears(m, 2)
+    e = Engine(TorchBatched(m, 64 << 20, 4, 32, lin), tok, speculative=mode)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # as `zeroedge serve` on a CPU: torch's SDPA splits a batch by threads
+    e.start()
+    try:
+        seqs, done = [], []
+        for prompt, sampling in requests:
+            ev = threading.Event()
+            done.append(ev)
+            seqs.append(e.submit(Plan(prompt, sampling, len(prompt) + sampling.max_tokens, 0, eos=()),
+                                 lambda x, ev=ev: x[0] in ("done", "error") and ev.set()))
+        for ev in done:
+            assert ev.wait(300)
+        return [s.out for s in seqs], e.spec_stats
+    finally:
+        e.stop()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("weights", ["q4", "model"])
+def test_engine_output_equals_plain_decoding(model_tok, weights):
+    from zeroedge.serve.plan import Sampling
+    from zeroedge.texts import load_text
+
+    _, tok = model_tok
+    lic = tok.encode(load_text("licenses")[30000:32000], add_special_tokens=False)[:300]
+    kjv = tok.encode(load_text("kjv")[5000:7000], add_special_tokens=False)[:200]
+    reqs = [(lic, Sampling(max_tokens=48, temperature=0)), (kjv, Sampling(max_tokens=40, temperature=0)),
+            (lic[:120], Sampling(max_tokens=40, temperature=0.8, top_p=0.95, seed=7)),
+            (kjv[:90], Sampling(max_tokens=32, temperature=1.2, seed=3))]
+    plain, _ = _engine_outputs(model_tok, "off", reqs, weights)
+    spec, stats = _engine_outputs(model_tok, "ngram", reqs, weights)
+    assert spec == plain
+    assert stats.drafted > 0 and stats.accepted > 0 and stats.tokens == sum(len(o) for o in plain)
+    assert stats.steps < stats.tokens                    # some steps made more than one token
+
+
+def test_run_speculative_equals_plain(tmp_path):
+    from zeroedge.texts import load_text
+
+    f = tmp_path / "prompt.txt"
+    f.write_text(load_text("licenses")[30000:31500])
+    outs = {}
+    for mode in ("off", "ngram"):
+        r = run_cli("run", MODEL, "--prompt-file", f, "--max-new", 40, "--device", "cpu", "--speculative", mode,
+                    "--json")
+        assert r.returncode == 0, r.stderr
+        outs[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert outs["ngram"]["tokens"] == outs["off"]["tokens"]
+    st = outs["ngram"]["speculative"]
+    assert outs["ngram"]["mechanisms"]["speculative"] == "ngram"
+    assert st["drafted"] > 0 and st["tokens"] == len(outs["off"]["tokens"]) - 1
+    assert "speculative" not in outs["off"]
+
+
+def test_run_speculative_says_where_it_does_not_apply(tmp_path):
+    from zeroedge.texts import load_text
+
+    f = tmp_path / "prompt.txt"
+    f.write_text(load_text("kjv")[:6000])
+    r = run_cli("run", MODEL, "--prompt-file", f, "--max-new", 4, "--device", "cpu", "--speculative", "auto",
+                "--kv-budget", 0.3, "--json")
+    assert r.returncode == 0, r.stderr
+    mech = json.loads(r.stdout.strip().splitlines()[-1])["mechanisms"]
+    assert mech["thermal_kv"] is True
+    assert mech["speculative"] is False and "thermal KV" in mech["speculative_reason"]
+    r = run_cli("run", "--backend", "onnxruntime", "--bundle", tmp_path, "--speculative", "ngram", "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "logits only" in r.stderr
+    r = run_cli("run", MODEL, "--speculative", "sometimes", "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "sometimes" in r.stderr

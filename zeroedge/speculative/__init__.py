@@ -1,0 +1,189 @@
+"""Speculative decoding: a drafter proposes the next tokens, the model checks them all in one step.
+
+    spec = Speculator.create("ngram", prompt_ids)        # None for "off"
+    draft = spec.propose(room)                           # [] when it has nothing to offer
+    ... one model step over [last token] + draft, logits at every position ...
+    for row, picked in ...: the model's own pick at each position; stop at the first pick that
+        differs from the draft (that pick is still the model's next token), then spec.update(accepted, picked)
+
+The drafters here are deterministic (a point mass on each proposed token). For such a draft the
+standard rejection rule — keep draft token d with probability min(1, p(d) / q(d)) = p(d), on a
+rejection draw from max(p - q, 0) normalised, which is p with d removed — is the same as drawing the
+model's own token t from p and keeping the draft while t == d. So the caller picks every token
+exactly as plain decoding would (greedy argmax, or its sampler, one draw per emitted token): the
+output is the model's, token for token, whatever the drafter proposes.
+
+  PromptLookup   n-gram lookup in the prompt and the text made so far (no extra weights): the
+                 longest suffix (up to `max_ngram` tokens) seen before proposes what followed it.
+  Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
+                 cost, (1 - a^(k+1)) / (1 - a) / (1 + c k), where a is the running acceptance of
+                 drafts from matches of the same length and c what one more row costs the step
+                 (StepCost: measured from the caller's own steps). When no k > 0 pays, `auto`
+                 sends no draft (probing again every PROBE_EVERY tokens); `ngram` always drafts.
+                 Its counters go to --json and /metrics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+MODES = ("off", "auto", "ngram")
+
+
+class PromptLookup:
+    """Proposals from earlier occurrences of the context's last n tokens (n = max_ngram down to
+    min_ngram: the longest match wins; among equal matches, the latest). O(max_ngram) per token."""
+
+    def __init__(self, context: Sequence[int] = (), max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.ctx: List[int] = []
+        self._last: Dict[Tuple[int, ...], int] = {}    # n-gram -> the latest position it ended at
+        self._prev: Dict[int, int] = {}                  # n -> where the current suffix of n ended before
+        self.extend(context)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.ctx.append(int(t))
+            i = len(self.ctx) - 1
+            self._prev = {}
+            for n in range(self.min_ngram, min(self.max_ngram, i + 1) + 1):
+                key = tuple(self.ctx[i - n + 1:i + 1])
+                before = self._last.get(key)
+                if before is not None:
+                    self._prev[n] = before
+                self._last[key] = i
+
+    def propose(self, k: int) -> Tuple[int, List[int]]:
+        """(match length n, up to k tokens that followed the longest earlier match of the context's
+        suffix); (0, []) if none."""
+        if k >= 1:
+            for n in range(self.max_ngram, self.min_ngram - 1, -1):
+                end = self._prev.get(n)
+                if end is not None:
+                    return n, self.ctx[end + 1:end + 1 + k]
+        return 0, []
+
+
+@dataclass
+class SpecStats:
+    """drafted / accepted: draft tokens proposed and kept; verify_steps: model steps that checked a
+    draft; steps: every model step that made tokens; tokens: tokens made."""
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    def add(self, other: "SpecStats") -> None:
+        for f in ("drafted", "accepted", "verify_steps", "steps", "tokens"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+    def to_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "verify_steps": self.verify_steps,
+                "steps": self.steps, "tokens": self.tokens,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "tokens_per_step": round(self.tokens / self.steps, 4) if self.steps else None}
+
+
+class StepCost:
+    """What one more draft row costs a model step, as a share of a step without drafts: running
+    averages of the caller's own step times (a GPU step that reads every weight once costs about
+    the same for 1 row or 9; a CPU whose cores are busy with the products pays for each row)."""
+
+    def __init__(self, prior: float = 0.1, weight: float = 0.1):
+        self.prior, self.w = prior, weight
+        self.plain: Optional[float] = None          # seconds of a step without drafts
+        self.per_row: Optional[float] = None        # seconds one draft row adds
+
+    def observe(self, draft_rows: int, seconds: float) -> None:
+        if draft_rows == 0:
+            self.plain = seconds if self.plain is None else self.plain + self.w * (seconds - self.plain)
+        elif self.plain is not None:
+            r = max(0.0, seconds - self.plain) / draft_rows
+            self.per_row = r if self.per_row is None else self.per_row + self.w * (r - self.per_row)
+
+    @property
+    def ratio(self) -> float:
+        if self.plain is None or self.per_row is None or self.plain <= 0:
+            return self.prior
+        return self.per_row / self.plain
+
+
+class Speculator:
+    """A drafter and its draft length (see the module's doc). `cost`: the StepCost of the steps
+    that check its drafts (shared by the sequences of one engine)."""
+
+    PRIOR = (0.5, 2.0)       # acceptance a prior: as if 1 of 2 draft tokens had been accepted
+    DECAY = 0.9              # older drafts weigh less: a reply that starts to copy is noticed quickly
+    PROBE_EVERY = 16         # auto: tokens without a draft before one token is drafted again
+
+    def __init__(self, drafter: PromptLookup, mode: str = "ngram", k_max: int = 8,
+                 cost: Optional[StepCost] = None):
+        if mode not in ("auto", "ngram"):
+            raise ValueError(f"speculative mode must be one of {MODES}")
+        self.drafter, self.mode, self.k_max = drafter, mode, k_max
+        self.cost = cost if cost is not None else StepCost()
+        self.stats = SpecStats()
+        self._acc: Dict[int, List[float]] = {}          # match length -> [accepted, trials], decayed
+        self._since_draft = 0
+        self._last_n = 0
+
+    @classmethod
+    def create(cls, mode: str, context: Sequence[int], **kw) -> Optional["Speculator"]:
+        if mode not in MODES:
+            raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, not {mode!r}")
+        return None if mode == "off" else cls(PromptLookup(context, max_ngram=4), mode, **kw)
+
+    def acceptance(self, n: int) -> float:
+        acc, trials = self._acc.get(n, (0.0, 0.0))
+        return (acc + self.PRIOR[0]) / (trials + self.PRIOR[1])
+
+    def best_k(self, a: float, room: int) -> int:
+        """The k in 0..min(k_max, room) with the most expected tokens per unit of step cost."""
+        best, best_k, c = 1.0, 0, self.cost.ratio
+        for k in range(1, min(self.k_max, room) + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + c * k)
+            if gain > best * 1.01:
+                best, best_k = gain, k
+        return best_k
+
+    def propose(self, room: int) -> List[int]:
+        """A draft for the next step (room: tokens the request may still make after the model's own
+        next one); [] when there is no match or no draft length pays."""
+        n, cont = self.drafter.propose(min(self.k_max, room))
+        self._last_n = n
+        if not cont:
+            return []
+        k = self.best_k(self.acceptance(n), len(cont))
+        if k == 0 and (self.mode == "ngram" or self._since_draft >= self.PROBE_EVERY):
+            k = 1
+        return cont[:k]
+
+    def update(self, drafted: int, accepted: int, made: Sequence[int]) -> None:
+        """One model step: `drafted` tokens were checked, the first `accepted` kept, `made` are the
+        tokens the step produced (the accepted ones and the model's own next, fewer if it ended)."""
+        s = self.stats
+        s.steps += 1
+        s.tokens += len(made)
+        self.drafter.extend(made)
+        if drafted == 0:
+            self._since_draft += len(made)
+            return
+        self._since_draft = 0
+        s.drafted += drafted
+        s.accepted += accepted
+        s.verify_steps += 1
+        st = self._acc.setdefault(self._last_n, [0.0, 0.0])
+        st[0] = st[0] * self.DECAY + accepted
+        st[1] = st[1] * self.DECAY + accepted + (1 if accepted < drafted else 0)
+
+
+def agreed(draft: Sequence[int], picks: Sequence[int]) -> int:
+    """How many leading draft tokens the model's picks confirm (picks[i] is the model's token after
+    the draft's first i)."""
+    n = 0
+    while n < len(draft) and n < len(picks) and picks[n] == draft[n]:
+        n += 1
+    return n

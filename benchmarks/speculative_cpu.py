@@ -8,7 +8,9 @@ greedy, on prompts of the project's texts: summarising and extracting (chat temp
 continuation of KJV, essays and licenses. Each prompt runs with `--speculative off`, `ngram` and
 `auto`, interleaved `--repeats` times; a row gives the decode tokens/s (first token to last), the
 speed-up over off in the same round, the acceptance rate, tokens per model step, and whether the
-tokens equal plain decoding's.
+tokens equal plain decoding's. `--run-path` measures the same through `zeroedge run`'s decoder
+(zeroedge.runtime.session.ServingSession: the dense decoder over the model's fp32 weights, drafts
+checked by Decoder.verify) instead of the serving engine.
 """
 import argparse
 import json
@@ -67,6 +69,11 @@ def generate(engine, prompt, new: int) -> dict:
     return {"tokens": list(seq.out), "decode_tok_s": (n - 1) / (t_end - t_first), "spec": st}
 
 
+def generate_run(sess, prompt, new: int, mode: str) -> dict:
+    res = sess.generate(prompt, new, speculative=mode)
+    return {"tokens": res.tokens, "decode_tok_s": res.tokens_per_s, "spec": res.detail.get("speculative")}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-tokens", type=int, default=700)
@@ -76,6 +83,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("-o", "--out")
+    ap.add_argument("--traces", help="also write each prompt and its plain greedy reply here (JSON)")
+    ap.add_argument("--run-path", action="store_true", help="zeroedge run's decoder instead of the serving engine")
     a = ap.parse_args()
 
     import torch
@@ -89,20 +98,29 @@ def main():
     m, cfg, folder = resolve_model("smollm2-135m", need_weights=True)
     m = m.float().eval()
     tok = tokenizer_for(cfg, folder)
-    lin = Q4Linears(m, a.threads)
-    torch.set_num_threads(1)
-    b = TorchBatched(m, 256 << 20, 1, 128, lin)
-    engines = {mode: Engine(b, tok, speculative=mode) for mode in ("off", "ngram", "auto")}
-    for e in engines.values():
-        e.start()
+    modes = ("off", "ngram", "auto")
+    if a.run_path:
+        from zeroedge.runtime.session import ServingSession
+
+        sess = ServingSession(m, threads=a.threads)
+        gen = {mode: (lambda p, n, mode=mode: generate_run(sess, p, n, mode)) for mode in modes}
+        engines = {}
+    else:
+        lin = Q4Linears(m, a.threads)
+        torch.set_num_threads(1)
+        b = TorchBatched(m, 256 << 20, 1, 128, lin)
+        engines = {mode: Engine(b, tok, speculative=mode) for mode in modes}
+        for e in engines.values():
+            e.start()
+        gen = {mode: (lambda p, n, e=e: generate(e, p, n)) for mode, e in engines.items()}
     ps = prompts(tok, a.prompt_tokens, a.offset)
     tasks = a.tasks.split(",")
-    generate(engines["off"], ps[tasks[0]], 8)                        # warm-up
-    runs = {t: {mode: [] for mode in engines} for t in tasks}
+    gen["off"](ps[tasks[0]], 8)                                      # warm-up
+    runs = {t: {mode: [] for mode in modes} for t in tasks}
     for r in range(a.repeats):
         for t in tasks:
-            for mode, e in engines.items():
-                runs[t][mode].append(generate(e, ps[t], a.new))
+            for mode in modes:
+                runs[t][mode].append(gen[mode](ps[t], a.new))
     rows = []
     for t in tasks:
         off = runs[t]["off"]
@@ -119,15 +137,21 @@ def main():
         print(json.dumps(row))
     for e in engines.values():
         e.stop()
-    res = {"what": "speculative decoding by n-gram prompt lookup in the serving engine, batch 1, greedy",
+    path = "zeroedge run's dense decoder" if a.run_path else "the serving engine, batch 1"
+    res = {"what": f"speculative decoding by n-gram prompt lookup in {path}, greedy",
            "hardware": f"CPU ({platform.processor() or platform.machine()}), {a.threads} threads",
            "load_before": os.getloadavg(), "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF), real weights",
-           "weights_path": "4-bit linears in onnxruntime MatMulNBits (zeroedge serve --weights q4)",
+           "weights_path": ("the model's fp32 weights (the GGUF's 4-bit values dequantized), torch" if a.run_path
+                            else "4-bit linears in onnxruntime MatMulNBits (zeroedge serve --weights q4)"),
            "args": vars(a), "rows": rows}
     if a.out:
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+    if a.traces:
+        with open(a.traces, "w") as f:
+            json.dump({"what": "prompts and their plain greedy replies (SmolLM2, serving engine, 4-bit linears)",
+                       "traces": {t: {"prompt": ps[t], "out": runs[t]["off"][0]["tokens"]} for t in tasks}}, f)
 
 
 if __name__ == "__main__":

@@ -41,20 +41,23 @@ def test_agreed_counts_the_confirmed_prefix():
 
 def test_step_cost_is_measured_from_the_steps():
     c = StepCost(prior=0.5)
-    assert c.ratio == 0.5
+    assert c.relative(0) == 1 and c.relative(2) == 2.0          # nothing measured: the prior
     c.observe(0, 0.010)
     c.observe(4, 0.014)
-    assert c.ratio == pytest.approx(0.1)
+    c.observe(4, 0.019)
+    assert c.relative(4) == pytest.approx(1.5)                 # running mean 0.015 over 0.010
+    assert c.relative(3) == pytest.approx(2.5)
 
 
 def _replay(spec, out, cost_ratio):
-    """Drive a speculator against a known greedy output -> (steps, cost in plain steps)."""
-    spec.cost.plain, spec.cost.per_row = 1.0, cost_ratio
+    """Drive a speculator against a known greedy output, a step checking k tokens costing
+    1 + cost_ratio k plain steps -> (steps, cost in plain steps)."""
     i, steps, cost = 1, 0, 0.0
     while i < len(out):
         d = spec.propose(len(out) - i - 1)
         a = agreed(d, out[i:])
         made = out[i:i + a + 1]
+        spec.cost.observe(len(d), 1 + cost_ratio * len(d))
         spec.update(len(d), a, made)
         i, steps, cost = i + len(made), steps + 1, cost + 1 + cost_ratio * len(d)
     return steps, cost
@@ -115,6 +118,37 @@ def _engine_outputs(model_tok, mode, requests, weights):
         return [s.out for s in seqs], e.spec_stats
     finally:
         e.stop()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("weights", ["q4", "model"])
+def test_verify_rows_are_plain_decode_steps_bit_for_bit(model_tok, weights):
+    """A verify segment's logits at each position equal those of plain decode steps there, beside
+    another sequence's decode row and a prompt chunk."""
+    from zeroedge.serve.batch import BatchStep, PagedKV, Segment
+
+    m, tok = model_tok
+    lin = None
+    if weights == "q4":
+        from zeroedge.serve.cpu_q4 import Q4Linears
+
+        lin = Q4Linears(m, 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pool = PagedKV(m.cfg, 64, 16, "cpu", torch.float32)
+        step = BatchStep(m, pool, lin)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, m.cfg.vocab_size, (140,), generator=g).tolist()
+        a, b, c = pool.alloc(12), pool.alloc(12), pool.alloc(12)
+        for pages in (a, b, c):
+            step.forward([Segment(pages, ids[:100], 0)])
+        plain = torch.cat([step.forward([Segment(a, [t], 100 + i)]) for i, t in enumerate(ids[100:106])])
+        got = step.forward([Segment(c, [9], 100), Segment(b, ids[100:106], 100, verify=True),
+                            Segment(c, ids[101:120], 101)])
+        assert got.shape[0] == 1 + 6 + 1
+        assert torch.equal(got[1:7], plain)
+    finally:
         torch.set_num_threads(threads)
 
 

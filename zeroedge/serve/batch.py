@@ -143,14 +143,16 @@ class BatchStep:
         in segment order."""
         dev, ps = self.device, self.pool.page_size
         ids, pos, slots, out_rows = [], [], [], []
-        dec, pre = [], []            # decode rows (row, pages, length); prompt chunks (first row, segment)
+        plain, verify, pre = [], [], []   # decode rows (row, pages, length); verify segments' rows; chunks
         for s in segments:
             n, r0 = len(s.tokens), len(ids)
             ids += s.tokens
             pos += range(s.start, s.start + n)
             slots += self.pool.slots(s.pages, s.start, s.start + n)
-            if n == 1 or s.verify:
-                dec += [(r0 + i, s.pages, s.start + i + 1) for i in range(n)]
+            if s.verify:
+                verify.append([(r0 + i, s.pages, s.start + i + 1) for i in range(n)])
+            elif n == 1:
+                plain.append((r0, s.pages, s.start + 1))
             else:
                 pre.append((r0, s))
             out_rows += range(r0, r0 + n) if s.verify else [r0 + n - 1]
@@ -163,15 +165,10 @@ class BatchStep:
         f = torch.outer(posf.to(dev), self.inv_freq)
         cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
         slot_t = torch.tensor(slots, device=dev)
-        # decode rows attend in one batched product: their slots, masked to their own length
-        if dec:
-            lens = torch.tensor([n for _, _, n in dec])
-            S = -(-int(lens.max()) // ps) * ps
-            table = self._slot_table([p for _, p, _ in dec], S // ps).view(-1).to(dev)
-            valid = torch.arange(S)[None, :] < lens[:, None]
-            dmask = torch.zeros(len(dec), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
-            dmask = dmask.to(dev).view(len(dec), 1, 1, S)
-            drows = torch.tensor([r for r, _, _ in dec], device=dev)
+        # decode rows attend in one batched product over their slots, masked to their own length; a
+        # verify segment's rows in one of their own, over its slots gathered once
+        groups = [self._decode_group(g, shared=False) for g in ([plain] if plain else [])]
+        groups += [self._decode_group(g, shared=True) for g in verify]
         x = self.m.embed_tokens(tok.to(dev))
         if self.numpy:
             x = x.numpy()
@@ -185,8 +182,8 @@ class BatchStep:
             K.index_copy_(0, slot_t, k)
             V.index_copy_(0, slot_t, v)
             o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
-            if dec:
-                o[drows] = self._decode_attention(q[drows], K, V, table, dmask)
+            for rows_t, table, mask, shared in groups:
+                o[rows_t] = self._decode_attention(q[rows_t], K, V, table, mask, shared)
             for r0, s in pre:
                 o[r0:r0 + len(s.tokens)] = self._chunk_attention(q[r0:r0 + len(s.tokens)], K, V, s)
             o = o.view(M, -1)
@@ -214,11 +211,25 @@ class BatchStep:
         return F.scaled_dot_product_attention(q, K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1),
                                               attn_mask=mask)
 
-    def _decode_attention(self, q, K, V, table, mask):
-        """q (B, H, hd) of one token each; K, V (slots, nkv, hd); table (B * S) slots; mask (B, 1, 1, S)."""
+    def _decode_group(self, rows, shared: bool) -> tuple:
+        """rows [(row, pages, length)] -> (row indices, slot table, additive mask (B, 1, 1, S), shared):
+        shared, the rows are one sequence's (its first row's pages, gathered once)."""
+        dev, ps = self.device, self.pool.page_size
+        lens = torch.tensor([n for _, _, n in rows])
+        S = -(-int(lens.max()) // ps) * ps
+        table = self._slot_table([p for _, p, _ in rows[:1 if shared else None]], S // ps).view(-1).to(dev)
+        valid = torch.arange(S)[None, :] < lens[:, None]
+        mask = torch.zeros(len(rows), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
+        return (torch.tensor([r for r, _, _ in rows], device=dev), table, mask.to(dev).view(len(rows), 1, 1, S),
+                shared)
+
+    def _decode_attention(self, q, K, V, table, mask, shared: bool = False):
+        """q (B, H, hd) of one token each; K, V (slots, nkv, hd); table (B * S) slots, or S if `shared`
+        (every row reads the same slots: one copy, expanded); mask (B, 1, 1, S)."""
         B, S = mask.shape[0], mask.shape[-1]
-        Kg = K.index_select(0, table).view(B, S, self.nkv, self.hd).transpose(1, 2)
-        Vg = V.index_select(0, table).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        n = 1 if shared else B
+        Kg = K.index_select(0, table).view(n, S, self.nkv, self.hd).transpose(1, 2).expand(B, -1, -1, -1)
+        Vg = V.index_select(0, table).view(n, S, self.nkv, self.hd).transpose(1, 2).expand(B, -1, -1, -1)
         return self._sdpa(q[:, :, None], Kg, Vg, mask)[:, :, 0]
 
     def _chunk_attention(self, q, K, V, seg: Segment):

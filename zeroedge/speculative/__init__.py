@@ -16,9 +16,9 @@ output is the model's, token for token, whatever the drafter proposes.
   PromptLookup   n-gram lookup in the prompt and the text made so far (no extra weights): the
                  longest suffix (up to `max_ngram` tokens) seen before proposes what followed it.
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
-                 cost, (1 - a^(k+1)) / (1 - a) / (1 + c k), where a is the running acceptance of
-                 drafts from matches of the same length and c what one more row costs the step
-                 (StepCost: measured from the caller's own steps). When no k > 0 pays, `auto`
+                 cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
+                 from matches of the same length and c(k) what a step checking k tokens costs
+                 against a plain one (StepCost: measured from the caller's own steps). When no k > 0 pays, `auto`
                  sends no draft (probing again every PROBE_EVERY tokens); `ngram` always drafts.
                  Its counters go to --json and /metrics.
 """
@@ -88,35 +88,35 @@ class SpecStats:
 
 
 class StepCost:
-    """What one more draft row costs a model step, as a share of a step without drafts: running
-    averages of the caller's own step times (a GPU step that reads every weight once costs about
-    the same for 1 row or 9; a CPU whose cores are busy with the products pays for each row)."""
+    """What a step that checks k draft tokens costs, relative to a step without drafts: running averages
+    of the caller's own step times for each k (a GPU step that reads every weight once costs about the
+    same for 1 row or 9; a CPU pays for each row, and its matrix library may take a k+1-row product
+    faster than a smaller one). A k not yet seen is taken at `prior` per row, so it is tried once."""
 
-    def __init__(self, prior: float = 0.1, weight: float = 0.1):
+    def __init__(self, prior: float = 0.1, weight: float = 0.2):
         self.prior, self.w = prior, weight
-        self.plain: Optional[float] = None          # seconds of a step without drafts
-        self.per_row: Optional[float] = None        # seconds one draft row adds
+        self.seconds: Dict[int, float] = {}         # draft tokens -> running mean of the step's seconds
 
     def observe(self, draft_rows: int, seconds: float) -> None:
-        if draft_rows == 0:
-            self.plain = seconds if self.plain is None else self.plain + self.w * (seconds - self.plain)
-        elif self.plain is not None:
-            r = max(0.0, seconds - self.plain) / draft_rows
-            self.per_row = r if self.per_row is None else self.per_row + self.w * (r - self.per_row)
+        old = self.seconds.get(draft_rows)
+        self.seconds[draft_rows] = seconds if old is None else old + self.w * (seconds - old)
 
-    @property
-    def ratio(self) -> float:
-        if self.plain is None or self.per_row is None or self.plain <= 0:
-            return self.prior
-        return self.per_row / self.plain
+    def relative(self, k: int) -> float:
+        """A step checking k draft tokens, in steps without drafts."""
+        plain, t = self.seconds.get(0), self.seconds.get(k)
+        if k == 0:
+            return 1.0
+        if plain is None or t is None or plain <= 0:
+            return 1 + self.prior * k
+        return t / plain
 
 
 class Speculator:
     """A drafter and its draft length (see the module's doc). `cost`: the StepCost of the steps
     that check its drafts (shared by the sequences of one engine)."""
 
-    PRIOR = (0.5, 2.0)       # acceptance a prior: as if 1 of 2 draft tokens had been accepted
-    DECAY = 0.9              # older drafts weigh less: a reply that starts to copy is noticed quickly
+    PRIOR = (0.6, 1.0)       # acceptance a prior: as if 0.6 of one draft token had been accepted
+    DECAY = 0.8              # older drafts weigh less: a reply that starts to copy is noticed quickly
     PROBE_EVERY = 16         # auto: tokens without a draft before one token is drafted again
 
     def __init__(self, drafter: PromptLookup, mode: str = "ngram", k_max: int = 8,
@@ -142,9 +142,9 @@ class Speculator:
 
     def best_k(self, a: float, room: int) -> int:
         """The k in 0..min(k_max, room) with the most expected tokens per unit of step cost."""
-        best, best_k, c = 1.0, 0, self.cost.ratio
+        best, best_k = 1.0, 0
         for k in range(1, min(self.k_max, room) + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + c * k)
+            gain = (1 - a ** (k + 1)) / (1 - a) / self.cost.relative(k)
             if gain > best * 1.01:
                 best, best_k = gain, k
         return best_k

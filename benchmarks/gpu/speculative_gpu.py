@@ -1,0 +1,142 @@
+"""Speculative decoding on a GPU: what a step that checks k drafted tokens costs against a plain step,
+and the decode speed that gives with the acceptance measured on real SmolLM2 (the weights cannot
+travel to the GPU machine). Random weights at the llama-3.2-1b shape, bf16, KV at `--ctx`.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu/speculative_gpu.py --ctx 8192 \
+        --traces benchmarks/results/speculative/smollm2_greedy_traces.json \
+        --alpha benchmarks/results/speculative/packed_drafter_acceptance_smollm2_cpu.json \
+        -o benchmarks/results/speculative/gpu_llama1b_8k.json
+
+Measured (CUDA events, median of `--steps`):
+  run path     zeroedge.runtime.fast.DenseDecoder: a plain step (CUDA graph, Triton attention) and
+               Decoder.verify of 2..9 tokens (the model's own layers, eager)
+  engine path  zeroedge.serve.batch.BatchStep (what `zeroedge serve` steps, eager): one decode row
+               and a verify segment of 2..9 rows
+  drafter      the same model with packed 4-bit weights (int4 g128 symmetric, int8 inputs: dp4a),
+               a plain CUDA-graph step
+Composed:
+  ngram        each SmolLM2 greedy trace (prompt and reply, from benchmarks/speculative_cpu.py's
+               prompts) replayed through zeroedge.speculative.Speculator in auto mode with the step
+               costs above: tokens/s against plain decoding on the same path
+  packed       tokens/s of draft-k-then-verify at the per-token acceptance `alpha` measured on
+               SmolLM2 (bf16 target against its int4 g128 drafter): E(k) / (k t_draft + t_verify(k+1))
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def timed(fn, steps: int) -> float:
+    """Median milliseconds of fn() over `steps` runs (CUDA events), after two warm-ups."""
+    for _ in range(2):
+        fn()
+    ts = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def replay(trace, t_plain: float, t_verify: dict) -> dict:
+    """A greedy trace replayed through an auto-mode Speculator whose steps cost the measured times."""
+    from zeroedge.speculative import Speculator, agreed
+
+    prompt, out = trace["prompt"], trace["out"]
+    spec = Speculator.create("auto", prompt + out[:1])
+    i, t = 1, 0.0
+    while i < len(out):
+        d = spec.propose(len(out) - i - 1)
+        a = agreed(d, out[i:])
+        made = out[i:i + a + 1]
+        dt = t_verify[len(d) + 1] if d else t_plain
+        spec.cost.observe(len(d), dt)
+        spec.update(len(d), a, made)
+        i, t = i + len(made), t + dt
+    n = len(out) - 1
+    return {"speedup": (n / t) / (1 / t_plain), **spec.stats.to_dict()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--traces", required=True)
+    ap.add_argument("--alpha", required=True)
+    ap.add_argument("-o", "--output", required=True)
+    a = ap.parse_args()
+
+    import bench_setup as bs
+
+    from zeroedge.quant.apply import apply, embedding_group
+    from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.serve.batch import BatchStep, PagedKV, Segment
+    from weights_gpu import variant_section
+
+    dev = torch.device("cuda")
+    G = 64
+    m = bs.build_model(a.model, "cuda", torch.bfloat16, max_seq_len=a.ctx + G)
+    cfg = m.cfg
+    Ts = list(range(2, 10))
+    res = {"what": "speculative decoding step costs on a GPU and the composed decode speed",
+           "device": torch.cuda.get_device_name(), "model": f"{a.model} shape, random weights, bf16",
+           "ctx": a.ctx, "args": vars(a)}
+    # run path
+    dec = DenseDecoder(m, a.ctx + G)
+    dec.attention.kv.normal_()
+    toks = [7] * 9
+    run_plain = timed(lambda: dec.step(7, a.ctx), a.steps)
+    run_verify = {T: timed(lambda T=T: dec.verify(toks[:T], a.ctx), a.steps) for T in Ts}
+    del dec
+    torch.cuda.empty_cache()
+    # engine path
+    ps = 16
+    pool = PagedKV(cfg, -(-(a.ctx + G) // ps), ps, dev, torch.bfloat16)
+    pool.k.normal_()
+    pool.v.normal_()
+    step = BatchStep(m, pool)
+    pages = pool.alloc(pool.n_pages)
+    eng_plain = timed(lambda: step.forward([Segment(pages, [7], a.ctx)]), a.steps)
+    eng_verify = {T: timed(lambda T=T: step.forward([Segment(pages, toks[:T], a.ctx, verify=True)]), a.steps)
+                  for T in Ts}
+    del step, pool
+    torch.cuda.empty_cache()
+    # the packed 4-bit drafter
+    apply(m, variant_section("int4-g128-sym", embedding_group(cfg.dim)), pack=True)
+    draft = DenseDecoder(m, a.ctx + G, int8_inputs=True)
+    draft.attention.kv.normal_()
+    t_draft = timed(lambda: draft.step(7, a.ctx), a.steps)
+    res["ms"] = {"run_plain_step": run_plain, "run_verify": run_verify, "engine_plain_step": eng_plain,
+                 "engine_verify": eng_verify, "packed_drafter_step": t_draft}
+    print(json.dumps(res["ms"]), flush=True)
+
+    traces = json.loads(Path(a.traces).read_text())["traces"]
+    res["ngram"] = {}
+    for name, tr in traces.items():
+        res["ngram"][name] = {"run": replay(tr, run_plain, run_verify), "engine": replay(tr, eng_plain, eng_verify)}
+        print(name, json.dumps(res["ngram"][name]), flush=True)
+    alpha = json.loads(Path(a.alpha).read_text())["alpha"]
+    res["packed"] = {"alpha": alpha, "rows": []}
+    for k in range(1, 8):
+        e = (1 - alpha ** (k + 1)) / (1 - alpha)
+        for path, plain, ver in (("run", run_plain, run_verify), ("engine", eng_plain, eng_verify)):
+            t = k * t_draft + ver[k + 1]
+            res["packed"]["rows"].append({"k": k, "path": path, "expected_tokens": e,
+                                          "speedup": (e / t) / (1 / plain)})
+    print(json.dumps(res["packed"]), flush=True)
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.output).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -152,6 +152,14 @@ def _serve_gpu_batch():
             _f(row[64]["x_dense_decoder"], 2)]
 
 
+def _speculative_serve_cpu():
+    rows = {r["task"]: r for r in _load("speculative/ngram_smollm2_cpu_q4.json")["rows"]}
+    assert all(r["auto_identical"] and r["ngram_identical"] for r in rows.values())     # "the same tokens"
+    return [_f(rows["summarise"]["auto_speedup"], 2), _f(rows["extract"]["auto_speedup"], 2),
+            _range([rows[t]["auto_speedup"] for t in ("kjv", "essays", "licenses")], 2),
+            _range([r["off_tok_s"] for r in rows.values()], 1)]
+
+
 def _sih_pad():
     rows = _load("prefill/sih_pad_frontier_smollm2_cpu.json")["rows"]
     figures = []
@@ -272,6 +280,7 @@ ROW_CHECKS = {
         "int4-g128-sym-e4/int8-inputs", "int4 g128 sym RTN, embedding int4", None, 1),
     "`serve`, 1 / 4 / 16 clients": _serve_cpu_clients,
     "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
+    "speculative decoding (prompt lookup), `serve`'s engine, batch 1": _speculative_serve_cpu,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,

@@ -34,17 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def timed(fn, steps: int) -> float:
     """Median milliseconds of fn() over `steps` runs (CUDA events), after two warm-ups."""
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    import bench_setup as bs
+
+    return statistics.median(bs.event_ms(fn, steps, warm=2))
 
 
 def replay(trace, t_plain: float, t_verify: dict) -> dict:

@@ -22,7 +22,8 @@ verify segment; every position's logits come back, and the sequence's own picks 
 run over them in order while they agree with the draft. Each emitted token is picked from the logits
 plain decoding would have given (zeroedge.serve.batch), so the output is the same. "auto" drafts only
 while at most AUTO_MAX_BATCH sequences decode (a larger batch already reads each weight for many
-tokens; draft rows would only add work) and pauses a sequence's drafts when they are rarely accepted.
+tokens; draft rows would only add work) and sends no draft where the drafts' acceptance and the step
+times measured here say it does not pay.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class Engine:
         # drafts need a backend whose step returns every position's logits (a bundle's does not)
         self.speculative = speculative if getattr(backend, "verifies", False) else "off"
         self.spec_stats = SpecStats()           # of finished requests
-        self.step_cost = StepCost(getattr(backend, "row_cost", 0.1))   # measured on the steps without prefill
+        self.step_cost = StepCost()             # measured on the steps without prefill
         self.waiting: collections.deque = collections.deque()
         self.running: List[Sequence] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

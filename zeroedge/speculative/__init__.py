@@ -1,10 +1,12 @@
 """Speculative decoding: a drafter proposes the next tokens, the model checks them all in one step.
 
-    spec = Speculator.create("ngram", prompt_ids)        # None for "off"
+    spec = Speculator.create("auto", prompt_ids)         # None for "off"
     draft = spec.propose(room)                           # [] when it has nothing to offer
-    ... one model step over [last token] + draft, logits at every position ...
-    for row, picked in ...: the model's own pick at each position; stop at the first pick that
-        differs from the draft (that pick is still the model's next token), then spec.update(accepted, picked)
+    # one model step over [last token] + draft, logits at every position; the model's own pick at
+    # each position in turn, stopping after the first that differs from the draft (still the
+    # model's next token): picks
+    spec.cost.observe(len(draft), seconds)
+    spec.update(len(draft), agreed(draft, picks), picks)
 
 The drafters here are deterministic (a point mass on each proposed token). For such a draft the
 standard rejection rule — keep draft token d with probability min(1, p(d) / q(d)) = p(d), on a
@@ -14,13 +16,15 @@ exactly as plain decoding would (greedy argmax, or its sampler, one draw per emi
 output is the model's, token for token, whatever the drafter proposes.
 
   PromptLookup   n-gram lookup in the prompt and the text made so far (no extra weights): the
-                 longest suffix (up to `max_ngram` tokens) seen before proposes what followed it.
+                 longest suffix (up to `max_ngram` tokens) seen before proposes what followed it;
+                 a prompt is indexed over its last LOOKUP_TOKENS tokens (memory stays bounded).
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
-                 against a plain one (StepCost: measured from the caller's own steps). When no k > 0 pays, `auto`
-                 sends no draft (probing again every PROBE_EVERY tokens); `ngram` always drafts.
-                 Its counters go to --json and /metrics.
+                 against a plain one (StepCost: measured from the caller's own steps). When no
+                 k > 0 pays, `auto` sends no draft (and drafts one token again after PROBE_EVERY
+                 tokens); `ngram` drafts whenever the lookup matches. Its counters go to --json and
+                 /metrics.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 MODES = ("off", "auto", "ngram")
+LOOKUP_TOKENS = 16384
 
 
 class PromptLookup:
@@ -134,7 +139,7 @@ class Speculator:
     def create(cls, mode: str, context: Sequence[int], **kw) -> Optional["Speculator"]:
         if mode not in MODES:
             raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, not {mode!r}")
-        return None if mode == "off" else cls(PromptLookup(context, max_ngram=4), mode, **kw)
+        return None if mode == "off" else cls(PromptLookup(context[-LOOKUP_TOKENS:], max_ngram=4), mode, **kw)
 
     def acceptance(self, n: int) -> float:
         acc, trials = self._acc.get(n, (0.0, 0.0))

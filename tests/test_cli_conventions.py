@@ -87,8 +87,9 @@ def test_every_help_ends_with_examples_that_parse():
 def test_run_help_lists_its_options_under_headings():
     text = _help(_commands()["run"], "run")
     heads = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert heads == ["Input and output", "Backend", "Thermal KV cache", "Weights, decode paths, release level",
-                     "Device memory", "Other options"], heads
+    assert heads == ["Input and output", "Backend", "Thermal KV cache",
+                     "Weights, decode paths, speculative decoding, release level", "Device memory",
+                     "Other options"], heads
     other = text.split("Other options:")[1].split("Examples:")[0].strip().splitlines()
     assert len(other) == 1 and other[0].endswith("Show this message and exit."), other   # every option placed
 

@@ -4,7 +4,8 @@ ones inside functions included):
     core         model, weights, texts, errors, bundle, trust, plugin_spec, calib_artifact, planner,
                  preflight, device (the probe), triton_launch (PDL for the Triton kernels), kernels_lib
                  (where the plugin library's CUDA kernels are)
-    mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only)
+    mechanisms   mechanisms (SIH, PAD, anchors, heads), paths, kv, sensor, quant (weight-only),
+                 speculative (drafts and their length)
     workstation  export (zeroedge.export: calibrate, rewrite, bundle writer), evaluation
     backends     backends (onnxruntime, tensorrt, the plugin reference)
     serving      runtime (the serving session and decoders), daemon, serve (the HTTP API and its engine)
@@ -22,7 +23,7 @@ from conftest import REPO
 LAYERS = [
     ("core", {"zeroedge", "model", "weights", "texts", "errors", "bundle", "trust", "plugin_spec", "calib_artifact",
               "planner", "preflight", "device", "systemd", "data", "triton_launch", "kernels_lib"}),
-    ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant"}),
+    ("mechanisms", {"mechanisms", "paths", "kv", "sensor", "quant", "speculative"}),
     ("workstation", {"export", "evaluation"}),
     ("backends", {"backends"}),
     ("serving", {"runtime", "daemon", "serve"}),

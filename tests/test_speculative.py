@@ -46,7 +46,7 @@ def test_step_cost_is_measured_from_the_steps():
     c.observe(4, 0.014)
     c.observe(4, 0.019)
     assert c.relative(4) == pytest.approx(1.5)                 # running mean 0.015 over 0.010
-    assert c.relative(3) == pytest.approx(2.5)
+    assert c.relative(3) == c.relative(6) == pytest.approx(1.5)  # not measured: as the nearest k measured
 
 
 def _replay(spec, out, cost_ratio):
@@ -80,6 +80,11 @@ def test_draft_length_follows_acceptance_and_cost():
     _, ngram_cost = _replay(ngram, reply, 0.3)
     assert auto.stats.drafted < ngram.stats.drafted / 3
     assert auto_cost < 1.05 * (len(reply) - 1) < ngram_cost
+    # a check whose rows cost 14 plain steps each never pays, not even for drafts that always agree:
+    # auto stops drafting once it has measured one
+    dear = Speculator.create("auto", copy[:61])
+    _replay(dear, copy[60:], 14.0)
+    assert dear.stats.verify_steps == 1 and dear.stats.accepted == dear.stats.drafted
     assert Speculator.create("off", prompt) is None
     with pytest.raises(ValueError):
         Speculator.create("packed", prompt)

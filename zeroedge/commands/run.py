@@ -45,7 +45,7 @@ SECTIONS = [
     ("Input and output", ["prompt", "prompt_file", "max_new", "as_json"]),
     ("Backend", ["backend", "bundle", "engines", "plugins", "device", "threads"]),
     ("Thermal KV cache", ["kv_budget", "page_size", "kv_spill", "kv_store_pages", "kv_ahead", "kv_fetch"]),
-    ("Weights, decode paths, release level", ["calib", "paths", "release_level"]),
+    ("Weights, decode paths, speculative decoding, release level", ["calib", "paths", "speculative", "release_level"]),
     ("Device memory", ["device_memory", "board"]),
 ]
 

@@ -109,6 +109,36 @@ def fused_weights(model) -> _Weights:
     return w
 
 
+class TorchLinears:
+    """The model's fused weights over rows of tokens (a batch, or a draft being checked): between two
+    attentions, `boundary(l, x, o) -> (x, qkv)` runs layer l-1's o_proj, residual and SwiGLU FFN
+    (with `o`, l > 0) and layer l's RMSNorm and q/k/v projection (l < L); `head(x)` the final norm and
+    the LM head. zeroedge.serve.cpu_q4.Q4Linears has the same boundaries on 4-bit weights."""
+
+    min_rows = 4            # torch's float products on MKL compute a row alike from 4 rows up
+
+    def __init__(self, model):
+        self.m, self.W, self.L = model, fused_weights(model).layers, len(model.layers)
+
+    @staticmethod
+    def _norm(x, weight, eps):
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+    def boundary(self, li: int, x, o=None):
+        if li > 0:                               # layer li-1's output side
+            w = self.W[li - 1]
+            x = x + F.linear(o, w["wo"])
+            g, u = F.linear(self._norm(x, w["ln2"], w["eps2"]), w["w13"]).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, w["w2"])
+        if li == self.L:
+            return x, None
+        w = self.W[li]
+        return x, F.linear(self._norm(x, w["ln1"], w["eps1"]), w["wqkv"], w["bqkv"])
+
+    def head(self, x):
+        return self.m.lm_head(self.m.norm(x))
+
+
 def _layer_qkv_fn(x, ln1, eps: float, wqkv, bqkv):
     """RMSNorm and the fused q/k/v projection of one token (before RoPE)."""
     return packed.linear(x, wqkv, bqkv, norm=(ln1, eps))
@@ -185,6 +215,7 @@ class Decoder:
         self.tok = torch.zeros(1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph_wanted = graph and self.device.type == "cuda"
+        self._verify_tok = {}                   # number of tokens -> the verify graph's input buffer
         self.graphs = {}
         self.outs = {}
         self.attention, self.ffn = attention, ffn
@@ -301,22 +332,55 @@ class Decoder:
         return self.outs[flag]
 
     def verify(self, tokens, pos: int) -> torch.Tensor:
-        """tokens at positions pos.. through the model's own layers (zeroedge.model, one forward of
-        len(tokens) rows) against this decoder's dense cache, which takes their K/V; -> (len(tokens),
-        vocab) logits, one row per position: the check of a speculative draft (zeroedge.speculative).
-        Positions past the ones kept are simply written again by the next step."""
+        """tokens at positions pos.. in one forward over len(tokens) rows (the model's fp weights)
+        against this decoder's dense cache, which takes their K/V; -> (len(tokens), vocab) logits,
+        one row per position: the check of a speculative draft (zeroedge.speculative). On CUDA one
+        graph per number of tokens, captured at first use and replayed at any position. Positions
+        past the ones kept are written again by the next step."""
         att = self.attention
         if not isinstance(att, DenseAttention) or self.ffn is not None:
             raise ValueError("verify runs on the dense decoder (no thermal KV, no decode paths)")
-        if pos < 0 or pos + len(tokens) > self.max_len:
-            raise ValueError(f"positions {pos}..{pos + len(tokens)} are outside the cache of {self.max_len}")
-        m = self.m
-        m.setup_cache(1, self.max_len, buffers=[(att.k[li][None], att.v[li][None]) for li in range(att.L)])
-        try:
+        T = len(tokens)
+        if T < 1 or pos < 0 or pos + T > self.max_len:
+            raise ValueError(f"positions {pos}..{pos + T} are outside the cache of {self.max_len}")
+        buf = self._verify_tok.get(T)
+        if buf is None:
+            buf = self._verify_tok[T] = torch.zeros(T, dtype=torch.long, device=self.device)
+        buf.copy_(torch.tensor(list(tokens)))
+        self.pos.fill_(int(pos))
+        key = ("verify", T)
+        if not self.graph_wanted:
             with torch.no_grad():
-                return m(torch.tensor([list(tokens)], device=self.device), start=pos)[0]
-        finally:
-            m.drop_cache()
+                return self._verify_forward(buf)
+        if key not in self.graphs:
+            s = shared_stream(self.device, "capture")
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s), torch.no_grad():
+                for _ in range(2):
+                    self._verify_forward(buf)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), torch.no_grad():
+                self.outs[key] = self._verify_forward(buf)
+            self.graphs[key] = g
+        self.graphs[key].replay()
+        return self.outs[key]
+
+    def _verify_forward(self, tok):
+        att, T, H, nkv, hd = self.attention, tok.numel(), self.H, self.nkv, self.hd
+        lin = self._verify_lin = getattr(self, "_verify_lin", None) or TorchLinears(self.m)
+        p = self.pos + torch.arange(T, device=self.device)
+        cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
+        mask = additive_mask(att.kpos[None, :] <= p[:, None], self.dtype).view(1, 1, T, -1)
+        x, qkv = lin.boundary(0, self.m.embed_tokens(tok))
+        for li in range(att.L):
+            qkv = qkv.view(T, H + 2 * nkv, hd)
+            qk = torch.addcmul(qkv[:, :H + nkv] * cos, qkv[:, :H + nkv].roll(hd // 2, -1), sin)
+            att.kv[li].index_copy_(2, p, torch.stack((qk[:, H:], qkv[:, H + nkv:])).transpose(1, 2))
+            o = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], att.k[li][None], att.v[li][None],
+                                               attn_mask=mask, enable_gqa=True)
+            x, qkv = lin.boundary(li + 1, x, o[0].transpose(0, 1).reshape(T, H * hd))
+        return lin.head(x).float()
 
     def _capture_pieces(self, flag) -> list:
         """The step as graphs cut at each host read (attention.on_host_read): [(graph, layer whose

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from zeroedge.model import SDPA_GQA
+from zeroedge.runtime.fast import TorchLinears
 
 
 
@@ -88,36 +89,6 @@ class Segment:
     tokens: List[int]
     start: int
     verify: bool = False
-
-
-class TorchLinears:
-    """The model's own weights through torch: the same boundaries as zeroedge.serve.cpu_q4.Q4Linears
-    (`boundary(l, x, o) -> (x, qkv)`, `head(x)`), on tensors."""
-
-    min_rows = 4
-
-    def __init__(self, model):
-        from zeroedge.runtime.fast import fused_weights
-
-        self.m, self.W, self.L = model, fused_weights(model).layers, len(model.layers)
-
-    @staticmethod
-    def _norm(x, weight, eps):
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
-
-    def boundary(self, li: int, x, o=None):
-        if li > 0:                               # layer li-1's output side
-            w = self.W[li - 1]
-            x = x + F.linear(o, w["wo"])
-            g, u = F.linear(self._norm(x, w["ln2"], w["eps2"]), w["w13"]).chunk(2, -1)
-            x = x + F.linear(F.silu(g) * u, w["w2"])
-        if li == self.L:
-            return x, None
-        w = self.W[li]
-        return x, F.linear(self._norm(x, w["ln1"], w["eps1"]), w["wqkv"], w["bqkv"])
-
-    def head(self, x):
-        return self.m.lm_head(self.m.norm(x))
 
 
 class BatchStep:

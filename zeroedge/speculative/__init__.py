@@ -22,8 +22,8 @@ output is the model's, token for token, whatever the drafter proposes.
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
                  against a plain one (StepCost: measured from the caller's own steps). When no
-                 k > 0 pays, `auto` sends no draft (and drafts one token again after PROBE_EVERY
-                 tokens); `ngram` drafts whenever the lookup matches. Its counters go to --json and
+                 k > 0 pays, `auto` sends no draft (and after PROBE_EVERY tokens the shortest draft
+                 that could pay, if any could); `ngram` drafts whenever the lookup matches. Its counters go to --json and
                  /metrics.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ class StepCost:
     """What a step that checks k draft tokens costs, relative to a step without drafts: running averages
     of the caller's own step times for each k (a GPU step that reads every weight once costs about the
     same for 1 row or 9; a CPU pays for each row, and its matrix library may take a k+1-row product
-    faster than a smaller one). A k not yet seen is taken at `prior` per row, so it is tried once."""
+    faster than a smaller one). Until a draft was checked, a k costs `prior` per row."""
 
     def __init__(self, prior: float = 0.1, weight: float = 0.2):
         self.prior, self.w = prior, weight
@@ -107,13 +107,15 @@ class StepCost:
         self.seconds[draft_rows] = seconds if old is None else old + self.w * (seconds - old)
 
     def relative(self, k: int) -> float:
-        """A step checking k draft tokens, in steps without drafts."""
-        plain, t = self.seconds.get(0), self.seconds.get(k)
+        """A step checking k draft tokens, in steps without drafts (a k not measured yet: as the
+        nearest one measured, else the prior)."""
+        plain = self.seconds.get(0)
         if k == 0:
             return 1.0
-        if plain is None or t is None or plain <= 0:
+        seen = [j for j in self.seconds if j > 0]
+        if plain is None or plain <= 0 or not seen:
             return 1 + self.prior * k
-        return t / plain
+        return self.seconds[min(seen, key=lambda j: (abs(j - k), j))] / plain
 
 
 class Speculator:
@@ -159,11 +161,13 @@ class Speculator:
         next one); [] when there is no match or no draft length pays."""
         n, cont = self.drafter.propose(min(self.k_max, room))
         self._last_n = n
-        if not cont:
-            return []
+        if not cont or (self.cost.seconds and 0 not in self.cost.seconds):
+            return []                           # (a plain step is timed before any cost is judged)
         k = self.best_k(self.acceptance(n), len(cont))
-        if k == 0 and (self.mode == "ngram" or self._since_draft >= self.PROBE_EVERY):
+        if k == 0 and self.mode == "ngram":
             k = 1
+        elif k == 0 and self._since_draft >= self.PROBE_EVERY:   # the shortest draft that could pay
+            k = next((j for j in range(1, len(cont) + 1) if j + 1 > self.cost.relative(j) * 1.01), 0)
         return cont[:k]
 
     def update(self, drafted: int, accepted: int, made: Sequence[int]) -> None:

@@ -208,3 +208,29 @@ def test_run_speculative_says_where_it_does_not_apply(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "logits only" in r.stderr
     r = run_cli("run", MODEL, "--speculative", "sometimes", "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "sometimes" in r.stderr
+
+
+def test_decoder_verify_rows_match_its_steps():
+    """Decoder.verify: the logits of plain steps at each position (to float rounding), its cache
+    written at those positions; refused outside the cache and on the thermal decoder."""
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import DenseDecoder, ThermalDecoder
+
+    m = build("tiny", seed=0).eval()
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = DenseDecoder(m, 64, graph=False), DenseDecoder(m, 64, graph=False)
+    for pos, t in enumerate(ids[:30]):
+        a.step(t, pos)
+        b.step(t, pos)
+    steps = torch.stack([a.step(t, 30 + i).clone() for i, t in enumerate(ids[30:36])])
+    rows = b.verify(ids[30:36], 30)
+    assert rows.shape == steps.shape
+    torch.testing.assert_close(rows, steps.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.attention.kv[:, :, :, :36], a.attention.kv[:, :, :, :36], atol=1e-5, rtol=1e-5)
+    # after a rejected draft the next step writes over the stale positions
+    torch.testing.assert_close(b.step(ids[33], 33), a.verify([ids[33]], 33)[0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        b.verify([1, 2, 3], 62)
+    th = ThermalDecoder(m, 160, 8, graph=False, budget=0.5, page_size=8)
+    with pytest.raises(ValueError):
+        th.verify([1, 2], 160)

@@ -37,10 +37,10 @@ def setup():
     return m, ids, model_ref, dense_ref, pre
 
 
-def _run(dec, ids, ref):
-    """Teacher-forced steps P..P+G-1 through the CUDA graph; the worst relative logit error."""
+def _run(dec, ids, ref, start=P):
+    """Teacher-forced steps start..P+G-1 through the CUDA graph; the worst relative logit error."""
     worst = 0.0
-    for t in range(P, P + G):
+    for t in range(start, P + G):
         out = dec.step(int(ids[t]), t).float().cpu()
         assert torch.isfinite(out).all()
         worst = max(worst, float((out - ref[t]).norm() / ref[t].norm()))
@@ -61,6 +61,24 @@ def test_dense_decoder_matches_the_model(setup):
     _, _, model_ref, dense_ref, _ = setup
     worst = max(float((dense_ref[t] - model_ref[t]).norm() / model_ref[t].norm()) for t in range(P, P + G))
     assert worst < 5e-2
+
+
+def test_verify_graph_gives_the_steps_logits_and_cache(setup):
+    """Decoder.verify on CUDA (one graph per draft length, replayed at other positions): each row's
+    logits those of the plain steps there, and the K/V it writes what a later plain step reads."""
+    from zeroedge.runtime.fast import DenseDecoder
+
+    m, ids, _, ref, pre = setup
+    dec = DenseDecoder(m, P + G)
+    dec.load_prefix(*_kv(pre, torch.bfloat16))
+    worst = 0.0
+    for pos in (P, P + 6):                                        # captured, then replayed elsewhere
+        rows = dec.verify(ids[pos:pos + 6].tolist(), pos).float().cpu()
+        assert rows.shape == (6, m.cfg.vocab_size) and torch.isfinite(rows).all()
+        worst = max(worst, max(float((rows[i] - ref[pos + i]).norm() / ref[pos + i].norm()) for i in range(6)))
+    assert ("verify", 6) in dec.graphs
+    assert worst < 2e-2
+    assert _run(dec, ids, ref, start=P + 12) < 2e-2
 
 
 @pytest.mark.parametrize("kernels", ["triton", "torch"])

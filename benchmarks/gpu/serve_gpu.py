@@ -1,6 +1,9 @@
 """The serving engine's batched decode step on a GPU: aggregate tokens/s at batch 1..64 with every
 sequence at an 8K context, beside the dense single-sequence decoder (zeroedge.runtime.fast, CUDA graph
 and Triton attention) and the bandwidth roofline. Random weights at the llama-3.2-1b shape, bf16.
+Engine variants (`--variants`), each timed in the same run: "graph" (what `zeroedge serve` runs: paged
+Triton attention, a CUDA graph per batch size), "paged" (the same, eager), "gather" (eager, each
+sequence's pages gathered, then SDPA).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/serve_gpu.py --ctx 8192 --batches 1,4,16,64 -o benchmarks/results/serve/gpu_llama1b_8k_batches.json
 
@@ -35,6 +38,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", default="graph,paged,gather")
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args()
     from zeroedge.model import build
@@ -50,31 +54,37 @@ def main():
     pool = PagedKV(cfg, per_seq_pages * max(batches), ps, dev, torch.bfloat16)
     pool.k.normal_()
     pool.v.normal_()
-    step = BatchStep(m, pool)
+    variants = {"graph": dict(attention="paged", graphs=True), "paged": dict(attention="paged", graphs=False),
+                "gather": dict(attention="gather", graphs=False)}
+    names = args.variants.split(",")
     bw = copy_bandwidth(dev)
     wbytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "embed_tokens" not in n or cfg.tie_embeddings)
     kv_seq = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * args.ctx
     rows = []
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for B in batches:
-        pages = [pool.alloc(per_seq_pages) for _ in range(B)]
-        start = args.ctx - 1
-        for i in range(2):
-            step.forward([Segment(p, [7], start + i) for p in pages])
-        torch.cuda.synchronize()
-        s.record()
-        for i in range(args.steps):
-            step.forward([Segment(p, [7], start + 2 + i) for p in pages])
-        e.record()
-        torch.cuda.synchronize()
-        ms = s.elapsed_time(e) / args.steps
-        roof = (wbytes + B * kv_seq) / bw * 1e3
-        rows.append({"batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3, "roofline_step_ms": roof,
-                     "roofline_tokens_per_s": B / roof * 1e3})
-        print(json.dumps(rows[-1]), flush=True)
-        for p in pages:
-            pool.release(p)
-    del pool, step
+    for name in names:
+        step = BatchStep(m, pool, **variants[name])
+        for B in batches:
+            pages = [pool.alloc(per_seq_pages) for _ in range(B)]
+            start = args.ctx - 1
+            for i in range(2):
+                step.forward([Segment(p, [7], start + i) for p in pages])
+            torch.cuda.synchronize()
+            s.record()
+            for i in range(args.steps):
+                step.forward([Segment(p, [7], start + 2 + i) for p in pages])
+            e.record()
+            torch.cuda.synchronize()
+            ms = s.elapsed_time(e) / args.steps
+            roof = (wbytes + B * kv_seq) / bw * 1e3
+            rows.append({"variant": name, "batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3,
+                         "roofline_step_ms": roof, "roofline_tokens_per_s": B / roof * 1e3})
+            print(json.dumps(rows[-1]), flush=True)
+            for p in pages:
+                pool.release(p)
+        del step
+        torch.cuda.empty_cache()
+    del pool
     torch.cuda.empty_cache()
     # the dense single-sequence decoder (CUDA graph, Triton attention) at the same context
     d = DenseDecoder(m, args.ctx + args.steps + 4)
@@ -88,11 +98,11 @@ def main():
     e.record()
     torch.cuda.synchronize()
     ms1 = s.elapsed_time(e) / args.steps
-    base = rows[0]["tokens_per_s"]
     for r in rows:
-        r["x_engine_batch1"] = r["tokens_per_s"] / base
+        base = next(b for b in rows if b["variant"] == r["variant"])
+        r["x_engine_batch1"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["x_dense_decoder"] = r["tokens_per_s"] / (1e3 / ms1)
-        r["x_roofline_batch1"] = r["roofline_tokens_per_s"] / rows[0]["roofline_tokens_per_s"]
+        r["x_roofline_batch1"] = r["roofline_tokens_per_s"] / base["roofline_tokens_per_s"]
     out = {"what": "batched decode step, aggregate tokens/s, every sequence at ctx", "gpu": torch.cuda.get_device_name(),
            "model": args.model, "weights": "random, bf16", "ctx": args.ctx, "copy_bandwidth_GBps": bw / 1e9,
            "weights_bytes": wbytes, "kv_bytes_per_sequence": kv_seq, "dense_decoder_step_ms": ms1,

@@ -13,10 +13,12 @@ prompts go through the model together, reading each weight once, over a paged KV
 kv heads, head dim)); a sequence owns a list of pages (its block table), so its KV is as long as it
 is and a finished one gives its pages back at once. `BatchStep.forward` concatenates the segments'
 tokens into one row batch for every linear layer; attention is per segment kind: the decode tokens
-(one each, and every token of a verify segment, each as the decode row it would be) in one SDPA
-over their pages gathered and masked, a prompt chunk against its sequence's past and itself,
-causally. A verify row at position p attends to positions 0..p exactly as a plain decode step there
-would, so checking a draft gives the logits plain decoding would have given, bit for bit.
+(one each, and every token of a verify segment, each as the decode row it would be) together, a
+prompt chunk against its sequence's past and itself, causally. Decode rows read their pages in place
+through paged Triton kernels on a GPU (zeroedge.kv.paged_attention), and a step of decode rows alone
+replays a CUDA graph; elsewhere their pages are gathered and masked for one SDPA. A verify row at
+position p attends to positions 0..p exactly as a plain decode step there would, so checking a
+draft gives the logits plain decoding would have given, bit for bit.
 
 Batch invariance on the CPU: a sequence's greedy output does not depend on what else is in the batch.
 Rows of a matrix product are computed alike for any number of rows from a kernel's `min_rows` up
@@ -40,15 +42,20 @@ from zeroedge.runtime.fast import TorchLinears
 
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 class PagedKV:
-    """Every layer's K and V in pages of `page_size` positions, and the free list."""
+    """Every layer's K and V in pages of `page_size` positions, and the free list. One more page,
+    `scratch`, is never handed out: the padding rows of a captured step write and read there."""
 
     def __init__(self, cfg, n_pages: int, page_size: int, device, dtype):
         if n_pages < 1 or page_size < 1:
             raise ValueError("a KV pool needs at least one page of at least one position")
-        self.page_size, self.n_pages = page_size, n_pages
+        self.page_size, self.n_pages, self.scratch = page_size, n_pages, n_pages
         L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-        shape = (L, n_pages * page_size, nkv, hd)
+        shape = (L, (n_pages + 1) * page_size, nkv, hd)
         if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float16):
             # numpy's zeros is calloc: fresh pages the kernel maps on first write, so the pool takes
             # memory as requests use it (torch.zeros would write every byte up front)
@@ -93,9 +100,15 @@ class Segment:
 
 class BatchStep:
     """linears: None (the model's weights in torch: TorchLinears) or zeroedge.serve.cpu_q4.Q4Linears
-    (4-bit weights in onnxruntime, CPU)."""
+    (4-bit weights in onnxruntime, CPU). attention: how decode rows attend, "gather" (their pages
+    gathered, then SDPA), "paged" (zeroedge.kv.paged_attention: Triton kernels that read the pages
+    in place; CUDA, or the Triton interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
+    graphs: a step of decode rows alone replays a CUDA graph captured per (rows, table width), both
+    rounded up to a power of two (paged attention on CUDA only; padding rows use the scratch page)."""
 
-    def __init__(self, model, pool: PagedKV, linears=None):
+    def __init__(self, model, pool: PagedKV, linears=None, attention: str = "auto", graphs: bool = True):
+        from zeroedge.kv.decode_attention import triton_runs
+
         self.m, self.pool, cfg = model, pool, model.cfg
         self.H, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if model.layers[0].self_attn.kept_heads.numel() != self.H:
@@ -107,12 +120,25 @@ class BatchStep:
         self.L = len(model.layers)
         self.inv_freq = model.inv_freq.to(self.device).float()
         self.scale = 1.0 / math.sqrt(self.hd)
+        if attention not in ("auto", "gather", "paged"):
+            raise ValueError("attention must be 'auto', 'gather' or 'paged'")
+        if attention == "auto":
+            half = self.dtype in (torch.float16, torch.bfloat16)
+            attention = "paged" if half and not self.numpy and triton_runs(self.device, self.hd) else "gather"
+        if attention == "paged" and (self.numpy or not triton_runs(self.device, self.hd, interpreter=True)):
+            raise ValueError("paged attention needs the torch linears and Triton on CUDA (or its interpreter) "
+                             "with a power-of-two head size >= 16")
+        self.attention = attention
+        self.graphs = graphs and attention == "paged" and self.device.type == "cuda"
+        self._captured = {}           # (rows, table width) -> (graph, static inputs, logits)
+        self._graph_pool = None
 
     @torch.no_grad()
     def forward(self, segments: List[Segment]) -> torch.Tensor:
         """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's,
         in segment order."""
-        dev, ps = self.device, self.pool.page_size
+        if self.graphs and all(len(s.tokens) == 1 and not s.verify for s in segments):
+            return self._replay(segments)
         ids, pos, slots, out_rows = [], [], [], []
         plain, verify, pre = [], [], []   # decode rows (row, pages, length); verify segments' rows; chunks
         for s in segments:
@@ -133,14 +159,26 @@ class BatchStep:
         tok[:N] = torch.tensor(ids)
         posf = torch.zeros(M, dtype=torch.float32)
         posf[:N] = torch.tensor(pos, dtype=torch.float32)
-        f = torch.outer(posf.to(dev), self.inv_freq)
-        cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
-        slot_t = torch.tensor(slots, device=dev)
         # decode rows attend in one batched product over their slots, masked to their own length; a
         # verify segment's rows in one of their own, over its slots gathered once
         groups = [self._decode_group(g, shared=False) for g in ([plain] if plain else [])]
         groups += [self._decode_group(g, shared=True) for g in verify]
-        x = self.m.embed_tokens(tok.to(dev))
+        x = self._layers(tok.to(self.device), posf.to(self.device), torch.tensor(slots, device=self.device),
+                         groups, pre)
+        rows = torch.zeros(max(len(out_rows), self.lin.min_rows), dtype=torch.long)
+        rows[: len(out_rows)] = torch.tensor(out_rows)
+        if self.numpy:
+            return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(out_rows)]
+        return self.lin.head(x[rows.to(self.device)])[: len(out_rows)].float()
+
+    def _layers(self, tok, posf, slot_t, groups, pre):
+        """The model over M rows (tokens `tok` at positions `posf`; the first len(slot_t) rows write
+        their K/V at those slots) -> the last hidden states (M, dim); device tensors only, so a
+        decode-only step captures in a CUDA graph."""
+        M, N, dev = tok.numel(), slot_t.numel(), self.device
+        f = torch.outer(posf, self.inv_freq)
+        cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
+        x = self.m.embed_tokens(tok)
         if self.numpy:
             x = x.numpy()
         x, qkv = self.lin.boundary(0, x)
@@ -153,17 +191,58 @@ class BatchStep:
             K.index_copy_(0, slot_t, k)
             V.index_copy_(0, slot_t, v)
             o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
-            for rows_t, table, mask, shared in groups:
-                o[rows_t] = self._decode_attention(q[rows_t], K, V, table, mask, shared)
+            for rows_t, *how in groups:
+                o[rows_t] = self._decode_attention(q[rows_t], K, V, *how)
             for r0, s in pre:
                 o[r0:r0 + len(s.tokens)] = self._chunk_attention(q[r0:r0 + len(s.tokens)], K, V, s)
             o = o.view(M, -1)
             x, qkv = self.lin.boundary(li + 1, x, o.numpy() if self.numpy else o)
-        rows = torch.zeros(max(len(out_rows), self.lin.min_rows), dtype=torch.long)
-        rows[: len(out_rows)] = torch.tensor(out_rows)
-        if self.numpy:
-            return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(out_rows)]
-        return self.lin.head(x[rows.to(dev)])[: len(out_rows)].float()
+        return x
+
+    def _replay(self, segments):
+        """Decode rows alone through a captured graph: inputs copied into its static tensors, padding
+        rows (token 0 at position 0) on the scratch page."""
+        B, ps, scratch = len(segments), self.pool.page_size, self.pool.scratch
+        width = max(self.pool.pages_for(s.start + 1) for s in segments)
+        key = (max(_pow2(B), self.lin.min_rows), max(_pow2(width), 16))
+        Bp, W = key
+        host = {"tok": np.zeros(Bp, np.int64), "posf": np.zeros(Bp, np.float32),
+                "slot": np.full(Bp, scratch * ps, np.int64), "pages": np.full((Bp, W), scratch, np.int32),
+                "lens": np.ones(Bp, np.int32)}
+        for j, s in enumerate(segments):
+            n = self.pool.pages_for(s.start + 1)
+            host["tok"][j], host["posf"][j], host["lens"][j] = s.tokens[0], s.start, s.start + 1
+            host["slot"][j] = s.pages[s.start // ps] * ps + s.start % ps
+            host["pages"][j, :n] = s.pages[:n]
+        if key not in self._captured:
+            self._capture(key, host)
+        graph, static, logits = self._captured[key]
+        for name, t in static.items():
+            t.copy_(torch.from_numpy(host[name]), non_blocking=True)
+        graph.replay()
+        return logits[:B].clone()
+
+    def _capture(self, key, host):
+        static = {name: torch.from_numpy(a).to(self.device) for name, a in host.items()}
+        rows = torch.arange(key[0], device=self.device)
+
+        def body():
+            x = self._layers(static["tok"], static["posf"], static["slot"],
+                             [(rows, static["pages"], static["lens"])], [])
+            return self.lin.head(x).float()
+
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):                  # warm-up (Triton compiles, cuBLAS picks its kernels)
+                body()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = body()
+        self._captured[key] = (graph, static, logits)
 
     def _slot_table(self, page_lists, n_pages: int) -> torch.Tensor:
         """(sequences, n_pages * page size) slots of each sequence's first n_pages pages (0 past its end)."""
@@ -183,20 +262,34 @@ class BatchStep:
                                               attn_mask=mask)
 
     def _decode_group(self, rows, shared: bool) -> tuple:
-        """rows [(row, pages, length)] -> (row indices, slot table, additive mask (B, 1, 1, S), shared):
-        shared, the rows are one sequence's (its first row's pages, gathered once)."""
+        """rows [(row, pages, length)] -> (row indices, how they attend): paged, (page tables (B, W)
+        int32, lengths (B,) int32); gathered, (slot table, additive mask (B, 1, 1, S), shared): shared,
+        the rows are one sequence's (its first row's pages, gathered once)."""
         dev, ps = self.device, self.pool.page_size
+        rows_t = torch.tensor([r for r, _, _ in rows], device=dev)
         lens = torch.tensor([n for _, _, n in rows])
         S = -(-int(lens.max()) // ps) * ps
+        if self.attention == "paged":
+            pages = torch.full((len(rows), S // ps), self.pool.scratch, dtype=torch.int32)
+            for j, (_, p, n) in enumerate(rows):
+                k = self.pool.pages_for(n)
+                pages[j, :k] = torch.tensor(p[:k], dtype=torch.int32)
+            return rows_t, pages.to(dev), lens.to(dev, torch.int32)
         table = self._slot_table([p for _, p, _ in rows[:1 if shared else None]], S // ps).view(-1).to(dev)
         valid = torch.arange(S)[None, :] < lens[:, None]
         mask = torch.zeros(len(rows), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
-        return (torch.tensor([r for r, _, _ in rows], device=dev), table, mask.to(dev).view(len(rows), 1, 1, S),
-                shared)
+        return rows_t, table, mask.to(dev).view(len(rows), 1, 1, S), shared
 
-    def _decode_attention(self, q, K, V, table, mask, shared: bool = False):
-        """q (B, H, hd) of one token each; K, V (slots, nkv, hd); table (B * S) slots, or S if `shared`
-        (every row reads the same slots: one copy, expanded); mask (B, 1, 1, S)."""
+    def _decode_attention(self, q, K, V, *how):
+        """q (B, H, hd) of one token each; K, V (slots, nkv, hd). how: paged, (pages, lens); gathered,
+        (table (B * S) slots, or S if shared (every row reads the same slots: one copy, expanded),
+        mask (B, 1, 1, S), shared)."""
+        if self.attention == "paged":
+            from zeroedge.kv.paged_attention import paged_attend
+
+            pages, lens = how
+            return paged_attend(q.contiguous(), K, V, pages, lens, self.pool.page_size)
+        table, mask, shared = how
         B, S = mask.shape[0], mask.shape[-1]
         n = 1 if shared else B
         Kg = K.index_select(0, table).view(n, S, self.nkv, self.hd).transpose(1, 2).expand(B, -1, -1, -1)

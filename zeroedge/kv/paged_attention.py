@@ -1,0 +1,144 @@
+"""Decode attention for many sequences over a paged KV pool in two Triton kernels (imported lazily;
+CUDA, or Triton's CPU interpreter), with a torch reference.
+
+`paged_attend(q, k, v, pages, lens, page_size)`: q (B, H, hd) holds one query row each (after RoPE),
+k / v the pool of one layer (slots, nkv, hd), pages (B, W) int32 each row's page table, lens (B)
+int32 the positions each row attends to (0..len-1, len >= 1). The split kernel lets each of SPLITS
+programs of a (row, kv head) read its share of the row's positions through the page table and keep a
+running max, sum and weighted value for every query head of the group (flash-decoding); the combine
+kernel merges the shares into (B, H, hd). Nothing is gathered: each key and value is read once, where
+it lies. The shares adapt to each row's length inside the kernel, so one launch shape serves every
+length and captures in a CUDA graph, and a row's result depends only on its own query, pages and
+length: a speculative draft's verify rows equal the decode rows plain steps give, bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SPLITS = 16       # programs a (row, kv head)
+BLOCK = 64        # positions a program reads at a time
+WARPS, STAGES = 4, 2
+
+_kernels = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def paged_attend_ref(q, k, v, pages, lens, page_size: int):
+    """The torch reference (fp32 products): -> (B, H, hd) in q's dtype."""
+    B, H, hd = q.shape
+    nkv = k.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(lens[b])
+        pos = torch.arange(n, device=q.device)
+        slot = pages[b].long()[pos // page_size] * page_size + pos % page_size
+        K, V = k[slot].float().transpose(0, 1), v[slot].float().transpose(0, 1)     # (nkv, n, hd)
+        qg = q[b].float().view(nkv, H // nkv, hd)
+        p = torch.softmax(qg @ K.transpose(1, 2) / math.sqrt(hd), -1)
+        out[b] = (p @ V).reshape(H, hd).to(q.dtype)
+    return out
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, lens_ptr, pm_ptr, pl_ptr, pacc_ptr, W, scale_log2, S,
+                     H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
+                     PS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        bh = tl.program_id(0)
+        s = tl.program_id(1)
+        b = bh // NKV
+        h = bh % NKV
+        n_len = tl.load(lens_ptr + b).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(n_len, S), BN) * BN         # every share a whole number of blocks
+        start = s * chunk
+        end = tl.minimum(start + chunk, n_len)
+        d = tl.arange(0, HD)
+        g = tl.arange(0, GP)
+        gm = g < GRP
+        row = h * GRP + g
+        q = tl.load(q_ptr + (b * H + row[:, None]) * HD + d[None, :], mask=gm[:, None], other=0.)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for n0 in range(start, end, BN):
+            n = n0 + tl.arange(0, BN)
+            nm = n < end
+            page = tl.load(pages_ptr + b * W + n // PS, mask=nm, other=0).to(tl.int64)
+            at = ((page * PS + n % PS) * NKV + h) * HD
+            k = tl.load(k_ptr + at[:, None] + d[None, :], mask=nm[:, None], other=0.)
+            if IEEE:                                         # fp32 pools: no TF32 products
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(nm[None, :], sc, float("-inf"))
+            mn = tl.maximum(m, tl.max(sc, 1))
+            p = tl.exp2(sc - mn[:, None])
+            alpha = tl.exp2(m - mn)
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + at[:, None] + d[None, :], mask=nm[:, None], other=0.)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = mn
+        at_s = (b * S + s) * H + row
+        tl.store(pm_ptr + at_s, m, mask=gm)
+        tl.store(pl_ptr + at_s, lsum, mask=gm)
+        tl.store(pacc_ptr + at_s[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+
+    @triton.jit
+    def combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, S, H: tl.constexpr, HD: tl.constexpr,
+                       SP: tl.constexpr):
+        bq = tl.program_id(0)                                # b * H + query head
+        b = bq // H
+        hq = bq % H
+        si = tl.arange(0, SP)
+        sm = si < S
+        d = tl.arange(0, HD)
+        at = (b * S + si) * H + hq
+        m = tl.load(pm_ptr + at, mask=sm, other=float("-inf"))
+        w = tl.where(sm & (m > float("-inf")), tl.exp2(m - tl.max(m, 0)), 0.)   # empty shares weigh 0
+        total = tl.sum(w * tl.load(pl_ptr + at, mask=sm, other=0.), 0)
+        acc = tl.load(pacc_ptr + at[:, None] * HD + d[None, :], mask=sm[:, None], other=0.)
+        o = tl.sum(w[:, None] * acc, 0) / total
+        tl.store(out_ptr + bq * HD + d, o.to(out_ptr.dtype.element_ty))
+
+    return split_kernel, combine_kernel
+
+
+def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | None = None,
+                 block: int | None = None):
+    """The two kernels (see the module doc). The caller ensures every page id and length lies in the
+    pool and the table (the kernel reads them on the device). Returns out (B, H, hd) in q's dtype."""
+    global _kernels
+    B, H, hd = q.shape
+    nkv = k.shape[1]
+    if (H % nkv or hd < 16 or hd & (hd - 1) or k.shape != v.shape or k.shape[2] != hd or q.dtype != k.dtype
+            or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and pages.is_contiguous())
+            or pages.dtype != torch.int32 or lens.dtype != torch.int32 or pages.shape[0] != B
+            or lens.shape != (B,)):
+        raise ValueError("paged_attend needs q (B, H, hd) and contiguous k / v (slots, nkv, hd) of one dtype, "
+                         "H a multiple of nkv, a power-of-two head size >= 16, int32 pages (B, W) and lens (B,)")
+    if _kernels is None:
+        _kernels = _build()
+    split, combine = _kernels
+    S, BN = splits or SPLITS, block or BLOCK
+    pm = torch.empty(B * S, H, device=q.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(B * S, H, hd, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(q)
+    grp = H // nkv
+    split[(B * nkv, S)](q, k, v, pages, lens, pm, pl, pacc, pages.shape[1], math.log2(math.e) / math.sqrt(hd), S,
+                        H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)), HD=hd, PS=page_size, BN=BN,
+                        IEEE=q.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES)
+    combine[(B * H,)](pm, pl, pacc, out, S, H=H, HD=hd, SP=_pow2(S))
+    return out

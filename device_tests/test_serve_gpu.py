@@ -1,7 +1,7 @@
 """The serving engine's step on a CUDA GPU: the paged Triton attention against its torch reference,
 and BatchStep with paged attention and CUDA graphs against the eager step over gathered pages (same
 bf16 weights, same pool contents) through prompt chunks, decode batches of changing size, and a
-verify segment. Skips without a CUDA GPU.
+verify segment (its rows replayed as decode rows). Skips without a CUDA GPU.
 
     python -m pytest -q device_tests/test_serve_gpu.py
 """
@@ -52,7 +52,7 @@ def test_captured_batch_steps_match_the_gathered_eager_steps():
                                  Segment(pages[1], [ids[1][pos[1]]], pos[1])]))
         outs[name] = [r.float().cpu() for r in res]
         if name == "graph":
-            assert {B for B, _ in step._captured} == {4}          # 2, 3 and 4 rows: one graph of 4
+            assert {B for B, _ in step._captured} == {4, 8}       # 2 to 4 rows: one graph; 6 (verify): 8
     for a, b in zip(outs["graph"], outs["gather"]):
         assert a.shape == b.shape and torch.isfinite(a).all()
         rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()

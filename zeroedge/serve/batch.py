@@ -103,8 +103,9 @@ class BatchStep:
     (4-bit weights in onnxruntime, CPU). attention: how decode rows attend, "gather" (their pages
     gathered, then SDPA), "paged" (zeroedge.kv.paged_attention: Triton kernels that read the pages
     in place; CUDA, or the Triton interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
-    graphs: a step of decode rows alone replays a CUDA graph captured per (rows, table width), both
-    rounded up to a power of two (paged attention on CUDA only; padding rows use the scratch page)."""
+    graphs: a step of decode rows alone (plain steps and verify segments: no prompt chunk) replays a
+    CUDA graph captured per (rows, table width), both rounded up to a power of two (paged attention
+    on CUDA only; padding rows use the scratch page)."""
 
     def __init__(self, model, pool: PagedKV, linears=None, attention: str = "auto", graphs: bool = True):
         from zeroedge.kv.decode_attention import triton_runs
@@ -137,7 +138,7 @@ class BatchStep:
     def forward(self, segments: List[Segment]) -> torch.Tensor:
         """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's,
         in segment order."""
-        if self.graphs and all(len(s.tokens) == 1 and not s.verify for s in segments):
+        if self.graphs and all(len(s.tokens) == 1 or s.verify for s in segments):
             return self._replay(segments)
         ids, pos, slots, out_rows = [], [], [], []
         plain, verify, pre = [], [], []   # decode rows (row, pages, length); verify segments' rows; chunks
@@ -200,20 +201,22 @@ class BatchStep:
         return x
 
     def _replay(self, segments):
-        """Decode rows alone through a captured graph: inputs copied into its static tensors, padding
-        rows (token 0 at position 0) on the scratch page."""
-        B, ps, scratch = len(segments), self.pool.page_size, self.pool.scratch
-        width = max(self.pool.pages_for(s.start + 1) for s in segments)
+        """Decode rows alone (a verify segment's tokens are decode rows too) through a captured graph:
+        inputs copied into its static tensors, padding rows (token 0 at position 0) on the scratch page."""
+        ps, scratch = self.pool.page_size, self.pool.scratch
+        rows = [(s.pages, t, s.start + i) for s in segments for i, t in enumerate(s.tokens)]
+        B = len(rows)
+        width = max(self.pool.pages_for(p + 1) for _, _, p in rows)
         key = (max(_pow2(B), self.lin.min_rows), max(_pow2(width), 16))
         Bp, W = key
         host = {"tok": np.zeros(Bp, np.int64), "posf": np.zeros(Bp, np.float32),
                 "slot": np.full(Bp, scratch * ps, np.int64), "pages": np.full((Bp, W), scratch, np.int32),
                 "lens": np.ones(Bp, np.int32)}
-        for j, s in enumerate(segments):
-            n = self.pool.pages_for(s.start + 1)
-            host["tok"][j], host["posf"][j], host["lens"][j] = s.tokens[0], s.start, s.start + 1
-            host["slot"][j] = s.pages[s.start // ps] * ps + s.start % ps
-            host["pages"][j, :n] = s.pages[:n]
+        for j, (pages, t, p) in enumerate(rows):
+            n = self.pool.pages_for(p + 1)
+            host["tok"][j], host["posf"][j], host["lens"][j] = t, p, p + 1
+            host["slot"][j] = pages[p // ps] * ps + p % ps
+            host["pages"][j, :n] = pages[:n]
         if key not in self._captured:
             self._capture(key, host)
         graph, static, logits = self._captured[key]

@@ -243,7 +243,8 @@ class BatchStep:
                 body()
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: the server's other threads may touch CUDA while the engine thread captures
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = body()
         self._captured[key] = (graph, static, logits)
 

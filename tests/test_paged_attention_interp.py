@@ -3,7 +3,8 @@ that read each row's keys and values through its page table) in Triton's CPU int
 against the torch reference at lengths on page, block and share edges, GQA groups that are not powers
 of two and an fp16 pool; a row computed alone equals the same row in a batch; and BatchStep with
 paged attention against the gathered SDPA step through prompt chunks, decode rows and a verify
-segment whose rows equal plain decode steps bit for bit. On CUDA: device_tests/test_serve_gpu.py."""
+segment whose rows equal plain decode steps bit for bit; and the dense decoder's Decoder.verify
+through the same kernel against its steps. On CUDA: device_tests/test_serve_gpu.py."""
 import os
 import textwrap
 
@@ -60,6 +61,20 @@ SCRIPT = textwrap.dedent('''
                 assert torch.equal(one[0], res[1][1 + i]), i
     for x, y in zip(outs["gather"], outs["paged"]):
         assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4)
+
+    # Decoder.verify through the same kernel (the dense cache as one page) against the decoder's steps
+    from zeroedge.kv import evaluate as E
+    from zeroedge.runtime.fast import DenseDecoder
+
+    seq = torch.tensor(ids[0][:60])
+    pre = E.prefill(m, seq[:40].tolist(), stats=False)
+    a, b = (DenseDecoder(m, 64, graph=False, attn=at) for at in ("triton", "sdpa"))
+    for d in (a, b):
+        d.load_prefix(pre["k"], pre["v"])
+    rows = a.verify(seq[40:46].tolist(), 40)
+    for i in range(6):
+        assert torch.allclose(rows[i], b.step(int(seq[40 + i]), 40 + i), atol=1e-4), i
+    assert torch.allclose(a.step(int(seq[46]), 46), b.step(int(seq[46]), 46), atol=1e-4)   # the cache it wrote
     print("OK")
 ''')
 

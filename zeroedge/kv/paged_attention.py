@@ -2,8 +2,9 @@
 CUDA, or Triton's CPU interpreter), with a torch reference.
 
 `paged_attend(q, k, v, pages, lens, page_size)`: q (B, H, hd) holds one query row each (after RoPE),
-k / v the pool of one layer (slots, nkv, hd), pages (B, W) int32 each row's page table, lens (B)
-int32 the positions each row attends to (0..len-1, len >= 1). The split kernel lets each of SPLITS
+k / v the pool of one layer (slots, nkv, hd; any strides but along hd: a dense cache (nkv, positions,
+hd) passed transposed is one page of all its positions), pages (B, W) int32 each row's page table,
+lens (B) int32 the positions each row attends to (0..len-1, len >= 1). The split kernel lets each of SPLITS
 programs of a (row, kv head) read its share of the row's positions through the page table and keep a
 running max, sum and weighted value for every query head of the group (flash-decoding); the combine
 kernel merges the shares into (B, H, hd). Nothing is gathered: each key and value is read once, where
@@ -49,7 +50,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, lens_ptr, pm_ptr, pl_ptr, pacc_ptr, W, scale_log2, S,
+    def split_kernel(q_ptr, k_ptr, v_ptr, s_n, s_h, pages_ptr, lens_ptr, pm_ptr, pl_ptr, pacc_ptr, W, scale_log2, S,
                      H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      PS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         bh = tl.program_id(0)
@@ -72,7 +73,7 @@ def _build():
             n = n0 + tl.arange(0, BN)
             nm = n < end
             page = tl.load(pages_ptr + b * W + n // PS, mask=nm, other=0).to(tl.int64)
-            at = ((page * PS + n % PS) * NKV + h) * HD
+            at = (page * PS + n % PS) * s_n + h * s_h
             k = tl.load(k_ptr + at[:, None] + d[None, :], mask=nm[:, None], other=0.)
             if IEEE:                                         # fp32 pools: no TF32 products
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -122,11 +123,13 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
     B, H, hd = q.shape
     nkv = k.shape[1]
     if (H % nkv or hd < 16 or hd & (hd - 1) or k.shape != v.shape or k.shape[2] != hd or q.dtype != k.dtype
-            or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and pages.is_contiguous())
+            or k.stride() != v.stride() or k.stride(2) != 1
+            or not (q.is_contiguous() and pages.is_contiguous())
             or pages.dtype != torch.int32 or lens.dtype != torch.int32 or pages.shape[0] != B
             or lens.shape != (B,)):
-        raise ValueError("paged_attend needs q (B, H, hd) and contiguous k / v (slots, nkv, hd) of one dtype, "
-                         "H a multiple of nkv, a power-of-two head size >= 16, int32 pages (B, W) and lens (B,)")
+        raise ValueError("paged_attend needs q (B, H, hd) and k / v (slots, nkv, hd) of one dtype and layout, "
+                         "unit stride along hd, H a multiple of nkv, a power-of-two head size >= 16, int32 "
+                         "pages (B, W) and lens (B,)")
     if _kernels is None:
         _kernels = _build()
     split, combine = _kernels
@@ -137,7 +140,7 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
     if out is None:
         out = torch.empty_like(q)
     grp = H // nkv
-    split[(B * nkv, S)](q, k, v, pages, lens, pm, pl, pacc, pages.shape[1], math.log2(math.e) / math.sqrt(hd), S,
+    split[(B * nkv, S)](q, k, v, k.stride(0), k.stride(1), pages, lens, pm, pl, pacc, pages.shape[1], math.log2(math.e) / math.sqrt(hd), S,
                         H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)), HD=hd, PS=page_size, BN=BN,
                         IEEE=q.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES)
     combine[(B * H,)](pm, pl, pacc, out, S, H=H, HD=hd, SP=_pow2(S))

@@ -371,15 +371,26 @@ class Decoder:
         lin = self._verify_lin = getattr(self, "_verify_lin", None) or TorchLinears(self.m)
         p = self.pos + torch.arange(T, device=self.device)
         cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
-        mask = additive_mask(att.kpos[None, :] <= p[:, None], self.dtype).view(1, 1, T, -1)
+        paged = att.attn == "triton"             # the cache as one page: each row reads 0..its position
+        if paged:
+            from zeroedge.kv.paged_attention import paged_attend
+
+            one_page = torch.zeros(T, 1, dtype=torch.int32, device=self.device)
+            lens = (p + 1).to(torch.int32)
+        else:
+            mask = additive_mask(att.kpos[None, :] <= p[:, None], self.dtype).view(1, 1, T, -1)
         x, qkv = lin.boundary(0, self.m.embed_tokens(tok))
         for li in range(att.L):
             qkv = qkv.view(T, H + 2 * nkv, hd)
             qk = torch.addcmul(qkv[:, :H + nkv] * cos, qkv[:, :H + nkv].roll(hd // 2, -1), sin)
             att.kv[li].index_copy_(2, p, torch.stack((qk[:, H:], qkv[:, H + nkv:])).transpose(1, 2))
-            o = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], att.k[li][None], att.v[li][None],
-                                               attn_mask=mask, enable_gqa=True)
-            x, qkv = lin.boundary(li + 1, x, o[0].transpose(0, 1).reshape(T, H * hd))
+            if paged:
+                o = paged_attend(qk[:, :H].contiguous(), att.k[li].transpose(0, 1), att.v[li].transpose(0, 1),
+                                 one_page, lens, self.max_len)
+            else:
+                o = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], att.k[li][None],
+                                                   att.v[li][None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+            x, qkv = lin.boundary(li + 1, x, o.reshape(T, H * hd))
         return lin.head(x).float()
 
     def _capture_pieces(self, flag) -> list:

@@ -52,7 +52,7 @@ def test_captured_batch_steps_match_the_gathered_eager_steps():
                                  Segment(pages[1], [ids[1][pos[1]]], pos[1])]))
         outs[name] = [r.float().cpu() for r in res]
         if name == "graph":
-            assert {B for B, _ in step._captured} == {4, 8}       # 2 to 4 rows: one graph; 6 (verify): 8
+            assert set(step._captured) == {4, 8}                  # 2 to 4 rows: one graph; 6 (verify): 8
     for a, b in zip(outs["graph"], outs["gather"]):
         assert a.shape == b.shape and torch.isfinite(a).all()
         rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()

@@ -44,23 +44,36 @@ SCRIPT = textwrap.dedent('''
 
     m = M.build("tiny", seed=0).eval()
     ids = torch.randint(0, m.cfg.vocab_size, (3, 80), generator=g).tolist()
+    def eager(body):         # the captured step's inputs on the CPU: the graph's body run at each replay
+        out = body()
+        return (lambda: out.copy_(body())), out
+
     outs = {}
-    for att in ("gather", "paged"):
+    for mode in ("gather", "paged", "replayed"):
         pool = PagedKV(m.cfg, 40, 8, "cpu", torch.float32)
+        att = "gather" if mode == "gather" else "paged"
         st = BatchStep(m, pool, attention=att)
         assert st.attention == att and not st.graphs
+        if mode == "replayed":
+            st.graphs, st._graphed = True, eager
         a, b, c = pool.alloc(10), pool.alloc(10), pool.alloc(10)
         res = [st.forward([Segment(a, ids[0][:37], 0), Segment(b, ids[1][:20], 0), Segment(c, ids[2][:50], 0)])]
         res.append(st.forward([Segment(a, [ids[0][37]], 37), Segment(b, ids[1][20:26], 20, verify=True),
                                Segment(c, ids[2][50:64], 50)]))
         res.append(st.forward([Segment(a, [ids[0][38]], 38), Segment(c, [ids[2][64]], 64)]))
-        outs[att] = res
-        if att == "paged":       # the verify rows of b are the plain steps at 20..25, bit for bit
+        res.append(st.forward([Segment(c, ids[2][65:71], 65, verify=True), Segment(b, [ids[1][26]], 26),
+                               Segment(a, [ids[0][39]], 39)]))
+        res.append(st.forward([Segment(b, [ids[1][27]], 27)]))
+        outs[mode] = res
+        if mode == "replayed":   # 2 and 1 rows: one graph of 4 rows; 8 rows (a draft of 6): one of 8
+            assert set(st._captured) == {4, 8}
+        if mode == "paged":      # the verify rows of b are the plain steps at 20..25, bit for bit
             for i in range(6):
-                one = st.forward([Segment(b, [ids[1][20 + i]], 20 + i), Segment(a, [ids[0][39]], 39)])
+                one = st.forward([Segment(b, [ids[1][20 + i]], 20 + i), Segment(a, [ids[0][40]], 40)])
                 assert torch.equal(one[0], res[1][1 + i]), i
-    for x, y in zip(outs["gather"], outs["paged"]):
-        assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4)
+    for mode in ("paged", "replayed"):
+        for x, y in zip(outs["gather"], outs[mode]):
+            assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4), mode
 
     # Decoder.verify through the same kernel (the dense cache as one page) against the decoder's steps
     from zeroedge.kv import evaluate as E

@@ -104,8 +104,8 @@ class BatchStep:
     gathered, then SDPA), "paged" (zeroedge.kv.paged_attention: Triton kernels that read the pages
     in place; CUDA, or the Triton interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
     graphs: a step of decode rows alone (plain steps and verify segments: no prompt chunk) replays a
-    CUDA graph captured per (rows, table width), both rounded up to a power of two (paged attention
-    on CUDA only; padding rows use the scratch page)."""
+    CUDA graph captured per number of rows rounded up to a power of two (paged attention on CUDA
+    only; padding rows use the scratch page)."""
 
     def __init__(self, model, pool: PagedKV, linears=None, attention: str = "auto", graphs: bool = True):
         from zeroedge.kv.decode_attention import triton_runs
@@ -131,7 +131,7 @@ class BatchStep:
                              "with a power-of-two head size >= 16")
         self.attention = attention
         self.graphs = graphs and attention == "paged" and self.device.type == "cuda"
-        self._captured = {}           # (rows, table width) -> (graph, static inputs, logits)
+        self._captured = {}           # rows -> (graph replay, static inputs, logits)
         self._graph_pool = None
 
     @torch.no_grad()
@@ -207,33 +207,44 @@ class BatchStep:
         rows = [(s.pages, t, s.start + i) for s in segments for i, t in enumerate(s.tokens)]
         B = len(rows)
         width = max(self.pool.pages_for(p + 1) for _, _, p in rows)
-        key = (max(_pow2(B), self.lin.min_rows), max(_pow2(width), 16))
-        Bp, W = key
+        Bp = max(_pow2(B), self.lin.min_rows)
         host = {"tok": np.zeros(Bp, np.int64), "posf": np.zeros(Bp, np.float32),
-                "slot": np.full(Bp, scratch * ps, np.int64), "pages": np.full((Bp, W), scratch, np.int32),
+                "slot": np.full(Bp, scratch * ps, np.int64), "pages": np.full((Bp, width), scratch, np.int32),
                 "lens": np.ones(Bp, np.int32)}
         for j, (pages, t, p) in enumerate(rows):
             n = self.pool.pages_for(p + 1)
             host["tok"][j], host["posf"][j], host["lens"][j] = t, p, p + 1
             host["slot"][j] = pages[p // ps] * ps + p % ps
             host["pages"][j, :n] = pages[:n]
-        if key not in self._captured:
-            self._capture(key, host)
-        graph, static, logits = self._captured[key]
-        for name, t in static.items():
-            t.copy_(torch.from_numpy(host[name]), non_blocking=True)
-        graph.replay()
+        if Bp not in self._captured:
+            self._capture(Bp, host)
+        replay, static, logits = self._captured[Bp]
+        for name, a in host.items():      # page tables: the columns in use (the kernel reads no further)
+            t = static[name][:, :width] if name == "pages" else static[name]
+            t.copy_(torch.from_numpy(a), non_blocking=True)
+        replay()
         return logits[:B].clone()
 
-    def _capture(self, key, host):
-        static = {name: torch.from_numpy(a).to(self.device) for name, a in host.items()}
-        rows = torch.arange(key[0], device=self.device)
+    def _capture(self, Bp: int, host):
+        """The graph of a step of Bp rows; its page tables as wide as the longest sequence the pool and
+        the model allow, so one graph serves every context."""
+        width = min(self.pool.n_pages + 1, self.pool.pages_for(self.m.cfg.max_seq_len))
+        pages = np.full((Bp, width), self.pool.scratch, np.int32)
+        pages[:, :host["pages"].shape[1]] = host["pages"]
+        static = {name: torch.from_numpy(pages if name == "pages" else a).to(self.device) for name, a in host.items()}
+        rows = torch.arange(Bp, device=self.device)
 
         def body():
             x = self._layers(static["tok"], static["posf"], static["slot"],
                              [(rows, static["pages"], static["lens"])], [])
             return self.lin.head(x).float()
 
+        replay, logits = self._graphed(body)
+        self._captured[Bp] = (replay, static, logits)
+
+    def _graphed(self, body):
+        """body captured in a CUDA graph (in one memory pool for every graph of this step) -> (replay,
+        the output it refreshes)."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         s = torch.cuda.Stream(self.device)
@@ -245,8 +256,8 @@ class BatchStep:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA while the engine thread captures
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = body()
-        self._captured[key] = (graph, static, logits)
+            out = body()
+        return graph.replay, out
 
     def _slot_table(self, page_lists, n_pages: int) -> torch.Tensor:
         """(sequences, n_pages * page size) slots of each sequence's first n_pages pages (0 past its end)."""

@@ -160,6 +160,15 @@ def _speculative_serve_cpu():
             _range([r["off_tok_s"] for r in rows.values()], 1)]
 
 
+def _speculative_serve_gpu():
+    d = _load("speculative/gpu_llama1b_8k.json")
+    eng = {t: r["engine"]["speedup"] for t, r in d["ngram"].items()}
+    ms = d["ms"]
+    checks = [ms["engine_verify"][str(k)] / ms["engine_plain_step"] for k in range(2, 10)]
+    return [_f(eng["summarise"], 2), _f(eng["extract"], 2), _range([eng[t] for t in ("kjv", "essays", "licenses")], 2),
+            _range(checks, 2), _f(ms["engine_plain_step"], 2)]
+
+
 def _sih_pad():
     rows = _load("prefill/sih_pad_frontier_smollm2_cpu.json")["rows"]
     figures = []
@@ -281,6 +290,7 @@ ROW_CHECKS = {
     "`serve`, 1 / 4 / 16 clients": _serve_cpu_clients,
     "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
     "speculative decoding (prompt lookup), `serve`'s engine, batch 1": _speculative_serve_cpu,
+    "speculative decoding (prompt lookup), `serve`'s engine, GPU, 8K context": _speculative_serve_gpu,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,

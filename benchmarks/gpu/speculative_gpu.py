@@ -9,7 +9,8 @@ travel to the GPU machine). Random weights at the llama-3.2-1b shape, bf16, KV a
 
 Measured (CUDA events, median of `--steps`):
   run path     zeroedge.runtime.fast.DenseDecoder: a plain step and Decoder.verify of 2..9 tokens,
-               each one CUDA graph (Triton attention for the step, SDPA over the cache for verify)
+               each one CUDA graph (Triton split attention for the step, zeroedge.kv.paged_attention over
+               the cache as one page for verify)
   engine path  zeroedge.serve.batch.BatchStep (what `zeroedge serve` steps: paged attention, a CUDA
                graph per row count): one decode row and a verify segment of 2..9 rows
   drafter      the same model with packed 4-bit weights (int4 g128 symmetric, int8 inputs: dp4a),

@@ -4,13 +4,14 @@ CUDA, or Triton's CPU interpreter), with a torch reference.
 `paged_attend(q, k, v, pages, lens, page_size)`: q (B, H, hd) holds one query row each (after RoPE),
 k / v the pool of one layer (slots, nkv, hd; any strides but along hd: a dense cache (nkv, positions,
 hd) passed transposed is one page of all its positions), pages (B, W) int32 each row's page table,
-lens (B) int32 the positions each row attends to (0..len-1, len >= 1). The split kernel lets each of SPLITS
-programs of a (row, kv head) read its share of the row's positions through the page table and keep a
-running max, sum and weighted value for every query head of the group (flash-decoding); the combine
-kernel merges the shares into (B, H, hd). Nothing is gathered: each key and value is read once, where
-it lies. The shares adapt to each row's length inside the kernel, so one launch shape serves every
-length and captures in a CUDA graph, and a row's result depends only on its own query, pages and
-length: a speculative draft's verify rows equal the decode rows plain steps give, bit for bit.
+lens (B) int32 the positions each row attends to (0..len-1, len >= 1). The split kernel lets each
+of SPLITS programs of a (row, kv head) read its share of the row's positions through the page table
+and keep a running max, sum and weighted value for every query head of the group (flash-decoding);
+the combine kernel merges the shares into (B, H, hd). Nothing is gathered: each key and value is
+read once, where it lies. The shares adapt to each row's length inside the kernel, so one launch
+shape serves every length and captures in a CUDA graph, and a row's result depends only on its own
+query, pages and length: a speculative draft's verify rows equal the decode rows plain steps give,
+bit for bit.
 """
 from __future__ import annotations
 
@@ -18,15 +19,13 @@ import math
 
 import torch
 
+from zeroedge.kv.decode_attention import _pow2
+
 SPLITS = 16       # programs a (row, kv head)
 BLOCK = 64        # positions a program reads at a time
 WARPS, STAGES = 4, 2
 
 _kernels = None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def paged_attend_ref(q, k, v, pages, lens, page_size: int):
@@ -140,8 +139,8 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
     if out is None:
         out = torch.empty_like(q)
     grp = H // nkv
-    split[(B * nkv, S)](q, k, v, k.stride(0), k.stride(1), pages, lens, pm, pl, pacc, pages.shape[1], math.log2(math.e) / math.sqrt(hd), S,
-                        H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)), HD=hd, PS=page_size, BN=BN,
-                        IEEE=q.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES)
+    split[(B * nkv, S)](q, k, v, k.stride(0), k.stride(1), pages, lens, pm, pl, pacc, pages.shape[1],
+                        math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)),
+                        HD=hd, PS=page_size, BN=BN, IEEE=q.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES)
     combine[(B * H,)](pm, pl, pacc, out, S, H=H, HD=hd, SP=_pow2(S))
     return out

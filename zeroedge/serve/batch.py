@@ -37,13 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zeroedge.kv.decode_attention import _pow2
 from zeroedge.model import SDPA_GQA
 from zeroedge.runtime.fast import TorchLinears
 
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class PagedKV:

@@ -229,11 +229,13 @@ class BatchStep:
         pages = np.full((Bp, width), self.pool.scratch, np.int32)
         pages[:, :host["pages"].shape[1]] = host["pages"]
         static = {name: torch.from_numpy(pages if name == "pages" else a).to(self.device) for name, a in host.items()}
-        rows = torch.arange(Bp, device=self.device)
+        # every tensor the graph reads lives as long as the graph: kept in `static`, never only in the
+        # closure (freed after capture, its memory would be handed out again under the graph)
+        static["rows"] = torch.arange(Bp, device=self.device)
 
         def body():
             x = self._layers(static["tok"], static["posf"], static["slot"],
-                             [(rows, static["pages"], static["lens"])], [])
+                             [(static["rows"], static["pages"], static["lens"])], [])
             return self.lin.head(x).float()
 
         replay, logits = self._graphed(body)

@@ -216,6 +216,7 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph_wanted = graph and self.device.type == "cuda"
         self._verify_tok = {}                   # number of tokens -> the verify graph's input buffer
+        self.verify_linears = TorchLinears(model)   # the model's fp weights over a draft's rows
         self.graphs = {}
         self.outs = {}
         self.attention, self.ffn = attention, ffn
@@ -368,7 +369,7 @@ class Decoder:
 
     def _verify_forward(self, tok):
         att, T, H, nkv, hd = self.attention, tok.numel(), self.H, self.nkv, self.hd
-        lin = self._verify_lin = getattr(self, "_verify_lin", None) or TorchLinears(self.m)
+        lin = self.verify_linears
         p = self.pos + torch.arange(T, device=self.device)
         cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
         paged = att.attn == "triton"             # the cache as one page: each row reads 0..its position

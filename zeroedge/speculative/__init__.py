@@ -23,8 +23,8 @@ output is the model's, token for token, whatever the drafter proposes.
                  from matches of the same length and c(k) what a step checking k tokens costs
                  against a plain one (StepCost: measured from the caller's own steps). When no
                  k > 0 pays, `auto` sends no draft (and after PROBE_EVERY tokens the shortest draft
-                 that could pay, if any could); `ngram` drafts whenever the lookup matches. Its counters go to --json and
-                 /metrics.
+                 that could pay, if any could); `ngram` drafts whenever the lookup matches. Its
+                 counters go to --json and /metrics.
 """
 from __future__ import annotations
 

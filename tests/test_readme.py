@@ -146,10 +146,10 @@ def _serve_cpu_clients():
 
 def _serve_gpu_batch():
     d = _load("serve/gpu_llama1b_8k_batches.json")
-    row = {r["batch"]: r for r in d["rows"]}
+    row = {r["batch"]: r for r in d["rows"] if r["variant"] == "graph"}    # what `zeroedge serve` runs
     return [_f(row[16]["tokens_per_s"], 0), _f(row[64]["tokens_per_s"], 0),
             _f(d["dense_decoder_tokens_per_s"], 0), _f(row[16]["x_dense_decoder"], 2),
-            _f(row[64]["x_dense_decoder"], 2)]
+            _f(row[64]["x_dense_decoder"], 2), _f(row[16]["x_roofline_batch1"], 2), _f(row[64]["x_roofline_batch1"], 2)]
 
 
 def _speculative_serve_cpu():

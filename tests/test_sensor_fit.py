@@ -328,10 +328,10 @@ def test_a_plants_own_exports_read_as_the_standard_files(tmp_path):
 
 def test_q_gate_runtime_matches_calibration_units():
     """The window Q the daemon gates on (runtime.window_q over each window) equals what the
-    calibration reads for the same samples (runtime.run_q over the run); above q_limit P(normal) is 0
-    and the fault classes keep their order; without q_limit nothing changes."""
+    calibration reads for the same samples (runtime.run_q over the run); where it is above q_limit,
+    P(normal) is 0 and the fault classes keep their order; without q_limit nothing changes."""
     from zeroedge.sensor.fit import fit_monitor
-    from zeroedge.sensor.runtime import apply_q_gate, run_q, window_q
+    from zeroedge.sensor.runtime import Detector, run_q, window_q
 
     rng = np.random.default_rng(1)
     Z = rng.normal(size=(400, 6)) @ rng.normal(size=(6, 6))
@@ -343,12 +343,23 @@ def test_q_gate_runtime_matches_calibration_units():
     np.testing.assert_allclose(per_sample, by_window, rtol=1e-4)
     assert abs(run_q(mon, Z).mean() - 1.0) < 0.3                 # Q in units of its mean on the fit data
     assert per_sample[40:].min() > per_sample[:25].max()          # frames off the components: larger Q
-    mon["q_limit"] = float(np.quantile(per_sample, 0.5))
-    p = np.tile(np.array([[0.9, 0.06, 0.04]], np.float32), (len(run), 1))
+
+    class Fixed:                                                  # a backend that says "normal, 90 %"
+        def __call__(self, x):
+            return np.tile(np.array([[0.9, 0.06, 0.04]], np.float32), (len(x), 1))
+
+    def detector(q_limit):
+        m = dict(mon, q_limit=q_limit, limit=1e9, steepness=100.0)   # T^2 out of the way
+        return Detector({"window": 8, "channels": 6, "class_names": ["normal", "a", "b"],
+                         "normalisation": {"mean": [0.0] * 6, "std": [1.0] * 6},
+                         "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": m}, Fixed())
+
     windows = np.stack([run[t - 7:t + 1] for t in range(7, len(run))])
-    g = apply_q_gate(mon, p[7:], windows)
-    raised = per_sample[7:] > mon["q_limit"]
+    limit = float(np.quantile(per_sample, 0.5))
+    g, plain = detector(limit).probs(windows), detector(None).probs(windows)
+    raised = per_sample[7:] > limit
     assert raised.any() and not raised.all()
     np.testing.assert_allclose(g.sum(1), 1.0, atol=1e-6)
     assert (g[raised, 0] == 0).all() and (g[raised, 1] > g[raised, 2]).all()
-    np.testing.assert_array_equal(g[~raised], p[7:][~raised])
+    np.testing.assert_allclose(g[~raised], plain[~raised], atol=1e-7)
+    np.testing.assert_allclose(plain[:, 0], 0.9, atol=1e-6)

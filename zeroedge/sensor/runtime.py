@@ -106,9 +106,8 @@ class Detector:
         z = np.ascontiguousarray(self.normalise(windows), dtype=np.float32)
         p = self.backend(z)
         if self.monitor is not None:
-            p = apply_monitor(self.monitor, p, z[:, -1])
-            if self.monitor["q_limit"] is not None:
-                p = apply_q_gate(self.monitor, p, z)
+            ql = self.monitor["q_limit"]
+            p = apply_monitor(self.monitor, p, z[:, -1], None if ql is None else window_q(self.monitor, z) > ql)
         return p
 
     def drift_check(self, frames: np.ndarray) -> Optional[str]:
@@ -187,26 +186,15 @@ def run_q(mon, z: np.ndarray) -> np.ndarray:
     return (c[i + 1] - c[lo]) / (i + 1 - lo)
 
 
-def apply_q_gate(mon, p: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """P(normal) = 0 where the window's mean Q is above q_limit; the fault classes share the rest
-    in their own proportions (argmax unchanged)."""
-    raised = window_q(mon, z) > mon["q_limit"]
-    if not raised.any():
-        return p
-    out = np.asarray(p, np.float64).copy()
-    f = out[raised, 1:]
-    rest = f.sum(1, keepdims=True)
-    out[raised, 1:] = np.where(rest > 0, f / np.where(rest > 0, rest, 1.0), 1.0 / f.shape[1])
-    out[raised, 0] = 0.0
-    return out.astype(np.float32)
-
-
-def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray) -> np.ndarray:
-    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)); the fault classes
-    share the rest in their own proportions (argmax unchanged)."""
+def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray, q_raised: Optional[np.ndarray] = None) -> np.ndarray:
+    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)), and a = 1 where the Q
+    gate is raised (`q_raised`, see window_q); the fault classes share the rest in their own
+    proportions (argmax unchanged)."""
     t2 = monitor_t2(mon, z_last).astype(np.float64)
     x = np.clip(mon["steepness"] * (t2 / mon["limit"] - 1.0), -60, 60)
     a = 1.0 / (1.0 + np.exp(-x))
+    if q_raised is not None:
+        a[q_raised] = 1.0
     p = np.asarray(p, np.float64)
     pn = p[:, 0] * (1.0 - a)
     rest = np.maximum(1.0 - p[:, 0], 1e-12)

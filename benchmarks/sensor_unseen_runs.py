@@ -94,7 +94,9 @@ def predicted(man: dict) -> dict:
     ev = al["val_far_evidence"]
     return {"far_target": al["far_target"], "predicted_far": al["val_far"], "far_upper_95": ev["far_upper"],
             "independent_blocks": ev["independent_blocks"], "out_of_fold_fdr": al.get("val_fdr"),
-            "ema_alpha": al["ema_alpha"], "threshold": round(al["threshold"], 6)}
+            "ema_alpha": al["ema_alpha"], "threshold": round(al["threshold"], 6), "q_limit": al.get("q_limit"),
+            "q_share": al.get("q_share"),
+            "far_by_held_out_run": {Path(f).name: v for f, v in (al.get("val_far_runs") or {}).items()}}
 
 
 def tables(res: dict) -> str:
@@ -172,11 +174,13 @@ def main():
                 rep["pca_summary"] = {k: summary(rep["pca"], k) for k in ("t2", "q", "t2_or_q")}
                 print(f"r{r} PCA T2: {rep['pca_summary']['t2']}", flush=True)
                 res["replicates"][r] = rep
-            man, secs = fit_bundle(BRAATZ, REPO, tmp / "braatz")
-            res["braatz_fit"] = {"fit_seconds": secs, "manifest": predicted(man),
-                                 "unobservable": man["sensor"]["fit"]["unobservable_classes"],
-                                 "per_class_out_of_fold": man["sensor"]["fit"]["validation"]["per_class"]}
-            print(f"braatz: {res['braatz_fit']['manifest']}", flush=True)
+            for name, tree in trees.items():
+                man, secs = fit_bundle(BRAATZ, tree, tmp / f"braatz_{name}")
+                fit = {"fit_seconds": secs, "manifest": predicted(man),
+                       "unobservable": man["sensor"]["fit"]["unobservable_classes"],
+                       "per_class_out_of_fold": man["sensor"]["fit"]["validation"]["per_class"]}
+                res["braatz_fit" if name == "current" else f"braatz_fit_{name}"] = fit
+                print(f"braatz {name}: {fit['manifest']}", flush=True)
         finally:
             if a.compare:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tmp / "old")],

@@ -63,8 +63,15 @@ def test_fit_manifest_records_provenance(split, fitted):
     # fault 9 leaves no trace in the measurements: recognised, its windows train the normal class
     assert prov["unobservable_classes"] == ["fault_09"] and "fault_09" in log
     assert prov["train"]["best_step"] <= prov["train"]["steps"] <= 200
-    assert s["alarm"]["far_target"] == 0.01 and 0 < s["alarm"]["threshold"] < 1
-    assert s["alarm"]["val_far"] <= 0.01 and summary["held_out_far"] == s["alarm"]["val_far"]
+    assert s["alarm"]["far_target"] == 0.02 and 0 < s["alarm"]["threshold"] < 1
+    assert s["alarm"]["val_far"] <= 0.02 and summary["held_out_far"] == s["alarm"]["val_far"]
+    # the Q gate, when kept, is the bundle's (monitor) and the summary's; each held-out normal run's FAR
+    assert s["monitor"]["q_limit"] == s["alarm"]["q_limit"] == summary["q_limit"]
+    assert s["monitor"]["q_frames"] == 32 and s["monitor"]["q_scale"] > 0
+    assert s["alarm"]["q_share"] in (0.0, 0.25) and (s["alarm"]["q_limit"] is None) == (s["alarm"]["q_share"] == 0)
+    runs = s["alarm"]["val_far_runs"]
+    assert list(runs) == [str(fit["normal"]), str(fit[9])] and all(0 <= v <= 1 for v in runs.values())
+    assert abs(np.mean(list(runs.values())) - s["alarm"]["val_far"]) < 0.01      # two runs of 340 and 320
     # the alarm is calibrated out of fold: the two normal runs (d00 and the normal-looking d09) are
     # each held out whole; 660 samples are a score of independent alarm blocks, too few to support
     # FAR 0.01, and the fit says so (log, manifest, summary)
@@ -317,3 +324,42 @@ def test_a_plants_own_exports_read_as_the_standard_files(tmp_path):
         f.truncate((1 << 30) + 1)
     with pytest.raises(UserError, match="GiB"):
         load_run(huge)
+
+
+def test_q_gate_runtime_matches_calibration_units():
+    """The window Q the daemon gates on (runtime.window_q over each window) equals what the
+    calibration reads for the same samples (runtime.run_q over the run); where it is above q_limit,
+    P(normal) is 0 and the fault classes keep their order; without q_limit nothing changes."""
+    from zeroedge.sensor.fit import fit_monitor
+    from zeroedge.sensor.runtime import Detector, run_q, window_q
+
+    rng = np.random.default_rng(1)
+    Z = rng.normal(size=(400, 6)) @ rng.normal(size=(6, 6))
+    mon = fit_monitor(Z, q_frames=5)
+    assert mon["q_limit"] is None and mon["q_frames"] == 5
+    run = np.concatenate([rng.normal(size=(30, 6)) @ rng.normal(size=(6, 6)), rng.normal(size=(20, 6)) * 4])
+    per_sample = run_q(mon, run)
+    by_window = [window_q(mon, run[None, max(0, t - 7):t + 1])[0] for t in range(len(run))]
+    np.testing.assert_allclose(per_sample, by_window, rtol=1e-4)
+    assert abs(run_q(mon, Z).mean() - 1.0) < 0.3                 # Q in units of its mean on the fit data
+    assert per_sample[40:].min() > per_sample[:25].max()          # frames off the components: larger Q
+
+    class Fixed:                                                  # a backend that says "normal, 90 %"
+        def __call__(self, x):
+            return np.tile(np.array([[0.9, 0.06, 0.04]], np.float32), (len(x), 1))
+
+    def detector(q_limit):
+        m = dict(mon, q_limit=q_limit, limit=1e9, steepness=100.0)   # T^2 out of the way
+        return Detector({"window": 8, "channels": 6, "class_names": ["normal", "a", "b"],
+                         "normalisation": {"mean": [0.0] * 6, "std": [1.0] * 6},
+                         "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": m}, Fixed())
+
+    windows = np.stack([run[t - 7:t + 1] for t in range(7, len(run))])
+    limit = float(np.quantile(per_sample, 0.5))
+    g, plain = detector(limit).probs(windows), detector(None).probs(windows)
+    raised = per_sample[7:] > limit
+    assert raised.any() and not raised.all()
+    np.testing.assert_allclose(g.sum(1), 1.0, atol=1e-6)
+    assert (g[raised, 0] == 0).all() and (g[raised, 1] > g[raised, 2]).all()
+    np.testing.assert_allclose(g[~raised], plain[~raised], atol=1e-7)
+    np.testing.assert_allclose(plain[:, 0], 0.9, atol=1e-6)

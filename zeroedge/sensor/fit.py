@@ -13,9 +13,11 @@
    with a single normal file, a block of it) and without a block of every fault file, a gap of a
    window plus the EMA's memory around each block, scores what it was not fitted on. The threshold
    keeps the false-alarm rate of those normal scores at the target (their quantile, guarded by a
-   Gaussian fit of the smoothed log-odds); alpha maximises the fault blocks' detection rate. The
-   FAR this predicts rests on the independent alarm blocks counted in the manifest, with its 95 %
-   upper bound; when that bound is above the target, the fit says so.
+   Gaussian fit of the smoothed log-odds); a Q gate (the PCA residual averaged over the window,
+   limit at a quantile of the same held-out normal samples) may take part of that budget; alpha and
+   the gate's part maximise the fault blocks' detection rate. The FAR this predicts rests on the
+   independent alarm blocks counted in the manifest, with its 95 % upper bound; when that bound is
+   above the target, the fit says so.
 4. The bundle (ONNX + weights + manifest, "kind": "sensor") records its provenance: files, their
    SHA-256, the split, the target FAR, the validation figures and the normal-operation statistics of
    the fit data (used by the drift warning of `sensor-eval` and the daemon).
@@ -321,11 +323,15 @@ def _train_fixed(model, normal_tr, faults_tr, window, steps, batch, lr, noise, r
 
 # ---- the normal-operation monitor (T^2 on the plant's own principal components) --------------------
 
-def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, steepness: float = 10.0) -> dict:
+def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, steepness: float = 10.0,
+                q_frames: int = 1) -> dict:
     """Hotelling T^2 on the principal components of normalised normal data, with its F-distribution
     limit. The detector turns it into an anomaly probability a = sigmoid(steepness * (T^2/limit - 1))
     and scales P(normal) by (1 - a): what is far from this plant's normal operation raises the score
-    even where the classifier has never seen anything like it (see runtime.Detector.probs)."""
+    even where the classifier has never seen anything like it (see runtime.Detector.probs). Q (the
+    residual off the components) is measured in units of its mean on Z (`q_scale`, the residual
+    eigenvalues' sum), over the last `q_frames` frames of a window; its gate stays off until the
+    calibration sets `q_limit`."""
     from scipy import stats
 
     Z = np.asarray(Z, np.float64)
@@ -340,7 +346,8 @@ def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, stee
     return {"kind": "t2", "center": Z.mean(0).astype(np.float32).tolist(),
             "components": V[:, :k].astype(np.float32).tolist(), "inv_var": (1.0 / w[:k]).astype(np.float32).tolist(),
             "limit": float(limit), "steepness": float(steepness), "variance": variance, "alpha": alpha,
-            "samples": int(n)}
+            "samples": int(n), "q_scale": float(max(w[k:].sum(), 1e-9)), "q_frames": int(q_frames),
+            "q_limit": None}
 
 
 def observable(Z_fault: np.ndarray, Z_normal_val: np.ndarray, mon: dict, q_pca) -> tuple:
@@ -354,7 +361,7 @@ def observable(Z_fault: np.ndarray, Z_normal_val: np.ndarray, mon: dict, q_pca) 
 
 # ---- the whole fit ---------------------------------------------------------------------------------
 
-def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window: int = 32,
+def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.02, window: int = 32,
         out=None, force: bool = False, max_steps: int = 3000, seed: int = 0, threads: int = 2,
         allow_constant: bool = False, log=print) -> dict:
     """Fit a sensor bundle to a plant (see the module docstring). Returns the manifest."""
@@ -408,7 +415,13 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.01, window:
     scores = fold_scores([r.data for r in normal] + [r.data for r in faults if r.label in runs.unobs],
                          [(r.data, r.label) for r in faults if r.label not in runs.unobs], window, steps,
                          seed=seed, threads=threads, log=log)
-    alarm, per_class = _calibrate_alarm(scores, window, far, log)
+    alarm, per_class = _calibrate_alarm(scores, window, far, log, [str(r.path) for r in normal]
+                                        + [str(r.path) for r in faults if r.label in runs.unobs])
+    # the bundle's monitor is fitted as the folds' were: on every normal run and every run that
+    # cannot be told from one (the fold monitors saw all of them but the held-out one)
+    mon = fit_monitor(np.concatenate([nz(r.data) for r in normal] + [nz(r.data) for r in faults if r.label in runs.unobs]),
+                      q_frames=window)
+    mon["q_limit"] = alarm["q_limit"]
     provenance = {
         "tool": "zeroedge sensor-fit", "started_from": "shipped weights (zeroedge/data/tep_sensor.npz), "
         + ("fine-tuned" if train_info else "not trained (normal data only: an anomaly detector)"),
@@ -473,12 +486,16 @@ def folds_can_train(lengths, window: int) -> bool:
 class FoldScores:
     """Out-of-fold scores: every held-out block scored by a model that never saw it nor the `gap`
     samples around it. normal: 1 - P(normal) per held-out normal block; faults: (class, (T, classes)
-    probabilities, onset) for each held-out fault block after a held-out normal block."""
+    probabilities, onset) for each held-out fault block after a held-out normal block; normal_q,
+    fault_q: the window Q of the same samples (runtime.run_q, the fold monitor's units)."""
     normal: list
     faults: list
     folds: int
     gap: int
     whole_runs: bool = False        # normal runs held out whole (else blocks of the one normal run)
+    normal_q: list = None
+    fault_q: list = None
+    normal_run: list = None         # which of the normal runs each held-out normal block comes from
 
 
 def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0, threads: int = 2,
@@ -488,11 +505,11 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
     without their fold block and its gap, scoring that block through the runtime's own path. Normal
     runs are held out whole when there are several (one per fold in turn), in blocks when there is
     one; fault files always in blocks."""
-    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores
+    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores, run_q
 
     gap = fold_gap(window)
     whole = len(normal_raw) >= 2               # several normal runs: each is held out whole in one fold
-    out = FoldScores([], [], folds, gap, whole)
+    out = FoldScores([], [], folds, gap, whole, [], [], [])
     t0 = time.time()
     for j in range(folds):
         def pieces(X):
@@ -512,10 +529,14 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
             train_detector(model, [nz(X) for X in n_tr], [(nz(X), k) for X, k in f_tr],
                            [], [], window, max_steps=steps, seed=seed + 1 + j, threads=threads)
         zn = np.clip((np.concatenate(n_tr) - mean) / std, -50, 50)
+        mon = fit_monitor(zn, q_frames=window)
         det = Detector({"window": window, "channels": N_CHANNELS, "class_names": list(CLASS_NAMES),
                         "normalisation": {"mean": mean.tolist(), "std": std.tolist()},
-                        "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": fit_monitor(zn)},
+                        "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": mon},
                        TorchBackend(model))
+
+        def q_of(X):
+            return run_q(mon, det.normalise(X))
 
         held = []
         for i, X in enumerate(normal_raw):             # the block, scored with the window before it as context
@@ -524,12 +545,15 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
                 a, b = block
                 c = max(0, a - window + 1)
                 out.normal.append(evaluate_scores(det, X[c:b])[a - c:])
+                out.normal_q.append(q_of(X[c:b])[a - c:])
+                out.normal_run.append(i)
                 held.append(X[a:b])
         prefix = held[0][-2 * window:] if held else normal_raw[0][-2 * window:]
         for X, k in fault_raw:
             (a, b), _ = pieces(X)
-            P = evaluate_scores(det, np.concatenate([prefix, X[a:b]]), probs=True)
-            out.faults.append((k, P, len(prefix)))
+            Xb = np.concatenate([prefix, X[a:b]])
+            out.faults.append((k, evaluate_scores(det, Xb, probs=True), len(prefix)))
+            out.fault_q.append(q_of(Xb))
         log(f"[sensor-fit] fold {j + 1}/{folds}: {steps} steps, held-out blocks scored ({time.time() - t0:.0f}s)")
     return out
 
@@ -607,34 +631,62 @@ def choose_threshold(normal_scores: np.ndarray, far: float) -> float:
     return float(1 / (1 + np.exp(-t)))
 
 
-def _calibrate_alarm(scores: FoldScores, window: int, far: float, log) -> tuple:
-    """The alarm filter on out-of-fold scores: for each EMA alpha the threshold for the target FAR
-    on the held-out normal blocks, the alpha with the best held-out FDR on the fault blocks (each
-    after a normal block). Returns (alarm, per-class FDR and predicted fault)."""
+Q_SHARES = (0.0, 0.25)      # parts of the FAR budget the Q gate may take (0: no Q gate)
+
+
+def _calibrate_alarm(scores: FoldScores, window: int, far: float, log, run_names=None) -> tuple:
+    """The alarm on out-of-fold scores. For each part of the FAR budget given to the Q gate (its
+    limit: that quantile of the held-out normal samples' window Q) and each EMA alpha, the threshold
+    for the target FAR on the held-out normal blocks with the gate in; kept: the pair with the best
+    held-out FDR on the fault blocks (each after a normal block). Returns (alarm, per-class FDR and
+    predicted fault); alarm["q_limit"] is None when the gate does not help; alarm["val_far_runs"]: the
+    out-of-fold FAR of each held-out normal run (`run_names`, in the order fold_scores got them)."""
+    qn = np.concatenate(scores.normal_q) if scores.normal_q else np.zeros(0)
     best = None
-    for alpha in ALPHAS:
-        sm = [ema(s, alpha) for s in scores.normal]
-        thr = choose_threshold(np.concatenate(sm), far)
-        fdrs = [float((ema(1 - P[:, 0], alpha)[o:] > thr).mean()) for k, P, o in scores.faults]
-        fdr = float(np.mean(fdrs)) if fdrs else 0.0
-        if best is None or fdr > best[0] + 1e-9:
-            best = (fdr, alpha, thr, float(np.mean(np.concatenate(sm) > thr)), sm)
-    val_fdr, alpha, thr, val_far, sm = best
+    for share in Q_SHARES:
+        if share and not len(qn):
+            continue
+        ql = float(np.quantile(qn, 1 - share * far, method="higher")) if share else None
+
+        def gated(x, q):                     # the score, 1 where the Q gate is raised (as the runtime has it)
+            return x if ql is None else np.where(np.asarray(q) > ql, np.float32(1.0), x)
+
+        nsc = [gated(x, q) for x, q in zip(scores.normal, scores.normal_q or [None] * len(scores.normal))]
+        fsc = [(k, gated(1 - P[:, 0], q), o) for (k, P, o), q in
+               zip(scores.faults, scores.fault_q or [None] * len(scores.faults))]
+        for alpha in ALPHAS:
+            sm = [ema(x, alpha) for x in nsc]
+            thr = choose_threshold(np.concatenate(sm), far)
+            fdrs = [float((ema(x, alpha)[o:] > thr).mean()) for k, x, o in fsc]
+            fdr = float(np.mean(fdrs)) if fdrs else 0.0
+            if best is None or fdr > best[0] + 1e-9:
+                best = (fdr, alpha, thr, float(np.mean(np.concatenate(sm) > thr)), sm, ql, share, fsc)
+    val_fdr, alpha, thr, val_far, sm, ql, share, fsc = best
     per_class = {}
     for k in sorted({k for k, _, _ in scores.faults}):
-        post = np.concatenate([(ema(1 - P[:, 0], alpha) > thr)[o:] for kk, P, o in scores.faults if kk == k])
+        post = np.concatenate([(ema(x, alpha) > thr)[o:] for kk, x, o in fsc if kk == k])
         guess = np.concatenate([np.argmax(P[o:, 1:], 1) + 1 for kk, P, o in scores.faults if kk == k])
         pred = int(np.bincount(guess[post], minlength=len(CLASS_NAMES)).argmax()) if post.any() else 0
         per_class[CLASS_NAMES[k]] = {"fdr": round(float(post.mean()), 4), "predicted": CLASS_NAMES[pred]}
-    evidence = far_evidence([s > thr for s in sm], window, alpha, far)
+    evidence = far_evidence([x > thr for x in sm], window, alpha, far)
+    by_run = {}
+    for i, x in zip(scores.normal_run or [0] * len(sm), sm):
+        by_run.setdefault(i, []).append(x > thr)
+    names = run_names or [f"normal run {i + 1}" for i in range(max(by_run, default=0) + 1)]
+    far_runs = {names[i]: round(float(np.concatenate(v).mean()), 5) for i, v in sorted(by_run.items())}
     alarm = {"ema_alpha": alpha, "threshold": thr, "far_target": far, "val_far": round(val_far, 5),
              "val_far_evidence": evidence, "val_fdr": round(val_fdr, 5) if scores.faults else None,
+             "q_limit": ql, "q_share": share, "val_far_runs": far_runs,
              "validation": {"kind": "blocked folds", "folds": scores.folds, "gap_samples": scores.gap,
                             "normal_held_out": "whole runs" if scores.whole_runs else "blocks",
                             "normal_samples": int(sum(map(len, scores.normal)))},
-             "rule": "out-of-fold scores of blocked folds; threshold: the larger of the (1 - far) quantile and "
-                     "a Gaussian fit of the smoothed log-odds of held-out normal scores; alpha: best held-out FDR"}
-    log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}; out-of-fold FAR {val_far:.3f}"
+             "rule": "out-of-fold scores of blocked folds; Q gate: the (1 - q_share * far) quantile of the held-out "
+                     "normal samples' window Q; threshold: the larger of the (1 - far) quantile and a Gaussian fit "
+                     "of the smoothed log-odds of held-out normal scores, Q gate in; q_share and alpha: best "
+                     "held-out FDR"}
+    log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}"
+        + ("" if ql is None else f", Q gate at {ql:.3f} (window mean, {share:g} of the FAR budget)")
+        + f"; out-of-fold FAR {val_far:.3f}"
         + (f", FDR {val_fdr:.3f} over {len(scores.faults)} fault blocks" if scores.faults else ""))
     if not evidence["supported"]:
         log(f"[sensor-fit] warning: the held-out normal data are {evidence['independent_blocks']} independent "

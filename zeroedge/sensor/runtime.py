@@ -16,8 +16,12 @@ Both numbers come from the bundle (chosen on validation runs for a target false-
 Bundles made by `zeroedge sensor-fit` also carry a `monitor` (Hotelling T^2 on the plant's own
 principal components): P(normal) is scaled by 1 - sigmoid(steepness * (T^2/limit - 1)) of the last
 frame, so data far from the plant's normal operation alarm even where the classifier has never seen
-anything like them; and a `profile` of their normal data, which `drift_check` compares a stream's
-first window with (the warning of `sensor-eval` and the daemon).
+anything like them. With a `q_limit`, the monitor also gates on Q (the squared residual off those
+components) averaged over the last `q_frames` frames of the window, in units of its mean on the fit
+data (`q_scale`): above the limit, P(normal) is 0 (the limit is set beside the threshold on out-of-
+fold scores; slow drifts such as a stuck valve show there before the classifier is sure). And a
+`profile` of their normal data, which `drift_check` compares a stream's first window with (the
+warning of `sensor-eval` and the daemon).
 """
 from __future__ import annotations
 
@@ -102,7 +106,8 @@ class Detector:
         z = np.ascontiguousarray(self.normalise(windows), dtype=np.float32)
         p = self.backend(z)
         if self.monitor is not None:
-            p = apply_monitor(self.monitor, p, z[:, -1])
+            ql = self.monitor["q_limit"]
+            p = apply_monitor(self.monitor, p, z[:, -1], None if ql is None else window_q(self.monitor, z) > ql)
         return p
 
     def drift_check(self, frames: np.ndarray) -> Optional[str]:
@@ -134,9 +139,14 @@ class Detector:
 def _monitor_arrays(mon):
     if not mon:
         return None
-    return {"center": np.asarray(mon["center"], np.float32), "components": np.asarray(mon["components"], np.float32),
+    V = np.asarray(mon["components"], np.float32)
+    w, E = np.linalg.eigh(np.eye(len(V)) - V.astype(np.float64) @ V.T.astype(np.float64))
+    return {"center": np.asarray(mon["center"], np.float32), "components": V,
+            "residual": np.ascontiguousarray(E[:, w > 0.5], np.float32),   # a basis of what the components leave (Q)
             "inv_var": np.asarray(mon["inv_var"], np.float32), "limit": float(mon["limit"]),
-            "steepness": float(mon["steepness"])}
+            "steepness": float(mon["steepness"]),
+            "q_limit": None if mon.get("q_limit") is None else float(mon["q_limit"]),
+            "q_scale": float(mon.get("q_scale") or 1.0), "q_frames": int(mon.get("q_frames") or 1)}
 
 
 def monitor_t2(mon, z: np.ndarray) -> np.ndarray:
@@ -147,12 +157,44 @@ def monitor_t2(mon, z: np.ndarray) -> np.ndarray:
     return (t * t) @ mon["inv_var"]
 
 
-def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray) -> np.ndarray:
-    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)); the fault classes
-    share the rest in their own proportions (argmax unchanged)."""
+def monitor_q(mon, z: np.ndarray) -> np.ndarray:
+    """Q of normalised frames (..., channels): the squared residual off the monitor's components,
+    in units of `q_scale` (its mean on the fit data)."""
+    if "residual" not in mon:
+        mon = _monitor_arrays(mon)
+    r = (np.asarray(z, np.float32) - mon["center"]) @ mon["residual"]
+    return np.square(r).sum(-1) / mon["q_scale"]
+
+
+def window_q(mon, z: np.ndarray) -> np.ndarray:
+    """Windows (B, T, channels) of normalised frames -> (B,) mean Q over their last q_frames frames."""
+    if "residual" not in mon:
+        mon = _monitor_arrays(mon)
+    r = (z[:, -mon["q_frames"]:] - mon["center"]) @ mon["residual"]          # (B, frames, residual dims)
+    return np.square(r).sum((1, 2)) / (r.shape[1] * mon["q_scale"])
+
+
+def run_q(mon, z: np.ndarray) -> np.ndarray:
+    """The same for every sample of a run (T, channels), each with the frames before it as its window
+    (a fresh stream's first windows are shorter): what `window_q` gives the daemon, sample by sample."""
+    if "residual" not in mon:
+        mon = _monitor_arrays(mon)
+    q = monitor_q(mon, z).astype(np.float64)
+    c = np.concatenate([[0.0], np.cumsum(q)])
+    i = np.arange(len(q))
+    lo = np.maximum(0, i - mon["q_frames"] + 1)
+    return (c[i + 1] - c[lo]) / (i + 1 - lo)
+
+
+def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray, q_raised: Optional[np.ndarray] = None) -> np.ndarray:
+    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)), and a = 1 where the Q
+    gate is raised (`q_raised`, see window_q); the fault classes share the rest in their own
+    proportions (argmax unchanged)."""
     t2 = monitor_t2(mon, z_last).astype(np.float64)
     x = np.clip(mon["steepness"] * (t2 / mon["limit"] - 1.0), -60, 60)
     a = 1.0 / (1.0 + np.exp(-x))
+    if q_raised is not None:
+        a[q_raised] = 1.0
     p = np.asarray(p, np.float64)
     pn = p[:, 0] * (1.0 - a)
     rest = np.maximum(1.0 - p[:, 0], 1e-12)

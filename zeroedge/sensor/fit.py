@@ -394,8 +394,8 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.02, window:
 
     Zn_tr, Zn_val = [nz(X) for X in n_tr], [nz(X) for X in n_val]
     Zall_tr = np.concatenate(Zn_tr)
-    mon = fit_monitor(Zall_tr)
-    runs = _split_faults(faults, nz, np.concatenate(Zn_val), mon, PCAMonitor().fit(Zall_tr), window, log)
+    runs = _split_faults(faults, nz, np.concatenate(Zn_val), fit_monitor(Zall_tr), PCAMonitor().fit(Zall_tr),
+                         window, log)
     runs.split["normal"] = [{"file": str(r.path), "train": [0, len(a)], "held_out": [len(a), len(r.data)]}
                             for r, a in zip(normal, n_tr)]
     log(f"[sensor-fit] normalisation from {len(Zall_tr)} normal samples; {sum(map(len, Zn_val))} held out; "

@@ -149,10 +149,14 @@ def _monitor_arrays(mon):
             "q_scale": float(mon.get("q_scale") or 1.0), "q_frames": int(mon.get("q_frames") or 1)}
 
 
+def _arrays(mon):
+    """The monitor's arrays (a Detector converts its bundle's monitor section once)."""
+    return mon if "residual" in mon else _monitor_arrays(mon)
+
+
 def monitor_t2(mon, z: np.ndarray) -> np.ndarray:
     """Hotelling T^2 of normalised frames (N, channels) on the monitor's components."""
-    if not isinstance(mon.get("components"), np.ndarray):
-        mon = _monitor_arrays(mon)
+    mon = _arrays(mon)
     t = (np.asarray(z, np.float32) - mon["center"]) @ mon["components"]
     return (t * t) @ mon["inv_var"]
 
@@ -160,16 +164,14 @@ def monitor_t2(mon, z: np.ndarray) -> np.ndarray:
 def monitor_q(mon, z: np.ndarray) -> np.ndarray:
     """Q of normalised frames (..., channels): the squared residual off the monitor's components,
     in units of `q_scale` (its mean on the fit data)."""
-    if "residual" not in mon:
-        mon = _monitor_arrays(mon)
+    mon = _arrays(mon)
     r = (np.asarray(z, np.float32) - mon["center"]) @ mon["residual"]
     return np.square(r).sum(-1) / mon["q_scale"]
 
 
 def window_q(mon, z: np.ndarray) -> np.ndarray:
     """Windows (B, T, channels) of normalised frames -> (B,) mean Q over their last q_frames frames."""
-    if "residual" not in mon:
-        mon = _monitor_arrays(mon)
+    mon = _arrays(mon)
     r = (z[:, -mon["q_frames"]:] - mon["center"]) @ mon["residual"]          # (B, frames, residual dims)
     return np.square(r).sum((1, 2)) / (r.shape[1] * mon["q_scale"])
 
@@ -177,8 +179,7 @@ def window_q(mon, z: np.ndarray) -> np.ndarray:
 def run_q(mon, z: np.ndarray) -> np.ndarray:
     """The same for every sample of a run (T, channels), each with the frames before it as its window
     (a fresh stream's first windows are shorter): what `window_q` gives the daemon, sample by sample."""
-    if "residual" not in mon:
-        mon = _monitor_arrays(mon)
+    mon = _arrays(mon)
     q = monitor_q(mon, z).astype(np.float64)
     c = np.concatenate([[0.0], np.cumsum(q)])
     i = np.arange(len(q))

@@ -141,7 +141,7 @@ def main():
            "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "threads": args.threads, "new_tokens": args.new,
            "requests_per_client": args.requests, "llama_cpp_commit": commit,
            "zeroedge": "serve --weights q4 (4-bit linears on the GGUF's Q4_1 grid, 8-bit LM head, int8-rounded "
-                       "inputs, onnxruntime MatMulNBits; attention in torch fp32)",
+                       "inputs, onnxruntime MatMulNBits; the whole step, fp32 attention included, one onnxruntime graph)",
            "llama_server": f"llama-server -t {args.threads} --parallel {max(args.clients)} (continuous batching)",
            "rows": rows}
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)

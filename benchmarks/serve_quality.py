@@ -42,12 +42,12 @@ def main():
     args = ap.parse_args()
     from zeroedge import texts, weights
     from zeroedge.serve.batch import BatchStep, PagedKV
-    from zeroedge.serve.cpu_q4 import Q4Linears
+    from zeroedge.serve.cpu_q4 import Q4Step
 
     torch.set_num_threads(args.threads)
     m, folder = weights.load("smollm2-135m")
     tok = weights.tokenizer(folder)
-    q4 = Q4Linears(m, args.threads)
+    q4 = Q4Step(m, args.threads)
     pool = PagedKV(m.cfg, args.windows * (args.tokens // 16 + 2), 16, "cpu", torch.float32)
     rows = []
     for name in args.texts.split(","):

@@ -90,7 +90,7 @@ def main():
     import torch
 
     from zeroedge.serve.backends import TorchBatched
-    from zeroedge.serve.cpu_q4 import Q4Linears
+    from zeroedge.serve.cpu_q4 import Q4Step
     from zeroedge.serve.engine import Engine
     from zeroedge.weights import resolve_model, tokenizer_for
 
@@ -106,7 +106,7 @@ def main():
         gen = {mode: (lambda p, n, mode=mode: generate_run(sess, p, n, mode)) for mode in modes}
         engines = {}
     else:
-        lin = Q4Linears(m, a.threads)
+        lin = Q4Step(m, a.threads)
         torch.set_num_threads(1)
         b = TorchBatched(m, 256 << 20, 1, 128, lin)
         engines = {mode: Engine(b, tok, speculative=mode) for mode in modes}

@@ -104,9 +104,9 @@ def _engine_outputs(model_tok, mode, requests, weights):
     m, tok = model_tok
     lin = None
     if weights == "q4":
-        from zeroedge.serve.cpu_q4 import Q4Linears
+        from zeroedge.serve.cpu_q4 import Q4Step
 
-        lin = Q4Linears(m, 2)
+        lin = Q4Step(m, 2)
     e = Engine(TorchBatched(m, 64 << 20, 4, 32, lin), tok, speculative=mode)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)        # as `zeroedge serve` on a CPU: torch's SDPA splits a batch by threads
@@ -135,9 +135,9 @@ def test_verify_rows_are_plain_decode_steps_bit_for_bit(model_tok, weights):
     m, tok = model_tok
     lin = None
     if weights == "q4":
-        from zeroedge.serve.cpu_q4 import Q4Linears
+        from zeroedge.serve.cpu_q4 import Q4Step
 
-        lin = Q4Linears(m, 2)
+        lin = Q4Step(m, 2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

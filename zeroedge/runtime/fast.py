@@ -113,7 +113,7 @@ class TorchLinears:
     """The model's fused weights over rows of tokens (a batch, or a draft being checked): between two
     attentions, `boundary(l, x, o) -> (x, qkv)` runs layer l-1's o_proj, residual and SwiGLU FFN
     (with `o`, l > 0) and layer l's RMSNorm and q/k/v projection (l < L); `head(x)` the final norm and
-    the LM head. zeroedge.serve.cpu_q4.Q4Linears has the same boundaries on 4-bit weights."""
+    the LM head."""
 
     min_rows = 4            # torch's float products on MKL compute a row alike from 4 rows up
 

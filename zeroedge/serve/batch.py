@@ -24,7 +24,8 @@ Batch invariance on the CPU: a sequence's greedy output does not depend on what 
 Rows of a matrix product are computed alike for any number of rows from a kernel's `min_rows` up
 (torch's float products on MKL: 4; onnxruntime's MatMulNBits: 2; fewer rows take another kernel), so
 every product runs on at least that many rows (padding rows are zeros); masked padding of the
-attention adds exact zeros. `tests/test_serve.py` checks the whole server for it on the CPU; on CUDA
+attention adds exact zeros (on 4-bit weights the step is one onnxruntime graph that attends by
+itself, zeroedge.serve.cpu_q4). `tests/test_serve.py` checks the whole server for it on the CPU; on CUDA
 cuBLAS may pick kernels by batch size, and nothing here checks it.
 """
 from __future__ import annotations
@@ -96,8 +97,8 @@ class Segment:
 
 
 class BatchStep:
-    """linears: None (the model's weights in torch: TorchLinears) or zeroedge.serve.cpu_q4.Q4Linears
-    (4-bit weights in onnxruntime, CPU). attention: how decode rows attend, "gather" (their pages
+    """linears: None (the model's weights in torch: TorchLinears) or zeroedge.serve.cpu_q4.Q4Step
+    (4-bit weights on a CPU: the whole step is one onnxruntime graph, which attends by itself). attention: how decode rows attend, "gather" (their pages
     gathered, then SDPA), "paged" (zeroedge.kv.paged_attention: Triton kernels that read the pages
     in place; CUDA, or the Triton interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
     graphs: a step of decode rows alone (plain steps and verify segments: no prompt chunk) replays a
@@ -113,8 +114,8 @@ class BatchStep:
             raise ValueError("batched serving needs unpruned attention heads")
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.lin = linears if linears is not None else TorchLinears(model)
-        self.numpy = linears is not None                # the linears take and give numpy arrays
+        self.q4 = linears                                 # the whole step in onnxruntime, or None
+        self.lin = TorchLinears(model) if linears is None else None
         self.L = len(model.layers)
         self.inv_freq = model.inv_freq.to(self.device).float()
         self.scale = 1.0 / math.sqrt(self.hd)
@@ -122,8 +123,8 @@ class BatchStep:
             raise ValueError("attention must be 'auto', 'gather' or 'paged'")
         if attention == "auto":
             half = self.dtype in (torch.float16, torch.bfloat16)
-            attention = "paged" if half and not self.numpy and triton_runs(self.device, self.hd) else "gather"
-        if attention == "paged" and (self.numpy or not triton_runs(self.device, self.hd, interpreter=True)):
+            attention = "paged" if half and not self.q4 and triton_runs(self.device, self.hd) else "gather"
+        if attention == "paged" and (self.q4 or not triton_runs(self.device, self.hd, interpreter=True)):
             raise ValueError("paged attention needs the torch linears and Triton on CUDA (or its interpreter) "
                              "with a power-of-two head size >= 16")
         self.attention = attention
@@ -135,6 +136,8 @@ class BatchStep:
     def forward(self, segments: List[Segment]) -> torch.Tensor:
         """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's,
         in segment order."""
+        if self.q4 is not None:
+            return self.q4.forward(self.pool, segments)
         if self.graphs and all(len(s.tokens) == 1 or s.verify for s in segments):
             return self._replay(segments)
         ids, pos, slots, out_rows = [], [], [], []
@@ -165,8 +168,6 @@ class BatchStep:
                          groups, pre)
         rows = torch.zeros(max(len(out_rows), self.lin.min_rows), dtype=torch.long)
         rows[: len(out_rows)] = torch.tensor(out_rows)
-        if self.numpy:
-            return torch.from_numpy(self.lin.head(np.ascontiguousarray(x[rows.numpy()])))[: len(out_rows)]
         return self.lin.head(x[rows.to(self.device)])[: len(out_rows)].float()
 
     def _layers(self, tok, posf, slot_t, groups, pre):
@@ -176,12 +177,9 @@ class BatchStep:
         M, N, dev = tok.numel(), slot_t.numel(), self.device
         f = torch.outer(posf, self.inv_freq)
         cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
-        x = self.m.embed_tokens(tok)
-        if self.numpy:
-            x = x.numpy()
-        x, qkv = self.lin.boundary(0, x)
+        x, qkv = self.lin.boundary(0, self.m.embed_tokens(tok))
         for li in range(self.L):
-            qkv = (torch.from_numpy(qkv) if self.numpy else qkv).view(M, self.H + 2 * self.nkv, self.hd)
+            qkv = qkv.view(M, self.H + 2 * self.nkv, self.hd)
             qk = qkv[:, : self.H + self.nkv]
             qk = qk * cos[:, None] + torch.cat((-qk[..., self.hd // 2:], qk[..., : self.hd // 2]), -1) * sin[:, None]
             q, k, v = qk[:, : self.H], qk[:N, self.H:], qkv[:N, self.H + self.nkv:]
@@ -194,7 +192,7 @@ class BatchStep:
             for r0, s in pre:
                 o[r0:r0 + len(s.tokens)] = self._chunk_attention(q[r0:r0 + len(s.tokens)], K, V, s)
             o = o.view(M, -1)
-            x, qkv = self.lin.boundary(li + 1, x, o.numpy() if self.numpy else o)
+            x, qkv = self.lin.boundary(li + 1, x, o)
         return x
 
     def _replay(self, segments):

@@ -1,4 +1,5 @@
-"""A model's linear layers as onnxruntime graphs with 4-bit weights, for batched serving on a CPU.
+"""The serving engine's step on 4-bit weights, for batched serving on a CPU: the whole step, every
+layer and its attention, is one onnxruntime graph (`Q4Step`).
 
 Each weight is stored on its min/max grid of blocks of 32 along the input (zeroedge.quant.groupwise.
 quantize_float: w = s * q + m, the grid of a Q4_1 GGUF, so the bundled SmolLM2 keeps its own weights
@@ -6,15 +7,10 @@ bit for bit), the LM head on a symmetric 8-bit grid of blocks of 32 (w = d * q: 
 grid). onnxruntime's MatMulNBits runs them with int8-rounded inputs (accuracy level 4, what llama.cpp
 does for these types); its fast path takes no float zero point, so a product is the offset-8 one plus
 `blocksums(x) @ C`, C = s * 8 + m, computed exactly in float.
-
-The step between two attentions is one graph: layer l-1's o_proj and residual, its FFN and residual,
-then layer l's RMSNorm and q/k/v projection (`boundary(l, x, o) -> (x, qkv)`; `boundary(0, x)` is
-layer 0's input side alone, `boundary(L, x, o)` layer L-1's output side alone); `head(x)` is the final
-norm and the LM head. A step of the serving engine is L + 2 onnxruntime calls whatever the batch.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -95,81 +91,242 @@ class _Graph:
         return y
 
     def session(self, inputs: List[tuple], outputs: List[tuple], threads: int):
+        """inputs, outputs: [(name, onnx element type, shape)]."""
         import onnxruntime as ort
 
-        from onnx import TensorProto, helper
+        from onnx import helper
 
-        vi = lambda n, d: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["M", d])  # noqa: E731
-        g = helper.make_graph(self.nodes, "zeroedge_serve", [vi(n, d) for n, d in inputs],
-                              [vi(n, d) for n, d in outputs], self.inits)
+        g = helper.make_graph(self.nodes, "zeroedge_serve", [helper.make_tensor_value_info(*t) for t in inputs],
+                              [helper.make_tensor_value_info(*t) for t in outputs], self.inits)
         m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
-        # L + 2 sessions keep a pool each: spinning, their idle threads would take the cores from the
-        # others (and from torch's attention between calls)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # one session runs the whole step (~1,500 small operators): its threads spin between them
+        # rather than sleep and wake (5-10 % of a step on two cores)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-class Q4Linears:
+class Q4Step:
+    """The whole engine step on 4-bit weights as one onnxruntime graph (`forward(pool, segments)`, the
+    interface of zeroedge.serve.batch.BatchStep.forward). Attention reads the KV pool in place: the
+    pool's K and V are inputs bound by address, each attending group's slots gathered layer by layer,
+    this step's K / V scattered into the gathered copy at their positions; the new K / V of every layer
+    come back as outputs and are written into the pool after the call.
+
+    Two attention blocks run in the graph: decode rows, a group each (one query over its own slots),
+    and groups of several rows (a prompt chunk, a verify segment: the rows of one sequence over its
+    shared slots, causally). A row's attention does not depend on the other groups: scores are one
+    product per group, the softmax's max is exact, and its sum is a matrix product over the slots whose
+    padding adds exact zeros at the end, so a row gives the same logits alone, in any batch, or as a
+    row of a verify segment (the engine's batch invariance, zeroedge.serve.batch)."""
+
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
     def __init__(self, model, threads: int):
         import torch
 
         cfg = model.cfg
-        self.D, self.L = cfg.dim, cfg.n_layers
-        self.qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        self.o_dim = cfg.n_heads * cfg.head_dim
-        layers = model.layers
-        self.sessions = []
-        for li in range(self.L + 1):
-            g = _Graph()
-            ins = [("x", self.D)] if li == 0 else [("x", self.D), ("o", self.o_dim)]
-            x = "x"
-            if li > 0:                           # layer li-1's output side
-                p = layers[li - 1]
-                mlp = p.mlp
-                x = g.node("Add", ["x", g.q4("o", p.self_attn.o_proj.weight, f"l{li - 1}_o")])
-                h = g.norm(x, p.post_attention_layernorm.weight, p.post_attention_layernorm.eps, f"l{li - 1}_ln2")
-                w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
-                gu = g.q4(h, w13, f"l{li - 1}_w13")
-                gate = g.node("Slice", [gu, g.const(f"l{li}_s0", np.array([0], np.int64)),
-                                        g.const(f"l{li}_s1", np.array([cfg.ffn_dim], np.int64)),
-                                        g.const(f"l{li}_ax", np.array([-1], np.int64))])
-                up = g.node("Slice", [gu, f"l{li}_s1", g.const(f"l{li}_s2", np.array([2 * cfg.ffn_dim], np.int64)),
-                                      f"l{li}_ax"])
-                act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
-                x = g.node("Add", [x, g.q4(act, mlp.down_proj.weight, f"l{li - 1}_w2")])
-            outs = [("x_out", self.D)]
-            g.nodes.append(_identity(x, "x_out"))
-            if li < self.L:                      # layer li's input side
-                a = layers[li].self_attn
-                h = g.norm(x, layers[li].input_layernorm.weight, layers[li].input_layernorm.eps, f"l{li}_ln1")
-                w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
-                b = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None)
-                g.nodes.append(_identity(g.q4(h, w, f"l{li}_qkv", b), "qkv"))
-                outs.append(("qkv", self.qkv_dim))
-            self.sessions.append(g.session(ins, outs, threads))
+        D, L, H, nkv, hd = cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.L, self.H, self.nkv, self.hd, self.D = L, H, nkv, hd, D
+        self.embed, self.inv_freq = model.embed_tokens, model.inv_freq.float()
         g = _Graph()
-        h = g.norm("x", model.norm.weight, model.norm.eps, "final_norm")
+        i64 = np.int64
+        ax_last, ax0 = g.const("ax_last", np.array([-1], i64)), g.const("ax0", np.array([0], i64))
+        half = [g.const("h0", np.array([0], i64)), g.const("h1", np.array([hd // 2], i64)),
+                g.const("h2", np.array([hd], i64))]
+        g.const("scale", np.array(1.0 / np.sqrt(hd), np.float32))
+        g.const("rows_qkv", np.array([-1, H + 2 * nkv, hd], i64))
+        own = np.arange(H) // (H // nkv)                                      # query head h's kv head
+        g.const("own_kv", np.arange(H) * nkv + own)
+        g.const("own_pair", own * H + np.arange(H))
+        cuts = [g.const(f"cut{k}", np.array([v], i64)) for k, v in enumerate((0, H, H + nkv, H + 2 * nkv))]
+        x, k_all, v_all = "x", [], []
+        for li in range(L):
+            lay, a = model.layers[li], model.layers[li].self_attn
+            h = g.norm(x, lay.input_layernorm.weight, lay.input_layernorm.eps, f"l{li}_ln1")
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+            b_ = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            qkv = g.node("Reshape", [g.q4(h, w, f"l{li}_qkv", b_), "rows_qkv"])     # (M, H + 2 nkv, hd)
+            qk = g.node("Slice", [qkv, cuts[0], cuts[2], g.const(f"l{li}_ax1", np.array([1], i64))])
+            rot = g.node("Concat", [g.node("Neg", [g.node("Slice", [qk, half[1], half[2], ax_last])]),
+                                    g.node("Slice", [qk, half[0], half[1], ax_last])], axis=-1)
+            qk = g.node("Add", [g.node("Mul", [qk, "cos"]), g.node("Mul", [rot, "sin"])])
+            q = g.node("Slice", [qk, cuts[0], cuts[1], f"l{li}_ax1"])
+            k = g.node("Slice", [qk, cuts[1], cuts[2], f"l{li}_ax1"])
+            v = g.node("Slice", [qkv, cuts[2], cuts[3], f"l{li}_ax1"])
+            k_all.append(g.node("Unsqueeze", [k, ax0]))
+            v_all.append(g.node("Unsqueeze", [v, ax0]))
+            off = g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "slot_stride"])
+            table = {b: g.node("Add", [b + "_table", off]) for b in ("d", "c")}     # this layer's slots
+            o = [_decode_attention(g, q, k, v, table["d"]), _chunk_attention(g, q, k, v, table["c"])]
+            x = g.node("Add", [x, g.q4(g.node("Concat", o, axis=0), a.o_proj.weight, f"l{li}_o")])
+            mlp = lay.mlp
+            h = g.norm(x, lay.post_attention_layernorm.weight, lay.post_attention_layernorm.eps, f"l{li}_ln2")
+            gu = g.q4(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0), f"l{li}_w13")
+            gate = g.node("Slice", [gu, g.const(f"l{li}_f0", np.array([0], i64)),
+                                    g.const(f"l{li}_f1", np.array([cfg.ffn_dim], i64)), ax_last])
+            up = g.node("Slice", [gu, f"l{li}_f1", g.const(f"l{li}_f2", np.array([2 * cfg.ffn_dim], i64)), ax_last])
+            act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
+            x = g.node("Add", [x, g.q4(act, mlp.down_proj.weight, f"l{li}_w2")])
+        h = g.norm(g.node("Gather", [x, "out_rows"]), model.norm.weight, model.norm.eps, "final_norm")
         W = model.lm_head.weight
         _q8_init(W, "head", g.inits)
         y = g.node("MatMulNBits", [h, "head_B", "head_S"], domain="com.microsoft", K=W.shape[1], N=W.shape[0],
                    bits=8, block_size=GROUP, accuracy_level=ACCURACY)
-        g.nodes.append(_identity(y, "logits"))
-        self.head_session = g.session([("x", self.D)], [("logits", W.shape[0])], threads)
+        g.nodes += [_identity(y, "logits"), _identity(g.node("Concat", k_all, axis=0), "k_new"),
+                    _identity(g.node("Concat", v_all, axis=0), "v_new")]
+        from onnx import TensorProto
 
-    def boundary(self, li: int, x: np.ndarray, o=None):
-        """li = 0: layer 0's input side; 1..L-1: layer li-1's output side and li's input side;
-        L: layer L-1's output side. -> (x, qkv or None)."""
-        feeds = {"x": x} if li == 0 else {"x": x, "o": o}
-        out = self.sessions[li].run(None, feeds)
-        return out[0], (out[1] if len(out) > 1 else None)
+        f, i = TensorProto.FLOAT, TensorProto.INT64
+        ins = [("x", f, ["M", D]), ("cos", f, ["M", 1, hd]), ("sin", f, ["M", 1, hd]), ("pool_k", f, ["P", nkv, hd]),
+               ("pool_v", f, ["P", nkv, hd]), ("slot_stride", i, []), ("out_rows", i, ["R"])]
+        for b in ("d", "c"):
+            G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
+            ins += [(b + "_table", i, [G, S]), (b + "_idx", i, [n, 2]), (b + "_src", i, [n]), (b + "_q", i, [b + "Q"])]
+            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(b, 0, 0, 0, H, nkv, hd).items()]
+        ins += [("d_mask", f, ["dG", "dS", 1]), ("d_ones", f, ["dG", "dS", 1]),
+                ("c_mask", f, ["cG", 1, "cT", 1, "cS"]), ("c_ones", f, ["cG", nkv, "cS", 1]), ("c_out", i, ["c_rows"])]
+        outs = [("logits", f, ["R", W.shape[0]]), ("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
+        self.session = g.session(ins, outs, threads)
 
-    def head(self, x: np.ndarray) -> np.ndarray:
-        return self.head_session.run(None, {"x": x})[0]
+    def forward(self, pool, segments) -> "torch.Tensor":
+        """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's, in
+        segment order (BatchStep.forward). The pool's pages for the segments' positions get their K / V.
+        A sequence appears at most once in a step."""
+        import torch
+
+        ps, scratch = pool.page_size, pool.scratch * pool.page_size
+        chunks = [s for s in segments if len(s.tokens) > 1 and not s.verify]
+        single = [s for s in segments if not (len(s.tokens) > 1 and not s.verify)]
+        pad = max(0, self.min_rows - sum(len(s.tokens) for s in segments))
+        first, ids, pos, slots = {}, [], [], []
+        for s in single + [None] * pad + chunks:   # padding rows: token 0 at position 0, on the scratch page
+            first[id(s)] = len(ids)
+            toks, a = (s.tokens, s.start) if s is not None else ([0], 0)
+            ids += toks
+            pos += range(a, a + len(toks))
+            slots += pool.slots(s.pages, a, a + len(toks)) if s is not None else [scratch + len(ids) - 1]
+        out_rows = []
+        for s in segments:
+            r0 = first[id(s)]
+            out_rows += range(r0, r0 + len(s.tokens)) if s.verify else [r0 + len(s.tokens) - 1]
+        n_out = len(out_rows)
+        out_rows += [0] * (self.min_rows - n_out)
+        # decode groups: a row each (a verify segment's row i sees the segment's rows 0..i); chunk groups
+        dec = [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(i + 1)])
+               for s in single for i in range(len(s.tokens))]
+        chunk = [(None, [(0, first[id(None)] + j)]) for j in range(pad)]      # alone: no slots to gather
+        chunk += [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in chunks]
+        f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())
+        f = np.concatenate([f, f], -1)[:, None, :]
+        slots_total = pool.k.shape[1]
+        feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
+                 "out_rows": np.asarray(out_rows, np.int64), "slot_stride": np.array(slots_total, np.int64)}
+        feeds.update(self._block_feeds("d", dec, 1, pool))
+        feeds.update(self._block_feeds("c", chunk, None, pool))
+        io = self.session.io_binding()
+        for name, a in feeds.items():
+            io.bind_cpu_input(name, a)
+        shape = (self.L * slots_total, self.nkv, self.hd)
+        for name, t in (("pool_k", pool.k), ("pool_v", pool.v)):
+            io.bind_input(name, "cpu", 0, np.float32, shape, t.data_ptr())
+        for name in ("logits", "k_new", "v_new"):
+            io.bind_output(name, "cpu")
+        self.session.run_with_iobinding(io)
+        logits, k_new, v_new = io.copy_outputs_to_cpu()
+        slot_t = torch.tensor(slots)
+        pool.k.index_copy_(1, slot_t, torch.from_numpy(k_new))
+        pool.v.index_copy_(1, slot_t, torch.from_numpy(v_new))
+        return torch.from_numpy(logits[:n_out])
+
+    @staticmethod
+    def _slot_table(pool, pages, S: int) -> np.ndarray:
+        """Slots of positions 0..S-1 (past the pages, the scratch page's)."""
+        ps, cols = pool.page_size, np.arange(S)
+        table = pool.scratch * ps + cols % ps
+        if pages is not None:
+            n = min(S, len(pages) * ps)
+            table[:n] = np.repeat(np.asarray(pages, np.int64), ps)[:n] * ps + cols[:n] % ps
+        return table
+
+    def _block_feeds(self, b: str, groups, queries: Optional[int], pool) -> dict:
+        """Attention block b's feeds for groups [(pages or None: the scratch page, [(position, row)] of
+        this step)]: each group's slots, where its rows' K / V go, its queries (the last `queries` rows,
+        or all) on a (G, T) grid, each seeing positions up to its own."""
+        ps, G = pool.page_size, len(groups)
+        qs = [rows[-queries:] if queries else rows for _, rows in groups]
+        T = max((len(q) for q in qs), default=1)
+        S = max((-(-(p + 1) // ps) * ps for _, rows in groups for p, _ in rows), default=ps)
+        table = np.empty((G, S), np.int64)
+        mask = np.full((G, 1, T, 1, S), -np.inf, np.float32)
+        idx, src, q, out = [], [], np.zeros(G * T, np.int64), []
+        for gi, ((pages, rows), qrows) in enumerate(zip(groups, qs)):
+            table[gi] = self._slot_table(pool, pages, S)
+            idx += [(gi, p) for p, _ in rows]
+            src += [r for _, r in rows]
+            for t, (p, r) in enumerate(qrows):
+                mask[gi, 0, t, 0, : p + 1] = 0.0
+                q[gi * T + t] = r
+                out.append(gi * T + t)
+            mask[gi, 0, len(qrows):, 0, 0] = 0.0        # padding queries see position 0 alone
+        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in _shapes(b, G, T, S, self.H, self.nkv, self.hd).items()}
+        feeds.update({f"{b}_table": table, f"{b}_idx": np.asarray(idx, np.int64).reshape(-1, 2),
+                      f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q})
+        if b == "d":                                      # one query a group, in row order
+            return {**feeds, "d_mask": mask.reshape(G, S, 1), "d_ones": np.ones((G, S, 1), np.float32)}
+        return {**feeds, "c_mask": mask, "c_ones": np.ones((G, self.nkv, S, 1), np.float32),
+                "c_out": np.asarray(out, np.int64)}
+
+
+def _shapes(b: str, G: int, T: int, S: int, H: int, nkv: int, hd: int) -> dict:
+    """The shapes attention block b reshapes to: G groups of T queries over S slots (decode: T = 1)."""
+    rep = H // nkv
+    if b == "d":
+        return {"keys_shape": [G, S * nkv, hd], "values_shape": [G, S, nkv * hd], "pairs_shape": [G, S, nkv * H],
+                "heads_shape": [G, H * nkv, hd], "rows_shape": [G, H * hd]}
+    return {"grid_shape": [G, T, nkv, rep, hd], "q_shape": [G, nkv, T * rep, hd], "score_shape": [G, nkv, T, rep, S],
+            "flat_shape": [G, nkv, T * rep, S], "o_shape": [G, nkv, T, rep, hd], "rows_shape": [G * T, H * hd]}
+
+
+def _gathered(g: _Graph, new: str, pool: str, table: str, b: str) -> str:
+    """(G, S, kv heads, head dim): block b's groups' slots of one layer, this step's K or V at their
+    positions."""
+    return g.node("ScatterND", [g.node("Gather", [pool, table]), b + "_idx", g.node("Gather", [new, b + "_src"])])
+
+
+def _decode_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
+    """Decode rows (a verify segment's too), one query each over its group's slots, up to its position
+    -> (G, H * head dim). K and V are read as gathered, untransposed: each query head's scores against
+    every kv head's keys, and its weights times every kv head's values, keep its own kv head's (the
+    products are small; a transposed copy of the gathered K / V is not)."""
+    ks = g.node("Reshape", [_gathered(g, k, "pool_k", table, "d"), "d_keys_shape"], allowzero=1)     # (G, S nkv, hd)
+    vs = g.node("Reshape", [_gathered(g, v, "pool_v", table, "d"), "d_values_shape"], allowzero=1)   # (G, S, nkv hd)
+    qt = g.node("Transpose", [g.node("Mul", [g.node("Gather", [q, "d_q"]), "scale"])], perm=[0, 2, 1])  # (G, hd, H)
+    sc = g.node("Reshape", [g.node("MatMul", [ks, qt]), "d_pairs_shape"], allowzero=1)             # (G, S, nkv H)
+    sc = g.node("Add", [g.node("Gather", [sc, "own_pair"], axis=2), "d_mask"])                     # (G, S, H)
+    e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[1], keepdims=1)])])
+    e = g.node("Transpose", [e], perm=[0, 2, 1])                                                    # (G, H, S)
+    o = g.node("Reshape", [g.node("MatMul", [e, vs]), "d_heads_shape"], allowzero=1)              # (G, H nkv, hd)
+    o = g.node("Div", [g.node("Gather", [o, "own_kv"], axis=1), g.node("MatMul", [e, "d_ones"])])  # (G, H, hd)
+    return g.node("Reshape", [o, "d_rows_shape"], allowzero=1)
+
+
+def _chunk_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
+    """Prompt chunks (and a padding row): each group's rows (T at most) over its slots, causally ->
+    (chunk rows, H * head dim)."""
+    ks, vs = _gathered(g, k, "pool_k", table, "c"), _gathered(g, v, "pool_v", table, "c")
+    qg = g.node("Reshape", [g.node("Gather", [q, "c_q"]), "c_grid_shape"], allowzero=1)           # (G, T, nkv, rep, hd)
+    qg = g.node("Reshape", [g.node("Transpose", [qg], perm=[0, 2, 1, 3, 4]), "c_q_shape"], allowzero=1)
+    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 2, 3, 1])])
+    sc = g.node("Add", [g.node("Reshape", [sc, "c_score_shape"], allowzero=1), "c_mask"])       # (G, nkv, T, rep, S)
+    e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
+    e = g.node("Reshape", [e, "c_flat_shape"], allowzero=1)                                       # (G, nkv, T rep, S)
+    vt = g.node("Transpose", [vs], perm=[0, 2, 1, 3])                                              # (G, nkv, S, hd)
+    o = g.node("Div", [g.node("MatMul", [e, vt]), g.node("MatMul", [e, "c_ones"])])
+    o = g.node("Transpose", [g.node("Reshape", [o, "c_o_shape"], allowzero=1)], perm=[0, 2, 1, 3, 4])
+    return g.node("Gather", [g.node("Reshape", [o, "c_rows_shape"], allowzero=1), "c_out"])
 
 
 def _identity(src: str, dst: str):

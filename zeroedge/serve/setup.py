@@ -91,9 +91,9 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
 
             require("onnx", "serve")
             require("onnxruntime", "serve")
-            from zeroedge.serve.cpu_q4 import Q4Linears
+            from zeroedge.serve.cpu_q4 import Q4Step
 
-            linears = Q4Linears(m, threads)
+            linears = Q4Step(m, threads)
             torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
         b = TorchBatched(m, pool, max_batch, chunk, linears)
         tok = tokenizer_for(cfg, folder)

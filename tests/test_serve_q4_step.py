@@ -1,0 +1,61 @@
+"""The serving engine's step on 4-bit weights (one onnxruntime graph that attends by itself) against
+the same engine step on the model's fp32 weights in torch, on real SmolLM2 and real text: prompt chunks
+of two sequences in one step, decode rows beside a chunk, a padded single row, teacher-forced."""
+import math
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def steps(smollm2):
+    from zeroedge.serve.batch import BatchStep, PagedKV
+    from zeroedge.serve.cpu_q4 import Q4Step
+
+    m = smollm2[0].float().eval()
+    threads = torch.get_num_threads()
+    q4 = Q4Step(m, 2)
+    torch.set_num_threads(1)
+    out = []
+    for lin in (q4, None):
+        pool = PagedKV(m.cfg, 48, 16, "cpu", torch.float32)
+        out.append((BatchStep(m, pool, lin), pool))
+    yield m, out
+    torch.set_num_threads(threads)
+
+
+def _nll(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(targets), reduction="none")
+
+
+def test_q4_step_tracks_the_fp32_step(steps, smol_tok):
+    from zeroedge.serve.batch import Segment
+    from zeroedge.texts import load_text
+
+    m, runs = steps
+    ids = smol_tok.encode(load_text("kjv")[20000:24000], add_special_tokens=False)
+    a, b, c = ids[:150], ids[300:440], ids[600:700]
+    results = []
+    for step, pool in runs:
+        pa, pb, pc = pool.alloc(12), pool.alloc(12), pool.alloc(12)
+        rows = [step.forward([Segment(pa, a[:48], 0), Segment(pb, b[:40], 0)]),         # two chunks, one step
+                step.forward([Segment(pa, a[48:100], 48), Segment(pb, b[40:41], 40)]),  # a chunk beside one row
+                step.forward([Segment(pb, b[41:90], 41), Segment(pc, c[:64], 0)])]
+        for i in range(100, 140):                      # decode rows beside a prompt chunk, then alone
+            segs = [Segment(pa, [a[i]], i), Segment(pb, [b[i - 10]], i - 10)]
+            if i < 104:
+                segs.append(Segment(pc, c[64 + 8 * (i - 100): 72 + 8 * (i - 100)], 64 + 8 * (i - 100)))
+            rows.append(step.forward(segs))
+        rows.append(step.forward([Segment(pc, [c[96]], 96)]))                        # one row (padded)
+        results.append(torch.cat(rows))
+    q4, fp32 = results
+    assert q4.shape == fp32.shape and torch.isfinite(q4).all()
+    # next-token losses of the decode rows, teacher-forced
+    targets = []
+    for i in range(100, 140):
+        targets += [a[i + 1], b[i - 9]] + ([c[72 + 8 * (i - 100)]] if i < 104 else [])
+    dec = slice(6, 6 + len(targets))
+    nq, nf = _nll(q4[dec], targets).mean().item(), _nll(fp32[dec], targets).mean().item()
+    assert math.isfinite(nq) and abs(nq - nf) < 0.05 * nf, (nq, nf)
+    agree = (q4.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    assert agree > 0.85, agree

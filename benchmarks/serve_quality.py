@@ -48,7 +48,8 @@ def main():
     m, folder = weights.load("smollm2-135m")
     tok = weights.tokenizer(folder)
     q4 = Q4Step(m, args.threads)
-    pool = PagedKV(m.cfg, args.windows * (args.tokens // 16 + 2), 16, "cpu", torch.float32)
+    pools = {heads_first: PagedKV(m.cfg, args.windows * (args.tokens // 16 + 2), 16, "cpu", torch.float32,
+                                  heads_first=heads_first) for heads_first in (False, True)}
     rows = []
     for name in args.texts.split(","):
         ids = texts.tokens(tok, texts.load_text(name, texts.chars_for(args.windows * args.tokens)),
@@ -58,6 +59,7 @@ def main():
         r = {"text": name}
         for label, lin in (("model_fp32", None), ("q4", q4)):
             torch.set_num_threads(args.threads if lin is None else 1)
+            pool = pools[lin is not None]
             r[label + "_ppl"] = math.exp(nll(BatchStep(m, pool, lin), pool, windows))
         r["q4_rise"] = r["q4_ppl"] / r["model_fp32_ppl"] - 1
         rows.append(r)

@@ -32,7 +32,7 @@ def main():
     q4 = Q4Step(m, a.threads)
     torch.set_num_threads(1)
     batches = [int(b) for b in a.batches.split(",")]
-    pool = PagedKV(cfg, max(batches) * 10, 16, "cpu", torch.float32)
+    pool = PagedKV(cfg, max(batches) * 10, 16, "cpu", torch.float32, heads_first=True)
     step = BatchStep(m, pool, q4)
     rows, load_at_start = [], os.getloadavg()
     for B in batches:

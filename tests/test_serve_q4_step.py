@@ -18,7 +18,7 @@ def steps(smollm2):
     torch.set_num_threads(1)
     out = []
     for lin in (q4, None):
-        pool = PagedKV(m.cfg, 48, 16, "cpu", torch.float32)
+        pool = PagedKV(m.cfg, 48, 16, "cpu", torch.float32, heads_first=lin is not None)
         out.append((BatchStep(m, pool, lin), pool))
     yield m, out
     torch.set_num_threads(threads)

@@ -141,7 +141,7 @@ def test_verify_rows_are_plain_decode_steps_bit_for_bit(model_tok, weights):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        pool = PagedKV(m.cfg, 64, 16, "cpu", torch.float32)
+        pool = PagedKV(m.cfg, 64, 16, "cpu", torch.float32, heads_first=lin is not None)
         step = BatchStep(m, pool, lin)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, m.cfg.vocab_size, (140,), generator=g).tolist()

@@ -37,7 +37,7 @@ class TorchBatched:
         if n_pages < 1:
             raise UserError(f"a KV pool of {kv_bytes} bytes holds no page of {PAGE_SIZE} positions "
                             f"({page_bytes} bytes)")
-        self.pool = PagedKV(cfg, int(n_pages), PAGE_SIZE, p.device, p.dtype)
+        self.pool = PagedKV(cfg, int(n_pages), PAGE_SIZE, p.device, p.dtype, heads_first=linears is not None)
         self.step = BatchStep(model, self.pool, linears)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.positions_total = self.pool.n_pages * PAGE_SIZE

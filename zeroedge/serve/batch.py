@@ -46,14 +46,18 @@ from zeroedge.runtime.fast import TorchLinears
 
 class PagedKV:
     """Every layer's K and V in pages of `page_size` positions, and the free list. One more page,
-    `scratch`, is never handed out: the padding rows of a captured step write and read there."""
+    `scratch`, is never handed out: the padding rows of a captured step write and read there.
+    `heads_first`: (layers, kv heads, slots, head dim), each kv head's slots in a row (the 4-bit CPU
+    step gathers them so); otherwise (layers, slots, kv heads, head dim)."""
 
-    def __init__(self, cfg, n_pages: int, page_size: int, device, dtype):
+    def __init__(self, cfg, n_pages: int, page_size: int, device, dtype, heads_first: bool = False):
         if n_pages < 1 or page_size < 1:
             raise ValueError("a KV pool needs at least one page of at least one position")
         self.page_size, self.n_pages, self.scratch = page_size, n_pages, n_pages
         L, nkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-        shape = (L, (n_pages + 1) * page_size, nkv, hd)
+        slots = (n_pages + 1) * page_size
+        self.heads_first = heads_first
+        shape = (L, nkv, slots, hd) if heads_first else (L, slots, nkv, hd)
         if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float16):
             # numpy's zeros is calloc: fresh pages the kernel maps on first write, so the pool takes
             # memory as requests use it (torch.zeros would write every byte up front)
@@ -115,6 +119,8 @@ class BatchStep:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.q4 = linears                                 # the whole step in onnxruntime, or None
+        if pool.heads_first != (linears is not None):
+            raise ValueError("the 4-bit CPU step takes a heads-first KV pool, the torch step the other")
         self.lin = TorchLinears(model) if linears is None else None
         self.L = len(model.layers)
         self.inv_freq = model.inv_freq.to(self.device).float()

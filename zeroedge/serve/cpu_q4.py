@@ -138,9 +138,7 @@ class Q4Step:
                 g.const("h2", np.array([hd], i64))]
         g.const("scale", np.array(1.0 / np.sqrt(hd), np.float32))
         g.const("rows_qkv", np.array([-1, H + 2 * nkv, hd], i64))
-        own = np.arange(H) // (H // nkv)                                      # query head h's kv head
-        g.const("own_kv", np.arange(H) * nkv + own)
-        g.const("own_pair", own * H + np.arange(H))
+        g.const("rows_heads", np.array([-1, hd], i64))
         cuts = [g.const(f"cut{k}", np.array([v], i64)) for k, v in enumerate((0, H, H + nkv, H + 2 * nkv))]
         x, k_all, v_all = "x", [], []
         for li in range(L):
@@ -158,9 +156,11 @@ class Q4Step:
             v = g.node("Slice", [qkv, cuts[2], cuts[3], f"l{li}_ax1"])
             k_all.append(g.node("Unsqueeze", [k, ax0]))
             v_all.append(g.node("Unsqueeze", [v, ax0]))
-            off = g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "slot_stride"])
-            table = {b: g.node("Add", [b + "_table", off]) for b in ("d", "c")}     # this layer's slots
-            o = [_decode_attention(g, q, k, v, table["d"]), _chunk_attention(g, q, k, v, table["c"])]
+            # the pool is (layers, kv heads, slots, head dim): this layer's rows, a kv head's slots in a row
+            off = g.node("Add", [g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "layer_stride"]),
+                                 "head_offsets"])
+            k, v = (g.node("Reshape", [t, "rows_heads"]) for t in (k, v))              # (M nkv, hd)
+            o = [_attention(g, q, k, v, g.node("Add", [b + "_table", off]), b) for b in ("d", "c")]
             x = g.node("Add", [x, g.q4(g.node("Concat", o, axis=0), a.o_proj.weight, f"l{li}_o")])
             mlp = lay.mlp
             h = g.norm(x, lay.post_attention_layernorm.weight, lay.post_attention_layernorm.eps, f"l{li}_ln2")
@@ -180,14 +180,13 @@ class Q4Step:
         from onnx import TensorProto
 
         f, i = TensorProto.FLOAT, TensorProto.INT64
-        ins = [("x", f, ["M", D]), ("cos", f, ["M", 1, hd]), ("sin", f, ["M", 1, hd]), ("pool_k", f, ["P", nkv, hd]),
-               ("pool_v", f, ["P", nkv, hd]), ("slot_stride", i, []), ("out_rows", i, ["R"])]
+        ins = [("x", f, ["M", D]), ("cos", f, ["M", 1, hd]), ("sin", f, ["M", 1, hd]), ("pool_k", f, ["P", hd]),
+               ("pool_v", f, ["P", hd]), ("layer_stride", i, []), ("head_offsets", i, [1, nkv, 1]), ("out_rows", i, ["R"])]
         for b in ("d", "c"):
             G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
-            ins += [(b + "_table", i, [G, S]), (b + "_idx", i, [n, 2]), (b + "_src", i, [n]), (b + "_q", i, [b + "Q"])]
-            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(b, 0, 0, 0, H, nkv, hd).items()]
-        ins += [("d_mask", f, ["dG", "dS", 1]), ("d_ones", f, ["dG", "dS", 1]),
-                ("c_mask", f, ["cG", 1, "cT", 1, "cS"]), ("c_ones", f, ["cG", nkv, "cS", 1]), ("c_out", i, ["c_rows"])]
+            ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]), (b + "_q", i, [b + "Q"])]
+            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(0, 0, 0, H, nkv, hd).items()]
+            ins += [(b + "_mask", f, [G, 1, b + "T", 1, S]), (b + "_ones", f, [G, nkv, S, 1]), (b + "_out", i, [b + "rows"])]
         outs = [("logits", f, ["R", W.shape[0]]), ("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
         self.session = g.session(ins, outs, threads)
 
@@ -221,15 +220,16 @@ class Q4Step:
         chunk += [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in chunks]
         f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())
         f = np.concatenate([f, f], -1)[:, None, :]
-        slots_total = pool.k.shape[1]
+        slots_total = pool.k.shape[2]
         feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
-                 "out_rows": np.asarray(out_rows, np.int64), "slot_stride": np.array(slots_total, np.int64)}
+                 "out_rows": np.asarray(out_rows, np.int64), "layer_stride": np.array(self.nkv * slots_total, np.int64),
+                 "head_offsets": (np.arange(self.nkv, dtype=np.int64) * slots_total).reshape(1, -1, 1)}
         feeds.update(self._block_feeds("d", dec, 1, pool))
         feeds.update(self._block_feeds("c", chunk, None, pool))
         io = self.session.io_binding()
         for name, a in feeds.items():
             io.bind_cpu_input(name, a)
-        shape = (self.L * slots_total, self.nkv, self.hd)
+        shape = (self.L * self.nkv * slots_total, self.hd)
         for name, t in (("pool_k", pool.k), ("pool_v", pool.v)):
             io.bind_input(name, "cpu", 0, np.float32, shape, t.data_ptr())
         for name in ("logits", "k_new", "v_new"):
@@ -237,8 +237,8 @@ class Q4Step:
         self.session.run_with_iobinding(io)
         logits, k_new, v_new = io.copy_outputs_to_cpu()
         slot_t = torch.tensor(slots)
-        pool.k.index_copy_(1, slot_t, torch.from_numpy(k_new))
-        pool.v.index_copy_(1, slot_t, torch.from_numpy(v_new))
+        pool.k.index_copy_(2, slot_t, torch.from_numpy(k_new).transpose(1, 2))
+        pool.v.index_copy_(2, slot_t, torch.from_numpy(v_new).transpose(1, 2))
         return torch.from_numpy(logits[:n_out])
 
     @staticmethod
@@ -259,74 +259,54 @@ class Q4Step:
         qs = [rows[-queries:] if queries else rows for _, rows in groups]
         T = max((len(q) for q in qs), default=1)
         S = max((-(-(p + 1) // ps) * ps for _, rows in groups for p, _ in rows), default=ps)
-        table = np.empty((G, S), np.int64)
+        table = np.empty((G, 1, S), np.int64)
         mask = np.full((G, 1, T, 1, S), -np.inf, np.float32)
         idx, src, q, out = [], [], np.zeros(G * T, np.int64), []
+        heads = range(self.nkv)
         for gi, ((pages, rows), qrows) in enumerate(zip(groups, qs)):
-            table[gi] = self._slot_table(pool, pages, S)
-            idx += [(gi, p) for p, _ in rows]
-            src += [r for _, r in rows]
+            table[gi, 0] = self._slot_table(pool, pages, S)
+            idx += [(gi, n, p) for p, _ in rows for n in heads]
+            src += [r * self.nkv + n for _, r in rows for n in heads]
             for t, (p, r) in enumerate(qrows):
                 mask[gi, 0, t, 0, : p + 1] = 0.0
                 q[gi * T + t] = r
                 out.append(gi * T + t)
             mask[gi, 0, len(qrows):, 0, 0] = 0.0        # padding queries see position 0 alone
-        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in _shapes(b, G, T, S, self.H, self.nkv, self.hd).items()}
-        feeds.update({f"{b}_table": table, f"{b}_idx": np.asarray(idx, np.int64).reshape(-1, 2),
-                      f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q})
-        if b == "d":                                      # one query a group, in row order
-            return {**feeds, "d_mask": mask.reshape(G, S, 1), "d_ones": np.ones((G, S, 1), np.float32)}
-        return {**feeds, "c_mask": mask, "c_ones": np.ones((G, self.nkv, S, 1), np.float32),
-                "c_out": np.asarray(out, np.int64)}
+        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in _shapes(G, T, S, self.H, self.nkv, self.hd).items()}
+        return {**feeds, f"{b}_table": table, f"{b}_idx": np.asarray(idx, np.int64).reshape(-1, 3),
+                f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q, f"{b}_mask": mask,
+                f"{b}_ones": np.ones((G, self.nkv, S, 1), np.float32), f"{b}_out": np.asarray(out, np.int64)}
 
 
-def _shapes(b: str, G: int, T: int, S: int, H: int, nkv: int, hd: int) -> dict:
-    """The shapes attention block b reshapes to: G groups of T queries over S slots (decode: T = 1)."""
+def _shapes(G: int, T: int, S: int, H: int, nkv: int, hd: int) -> dict:
+    """The shapes an attention block reshapes to: G groups of T queries over S slots."""
     rep = H // nkv
-    if b == "d":
-        return {"keys_shape": [G, S * nkv, hd], "values_shape": [G, S, nkv * hd], "pairs_shape": [G, S, nkv * H],
-                "heads_shape": [G, H * nkv, hd], "rows_shape": [G, H * hd]}
     return {"grid_shape": [G, T, nkv, rep, hd], "q_shape": [G, nkv, T * rep, hd], "score_shape": [G, nkv, T, rep, S],
             "flat_shape": [G, nkv, T * rep, S], "o_shape": [G, nkv, T, rep, hd], "rows_shape": [G * T, H * hd]}
 
 
 def _gathered(g: _Graph, new: str, pool: str, table: str, b: str) -> str:
-    """(G, S, kv heads, head dim): block b's groups' slots of one layer, this step's K or V at their
-    positions."""
+    """(G, kv heads, S, head dim): block b's groups' slots of one layer, this step's K or V (rows x kv
+    heads, head dim) at their positions."""
     return g.node("ScatterND", [g.node("Gather", [pool, table]), b + "_idx", g.node("Gather", [new, b + "_src"])])
 
 
-def _decode_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
-    """Decode rows (a verify segment's too), one query each over its group's slots, up to its position
-    -> (G, H * head dim). K and V are read as gathered, untransposed: each query head's scores against
-    every kv head's keys, and its weights times every kv head's values, keep its own kv head's (the
-    products are small; a transposed copy of the gathered K / V is not)."""
-    ks = g.node("Reshape", [_gathered(g, k, "pool_k", table, "d"), "d_keys_shape"], allowzero=1)     # (G, S nkv, hd)
-    vs = g.node("Reshape", [_gathered(g, v, "pool_v", table, "d"), "d_values_shape"], allowzero=1)   # (G, S, nkv hd)
-    qt = g.node("Transpose", [g.node("Mul", [g.node("Gather", [q, "d_q"]), "scale"])], perm=[0, 2, 1])  # (G, hd, H)
-    sc = g.node("Reshape", [g.node("MatMul", [ks, qt]), "d_pairs_shape"], allowzero=1)             # (G, S, nkv H)
-    sc = g.node("Add", [g.node("Gather", [sc, "own_pair"], axis=2), "d_mask"])                     # (G, S, H)
-    e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[1], keepdims=1)])])
-    e = g.node("Transpose", [e], perm=[0, 2, 1])                                                    # (G, H, S)
-    o = g.node("Reshape", [g.node("MatMul", [e, vs]), "d_heads_shape"], allowzero=1)              # (G, H nkv, hd)
-    o = g.node("Div", [g.node("Gather", [o, "own_kv"], axis=1), g.node("MatMul", [e, "d_ones"])])  # (G, H, hd)
-    return g.node("Reshape", [o, "d_rows_shape"], allowzero=1)
-
-
-def _chunk_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
-    """Prompt chunks (and a padding row): each group's rows (T at most) over its slots, causally ->
-    (chunk rows, H * head dim)."""
-    ks, vs = _gathered(g, k, "pool_k", table, "c"), _gathered(g, v, "pool_v", table, "c")
-    qg = g.node("Reshape", [g.node("Gather", [q, "c_q"]), "c_grid_shape"], allowzero=1)           # (G, T, nkv, rep, hd)
-    qg = g.node("Reshape", [g.node("Transpose", [qg], perm=[0, 2, 1, 3, 4]), "c_q_shape"], allowzero=1)
-    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 2, 3, 1])])
-    sc = g.node("Add", [g.node("Reshape", [sc, "c_score_shape"], allowzero=1), "c_mask"])       # (G, nkv, T, rep, S)
+def _attention(g: _Graph, q: str, k: str, v: str, table: str, b: str) -> str:
+    """Attention block b: each group's queries (T at most: decode groups 1) over its slots, each up to
+    its own position -> (the block's rows, H * head dim). The softmax's sum is a matrix product with
+    ones (sequential over the slots: padding slots add exact zeros at the end), one per group and kv
+    head like the others, so every group's products have the same shape (a product flattened over the
+    groups would take a row to another kernel by its place in the batch)."""
+    ks, vs = _gathered(g, k, "pool_k", table, b), _gathered(g, v, "pool_v", table, b)
+    qg = g.node("Reshape", [g.node("Gather", [q, b + "_q"]), b + "_grid_shape"], allowzero=1)   # (G, T, nkv, rep, hd)
+    qg = g.node("Reshape", [g.node("Transpose", [qg], perm=[0, 2, 1, 3, 4]), b + "_q_shape"], allowzero=1)
+    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 1, 3, 2])])
+    sc = g.node("Add", [g.node("Reshape", [sc, b + "_score_shape"], allowzero=1), b + "_mask"])  # (G, nkv, T, rep, S)
     e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
-    e = g.node("Reshape", [e, "c_flat_shape"], allowzero=1)                                       # (G, nkv, T rep, S)
-    vt = g.node("Transpose", [vs], perm=[0, 2, 1, 3])                                              # (G, nkv, S, hd)
-    o = g.node("Div", [g.node("MatMul", [e, vt]), g.node("MatMul", [e, "c_ones"])])
-    o = g.node("Transpose", [g.node("Reshape", [o, "c_o_shape"], allowzero=1)], perm=[0, 2, 1, 3, 4])
-    return g.node("Gather", [g.node("Reshape", [o, "c_rows_shape"], allowzero=1), "c_out"])
+    e = g.node("Reshape", [e, b + "_flat_shape"], allowzero=1)                                  # (G, nkv, T rep, S)
+    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, b + "_ones"])])       # (G, nkv, T rep, hd)
+    o = g.node("Transpose", [g.node("Reshape", [o, b + "_o_shape"], allowzero=1)], perm=[0, 2, 1, 3, 4])
+    return g.node("Gather", [g.node("Reshape", [o, b + "_rows_shape"], allowzero=1), b + "_out"])
 
 
 def _identity(src: str, dst: str):

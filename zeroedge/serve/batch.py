@@ -10,7 +10,7 @@ prompts go through the model together, reading each weight once, over a paged KV
     # -> (3, vocab): every position of a verify segment (a token and its speculative draft)
 
 `PagedKV` holds every layer's K and V as one slot axis of pages (`k[layer]`: (pages x page size,
-kv heads, head dim)); a sequence owns a list of pages (its block table), so its KV is as long as it
+kv heads, head dim), or heads first for the 4-bit CPU step); a sequence owns a list of pages (its block table), so its KV is as long as it
 is and a finished one gives its pages back at once. `BatchStep.forward` concatenates the segments'
 tokens into one row batch for every linear layer; attention is per segment kind: the decode tokens
 (one each, and every token of a verify segment, each as the decode row it would be) together, a

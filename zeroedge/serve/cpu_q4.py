@@ -10,7 +10,7 @@ does for these types); its fast path takes no float zero point, so a product is 
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
@@ -111,16 +111,17 @@ class _Graph:
 class Q4Step:
     """The whole engine step on 4-bit weights as one onnxruntime graph (`forward(pool, segments)`, the
     interface of zeroedge.serve.batch.BatchStep.forward). Attention reads the KV pool in place: the
-    pool's K and V are inputs bound by address, each attending group's slots gathered layer by layer,
-    this step's K / V scattered into the gathered copy at their positions; the new K / V of every layer
-    come back as outputs and are written into the pool after the call.
+    pool (heads-first: a kv head's slots in a row) is an input bound by address; each sequence's slots
+    are gathered layer by layer and this step's K / V scattered into the gathered copy at their
+    positions; the new K / V of every layer come back as outputs and are written into the pool after
+    the call.
 
-    Two attention blocks run in the graph: decode rows, a group each (one query over its own slots),
-    and groups of several rows (a prompt chunk, a verify segment: the rows of one sequence over its
-    shared slots, causally). A row's attention does not depend on the other groups: scores are one
-    product per group, the softmax's max is exact, and its sum is a matrix product over the slots whose
-    padding adds exact zeros at the end, so a row gives the same logits alone, in any batch, or as a
-    row of a verify segment (the engine's batch invariance, zeroedge.serve.batch)."""
+    Two attention blocks run in the graph: decode rows (a sequence's one row, or a verify segment's
+    rows) with one product per row, and prompt chunks with one product per chunk, causally. A row's
+    attention does not depend on the other sequences: the softmax's max is exact and its sum is a
+    matrix product over the slots, whose padding adds exact zeros at the end, so a decode row gives the
+    same logits alone, in any batch, or as a row of a verify segment (the engine's batch invariance,
+    zeroedge.serve.batch)."""
 
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
@@ -129,7 +130,7 @@ class Q4Step:
 
         cfg = model.cfg
         D, L, H, nkv, hd = cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.L, self.H, self.nkv, self.hd, self.D = L, H, nkv, hd, D
+        self.L, self.H, self.nkv, self.hd = L, H, nkv, hd
         self.embed, self.inv_freq = model.embed_tokens, model.inv_freq.float()
         g = _Graph()
         i64 = np.int64
@@ -139,6 +140,7 @@ class Q4Step:
         g.const("scale", np.array(1.0 / np.sqrt(hd), np.float32))
         g.const("rows_qkv", np.array([-1, H + 2 * nkv, hd], i64))
         g.const("rows_heads", np.array([-1, hd], i64))
+        g.const("ax1", np.array([1], i64))
         cuts = [g.const(f"cut{k}", np.array([v], i64)) for k, v in enumerate((0, H, H + nkv, H + 2 * nkv))]
         x, k_all, v_all = "x", [], []
         for li in range(L):
@@ -160,7 +162,8 @@ class Q4Step:
             off = g.node("Add", [g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "layer_stride"]),
                                  "head_offsets"])
             k, v = (g.node("Reshape", [t, "rows_heads"]) for t in (k, v))              # (M nkv, hd)
-            o = [_attention(g, q, k, v, g.node("Add", [b + "_table", off]), b) for b in ("d", "c")]
+            o = [_decode_attention(g, q, k, v, g.node("Add", ["d_table", off])),
+                 _chunk_attention(g, q, k, v, g.node("Add", ["c_table", off]))]
             x = g.node("Add", [x, g.q4(g.node("Concat", o, axis=0), a.o_proj.weight, f"l{li}_o")])
             mlp = lay.mlp
             h = g.norm(x, lay.post_attention_layernorm.weight, lay.post_attention_layernorm.eps, f"l{li}_ln2")
@@ -185,18 +188,20 @@ class Q4Step:
         for b in ("d", "c"):
             G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
             ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]), (b + "_q", i, [b + "Q"])]
-            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(0, 0, 0, H, nkv, hd).items()]
-            ins += [(b + "_mask", f, [G, 1, b + "T", 1, S]), (b + "_ones", f, [G, nkv, S, 1]), (b + "_out", i, [b + "rows"])]
+            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(b, 0, 0, 0, H, nkv, hd).items()]
+            ins += [(b + "_out", i, [b + "rows"])]
+        ins += [("d_mask", f, ["dG", "dT", 1, 1, "dS"]), ("d_ones", f, ["dG", "dT", nkv, "dS", 1]),
+                ("c_mask", f, ["cG", 1, "cT", 1, "cS"]), ("c_ones", f, ["cG", nkv, "cS", 1])]
         outs = [("logits", f, ["R", W.shape[0]]), ("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
         self.session = g.session(ins, outs, threads)
 
-    def forward(self, pool, segments) -> "torch.Tensor":
+    def forward(self, pool, segments):
         """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's, in
         segment order (BatchStep.forward). The pool's pages for the segments' positions get their K / V.
         A sequence appears at most once in a step."""
         import torch
 
-        ps, scratch = pool.page_size, pool.scratch * pool.page_size
+        scratch = pool.scratch * pool.page_size
         chunks = [s for s in segments if len(s.tokens) > 1 and not s.verify]
         single = [s for s in segments if not (len(s.tokens) > 1 and not s.verify)]
         pad = max(0, self.min_rows - sum(len(s.tokens) for s in segments))
@@ -213,9 +218,7 @@ class Q4Step:
             out_rows += range(r0, r0 + len(s.tokens)) if s.verify else [r0 + len(s.tokens) - 1]
         n_out = len(out_rows)
         out_rows += [0] * (self.min_rows - n_out)
-        # decode groups: a row each (a verify segment's row i sees the segment's rows 0..i); chunk groups
-        dec = [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(i + 1)])
-               for s in single for i in range(len(s.tokens))]
+        dec = [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in single]
         chunk = [(None, [(0, first[id(None)] + j)]) for j in range(pad)]      # alone: no slots to gather
         chunk += [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in chunks]
         f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())
@@ -224,8 +227,8 @@ class Q4Step:
         feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
                  "out_rows": np.asarray(out_rows, np.int64), "layer_stride": np.array(self.nkv * slots_total, np.int64),
                  "head_offsets": (np.arange(self.nkv, dtype=np.int64) * slots_total).reshape(1, -1, 1)}
-        feeds.update(self._block_feeds("d", dec, 1, pool))
-        feeds.update(self._block_feeds("c", chunk, None, pool))
+        feeds.update(self._block_feeds("d", dec, pool))
+        feeds.update(self._block_feeds("c", chunk, pool))
         io = self.session.io_binding()
         for name, a in feeds.items():
             io.bind_cpu_input(name, a)
@@ -251,36 +254,41 @@ class Q4Step:
             table[:n] = np.repeat(np.asarray(pages, np.int64), ps)[:n] * ps + cols[:n] % ps
         return table
 
-    def _block_feeds(self, b: str, groups, queries: Optional[int], pool) -> dict:
+    def _block_feeds(self, b: str, groups, pool) -> dict:
         """Attention block b's feeds for groups [(pages or None: the scratch page, [(position, row)] of
-        this step)]: each group's slots, where its rows' K / V go, its queries (the last `queries` rows,
-        or all) on a (G, T) grid, each seeing positions up to its own."""
-        ps, G = pool.page_size, len(groups)
-        qs = [rows[-queries:] if queries else rows for _, rows in groups]
-        T = max((len(q) for q in qs), default=1)
+        this step)]: each group's slots, where its rows' K / V go, its queries on a (G, T) grid (T: the
+        most rows of a group), each seeing positions up to its own."""
+        ps, G, nkv = pool.page_size, len(groups), self.nkv
+        T = max((len(rows) for _, rows in groups), default=1)
         S = max((-(-(p + 1) // ps) * ps for _, rows in groups for p, _ in rows), default=ps)
         table = np.empty((G, 1, S), np.int64)
-        mask = np.full((G, 1, T, 1, S), -np.inf, np.float32)
+        mask = np.full((G, T, S), -np.inf, np.float32)
         idx, src, q, out = [], [], np.zeros(G * T, np.int64), []
-        heads = range(self.nkv)
-        for gi, ((pages, rows), qrows) in enumerate(zip(groups, qs)):
+        for gi, (pages, rows) in enumerate(groups):
             table[gi, 0] = self._slot_table(pool, pages, S)
-            idx += [(gi, n, p) for p, _ in rows for n in heads]
-            src += [r * self.nkv + n for _, r in rows for n in heads]
-            for t, (p, r) in enumerate(qrows):
-                mask[gi, 0, t, 0, : p + 1] = 0.0
+            idx += [(gi, n, p) for p, _ in rows for n in range(nkv)]
+            src += [r * nkv + n for _, r in rows for n in range(nkv)]
+            for t, (p, r) in enumerate(rows):
+                mask[gi, t, : p + 1] = 0.0
                 q[gi * T + t] = r
                 out.append(gi * T + t)
-            mask[gi, 0, len(qrows):, 0, 0] = 0.0        # padding queries see position 0 alone
-        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in _shapes(G, T, S, self.H, self.nkv, self.hd).items()}
+            mask[gi, len(rows):, 0] = 0.0                 # padding queries see position 0 alone
+        shapes = _shapes(b, G, T, S, self.H, nkv, self.hd)
+        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in shapes.items()}
+        if b == "d":           # a query a product: (G, T, nkv, rep | 1, S)
+            mask, ones = mask.reshape(G, T, 1, 1, S), np.ones((G, T, nkv, S, 1), np.float32)
+        else:                  # a group's queries in one product: (G, nkv, T, rep, S)
+            mask, ones = mask.reshape(G, 1, T, 1, S), np.ones((G, nkv, S, 1), np.float32)
         return {**feeds, f"{b}_table": table, f"{b}_idx": np.asarray(idx, np.int64).reshape(-1, 3),
-                f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q, f"{b}_mask": mask,
-                f"{b}_ones": np.ones((G, self.nkv, S, 1), np.float32), f"{b}_out": np.asarray(out, np.int64)}
+                f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q, f"{b}_mask": mask, f"{b}_ones": ones,
+                f"{b}_out": np.asarray(out, np.int64)}
 
 
-def _shapes(G: int, T: int, S: int, H: int, nkv: int, hd: int) -> dict:
-    """The shapes an attention block reshapes to: G groups of T queries over S slots."""
+def _shapes(b: str, G: int, T: int, S: int, H: int, nkv: int, hd: int) -> dict:
+    """The shapes attention block b reshapes to: G groups of T queries over S slots."""
     rep = H // nkv
+    if b == "d":
+        return {"grid_shape": [G, T, nkv, rep, hd], "rows_shape": [G * T, H * hd]}
     return {"grid_shape": [G, T, nkv, rep, hd], "q_shape": [G, nkv, T * rep, hd], "score_shape": [G, nkv, T, rep, S],
             "flat_shape": [G, nkv, T * rep, S], "o_shape": [G, nkv, T, rep, hd], "rows_shape": [G * T, H * hd]}
 
@@ -291,22 +299,34 @@ def _gathered(g: _Graph, new: str, pool: str, table: str, b: str) -> str:
     return g.node("ScatterND", [g.node("Gather", [pool, table]), b + "_idx", g.node("Gather", [new, b + "_src"])])
 
 
-def _attention(g: _Graph, q: str, k: str, v: str, table: str, b: str) -> str:
-    """Attention block b: each group's queries (T at most: decode groups 1) over its slots, each up to
-    its own position -> (the block's rows, H * head dim). The softmax's sum is a matrix product with
-    ones (sequential over the slots: padding slots add exact zeros at the end), one per group and kv
-    head like the others, so every group's products have the same shape (a product flattened over the
-    groups would take a row to another kernel by its place in the batch)."""
-    ks, vs = _gathered(g, k, "pool_k", table, b), _gathered(g, v, "pool_v", table, b)
-    qg = g.node("Reshape", [g.node("Gather", [q, b + "_q"]), b + "_grid_shape"], allowzero=1)   # (G, T, nkv, rep, hd)
-    qg = g.node("Reshape", [g.node("Transpose", [qg], perm=[0, 2, 1, 3, 4]), b + "_q_shape"], allowzero=1)
-    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 1, 3, 2])])
-    sc = g.node("Add", [g.node("Reshape", [sc, b + "_score_shape"], allowzero=1), b + "_mask"])  # (G, nkv, T, rep, S)
+def _decode_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
+    """Decode rows: a sequence's rows (one, or a verify segment's) over its slots, each up to its own
+    position, one product per row and kv head: a row's products have the same shape whatever else
+    runs (a verify row computes what a plain decode row there computes, bit for bit), and its
+    sequence's gathered K / V are shared by its rows (broadcast) -> (rows, H * head dim)."""
+    ks, vs = (g.node("Unsqueeze", [_gathered(g, t, pool, table, "d"), "ax1"])                   # (G, 1, nkv, S, hd)
+              for t, pool in ((k, "pool_k"), (v, "pool_v")))
+    qg = g.node("Reshape", [g.node("Gather", [q, "d_q"]), "d_grid_shape"], allowzero=1)        # (G, T, nkv, rep, hd)
+    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 1, 2, 4, 3])])
+    sc = g.node("Add", [sc, "d_mask"])                                                          # (G, T, nkv, rep, S)
     e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
-    e = g.node("Reshape", [e, b + "_flat_shape"], allowzero=1)                                  # (G, nkv, T rep, S)
-    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, b + "_ones"])])       # (G, nkv, T rep, hd)
-    o = g.node("Transpose", [g.node("Reshape", [o, b + "_o_shape"], allowzero=1)], perm=[0, 2, 1, 3, 4])
-    return g.node("Gather", [g.node("Reshape", [o, b + "_rows_shape"], allowzero=1), b + "_out"])
+    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, "d_ones"])])           # (G, T, nkv, rep, hd)
+    return g.node("Gather", [g.node("Reshape", [o, "d_rows_shape"], allowzero=1), "d_out"])
+
+
+def _chunk_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
+    """Prompt chunks (and a padding row): each group's rows (T at most) over its slots, causally, one
+    product per group and kv head -> (rows, H * head dim)."""
+    ks, vs = _gathered(g, k, "pool_k", table, "c"), _gathered(g, v, "pool_v", table, "c")
+    qg = g.node("Reshape", [g.node("Gather", [q, "c_q"]), "c_grid_shape"], allowzero=1)          # (G, T, nkv, rep, hd)
+    qg = g.node("Reshape", [g.node("Transpose", [qg], perm=[0, 2, 1, 3, 4]), "c_q_shape"], allowzero=1)
+    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 1, 3, 2])])
+    sc = g.node("Add", [g.node("Reshape", [sc, "c_score_shape"], allowzero=1), "c_mask"])      # (G, nkv, T, rep, S)
+    e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
+    e = g.node("Reshape", [e, "c_flat_shape"], allowzero=1)                                      # (G, nkv, T rep, S)
+    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, "c_ones"])])            # (G, nkv, T rep, hd)
+    o = g.node("Transpose", [g.node("Reshape", [o, "c_o_shape"], allowzero=1)], perm=[0, 2, 1, 3, 4])
+    return g.node("Gather", [g.node("Reshape", [o, "c_rows_shape"], allowzero=1), "c_out"])
 
 
 def _identity(src: str, dst: str):

@@ -2,9 +2,10 @@
 
     python benchmarks/serve_step_cpu.py -o benchmarks/results/serve/cpu_step_q4_batches.json
 
-Real SmolLM2-135M weights on the Q4_1 grid; B sequences, each prefilled with 100 tokens, then 20 decode
-steps of all B together (median of the last 16), as `zeroedge serve --weights q4 --threads T` runs them
-(torch on one thread).
+Real SmolLM2-135M weights on the Q4_1 grid, as `zeroedge serve --weights q4 --threads T` runs them
+(torch on one thread). Batches: B sequences, each prefilled with `--context` tokens, then 20 decode
+steps of all B together (median of the last 16). Checks: one sequence at `--context`, a step of a
+verify segment of R rows (a token and R - 1 drafted ones) against a plain step, alternated.
 """
 import argparse
 import json
@@ -18,6 +19,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contexts", default="100,800")
+    ap.add_argument("--verify-rows", default="1,2,5,9")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
     import torch
@@ -32,31 +35,45 @@ def main():
     q4 = Q4Step(m, a.threads)
     torch.set_num_threads(1)
     batches = [int(b) for b in a.batches.split(",")]
-    pool = PagedKV(cfg, max(batches) * 10, 16, "cpu", torch.float32, heads_first=True)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    pool = PagedKV(cfg, max(batches) * (max(contexts) // 16 + 4), 16, "cpu", torch.float32, heads_first=True)
     step = BatchStep(m, pool, q4)
-    rows, load_at_start = [], os.getloadavg()
-    for B in batches:
-        seqs = []
-        for b in range(B):
-            pages = pool.alloc(10)
-            step.forward([Segment(pages, list(range(b, b + 100)), 0)])
-            seqs.append([pages, 100])
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            step.forward([Segment(p, [5], n) for p, n in seqs])
-            times.append(time.perf_counter() - t0)
-            for s in seqs:
-                s[1] += 1
-        ms = 1000 * statistics.median(times[4:])
-        rows.append({"batch": B, "step_ms": ms, "tokens_per_s": B * 1000 / ms})
-        print(json.dumps(rows[-1]), flush=True)
-        for pages, _ in seqs:
-            pool.release(pages)
+    rows, checks, load_at_start = [], [], os.getloadavg()
+    for ctx in contexts:
+        for B in batches:
+            seqs = []
+            for b in range(B):
+                pages = pool.alloc(ctx // 16 + 4)
+                step.forward([Segment(pages, [(b + i) % 1000 for i in range(ctx)], 0)])
+                seqs.append([pages, ctx])
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                step.forward([Segment(p, [5], n) for p, n in seqs])
+                times.append(time.perf_counter() - t0)
+                for s in seqs:
+                    s[1] += 1
+            ms = 1000 * statistics.median(times[4:])
+            rows.append({"context": ctx, "batch": B, "step_ms": ms, "tokens_per_s": B * 1000 / ms})
+            print(json.dumps(rows[-1]), flush=True)
+            if B == 1:                        # checks of R rows against the plain step, alternated
+                pages, n = seqs[0]
+                cost = {R: [] for R in [int(r) for r in a.verify_rows.split(",")]}
+                for _ in range(12):
+                    for R in cost:
+                        t0 = time.perf_counter()
+                        step.forward([Segment(pages, [5] * R, n, verify=R > 1)])
+                        cost[R].append(time.perf_counter() - t0)
+                plain = statistics.median(cost[min(cost)][2:])
+                for R, ts in cost.items():
+                    checks.append({"context": ctx, "rows": R, "step_ms": 1000 * statistics.median(ts[2:]),
+                                   "x_plain_step": statistics.median(ts[2:]) / plain})
+                    print(json.dumps(checks[-1]), flush=True)
+            for pages, _ in seqs:
+                pool.release(pages)
     out = {"what": "serving engine decode step, 4-bit weights, one onnxruntime graph", "model": "smollm2-135m",
            "hardware": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
-           "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "positions": "~100-120 per sequence",
-           "rows": rows}
+           "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "rows": rows, "checks": checks}
     with open(a.output, "w") as f:
         json.dump(out, f, indent=1)
 

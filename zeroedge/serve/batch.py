@@ -10,11 +10,12 @@ prompts go through the model together, reading each weight once, over a paged KV
     # -> (3, vocab): every position of a verify segment (a token and its speculative draft)
 
 `PagedKV` holds every layer's K and V as one slot axis of pages (`k[layer]`: (pages x page size,
-kv heads, head dim), or heads first for the 4-bit CPU step); a sequence owns a list of pages (its block table), so its KV is as long as it
-is and a finished one gives its pages back at once. `BatchStep.forward` concatenates the segments'
-tokens into one row batch for every linear layer; attention is per segment kind: the decode tokens
-(one each, and every token of a verify segment, each as the decode row it would be) together, a
-prompt chunk against its sequence's past and itself, causally. Decode rows read their pages in place
+kv heads, head dim), or heads first for the 4-bit CPU step); a sequence owns a list of pages (its
+block table), so its KV is as long as it is and a finished one gives its pages back at once.
+`BatchStep.forward` concatenates the segments' tokens into one row batch for every linear layer;
+attention is per segment kind: the decode tokens (one each, and every token of a verify segment,
+each as the decode row it would be) together, a prompt chunk against its sequence's past and
+itself, causally. Decode rows read their pages in place
 through paged Triton kernels on a GPU (zeroedge.kv.paged_attention), and a step of decode rows alone
 replays a CUDA graph; elsewhere their pages are gathered and masked for one SDPA. A verify row at
 position p attends to positions 0..p exactly as a plain decode step there would, so checking a
@@ -102,9 +103,10 @@ class Segment:
 
 class BatchStep:
     """linears: None (the model's weights in torch: TorchLinears) or zeroedge.serve.cpu_q4.Q4Step
-    (4-bit weights on a CPU: the whole step is one onnxruntime graph, which attends by itself). attention: how decode rows attend, "gather" (their pages
-    gathered, then SDPA), "paged" (zeroedge.kv.paged_attention: Triton kernels that read the pages
-    in place; CUDA, or the Triton interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
+    (4-bit weights on a CPU: the whole step is one onnxruntime graph, which attends by itself).
+    attention: how decode rows attend, "gather" (their pages gathered, then SDPA), "paged"
+    (zeroedge.kv.paged_attention: Triton kernels that read the pages in place; CUDA, or the Triton
+    interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
     graphs: a step of decode rows alone (plain steps and verify segments: no prompt chunk) replays a
     CUDA graph captured per number of rows rounded up to a power of two (paged attention on CUDA
     only; padding rows use the scratch page)."""

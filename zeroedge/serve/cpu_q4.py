@@ -149,13 +149,13 @@ class Q4Step:
             w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
             b_ = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
             qkv = g.node("Reshape", [g.q4(h, w, f"l{li}_qkv", b_), "rows_qkv"])     # (M, H + 2 nkv, hd)
-            qk = g.node("Slice", [qkv, cuts[0], cuts[2], g.const(f"l{li}_ax1", np.array([1], i64))])
+            qk = g.node("Slice", [qkv, cuts[0], cuts[2], "ax1"])
             rot = g.node("Concat", [g.node("Neg", [g.node("Slice", [qk, half[1], half[2], ax_last])]),
                                     g.node("Slice", [qk, half[0], half[1], ax_last])], axis=-1)
             qk = g.node("Add", [g.node("Mul", [qk, "cos"]), g.node("Mul", [rot, "sin"])])
-            q = g.node("Slice", [qk, cuts[0], cuts[1], f"l{li}_ax1"])
-            k = g.node("Slice", [qk, cuts[1], cuts[2], f"l{li}_ax1"])
-            v = g.node("Slice", [qkv, cuts[2], cuts[3], f"l{li}_ax1"])
+            q = g.node("Slice", [qk, cuts[0], cuts[1], "ax1"])
+            k = g.node("Slice", [qk, cuts[1], cuts[2], "ax1"])
+            v = g.node("Slice", [qkv, cuts[2], cuts[3], "ax1"])
             k_all.append(g.node("Unsqueeze", [k, ax0]))
             v_all.append(g.node("Unsqueeze", [v, ax0]))
             # the pool is (layers, kv heads, slots, head dim): this layer's rows, a kv head's slots in a row
@@ -184,10 +184,12 @@ class Q4Step:
 
         f, i = TensorProto.FLOAT, TensorProto.INT64
         ins = [("x", f, ["M", D]), ("cos", f, ["M", 1, hd]), ("sin", f, ["M", 1, hd]), ("pool_k", f, ["P", hd]),
-               ("pool_v", f, ["P", hd]), ("layer_stride", i, []), ("head_offsets", i, [1, nkv, 1]), ("out_rows", i, ["R"])]
+               ("pool_v", f, ["P", hd]), ("layer_stride", i, []), ("head_offsets", i, [1, nkv, 1]),
+               ("out_rows", i, ["R"])]
         for b in ("d", "c"):
             G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
-            ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]), (b + "_q", i, [b + "Q"])]
+            ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]),
+                    (b + "_q", i, [b + "Q"])]
             ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(b, 0, 0, 0, H, nkv, hd).items()]
             ins += [(b + "_out", i, [b + "rows"])]
         ins += [("d_mask", f, ["dG", "dT", 1, 1, "dS"]), ("d_ones", f, ["dG", "dT", nkv, "dS", 1]),

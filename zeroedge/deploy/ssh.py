@@ -24,6 +24,19 @@ class HostError(UserError):
         self.target, self.msg, self.phase = target, msg, phase
 
 
+def _asyncssh():
+    """asyncssh, imported with cryptography's deprecation warnings silenced: asyncssh names the DSA
+    key types cryptography deprecates, and those warnings would reach a user's terminal."""
+    import warnings
+
+    with warnings.catch_warnings():
+        from cryptography.utils import CryptographyDeprecationWarning
+
+        warnings.simplefilter("ignore", CryptographyDeprecationWarning)
+        import asyncssh
+    return asyncssh
+
+
 def _where(t: Target) -> str:
     return f"{t.user + '@' if t.user else ''}{t.host}{':' + str(t.port) if t.port else ''}"
 
@@ -33,7 +46,7 @@ GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 
 def _options(host: str, port, user, ssh_config: str | None):
     """asyncssh's reading of the ssh config for one host (HostName, Port, User, ProxyJump, ...)."""
-    import asyncssh
+    asyncssh = _asyncssh()
 
     return asyncssh.SSHClientConnectionOptions(config=[ssh_config] if ssh_config else (), host=host,
                                                port=port or (), username=user or ())
@@ -73,7 +86,7 @@ async def connect(t: Target, ssh_config: str | None = None, known_hosts: str | N
     asyncssh alone would take `UserKnownHostsFile none` in the config as "check nothing" and open
     ProxyJump hops with the config only, so both are done here: each connection, hops included,
     gets an explicit known_hosts, and each hop is opened here and passed on as the next tunnel."""
-    import asyncssh
+    asyncssh = _asyncssh()
 
     try:
         hops = _jumps(t.host, t.port, t.user, ssh_config)
@@ -95,7 +108,7 @@ async def _open(t: Target, host, port, user, ssh_config, known_hosts, timeout, t
     never followed here); `jump`: it is a jump host on the way to `t`."""
     import asyncio
 
-    import asyncssh
+    asyncssh = _asyncssh()
 
     dest = Target(host, host, user, port) if jump else t
     where = f"jump host {_where(dest)} (on the way to {t.label})" if jump else _where(t)
@@ -165,7 +178,7 @@ def agent_result(stdout: str) -> dict:
 async def agent(conn, t: Target, payload: dict, python: str = "python3", sudo: bool = False,
                 phase: str = "remote") -> tuple[dict, str]:
     """Run one device operation; returns (result, stderr log). Raises HostError on failure."""
-    import asyncssh
+    asyncssh = _asyncssh()
 
     script = agent_script(payload)
     cmd = ("sudo -n " if sudo else "") + f"{python} -"
@@ -202,7 +215,7 @@ async def upload(conn, t: Target, files: list[tuple[Path, str, int]], incoming: 
     name: a link planted there is removed, never written through."""
     import asyncio
 
-    import asyncssh
+    asyncssh = _asyncssh()
 
     sem = asyncio.Semaphore(parallel)
 
@@ -238,7 +251,7 @@ async def upload(conn, t: Target, files: list[tuple[Path, str, int]], incoming: 
 async def _private_dir(sftp, t: Target, path: str, uid: int):
     """Make the directory `path` with mode 0700 if it is absent; refuse it if it is a link, not a
     directory, not owned by `uid`, or open to group or others."""
-    import asyncssh
+    asyncssh = _asyncssh()
 
     parent = path.rsplit("/", 1)[0]
     if parent:

@@ -116,12 +116,12 @@ class Q4Step:
     positions; the new K / V of every layer come back as outputs and are written into the pool after
     the call.
 
-    Two attention blocks run in the graph: decode rows (a sequence's one row, or a verify segment's
-    rows) with one product per row, and prompt chunks with one product per chunk, causally. A row's
-    attention does not depend on the other sequences: the softmax's max is exact and its sum is a
-    matrix product over the slots, whose padding adds exact zeros at the end, so a decode row gives the
-    same logits alone, in any batch, or as a row of a verify segment (the engine's batch invariance,
-    zeroedge.serve.batch)."""
+    Two attention blocks run in the graph, alike but for their sizes: decode rows (a sequence's one
+    row, or a verify segment's rows) and prompt chunks (a chunk's rows, causally), so that a step's few
+    long chunks do not pad its many short decode groups. Every row attends in products of its own: the
+    softmax's max is exact and its sum is a matrix product over the slots, whose padding adds exact
+    zeros at the end, so a row gives the same logits alone, in any batch, or as a row of a verify
+    segment (the engine's batch invariance, zeroedge.serve.batch)."""
 
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
@@ -162,8 +162,7 @@ class Q4Step:
             off = g.node("Add", [g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "layer_stride"]),
                                  "head_offsets"])
             k, v = (g.node("Reshape", [t, "rows_heads"]) for t in (k, v))              # (M nkv, hd)
-            o = [_decode_attention(g, q, k, v, g.node("Add", ["d_table", off])),
-                 _chunk_attention(g, q, k, v, g.node("Add", ["c_table", off]))]
+            o = [_attention(g, q, k, v, g.node("Add", [b + "_table", off]), b) for b in ("d", "c")]
             x = g.node("Add", [x, g.q4(g.node("Concat", o, axis=0), a.o_proj.weight, f"l{li}_o")])
             mlp = lay.mlp
             h = g.norm(x, lay.post_attention_layernorm.weight, lay.post_attention_layernorm.eps, f"l{li}_ln2")
@@ -190,10 +189,9 @@ class Q4Step:
             G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
             ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]),
                     (b + "_q", i, [b + "Q"])]
-            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(b, 0, 0, 0, H, nkv, hd).items()]
-            ins += [(b + "_out", i, [b + "rows"])]
-        ins += [("d_mask", f, ["dG", "dT", 1, 1, "dS"]), ("d_ones", f, ["dG", "dT", nkv, "dS", 1]),
-                ("c_mask", f, ["cG", 1, "cT", 1, "cS"]), ("c_ones", f, ["cG", nkv, "cS", 1])]
+            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(0, 0, H, nkv, hd).items()]
+            ins += [(b + "_out", i, [b + "rows"]), (b + "_mask", f, [G, b + "T", 1, 1, S]),
+                    (b + "_ones", f, [G, b + "T", nkv, S, 1])]
         outs = [("logits", f, ["R", W.shape[0]]), ("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
         self.session = g.session(ins, outs, threads)
 
@@ -275,24 +273,15 @@ class Q4Step:
                 q[gi * T + t] = r
                 out.append(gi * T + t)
             mask[gi, len(rows):, 0] = 0.0                 # padding queries see position 0 alone
-        shapes = _shapes(b, G, T, S, self.H, nkv, self.hd)
-        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in shapes.items()}
-        if b == "d":           # a query a product: (G, T, nkv, rep | 1, S)
-            mask, ones = mask.reshape(G, T, 1, 1, S), np.ones((G, T, nkv, S, 1), np.float32)
-        else:                  # a group's queries in one product: (G, nkv, T, rep, S)
-            mask, ones = mask.reshape(G, 1, T, 1, S), np.ones((G, nkv, S, 1), np.float32)
+        feeds = {f"{b}_{k}": np.array(v, np.int64) for k, v in _shapes(G, T, self.H, nkv, self.hd).items()}
         return {**feeds, f"{b}_table": table, f"{b}_idx": np.asarray(idx, np.int64).reshape(-1, 3),
-                f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q, f"{b}_mask": mask, f"{b}_ones": ones,
-                f"{b}_out": np.asarray(out, np.int64)}
+                f"{b}_src": np.asarray(src, np.int64), f"{b}_q": q, f"{b}_mask": mask.reshape(G, T, 1, 1, S),
+                f"{b}_ones": np.ones((G, T, nkv, S, 1), np.float32), f"{b}_out": np.asarray(out, np.int64)}
 
 
-def _shapes(b: str, G: int, T: int, S: int, H: int, nkv: int, hd: int) -> dict:
-    """The shapes attention block b reshapes to: G groups of T queries over S slots."""
-    rep = H // nkv
-    if b == "d":
-        return {"grid_shape": [G, T, nkv, rep, hd], "rows_shape": [G * T, H * hd]}
-    return {"grid_shape": [G, T, nkv, rep, hd], "q_shape": [G, nkv, T * rep, hd], "score_shape": [G, nkv, T, rep, S],
-            "flat_shape": [G, nkv, T * rep, S], "o_shape": [G, nkv, T, rep, hd], "rows_shape": [G * T, H * hd]}
+def _shapes(G: int, T: int, H: int, nkv: int, hd: int) -> dict:
+    """The shapes an attention block reshapes to: G groups of T rows."""
+    return {"grid_shape": [G, T, nkv, H // nkv, hd], "rows_shape": [G * T, H * hd]}
 
 
 def _gathered(g: _Graph, new: str, pool: str, table: str, b: str) -> str:
@@ -301,34 +290,20 @@ def _gathered(g: _Graph, new: str, pool: str, table: str, b: str) -> str:
     return g.node("ScatterND", [g.node("Gather", [pool, table]), b + "_idx", g.node("Gather", [new, b + "_src"])])
 
 
-def _decode_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
-    """Decode rows: a sequence's rows (one, or a verify segment's) over its slots, each up to its own
-    position, one product per row and kv head: a row's products have the same shape whatever else
-    runs (a verify row computes what a plain decode row there computes, bit for bit), and its
-    sequence's gathered K / V are shared by its rows (broadcast) -> (rows, H * head dim)."""
-    ks, vs = (g.node("Unsqueeze", [_gathered(g, t, pool, table, "d"), "ax1"])                   # (G, 1, nkv, S, hd)
+def _attention(g: _Graph, q: str, k: str, v: str, table: str, b: str) -> str:
+    """Attention block b: each group's rows (a sequence's decode row, verify rows or prompt chunk) over
+    its slots, each up to its own position, one product per row and kv head: a row's products have
+    the same shape whatever else runs (a product over several rows may take a row to another kernel
+    by its place among them), so it computes alike alone, beside other groups or as a verify row; the
+    group's gathered K / V are shared by its rows (broadcast) -> (the block's rows, H * head dim)."""
+    ks, vs = (g.node("Unsqueeze", [_gathered(g, t, pool, table, b), "ax1"])                      # (G, 1, nkv, S, hd)
               for t, pool in ((k, "pool_k"), (v, "pool_v")))
-    qg = g.node("Reshape", [g.node("Gather", [q, "d_q"]), "d_grid_shape"], allowzero=1)        # (G, T, nkv, rep, hd)
+    qg = g.node("Reshape", [g.node("Gather", [q, b + "_q"]), b + "_grid_shape"], allowzero=1)   # (G, T, nkv, rep, hd)
     sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 1, 2, 4, 3])])
-    sc = g.node("Add", [sc, "d_mask"])                                                          # (G, T, nkv, rep, S)
+    sc = g.node("Add", [sc, b + "_mask"])                                                       # (G, T, nkv, rep, S)
     e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
-    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, "d_ones"])])           # (G, T, nkv, rep, hd)
-    return g.node("Gather", [g.node("Reshape", [o, "d_rows_shape"], allowzero=1), "d_out"])
-
-
-def _chunk_attention(g: _Graph, q: str, k: str, v: str, table: str) -> str:
-    """Prompt chunks (and a padding row): each group's rows (T at most) over its slots, causally, one
-    product per group and kv head -> (rows, H * head dim)."""
-    ks, vs = _gathered(g, k, "pool_k", table, "c"), _gathered(g, v, "pool_v", table, "c")
-    qg = g.node("Reshape", [g.node("Gather", [q, "c_q"]), "c_grid_shape"], allowzero=1)          # (G, T, nkv, rep, hd)
-    qg = g.node("Reshape", [g.node("Transpose", [qg], perm=[0, 2, 1, 3, 4]), "c_q_shape"], allowzero=1)
-    sc = g.node("MatMul", [g.node("Mul", [qg, "scale"]), g.node("Transpose", [ks], perm=[0, 1, 3, 2])])
-    sc = g.node("Add", [g.node("Reshape", [sc, "c_score_shape"], allowzero=1), "c_mask"])      # (G, nkv, T, rep, S)
-    e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
-    e = g.node("Reshape", [e, "c_flat_shape"], allowzero=1)                                      # (G, nkv, T rep, S)
-    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, "c_ones"])])            # (G, nkv, T rep, hd)
-    o = g.node("Transpose", [g.node("Reshape", [o, "c_o_shape"], allowzero=1)], perm=[0, 2, 1, 3, 4])
-    return g.node("Gather", [g.node("Reshape", [o, "c_rows_shape"], allowzero=1), "c_out"])
+    o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, b + "_ones"])])       # (G, T, nkv, rep, hd)
+    return g.node("Gather", [g.node("Reshape", [o, b + "_rows_shape"], allowzero=1), b + "_out"])
 
 
 def _identity(src: str, dst: str):

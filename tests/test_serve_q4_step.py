@@ -84,3 +84,14 @@ def test_q4_prompts_prefilled_together_equal_alone(steps, smol_tok):
     for p in pages:
         pool.release(p)
     assert torch.equal(together, torch.cat(alone))
+
+
+def test_q4_step_refuses_a_pool_of_the_other_layout(steps):
+    from zeroedge.serve.batch import BatchStep, PagedKV
+
+    m, runs = steps
+    q4 = runs[0][0].q4
+    with pytest.raises(ValueError, match="heads-first"):
+        BatchStep(m, PagedKV(m.cfg, 4, 16, "cpu", torch.float32), q4)
+    with pytest.raises(ValueError, match="heads-first"):
+        BatchStep(m, PagedKV(m.cfg, 4, 16, "cpu", torch.float32, heads_first=True), None)

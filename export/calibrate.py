@@ -6,7 +6,7 @@ Steps (each reported):
     and the gradient g of the continuation loss with respect to y (importance target (a));
  2. anchors: rank-r reduced-rank ridge regression y ~ a(x) per layer;
  3. SIH target: the first-order loss change of replacing the FFN by the anchor,
-    |g . (y - a(x))|; a head learns "above the batch mean" from x (BCE);
+    |g . (y - a(x))|; a head learns its expected value from x (Poisson regression: train_sih);
  4. gate: estimated per-layer cost curves from the same first-order terms on the held-out split,
     greedy allocation by cost per FLOP, then a binary search of the allocation's scale against real
     held-out perplexity (the protocol: prefix skipped, continuation dense) within the budget.
@@ -37,7 +37,7 @@ class CalibConfig:
     first_layer: int = 1            # layers before this are never skipped
     protect_first: int = 4
     rates: tuple = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-    sih_steps: int = 200
+    sih_steps: int = 600
     seed: int = 0
     gate_steps: int = 7             # binary-search steps against real held-out perplexity
     importance_samples: int = 16    # (layer, token) pairs for the perturbation estimator; 0 = skip
@@ -62,12 +62,15 @@ def split_sequences(token_lists, cfg: CalibConfig):
     return pick(train, cfg.train_seqs), pick(held, cfg.gate_seqs)
 
 
-def train_sih(x: torch.Tensor, label: torch.Tensor, width: int, steps: int, seed: int) -> SIHHead:
+def train_sih(x: torch.Tensor, importance: torch.Tensor, width: int, steps: int, seed: int) -> SIHHead:
+    """A head whose logit estimates the log of a token's expected importance: Poisson regression on
+    `importance` (>= 0, each sequence's divided by its mean so the texts weigh alike). Ranking tokens by
+    that conditional mean is what minimises the summed cost of the tokens a rate skips (the cost of a
+    skip is its importance, heavy-tailed: a log or a 0/1 target ranks the many cheap tokens and misses
+    the rare dear ones)."""
     torch.manual_seed(seed)
     head = SIHHead(x.shape[1], width)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    pos = label.float().mean().clamp(0.05, 0.95)
-    weight = torch.where(label, 0.5 / pos, 0.5 / (1 - pos))
     n = x.shape[0]
     g = torch.Generator().manual_seed(seed)
     threads = torch.get_num_threads()
@@ -75,8 +78,8 @@ def train_sih(x: torch.Tensor, label: torch.Tensor, width: int, steps: int, seed
     with torch.enable_grad():
         for _ in range(steps):
             idx = torch.randint(0, n, (min(1024, n),), generator=g)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                head.logits(x[idx]), label[idx].float(), weight=weight[idx])
+            logit = head.logits(x[idx])
+            loss = (torch.exp(logit) - importance[idx] * logit).mean()     # Poisson deviance, up to constants
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -84,13 +87,11 @@ def train_sih(x: torch.Tensor, label: torch.Tensor, width: int, steps: int, seed
     return head.eval()
 
 
-def _auc(score, label) -> float:
-    r = score.argsort().argsort().double() + 1
-    npos = int(label.sum())
-    nneg = label.numel() - npos
-    if npos == 0 or nneg == 0:
-        return float("nan")
-    return float((r[label].sum() - npos * (npos + 1) / 2) / (npos * nneg))
+def per_sequence_normalised(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """values (N,) of consecutive sequences of `rows` rows each, divided by their sequence's mean."""
+    seq = torch.arange(values.shape[0]) // rows
+    means = torch.zeros(int(seq.max()) + 1).index_add_(0, seq, values) / torch.bincount(seq)
+    return values / means.clamp_min(1e-30)[seq]
 
 
 @torch.no_grad()
@@ -134,7 +135,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     if cfg.importance_samples:
         _importance_agreement(model, train[0], cfg, report)
     anchors = _fit_anchors(X, Y, cfg, report)
-    heads = _fit_heads(X, Y, G, anchors, cfg, report)
+    heads = _fit_heads(X, Y, G, anchors, cfg, report, P)
     del X, Y, G
     cost, thresholds = _skip_costs(model, held, heads, anchors, cfg, P)
 
@@ -218,23 +219,27 @@ def _fit_anchors(X, Y, cfg: CalibConfig, report: dict) -> dict:
     return anchors
 
 
-def _fit_heads(X, Y, G, anchors: dict, cfg: CalibConfig, report: dict) -> dict:
-    """layer -> SIH head trained to flag the tokens whose anchoring costs more than the mean (the
-    first-order loss change of replacing the FFN output by the anchor's)."""
+def _fit_heads(X, Y, G, anchors: dict, cfg: CalibConfig, report: dict, rows: int) -> dict:
+    """layer -> SIH head trained to estimate each prompt token's first-order loss change of replacing
+    its FFN output by the anchor's, |g . (y - a(x))| (the protected first positions left out); X, Y, G
+    hold consecutive sequences of `rows` prompt rows."""
+    from zeroedge.export.importance import spearman
+
     width = head_width(next(iter(X.values())).shape[-1])
-    heads, aucs = {}, {}
+    heads, corr = {}, {}
+    free = torch.arange(next(iter(X.values())).shape[0]) % rows >= cfg.protect_first   # rows a head may skip
     for i in X:
         with torch.no_grad():
             imp = (G[i] * (Y[i] - anchors[i](X[i]))).sum(-1).abs()
-        label = imp > imp.mean()
-        heads[i] = train_sih(X[i], label, width, cfg.sih_steps, cfg.seed + i)
+        target = per_sequence_normalised(imp, rows)[free]
+        heads[i] = train_sih(X[i][free], target, width, cfg.sih_steps, cfg.seed + i)
         with torch.no_grad():
-            aucs[i] = 1 - _auc(heads[i](X[i]), ~label)  # high score = important, so AUC vs label
-    report["sih_train_auc"] = {i: round(a, 3) for i, a in aucs.items()}
+            corr[i] = spearman(heads[i].logits(X[i][free]), target)
+    report["sih_train_spearman"] = {i: round(c, 3) for i, c in corr.items()}
     report["sih_bytes_fp16"] = heads[0].bytes_fp16()
-    a = sorted(aucs.values())
-    cfg.log(f"[calibrate] SIH heads: width {width}, {heads[0].bytes_fp16()} bytes fp16 each, "
-            f"train AUC median {a[len(a) // 2]:.3f}")
+    c = sorted(corr.values())
+    cfg.log(f"[calibrate] SIH heads: width {width}, {heads[0].bytes_fp16()} bytes fp16 each, rank correlation "
+            f"with the first-order importance on the training rows: median {c[len(c) // 2]:.3f}")
     return heads
 
 

@@ -32,6 +32,17 @@ def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
     assert "perplexity, all tokens" in text and "zero_ppl_all_tokens" in text and "net of anchors" in text
     assert "prefill in chunks of 512" in text and "the same rows skipped as in one pass" in text
     assert f"{r['ffn_flops_skipped']:.1%}" in text and "dense_ppl:" not in text
+    # other token rankings at the very per-layer row counts SIH skips on this text, SIH beside them
+    for scorer in ("random", "norm", "oracle"):
+        q = json.loads(run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--json",
+                               "--scorer", scorer, check_rc=0).stdout)
+        assert q["scorer"] == scorer and q["per_layer_skip"] == r["per_layer_skip"]
+        assert q["sih_zero_ppl"] == pytest.approx(r["zero_ppl"], rel=1e-6)
+        assert q["ffn_flops_skipped_gross"] == pytest.approx(r["ffn_flops_skipped_gross"], rel=1e-9)
+        assert "zero_ppl_all_tokens" not in q
+    text = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--scorer", "oracle",
+                   check_rc=0).stdout
+    assert "tokens ranked by oracle at SIH's per-layer row counts" in text
     assert meta.get("paths"), "calibrate --paths wrote no path section"
     p = run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--paths",
                 "--json", check_rc=0)
@@ -67,6 +78,9 @@ def test_eval_bad_inputs(tiny_hf, text_file, tmp_path):
         (["eval", tiny_hf, "--text", text_file, "--ctx", "100", "--kv-budget", "0.1"], "--ctx"),
         (["eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--kv-budget", "1.5"], "out of range"),
         (["eval", tiny_hf, "--text", text_file, "--ctx", "2048"], "nothing to evaluate"),
+        (["eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--kv-budget", "0.1", "--scorer", "norm"],
+         "--scorer ranks SIH/PAD's prompt tokens"),
+        (["eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--scorer", "coin"], "Invalid value for '--scorer'"),
     ]:
         p = run_cli(*args)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

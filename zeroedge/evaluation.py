@@ -60,3 +60,37 @@ def all_tokens_ppl(model, ids: torch.Tensor, runtime: ZeroRuntime | None = None)
         if runtime is not None:
             runtime.active = False
     return math.exp(nll_sum(logits, ids[:, 1:]) / (ids.shape[1] - 1))
+
+
+
+def first_order_importance(model, ids: torch.Tensor, prefix: int, anchors: dict) -> dict:
+    """The oracle ranking: per layer, |g . (y - anchor(x))| for each prompt token, the first-order change
+    of the continuation loss when that token's FFN output y is replaced by its anchor's (g = dLoss/dy,
+    the loss of the tokens after `prefix`). Needs a backward pass on the very text, so it is a
+    measuring stick, not a deployable scorer. layer -> (1, T) scores (only the prompt's are ranked)."""
+    from zeroedge.export.importance import ffn_io_and_grads
+
+    io, _ = ffn_io_and_grads(model, ids, prefix)
+    out = {}
+    with torch.no_grad():
+        for i, anchor in anchors.items():
+            x, y, g = io[i]
+            base = anchor(x) if anchor is not None else torch.zeros_like(y)
+            out[i] = (g * (y - base)).sum(-1).abs()[None]
+    return out
+
+
+def ranked_at_counts(policies: dict, runtime: ZeroRuntime, skipped: dict, prefix: int, scorer: str,
+                     oracle: dict | None = None) -> dict:
+    """The artifact's policies re-ranked: layer i skips exactly skipped[i] of its prompt rows, the ones
+    `scorer` ranks lowest (random / norm / oracle), with the same anchors and protected positions, so
+    only the choice of tokens differs from the shipped SIH rule. Returns the new policies; sets
+    runtime.external for the oracle."""
+    from dataclasses import replace
+
+    span = prefix - runtime.protect_first - runtime.protect_last     # rows a policy may skip
+    if scorer == "oracle":
+        runtime.external = oracle
+    return {i: replace(p, scorer="external" if scorer == "oracle" else scorer, threshold=None,
+                       rate=skipped.get(i, 0) / span, block_size=0)
+            for i, p in policies.items()}

@@ -10,7 +10,7 @@ from zeroedge.commands.common import check_model, examples, fraction_option, out
 
 
 @click.command("calibrate", epilog=examples(
-    "zeroedge calibrate smollm2-135m --text kjv --text essays --budget 1% -o smol.calib",
+    "zeroedge calibrate smollm2-135m --text kjv --text essays --budget 2% --train-seqs 8 --gate-seqs 4 -o smol.calib",
     "zeroedge calibrate smollm2-135m --text kjv --weights int4 --weights-only -o smol-int4.calib"))
 @click.argument("model")
 @click.option("--text", "texts_", multiple=True, required=True,

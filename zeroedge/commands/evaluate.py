@@ -1,7 +1,9 @@
 """zeroedge eval: the evaluation contracts other tools call.
 
-  --calib ARTIFACT   SIH/PAD in prefill: dense_ppl, zero_ppl, ffn_flops_skipped, tokens,
+  --calib ARTIFACT   SIH/PAD in prefill: dense_ppl, zero_ppl, ffn_flops_skipped, per_layer_skip, tokens,
                      zero_ppl_all_tokens (long-document protocol, see zeroedge.evaluation)
+  --scorer S         with --calib: the prompt tokens ranked by random / norm / oracle instead of SIH, as
+                     many a layer as SIH skips on the text: zero_ppl is S's, sih_zero_ppl SIH's (same run)
   --kv-budget F      thermal KV (F = 10% or 0.1): full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
   --paths            with --calib: decode paths instead of SIH/PAD: dense_ppl, paths_ppl,
                      ffn_bytes_skipped (every token teacher-forced with the paths on)
@@ -26,6 +28,7 @@ from zeroedge.commands.common import (check_model, check_policy_value, ctx_optio
 from zeroedge.kv.policy import THERMAL
 
 CONTINUATION = 1024
+SCORERS = ("sih", "random", "norm", "oracle")     # SIH/PAD's token rankings (--scorer)
 
 
 @click.command("eval", epilog=examples(
@@ -51,6 +54,11 @@ CONTINUATION = 1024
                    "`run --backend onnxruntime` serves, pages of 16 unless --page-size), not the torch decoder's.")
 @click.option("--paths", "paths", is_flag=True,
               help="Evaluate the artifact's decode path predictors (needs --calib).")
+@click.option("--scorer", type=click.Choice(SCORERS), default="sih", show_default=True,
+              help="With --calib: the token ranking of SIH/PAD. sih: the artifact as shipped; random / norm "
+                   "(lowest FFN-input norm) / oracle (first-order importance from a backward pass on the text "
+                   "itself): each artifact layer skips as many prompt rows as SIH does on this text, those "
+                   "this scorer ranks lowest, beside SIH in the same run.")
 @memory_cap_options("What `zeroedge run` would serve at --ctx under this device memory cap (e.g. 8G): "
                     "dense, thermal KV, or exit 2.")
 @click.option("--cold-in-file", "cold_in_file", is_flag=True,
@@ -58,12 +66,16 @@ CONTINUATION = 1024
                    "memory; the same codes, so the same perplexity).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
-        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0, kv_fetch=None):
+        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0, kv_fetch=None, scorer="sih"):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
     cap = memory_cap(device_memory, board)
     _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead, kv_fetch)
+    if scorer != "sih" and (calib is None or paths):
+        from zeroedge.errors import UserError
+
+        raise UserError("--scorer ranks SIH/PAD's prompt tokens: it needs --calib ARTIFACT (and not --paths)")
     if cold_in_file and cap is None:
         from zeroedge.errors import UserError
 
@@ -73,6 +85,10 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
 
     check_spec(text)
     meta, cal = _read_calib(calib, paths)
+    if scorer != "sih" and not cal.skip_layers:
+        from zeroedge.errors import UserError
+
+        raise UserError(f"--scorer {scorer}: {calib} skips no prompt rows (it has no SIH/PAD layers)")
     m, ids = _load_tokens(model, text, ctx, offset, threads)
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
     if cap is not None:
@@ -80,7 +96,7 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
         if result["device_memory"]["served"] == "thermal" and kv_budget is None:
             kv_budget = result["device_memory"]["thermal_budget"]
     if meta is not None:
-        _calib_evals(result, m, ids, calib, meta, cal, paths, ctx)
+        _calib_evals(result, m, ids, calib, meta, cal, paths, ctx, scorer)
     if kv_budget is not None:
         _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv_ahead, kv_fetch)
     if as_json:
@@ -167,7 +183,7 @@ def _load_tokens(model, text, ctx, offset, threads):
     return m, ids
 
 
-def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx):
+def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx, scorer="sih"):
     """The artifact's evaluations into result: its weights section first (the model stays quantized),
     then decode paths (--paths) or SIH/PAD (skipped when an artifact with weights has no SIH layers)."""
     if cal.weights is not None:
@@ -182,8 +198,9 @@ def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx):
         result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
                                  continuation=CONTINUATION))
     elif cal.has_sih or cal.weights is None:
-        _stage(f"SIH/PAD: dense and zero passes over {ctx} tokens (4 passes)")
-        result.update({k: v for k, v in zero_eval(m, ids, calib, meta).items()
+        _stage(f"SIH/PAD: dense and zero passes over {ctx} tokens "
+               + ("(5 passes)" if scorer == "sih" else f"(3 passes; SIH and {scorer} at the same row counts)"))
+        result.update({k: v for k, v in zero_eval(m, ids, calib, meta, scorer).items()
                        if not (cal.weights is not None and k == "dense_ppl")})
 
 
@@ -253,7 +270,9 @@ def served_under(cfg, ctx: int, cap: int, kv_budget=None, cold_in_file: bool = F
                     f"store) or {int4 / 2**30:.2f} GiB (int4)")
 
 
-def zero_eval(m, ids, calib, meta) -> dict:
+def zero_eval(m, ids, calib, meta, scorer: str = "sih") -> dict:
+    """SIH/PAD as the artifact ships it (dense, zero, zero in chunks, all tokens); with another
+    --scorer, its ranking at the very per-layer row counts SIH skips on this text (dense, SIH, scorer)."""
     import torch
 
     from zeroedge import calib_artifact
@@ -263,12 +282,16 @@ def zero_eval(m, ids, calib, meta) -> dict:
 
     calib_artifact.check_model(meta, m.cfg, calib)
     t = torch.tensor([ids])
+    tensors = calib_artifact.load_tensors(calib)
     dense = continuation_ppl(m, t, CONTINUATION)
-    dense_all = all_tokens_ppl(m, t)
-    rt = install_artifact(m, meta, calib_artifact.load_tensors(calib))
-    rt.record_masks = True
+    rt = install_artifact(m, meta, tensors)
+    rt.record_masks = scorer == "sih"
     try:
         zero = continuation_ppl(m, t, CONTINUATION, rt)
+        out = {"scorer": scorer, "dense_ppl": dense["ppl"], "per_layer_skip": zero["per_layer_skip"],
+               "prefill_s_dense": dense["prefill_s"]}
+        if scorer != "sih":
+            return {**out, **_ranked_eval(m, t, meta, tensors, rt, zero, dense["ppl"], scorer)}
         one_pass_masks = dict(rt.masks)
         # the prefill as exported bundles run it: in chunks, the SIH scores carried between them
         chunk = chunk_on_blocks(DEFAULT_PREFILL_CHUNK, installed_policies(m))
@@ -279,13 +302,38 @@ def zero_eval(m, ids, calib, meta) -> dict:
         zero_all = all_tokens_ppl(m, t, rt)
     finally:
         remove(m)
-    return {"dense_ppl": dense["ppl"], "zero_ppl": zero["ppl"],
-            "ppl_rise": zero["ppl"] / dense["ppl"] - 1,
+    return {**out, "zero_ppl": zero["ppl"], "ppl_rise": zero["ppl"] / dense["ppl"] - 1,
             "ffn_flops_skipped": zero["ffn_flops_skipped"],
             "ffn_flops_skipped_gross": zero["ffn_flops_skipped_gross"],
             "zero_ppl_chunked": chunked["ppl"], "chunk": chunk, "chunked_same_skips": same,
-            "dense_ppl_all_tokens": dense_all, "zero_ppl_all_tokens": zero_all,
-            "prefill_s_dense": dense["prefill_s"], "prefill_s_zero": zero["prefill_s"]}
+            "dense_ppl_all_tokens": all_tokens_ppl(m, t), "zero_ppl_all_tokens": zero_all,
+            "prefill_s_zero": zero["prefill_s"]}
+
+
+def _ranked_eval(m, t, meta, tensors, sih_rt, sih, dense, scorer) -> dict:
+    """--scorer random / norm / oracle: the tokens each artifact layer skips chosen by that scorer, as
+    many per layer as SIH skipped in the pass `sih` (its runtime `sih_rt`), the same anchors."""
+    from zeroedge.evaluation import continuation_ppl, first_order_importance, ranked_at_counts
+    from zeroedge.mechanisms.pad import artifact_policies, install, remove
+
+    remove(m)
+    prefix = t.shape[1] - CONTINUATION
+    skipped = {i: st[1] - st[0] for i, st in sih_rt.stats.items()}
+    policies, rt = artifact_policies(meta, tensors)
+    oracle = None
+    if scorer == "oracle":
+        _stage("oracle: one forward and backward pass for the first-order importance of every prompt token")
+        oracle = first_order_importance(m, t, prefix, {i: p.anchor for i, p in policies.items()})
+    install(m, ranked_at_counts(policies, rt, skipped, prefix, scorer, oracle), rt)
+    try:
+        ranked = continuation_ppl(m, t, CONTINUATION, rt)
+    finally:
+        remove(m)
+    return {"zero_ppl": ranked["ppl"], "ppl_rise": ranked["ppl"] / dense - 1,
+            "sih_zero_ppl": sih["ppl"], "sih_ppl_rise": sih["ppl"] / dense - 1,
+            "ffn_flops_skipped": ranked["ffn_flops_skipped"],
+            "ffn_flops_skipped_gross": ranked["ffn_flops_skipped_gross"],
+            "prefill_s_zero": ranked["prefill_s"]}
 
 
 ALL_TOKENS_NOTE = ("every token scored in one pass with the mechanisms on at every position, the scored",
@@ -311,13 +359,16 @@ def table(r: dict, calib=None, paths=False) -> list:
                 "mechanisms below run on the quantized model"]
     if "zero_ppl" in r:
         base = r["weights_ppl"] if "weights_ppl" in r else r["dense_ppl"]
-        out += ["", f"SIH/PAD in prefill ({calib})",
-                _ppl(f"perplexity, last {r['tokens']} tokens", "dense", base, "zero", r["zero_ppl"]),
+        ranked = r.get("scorer", "sih") != "sih"
+        out += ["", f"SIH/PAD in prefill ({calib})" + (f", tokens ranked by {r['scorer']} at SIH's per-layer "
+                                                       "row counts" if ranked else ""),
+                _ppl(f"perplexity, last {r['tokens']} tokens", "dense", base, r.get("scorer", "zero"), r["zero_ppl"]),
+                *([_ppl("", "dense", base, "sih", r["sih_zero_ppl"])] if ranked else []),
                 *([f"  {'prefill in chunks of ' + str(r['chunk']):<30} zero {r['zero_ppl_chunked']:.3f}   "
                    + ("the same rows skipped as in one pass" if r["chunked_same_skips"]
                       else "OTHER ROWS SKIPPED THAN IN ONE PASS")] if "zero_ppl_chunked" in r else []),
-                _ppl("perplexity, all tokens", "dense", r["dense_ppl_all_tokens"], "zero", r["zero_ppl_all_tokens"]),
-                *(f"  {'':<30} {line}" for line in ALL_TOKENS_NOTE),
+                *([_ppl("perplexity, all tokens", "dense", r["dense_ppl_all_tokens"], "zero", r["zero_ppl_all_tokens"]),
+                   *(f"  {'':<30} {line}" for line in ALL_TOKENS_NOTE)] if "zero_ppl_all_tokens" in r else []),
                 f"  {'prefill FFN FLOPs skipped':<30} {r['ffn_flops_skipped']:.1%} net of anchors "
                 f"({r['ffn_flops_skipped_gross']:.1%} gross)",
                 f"  {'prefill time':<30} dense {r['prefill_s_dense'] * 1e3:,.0f} ms   zero {r['prefill_s_zero'] * 1e3:,.0f} ms"]

@@ -170,13 +170,11 @@ def _speculative_serve_gpu():
 
 
 def _sih_pad():
-    rows = _load("prefill/sih_pad_frontier_smollm2_cpu.json")["rows"]
-    figures = []
-    for text in ("kjv", "essays", "licenses"):
-        sih = next(r for r in rows if r["text"] == text and r["method"].startswith("**SIH, gated"))
-        rnd = next(r for r in rows if r["text"] == text and r["method"] == "random at the gated layer rates")
-        figures += [_f(100 * sih["sk"], 1), _pct(sih["rise"]), _pct(rnd["rise"])]
-    return figures + [_f(100 * rnd["sk"], 1)]
+    rows = _load("prefill/sih_scorers_frontier_smollm2_cpu.json")["rows"]
+    gated = {(r["text"], r["scorer"]): r for r in rows if r["setting"] == "gated"}
+    texts = list(dict.fromkeys(t for t, _ in gated))
+    return ([_f(100 * gated[t, "sih"]["ffn_skipped"], 1) for t in texts]
+            + [_pct(gated[t, scorer]["rise"]) for scorer in ("sih", "random", "norm", "oracle") for t in texts])
 
 
 def _sih_chunked():

@@ -62,7 +62,6 @@ def all_tokens_ppl(model, ids: torch.Tensor, runtime: ZeroRuntime | None = None)
     return math.exp(nll_sum(logits, ids[:, 1:]) / (ids.shape[1] - 1))
 
 
-
 def first_order_importance(model, ids: torch.Tensor, prefix: int, anchors: dict) -> dict:
     """The oracle ranking: per layer, |g . (y - anchor(x))| for each prompt token, the first-order change
     of the continuation loss when that token's FFN output y is replaced by its anchor's (g = dLoss/dy,

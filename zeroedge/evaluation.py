@@ -83,8 +83,8 @@ def ranked_at_counts(policies: dict, runtime: ZeroRuntime, skipped: dict, prefix
                      oracle: dict | None = None) -> dict:
     """The artifact's policies re-ranked: layer i skips exactly skipped[i] of its prompt rows, the ones
     `scorer` ranks lowest (random / norm / oracle), with the same anchors and protected positions, so
-    only the choice of tokens differs from the shipped SIH rule. Returns the new policies; sets
-    runtime.external for the oracle."""
+    only the choice of tokens differs from the shipped SIH rule (token by token, also where SIH's
+    layer skips by the block rule). Returns the new policies; sets runtime.external for the oracle."""
     from dataclasses import replace
 
     span = prefix - runtime.protect_first - runtime.protect_last     # rows a policy may skip

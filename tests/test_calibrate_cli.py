@@ -69,9 +69,16 @@ def test_calibrate_bad_inputs_exit_2_and_write_nothing(tiny_hf, text_file, tmp_p
 
 
 def test_eval_bad_inputs(tiny_hf, text_file, tmp_path):
+    from artifacts import sih_artifact
+
+    from zeroedge.model import ModelConfig
+
     bad = tmp_path / "bad.calib"
     bad.mkdir()
     (bad / "calib.json").write_text("{not json")
+    no_skips = tmp_path / "no_skips.calib"
+    sih_artifact(no_skips, None, skip=[], cfg=ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2,
+                                                          n_kv_heads=1, ffn_dim=64, name="tiny"))
     for args, msg in [
         (["eval", tiny_hf, "--calib", bad, "--text", text_file, "--ctx", "2048"], "corrupt"),
         (["eval", tiny_hf, "--calib", tmp_path / "x", "--text", text_file, "--ctx", "2048"], "not found"),
@@ -81,6 +88,10 @@ def test_eval_bad_inputs(tiny_hf, text_file, tmp_path):
         (["eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--kv-budget", "0.1", "--scorer", "norm"],
          "--scorer ranks SIH/PAD's prompt tokens"),
         (["eval", tiny_hf, "--text", text_file, "--ctx", "2048", "--scorer", "coin"], "Invalid value for '--scorer'"),
+        (["eval", tiny_hf, "--calib", bad, "--paths", "--text", text_file, "--ctx", "2048", "--scorer", "random"],
+         "--scorer ranks SIH/PAD's prompt tokens"),
+        (["eval", tiny_hf, "--calib", no_skips, "--text", text_file, "--ctx", "2048", "--scorer", "oracle"],
+         "skips no prompt rows"),
     ]:
         p = run_cli(*args)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

@@ -9,13 +9,15 @@ tokens a layer skips:
   norm    lowest norm of the FFN input
   oracle  lowest first-order importance |g . (y - anchor(x))| from a backward pass on the very text
           (its continuation loss): a measuring stick no deployment can run
-Two settings, every scorer with the same anchors and protected positions:
-  gated   the artifact as shipped (SIH at its thresholds), and each peer skipping exactly as many
-          prompt rows per layer as SIH did on that text (`zeroedge eval --scorer`)
-  uniform a fixed fraction of the prompt tokens in each of layers 2-28 (the ranking frontier)
+Three settings, every scorer with the same anchors and protected positions:
+  gated      the artifact as shipped (SIH at its thresholds), and each peer skipping exactly as many
+             prompt rows per layer as SIH did on that text (`zeroedge eval --scorer`)
+  calibrated each --peer-calib artifact as its own gate chose it (`calibrate --scorer norm|random` at
+             the same budget): the layers and rates the gate affords with that ranking
+  uniform    a fixed fraction of the prompt tokens in each of layers 2-28 (the ranking frontier)
 
   python benchmarks/prefill_frontier.py --calib zeroedge/data/smollm2-135m.calib --ctx 4096 \\
-      --texts kjv essays licenses manpages python --rates 0.1 0.2 0.3
+      --texts kjv essays licenses manpages python --rates 0.1 0.2 0.3 --peer-calib NORM_ARTIFACT
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ def main():
     ap.add_argument("--rates", nargs="*", type=float, default=[0.1, 0.2, 0.3])
     ap.add_argument("--layers", default="2-28", help="layers the uniform rates skip in")
     ap.add_argument("--scorers", nargs="+", default=list(SCORERS), choices=SCORERS)
+    ap.add_argument("--peer-calib", nargs="*", default=[],
+                    help="artifacts calibrated with another --scorer at the same budget, run as they ship")
     ap.add_argument("--out", default="benchmarks/results/prefill/sih_scorers_frontier_smollm2_cpu")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -101,6 +105,8 @@ def main():
     L = m.cfg.n_layers
     lo, hi = (int(x) for x in a.layers.split("-"))
     shipped, shipped_rt = artifact_policies(meta, tens)
+    peers = [(calib_artifact.Calibration.from_meta(pm).sih.scorer, artifact_policies(pm, pt)[0])
+             for pm, pt in map(calib_artifact.load, a.peer_calib)]
     heads = {i: SIHHead.from_state(tens, f"layers.{i}.sih") for i in range(L)}
     anchors = {i: Anchor.from_state(tens, f"layers.{i}.anchor") if f"layers.{i}.anchor.a" in tens else None
                for i in range(L)}
@@ -145,6 +151,12 @@ def main():
                 ppl, t = one_pass_ppl(m, ids, P, rt)
                 remove(m)
                 record(text, "gated", scorer, None, rt, ppl, t, dense)
+            for scorer, policies in peers:
+                rt = runtime()
+                install(m, policies, rt)
+                ppl, t = one_pass_ppl(m, ids, P, rt)
+                remove(m)
+                record(text, "calibrated", scorer, None, rt, ppl, t, dense)
             for r in a.rates:
                 for scorer in a.scorers:
                     rt = runtime(external=oracle or {})
@@ -158,7 +170,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/prefill_frontier.py " + " ".join(sys.argv[1:])
     out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "calib": a.calib, "ctx": a.ctx, "prefix": P, "layers_uniform": a.layers,
+        {"command": command, "calib": a.calib, "peer_calib": a.peer_calib, "ctx": a.ctx, "prefix": P, "layers_uniform": a.layers,
          "hardware": "2-core x86-64 CPU, fp32", "weights": "real SmolLM2-135M", "rows": rows}, indent=1))
     plot(out.with_suffix(".png"), rows)
 
@@ -177,14 +189,15 @@ def plot(path, rows):
                          if r["text"] == t and r["scorer"] == scorer and r["setting"] == "uniform")
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=scorer)
-            g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == "gated"]
-            if g:
-                ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker="x")
+            for setting, marker in (("gated", "x"), ("calibrated", "+")):
+                g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == setting]
+                if g:
+                    ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker=marker, s=60)
         ax.axhline(2, color="k", lw=0.5, ls="--")
         ax.set_title(t)
         ax.set_xlabel("prefill FFN rows skipped")
         ax.set_ylabel("continuation ppl rise (%)")
-    axs[0][0].legend(fontsize=7, title="uniform (lines), gated (x)")
+    axs[0][0].legend(fontsize=7, title="uniform (lines), at SIH's counts (x),\nits own gate (+)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

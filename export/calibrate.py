@@ -10,6 +10,8 @@ Steps (each reported):
  4. gate: estimated per-layer cost curves from the same first-order terms on the held-out split,
     greedy allocation by cost per FLOP, then a binary search of the allocation's scale against real
     held-out perplexity (the protocol: prefix skipped, continuation dense) within the budget.
+    The gate thresholds the ranking cfg.scorer (SIH by default; norm or random to measure what the
+    learned ranking adds: the same anchors, costs and search, another score).
 """
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ import torch
 from zeroedge.calib_artifact import SIH_DEFAULTS
 from zeroedge.export import gate
 from zeroedge.mechanisms.anchors import Anchor, ZeroAnchor, anchor_error, fit_anchor
-from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, ffn_flops_per_token, install, remove
-from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width, smooth
+from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, artifact_scores, ffn_flops_per_token, install, remove
+from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width
+
+
+SKIP_ALL = 3.4e38
 
 
 @dataclass
@@ -41,6 +46,7 @@ class CalibConfig:
     seed: int = 0
     gate_steps: int = 7             # binary-search steps against real held-out perplexity
     importance_samples: int = 16    # (layer, token) pairs for the perturbation estimator; 0 = skip
+    scorer: str = "sih"             # the token ranking the gate thresholds (calib_artifact.SCORERS)
     log: object = field(default=print, repr=False)
 
 
@@ -145,7 +151,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     log(f"[calibrate] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens)")
 
     def policies(chosen):
-        return {i: LayerPolicy(scorer="sih", threshold=float("inf") if k is None else thresholds[i][k],
+        return {i: LayerPolicy(scorer=cfg.scorer, threshold=float("inf") if k is None else thresholds[i][k],
                                sih=heads[i], anchor=anchors[i]) for i, k in chosen.items()}
 
     def skipped_per_layer(chosen) -> tuple:
@@ -176,7 +182,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
                           f"{e.ppl / dense - 1:+.2%} on the held-out split") from None
     _, per_layer = skipped_per_layer(chosen)
     meta, tensors = _artifact(model, cfg, policies(chosen), anchors, heads, rt, per_layer)
-    meta["quality"] = {"budget": cfg.budget, "dense_ppl": dense, "zero_ppl": best_ppl,
+    meta["quality"] = {"budget": cfg.budget, "scorer": cfg.scorer, "dense_ppl": dense, "zero_ppl": best_ppl,
                        "ppl_rise": best_ppl / dense - 1, **meta["quality"],
                        "heldout_tokens": len(held) * cfg.continuation,
                        "protocol": f"prefix {P} tokens with mechanisms, continuation {cfg.continuation} dense"}
@@ -245,7 +251,7 @@ def _fit_heads(X, Y, G, anchors: dict, cfg: CalibConfig, report: dict, rows: int
 
 def _skip_costs(model, held, heads: dict, anchors: dict, cfg: CalibConfig, P: int):
     """On the held-out split, per layer from cfg.first_layer and per skip rate: the threshold on the
-    smoothed SIH score that skips that fraction of the prefix, and the estimated nats per
+    score of cfg.scorer (SIH: smoothed) that skips that fraction of the prefix, and the estimated nats per
     continuation token it adds (sum of |first-order loss change| over the skipped tokens: no
     cancellation between tokens, so a layer cannot look free by accident)."""
     from zeroedge.export.importance import ffn_io_and_grads
@@ -259,7 +265,7 @@ def _skip_costs(model, held, heads: dict, anchors: dict, cfg: CalibConfig, P: in
             Yh[i].append(y[:P])
             Gh[i].append(g[:P])
             with torch.no_grad():
-                Sh[i].append(smooth(heads[i](x[None, :P]), MA_WEIGHTS)[0])
+                Sh[i].append(artifact_scores(LayerPolicy(scorer=cfg.scorer, sih=heads[i]), x[None, :P], i)[0])
     n_cont = len(held) * cfg.continuation
     cost, thresholds = {}, {}
     lo, hi = cfg.protect_first, P - 1
@@ -283,7 +289,8 @@ def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt
     layers_meta, tensors = [], {}
     for i in range(L):
         p = pol.get(i)
-        thr = None if p is None else (p.threshold if math.isfinite(p.threshold) else 2.0)
+        # "skip every row" (the last layer): the largest finite float32, as JSON and the plugins hold it
+        thr = None if p is None else (p.threshold if math.isfinite(p.threshold) else SKIP_ALL)
         layers_meta.append({"index": i, "skip": p is not None, "threshold": thr,
                             "anchor_rank": int(getattr(anchors[i], "rank", 0)),
                             "block_size": 0, "block_frac": SIH_DEFAULTS["block_frac"],
@@ -298,7 +305,7 @@ def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt
         "model": {"name": model.cfg.name, "config": model.cfg.to_dict()},
         "sih": {"width": head_width(model.cfg.dim), "ma_weights": list(MA_WEIGHTS), "min_tokens": rt.min_tokens,
                 "protect_first": cfg.protect_first, "protect_last": rt.protect_last,
-                "bytes_fp16": heads[0].bytes_fp16()},
+                "bytes_fp16": heads[0].bytes_fp16(), "scorer": cfg.scorer},
         "layers": layers_meta,
         "pruned_heads": {},
         "quality": {"ffn_flops_skipped": flops_skipped - anchor_overhead, "ffn_flops_skipped_gross": flops_skipped},

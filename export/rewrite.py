@@ -577,6 +577,8 @@ def params_from_artifact(meta: dict, tensors: dict) -> dict:
 
     cal = Calibration.from_meta(meta)
     sih = cal.sih
+    if cal.skip_layers:
+        sih.require_plugins(cal.where)
     out = {}
     for L in cal.skip_layers:
         pre = f"layers.{L.index}"

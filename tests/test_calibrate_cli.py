@@ -50,6 +50,41 @@ def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
     assert {"dense_ppl", "paths_ppl", "ffn_bytes_skipped"} <= set(r)
 
 
+def test_calibrate_gates_another_ranking(tiny_hf, text_file, tmp_path):
+    """calibrate --scorer norm: the gate thresholds the FFN input's norm. eval runs it as the artifact's
+    own ranking (chunks skip the rows one pass skips; the last layer skips every row it may), and
+    what cannot run it says so in one line: export (the plugins run SIH heads), eval --scorer with a
+    peer (peers are compared at an SIH artifact's counts), and an artifact naming an unknown ranking."""
+    art = tmp_path / "norm.calib"
+    p = run_cli("calibrate", tiny_hf, "--text", text_file, "--budget", "5%", "-o", art, "--json",
+                "--scorer", "norm", *SMALL, check_rc=0)
+    q = json.loads(p.stdout.strip().splitlines()[-1])
+    assert q["scorer"] == "norm" and q["ppl_rise"] <= 0.05 + 1e-9
+    meta = json.loads((art / "calib.json").read_text())
+    assert meta["sih"]["scorer"] == "norm"
+    r = json.loads(run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--json",
+                           check_rc=0).stdout)
+    assert r["scorer"] == "norm" and r["chunked_same_skips"] is True and "sih_zero_ppl" not in r
+    last = str(len(meta["layers"]) - 1)
+    prefill = r["ctx"] - r["tokens"]                       # every row but the protected ones
+    assert r["per_layer_skip"][last] == pytest.approx(
+        1 - (meta["sih"]["protect_first"] + meta["sih"]["protect_last"]) / prefill)
+    bad_scorer = tmp_path / "magic.calib"
+    bad_scorer.mkdir()
+    (bad_scorer / "calib.json").write_text(json.dumps({**meta, "sih": {**meta["sih"], "scorer": "magic"}}))
+    for args, msg in [
+        (["export", tiny_hf, "--calib", art, "-o", tmp_path / "bundle"], "the bundles' plugins run SIH heads only"),
+        (["eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--scorer", "random"],
+         "ranks by norm"),
+        (["eval", tiny_hf, "--calib", bad_scorer, "--text", text_file, "--ctx", "1200"], "'sih.scorer' must be one of"),
+        (["calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--weights-only", "--scorer", "norm",
+          "-o", tmp_path / "w.calib"], "--weights-only calibrates no SIH/PAD"),
+    ]:
+        p = run_cli(*args)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    assert not (tmp_path / "bundle").exists() and not (tmp_path / "w.calib").exists()
+
+
 def test_calibrate_bad_inputs_exit_2_and_write_nothing(tiny_hf, text_file, tmp_path):
     out = tmp_path / "a.calib"
     cases = [

@@ -212,6 +212,45 @@ def test_chunked_prefill_skips_exactly_what_one_pass_skips(T, chunk):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("scorer", ["norm", "random"])
+def test_chunked_prefill_with_an_unlearned_ranking_skips_what_one_pass_skips(scorer):
+    """An artifact of `calibrate --scorer norm|random` thresholds a per-position score: chunks that do
+    not divide the prompt skip the rows one pass skips, and the rule really skips about half."""
+    m = tiny()
+    T = 100
+    ids = torch.randint(0, 256, (1, T))
+    inputs = {}
+    hooks = [m.layers[i].mlp.register_forward_pre_hook(lambda mod, a, i=i: inputs.setdefault(i, a[0]))
+             for i in (1, 2)]
+    with torch.no_grad():
+        m(ids)
+    for h in hooks:
+        h.remove()
+    thr = {i: float(x[0, :T].norm(dim=-1).median()) if scorer == "norm" else 0.5 for i, x in inputs.items()}
+    pols = {i: LayerPolicy(scorer=scorer, threshold=thr[i]) for i in (1, 2)}
+
+    def masks(chunk):
+        rt = ZeroRuntime(record_masks=True)
+        install(m, pols, rt)
+        m.setup_cache(1, T)
+        try:
+            with torch.no_grad():
+                rt.active = True
+                if chunk:
+                    rt.begin_prompt(T)
+                for s in range(0, T, chunk or T):
+                    m.hidden_states(ids[:, s:s + (chunk or T)], start=s)
+        finally:
+            m.drop_cache()
+            remove(m)
+        return {i: k.clone() for i, k in rt.masks.items()}
+
+    one, got = masks(None), masks(32)
+    for i in pols:
+        assert torch.equal(got[i], one[i]), i
+        assert T // 4 < int((~one[i]).sum()) < 3 * T // 4, i
+
+
 def test_chunks_off_a_block_boundary_are_refused():
     from zeroedge.mechanisms.sih import ChunkError
 
@@ -231,7 +270,7 @@ def test_chunks_off_a_block_boundary_are_refused():
         remove(m)
 
 
-def test_chunks_run_the_deployed_sih_rule_only():
+def test_chunks_run_a_deployed_threshold_rule_only():
     """A benchmark scorer (random tokens at a fixed rate) has no chunked form: refused, not run wrong."""
     m = tiny()
     ids = torch.randint(0, 256, (1, 64))
@@ -239,7 +278,7 @@ def test_chunks_run_the_deployed_sih_rule_only():
     install(m, {1: LayerPolicy(scorer="random", rate=0.5)}, rt)
     m.setup_cache(1, 64)
     try:
-        with torch.no_grad(), pytest.raises(MechanismError, match="deployed SIH rule only.*'random'"):
+        with torch.no_grad(), pytest.raises(MechanismError, match="deployed threshold rule only.*'random'"):
             rt.active = True
             rt.begin_prompt(64)
             m.hidden_states(ids[:, :32], start=0)

@@ -11,7 +11,7 @@ meta = {
   "format": "zeroedge-calibration", "format_version": 1,
   "model": {"name": str, "config": {...ModelConfig...}},
   "sih": {"width": int, "ma_weights": [w0, w1, w2], "min_tokens": 32, "protect_first": 4,
-          "bytes_fp16": int},
+          "bytes_fp16": int, "scorer": "sih" | "norm" | "random" (optional, default sih)},
   "layers": [{"index": i, "skip": bool, "threshold": float | None, "anchor_rank": int,
               "block_size": int, "block_frac": float, "skip_rate": float}],
   "pruned_heads": {"<layer>": [head, ...]},
@@ -68,6 +68,10 @@ EMBEDDING_BITS = (4, 8)
 AWQ_GROUPS = ("qkv", "o", "gate_up", "down")   # the scaled layer groups of a block, in this order
 
 SIH_DEFAULTS = plugin_spec.SIH_DEFAULTS
+# The token rankings an artifact may deploy (meta["sih"]["scorer"], `calibrate --scorer`): each scores
+# a position from its own FFN input (SIH: its head, smoothed over 3 positions), so a prompt prefilled
+# in chunks skips the rows one pass would. Only "sih" has the TensorRT / onnxruntime plugins.
+SCORERS = ("sih", "norm", "random")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,14 @@ class SihSettings:
     min_tokens: int
     protect_first: int
     protect_last: int
+    scorer: str = "sih"
+
+    def require_plugins(self, where: str) -> None:
+        """The one error for an artifact whose ranking the bundles' plugins cannot run."""
+        if self.scorer != "sih":
+            raise UserError(f"{where} ranks prompt tokens by {self.scorer} (calibrate --scorer {self.scorer}); "
+                            "the bundles' plugins run SIH heads only: calibrate with --scorer sih to export, "
+                            "or use the artifact with `zeroedge eval` / `run`")
 
 
 @dataclass(frozen=True)
@@ -192,9 +204,11 @@ class Calibration:
             ma = tuple(float(w) for w in s.get("ma_weights", [SIH_DEFAULTS[k] for k in ("ma_w0", "ma_w1", "ma_w2")]))
             sih = SihSettings(int(s.get("width", 0)), ma, int(s.get("min_tokens", SIH_DEFAULTS["min_tokens"])),
                               int(s.get("protect_first", SIH_DEFAULTS["protect_first"])),
-                              int(s.get("protect_last", SIH_DEFAULTS["protect_last"])))
+                              int(s.get("protect_last", SIH_DEFAULTS["protect_last"])), s.get("scorer", "sih"))
         except (TypeError, ValueError):
             raise bad("artifact 'sih' section has a non-numeric value") from None
+        if sih.scorer not in SCORERS:
+            raise bad(f"'sih.scorer' must be one of {', '.join(SCORERS)}, not {sih.scorer!r:.40}")
         if len(ma) != 3:
             raise bad(f"'sih.ma_weights' must hold 3 weights, got {len(ma)}")
         layers = meta.get("layers", [])

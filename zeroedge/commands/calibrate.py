@@ -6,6 +6,7 @@ and the SIH/PAD (and --paths) calibrations then run on the fake-quantized model,
 see the weights the bundle ships; one artifact holds both sections. --weights-only skips SIH/PAD."""
 import click
 
+from zeroedge.calib_artifact import SCORERS
 from zeroedge.commands.common import check_model, examples, fraction_option, output_option
 
 
@@ -54,15 +55,23 @@ from zeroedge.commands.common import check_model, examples, fraction_option, out
                    "costs more perplexity, and serves on the torch path only (export refuses it).")
 @click.option("--weights-only", is_flag=True,
               help="With --weights: write the weights section only (no SIH/PAD prefill calibration).")
+@click.option("--scorer", type=click.Choice(SCORERS), default="sih", show_default=True,
+              help="The prompt-token ranking the quality gate thresholds: the SIH heads (what the bundles' "
+                   "plugins run), or the FFN input's norm or a random draw, to measure what the learned "
+                   "ranking buys at the same budget (those artifacts run in `eval` and `run` only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
         anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json,
         wbits=None, group="128", symmetric=False, method="awq", embedding="int8", weights_only=False,
-        zero_point="int"):
+        zero_point="int", scorer="sih"):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import sys
 
     out = _check_args(model, texts_, output, seq_len, continuation, anchor_rank, wbits, symmetric, zero_point)
+    if weights_only and scorer != "sih":
+        from zeroedge.errors import UserError
+
+        raise UserError("--scorer ranks SIH/PAD's prompt tokens: --weights-only calibrates no SIH/PAD")
 
     import torch
 
@@ -74,7 +83,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     torch.manual_seed(seed)
     cfg = CalibConfig(budget=budget, seq_len=seq_len, continuation=continuation, train_seqs=train_seqs,
                       gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
-                      importance_samples=importance_samples, gate_steps=gate_steps,
+                      importance_samples=importance_samples, gate_steps=gate_steps, scorer=scorer,
                       log=lambda s: print(s, file=sys.stderr))
     wmeta, tensors = None, {}
     if wbits:
@@ -183,7 +192,8 @@ def _echo_quality(out, q, wmeta, budget, as_json):
     if "zero_ppl" in q:
         click.echo(f"wrote {out}: held-out ppl {q['dense_ppl']:.3f} -> {q['zero_ppl']:.3f} "
                    f"({q['ppl_rise']:+.2%}, budget {budget:.2%}), prefill FFN FLOPs skipped "
-                   f"{q['ffn_flops_skipped']:.1%} net of anchors" + (" (on the quantized model)" if wq else ""))
+                   f"{q['ffn_flops_skipped']:.1%} net of anchors" + (" (on the quantized model)" if wq else "")
+                   + (f", tokens ranked by {q['scorer']}" if q.get("scorer", "sih") != "sih" else ""))
     else:
         click.echo(f"wrote {out}")
 

@@ -2,8 +2,9 @@
 
   --calib ARTIFACT   SIH/PAD in prefill: dense_ppl, zero_ppl, ffn_flops_skipped, per_layer_skip, tokens,
                      zero_ppl_all_tokens (long-document protocol, see zeroedge.evaluation)
-  --scorer S         with --calib: the prompt tokens ranked by random / norm / oracle instead of SIH, as
-                     many a layer as SIH skips on the text: zero_ppl is S's, sih_zero_ppl SIH's (same run)
+  --scorer S         with an SIH artifact: the prompt tokens ranked by random / norm / oracle instead, as
+                     many a layer as SIH skips on the text: zero_ppl is S's, sih_zero_ppl SIH's (same run);
+                     left out: the artifact's own ranking (scorer in the JSON)
   --kv-budget F      thermal KV (F = 10% or 0.1): full_kv_ppl, thermal_ppl, hot_kv_bytes, full_kv_bytes
   --paths            with --calib: decode paths instead of SIH/PAD: dense_ppl, paths_ppl,
                      ffn_bytes_skipped (every token teacher-forced with the paths on)
@@ -54,11 +55,12 @@ SCORERS = ("sih", "random", "norm", "oracle")     # SIH/PAD's token rankings (--
                    "`run --backend onnxruntime` serves, pages of 16 unless --page-size), not the torch decoder's.")
 @click.option("--paths", "paths", is_flag=True,
               help="Evaluate the artifact's decode path predictors (needs --calib).")
-@click.option("--scorer", type=click.Choice(SCORERS), default="sih", show_default=True,
-              help="With --calib: the token ranking of SIH/PAD. sih: the artifact as shipped; random / norm "
-                   "(lowest FFN-input norm) / oracle (first-order importance from a backward pass on the text "
-                   "itself): each artifact layer skips as many prompt rows as SIH does on this text, those "
-                   "this scorer ranks lowest, beside SIH in the same run.")
+@click.option("--scorer", type=click.Choice(SCORERS), default=None,
+              help="With --calib: the token ranking of SIH/PAD. Left out: the artifact's own (sih unless it "
+                   "was calibrated with --scorer). With an SIH artifact, random / norm (lowest FFN-input norm) / "
+                   "oracle (first-order importance from a backward pass on the text itself): each artifact layer "
+                   "skips as many prompt rows as SIH does on this text, those this scorer ranks lowest, beside "
+                   "SIH in the same run.")
 @memory_cap_options("What `zeroedge run` would serve at --ctx under this device memory cap (e.g. 8G): "
                     "dense, thermal KV, or exit 2.")
 @click.option("--cold-in-file", "cold_in_file", is_flag=True,
@@ -66,13 +68,13 @@ SCORERS = ("sih", "random", "norm", "oracle")     # SIH/PAD's token rankings (--
                    "memory; the same codes, so the same perplexity).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json, paths=False,
-        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0, kv_fetch=None, scorer="sih"):
+        device_memory=None, board=None, bundle=None, cold_in_file=False, kv_ahead=0, kv_fetch=None, scorer=None):
     """Measure what the mechanisms cost on MODEL over --text."""
     import json
 
     cap = memory_cap(device_memory, board)
     _check_args(calib, ctx, offset, kv_budget, page_size, threads, bundle, cap, kv_ahead, kv_fetch)
-    if scorer != "sih" and (calib is None or paths):
+    if scorer is not None and (calib is None or paths):
         from zeroedge.errors import UserError
 
         raise UserError("--scorer ranks SIH/PAD's prompt tokens: it needs --calib ARTIFACT (and not --paths)")
@@ -85,10 +87,16 @@ def cmd(model, calib, text, ctx, offset, kv_budget, page_size, threads, as_json,
 
     check_spec(text)
     meta, cal = _read_calib(calib, paths)
-    if scorer != "sih" and not cal.skip_layers:
+    if scorer is not None and not cal.skip_layers:
         from zeroedge.errors import UserError
 
         raise UserError(f"--scorer {scorer}: {calib} skips no prompt rows (it has no SIH/PAD layers)")
+    if scorer is not None and scorer != cal.sih.scorer != "sih":
+        from zeroedge.errors import UserError
+
+        raise UserError(f"--scorer {scorer}: {calib} ranks by {cal.sih.scorer} (calibrate --scorer "
+                        f"{cal.sih.scorer}); peers are compared at an SIH artifact's row counts")
+    scorer = scorer or (cal.sih.scorer if cal is not None else "sih")
     m, ids = _load_tokens(model, text, ctx, offset, threads)
     result = {"model": model, "text": text, "ctx": ctx, "tokens": CONTINUATION}
     if cap is not None:
@@ -198,8 +206,9 @@ def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx, scorer="sih"):
         result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
                                  continuation=CONTINUATION))
     elif cal.has_sih or cal.weights is None:
+        own = scorer == cal.sih.scorer
         _stage(f"SIH/PAD: dense and zero passes over {ctx} tokens "
-               + ("(5 passes)" if scorer == "sih" else f"(3 passes; SIH and {scorer} at the same row counts)"))
+               + ("(5 passes)" if own else f"(3 passes; SIH and {scorer} at the same row counts)"))
         result.update({k: v for k, v in zero_eval(m, ids, calib, meta, scorer).items()
                        if not (cal.weights is not None and k == "dense_ppl")})
 
@@ -271,8 +280,9 @@ def served_under(cfg, ctx: int, cap: int, kv_budget=None, cold_in_file: bool = F
 
 
 def zero_eval(m, ids, calib, meta, scorer: str = "sih") -> dict:
-    """SIH/PAD as the artifact ships it (dense, zero, zero in chunks, all tokens); with another
-    --scorer, its ranking at the very per-layer row counts SIH skips on this text (dense, SIH, scorer)."""
+    """SIH/PAD as the artifact ships it (dense, zero, zero in chunks, all tokens) when `scorer` is the
+    artifact's own ranking; with another, that ranking at the very per-layer row counts SIH skips on
+    this text (dense, SIH, scorer)."""
     import torch
 
     from zeroedge import calib_artifact
@@ -281,16 +291,17 @@ def zero_eval(m, ids, calib, meta, scorer: str = "sih") -> dict:
     from zeroedge.mechanisms.pad import chunk_on_blocks, install_artifact, installed_policies, remove
 
     calib_artifact.check_model(meta, m.cfg, calib)
+    own = calib_artifact.Calibration.from_meta(meta, str(calib)).sih.scorer
     t = torch.tensor([ids])
     tensors = calib_artifact.load_tensors(calib)
     dense = continuation_ppl(m, t, CONTINUATION)
     rt = install_artifact(m, meta, tensors)
-    rt.record_masks = scorer == "sih"
+    rt.record_masks = scorer == own
     try:
         zero = continuation_ppl(m, t, CONTINUATION, rt)
         out = {"scorer": scorer, "dense_ppl": dense["ppl"], "per_layer_skip": zero["per_layer_skip"],
                "prefill_s_dense": dense["prefill_s"]}
-        if scorer != "sih":
+        if scorer != own:
             return {**out, **_ranked_eval(m, t, meta, tensors, rt, zero, dense["ppl"], scorer)}
         one_pass_masks = dict(rt.masks)
         # the prefill as exported bundles run it: in chunks, the SIH scores carried between them
@@ -359,7 +370,7 @@ def table(r: dict, calib=None, paths=False) -> list:
                 "mechanisms below run on the quantized model"]
     if "zero_ppl" in r:
         base = r["weights_ppl"] if "weights_ppl" in r else r["dense_ppl"]
-        ranked = r.get("scorer", "sih") != "sih"
+        ranked = "sih_zero_ppl" in r
         out += ["", f"SIH/PAD in prefill ({calib})" + (f", tokens ranked by {r['scorer']} at SIH's per-layer "
                                                        "row counts" if ranked else ""),
                 _ppl(f"perplexity, last {r['tokens']} tokens", "dense", base, r.get("scorer", "zero"), r["zero_ppl"]),

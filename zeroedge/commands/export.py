@@ -90,6 +90,12 @@ def _check_args(model, calib, target, window, weights, group, symmetric, zero_po
         raise UserError("--cpu-kernels zeroedge is for onnxruntime graphs: add --graphs portable")
     if group is not None and group not in (16, 32, 64, 128, 256):
         raise UserError(f"--group must be a power of two from 16 to 256 (got {group})")
+    if calib is not None:
+        from zeroedge import calib_artifact
+
+        cal = calib_artifact.read(calib)              # a malformed artifact: refused before torch loads
+        if cal.skip_layers:
+            cal.sih.require_plugins(str(calib))
     if sign_key:
         from zeroedge.bundle import load_signing_key
 

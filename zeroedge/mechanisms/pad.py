@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from zeroedge.calib_artifact import SCORERS as ARTIFACT_SCORERS
 from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, protect, smooth, smooth_chunk
 from zeroedge.plugin_spec import BLOCK_FRAC
 
@@ -35,8 +36,9 @@ class MechanismError(RuntimeError):
 class LayerPolicy:
     """How one layer decides which tokens skip the FFN.
 
-    Deployed: scorer="sih" with a threshold from the quality gate. Benchmarks: any scorer with a
-    fixed `rate` (skip that fraction of the skippable tokens with the lowest scores)."""
+    Deployed: one of ARTIFACT_SCORERS with a threshold from the quality gate (the plugins: "sih").
+    Benchmarks: any scorer with a fixed `rate` (skip that fraction of the skippable tokens with the
+    lowest scores)."""
     scorer: str = "sih"                  # sih | random | norm | attn | external | all
     threshold: Optional[float] = None
     rate: Optional[float] = None
@@ -79,6 +81,22 @@ class ZeroRuntime:
         self.seen.clear()
 
 
+def artifact_scores(policy: LayerPolicy, x: torch.Tensor, layer: int, seed: int = 0, start: int = 0) -> torch.Tensor:
+    """(B, T) scores of positions start..start+T-1 from their FFN inputs x, by one of ARTIFACT_SCORERS
+    (low = skip first): sih, the head's scores smoothed (start = 0 only: chunks carry the smoothing,
+    ZeroMLP.decide_chunk); norm, the input's L2 norm; random, one draw per position from the layer's
+    seed, the same for every chunking of a prompt."""
+    B, T = x.shape[0], x.shape[1]
+    if policy.scorer == "sih":
+        return smooth(policy.sih(x), MA_WEIGHTS)
+    if policy.scorer == "norm":
+        return x.float().norm(dim=-1)
+    if policy.scorer == "random":
+        g = torch.Generator().manual_seed(seed * 1000 + layer)
+        return torch.rand(start + T, generator=g)[start:].expand(B, T).to(x.device)
+    raise ValueError(f"unknown scorer {policy.scorer}")
+
+
 class ZeroMLP(nn.Module):
     def __init__(self, mlp: nn.Module, layer: int, runtime: ZeroRuntime, policy: LayerPolicy,
                  attn: Optional[nn.Module] = None):
@@ -87,35 +105,33 @@ class ZeroMLP(nn.Module):
         self.attn = attn  # for the attention-received peer
 
     # -- decisions --------------------------------------------------------------------------
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        p, B, T = self.policy, x.shape[0], x.shape[1]
-        if p.scorer == "sih":
-            return smooth(p.sih(x), MA_WEIGHTS)
-        if p.scorer == "random":
-            g = torch.Generator().manual_seed(self.rt.seed * 1000 + self.layer)
-            return torch.rand(B, T, generator=g).to(x.device)
-        if p.scorer == "norm":
-            return x.float().norm(dim=-1)
+    def scores(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        p, T = self.policy, x.shape[1]
+        if p.scorer in ARTIFACT_SCORERS:
+            return artifact_scores(p, x, self.layer, self.rt.seed, start)
         if p.scorer == "attn":
             probs = self.attn.last_probs  # (B, H, Tq, Tk): attention each key received
             return probs.float().sum(dim=(1, 2))[:, -T:]
         if p.scorer == "external":
             return self.rt.external[self.layer][:, :T].to(x.device)
         if p.scorer == "all":
-            return torch.zeros(B, T, device=x.device)
+            return torch.zeros(x.shape[0], T, device=x.device)
         raise ValueError(f"unknown scorer {p.scorer}")
 
     def decide_chunk(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The keep mask of the chunk at positions start.. of a prompt of rt.prompt_len tokens."""
         p, rt = self.policy, self.rt
-        if p.scorer != "sih" or p.rate is not None:
-            raise MechanismError(f"chunked prefill runs the deployed SIH rule only (layer {self.layer} "
+        if p.scorer not in ARTIFACT_SCORERS or p.rate is not None:
+            raise MechanismError(f"chunked prefill runs a deployed threshold rule only (layer {self.layer} "
                                  f"scores with {p.scorer!r}{' at a fixed rate' if p.rate is not None else ''})")
-        raw = p.sih(x).float()
-        carry = self.rt.carry.get(self.layer) if start else None
-        if carry is None:
-            carry = raw.new_zeros(raw.shape[0], 2)
-        s, rt.carry[self.layer] = smooth_chunk(raw, carry, start, MA_WEIGHTS)
+        if p.scorer == "sih":
+            raw = p.sih(x).float()
+            carry = self.rt.carry.get(self.layer) if start else None
+            if carry is None:
+                carry = raw.new_zeros(raw.shape[0], 2)
+            s, rt.carry[self.layer] = smooth_chunk(raw, carry, start, MA_WEIGHTS)
+        else:
+            s = self.scores(x, start).float()
         return keep_mask(s, p.threshold, rt.protect_first, rt.protect_last, p.block_size, p.block_frac,
                          rt.prompt_len, start)
 
@@ -257,7 +273,7 @@ def artifact_policies(meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] 
     pol = {}
     for L in cal.skip_layers:
         anchor = Anchor.from_state(tensors, f"layers.{L.index}.anchor") if L.anchor_rank else None
-        pol[L.index] = LayerPolicy(scorer="sih", threshold=L.threshold,
+        pol[L.index] = LayerPolicy(scorer=cal.sih.scorer, threshold=L.threshold,
                                    sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih"), anchor=anchor,
                                    block_size=L.block_size, block_frac=L.block_frac)
     return pol, rt

@@ -12,12 +12,13 @@ tokens a layer skips:
 Three settings, every scorer with the same anchors and protected positions:
   gated      the artifact as shipped (SIH at its thresholds), and each peer skipping exactly as many
              prompt rows per layer as SIH did on that text (`zeroedge eval --scorer`)
-  calibrated each --peer-calib artifact as its own gate chose it (`calibrate --scorer norm|random` at
-             the same budget): the layers and rates the gate affords with that ranking
+  calibrated each --peer-calib artifact as its gate chose it: another ranking (`calibrate --scorer
+             norm|random` at the same budget: the layers and rates the gate affords with it), or SIH
+             at another budget or sequence length (then each peer at its per-layer row counts too)
   uniform    a fixed fraction of the prompt tokens in each of layers 2-28 (the ranking frontier)
 
   python benchmarks/prefill_frontier.py --calib zeroedge/data/smollm2-135m.calib --ctx 4096 \\
-      --texts kjv essays licenses manpages python --rates 0.1 0.2 0.3 --peer-calib NORM_ARTIFACT
+      --texts kjv essays licenses manpages python --rates 0.1 0.2 0.3 --peer-calib ARTIFACT ...
 """
 from __future__ import annotations
 
@@ -105,8 +106,16 @@ def main():
     L = m.cfg.n_layers
     lo, hi = (int(x) for x in a.layers.split("-"))
     shipped, shipped_rt = artifact_policies(meta, tens)
-    peers = [(calib_artifact.Calibration.from_meta(pm).sih.scorer, artifact_policies(pm, pt)[0])
-             for pm, pt in map(calib_artifact.load, a.peer_calib)]
+    peers = []                  # (the command that made it, its gate's figures, its ranking, its policies)
+    for path in a.peer_calib:
+        pm, pt = calib_artifact.load(path)
+        own, q, rep = calib_artifact.Calibration.from_meta(pm).sih.scorer, pm["quality"], pm["report"]
+        made_by = (f"zeroedge calibrate smollm2-135m {' '.join('--text ' + t for t in pm.get('texts', []))} "
+                   f"--budget {q['budget']:.0%} --seq-len {rep['seq_len']} --continuation {rep['continuation']} "
+                   f"--train-seqs {rep['train_sequences']} --gate-seqs {rep['heldout_sequences']} --scorer {own}")
+        gate = {"budget": q["budget"], "seq_len": rep["seq_len"], "ffn_flops_skipped_heldout": q["ffn_flops_skipped"],
+                "ppl_rise_heldout": q["ppl_rise"]}
+        peers.append((made_by, gate, own, artifact_policies(pm, pt)[0]))
     heads = {i: SIHHead.from_state(tens, f"layers.{i}.sih") for i in range(L)}
     anchors = {i: Anchor.from_state(tens, f"layers.{i}.anchor") if f"layers.{i}.anchor.a" in tens else None
                for i in range(L)}
@@ -117,13 +126,29 @@ def main():
     P = a.ctx - 1024
     rows = []
 
-    def record(text, setting, scorer, rate, rt, ppl, t, dense):
+    def record(text, setting, scorer, rate, rt, ppl, t, dense, **extra):
         sk = prefix_skip(rt, P, L)
         rows.append({"text": text, "setting": setting, "scorer": scorer, "rate": rate, "ffn_skipped": sk,
-                     "ppl": ppl, "rise": ppl / dense - 1, "prefill_s": t,
+                     "ppl": ppl, "rise": ppl / dense - 1, "prefill_s": t, **extra,
                      "per_layer_skip": {i: (st[1] - st[0]) / st[1] for i, st in sorted(rt.stats.items())}})
         print(f"  {setting:>7} {scorer:>6} {'' if rate is None else f'rate {rate:.2f}':>9}: skipped {sk:.1%} "
-              f"ppl {ppl:.4f} ({ppl / dense - 1:+.2%})", flush=True)
+              f"ppl {ppl:.4f} ({ppl / dense - 1:+.2%}) {extra.get('artifact', '')}", flush=True)
+
+    def run(policies, external=None):
+        """(runtime, ppl, seconds) of one prefill with `policies` installed."""
+        rt = runtime(external=external or {})
+        install(m, policies, rt)
+        try:
+            ppl, t = one_pass_ppl(m, ids, P, rt)
+        finally:
+            remove(m)
+        return rt, ppl, t
+
+    def at_counts(policies, rt, scorers):
+        """Each of `scorers` (peers of SIH) skipping the rows SIH skipped in the run `rt`, layer by layer."""
+        skipped = {i: st[1] - st[0] for i, st in rt.stats.items()}
+        for scorer in scorers:
+            yield (scorer, *run(ranked_at_counts(policies, runtime(), skipped, P, scorer, oracle), oracle))
 
     with tempfile.TemporaryDirectory() as tmp:
         for text in a.texts:
@@ -136,35 +161,23 @@ def main():
                          "ppl": dense, "rise": 0.0, "prefill_s": t_dense, "offset": OFFSETS.get(text, 0)})
             oracle = (first_order_importance(m, ids, P, anchors)
                       if "oracle" in a.scorers else None)
+            peer_scorers = [s for s in a.scorers if s != "sih"]
             # gated: the artifact as shipped, then each peer at SIH's per-layer row counts on this text
-            rt = runtime()
-            install(m, shipped, rt)
-            ppl, t = one_pass_ppl(m, ids, P, rt)
-            remove(m)
-            skipped = {i: st[1] - st[0] for i, st in rt.stats.items()}
+            rt, ppl, t = run(shipped)
             record(text, "gated", "sih", None, rt, ppl, t, dense)
-            for scorer in a.scorers:
-                if scorer == "sih":
-                    continue
-                rt = runtime()
-                install(m, ranked_at_counts(shipped, rt, skipped, P, scorer, oracle), rt)
-                ppl, t = one_pass_ppl(m, ids, P, rt)
-                remove(m)
-                record(text, "gated", scorer, None, rt, ppl, t, dense)
-            for scorer, policies in peers:
-                rt = runtime()
-                install(m, policies, rt)
-                ppl, t = one_pass_ppl(m, ids, P, rt)
-                remove(m)
-                record(text, "calibrated", scorer, None, rt, ppl, t, dense)
+            for scorer, prt, ppl, t in at_counts(shipped, rt, peer_scorers):
+                record(text, "gated", scorer, None, prt, ppl, t, dense)
+            for path, gate, own, policies in peers:
+                rt, ppl, t = run(policies)
+                record(text, "calibrated", own, None, rt, ppl, t, dense, artifact=path, **gate)
+                for scorer, prt, ppl, t in at_counts(policies, rt, peer_scorers if own == "sih" else []):
+                    record(text, "calibrated", scorer, None, prt, ppl, t, dense, artifact=path, at_counts_of="sih",
+                           **gate)
             for r in a.rates:
                 for scorer in a.scorers:
-                    rt = runtime(external=oracle or {})
                     pol = {i: LayerPolicy(scorer="external" if scorer == "oracle" else scorer, rate=r,
                                           sih=heads[i], anchor=anchors[i]) for i in range(lo, hi + 1)}
-                    install(m, pol, rt)
-                    ppl, t = one_pass_ppl(m, ids, P, rt)
-                    remove(m)
+                    rt, ppl, t = run(pol, oracle)
                     record(text, "uniform", scorer, r, rt, ppl, t, dense)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,10 +185,10 @@ def main():
     out.with_suffix(".json").write_text(json.dumps(
         {"command": command, "calib": a.calib, "peer_calib": a.peer_calib, "ctx": a.ctx, "prefix": P, "layers_uniform": a.layers,
          "hardware": "2-core x86-64 CPU, fp32", "weights": "real SmolLM2-135M", "rows": rows}, indent=1))
-    plot(out.with_suffix(".png"), rows)
+    plot(out.with_suffix(".png"), rows, meta["quality"]["budget"])
 
 
-def plot(path, rows):
+def plot(path, rows, gate_budget):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,15 +202,18 @@ def plot(path, rows):
                          if r["text"] == t and r["scorer"] == scorer and r["setting"] == "uniform")
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=scorer)
-            for setting, marker in (("gated", "x"), ("calibrated", "+")):
-                g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == setting]
-                if g:
-                    ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker=marker, s=60)
+            g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == "gated"]
+            if g:
+                ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker="x", s=60)
+            g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == "calibrated"
+                 and "at_counts_of" not in r and r["budget"] == gate_budget]
+            if g:
+                ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker="+", s=80)
         ax.axhline(2, color="k", lw=0.5, ls="--")
         ax.set_title(t)
         ax.set_xlabel("prefill FFN rows skipped")
         ax.set_ylabel("continuation ppl rise (%)")
-    axs[0][0].legend(fontsize=7, title="uniform (lines), at SIH's counts (x),\nits own gate (+)")
+    axs[0][0].legend(fontsize=7, title="uniform (lines), at SIH's counts (x),\nits own gate, same budget (+)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

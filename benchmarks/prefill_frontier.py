@@ -111,18 +111,19 @@ def main():
         pm, pt = calib_artifact.load(path)
         own, q, rep = calib_artifact.Calibration.from_meta(pm).sih.scorer, pm["quality"], pm["report"]
         made_by = (f"zeroedge calibrate smollm2-135m {' '.join('--text ' + t for t in pm.get('texts', []))} "
-                   f"--budget {q['budget']:.0%} --seq-len {rep['seq_len']} --continuation {rep['continuation']} "
+                   f"--budget {100 * q['budget']:g}% --seq-len {rep['seq_len']} --continuation {rep['continuation']} "
                    f"--train-seqs {rep['train_sequences']} --gate-seqs {rep['heldout_sequences']} --scorer {own}")
         gate = {"budget": q["budget"], "seq_len": rep["seq_len"], "ffn_flops_skipped_heldout": q["ffn_flops_skipped"],
                 "ppl_rise_heldout": q["ppl_rise"]}
-        peers.append((made_by, gate, own, artifact_policies(pm, pt)[0]))
+        peers.append((made_by, gate, own, artifact_policies(pm, pt)))
     heads = {i: SIHHead.from_state(tens, f"layers.{i}.sih") for i in range(L)}
     anchors = {i: Anchor.from_state(tens, f"layers.{i}.anchor") if f"layers.{i}.anchor.a" in tens else None
                for i in range(L)}
 
-    def runtime(**kw):
-        return ZeroRuntime(protect_first=shipped_rt.protect_first, protect_last=shipped_rt.protect_last,
-                           min_tokens=shipped_rt.min_tokens, **kw)
+    def runtime(like=None, **kw):
+        like = like or shipped_rt
+        return ZeroRuntime(protect_first=like.protect_first, protect_last=like.protect_last,
+                           min_tokens=like.min_tokens, **kw)
     P = a.ctx - 1024
     rows = []
 
@@ -134,9 +135,10 @@ def main():
         print(f"  {setting:>7} {scorer:>6} {'' if rate is None else f'rate {rate:.2f}':>9}: skipped {sk:.1%} "
               f"ppl {ppl:.4f} ({ppl / dense - 1:+.2%}) {extra.get('artifact', '')}", flush=True)
 
-    def run(policies, external=None):
-        """(runtime, ppl, seconds) of one prefill with `policies` installed."""
-        rt = runtime(external=external or {})
+    def run(policies, external=None, like=None):
+        """(runtime, ppl, seconds) of one prefill with `policies` installed (protections: `like`'s,
+        else the shipped artifact's)."""
+        rt = runtime(external=external or {}, like=like)
         install(m, policies, rt)
         try:
             ppl, t = one_pass_ppl(m, ids, P, rt)
@@ -148,7 +150,8 @@ def main():
         """Each of `scorers` (peers of SIH) skipping the rows SIH skipped in the run `rt`, layer by layer."""
         skipped = {i: st[1] - st[0] for i, st in rt.stats.items()}
         for scorer in scorers:
-            yield (scorer, *run(ranked_at_counts(policies, runtime(), skipped, P, scorer, oracle), oracle))
+            yield (scorer, *run(ranked_at_counts(policies, runtime(like=rt), skipped, P, scorer, oracle), oracle,
+                                like=rt))
 
     with tempfile.TemporaryDirectory() as tmp:
         for text in a.texts:
@@ -167,8 +170,8 @@ def main():
             record(text, "gated", "sih", None, rt, ppl, t, dense)
             for scorer, prt, ppl, t in at_counts(shipped, rt, peer_scorers):
                 record(text, "gated", scorer, None, prt, ppl, t, dense)
-            for path, gate, own, policies in peers:
-                rt, ppl, t = run(policies)
+            for path, gate, own, (policies, peer_rt) in peers:
+                rt, ppl, t = run(policies, like=peer_rt)
                 record(text, "calibrated", own, None, rt, ppl, t, dense, artifact=path, **gate)
                 for scorer, prt, ppl, t in at_counts(policies, rt, peer_scorers if own == "sih" else []):
                     record(text, "calibrated", scorer, None, prt, ppl, t, dense, artifact=path, at_counts_of="sih",
@@ -183,8 +186,8 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/prefill_frontier.py " + " ".join(sys.argv[1:])
     out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "calib": a.calib, "peer_calib": a.peer_calib, "ctx": a.ctx, "prefix": P, "layers_uniform": a.layers,
-         "hardware": "2-core x86-64 CPU, fp32", "weights": "real SmolLM2-135M", "rows": rows}, indent=1))
+        {"command": command, "calib": a.calib, "peer_calib": a.peer_calib, "ctx": a.ctx, "prefix": P,
+         "layers_uniform": a.layers, "hardware": "2-core x86-64 CPU, fp32", "weights": "real SmolLM2-135M", "rows": rows}, indent=1))
     plot(out.with_suffix(".png"), rows, meta["quality"]["budget"])
 
 

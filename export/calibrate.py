@@ -28,7 +28,7 @@ from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, artifact_scores, f
 from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width
 
 
-SKIP_ALL = 3.4e38
+SKIP_ALL = 3.4e38       # a finite float32 above any score: the layer skips every row it may
 
 
 @dataclass
@@ -289,7 +289,7 @@ def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt
     layers_meta, tensors = [], {}
     for i in range(L):
         p = pol.get(i)
-        # "skip every row" (the last layer): the largest finite float32, as JSON and the plugins hold it
+        # "skip every row" (the last layer), finite as JSON and the plugins' float32 attribute need
         thr = None if p is None else (p.threshold if math.isfinite(p.threshold) else SKIP_ALL)
         layers_meta.append({"index": i, "skip": p is not None, "threshold": thr,
                             "anchor_rank": int(getattr(anchors[i], "rank", 0)),

@@ -69,8 +69,9 @@ AWQ_GROUPS = ("qkv", "o", "gate_up", "down")   # the scaled layer groups of a bl
 
 SIH_DEFAULTS = plugin_spec.SIH_DEFAULTS
 # The token rankings an artifact may deploy (meta["sih"]["scorer"], `calibrate --scorer`): each scores
-# a position from its own FFN input (SIH: its head, smoothed over 3 positions), so a prompt prefilled
-# in chunks skips the rows one pass would. Only "sih" has the TensorRT / onnxruntime plugins.
+# a position from that position alone (SIH: its head on the FFN input, smoothed over 3 positions;
+# norm: the input's norm; random: a draw seeded by layer and position), so a prompt prefilled in
+# chunks skips the rows one pass would. Only "sih" has the TensorRT / onnxruntime plugins.
 SCORERS = ("sih", "norm", "random")
 
 
@@ -88,8 +89,8 @@ class SihSettings:
         """The one error for an artifact whose ranking the bundles' plugins cannot run."""
         if self.scorer != "sih":
             raise UserError(f"{where} ranks prompt tokens by {self.scorer} (calibrate --scorer {self.scorer}); "
-                            "the bundles' plugins run SIH heads only: calibrate with --scorer sih to export, "
-                            "or use the artifact with `zeroedge eval` / `run`")
+                            "the bundles' plugins run SIH heads only: calibrate with --scorer sih to export "
+                            "(`zeroedge eval` measures this one)")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from zeroedge.commands.common import check_model, examples, fraction_option, out
 @click.option("--scorer", type=click.Choice(SCORERS), default="sih", show_default=True,
               help="The prompt-token ranking the quality gate thresholds: the SIH heads (what the bundles' "
                    "plugins run), or the FFN input's norm or a random draw, to measure what the learned "
-                   "ranking buys at the same budget (those artifacts run in `eval` and `run` only).")
+                   "ranking buys at the same budget (`eval` measures such an artifact; `export` refuses it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
         anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json,

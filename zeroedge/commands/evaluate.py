@@ -191,7 +191,7 @@ def _load_tokens(model, text, ctx, offset, threads):
     return m, ids
 
 
-def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx, scorer="sih"):
+def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx, scorer=None):
     """The artifact's evaluations into result: its weights section first (the model stays quantized),
     then decode paths (--paths) or SIH/PAD (skipped when an artifact with weights has no SIH layers)."""
     if cal.weights is not None:
@@ -206,6 +206,7 @@ def _calib_evals(result, m, ids, calib, meta, cal, paths, ctx, scorer="sih"):
         result.update(paths_eval(m, ids, meta, calib_artifact.load_tensors(calib),
                                  continuation=CONTINUATION))
     elif cal.has_sih or cal.weights is None:
+        scorer = scorer or cal.sih.scorer
         own = scorer == cal.sih.scorer
         _stage(f"SIH/PAD: dense and zero passes over {ctx} tokens "
                + ("(5 passes)" if own else f"(3 passes; SIH and {scorer} at the same row counts)"))
@@ -279,10 +280,10 @@ def served_under(cfg, ctx: int, cap: int, kv_budget=None, cold_in_file: bool = F
                     f"store) or {int4 / 2**30:.2f} GiB (int4)")
 
 
-def zero_eval(m, ids, calib, meta, scorer: str = "sih") -> dict:
+def zero_eval(m, ids, calib, meta, scorer: str | None = None) -> dict:
     """SIH/PAD as the artifact ships it (dense, zero, zero in chunks, all tokens) when `scorer` is the
-    artifact's own ranking; with another, that ranking at the very per-layer row counts SIH skips on
-    this text (dense, SIH, scorer)."""
+    artifact's own ranking (None: the same); with another, that ranking at the very per-layer row
+    counts SIH skips on this text (dense, SIH, scorer)."""
     import torch
 
     from zeroedge import calib_artifact
@@ -292,6 +293,7 @@ def zero_eval(m, ids, calib, meta, scorer: str = "sih") -> dict:
 
     calib_artifact.check_model(meta, m.cfg, calib)
     own = calib_artifact.Calibration.from_meta(meta, str(calib)).sih.scorer
+    scorer = scorer or own
     t = torch.tensor([ids])
     tensors = calib_artifact.load_tensors(calib)
     dense = continuation_ppl(m, t, CONTINUATION)
@@ -304,7 +306,7 @@ def zero_eval(m, ids, calib, meta, scorer: str = "sih") -> dict:
         if scorer != own:
             return {**out, **_ranked_eval(m, t, meta, tensors, rt, zero, dense["ppl"], scorer)}
         one_pass_masks = dict(rt.masks)
-        # the prefill as exported bundles run it: in chunks, the SIH scores carried between them
+        # the prefill in chunks, as exported bundles run it (SIH: the scores carried between them)
         chunk = chunk_on_blocks(DEFAULT_PREFILL_CHUNK, installed_policies(m))
         chunked = continuation_ppl(m, t, CONTINUATION, rt, chunk=chunk)
         same = one_pass_masks.keys() == rt.masks.keys() and all(

@@ -1,6 +1,6 @@
 """PAD in prefill: skip the FFN of low-importance tokens for real, by compaction.
 
-`ZeroMLP` wraps a block's MLP: it scores the tokens (SIH, or a peer's scorer for benchmarks),
+`ZeroMLP` wraps a block's MLP: it scores the tokens (an artifact's ranking, or a peer's for benchmarks),
 decides a keep mask, gathers the kept rows, runs the FFN on them only, and scatters the result back
 over the anchor's output (or zeros). The FLOPs of skipped rows are never spent.
 
@@ -85,7 +85,7 @@ def artifact_scores(policy: LayerPolicy, x: torch.Tensor, layer: int, seed: int 
     """(B, T) scores of positions start..start+T-1 from their FFN inputs x, by one of ARTIFACT_SCORERS
     (low = skip first): sih, the head's scores smoothed (start = 0 only: chunks carry the smoothing,
     ZeroMLP.decide_chunk); norm, the input's L2 norm; random, one draw per position from the layer's
-    seed, the same for every chunking of a prompt."""
+    seed (the same for every row of a batch and every chunking of a prompt)."""
     B, T = x.shape[0], x.shape[1]
     if policy.scorer == "sih":
         return smooth(policy.sih(x), MA_WEIGHTS)
@@ -241,7 +241,8 @@ def flops_summary(model, runtime: ZeroRuntime) -> dict:
         kept += st[0]
         total_tokens += st[1]
         anchor_flops += st[2]
-        if isinstance(blk.mlp, ZeroMLP) and blk.mlp.policy.sih is not None and st[0] < st[1]:
+        p = blk.mlp.policy if isinstance(blk.mlp, ZeroMLP) else None
+        if p is not None and p.scorer == "sih" and p.sih is not None and st[0] < st[1]:
             h = blk.mlp.policy.sih
             sih_flops += 2 * sum(p.numel() for n, p in h.named_parameters() if "weight" in n) * st[1]
     if not total_tokens:
@@ -274,7 +275,8 @@ def artifact_policies(meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] 
     for L in cal.skip_layers:
         anchor = Anchor.from_state(tensors, f"layers.{L.index}.anchor") if L.anchor_rank else None
         pol[L.index] = LayerPolicy(scorer=cal.sih.scorer, threshold=L.threshold,
-                                   sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih"), anchor=anchor,
+                                   sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih")
+                                   if cal.sih.scorer == "sih" else None, anchor=anchor,
                                    block_size=L.block_size, block_frac=L.block_frac)
     return pol, rt
 

@@ -188,10 +188,10 @@ def main():
     out.with_suffix(".json").write_text(json.dumps(
         {"command": command, "calib": a.calib, "peer_calib": a.peer_calib, "ctx": a.ctx, "prefix": P,
          "layers_uniform": a.layers, "hardware": "2-core x86-64 CPU, fp32", "weights": "real SmolLM2-135M", "rows": rows}, indent=1))
-    plot(out.with_suffix(".png"), rows, meta["quality"]["budget"])
+    plot(out.with_suffix(".png"), rows)
 
 
-def plot(path, rows, gate_budget):
+def plot(path, rows):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,23 +200,24 @@ def plot(path, rows, gate_budget):
     tx = list(dict.fromkeys(r["text"] for r in rows))
     fig, axs = plt.subplots(1, len(tx), figsize=(4.2 * len(tx), 3.8), squeeze=False)
     for ax, t in zip(axs[0], tx):
-        for scorer in SCORERS:
+        for color, scorer in enumerate(SCORERS):
+            color = f"C{color}"
             pts = sorted((r["ffn_skipped"], 100 * r["rise"]) for r in rows
                          if r["text"] == t and r["scorer"] == scorer and r["setting"] == "uniform")
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=scorer)
-            g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == "gated"]
-            if g:
-                ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker="x", s=60)
-            g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == "calibrated"
-                 and "at_counts_of" not in r and r["budget"] == gate_budget]
-            if g:
-                ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker="+", s=80)
+                ax.plot(*zip(*pts), marker="o", label=scorer, color=color)
+            for setting, marker in (("gated", "x"), ("calibrated", "+")):
+                # gated: at the shipped artifact's counts; calibrated: another ranking through its own gate
+                g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == setting
+                     and (setting == "gated" or (scorer != "sih" and "at_counts_of" not in r))]
+                if g:
+                    ax.scatter([g[0]["ffn_skipped"]], [100 * g[0]["rise"]], marker=marker, s=70, color=color)
         ax.axhline(2, color="k", lw=0.5, ls="--")
         ax.set_title(t)
         ax.set_xlabel("prefill FFN rows skipped")
         ax.set_ylabel("continuation ppl rise (%)")
-    axs[0][0].legend(fontsize=7, title="uniform (lines), at SIH's counts (x),\nits own gate, same budget (+)")
+    axs[0][0].legend(fontsize=7, title="uniform (lines), at the shipped\nartifact's counts (x), through\nits own gate (+)",
+                     title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -174,6 +174,27 @@ def _thresholds_at_median(m, ids, pols):
     remove(m)
 
 
+def _prefill(m, pols, ids, chunk):
+    """Prefill ids with `pols` installed, in one pass (chunk None) or in chunks: (layer -> keep mask,
+    the last hidden states, each layer's V cache, the runtime's stats)."""
+    T = ids.shape[1]
+    rt = ZeroRuntime(record_masks=True)
+    install(m, pols, rt)
+    m.setup_cache(1, T)
+    try:
+        with torch.no_grad():
+            rt.active = True
+            if chunk:
+                rt.begin_prompt(T)
+            for s in range(0, T, chunk or T):
+                h = m.hidden_states(ids[:, s:s + (chunk or T)], start=s)
+        kv = [blk.self_attn.kv_cache.v[:, :, :T].clone() for blk in m.layers]
+    finally:
+        m.drop_cache()
+        remove(m)
+    return {i: k.clone() for i, k in rt.masks.items()}, h, kv, rt.stats
+
+
 @pytest.mark.parametrize("T, chunk", [(100, 32), (100, 48), (96, 32), (96, 96), (40, 16)])
 def test_chunked_prefill_skips_exactly_what_one_pass_skips(T, chunk):
     """Chunks that do and do not divide the prompt: the same keep masks on every layer (token rule
@@ -184,21 +205,8 @@ def test_chunked_prefill_skips_exactly_what_one_pass_skips(T, chunk):
     _thresholds_at_median(m, ids, pols)
 
     def prefill(c):
-        rt = ZeroRuntime(record_masks=True)
-        install(m, pols, rt)
-        m.setup_cache(1, T)
-        try:
-            with torch.no_grad():
-                rt.active = True
-                if c:
-                    rt.begin_prompt(T)
-                for s in range(0, T, c or T):
-                    h = m.hidden_states(ids[:, s:s + (c or T)], start=s)
-            kv = [blk.self_attn.kv_cache.v[:, :, :T].clone() for blk in m.layers]
-        finally:
-            m.drop_cache()
-            remove(m)
-        return {i: k.clone() for i, k in rt.masks.items()}, m.lm_head(h[:, -1]), kv, rt.stats
+        masks, h, kv, stats = _prefill(m, pols, ids, c)
+        return masks, m.lm_head(h[:, -1]), kv, stats
 
     one, logits1, kv1, stats1 = prefill(None)
     got, logits2, kv2, stats2 = prefill(chunk)
@@ -229,23 +237,7 @@ def test_chunked_prefill_with_an_unlearned_ranking_skips_what_one_pass_skips(sco
     thr = {i: float(x[0, :T].norm(dim=-1).median()) if scorer == "norm" else 0.5 for i, x in inputs.items()}
     pols = {i: LayerPolicy(scorer=scorer, threshold=thr[i]) for i in (1, 2)}
 
-    def masks(chunk):
-        rt = ZeroRuntime(record_masks=True)
-        install(m, pols, rt)
-        m.setup_cache(1, T)
-        try:
-            with torch.no_grad():
-                rt.active = True
-                if chunk:
-                    rt.begin_prompt(T)
-                for s in range(0, T, chunk or T):
-                    m.hidden_states(ids[:, s:s + (chunk or T)], start=s)
-        finally:
-            m.drop_cache()
-            remove(m)
-        return {i: k.clone() for i, k in rt.masks.items()}
-
-    one, got = masks(None), masks(32)
+    one, got = _prefill(m, pols, ids, None)[0], _prefill(m, pols, ids, 32)[0]
     for i in pols:
         assert torch.equal(got[i], one[i]), i
         assert T // 4 < int((~one[i]).sum()) < 3 * T // 4, i

@@ -19,6 +19,8 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_b
     zeroedge_ort::add_q4_linear(domain);
     zeroedge_ort::add_q8_linear(domain);
     zeroedge_ort::add_window_attention(domain);
+    zeroedge_ort::add_paged_attention(domain);
+    zeroedge_ort::add_block_offsets(domain);
     Ort::UnownedSessionOptions(options).Add(domain);
     domains.push_back(std::move(domain));
   } catch (const std::exception& e) {

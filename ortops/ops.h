@@ -1,4 +1,5 @@
-// Shared by zeroedge's onnxruntime CPU kernels (q4_linear.cc, q8_linear.cc, window_attention.cc, ops.cc).
+// Shared by zeroedge's onnxruntime CPU kernels (q4_linear.cc, q8_linear.cc, window_attention.cc,
+// paged_attention.cc, block_offsets.cc, ops.cc).
 #pragma once
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -105,5 +106,7 @@ inline float hsum(__m256 v) {
 void add_q4_linear(Ort::CustomOpDomain& domain);
 void add_q8_linear(Ort::CustomOpDomain& domain);
 void add_window_attention(Ort::CustomOpDomain& domain);
+void add_paged_attention(Ort::CustomOpDomain& domain);
+void add_block_offsets(Ort::CustomOpDomain& domain);
 
 }  // namespace zeroedge_ort

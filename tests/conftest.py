@@ -44,6 +44,34 @@ def run_cli(*args, check_rc=None, env=None, timeout=900):
 
 
 @pytest.fixture(scope="session")
+def ortops_lib():
+    import subprocess
+
+    p = subprocess.run([str(REPO / "scripts" / "build_ortops")], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"scripts/build_ortops failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    from zeroedge.backends.ortops import library_path
+
+    assert library_path().is_file()
+    return library_path()
+
+
+@pytest.fixture(scope="session", params=["native", "plain"])
+def ortops_libs(request, ortops_lib):
+    """The library as built for the CPU running the tests (AVX2 where it has it), and its plain C++
+    kernels (what a CPU without AVX2, a Jetson's included, runs), built into ortops/build/plain."""
+    if request.param == "native":
+        return ortops_lib
+    import subprocess
+
+    inc = REPO / "ortops" / "build" / "include"
+    build = REPO / "ortops" / "build" / "plain"
+    p = subprocess.run([str(REPO / "scripts" / "build_ortops"), "--plain", "--build-dir", str(build)]
+                       + (["--ort-include", str(inc)] if inc.is_dir() else []), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"scripts/build_ortops --plain failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    return build / "libzeroedge_ortops.so"
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     import torch
 

@@ -1,6 +1,7 @@
 """zeroedge's onnxruntime CPU kernels (ortops/): each op in a one-node graph against a numpy
 reference, a bundle exported with --cpu-kernels zeroedge against the same model's stock bundle, and
-the refusals. The library is built here (scripts/build_ortops, incremental) as CI does in setup."""
+the refusals. The library is built by conftest's fixture (scripts/build_ortops, incremental) as CI
+does in setup."""
 import subprocess
 import sys
 
@@ -8,30 +9,6 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_cli
-
-
-@pytest.fixture(scope="session")
-def ortops_lib():
-    p = subprocess.run([str(REPO / "scripts" / "build_ortops")], capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"scripts/build_ortops failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    from zeroedge.backends.ortops import library_path
-
-    assert library_path().is_file()
-    return library_path()
-
-
-@pytest.fixture(scope="session", params=["native", "plain"])
-def ortops_libs(request, ortops_lib):
-    """The library as built for the CPU running the tests (AVX2 where it has it), and its plain C++
-    kernels (what a CPU without AVX2, a Jetson's included, runs), built into ortops/build/plain."""
-    if request.param == "native":
-        return ortops_lib
-    inc = REPO / "ortops" / "build" / "include"
-    build = REPO / "ortops" / "build" / "plain"
-    p = subprocess.run([str(REPO / "scripts" / "build_ortops"), "--plain", "--build-dir", str(build)]
-                       + (["--ort-include", str(inc)] if inc.is_dir() else []), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"scripts/build_ortops --plain failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    return build / "libzeroedge_ortops.so"
 
 
 def _session(lib, node, inputs, outputs, inits=()):
@@ -219,6 +196,136 @@ def test_window_attention_refuses_a_window_unlike_its_query(ortops_lib):
             "bias": np.zeros((1, 1, 1, 8), np.float32)}                          # 3 kv heads, not 2
     with pytest.raises(RuntimeException, match="do not match"):
         s.run(None, feed)
+
+
+def _paged_session(lib, H, Hkv, layer, layers, scale):
+    from onnx import TensorProto, helper
+
+    names = ["qkv", "cos", "sin", "pool_k", "pool_v", "table", "rows"]
+    node = helper.make_node("PagedAttention", names, ["out"], domain="zeroedge.ort", heads=H, kv_heads=Hkv,
+                            layer=layer, layers=layers, scale=scale)
+    types = [TensorProto.INT64 if n in ("table", "rows") else TensorProto.FLOAT for n in names]
+    return _session(lib, node, [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types)],
+                    [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+
+
+@pytest.mark.parametrize("H,Hkv,hd", [(9, 3, 64), (4, 4, 20), (8, 2, 6)])
+def test_paged_attention_is_causal_softmax_over_pool_and_step_rows(ortops_libs, H, Hkv, hd):
+    """PagedAttention against numpy: rows of three segments (a prompt chunk continuing a sequence, a
+    verify-like pair, a first chunk) each over its pool slots before its segment and the segment's
+    own rows up to it; their rotated K and their V land in the pool at their slots, nothing else."""
+    rng = np.random.default_rng(H * hd)
+    L, layer, slots, scale = 3, 1, 96, hd ** -0.5
+    pool_k, pool_v = (rng.standard_normal((L, Hkv, slots, hd)).astype(np.float32) for _ in range(2))
+    before_k, before_v = pool_k.copy(), pool_v.copy()
+    table = rng.permutation(slots)[:72].reshape(3, 24).astype(np.int64)        # each sequence its own slots
+    # (group, position, start, start's row): group 0 continues at 10 with 3 rows, group 1 has 2 rows
+    # at 20, group 2 starts from 0 with 2 rows
+    rows = np.array([[0, 10, 10, 0], [0, 11, 10, 0], [0, 12, 10, 0], [1, 20, 20, 3], [1, 21, 20, 3],
+                     [2, 0, 0, 5], [2, 1, 0, 5]], np.int64)
+    M = len(rows)
+    qkv = rng.standard_normal((M, (H + 2 * Hkv) * hd)).astype(np.float32)
+    ang = rng.random((M, hd // 2)).astype(np.float32) * 6
+    cos, sin = np.cos(ang), np.sin(ang)
+    s = _paged_session(ortops_libs, H, Hkv, layer, L, scale)
+    out = s.run(None, {"qkv": qkv, "cos": cos, "sin": sin, "pool_k": pool_k.reshape(-1, hd),
+                       "pool_v": pool_v.reshape(-1, hd), "table": table, "rows": rows})[0]
+
+    def rope(x):
+        a, b = x[..., :hd // 2], x[..., hd // 2:]
+        c, s_ = cos[:, None], sin[:, None]
+        return np.concatenate([a * c - b * s_, b * c + a * s_], -1)
+
+    x = qkv.reshape(M, H + 2 * Hkv, hd).astype(np.float64)
+    q, k, v = rope(x[:, :H]), rope(x[:, H:H + Hkv]), x[:, H + Hkv:]
+    ref = np.zeros((M, H, hd))
+    g = H // Hkv
+    for r, (grp, p, start, r0) in enumerate(rows):
+        for h in range(Hkv):
+            K = np.stack([before_k[layer, h, table[grp, t]] if t < start else k[r0 + t - start, h] for t in range(p + 1)])
+            V = np.stack([before_v[layer, h, table[grp, t]] if t < start else v[r0 + t - start, h] for t in range(p + 1)])
+            for j in range(g):
+                sc = K @ q[r, h * g + j] * scale
+                e = np.exp(sc - sc.max())
+                ref[r, h * g + j] = (e / e.sum()) @ V
+    assert np.abs(out.reshape(M, H, hd) - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
+    written = {(grp, p) for grp, p, _, _ in rows}
+    for r, (grp, p, _, _) in enumerate(rows):
+        at = table[grp, p]
+        assert np.abs(pool_k[layer, :, at] - k[r]).max() < 1e-5 and np.array_equal(pool_v[layer, :, at], v[r].astype(np.float32))
+    mask = np.ones((L, Hkv, slots), bool)
+    for grp, p in written:
+        mask[layer, :, table[grp, p]] = False
+    assert np.array_equal(pool_k[mask], before_k[mask]) and np.array_equal(pool_v[mask], before_v[mask])
+
+
+def test_paged_attention_rows_compute_alike_in_any_batch(ortops_lib):
+    """A row's output does not depend on the other rows of the step (the engine's batch invariance):
+    one sequence's decode row alone and beside 15 others, bit for bit."""
+    H, Hkv, hd, L, slots = 9, 3, 64, 2, 16 * 260
+    rng = np.random.default_rng(7)
+    pool = [rng.standard_normal((L * Hkv * slots, hd)).astype(np.float32) for _ in range(2)]
+    s = _paged_session(ortops_lib, H, Hkv, 0, L, 0.125)
+    tables = rng.permutation(slots).reshape(16, 260).astype(np.int64)          # each sequence its own slots
+    table = tables[:1]
+    qkv = rng.standard_normal((1, (H + 2 * Hkv) * hd)).astype(np.float32)
+    cs = rng.random((1, hd // 2)).astype(np.float32)
+
+    def run(qkv_all, tables, rows):
+        feed = {"qkv": qkv_all, "cos": np.repeat(cs, len(rows), 0), "sin": np.repeat(cs[::-1], len(rows), 0),
+                "pool_k": pool[0].copy(), "pool_v": pool[1].copy(), "table": tables, "rows": np.asarray(rows, np.int64)}
+        return s.run(None, feed)[0]
+
+    alone = run(qkv, table, [[0, 250, 250, 0]])[0]
+    others = rng.standard_normal((15, qkv.shape[1])).astype(np.float32)
+    batch = run(np.concatenate([others[:7], qkv, others[7:]]), tables[[1, 2, 3, 4, 5, 6, 7, 0] + list(range(8, 16))],
+                [[i, 100 + 9 * i, 100 + 9 * i, i] for i in range(7)] + [[7, 250, 250, 7]]
+                + [[i, 40 + i, 40 + i, i] for i in range(8, 16)])[7]
+    assert np.array_equal(alone, batch)
+
+
+def test_paged_attention_refuses_rows_and_slots_out_of_range(ortops_lib):
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    H, Hkv, hd = 2, 1, 8
+    s = _paged_session(ortops_lib, H, Hkv, 0, 1, 0.3)
+    feed = {"qkv": np.zeros((1, 4 * hd), np.float32), "cos": np.ones((1, 4), np.float32), "sin": np.zeros((1, 4), np.float32),
+            "pool_k": np.zeros((16, hd), np.float32), "pool_v": np.zeros((16, hd), np.float32),
+            "table": np.arange(4, dtype=np.int64)[None], "rows": np.array([[0, 2, 2, 0]], np.int64)}
+    assert s.run(None, feed)[0].shape == (1, H * hd)
+    for key, bad, why in (("table", np.array([[0, 1, 16, 3]]), "not a slot"), ("rows", np.array([[0, 4, 4, 0]]), "out of range"),
+                          ("rows", np.array([[1, 2, 2, 0]]), "out of range"), ("rows", np.array([[0, 2, 0, 0]]), "out of range")):
+        with pytest.raises(RuntimeException, match=why):
+            s.run(None, dict(feed, **{key: bad.astype(np.int64)}))
+
+
+@pytest.mark.parametrize("M,K,N,mode", [(1, 576, 960, ""), (3, 80, 13, "residual"), (2, 1536, 576, "residual"),
+                                        (2, 576, 3072, "swiglu"), (5, 40, 10, "swiglu")])
+def test_block_offsets_add_the_float_zero_points_share(ortops_libs, M, K, N, mode):
+    """BlockOffsets against numpy: y + blocksums(x) @ C (blocks of 32, a short last one), plus the
+    residual, or silu(gate) * up of the halves."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(M * K + N)
+    kb = -(-K // 32)
+    y, x = rng.standard_normal((M, N)).astype(np.float32), rng.standard_normal((M, K)).astype(np.float32)
+    C, res = rng.standard_normal((kb, N)).astype(np.float32) * 0.1, rng.standard_normal((M, N)).astype(np.float32)
+    names = ["y", "x", "C"] + (["residual"] if mode == "residual" else [])
+    node = helper.make_node("BlockOffsets", names, ["out"], domain="zeroedge.ort",
+                            **({"activation": "swiglu"} if mode == "swiglu" else {}))
+    f = TensorProto.FLOAT
+    s = _session(ortops_libs, node, [helper.make_tensor_value_info(n, f, None) for n in names if n != "C"],
+                 [helper.make_tensor_value_info("out", f, None)], [numpy_helper.from_array(C, "C")])
+    feed = {"y": y, "x": x, **({"residual": res} if mode == "residual" else {})}
+    got = s.run(None, feed)[0]
+    sums = np.pad(x.astype(np.float64), ((0, 0), (0, kb * 32 - K))).reshape(M, kb, 32).sum(-1)
+    ref = y + sums @ C
+    if mode == "residual":
+        ref = ref + res
+    if mode == "swiglu":
+        gate, up = ref[:, :N // 2], ref[:, N // 2:]
+        ref = gate / (1 + np.exp(-gate)) * up
+    assert got.shape == ref.shape and np.abs(got - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")

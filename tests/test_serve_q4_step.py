@@ -1,20 +1,23 @@
 """The serving engine's step on 4-bit weights (one onnxruntime graph that attends by itself) against
 the same engine step on the model's fp32 weights in torch, on real SmolLM2 and real text: prompt chunks
-of two sequences in one step, decode rows beside a chunk, a padded single row, teacher-forced."""
+of two sequences in one step, decode rows beside a chunk, a padded single row, teacher-forced; with
+zeroedge's onnxruntime kernels and with onnxruntime's own operators."""
 import math
 
 import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def steps(smollm2):
+@pytest.fixture(scope="module", params=["zeroedge", "stock"])
+def steps(request, smollm2, ortops_lib):
+    """The 4-bit step on zeroedge's onnxruntime kernels (PagedAttention, BlockOffsets) and on
+    onnxruntime's own operators, each beside the fp32 torch step."""
     from zeroedge.serve.batch import BatchStep, PagedKV
     from zeroedge.serve.cpu_q4 import Q4Step
 
     m = smollm2[0].float().eval()
     threads = torch.get_num_threads()
-    q4 = Q4Step(m, 2)
+    q4 = Q4Step(m, 2, kernels=request.param)
     torch.set_num_threads(1)
     out = []
     for lin in (q4, None):

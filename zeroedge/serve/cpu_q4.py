@@ -10,9 +10,11 @@ does for these types); its fast path takes no float zero point, so a product is 
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
+
+from zeroedge.errors import UserError
 
 GROUP = 32
 ACCURACY = 4            # MatMulNBits: int8 inputs, int32 accumulation
@@ -51,55 +53,84 @@ def _q8_init(w, name: str, inits: list):
 class _Graph:
     """One onnxruntime graph, built node by node."""
 
-    def __init__(self):
+    def __init__(self, kernels: bool):
         self.nodes, self.inits, self.n = [], [], 0
+        self.names = set()
+        self.kernels = kernels          # zeroedge's onnxruntime kernels (BlockOffsets) where they apply
 
     def tmp(self) -> str:
         self.n += 1
         return f"t{self.n}"
 
-    def node(self, op, ins, domain="", **attrs) -> str:
+    def node(self, op, ins, domain="", outputs: int = 1, **attrs):
+        """-> the output's name (a list of them for outputs > 1)."""
         from onnx import helper
 
-        out = self.tmp()
-        self.nodes.append(helper.make_node(op, ins, [out], domain=domain, **attrs))
-        return out
+        outs = [self.tmp() for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op, ins, outs, domain=domain, **attrs))
+        return outs[0] if outputs == 1 else outs
 
     def const(self, name, arr) -> str:
         from onnx import numpy_helper
 
         self.inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        self.names.add(name)
         return name
 
     def norm(self, x, weight, eps: float, name: str) -> str:
         self.const(name, weight.detach().float().cpu().numpy())
         return self.node("SimplifiedLayerNormalization", [x, name], axis=-1, epsilon=float(eps))
 
-    def q4(self, x, w, name: str, bias=None) -> str:
+    def q4(self, x, w, name: str, bias=None, residual=None, swiglu: bool = False) -> str:
+        """x @ w.T on w's 4-bit grid (+ bias) (+ residual); swiglu: w is [gate; up] and the output
+        silu(gate) * up. With zeroedge's kernels the offsets and what follows are one BlockOffsets."""
         N, K = w.shape
         _q4_init(w, name, self.inits)
         y = self.node("MatMulNBits", [x, name + "_B", name + "_S"], domain="com.microsoft", K=K, N=N, bits=4,
                       block_size=GROUP, accuracy_level=ACCURACY)
+        if self.kernels and bias is None:
+            return self.node("BlockOffsets", [y, x, name + "_C"] + ([residual] if residual is not None else []),
+                             domain="zeroedge.ort", **({"activation": "swiglu"} if swiglu else {}))
         kb = -(-K // GROUP)
-        if K % GROUP:
-            x = self.node("Pad", [x, self.const(name + "_pad", np.array([0, 0, 0, (-K) % GROUP], np.int64))])
-        blocks = self.node("Reshape", [x, self.const(name + "_shape", np.array([-1, kb, GROUP], np.int64))])
-        bsum = self.node("ReduceSum", [blocks, self.const(name + "_axis", np.array([-1], np.int64))], keepdims=0)
-        y = self.node("Add", [y, self.node("MatMul", [bsum, name + "_C"])])
+        ones = f"blocks_{K}"
+        if ones not in self.names:
+            self.const(ones, np.kron(np.eye(kb, dtype=np.float32), np.ones((GROUP, 1), np.float32))[:K])
+        y = self.node("Gemm", [self.node("MatMul", [x, ones]), name + "_C", y])      # y + blocksums(x) @ C
         if bias is not None:
             y = self.node("Add", [y, self.const(name + "_bias", bias.detach().float().cpu().numpy())])
+        if residual is not None:
+            y = self.node("Add", [residual, y])
+        if swiglu:
+            gate, up = self.node("Split", [y], axis=-1, outputs=2)
+            y = self.node("Mul", [self.node("Mul", [gate, self.node("Sigmoid", [gate])]), up])
         return y
 
-    def session(self, inputs: List[tuple], outputs: List[tuple], threads: int):
-        """inputs, outputs: [(name, onnx element type, shape)]."""
+    def when(self, cond: str, build, width: int) -> str:
+        """An If on the bool `cond`: the float output of the nodes build() adds, else (0, width)."""
+        from onnx import TensorProto, helper
+
+        outer, self.nodes = self.nodes, []
+        out = build()
+        then = helper.make_graph(self.nodes, self.tmp(), [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+        self.nodes, empty = outer, self.tmp()
+        skip = helper.make_graph([helper.make_node("Constant", [], [empty], value=helper.make_tensor(
+            empty, TensorProto.FLOAT, [0, width], []))], self.tmp(), [],
+            [helper.make_tensor_value_info(empty, TensorProto.FLOAT, [0, width])])
+        return self.node("If", [cond], then_branch=then, else_branch=skip)
+
+    def session(self, inputs: List[tuple], outputs: List[tuple], threads: int, library=None):
+        """inputs, outputs: [(name, onnx element type, shape)]; library: zeroedge's onnxruntime kernels."""
         import onnxruntime as ort
 
         from onnx import helper
 
         g = helper.make_graph(self.nodes, "zeroedge_serve", [helper.make_tensor_value_info(*t) for t in inputs],
                               [helper.make_tensor_value_info(*t) for t in outputs], self.inits)
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+                              + ([helper.make_opsetid("zeroedge.ort", 1)] if library is not None else []))
         so = ort.SessionOptions()
+        if library is not None:
+            so.register_custom_ops_library(str(library))
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         # one session runs the whole step (~1,500 small operators): its threads spin between them
@@ -125,81 +156,82 @@ class Q4Step:
 
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
-    def __init__(self, model, threads: int):
+    def __init__(self, model, threads: int, kernels: Optional[str] = None):
+        """kernels: "zeroedge" (attention in one op a layer from zeroedge's onnxruntime library,
+        zeroedge.backends.ortops), "stock" (onnxruntime's own operators only) or None: zeroedge's
+        where the library is built."""
         import torch
 
+        from zeroedge.backends import ortops
+
+        if kernels is None:
+            kernels = "zeroedge" if ortops.library_path().is_file() else "stock"
+        if kernels not in ("zeroedge", "stock"):
+            raise ValueError(f"kernels must be 'zeroedge' or 'stock' (got {kernels!r})")
+        self.library = ortops.library_path() if kernels == "zeroedge" else None
+        if self.library is not None and not self.library.is_file():
+            raise UserError(f"the 4-bit step's attention runs zeroedge's onnxruntime kernels, and {self.library} "
+                            "is not built: run scripts/build_ortops")
+        self.kernels = kernels
         cfg = model.cfg
         D, L, H, nkv, hd = cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.L, self.H, self.nkv, self.hd = L, H, nkv, hd
         self.embed, self.inv_freq = model.embed_tokens, model.inv_freq.float()
-        g = _Graph()
-        i64 = np.int64
-        ax_last, ax0 = g.const("ax_last", np.array([-1], i64)), g.const("ax0", np.array([0], i64))
-        half = [g.const("h0", np.array([0], i64)), g.const("h1", np.array([hd // 2], i64)),
-                g.const("h2", np.array([hd], i64))]
-        g.const("scale", np.array(1.0 / np.sqrt(hd), np.float32))
-        g.const("rows_qkv", np.array([-1, H + 2 * nkv, hd], i64))
-        g.const("rows_heads", np.array([-1, hd], i64))
-        g.const("ax1", np.array([1], i64))
-        cuts = [g.const(f"cut{k}", np.array([v], i64)) for k, v in enumerate((0, H, H + nkv, H + 2 * nkv))]
-        x, k_all, v_all = "x", [], []
+        g = _Graph(kernels=self.library is not None)
+        from onnx import TensorProto
+
+        f, i = TensorProto.FLOAT, TensorProto.INT64
+        x, kv_new = "x", []
         for li in range(L):
             lay, a = model.layers[li], model.layers[li].self_attn
             h = g.norm(x, lay.input_layernorm.weight, lay.input_layernorm.eps, f"l{li}_ln1")
             w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
             b_ = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-            qkv = g.node("Reshape", [g.q4(h, w, f"l{li}_qkv", b_), "rows_qkv"])     # (M, H + 2 nkv, hd)
-            qk = g.node("Slice", [qkv, cuts[0], cuts[2], "ax1"])
-            rot = g.node("Concat", [g.node("Neg", [g.node("Slice", [qk, half[1], half[2], ax_last])]),
-                                    g.node("Slice", [qk, half[0], half[1], ax_last])], axis=-1)
-            qk = g.node("Add", [g.node("Mul", [qk, "cos"]), g.node("Mul", [rot, "sin"])])
-            q = g.node("Slice", [qk, cuts[0], cuts[1], "ax1"])
-            k = g.node("Slice", [qk, cuts[1], cuts[2], "ax1"])
-            v = g.node("Slice", [qkv, cuts[2], cuts[3], "ax1"])
-            k_all.append(g.node("Unsqueeze", [k, ax0]))
-            v_all.append(g.node("Unsqueeze", [v, ax0]))
-            # the pool is (layers, kv heads, slots, head dim): this layer's rows, a kv head's slots in a row
-            off = g.node("Add", [g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "layer_stride"]),
-                                 "head_offsets"])
-            k, v = (g.node("Reshape", [t, "rows_heads"]) for t in (k, v))              # (M nkv, hd)
-            o = [_attention(g, q, k, v, g.node("Add", [b + "_table", off]), b) for b in ("d", "c")]
-            x = g.node("Add", [x, g.q4(g.node("Concat", o, axis=0), a.o_proj.weight, f"l{li}_o")])
+            qkv = g.q4(h, w, f"l{li}_qkv", b_)                                      # (M, (H + 2 nkv) hd)
+            if self.library is not None:            # rotation, the pool's update and attention: one op
+                o = g.node("PagedAttention", [qkv, "cos", "sin", "pool_k", "pool_v", "table", "rows"],
+                           domain="zeroedge.ort", heads=H, kv_heads=nkv, layer=li, layers=L, scale=float(hd ** -0.5))
+            else:
+                o = _stock_attention(g, qkv, li, H, nkv, hd, kv_new)
+            x = g.q4(o, a.o_proj.weight, f"l{li}_o", residual=x)
             mlp = lay.mlp
             h = g.norm(x, lay.post_attention_layernorm.weight, lay.post_attention_layernorm.eps, f"l{li}_ln2")
-            gu = g.q4(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0), f"l{li}_w13")
-            gate = g.node("Slice", [gu, g.const(f"l{li}_f0", np.array([0], i64)),
-                                    g.const(f"l{li}_f1", np.array([cfg.ffn_dim], i64)), ax_last])
-            up = g.node("Slice", [gu, f"l{li}_f1", g.const(f"l{li}_f2", np.array([2 * cfg.ffn_dim], i64)), ax_last])
-            act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
-            x = g.node("Add", [x, g.q4(act, mlp.down_proj.weight, f"l{li}_w2")])
+            act = g.q4(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0), f"l{li}_w13", swiglu=True)
+            x = g.q4(act, mlp.down_proj.weight, f"l{li}_w2", residual=x)
         h = g.norm(g.node("Gather", [x, "out_rows"]), model.norm.weight, model.norm.eps, "final_norm")
         W = model.lm_head.weight
         _q8_init(W, "head", g.inits)
         y = g.node("MatMulNBits", [h, "head_B", "head_S"], domain="com.microsoft", K=W.shape[1], N=W.shape[0],
                    bits=8, block_size=GROUP, accuracy_level=ACCURACY)
-        g.nodes += [_identity(y, "logits"), _identity(g.node("Concat", k_all, axis=0), "k_new"),
-                    _identity(g.node("Concat", v_all, axis=0), "v_new")]
-        from onnx import TensorProto
-
-        f, i = TensorProto.FLOAT, TensorProto.INT64
-        ins = [("x", f, ["M", D]), ("cos", f, ["M", 1, hd]), ("sin", f, ["M", 1, hd]), ("pool_k", f, ["P", hd]),
-               ("pool_v", f, ["P", hd]), ("layer_stride", i, []), ("head_offsets", i, [1, nkv, 1]),
-               ("out_rows", i, ["R"])]
-        for b in ("d", "c"):
-            G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
-            ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]),
-                    (b + "_q", i, [b + "Q"])]
-            ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(0, 0, H, nkv, hd).items()]
-            ins += [(b + "_out", i, [b + "rows"]), (b + "_mask", f, [G, b + "T", 1, 1, S]),
-                    (b + "_ones", f, [G, b + "T", nkv, S, 1])]
-        outs = [("logits", f, ["R", W.shape[0]]), ("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
-        self.session = g.session(ins, outs, threads)
+        g.nodes.append(_identity(y, "logits"))
+        ins = [("x", f, ["M", D]), ("cos", f, ["M", hd // 2]), ("sin", f, ["M", hd // 2]), ("pool_k", f, ["P", hd]),
+               ("pool_v", f, ["P", hd]), ("out_rows", i, ["R"])]
+        outs = [("logits", f, ["R", W.shape[0]])]
+        if self.library is not None:
+            ins += [("table", i, ["G", "S"]), ("rows", i, ["M", 4])]
+        else:
+            g.nodes += [_identity(g.node("Concat", kv_new[0::2], axis=0), "k_new"),
+                        _identity(g.node("Concat", kv_new[1::2], axis=0), "v_new")]
+            ins += [("rope_rows", i, [1, "M"]), ("layer_stride", i, []), ("head_offsets", i, [1, nkv, 1]),
+                    ("has_chunks", TensorProto.BOOL, [])]
+            for b in ("d", "c"):
+                G, S, n = b + "G", b + "S", b + "n"          # a block's sizes are its own
+                ins += [(b + "_table", i, [G, 1, S]), (b + "_idx", i, [n, 3]), (b + "_src", i, [n]),
+                        (b + "_q", i, [b + "Q"])]
+                ins += [(f"{b}_{k}", i, [len(shape)]) for k, shape in _shapes(0, 0, H, nkv, hd).items()]
+                ins += [(b + "_out", i, [b + "rows"]), (b + "_mask", f, [G, b + "T", 1, 1, S]),
+                        (b + "_ones", f, [G, b + "T", nkv, S, 1])]
+            outs += [("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
+        self.session = g.session(ins, outs, threads, self.library)
 
     def forward(self, pool, segments):
         """-> (rows, vocab) float32 logits: each segment's last position, or all of a verify segment's, in
         segment order (BatchStep.forward). The pool's pages for the segments' positions get their K / V.
         A sequence appears at most once in a step."""
         import torch
+
+        if self.library is not None:
+            return self._forward_kernels(pool, segments)
 
         scratch = pool.scratch * pool.page_size
         chunks = [s for s in segments if len(s.tokens) > 1 and not s.verify]
@@ -219,12 +251,13 @@ class Q4Step:
         n_out = len(out_rows)
         out_rows += [0] * (self.min_rows - n_out)
         dec = [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in single]
-        chunk = [(None, [(0, first[id(None)] + j)]) for j in range(pad)]      # alone: no slots to gather
-        chunk += [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in chunks]
-        f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())
-        f = np.concatenate([f, f], -1)[:, None, :]
+        dec += [(None, [(0, first[id(None)] + j)]) for j in range(pad)]      # alone: no slots to gather
+        chunk = [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in chunks]
+        f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())     # row r's angles, at "position" r
         slots_total = pool.k.shape[2]
         feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
+                 "rope_rows": np.arange(len(ids), dtype=np.int64)[None],
+                 "has_chunks": np.array(bool(chunks)),
                  "out_rows": np.asarray(out_rows, np.int64), "layer_stride": np.array(self.nkv * slots_total, np.int64),
                  "head_offsets": (np.arange(self.nkv, dtype=np.int64) * slots_total).reshape(1, -1, 1)}
         feeds.update(self._block_feeds("d", dec, pool))
@@ -243,6 +276,42 @@ class Q4Step:
         pool.k.index_copy_(2, slot_t, torch.from_numpy(k_new).transpose(1, 2))
         pool.v.index_copy_(2, slot_t, torch.from_numpy(v_new).transpose(1, 2))
         return torch.from_numpy(logits[:n_out])
+
+    def _forward_kernels(self, pool, segments):
+        """forward with zeroedge's PagedAttention: rows in segment order, then padding rows (each its
+        own group on the scratch page, attending to itself); the op writes the rows' K / V."""
+        import torch
+
+        ids, pos, rows, out_rows, groups = [], [], [], [], []
+        for gi, s in enumerate(segments):
+            r0 = len(ids)
+            ids += s.tokens
+            pos += range(s.start, s.start + len(s.tokens))
+            rows += [(gi, s.start + j, s.start, r0) for j in range(len(s.tokens))]
+            out_rows += range(r0, r0 + len(s.tokens)) if s.verify else [r0 + len(s.tokens) - 1]
+            groups.append(s.pages)
+        n_out = len(out_rows)
+        for _ in range(self.min_rows - len(ids)):
+            rows.append((len(groups), 0, 0, len(ids)))
+            groups.append(None)
+            ids.append(0)
+            pos.append(0)
+        out_rows += [0] * (self.min_rows - n_out)
+        ps = pool.page_size
+        S = -(-(max(pos) + 1) // ps) * ps
+        f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())
+        feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
+                 "table": np.stack([self._slot_table(pool, pages, S) for pages in groups]),
+                 "rows": np.asarray(rows, np.int64), "out_rows": np.asarray(out_rows, np.int64)}
+        io = self.session.io_binding()
+        for name, a in feeds.items():
+            io.bind_cpu_input(name, a)
+        shape = (self.L * self.nkv * pool.k.shape[2], self.hd)
+        for name, t in (("pool_k", pool.k), ("pool_v", pool.v)):
+            io.bind_input(name, "cpu", 0, np.float32, shape, t.data_ptr())
+        io.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(io)
+        return torch.from_numpy(io.copy_outputs_to_cpu()[0][:n_out])
 
     @staticmethod
     def _slot_table(pool, pages, S: int) -> np.ndarray:
@@ -304,6 +373,34 @@ def _attention(g: _Graph, q: str, k: str, v: str, table: str, b: str) -> str:
     e = g.node("Exp", [g.node("Sub", [sc, g.node("ReduceMax", [sc], axes=[-1], keepdims=1)])])
     o = g.node("Div", [g.node("MatMul", [e, vs]), g.node("MatMul", [e, b + "_ones"])])       # (G, T, nkv, rep, hd)
     return g.node("Gather", [g.node("Reshape", [o, b + "_rows_shape"], allowzero=1), b + "_out"])
+
+
+def _stock_attention(g: _Graph, qkv: str, li: int, H: int, nkv: int, hd: int, kv_new: list) -> str:
+    """Layer li's attention in onnxruntime's own operators: RoPE, then the decode block and, in steps
+    with prompt chunks, the chunk block (their rows in that order) -> (M, H * hd); the rows' rotated K
+    and V go to kv_new (written into the pool after the call)."""
+    i64 = np.int64
+    if li == 0:
+        for name, v in (("rows_qkv", [-1, H + 2 * nkv, hd]), ("rows_heads", [-1, hd]), ("rows_qk", [-1, H + nkv, hd]),
+                        ("rope_in", [1, -1, (H + nkv) * hd]), ("ax0", [0]), ("ax1", [1]), ("cut0", [0]), ("cut1", [H]),
+                        ("cut2", [H + nkv]), ("cut3", [H + 2 * nkv])):
+            g.const(name, np.array(v, i64))
+        g.const("scale", np.array(1.0 / np.sqrt(hd), np.float32))
+    qkv = g.node("Reshape", [qkv, "rows_qkv"])                                     # (M, H + 2 nkv, hd)
+    qk = g.node("Reshape", [g.node("Slice", [qkv, "cut0", "cut2", "ax1"]), "rope_in"])  # (1, M, (H + nkv) hd)
+    qk = g.node("RotaryEmbedding", [qk, "rope_rows", "cos", "sin"], domain="com.microsoft", num_heads=H + nkv,
+                interleaved=0)
+    qk = g.node("Reshape", [qk, "rows_qk"])                                        # (M, H + nkv, hd)
+    q = g.node("Slice", [qk, "cut0", "cut1", "ax1"])
+    k = g.node("Slice", [qk, "cut1", "cut2", "ax1"])
+    v = g.node("Slice", [qkv, "cut2", "cut3", "ax1"])
+    kv_new += [g.node("Unsqueeze", [k, "ax0"]), g.node("Unsqueeze", [v, "ax0"])]
+    # the pool is (layers, kv heads, slots, head dim): this layer's rows, a kv head's slots in a row
+    off = g.node("Add", [g.node("Mul", [g.const(f"l{li}_index", np.array(li, i64)), "layer_stride"]), "head_offsets"])
+    k, v = (g.node("Reshape", [t, "rows_heads"]) for t in (k, v))                   # (M nkv, hd)
+    o = [_attention(g, q, k, v, g.node("Add", ["d_table", off]), "d"),
+         g.when("has_chunks", lambda: _attention(g, q, k, v, g.node("Add", ["c_table", off]), "c"), H * hd)]
+    return g.node("Concat", o, axis=0)
 
 
 def _identity(src: str, dst: str):

@@ -1,73 +1,95 @@
 // BlockOffsets: what a 4-bit product on a float zero point's grid (GGUF Q4_1: w = d * q + m per block
-// of 32) adds to MatMulNBits' offset-8 product, with the step's next element-wise work folded in
-// (zeroedge.serve.cpu_q4):
-//   y         float [M, N]     MatMulNBits' product over the codes, w = d * (q - 8)
-//   x         float [M, K]     the product's input
-//   C         float [kb, N]    per block of 32 inputs, c = d * 8 + m (an initializer), kb = ceil(K / 32)
-//   residual  float [M, N]     optional, added at the end
+// of 32) adds to MatMulNBits' offset-8 product (w = d * (q - 8)), with the step's next element-wise
+// work folded in (zeroedge.serve.cpu_q4):
+//   y         float [M, N]           MatMulNBits' product
+//   x         float [M, K]           the product's input
+//   C         float16|float [kb, N]  per block of 32 inputs c = d * 8 + m (an initializer), kb = ceil(K / 32)
+//   residual  float [M, N]           optional, added at the end
 //   attr activation "swiglu": y is [gate | up] side by side and the output is silu(gate) * up, [M, N / 2]
 // -> out = y + blocksums(x) @ C (+ residual), or its swiglu.
-// Each row's sums run in one fixed order whatever M is (one row a task), so a row computes alike in
-// any batch (the engine's batch invariance).
+// Work is split by output columns, every row at once, so C is read once a call. Each output element
+// sums its blocks in one fixed order whatever M is, so a row computes alike in any batch (the engine's
+// batch invariance).
 #include "ops.h"
 
 namespace zeroedge_ort {
 namespace {
 
 constexpr int kBlock = 32;
+constexpr int64_t kCols = 256;          // output columns a task
 
-struct Rows {
-  const float *y, *x, *C, *res;
+struct Cols {
+  const float *y, *sums, *res;          // sums: [M, kb]
+  const void* C;
+  bool half, swiglu;
   float* out;
-  int64_t K, N, kb;
-  bool swiglu;
+  int64_t M, N, kb, out_n;
 };
 
-void row_task(void* arg, size_t m) {
-  const Rows& w = *(const Rows*)arg;
-  const float* x = w.x + m * w.K;
-  const float* y = w.y + m * w.N;
-  thread_local std::vector<float> sums, acc;
-  sums.assign((size_t)w.kb, 0.f);
+inline float c_at(const Cols& w, int64_t i) {
+  return w.half ? half_to_float(((const uint16_t*)w.C)[i]) : ((const float*)w.C)[i];
+}
+
+// acc[m][0..n) = y[m][n0..] + sum_b sums[m][b] * C[b][n0..], blocks in order
+void offsets(const Cols& w, int64_t n0, int64_t n, float* acc) {
+  for (int64_t m = 0; m < w.M; ++m) std::memcpy(acc + m * n, w.y + m * w.N + n0, n * sizeof(float));
+  std::vector<float> c((size_t)n);
   for (int64_t b = 0; b < w.kb; ++b) {
-    float s = 0.f;
-    for (int64_t i = b * kBlock; i < std::min(w.K, (b + 1) * kBlock); ++i) s += x[i];
-    sums[b] = s;
-  }
-  acc.assign(y, y + w.N);
-  for (int64_t b = 0; b < w.kb; ++b) {
-    const float s = sums[b];
-    const float* c = w.C + b * w.N;
-    int64_t n = 0;
+    int64_t j = 0;
 #ifdef ZE_AVX2
-    const __m256 sv = _mm256_set1_ps(s);
-    for (; n + 8 <= w.N; n += 8)
-      _mm256_storeu_ps(acc.data() + n, _mm256_fmadd_ps(sv, _mm256_loadu_ps(c + n), _mm256_loadu_ps(acc.data() + n)));
+    if (w.half)
+      for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(c.data() + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w.C + b * w.N + n0 + j))));
 #endif
-    for (; n < w.N; ++n) acc[n] += s * c[n];
-  }
-  if (w.swiglu) {
-    const int64_t h = w.N / 2;
-    float* o = w.out + m * h;
-    int64_t n = 0;
+    for (; j < n; ++j) c[j] = c_at(w, b * w.N + n0 + j);
+    for (int64_t m = 0; m < w.M; ++m) {
+      const float s = w.sums[m * w.kb + b];
+      float* a = acc + m * n;
+      j = 0;
 #ifdef ZE_AVX2
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; n + 8 <= h; n += 8) {
-      const __m256 gate = _mm256_loadu_ps(acc.data() + n);
-      const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
-      _mm256_storeu_ps(o + n, _mm256_mul_ps(_mm256_mul_ps(gate, sig), _mm256_loadu_ps(acc.data() + n + h)));
+      const __m256 sv = _mm256_set1_ps(s);
+      for (; j + 8 <= n; j += 8) _mm256_storeu_ps(a + j, _mm256_fmadd_ps(sv, _mm256_loadu_ps(c.data() + j), _mm256_loadu_ps(a + j)));
+#endif
+      for (; j < n; ++j) a[j] = std::fma(s, c[j], a[j]);
     }
+  }
+}
+
+void cols_task(void* arg, size_t t) {
+  const Cols& w = *(const Cols*)arg;
+  const int64_t n0 = (int64_t)t * kCols, n = std::min(kCols, w.out_n - n0);
+  thread_local std::vector<float> acc, up;
+  acc.resize((size_t)(w.M * n));
+  offsets(w, n0, n, acc.data());
+  if (w.swiglu) {
+    up.resize((size_t)(w.M * n));
+    offsets(w, n0 + w.out_n, n, up.data());
+    for (int64_t m = 0; m < w.M; ++m) {
+      const float *g = acc.data() + m * n, *u = up.data() + m * n;
+      float* o = w.out + m * w.out_n + n0;
+      int64_t j = 0;
+#ifdef ZE_AVX2
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; j + 8 <= n; j += 8) {
+        const __m256 gate = _mm256_loadu_ps(g + j);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(gate, sig), _mm256_loadu_ps(u + j)));
+      }
 #endif
-    for (; n < h; ++n) o[n] = acc[n] / (1.f + std::exp(-acc[n])) * acc[n + h];
+      for (; j < n; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+    }
     return;
   }
-  float* o = w.out + m * w.N;
-  if (w.res == nullptr) {
-    std::copy(acc.begin(), acc.end(), o);
-    return;
+  for (int64_t m = 0; m < w.M; ++m) {
+    const float* a = acc.data() + m * n;
+    float* o = w.out + m * w.out_n + n0;
+    if (w.res == nullptr) {
+      std::memcpy(o, a, n * sizeof(float));
+    } else {
+      const float* r = w.res + m * w.N + n0;
+      for (int64_t j = 0; j < n; ++j) o[j] = a[j] + r[j];
+    }
   }
-  const float* r = w.res + m * w.N;
-  for (int64_t n = 0; n < w.N; ++n) o[n] = acc[n] + r[n];
 }
 
 struct BlockOffsetsKernel {
@@ -99,9 +121,23 @@ struct BlockOffsetsKernel {
     }
     if (swiglu && (N % 2 || res != nullptr))
       ORT_CXX_API_THROW("BlockOffsets: swiglu needs an even N and no residual", ORT_INVALID_ARGUMENT);
-    float* out = ctx.GetOutput(0, std::vector<int64_t>{M, swiglu ? N / 2 : N}).GetTensorMutableData<float>();
-    Rows w{Y.GetTensorData<float>(), X.GetTensorData<float>(), C.GetTensorData<float>(), res, out, xs[1], N, cs[0], swiglu};
-    if (M > 0) ctx.ParallelFor(row_task, (size_t)M, 0, &w);
+    const auto ct = C.GetTensorTypeAndShapeInfo().GetElementType();
+    if (ct != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && ct != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+      ORT_CXX_API_THROW("BlockOffsets: C must be float16 or float", ORT_INVALID_ARGUMENT);
+    const int64_t K = xs[1], kb = cs[0], out_n = swiglu ? N / 2 : N;
+    float* out = ctx.GetOutput(0, std::vector<int64_t>{M, out_n}).GetTensorMutableData<float>();
+    if (M == 0 || out_n == 0) return;
+    std::vector<float> sums((size_t)(M * kb));
+    const float* x = X.GetTensorData<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < kb; ++b) {
+        float s = 0.f;
+        for (int64_t i = b * kBlock; i < std::min(K, (b + 1) * kBlock); ++i) s += x[m * K + i];
+        sums[m * kb + b] = s;
+      }
+    Cols w{Y.GetTensorData<float>(), sums.data(), res, C.GetTensorRawData(), ct == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+           swiglu, out, M, N, kb, out_n};
+    run_tasks(ctx, cols_task, (size_t)((out_n + kCols - 1) / kCols), &w, (double)M * kb * N);
   }
 };
 
@@ -113,7 +149,9 @@ struct BlockOffsetsOp : Ort::CustomOpBase<BlockOffsetsOp, BlockOffsetsKernel> {
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };

@@ -102,6 +102,18 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// Runs fn over tasks 0..n-1: on onnxruntime's threads when the work is large enough to pay for waking
+// them (a parallel section is a sync point a preempted thread can stall), else in the calling thread.
+// Which thread runs a task never changes what it computes.
+constexpr double kSerialWork = 1 << 17;      // multiply-adds below which a call runs serially
+inline void run_tasks(Ort::KernelContext& ctx, void (*fn)(void*, size_t), size_t n, void* arg, double work) {
+  if (work < kSerialWork) {
+    for (size_t t = 0; t < n; ++t) fn(arg, t);
+  } else {
+    ctx.ParallelFor(fn, n, 0, arg);
+  }
+}
+
 // each kernel file adds its op to the library's domain (ops.cc)
 void add_q4_linear(Ort::CustomOpDomain& domain);
 void add_q8_linear(Ort::CustomOpDomain& domain);

@@ -183,7 +183,9 @@ struct PagedAttentionKernel {
       }
     }
     Step w{q.data(), k.data(), v.data(), pk, pv, table, rows, H, Hkv, g, hd, S, slots, scale, out};
-    ctx.ParallelFor(row_task, (size_t)(M * Hkv), 0, &w);
+    double work = 0;                          // multiply-adds: scores and values
+    for (int64_t r = 0; r < M; ++r) work += 2.0 * (rows[r * 4 + 1] + 1) * H * hd;
+    run_tasks(ctx, row_task, (size_t)(M * Hkv), &w, work);
   }
 };
 

@@ -6,7 +6,12 @@ quantize_float: w = s * q + m, the grid of a Q4_1 GGUF, so the bundled SmolLM2 k
 bit for bit), the LM head on a symmetric 8-bit grid of blocks of 32 (w = d * q: a Q8_0 embedding's own
 grid). onnxruntime's MatMulNBits runs them with int8-rounded inputs (accuracy level 4, what llama.cpp
 does for these types); its fast path takes no float zero point, so a product is the offset-8 one plus
-`blocksums(x) @ C`, C = s * 8 + m, computed exactly in float.
+`blocksums(x) @ C`, C = s * 8 + m, over exact x.
+
+With zeroedge's onnxruntime kernels (ortops/, built by scripts/build_ortops) a layer's attention is
+one PagedAttention op, and each product's `blocksums(x) @ C` with the residual or SwiGLU after it one
+BlockOffsets op (C rounded to float16, as a 4-bit bundle's Q4Linear holds it: half the bytes a step
+reads for it); without them the same step runs on onnxruntime's own operators (C in float32).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ GROUP = 32
 ACCURACY = 4            # MatMulNBits: int8 inputs, int32 accumulation
 
 
-def _q4_init(w, name: str, inits: list):
+def _q4_init(w, name: str, inits: list, offsets_dtype=np.float32):
     """nn.Linear weight [N, K] -> (MatMulNBits inputs B, S; the offsets C [K/32, N]) as initializers."""
     from onnx import numpy_helper
 
@@ -33,7 +38,7 @@ def _q4_init(w, name: str, inits: list):
     s, z = s.numpy(), z.numpy()
     c = (s * (8.0 - z)).astype(np.float32).T                                  # [K/32, N]
     inits += [numpy_helper.from_array(blob, name + "_B"), numpy_helper.from_array(s.reshape(-1), name + "_S"),
-              numpy_helper.from_array(np.ascontiguousarray(c), name + "_C")]
+              numpy_helper.from_array(np.ascontiguousarray(c.astype(offsets_dtype)), name + "_C")]
 
 
 def _q8_init(w, name: str, inits: list):
@@ -85,7 +90,7 @@ class _Graph:
         """x @ w.T on w's 4-bit grid (+ bias) (+ residual); swiglu: w is [gate; up] and the output
         silu(gate) * up. With zeroedge's kernels the offsets and what follows are one BlockOffsets."""
         N, K = w.shape
-        _q4_init(w, name, self.inits)
+        _q4_init(w, name, self.inits, np.float16 if self.kernels else np.float32)
         y = self.node("MatMulNBits", [x, name + "_B", name + "_S"], domain="com.microsoft", K=K, N=N, bits=4,
                       block_size=GROUP, accuracy_level=ACCURACY)
         if self.kernels and bias is None:

@@ -122,11 +122,13 @@ def main():
     load_at_start = os.getloadavg()
     commit_file = os.path.join(args.llama_bin, *[".."] * 5, "COMMIT")     # written by build-llama-cpp
     commit = open(commit_file).read().strip() if os.path.exists(commit_file) else "unknown"
-    rows = []
+    rows, served = [], None
     for rnd in range(args.rounds):
         for kind in (("zeroedge", "llama-server") if rnd % 2 == 0 else ("llama-server", "zeroedge")):
             p, base, model = start(kind, args, free_port())
             try:
+                if kind == "zeroedge":                       # how it serves: weights, kernels, batch
+                    served = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["zeroedge"]
                 one(base, model, 0, 8, [])                   # warm up
                 for n in args.clients:
                     r = load(base, model, n, args.requests, args.new)
@@ -140,8 +142,10 @@ def main():
            "hardware": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "threads": args.threads, "new_tokens": args.new,
            "requests_per_client": args.requests, "llama_cpp_commit": commit,
+           "command": "python benchmarks/serve_cpu.py " + " ".join(sys.argv[1:]),
            "zeroedge": "serve --weights q4 (4-bit linears on the GGUF's Q4_1 grid, 8-bit LM head, int8-rounded "
                        "inputs, onnxruntime MatMulNBits; the whole step, fp32 attention included, one onnxruntime graph)",
+           "zeroedge_served": served,
            "llama_server": f"llama-server -t {args.threads} --parallel {max(args.clients)} (continuous batching)",
            "rows": rows}
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)

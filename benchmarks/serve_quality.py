@@ -1,6 +1,7 @@
 """What `zeroedge serve`'s CPU weights cost in perplexity: the batched engine step itself, teacher-forced
 over real text, with the model's fp32 weights (`--weights model`) and with 4-bit linears in
-onnxruntime (`--weights q4`, the default on a CPU), on the bundled SmolLM2 (a Q4_1 GGUF: its fp32
+onnxruntime (`--weights q4`, the default on a CPU; `q4` on zeroedge's onnxruntime kernels, `q4_stock`
+on onnxruntime's own operators), on the bundled SmolLM2 (a Q4_1 GGUF: its fp32
 weights are that grid dequantized, so the two differ by the int8-rounded inputs and the 8-bit head).
 
     python benchmarks/serve_quality.py --texts kjv,licenses --windows 4 --tokens 512 \
@@ -12,6 +13,7 @@ each a step), so the figure is also what a batch of sequences sees.
 import argparse
 import json
 import math
+import sys
 
 import torch
 
@@ -47,7 +49,7 @@ def main():
     torch.set_num_threads(args.threads)
     m, folder = weights.load("smollm2-135m")
     tok = weights.tokenizer(folder)
-    q4 = Q4Step(m, args.threads)
+    steps = {"q4": Q4Step(m, args.threads, kernels="zeroedge"), "q4_stock": Q4Step(m, args.threads, kernels="stock")}
     pools = {heads_first: PagedKV(m.cfg, args.windows * (args.tokens // 16 + 2), 16, "cpu", torch.float32,
                                   heads_first=heads_first) for heads_first in (False, True)}
     rows = []
@@ -57,14 +59,16 @@ def main():
         ids = [int(t) for t in ids]
         windows = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.windows)]
         r = {"text": name}
-        for label, lin in (("model_fp32", None), ("q4", q4)):
+        for label, lin in (("model_fp32", None), *steps.items()):
             torch.set_num_threads(args.threads if lin is None else 1)
             pool = pools[lin is not None]
             r[label + "_ppl"] = math.exp(nll(BatchStep(m, pool, lin), pool, windows))
         r["q4_rise"] = r["q4_ppl"] / r["model_fp32_ppl"] - 1
+        r["q4_stock_rise"] = r["q4_stock_ppl"] / r["model_fp32_ppl"] - 1
         rows.append(r)
         print(json.dumps(r), flush=True)
     out = {"what": "perplexity of the serving engine's batched step, teacher-forced", "model": "smollm2-135m",
+           "command": "python benchmarks/serve_quality.py " + " ".join(sys.argv[1:]),
            "windows": args.windows, "tokens": args.tokens, "rows": rows}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)

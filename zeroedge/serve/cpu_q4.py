@@ -60,7 +60,6 @@ class _Graph:
 
     def __init__(self, kernels: bool):
         self.nodes, self.inits, self.n = [], [], 0
-        self.names = set()
         self.kernels = kernels          # zeroedge's onnxruntime kernels (BlockOffsets) where they apply
 
     def tmp(self) -> str:
@@ -79,7 +78,6 @@ class _Graph:
         from onnx import numpy_helper
 
         self.inits.append(numpy_helper.from_array(np.asarray(arr), name))
-        self.names.add(name)
         return name
 
     def norm(self, x, weight, eps: float, name: str) -> str:
@@ -97,10 +95,11 @@ class _Graph:
             return self.node("BlockOffsets", [y, x, name + "_C"] + ([residual] if residual is not None else []),
                              domain="zeroedge.ort", **({"activation": "swiglu"} if swiglu else {}))
         kb = -(-K // GROUP)
-        ones = f"blocks_{K}"
-        if ones not in self.names:
-            self.const(ones, np.kron(np.eye(kb, dtype=np.float32), np.ones((GROUP, 1), np.float32))[:K])
-        y = self.node("Gemm", [self.node("MatMul", [x, ones]), name + "_C", y])      # y + blocksums(x) @ C
+        if K % GROUP:
+            x = self.node("Pad", [x, self.const(name + "_pad", np.array([0, 0, 0, (-K) % GROUP], np.int64))])
+        blocks = self.node("Reshape", [x, self.const(name + "_shape", np.array([-1, kb, GROUP], np.int64))])
+        bsum = self.node("ReduceSum", [blocks, self.const(name + "_axis", np.array([-1], np.int64))], keepdims=0)
+        y = self.node("Add", [y, self.node("MatMul", [bsum, name + "_C"])])        # y + blocksums(x) @ C
         if bias is not None:
             y = self.node("Add", [y, self.const(name + "_bias", bias.detach().float().cpu().numpy())])
         if residual is not None:

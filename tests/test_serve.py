@@ -165,6 +165,24 @@ def test_concurrent_greedy_streams_equal_alone(server):
     assert server.metric("zeroedge_serve_running_requests") == 0
 
 
+def test_a_shared_prompt_opening_comes_from_the_prefix_cache(server):
+    """Two questions after the same long passage: the second takes the passage's pages from the
+    cache (usage and /metrics say how many prompt tokens, a multiple of the page) and answers the same
+    when asked again (bit-for-bit equality with a prompt prefilled whole: test_serve_q4_step)."""
+    c = server.client()
+    passage = "The lighthouse keeper climbed the stairs each evening to light the lamp. " * 5
+    assert server.client().models.list().data[0].model_extra["zeroedge"]["prefix_cache"] is True
+    before = server.metric("zeroedge_serve_prompt_tokens_cached_total")
+    first = _chat(c, passage + "Who climbed the stairs?")
+    second = _chat(c, passage + "What did the keeper light?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    assert server.metric("zeroedge_serve_prompt_tokens_cached_total") >= before + cached
+    again = _chat(c, passage + "What did the keeper light?")
+    assert again.choices[0].message.content == second.choices[0].message.content
+    assert first.usage.prompt_tokens_details.cached_tokens % 16 == 0
+
+
 def test_cancelled_stream_frees_its_slot(server):
     used0 = _kv_pages(server)
     with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=60,

@@ -98,3 +98,38 @@ def test_q4_step_refuses_a_pool_of_the_other_layout(steps):
         BatchStep(m, PagedKV(m.cfg, 4, 16, "cpu", torch.float32), q4)
     with pytest.raises(ValueError, match="heads-first"):
         BatchStep(m, PagedKV(m.cfg, 4, 16, "cpu", torch.float32, heads_first=True), None)
+
+
+def test_a_prompt_from_cached_pages_gives_what_it_gives_whole(steps, smol_tok):
+    """The prefix cache: a second prompt sharing the first's opening pages starts from them and its
+    logits (last prompt row, then decode rows) equal, bit for bit, those of the same prompt prefilled
+    whole; the pool's holders and free pages add up through sharing, release and eviction."""
+    from zeroedge.serve.batch import Segment
+    from zeroedge.texts import load_text
+
+    m, runs = steps
+    step, pool = runs[0]
+    ids = smol_tok.encode(load_text("essays")[3000:6000], add_special_tokens=False)
+    a, b = ids[:70], ids[:50] + ids[300:321]            # b shares a's first 50 tokens: 3 full pages
+    free0 = pool.free_pages
+    pa = pool.alloc(6)
+    step.forward([Segment(pa, a[:40], 0)])
+    step.forward([Segment(pa, a[40:], 40)])
+    pool.remember(pa, a)                                 # 4 full pages of a's 70 tokens
+    shared = pool.share(b)
+    assert shared == pa[:3]                              # 50 tokens: 3 full pages in common
+    pb = shared + pool.alloc(3)
+    cached = [step.forward([Segment(pb, b[48:], 48)])]
+    cached += [step.forward([Segment(pb, [b[-1]], len(b) + i)]) for i in range(3)]
+    pw = pool.alloc(6)                                   # the same prompt, every page its own
+    whole = [step.forward([Segment(pw, b[:30], 0)]), step.forward([Segment(pw, b[30:], 30)])]
+    whole += [step.forward([Segment(pw, [b[-1]], len(b) + i)]) for i in range(3)]
+    assert torch.equal(cached[0], whole[1]) and all(torch.equal(x, y) for x, y in zip(cached[1:], whole[2:]))
+    pool.release(pa)
+    pool.release(pb)
+    pool.release(pw)
+    assert pool.free_pages == free0                      # the cache's 4 pages count as free
+    held = pool.alloc(free0)                             # taking every page evicts the cache
+    assert held is not None and len(set(held)) == free0 and pool.share(a) == []
+    pool.release(held)
+    assert pool.free_pages == free0 and pool.alloc(free0 + 1) is None

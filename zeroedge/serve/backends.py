@@ -7,7 +7,8 @@
   BundleSequential an exported bundle's runner (onnxruntime, or TensorRT engines): one sequence at a
                    time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
 
-Both: `reserve(positions)` -> a KV handle or None (not now), `release(handle)`, `forward(segments)`
+Both: `reserve(positions, prompt)` -> (a KV handle, the prompt positions it already holds) or None (not
+now), `remember(handle, prompt)` once the prompt is prefilled, `release(handle)`, `forward(segments)`
 (each (handle, tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
 position of a verify segment), `positions_total` / `position_bytes` for the planner, `max_batch`,
 `prefill_chunk` (None: the whole prompt), `verifies` (takes verify segments: speculative decoding),
@@ -43,9 +44,22 @@ class TorchBatched:
         self.positions_total = self.pool.n_pages * PAGE_SIZE
         self.position_bytes = page_bytes // PAGE_SIZE
         self.device = str(p.device)
+        # a prompt starts from cached pages where that cannot change its output: the 4-bit CPU step
+        # computes each row alike whatever chunk it is in; on CUDA outputs are not batch invariant anyway
+        self.prefix_cache = linears is not None or p.device.type == "cuda"
 
-    def reserve(self, positions: int) -> Optional[List[int]]:
-        return self.pool.alloc(self.pool.pages_for(positions))
+    def reserve(self, positions: int, prompt) -> Optional[tuple]:
+        shared = self.pool.share(prompt) if self.prefix_cache else []
+        fresh = self.pool.alloc(self.pool.pages_for(positions) - len(shared))
+        if fresh is None:
+            self.pool.release(shared)
+            self.pool.shared_positions -= len(shared) * PAGE_SIZE
+            return None
+        return shared + fresh, len(shared) * PAGE_SIZE
+
+    def remember(self, pages, prompt) -> None:
+        if self.prefix_cache:
+            self.pool.remember(pages, prompt)
 
     def release(self, pages) -> None:
         self.pool.release(pages)
@@ -59,7 +73,7 @@ class TorchBatched:
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
         return {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": PAGE_SIZE,
-                "device_bytes": used * self.pool.page_bytes}
+                "device_bytes": used * self.pool.page_bytes, "prompt_positions_shared": self.pool.shared_positions}
 
 
 class BundleSequential:
@@ -81,14 +95,17 @@ class BundleSequential:
         self.busy = False
         self.device = "cpu"
 
-    def reserve(self, positions: int):
+    def reserve(self, positions: int, prompt) -> Optional[tuple]:
         if self.busy:
             return None
         self.busy = True
         if not self.fixed:
             self.r.slots = positions            # a window of every position: exact
         self.r.policy = None
-        return positions
+        return positions, 0
+
+    def remember(self, handle, prompt) -> None:
+        pass
 
     def release(self, handle) -> None:
         self.busy = False
@@ -103,4 +120,4 @@ class BundleSequential:
 
     def kv_stats(self) -> dict:
         return {"pages_total": 1, "pages_used": int(self.busy), "page_size": self.positions_total,
-                "device_bytes": self.r.window_bytes() if self.busy else 0}
+                "device_bytes": self.r.window_bytes() if self.busy else 0, "prompt_positions_shared": 0}

@@ -32,6 +32,7 @@ cuBLAS may pick kernels by batch size, and nothing here checks it.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -49,7 +50,14 @@ class PagedKV:
     """Every layer's K and V in pages of `page_size` positions, and the free list. One more page,
     `scratch`, is never handed out: the padding rows of a captured step write and read there.
     `heads_first`: (layers, kv heads, slots, head dim), each kv head's slots in a row (the 4-bit CPU
-    step gathers them so); otherwise (layers, slots, kv heads, head dim)."""
+    step gathers them so); otherwise (layers, slots, kv heads, head dim).
+
+    Prefix cache: `remember(pages, prompt)` keeps a prefilled prompt's full pages, keyed by the page
+    before them and their own tokens (exact: a key is the tokens, not a hash of them); `share(prompt)`
+    hands a later prompt the longest chain of them that its tokens begin with. Pages are counted by
+    holder (each sequence, and the cache), and go back to the free list when none holds them. A page
+    only the cache holds is free for `alloc`, which takes the least recently shared first (and forgets
+    the pages keyed on it)."""
 
     def __init__(self, cfg, n_pages: int, page_size: int, device, dtype, heads_first: bool = False):
         if n_pages < 1 or page_size < 1:
@@ -70,21 +78,84 @@ class PagedKV:
             self.v = torch.zeros_like(self.k)
         self.page_bytes = 2 * L * nkv * page_size * hd * self.k.element_size()
         self._free = list(range(n_pages - 1, -1, -1))
+        self._holders = [0] * n_pages
+        self._cache: "OrderedDict[tuple, int]" = OrderedDict()      # (page before or -1, tokens) -> page
+        self._key: dict = {}                                         # page -> its key
+        self._children: dict = {}                                    # page -> keys chained on it
+        self.shared_positions = 0                                    # prompt positions served from the cache
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages alloc can hand out: free, or held by the cache alone."""
+        return len(self._free) + sum(1 for p in self._cache.values() if self._holders[p] == 1)
 
     def alloc(self, n: int) -> Optional[List[int]]:
-        if n > len(self._free):
+        if n > self.free_pages:
             return None
-        return [self._free.pop() for _ in range(n)]
+        for key in list(self._cache):               # least recently shared first
+            if len(self._free) >= n:
+                break
+            if key in self._cache and self._holders[self._cache[key]] == 1:
+                self._forget(key)
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._holders[p] = 1
+        return pages
 
     def release(self, pages: Sequence[int]) -> None:
-        self._free.extend(reversed(pages))
+        for p in reversed(pages):
+            self._drop(p)
+
+    def _drop(self, page: int) -> None:
+        self._holders[page] -= 1
+        if self._holders[page] == 0:
+            self._free.append(page)
+
+    def _forget(self, key) -> None:
+        """Forget a cached page and every page keyed on it."""
+        page = self._cache.pop(key)
+        del self._key[page]
+        for child in self._children.pop(page, ()):
+            if child in self._cache:
+                self._forget(child)
+        parent = key[0]
+        if parent in self._children:
+            self._children[parent].discard(key)
+        self._drop(page)
+
+    def share(self, prompt: Sequence[int]) -> List[int]:
+        """The cached pages `prompt` begins with (its last token never among them: its logits are
+        needed), each now held once more by the caller."""
+        ps, parent, pages = self.page_size, -1, []
+        for i in range((len(prompt) - 1) // ps):
+            page = self._cache.get((parent, tuple(prompt[i * ps:(i + 1) * ps])))
+            if page is None:
+                break
+            self._cache.move_to_end(self._key[page])
+            self._holders[page] += 1
+            pages.append(page)
+            parent = page
+        self.shared_positions += len(pages) * ps
+        return pages
+
+    def remember(self, pages: Sequence[int], prompt: Sequence[int]) -> None:
+        """Cache the full pages of a prefilled prompt (their K / V are final)."""
+        ps, parent = self.page_size, -1
+        for i in range(len(prompt) // ps):
+            key = (parent, tuple(prompt[i * ps:(i + 1) * ps]))
+            page = self._cache.get(key)
+            if page is None:
+                page = pages[i]
+                if page in self._key:               # a page caches one prefix
+                    break
+                self._cache[key] = page
+                self._key[page] = key
+                self._children.setdefault(parent, set()).add(key)
+                self._holders[page] += 1
+            parent = page
 
     def slots(self, pages: Sequence[int], start: int, stop: int) -> List[int]:
         ps = self.page_size

@@ -88,10 +88,11 @@ class _Graph:
         """x @ w.T on w's 4-bit grid (+ bias) (+ residual); swiglu: w is [gate; up] and the output
         silu(gate) * up. With zeroedge's kernels the offsets and what follows are one BlockOffsets."""
         N, K = w.shape
-        _q4_init(w, name, self.inits, np.float16 if self.kernels else np.float32)
+        fused = self.kernels and bias is None
+        _q4_init(w, name, self.inits, np.float16 if fused else np.float32)
         y = self.node("MatMulNBits", [x, name + "_B", name + "_S"], domain="com.microsoft", K=K, N=N, bits=4,
                       block_size=GROUP, accuracy_level=ACCURACY)
-        if self.kernels and bias is None:
+        if fused:
             return self.node("BlockOffsets", [y, x, name + "_C"] + ([residual] if residual is not None else []),
                              domain="zeroedge.ort", **({"activation": "swiglu"} if swiglu else {}))
         kb = -(-K // GROUP)
@@ -146,17 +147,21 @@ class _Graph:
 class Q4Step:
     """The whole engine step on 4-bit weights as one onnxruntime graph (`forward(pool, segments)`, the
     interface of zeroedge.serve.batch.BatchStep.forward). Attention reads the KV pool in place: the
-    pool (heads-first: a kv head's slots in a row) is an input bound by address; each sequence's slots
-    are gathered layer by layer and this step's K / V scattered into the gathered copy at their
-    positions; the new K / V of every layer come back as outputs and are written into the pool after
-    the call.
+    pool (heads-first: a kv head's slots in a row) is an input bound by address.
 
-    Two attention blocks run in the graph, alike but for their sizes: decode rows (a sequence's one
-    row, or a verify segment's rows) and prompt chunks (a chunk's rows, causally), so that a step's few
-    long chunks do not pad its many short decode groups. Every row attends in products of its own: the
-    softmax's max is exact and its sum is a matrix product over the slots, whose padding adds exact
-    zeros at the end, so a row gives the same logits alone, in any batch, or as a row of a verify
-    segment (the engine's batch invariance, zeroedge.serve.batch)."""
+    With zeroedge's kernels a layer's PagedAttention rotates the rows' q and k, writes their K / V into
+    the pool at their slots and attends each row over its sequence's earlier slots (through a table)
+    and its segment's rows up to it, one task a row and kv head. On onnxruntime's own operators each
+    sequence's slots are gathered layer by layer and this step's K / V scattered into the gathered copy;
+    the new K / V of every layer come back as outputs and are written into the pool after the call. Two
+    attention blocks run there, alike but for their sizes: decode rows (a sequence's one row, or a
+    verify segment's rows) and prompt chunks (a chunk's rows, causally; only in steps with some), so
+    that a step's few long chunks do not pad its many short decode groups; every row attends in
+    products of its own: the softmax's max is exact and its sum is a matrix product over the slots,
+    whose padding adds exact zeros at the end.
+
+    Either way a row gives the same logits alone, in any batch, or as a row of a verify segment (the
+    engine's batch invariance, zeroedge.serve.batch)."""
 
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 

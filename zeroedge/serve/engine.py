@@ -6,7 +6,8 @@
     engine.cancel(handle)                            # the client went away: freed at the next step
 
 Each step: queued plans are admitted in order while the batch has room and the backend can reserve
-their KV (prompt + max_tokens: a running request never runs out of memory); then one forward runs
+their KV (prompt + max_tokens: a running request never runs out of memory; a prompt's first pages may
+come prefilled from the prefix cache, zeroedge.serve.batch.PagedKV); then one forward runs
 the next token of every decoding sequence together with the next chunk of the prompts still
 prefilling, oldest first, as many as fit in one chunk's tokens (at least one), so a long prompt
 never stalls the running streams for longer than one chunk. A prompt's chunks always fall at the
@@ -51,6 +52,7 @@ class Sequence:
     t_submit: float
     kv: object = None
     prefilled: int = 0                  # prompt tokens in the KV
+    cached: int = 0                     # of them, taken from the prefix cache
     out: List[int] = field(default_factory=list)
     t_first: Optional[float] = None
     cancelled: bool = False
@@ -157,7 +159,8 @@ class Engine:
         if tail:
             s.sink(("text", tail))
         usage = {"prompt_tokens": len(s.plan.prompt), "completion_tokens": len(s.out),
-                 "total_tokens": len(s.plan.prompt) + len(s.out)}
+                 "total_tokens": len(s.plan.prompt) + len(s.out),
+                 "prompt_tokens_details": {"cached_tokens": s.cached}}
         if s.spec is not None:
             self.spec_stats.add(s.spec.stats)
         if self.metrics is not None:
@@ -174,10 +177,12 @@ class Engine:
     def _admit(self):
         while self.waiting and len(self.running) < self.b.max_batch:
             s = self.waiting[0]
-            kv = self.b.reserve(s.plan.kv_positions)
-            if kv is None:
+            got = self.b.reserve(s.plan.kv_positions, s.plan.prompt)
+            if got is None:
                 return                          # FIFO: it waits for pages, and so does everyone after it
             self.waiting.popleft()
+            kv, s.prefilled = got               # a cached prefix of the prompt is already in its pages
+            s.cached = s.prefilled
             s.kv = kv
             p = s.plan
             try:
@@ -227,6 +232,7 @@ class Engine:
                 s.prefilled = segs[i][2] + len(segs[i][1])
                 if s.prefilled < len(s.plan.prompt):
                     continue
+                self.b.remember(s.kv, s.plan.prompt)
             try:
                 made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []))
             except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on

@@ -13,6 +13,8 @@ class ServeMetrics:
         self.step_s = Histogram(p + "step_seconds", "One engine step (a batched forward)", registry=r,
                                 buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(p + "prompt_tokens_cached", "Prompt tokens of finished requests taken from "
+                                     "the prefix cache", registry=r)
         self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated", registry=r)
         self.requests = Counter(p + "requests", "Finished requests by finish reason", ["reason"], registry=r)
         self.rejected = Counter(p + "rejected_requests", "Requests refused before they ran, by HTTP status",
@@ -47,6 +49,7 @@ class ServeMetrics:
             self.accepted.inc(spec.accepted)
             self.verify_steps.inc(spec.verify_steps)
         self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.cached_tokens.inc(usage["prompt_tokens_details"]["cached_tokens"])
         self.completion_tokens.inc(usage["completion_tokens"])
 
     def render(self) -> bytes:

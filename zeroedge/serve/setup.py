@@ -101,7 +101,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         info = {"mode": "batched", "backend": "torch", "device": b.device, "max_batch": max_batch,
                 "weights": ("4-bit blocks of 32 (the Q4_1 grid), 8-bit LM head, onnxruntime MatMulNBits"
                             if linears is not None else f"the model's, {str(m.embed_tokens.weight.dtype)[6:]}"),
-                "cpu_kernels": linears.kernels if linears is not None else None,
+                "cpu_kernels": linears.kernels if linears is not None else None, "prefix_cache": b.prefix_cache,
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
                 "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size}
     else:

@@ -102,6 +102,24 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// e[0..n) = exp(e - m) (0 for -inf), m finite -> their sum, in one fixed order for a given n
+inline float exp_sum(float* e, int64_t n, float m) {
+  int64_t s = 0;
+  float sum = 0.f;
+#ifdef ZE_AVX2
+  __m256 sv = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; s + 8 <= n; s += 8) {
+    const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + s), mv));
+    _mm256_storeu_ps(e + s, x);
+    sv = _mm256_add_ps(sv, x);
+  }
+  sum = hsum(sv);
+#endif
+  for (; s < n; ++s) { e[s] = e[s] == -INFINITY ? 0.f : std::exp(e[s] - m); sum += e[s]; }
+  return sum;
+}
+
 // Runs fn over tasks 0..n-1: on onnxruntime's threads when the work is large enough to pay for waking
 // them (a parallel section is a sync point a preempted thread can stall), else in the calling thread.
 // Which thread runs a task never changes what it computes.

@@ -55,24 +55,6 @@ inline void axpy(float p, const float* v, float* o, int64_t n) {
   for (; d < n; ++d) o[d] += p * v[d];
 }
 
-// e[0..n) = exp(e - m) -> their sum
-inline float exp_sum(float* e, int64_t n, float m) {
-  int64_t s = 0;
-  float sum = 0.f;
-#ifdef ZE_AVX2
-  __m256 sv = _mm256_setzero_ps();
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; s + 8 <= n; s += 8) {
-    const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + s), mv));
-    _mm256_storeu_ps(e + s, x);
-    sv = _mm256_add_ps(sv, x);
-  }
-  sum = hsum(sv);
-#endif
-  for (; s < n; ++s) { e[s] = std::exp(e[s] - m); sum += e[s]; }
-  return sum;
-}
-
 // row r, kv head h: its g query heads over positions 0..p
 void row_task(void* arg, size_t t) {
   const Step& w = *(const Step*)arg;

@@ -170,18 +170,7 @@ void block_task(void* p, size_t t) {
     if (m == -INFINITY) {
       std::fill(e, e + n, 0.f);
     } else {
-      int64_t s = 0;
-#ifdef ZE_AVX2
-      __m256 sv = _mm256_setzero_ps();
-      const __m256 mv = _mm256_set1_ps(m);
-      for (; s + 8 <= n; s += 8) {
-        const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + s), mv));
-        _mm256_storeu_ps(e + s, x);
-        sv = _mm256_add_ps(sv, x);
-      }
-      sum = hsum(sv);
-#endif
-      for (; s < n; ++s) { e[s] = e[s] == -INFINITY ? 0.f : std::exp(e[s] - m); sum += e[s]; }
+      sum = exp_sum(e, n, m);
     }
     w.bmax[(h * g + j) * w.blocks + c] = m;
     w.bsum[(h * g + j) * w.blocks + c] = sum;

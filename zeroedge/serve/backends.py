@@ -53,7 +53,6 @@ class TorchBatched:
         fresh = self.pool.alloc(self.pool.pages_for(positions) - len(shared))
         if fresh is None:
             self.pool.release(shared)
-            self.pool.shared_positions -= len(shared) * PAGE_SIZE
             return None
         return shared + fresh, len(shared) * PAGE_SIZE
 
@@ -73,7 +72,7 @@ class TorchBatched:
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
         return {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": PAGE_SIZE,
-                "device_bytes": used * self.pool.page_bytes, "prompt_positions_shared": self.pool.shared_positions}
+                "device_bytes": used * self.pool.page_bytes}
 
 
 class BundleSequential:
@@ -120,4 +119,4 @@ class BundleSequential:
 
     def kv_stats(self) -> dict:
         return {"pages_total": 1, "pages_used": int(self.busy), "page_size": self.positions_total,
-                "device_bytes": self.r.window_bytes() if self.busy else 0, "prompt_positions_shared": 0}
+                "device_bytes": self.r.window_bytes() if self.busy else 0}

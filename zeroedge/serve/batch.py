@@ -82,7 +82,6 @@ class PagedKV:
         self._cache: "OrderedDict[tuple, int]" = OrderedDict()      # (page before or -1, tokens) -> page
         self._key: dict = {}                                         # page -> its key
         self._children: dict = {}                                    # page -> keys chained on it
-        self.shared_positions = 0                                    # prompt positions served from the cache
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
@@ -138,7 +137,6 @@ class PagedKV:
             self._holders[page] += 1
             pages.append(page)
             parent = page
-        self.shared_positions += len(pages) * ps
         return pages
 
     def remember(self, pages: Sequence[int], prompt: Sequence[int]) -> None:

@@ -10,8 +10,8 @@ their KV (prompt + max_tokens: a running request never runs out of memory; a pro
 come prefilled from the prefix cache, zeroedge.serve.batch.PagedKV); then one forward runs
 the next token of every decoding sequence together with the next chunk of the prompts still
 prefilling, oldest first, as many as fit in one chunk's tokens (at least one), so a long prompt
-never stalls the running streams for longer than one chunk. A prompt's chunks always fall at the
-same positions, whatever else runs (batch invariance).
+never stalls the running streams for longer than one chunk. A prompt's chunks start where its cached
+pages end and fall at the same positions whatever else runs (batch invariance).
 
 Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict), ("error", message):
 every submitted request gets a "done" or an "error", also when the engine stops.

@@ -56,8 +56,10 @@ class PagedKV:
     before them and their own tokens (exact: a key is the tokens, not a hash of them); `share(prompt)`
     hands a later prompt the longest chain of them that its tokens begin with. Pages are counted by
     holder (each sequence, and the cache), and go back to the free list when none holds them. A page
-    only the cache holds is free for `alloc`, which takes the least recently shared first (and forgets
-    the pages keyed on it)."""
+    only the cache holds is free for `alloc`, which hands out pages used before, then the least
+    recently shared cached ones (forgetting the pages keyed on them), and a page never written last:
+    the pool is mapped as it is written (calloc), so the cache holds memory the server already has
+    and never grows it."""
 
     def __init__(self, cfg, n_pages: int, page_size: int, device, dtype, heads_first: bool = False):
         if n_pages < 1 or page_size < 1:
@@ -77,7 +79,8 @@ class PagedKV:
             self.k = torch.zeros(shape, device=device, dtype=dtype)
             self.v = torch.zeros_like(self.k)
         self.page_bytes = 2 * L * nkv * page_size * hd * self.k.element_size()
-        self._free = list(range(n_pages - 1, -1, -1))
+        self._free: List[int] = []                                   # released pages, last released on top
+        self._unused = list(range(n_pages - 1, -1, -1))             # never handed out (not mapped yet)
         self._holders = [0] * n_pages
         self._cache: "OrderedDict[tuple, int]" = OrderedDict()      # (page before or -1, tokens) -> page
         self._key: dict = {}                                         # page -> its key
@@ -89,7 +92,7 @@ class PagedKV:
     @property
     def free_pages(self) -> int:
         """Pages alloc can hand out: free, or held by the cache alone."""
-        return len(self._free) + sum(1 for p in self._cache.values() if self._holders[p] == 1)
+        return len(self._free) + len(self._unused) + sum(1 for p in self._cache.values() if self._holders[p] == 1)
 
     def alloc(self, n: int) -> Optional[List[int]]:
         if n > self.free_pages:
@@ -99,7 +102,7 @@ class PagedKV:
                 break
             if key in self._cache and self._holders[self._cache[key]] == 1:
                 self._forget(key)
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() if self._free else self._unused.pop() for _ in range(n)]
         for p in pages:
             self._holders[p] = 1
         return pages

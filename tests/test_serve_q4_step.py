@@ -133,3 +133,26 @@ def test_a_prompt_from_cached_pages_gives_what_it_gives_whole(steps, smol_tok):
     assert held is not None and len(set(held)) == free0 and pool.share(a) == []
     pool.release(held)
     assert pool.free_pages == free0 and pool.alloc(free0 + 1) is None
+
+
+def test_the_prefix_cache_never_maps_a_new_page_while_it_holds_one():
+    """Prompts of distinct text, one after another, each remembered: the pool hands out the pages the
+    cache holds rather than pages never written (the pool is mapped as it is written), so the pages
+    ever used stay those of the largest request, and the cache stays useful for a repeated prompt."""
+    from types import SimpleNamespace
+
+    from zeroedge.serve.batch import PagedKV
+
+    pool = PagedKV(SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=4), 64, 4, "cpu", torch.float32)
+    used = set()
+    for i in range(30):
+        prompt = [1000 * i + t for t in range(10)]          # 2 full pages of its own each
+        pages = pool.alloc(3)
+        used.update(pages)
+        pool.remember(pages, prompt)
+        pool.release(pages)
+    assert len(used) == 3 and pool.free_pages == 64
+    pages = pool.alloc(3)
+    pool.remember(pages, list(range(10)))
+    pool.release(pages)
+    assert len(pool.share(list(range(10)) + [7])) == 2      # the last one remembered is still there

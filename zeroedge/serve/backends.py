@@ -45,8 +45,8 @@ class TorchBatched:
         self.position_bytes = page_bytes // PAGE_SIZE
         self.device = str(p.device)
         # a prompt starts from cached pages where that cannot change its output: the 4-bit CPU step
-        # computes each row alike whatever chunk it is in; on CUDA outputs are not batch invariant anyway
-        self.prefix_cache = linears is not None or p.device.type == "cuda"
+        # computes each row alike whatever chunk it is in (the torch step's chunk attention does not)
+        self.prefix_cache = linears is not None
 
     def reserve(self, positions: int, prompt) -> Optional[tuple]:
         shared = self.pool.share(prompt) if self.prefix_cache else []

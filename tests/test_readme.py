@@ -140,6 +140,9 @@ def _serve_cpu_clients():
     figures = []
     for clients in (1, 4, 16):
         figures += [_range(per("zeroedge", clients), 1), _range(per("llama-server", clients), 1)]
+        rounds = {r["round"]: r["tokens_per_s"] for r in d["rows"] if r["clients"] == clients and r["server"] == "zeroedge"}
+        figures.append(_range([rounds[r["round"]] / r["tokens_per_s"] for r in d["rows"]
+                               if r["clients"] == clients and r["server"] == "llama-server"], 2))   # per round
     q = {r["text"]: r["q4_rise"] for r in _load("serve/quality_smollm2_cpu_weights.json")["rows"]}
     return figures + [_pct(q["kjv"]), _pct(q["licenses"])]
 

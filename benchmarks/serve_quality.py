@@ -4,7 +4,7 @@ onnxruntime (`--weights q4`, the default on a CPU; `q4` on zeroedge's onnxruntim
 on onnxruntime's own operators), on the bundled SmolLM2 (a Q4_1 GGUF: its fp32
 weights are that grid dequantized, so the two differ by the int8-rounded inputs and the 8-bit head).
 
-    python benchmarks/serve_quality.py --texts kjv,licenses --windows 4 --tokens 512 \
+    python benchmarks/serve_quality.py --texts kjv,licenses --windows 8 --tokens 512 \
         -o benchmarks/results/serve/quality_smollm2_cpu_weights.json
 
 Each text gives `--windows` windows of `--tokens` tokens, decoded together as one batch (one token of

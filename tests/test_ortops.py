@@ -558,3 +558,26 @@ def test_fetch_headers_refuses_a_package_unlike_its_pinned_hash(tmp_path):
     p = fetch()
     assert p.returncode == 2 and "pinned SHA-256" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "inc").exists()
+
+
+def test_block_offsets_refuses_mismatched_inputs_a_bad_activation_and_a_swiglu_residual(ortops_lib):
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    f = TensorProto.FLOAT
+
+    def session(C, act=None, residual=False):
+        names = ["y", "x", "C"] + (["residual"] if residual else [])
+        node = helper.make_node("BlockOffsets", names, ["out"], domain="zeroedge.ort", **({"activation": act} if act else {}))
+        return _session(ortops_lib, node, [helper.make_tensor_value_info(n, f, None) for n in names if n != "C"],
+                        [helper.make_tensor_value_info("out", f, None)], [numpy_helper.from_array(C, "C")])
+
+    y, x = np.zeros((2, 8), np.float32), np.zeros((2, 64), np.float32)
+    with pytest.raises(RuntimeException, match="do not match"):               # C for K = 96, x has 64
+        session(np.zeros((3, 8), np.float32)).run(None, {"y": y, "x": x})
+    with pytest.raises(RuntimeException, match="float16 or float"):
+        session(np.zeros((2, 8), np.float64)).run(None, {"y": y, "x": x})
+    with pytest.raises(RuntimeException, match="no residual"):
+        session(np.zeros((2, 8), np.float32), "swiglu", True).run(None, {"y": y, "x": x, "residual": y})
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="swiglu or absent"):
+        session(np.zeros((2, 8), np.float32), "gelu").run(None, {"y": y, "x": x})

@@ -156,3 +156,33 @@ def test_the_prefix_cache_never_maps_a_new_page_while_it_holds_one():
     pool.remember(pages, list(range(10)))
     pool.release(pages)
     assert len(pool.share(list(range(10)) + [7])) == 2      # the last one remembered is still there
+
+
+def test_a_long_cached_chain_is_forgotten_whole():
+    """A prompt of 2,000 cached pages (a chain longer than Python's recursion limit): taking every page
+    of the pool evicts the whole chain, and none of it is shared afterwards."""
+    from types import SimpleNamespace
+
+    from zeroedge.serve.batch import PagedKV
+
+    pool = PagedKV(SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=2), 2100, 1, "cpu", torch.float32)
+    prompt = list(range(2001))
+    pages = pool.alloc(2001)
+    pool.remember(pages, prompt)
+    pool.release(pages)
+    assert pool.free_pages == 2100
+    held = pool.alloc(2100)
+    assert held is not None and len(set(held)) == 2100 and pool.share(prompt) == []
+
+
+def test_q4_step_refuses_unknown_kernels_and_a_missing_library(smollm2, tmp_path, monkeypatch):
+    from zeroedge.errors import UserError
+    from zeroedge.serve.cpu_q4 import Q4Step
+
+    m = smollm2[0]
+    with pytest.raises(ValueError, match="'zeroedge' or 'stock'"):
+        Q4Step(m, 1, kernels="fast")
+    monkeypatch.setenv("ZEROEDGE_ORTOPS", str(tmp_path / "absent.so"))
+    with pytest.raises(UserError, match="scripts/build_ortops"):
+        Q4Step(m, 1, kernels="zeroedge")
+    assert Q4Step(m, 1).kernels == "stock"                 # without the library: onnxruntime's own operators

@@ -117,16 +117,16 @@ class PagedKV:
             self._free.append(page)
 
     def _forget(self, key) -> None:
-        """Forget a cached page and every page keyed on it."""
-        page = self._cache.pop(key)
-        del self._key[page]
-        for child in self._children.pop(page, ()):
-            if child in self._cache:
-                self._forget(child)
-        parent = key[0]
-        if parent in self._children:
-            self._children[parent].discard(key)
-        self._drop(page)
+        """Forget a cached page and every page keyed on it (a chain is as long as a prompt's pages:
+        no recursion)."""
+        if key[0] in self._children:
+            self._children[key[0]].discard(key)
+        todo = [key]
+        while todo:
+            page = self._cache.pop(todo.pop())
+            del self._key[page]
+            todo += [k for k in self._children.pop(page, ()) if k in self._cache]
+            self._drop(page)
 
     def share(self, prompt: Sequence[int]) -> List[int]:
         """The cached pages `prompt` begins with (its last token never among them: its logits are

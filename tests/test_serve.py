@@ -300,7 +300,9 @@ def test_api_key_and_memory_cap(tmp_path):
     assert "--api-key-file" in p.stderr and "Traceback" not in p.stderr
     key.chmod(0o600)
     # 600 MiB: SmolLM2's fp32 weights (~540 MiB) leave a KV pool of a few thousand positions
-    s = Served(MODEL, "--api-key-file", key, "--device-memory", "600M", "--max-batch", 2, "--max-queue", 1)
+    # drafts off: counting is what prompt lookup guesses best, and the streams must outlast the checks
+    s = Served(MODEL, "--api-key-file", key, "--device-memory", "600M", "--max-batch", 2, "--max-queue", 1,
+               "--speculative", "off")
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client().models.list()

@@ -299,9 +299,10 @@ def test_api_key_and_memory_cap(tmp_path):
     p = run_cli("serve", MODEL, "--host", "0.0.0.0", check_rc=2)
     assert "--api-key-file" in p.stderr and "Traceback" not in p.stderr
     key.chmod(0o600)
-    # 600 MiB: SmolLM2's fp32 weights (~540 MiB) leave a KV pool of a few thousand positions
+    # 650 MiB less SmolLM2's fp32 weights (~540 MiB, resident beside the 4-bit copy) and a step's
+    # activations (~38 MiB) leaves a KV pool of about 1,600 positions: two 430-position requests run
     # drafts off: counting is what prompt lookup guesses best, and the streams must outlast the checks
-    s = Served(MODEL, "--api-key-file", key, "--device-memory", "600M", "--max-batch", 2, "--max-queue", 1,
+    s = Served(MODEL, "--api-key-file", key, "--device-memory", "650M", "--max-batch", 2, "--max-queue", 1,
                "--speculative", "off")
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -322,8 +323,15 @@ def test_api_key_and_memory_cap(tmp_path):
                 "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=s.base, headers=hdr, timeout=120) as h:
             streams = [h.stream("POST", "/v1/chat/completions", json=body) for _ in range(3)]
-            for st in streams:
-                next(st.__enter__().iter_lines())        # the role chunk: each request was accepted
+            # the line iterators stay referenced: a collected one closes its connection, which cancels the request
+            lines = [st.__enter__().iter_lines() for st in streams]
+            for it in lines:
+                next(it)                                 # the role chunk: each request was accepted
+            deadline, load = time.time() + 30, {}
+            while time.time() < deadline and (load.get("running"), load.get("waiting")) != (2, 1):
+                load = h.get("/health").json()           # the engine thread takes the third from its inbox
+                time.sleep(0.05)
+            assert (load["running"], load["waiting"]) == (2, 1), load
             r = h.post("/v1/chat/completions", json=dict(body, stream=False, max_tokens=2))
             assert r.status_code == 429 and "waiting" in r.json()["error"]["message"]
             for st in streams:

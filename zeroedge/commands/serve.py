@@ -43,7 +43,7 @@ from zeroedge.commands.common import check_model, examples, memory_cap, memory_c
 @click.option("--ctx", type=click.IntRange(16, None), default=None, help="Longest prompt + completion (default: "
               "the model's context).")
 @click.option("--max-queue", type=click.IntRange(1, None), default=64, show_default=True,
-              help="Requests waiting for admission before new ones get HTTP 429.")
+              help="Requests waiting beyond the batch's free slots before new ones get HTTP 429.")
 @click.option("--max-prompt-tokens", type=click.IntRange(1, None), default=None, help="Default: the context.")
 @click.option("--default-max-tokens", type=click.IntRange(1, None), default=256, show_default=True,
               help="max_tokens of a request that gives none.")

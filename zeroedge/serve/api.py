@@ -309,7 +309,7 @@ def create_app(server: Server):
             plan = S.planner.plan(ids, S.sampling(body, len(ids)), grammar, ignore_eos=bool(body.ignore_eos))
             if not S.engine.alive():
                 raise Refused(f"the engine stopped: {S.engine.error}", 503, "engine_stopped")
-            if S.engine.load()["waiting"] >= S.max_queue:
+            if S.engine.queued() >= S.max_queue:
                 raise Refused(f"{S.max_queue} requests are already waiting; retry later", 429, "queue_full")
         except Refused as e:
             return fail(str(e), e.status, e.code, e.param)

@@ -112,6 +112,11 @@ class Engine:
         """Requests waiting for admission (those not yet taken from the inbox included) and running."""
         return {"waiting": len(self.waiting) + self._inbox.qsize(), "running": len(self.running)}
 
+    def queued(self) -> int:
+        """Waiting requests beyond the batch's free slots: those the next admission leaves waiting."""
+        load = self.load()
+        return max(0, load["waiting"] - max(0, self.b.max_batch - load["running"]))
+
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self):
         why = "the server is shutting down"

@@ -158,6 +158,36 @@ def test_the_prefix_cache_never_maps_a_new_page_while_it_holds_one():
     assert len(pool.share(list(range(10)) + [7])) == 2      # the last one remembered is still there
 
 
+def test_pages_mapped_ahead_are_the_pages_handed_out_next():
+    """map_ahead writes the next never-used pages: resident memory grows by their size then, and not
+    again when alloc hands them out and a step writes them (the server maps a batch's first chunks
+    before serving, so the first burst of requests does not take those page faults)."""
+    import os
+    from types import SimpleNamespace
+
+    from zeroedge.serve.batch import PagedKV
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    for heads_first in (True, False):
+        pool = PagedKV(SimpleNamespace(n_layers=4, n_kv_heads=2, head_dim=64), 2048, 16, "cpu", torch.float32,
+                       heads_first=heads_first)
+        size = 256 * pool.page_bytes                      # 16 MiB of a 128 MiB pool
+        r0 = rss()
+        pool.map_ahead(256)
+        r1 = rss()
+        assert r1 - r0 > 0.9 * size
+        pages = pool.alloc(256)
+        assert sorted(pages) == list(range(256))
+        for p in pages:
+            at = slice(p * 16, (p + 1) * 16)
+            for t in (pool.k, pool.v):
+                (t[:, :, at] if heads_first else t[:, at]).fill_(1.0)
+        assert rss() - r1 < 0.1 * size
+
+
 def test_a_long_cached_chain_is_forgotten_whole():
     """A prompt of 2,000 cached pages (a chain longer than Python's recursion limit): taking every page
     of the pool evicts the whole chain, and none of it is shared afterwards."""

@@ -48,6 +48,25 @@ class TorchBatched:
         # computes each row alike whatever chunk it is in (the torch step's chunk attention does not)
         self.prefix_cache = linears is not None
 
+    def warm_up(self) -> None:
+        """Before serving: map the pool pages a full batch's first prompt chunks take, and run one step
+        of the largest shape the engine makes (a prompt chunk beside max_batch - 1 decode rows), its
+        pages given back. The first burst of requests would otherwise pay those first-time costs
+        (a page fault per 4 KiB of KV, the runtime's buffers grown) in its time to first token."""
+        self.pool.map_ahead(self.max_batch * self.pool.pages_for(self.prefill_chunk))
+        chunk = self.pool.alloc(self.pool.pages_for(self.prefill_chunk))
+        singles = [self.pool.alloc(1) for _ in range(self.max_batch - 1)]
+        held = [p for p in [chunk] + singles if p is not None]
+        try:
+            segs = [(p, [0], 0, False) for p in singles if p is not None]
+            if chunk is not None:
+                segs.append((chunk, [0] * self.prefill_chunk, 0, False))
+            if segs:
+                self.forward(segs)
+        finally:
+            for p in held:
+                self.pool.release(p)
+
     def reserve(self, positions: int, prompt) -> Optional[tuple]:
         shared = self.pool.share(prompt) if self.prefix_cache else []
         fresh = self.pool.alloc(self.pool.pages_for(positions) - len(shared))

@@ -86,6 +86,17 @@ class PagedKV:
         self._key: dict = {}                                         # page -> its key
         self._children: dict = {}                                    # page -> keys chained on it
 
+    def map_ahead(self, n: int) -> None:
+        """Write the next `n` never-used pages alloc will hand out, so that the OS maps them now and not
+        during a step. On the CPU only: a GPU pool is allocated whole."""
+        n = min(n, len(self._unused))
+        if n == 0 or self.k.device.type != "cpu":
+            return
+        a = self._unused[-1] * self.page_size         # popped from its end, counting up: contiguous
+        b = a + n * self.page_size
+        for t in (self.k, self.v):
+            (t[:, :, a:b] if self.heads_first else t[:, a:b]).zero_()
+
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
 

@@ -96,6 +96,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
             linears = Q4Step(m, threads)
             torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
         b = TorchBatched(m, pool, max_batch, chunk, linears)
+        b.warm_up()
         tok = tokenizer_for(cfg, folder)
         name = served_name or (cfg.name if model in _presets() else str(model))
         info = {"mode": "batched", "backend": "torch", "device": b.device, "max_batch": max_batch,

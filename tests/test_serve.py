@@ -299,10 +299,10 @@ def test_api_key_and_memory_cap(tmp_path):
     p = run_cli("serve", MODEL, "--host", "0.0.0.0", check_rc=2)
     assert "--api-key-file" in p.stderr and "Traceback" not in p.stderr
     key.chmod(0o600)
-    # 650 MiB less SmolLM2's fp32 weights (~540 MiB, resident beside the 4-bit copy) and a step's
-    # activations (~38 MiB) leaves a KV pool of about 1,600 positions: two 430-position requests run
+    # 320 MiB less the 4-bit step's weights and the float embedding (~208 MiB) and a step's activations
+    # (~38 MiB) leaves a KV pool of about 1,600 positions: two 430-position requests run
     # drafts off: counting is what prompt lookup guesses best, and the streams must outlast the checks
-    s = Served(MODEL, "--api-key-file", key, "--device-memory", "650M", "--max-batch", 2, "--max-queue", 1,
+    s = Served(MODEL, "--api-key-file", key, "--device-memory", "320M", "--max-batch", 2, "--max-queue", 1,
                "--speculative", "off")
     try:
         with pytest.raises(openai.AuthenticationError):

@@ -159,9 +159,9 @@ def test_the_prefix_cache_never_maps_a_new_page_while_it_holds_one():
 
 
 def test_pages_mapped_ahead_are_the_pages_handed_out_next():
-    """map_ahead writes the next never-used pages: resident memory grows by their size then, and not
-    again when alloc hands them out and a step writes them (the server maps a batch's first chunks
-    before serving, so the first burst of requests does not take those page faults)."""
+    """map_ahead writes the next never-used pages: resident memory grows by their size then (not by
+    huge pages around them), and not again when alloc hands them out and a step writes them (the server
+    maps a batch's first chunks before serving, so the first burst does not take those page faults)."""
     import os
     from types import SimpleNamespace
 
@@ -178,7 +178,7 @@ def test_pages_mapped_ahead_are_the_pages_handed_out_next():
         r0 = rss()
         pool.map_ahead(256)
         r1 = rss()
-        assert r1 - r0 > 0.9 * size
+        assert 0.9 * size < r1 - r0 < 1.3 * size        # 4 KiB pages: no huge page maps 2 MiB of a 1 MiB run
         pages = pool.alloc(256)
         assert sorted(pages) == list(range(256))
         for p in pages:

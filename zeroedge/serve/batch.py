@@ -46,6 +46,20 @@ from zeroedge.runtime.fast import TorchLinears
 
 
 
+def _mapped_zeros(shape, dtype) -> torch.Tensor:
+    """Zeros in anonymous memory that the OS maps as it is first written, 4 KiB at a time, so a pool
+    takes memory as requests use it. Without transparent huge pages: a pool page is a short run in
+    each of layers x kv heads rows (heads first), and 2 MiB mapped per run would turn one page of KV
+    into hundreds of MiB resident."""
+    import mmap
+
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = mmap.mmap(-1, max(n, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.from_numpy(np.frombuffer(buf, dtype, count=int(np.prod(shape))).reshape(shape))
+
+
 class PagedKV:
     """Every layer's K and V in pages of `page_size` positions, and the free list. One more page,
     `scratch`, is never handed out: the padding rows of a captured step write and read there.
@@ -70,11 +84,8 @@ class PagedKV:
         self.heads_first = heads_first
         shape = (L, nkv, slots, hd) if heads_first else (L, slots, nkv, hd)
         if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float16):
-            # numpy's zeros is calloc: fresh pages the kernel maps on first write, so the pool takes
-            # memory as requests use it (torch.zeros would write every byte up front)
             npd = np.float32 if dtype == torch.float32 else np.float16
-            self.k = torch.from_numpy(np.zeros(shape, npd))
-            self.v = torch.from_numpy(np.zeros(shape, npd))
+            self.k, self.v = _mapped_zeros(shape, npd), _mapped_zeros(shape, npd)
         else:
             self.k = torch.zeros(shape, device=device, dtype=dtype)
             self.v = torch.zeros_like(self.k)

@@ -144,6 +144,19 @@ class _Graph:
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+def drop_float_linears(model) -> None:
+    """Empty the model's float linear weights once a Q4Step holds its 4-bit copies (~400 MiB of fp32 on
+    SmolLM2-135M). The embedding stays (the step reads its rows), and so does a head tied to it."""
+    import torch
+
+    empty = lambda: torch.nn.Parameter(torch.empty(0), requires_grad=False)   # noqa: E731
+    for mod in [m for layer in model.layers for m in layer.modules()] + [model.lm_head]:
+        if isinstance(mod, torch.nn.Linear) and mod.weight is not model.embed_tokens.weight:
+            mod.weight = empty()
+            if mod.bias is not None:
+                mod.bias = empty()
+
+
 class Q4Step:
     """The whole engine step on 4-bit weights as one onnxruntime graph (`forward(pool, segments)`, the
     interface of zeroedge.serve.batch.BatchStep.forward). Attention reads the KV pool in place: the
@@ -231,6 +244,8 @@ class Q4Step:
                 ins += [(b + "_out", i, [b + "rows"]), (b + "_mask", f, [G, b + "T", 1, 1, S]),
                         (b + "_ones", f, [G, b + "T", nkv, S, 1])]
             outs += [("k_new", f, [L, "M", nkv, hd]), ("v_new", f, [L, "M", nkv, hd])]
+        # what the step holds: its graph's weights, and the float embedding it reads rows of
+        self.weight_bytes = sum(len(t.raw_data) for t in g.inits) + self.embed.weight.numel() * 4
         self.session = g.session(ins, outs, threads, self.library)
 
     def forward(self, pool, segments):

@@ -7,7 +7,8 @@ For each round, each server in turn (zeroedge first in odd rounds, llama-server 
 start it, then for each client count N run N client threads that each stream `--requests` chat
 completions back to back (short distinct prompts, `--new` tokens each, ignore_eos, greedy), and record
 aggregate completion tokens a second (all tokens / wall time from the first request to the last
-answer) and each request's time to first token (to its first content chunk). Both servers are
+answer), each request's time to first token (to its first content chunk), and each server's resident
+memory after its run (now and at its peak, from /proc). Both servers are
 OpenAI-compatible; the same client code drives them (httpx, server-sent events).
 """
 import argparse
@@ -89,6 +90,17 @@ def load(base, model, clients, requests, new):
             "tokens_per_s": toks / wall, "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "ttft_max_s": tt[-1]}
 
 
+def resident(pid) -> dict:
+    """The server process's resident memory now and at its peak (MiB), from /proc."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[{"VmRSS": "rss_mib", "VmHWM": "peak_rss_mib"}[key]] = int(val.split()[0]) // 1024
+    return out
+
+
 def start(kind, args, port):
     if kind == "zeroedge":
         cmd = [sys.executable, "-m", "zeroedge.cli", "serve", "smollm2-135m", "--port", str(port),
@@ -122,7 +134,7 @@ def main():
     load_at_start = os.getloadavg()
     commit_file = os.path.join(args.llama_bin, *[".."] * 5, "COMMIT")     # written by build-llama-cpp
     commit = open(commit_file).read().strip() if os.path.exists(commit_file) else "unknown"
-    rows, served = [], None
+    rows, served, memory = [], None, []
     for rnd in range(args.rounds):
         for kind in (("zeroedge", "llama-server") if rnd % 2 == 0 else ("llama-server", "zeroedge")):
             p, base, model = start(kind, args, free_port())
@@ -135,6 +147,7 @@ def main():
                     r.update(server=kind, round=rnd)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
+                memory.append(dict(server=kind, round=rnd, **resident(p.pid)))
             finally:
                 p.terminate()
                 p.wait(30)
@@ -147,7 +160,7 @@ def main():
                        "inputs, onnxruntime MatMulNBits; the whole step, fp32 attention included, one onnxruntime graph)",
            "zeroedge_served": served,
            "llama_server": f"llama-server -t {args.threads} --parallel {max(args.clients)} (continuous batching)",
-           "rows": rows}
+           "rows": rows, "memory_after_run": memory}
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(res, f, indent=1)

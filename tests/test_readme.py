@@ -143,6 +143,8 @@ def _serve_cpu_clients():
         rounds = {r["round"]: r["tokens_per_s"] for r in d["rows"] if r["clients"] == clients and r["server"] == "zeroedge"}
         figures.append(_range([rounds[r["round"]] / r["tokens_per_s"] for r in d["rows"]
                                if r["clients"] == clients and r["server"] == "llama-server"], 2))   # per round
+    figures += [_range([r["ttft_p99_s"] for r in d["rows"] if r["server"] == server and r["clients"] == 16], 2)
+                for server in ("zeroedge", "llama-server")]
     q = {r["text"]: r["q4_rise"] for r in _load("serve/quality_smollm2_cpu_weights.json")["rows"]}
     return figures + [_pct(q["kjv"]), _pct(q["licenses"])]
 

@@ -70,22 +70,37 @@ class Grammar:
 
 class TextOut:
     """Token ids -> text released as it is final: a trailing incomplete UTF-8 sequence waits for its
-    next token, and so does a tail that could begin a stop string; a stop string ends the text."""
+    next token, and so does a tail that could begin a stop string; a stop string ends the text.
+
+    Decoding is incremental: each token decodes a short window (the tokens since the last final text,
+    after the few before them, which give the tokenizer its spacing context), so a token costs the
+    same at the end of a long reply as at its start."""
 
     def __init__(self, tokenizer, stop=()):
         self.tok, self.stop = tokenizer, [s for s in stop if s]
         self.ids: List[int] = []
+        self.context = 0        # ids[context:final] decoded: the text the window's decoding starts after
+        self.final = 0          # ids[:final] are in self.text
+        self.text = ""
         self.sent = 0
         self.stopped = False
+
+    def _decode_window(self, end: bool) -> None:
+        before = self.tok.decode(self.ids[self.context:self.final], skip_special_tokens=True)
+        window = self.tok.decode(self.ids[self.context:], skip_special_tokens=True)
+        # an incomplete UTF-8 sequence decodes to U+FFFD (one, or one a byte with byte-fallback
+        # tokenizers) and becomes other text once complete: it waits, unless this is the end
+        if len(window) > len(before) and (end or not window.endswith("\ufffd")):
+            self.text += window[len(before):]
+            self.context, self.final = self.final, len(self.ids)
 
     def add(self, token: Optional[int]) -> str:
         """Append a token (None: the end) -> the text newly final."""
         if token is not None:
             self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        # an incomplete UTF-8 sequence decodes to U+FFFD (one, or one a byte with byte-fallback
-        # tokenizers) and becomes shorter text once complete: never released before the end
-        end = len(text.rstrip("\ufffd")) if token is not None else len(text)
+        self._decode_window(end=token is None)
+        text = self.text
+        end = len(text)
         for s in self.stop:
             i = text.find(s, max(0, self.sent - len(s) + 1))
             if i != -1 and i < end:

@@ -108,7 +108,8 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
             torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
         from zeroedge.runtime.memory import weights_bytes
 
-        resident = linears.weight_bytes if linears is not None else weights_bytes(cfg, m.embed_tokens.weight.element_size())
+        resident = (linears.weight_bytes if linears is not None
+                    else weights_bytes(cfg, m.embed_tokens.weight.element_size()))
         pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk, resident)
         b = TorchBatched(m, pool, max_batch, chunk, linears)
         b.warm_up()

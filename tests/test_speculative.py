@@ -49,17 +49,19 @@ def test_step_cost_is_measured_from_the_steps():
     assert c.relative(3) == c.relative(6) == pytest.approx(1.5)  # not measured: as the nearest k measured
 
 
-def _replay(spec, out, cost_ratio):
+def _replay(spec, out, cost_ratio, free=0):
     """Drive a speculator against a known greedy output, a step checking k tokens costing
-    1 + cost_ratio k plain steps -> (steps, cost in plain steps)."""
+    1 + cost_ratio (k - free) plain steps (the first `free` fill padding rows) -> (steps, cost in plain
+    steps)."""
     i, steps, cost = 1, 0, 0.0
     while i < len(out):
-        d = spec.propose(len(out) - i - 1)
+        d = spec.propose(len(out) - i - 1, free)
         a = agreed(d, out[i:])
         made = out[i:i + a + 1]
-        spec.cost.observe(len(d), 1 + cost_ratio * len(d))
+        c = 1 + cost_ratio * max(0, len(d) - free)
+        spec.cost.observe(max(0, len(d) - free), c)
         spec.update(len(d), a, made)
-        i, steps, cost = i + len(made), steps + 1, cost + 1 + cost_ratio * len(d)
+        i, steps, cost = i + len(made), steps + 1, cost + c
     return steps, cost
 
 
@@ -83,8 +85,16 @@ def test_draft_length_follows_acceptance_and_cost():
     # a check whose rows cost 14 plain steps each never pays, not even for drafts that always agree:
     # auto stops drafting once it has measured one
     dear = Speculator.create("auto", copy[:61])
-    _replay(dear, copy[60:], 14.0)
+    dear_steps, _ = _replay(dear, copy[60:], 14.0)
     assert dear.stats.verify_steps == 1 and dear.stats.accepted == dear.stats.drafted
+    # ... but a draft token that takes a padding row (a CPU step computes at least 2 or 4 rows) is
+    # free: auto drafts one whenever the lookup matches, and drafts one alone where rows are dear
+    padded = Speculator.create("auto", copy[:61])
+    steps, _ = _replay(padded, copy[60:], 14.0, free=1)
+    assert padded.stats.verify_steps >= steps - 3 and steps < 0.6 * dear_steps
+    sparse = Speculator.create("auto", prompt + reply[:1])
+    _replay(sparse, reply, 0.3, free=1)
+    assert sparse.stats.drafted > auto.stats.drafted
     assert Speculator.create("off", prompt) is None
     with pytest.raises(ValueError):
         Speculator.create("packed", prompt)

@@ -40,6 +40,7 @@ class TorchBatched:
                             f"({page_bytes} bytes)")
         self.pool = PagedKV(cfg, int(n_pages), PAGE_SIZE, p.device, p.dtype, heads_first=linears is not None)
         self.step = BatchStep(model, self.pool, linears)
+        self.min_rows = (linears or self.step.lin).min_rows       # rows a step computes at the least
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.positions_total = self.pool.n_pages * PAGE_SIZE
         self.position_bytes = page_bytes // PAGE_SIZE

@@ -207,8 +207,12 @@ class Engine:
         segs, who, drafts = [], [], {}
         decoding = [s for s in self.running if s.prefilled == len(s.plan.prompt)]
         spec = self.speculative == "ngram" or (self.speculative == "auto" and len(decoding) <= AUTO_MAX_BATCH)
+        # a step computes at least the backend's min_rows rows: without prompt chunks, the padding rows
+        # left over are free for drafts, shared among the decoding sequences
+        chunks = any(s.prefilled < len(s.plan.prompt) for s in self.running)
+        free = 0 if chunks or not decoding else (getattr(self.b, "min_rows", 1) - len(decoding)) // len(decoding)
         for s in decoding:                      # every decoding sequence: its last token (and a draft)
-            draft = s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1) if spec and s.spec else []
+            draft = s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1, max(0, free)) if spec and s.spec else []
             drafts[s.id] = draft
             segs.append((s.kv, [s.out[-1]] + draft, len(s.plan.prompt) + len(s.out) - 1, bool(draft)))
             who.append(s)
@@ -228,8 +232,8 @@ class Engine:
         logits = self.b.forward(segs)
         self.steps += 1
         dt = time.perf_counter() - t0
-        if not pre:
-            self.step_cost.observe(sum(len(d) for d in drafts.values()), dt)
+        if not pre:                             # the rows the drafts added past the padding
+            self.step_cost.observe(max(0, sum(len(d) for d in drafts.values()) - free * len(decoding)), dt)
         made, row = 0, 0
         for i, s in enumerate(who):
             r0, row = row, row + (len(segs[i][1]) if segs[i][3] else 1)

@@ -21,7 +21,8 @@ output is the model's, token for token, whatever the drafter proposes.
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
-                 against a plain one (StepCost: measured from the caller's own steps). When no
+                 against a plain one (StepCost: measured from the caller's own steps; nothing
+                 for draft tokens that fill padding rows the step computes anyway). When no
                  k > 0 pays, `auto` sends no draft (and after PROBE_EVERY tokens the shortest draft
                  that could pay, if any could); `ngram` drafts whenever the lookup matches. Its
                  counters go to --json and /metrics.
@@ -93,7 +94,8 @@ class SpecStats:
 
 
 class StepCost:
-    """What a step that checks k draft tokens costs, relative to a step without drafts: running averages
+    """What a step that checks k draft tokens costs, relative to a step without drafts (k counts the
+    rows a step adds: draft tokens in its padding rows are not counted): running averages
     of the caller's own step times for each k (a GPU step that reads every weight once costs about the
     same for 1 row or 9; a CPU pays for each row, and its matrix library may take a k+1-row product
     faster than a smaller one). Until a draft was checked, a k costs `prior` per row."""
@@ -147,23 +149,26 @@ class Speculator:
         acc, trials = self._acc.get(n, (0.0, 0.0))
         return (acc + self.PRIOR[0]) / (trials + self.PRIOR[1])
 
-    def best_k(self, a: float, room: int) -> int:
-        """The k in 0..min(k_max, room) with the most expected tokens per unit of step cost."""
+    def best_k(self, a: float, room: int, free: int = 0) -> int:
+        """The k in 0..min(k_max, room) with the most expected tokens per unit of step cost (the first
+        `free` draft tokens take rows the step computes anyway: the cost is that of the rows past them,
+        as StepCost keys it)."""
         best, best_k = 1.0, 0
         for k in range(1, min(self.k_max, room) + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.cost.relative(k)
+            gain = (1 - a ** (k + 1)) / (1 - a) / self.cost.relative(max(0, k - free))
             if gain > best * 1.01:
                 best, best_k = gain, k
         return best_k
 
-    def propose(self, room: int) -> List[int]:
+    def propose(self, room: int, free: int = 0) -> List[int]:
         """A draft for the next step (room: tokens the request may still make after the model's own
-        next one); [] when there is no match or no draft length pays."""
+        next one; free: draft tokens that would take padding rows, computed in any case); [] when there
+        is no match or no draft length pays."""
         n, cont = self.drafter.propose(min(self.k_max, room))
         self._last_n = n
         if not cont or (self.cost.seconds and 0 not in self.cost.seconds):
             return []                           # (a plain step is timed before any cost is judged)
-        k = self.best_k(self.acceptance(n), len(cont))
+        k = self.best_k(self.acceptance(n), len(cont), free)
         if k == 0 and self.mode == "ngram":
             k = 1
         elif k == 0 and self._since_draft >= self.PROBE_EVERY:   # the shortest draft that could pay

@@ -158,6 +158,31 @@ def test_the_prefix_cache_never_maps_a_new_page_while_it_holds_one():
     assert len(pool.share(list(range(10)) + [7])) == 2      # the last one remembered is still there
 
 
+def test_a_step_that_releases_the_float_linears_computes_the_same(smollm2, smol_tok, ortops_lib):
+    """release_float (what the server builds): the model's float linears are emptied as the 4-bit copies
+    are made, the embedding the step reads stays, and the step's logits are those of a step built from
+    a model that keeps them, bit for bit."""
+    import copy
+
+    from zeroedge.serve.batch import BatchStep, PagedKV, Segment
+    from zeroedge.serve.cpu_q4 import Q4Step
+
+    kept = smollm2[0].float().eval()
+    own = copy.deepcopy(kept)
+    ids = smol_tok.encode("The quick brown fox jumps over the lazy dog, then rests.")
+    logits = []
+    for m, release in ((kept, False), (own, True)):
+        step = Q4Step(m, 2, release_float=release)
+        pool = PagedKV(m.cfg, 8, 16, "cpu", torch.float32, heads_first=True)
+        pages = pool.alloc(2)
+        logits.append(BatchStep(m, pool, step).forward([Segment(pages, ids, 0)]))
+    assert torch.equal(logits[0], logits[1])
+    linears = [mod for mod in own.modules() if isinstance(mod, torch.nn.Linear)]
+    assert all(mod.weight.numel() == 0 or mod.weight is own.embed_tokens.weight for mod in linears)
+    assert own.embed_tokens.weight.numel() == kept.embed_tokens.weight.numel()
+    assert all(mod.weight.numel() > 0 for mod in kept.modules() if isinstance(mod, torch.nn.Linear))
+
+
 def test_pages_mapped_ahead_are_the_pages_handed_out_next():
     """map_ahead writes the next never-used pages: resident memory grows by their size then (not by
     huge pages around them), and not again when alloc hands them out and a step writes them (the server

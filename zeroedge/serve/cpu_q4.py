@@ -144,14 +144,13 @@ class _Graph:
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def drop_float_linears(model) -> None:
-    """Empty the model's float linear weights once a Q4Step holds its 4-bit copies (~400 MiB of fp32 on
-    SmolLM2-135M). The embedding stays (the step reads its rows), and so does a head tied to it."""
+def _empty_linears(module, keep) -> None:
+    """Empty the float weights of module's linear layers (all but the tensor `keep`)."""
     import torch
 
     empty = lambda: torch.nn.Parameter(torch.empty(0), requires_grad=False)   # noqa: E731
-    for mod in [m for layer in model.layers for m in layer.modules()] + [model.lm_head]:
-        if isinstance(mod, torch.nn.Linear) and mod.weight is not model.embed_tokens.weight:
+    for mod in module.modules():
+        if isinstance(mod, torch.nn.Linear) and mod.weight is not keep:
             mod.weight = empty()
             if mod.bias is not None:
                 mod.bias = empty()
@@ -178,10 +177,13 @@ class Q4Step:
 
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
-    def __init__(self, model, threads: int, kernels: Optional[str] = None):
+    def __init__(self, model, threads: int, kernels: Optional[str] = None, release_float: bool = False):
         """kernels: "zeroedge" (attention in one op a layer from zeroedge's onnxruntime library,
         zeroedge.backends.ortops), "stock" (onnxruntime's own operators only) or None: zeroedge's
-        where the library is built."""
+        where the library is built. release_float: empty the model's float linears layer by layer as
+        their 4-bit copies are made (~400 MiB of fp32 on SmolLM2-135M, off the build's peak too), for a
+        model that then serves through this step only; the embedding stays (the step reads its rows),
+        and so does a head tied to it."""
         import torch
 
         from zeroedge.backends import ortops
@@ -220,15 +222,19 @@ class Q4Step:
             h = g.norm(x, lay.post_attention_layernorm.weight, lay.post_attention_layernorm.eps, f"l{li}_ln2")
             act = g.q4(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0), f"l{li}_w13", swiglu=True)
             x = g.q4(act, mlp.down_proj.weight, f"l{li}_w2", residual=x)
+            if release_float:
+                _empty_linears(lay, model.embed_tokens.weight)
         h = g.norm(g.node("Gather", [x, "out_rows"]), model.norm.weight, model.norm.eps, "final_norm")
-        W = model.lm_head.weight
-        _q8_init(W, "head", g.inits)
-        y = g.node("MatMulNBits", [h, "head_B", "head_S"], domain="com.microsoft", K=W.shape[1], N=W.shape[0],
+        V, K = model.lm_head.weight.shape
+        _q8_init(model.lm_head.weight, "head", g.inits)
+        if release_float:
+            _empty_linears(model.lm_head, model.embed_tokens.weight)
+        y = g.node("MatMulNBits", [h, "head_B", "head_S"], domain="com.microsoft", K=K, N=V,
                    bits=8, block_size=GROUP, accuracy_level=ACCURACY)
         g.nodes.append(_identity(y, "logits"))
         ins = [("x", f, ["M", D]), ("cos", f, ["M", hd // 2]), ("sin", f, ["M", hd // 2]), ("pool_k", f, ["P", hd]),
                ("pool_v", f, ["P", hd]), ("out_rows", i, ["R"])]
-        outs = [("logits", f, ["R", W.shape[0]])]
+        outs = [("logits", f, ["R", V])]
         if self.library is not None:
             ins += [("table", i, ["G", "S"]), ("rows", i, ["M", 4])]
         else:

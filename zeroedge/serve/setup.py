@@ -100,10 +100,9 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
 
             require("onnx", "serve")
             require("onnxruntime", "serve")
-            from zeroedge.serve.cpu_q4 import Q4Step, drop_float_linears
+            from zeroedge.serve.cpu_q4 import Q4Step
 
-            linears = Q4Step(m, threads)
-            drop_float_linears(m)
+            linears = Q4Step(m, threads, release_float=True)
             _trim_heap()
             torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
         from zeroedge.runtime.memory import weights_bytes

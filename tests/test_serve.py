@@ -298,6 +298,8 @@ def test_api_key_and_memory_cap(tmp_path):
     assert "chmod 600" in p.stderr and "Traceback" not in p.stderr
     p = run_cli("serve", MODEL, "--host", "0.0.0.0", check_rc=2)
     assert "--api-key-file" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("serve", MODEL, "--device-memory", "200M", check_rc=2)     # under the weights and activations
+    assert "leaves no room for KV" in p.stderr and "Traceback" not in p.stderr
     key.chmod(0o600)
     # 320 MiB less the 4-bit step's weights and the float embedding (~208 MiB) and a step's activations
     # (~38 MiB) leaves a KV pool of about 1,600 positions: two 430-position requests run

@@ -11,8 +11,8 @@ Both: `reserve(positions, prompt)` -> (a KV handle, the prompt positions it alre
 now), `remember(handle, prompt)` once the prompt is prefilled, `release(handle)`, `forward(segments)`
 (each (handle, tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
 position of a verify segment), `positions_total` / `position_bytes` for the planner, `max_batch`,
-`prefill_chunk` (None: the whole prompt), `verifies` (takes verify segments: speculative decoding),
-`mode` and `kv_stats()`.
+`prefill_chunk` (None: the whole prompt), `min_rows` (rows a step computes at the least), `verifies`
+(takes verify segments: speculative decoding), `mode` and `kv_stats()`.
 """
 from __future__ import annotations
 
@@ -102,6 +102,7 @@ class BundleSequential:
 
     mode = "sequential"
     max_batch = 1
+    min_rows = 1
     prefill_chunk = None
     verifies = False
     min_prompt = 2                      # a bundle's prefill graph takes two tokens or more

@@ -210,9 +210,9 @@ class Engine:
         # a step computes at least the backend's min_rows rows: without prompt chunks, the padding rows
         # left over are free for drafts, shared among the decoding sequences
         chunks = any(s.prefilled < len(s.plan.prompt) for s in self.running)
-        free = 0 if chunks or not decoding else (getattr(self.b, "min_rows", 1) - len(decoding)) // len(decoding)
+        free = 0 if chunks or not decoding else max(0, self.b.min_rows - len(decoding)) // len(decoding)
         for s in decoding:                      # every decoding sequence: its last token (and a draft)
-            draft = s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1, max(0, free)) if spec and s.spec else []
+            draft = s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1, free) if spec and s.spec else []
             drafts[s.id] = draft
             segs.append((s.kv, [s.out[-1]] + draft, len(s.plan.prompt) + len(s.out) - 1, bool(draft)))
             who.append(s)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import numpy as np
 import torch
 
 
@@ -22,14 +21,10 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """logits: (vocab,) float32 on the CPU, -inf where the grammar forbids."""
-        if self.temperature < GREEDY_BELOW:     # numpy: a small op that keeps the GIL (torch's would
-            row = logits.numpy()                # release it and wait behind the HTTP thread to get it back)
-            t = int(row.argmax())
-            if not np.isfinite(row[t]):
-                raise ValueError("the model gave no finite logit (all masked, or NaN)")
-            return t
         if not bool(torch.isfinite(logits).any()):
             raise ValueError("the model gave no finite logit (all masked, or NaN)")
+        if self.temperature < GREEDY_BELOW:
+            return int(logits.argmax())
         p = torch.softmax(logits / self.temperature, -1)
         if self.top_p < 1:
             ps, order = p.sort(descending=True)

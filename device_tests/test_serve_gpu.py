@@ -57,3 +57,60 @@ def test_captured_batch_steps_match_the_gathered_eager_steps():
         assert a.shape == b.shape and torch.isfinite(a).all()
         rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()
         assert float(rel) < 2e-2
+
+
+def test_thermal_kernels_match_their_references():
+    from zeroedge.kv.kernels import pack_int4
+    from zeroedge.kv.paged_attention import paged_attend, paged_attend_ref, paged_sketch_lse, paged_sketch_lse_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, nkv, grp, r, ps, N, n_pages = 4, 8, 4, 32, 8, 300, 1400
+    codes = pack_int4(torch.randint(-7, 8, (n_pages * ps, nkv, r), generator=g, device="cuda"))
+    scales = (torch.rand(n_pages * ps, nkv, generator=g, device="cuda") + 0.1).half()
+    pages = torch.randperm(n_pages, generator=g, device="cuda")[: B * N].view(B, N).int()
+    qr = torch.randn(B, nkv, grp, r, generator=g, device="cuda")
+    got = paged_sketch_lse(qr, codes, scales, pages, ps)
+    assert float((got - paged_sketch_lse_ref(qr, codes, scales, pages, ps)).abs().max()) < 1e-3
+    k = torch.randn(n_pages * ps, nkv, 64, generator=g, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    q = torch.randn(B, nkv * grp, 64, generator=g, device="cuda").bfloat16()
+    tables = torch.randint(0, n_pages, (B, nkv, 200), generator=g, device="cuda").int()
+    lens = torch.tensor([1, 9, 800, 1600], dtype=torch.int32, device="cuda")
+    got = paged_attend(q, k, v, tables, lens, ps).float()
+    assert float((got - paged_attend_ref(q, k, v, tables, lens, ps).float()).abs().max()) < 2e-2
+
+
+def test_captured_thermal_steps_match_the_eager_steps():
+    """Thermal KV (zeroedge.serve.thermal) in captured steps against the same eager steps: long prompts
+    with sketches beside a short one without, changing batches, a verify segment."""
+    from zeroedge.model import build
+    from zeroedge.serve.batch import BatchStep, PagedKV, Segment
+    from zeroedge.serve.thermal import ThermalSketches
+
+    m = build("smollm2-135m", seed=0).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.cfg.vocab_size, (3, 1300), generator=g).tolist()
+    lens0 = [1200, 40, 700]
+    outs = {}
+    for graphs in (True, False):
+        pool = PagedKV(m.cfg, 500, 8, "cuda", torch.bfloat16)
+        hot = ThermalSketches(pool, m.cfg, 0.1, 3)
+        step = BatchStep(m, pool, attention="paged", graphs=graphs, hot=hot)
+        pages = [pool.alloc(163) for _ in range(3)]
+        res = [step.forward([Segment(p, ids[j][:n], 0) for j, (p, n) in enumerate(zip(pages, lens0))])]
+        hots = [hot.build(p, n) for p, n in zip(pages, lens0)]
+        assert hots[1] is None and hots[0].slots > 1 and hots[2].slots > 1
+        pos = list(lens0)
+        for live in ([0, 1, 2], [0, 2], [1], [0, 1, 2]):
+            res.append(step.forward([Segment(pages[j], [ids[j][pos[j]]], pos[j], hot=hots[j]) for j in live]))
+            for j in live:
+                pos[j] += 1
+        res.append(step.forward([Segment(pages[0], ids[0][pos[0]:pos[0] + 4], pos[0], verify=True, hot=hots[0]),
+                                 Segment(pages[2], [ids[2][pos[2]]], pos[2], hot=hots[2])]))
+        outs[graphs] = [r.float().cpu() for r in res]
+        if graphs:
+            assert {type(k) for k in step._captured} == {int, tuple}     # plain steps and steps with hot rows
+    for a, b in zip(outs[True], outs[False]):
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()
+        assert float(rel) < 2e-2

@@ -18,7 +18,7 @@ is refused (HTTP 400, with both numbers).
 """
 import click
 
-from zeroedge.commands.common import check_model, examples, memory_cap, memory_cap_options
+from zeroedge.commands.common import check_model, examples, fraction_option, memory_cap, memory_cap_options
 
 
 @click.command("serve", epilog=examples(
@@ -58,11 +58,18 @@ from zeroedge.commands.common import check_model, examples, memory_cap, memory_c
               help="torch backend: tokens drafted by n-gram lookup in the prompt and the reply, checked by the "
                    "model in one step (the output is the model's own). auto: while at most 4 requests decode, and "
                    "paused for a request whose drafts are rarely accepted; ngram: always.")
+@fraction_option("--kv-budget", "kv_budget",
+                 help="torch backend, thermal KV: a long prompt's decode steps read this share of its KV (the sink, "
+                      "recent and generated tokens and the pages its key sketch scores best for each step's query); "
+                      "every page stays in memory. Off by default; runs on the model's weights in torch.")
+@click.option("--release-level", type=click.IntRange(0, 3), default=3, show_default=True,
+              help="With --kv-budget: the requests that take thermal KV: 0 none, 1 < 512 tokens, 2 < 4096 "
+                   "tokens at temperature 0, 3 all (prompt + max_tokens).")
 @memory_cap_options("torch backend: device memory the server may use (e.g. 6G); the KV pool is what the "
                     "weights leave of it.")
 def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, served_model_name, max_batch,
         prefill_chunk, kv_memory, ctx, max_queue, max_prompt_tokens, default_max_tokens, max_body, device, threads,
-        weights, speculative, device_memory, board):
+        weights, speculative, kv_budget, release_level, device_memory, board):
     """Serve MODEL (or --bundle) over an OpenAI-compatible HTTP API."""
     from zeroedge.commands.common import parse_size
     from zeroedge.errors import UserError, require
@@ -76,6 +83,13 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
             raise UserError("--bundle / --engines are for --backend onnxruntime or tensorrt")
     elif bundle is None:
         raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
+    if kv_budget is not None:
+        if backend != "torch":
+            raise UserError("--kv-budget: thermal KV in the server runs on the torch backend")
+        if kv_budget >= 1:
+            raise UserError("--kv-budget 1 reads the whole KV: leave --kv-budget out")
+        if weights == "q4":
+            raise UserError("--kv-budget runs on the model's weights in torch (--weights model), not --weights q4")
     cap = memory_cap(device_memory, board)
     if cap is not None and backend != "torch":
         raise UserError("--device-memory / --board size the torch backend's KV pool; a bundle's window is its own")
@@ -91,7 +105,7 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
                           kv_bytes=kv_bytes, cap=cap, ctx=ctx, device=device, threads=threads,
                           api_key=key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
                           default_max_tokens=default_max_tokens, max_body_bytes=body_limit, weights=weights,
-                          speculative=speculative)
+                          speculative=speculative, kv_budget=kv_budget, release_level=release_level)
     from zeroedge.serve.setup import run_http
 
     run_http(server, bind, port)

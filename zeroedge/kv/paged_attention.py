@@ -3,8 +3,9 @@ CUDA, or Triton's CPU interpreter), with a torch reference.
 
 `paged_attend(q, k, v, pages, lens, page_size)`: q (B, H, hd) holds one query row each (after RoPE),
 k / v the pool of one layer (slots, nkv, hd; any strides but along hd: a dense cache (nkv, positions,
-hd) passed transposed is one page of all its positions), pages (B, W) int32 each row's page table,
-lens (B) int32 the positions each row attends to (0..len-1, len >= 1). The split kernel lets each
+hd) passed transposed is one page of all its positions), pages (B, W) int32 each row's page table
+(or (B, nkv, W), a table a kv head: thermal KV's choice of pages differs by head), lens (B) int32 the
+positions each row attends to (0..len-1, len >= 1). The split kernel lets each
 of SPLITS programs of a (row, kv head) read its share of the row's positions through the page table
 and keep a running max, sum and weighted value for every query head of the group (flash-decoding);
 the combine kernel merges the shares into (B, H, hd). Nothing is gathered: each key and value is
@@ -12,6 +13,9 @@ read once, where it lies. The shares adapt to each row's length inside the kerne
 shape serves every length and captures in a CUDA graph, and a row's result depends only on its own
 query, pages and length: a speculative draft's verify rows equal the decode rows plain steps give,
 bit for bit.
+
+`paged_sketch_lse`: thermal KV's page scores (zeroedge.serve.thermal) from the key sketch kept beside
+the pool, one kernel for every row.
 """
 from __future__ import annotations
 
@@ -36,8 +40,10 @@ def paged_attend_ref(q, k, v, pages, lens, page_size: int):
     for b in range(B):
         n = int(lens[b])
         pos = torch.arange(n, device=q.device)
-        slot = pages[b].long()[pos // page_size] * page_size + pos % page_size
-        K, V = k[slot].float().transpose(0, 1), v[slot].float().transpose(0, 1)     # (nkv, n, hd)
+        tab = pages[b].long().view(-1, pages.shape[-1]).expand(nkv, -1)             # (nkv, W)
+        slot = tab[:, pos // page_size] * page_size + pos % page_size               # (nkv, n)
+        heads = torch.arange(nkv, device=q.device)[:, None]
+        K, V = k[slot, heads].float(), v[slot, heads].float()                        # (nkv, n, hd)
         qg = q[b].float().view(nkv, H // nkv, hd)
         p = torch.softmax(qg @ K.transpose(1, 2) / math.sqrt(hd), -1)
         out[b] = (p @ V).reshape(H, hd).to(q.dtype)
@@ -49,7 +55,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, s_n, s_h, pages_ptr, lens_ptr, pm_ptr, pl_ptr, pacc_ptr, W, scale_log2, S,
+    def split_kernel(q_ptr, k_ptr, v_ptr, s_n, s_h, pages_ptr, s_pb, s_ph, lens_ptr, pm_ptr, pl_ptr, pacc_ptr, scale_log2, S,
                      H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      PS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         bh = tl.program_id(0)
@@ -71,7 +77,7 @@ def _build():
         for n0 in range(start, end, BN):
             n = n0 + tl.arange(0, BN)
             nm = n < end
-            page = tl.load(pages_ptr + b * W + n // PS, mask=nm, other=0).to(tl.int64)
+            page = tl.load(pages_ptr + b * s_pb + h * s_ph + n // PS, mask=nm, other=0).to(tl.int64)
             at = (page * PS + n % PS) * s_n + h * s_h
             k = tl.load(k_ptr + at[:, None] + d[None, :], mask=nm[:, None], other=0.)
             if IEEE:                                         # fp32 pools: no TF32 products
@@ -125,10 +131,10 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
             or k.stride() != v.stride() or k.stride(2) != 1
             or not (q.is_contiguous() and pages.is_contiguous())
             or pages.dtype != torch.int32 or lens.dtype != torch.int32 or pages.shape[0] != B
-            or lens.shape != (B,)):
+            or pages.dim() not in (2, 3) or (pages.dim() == 3 and pages.shape[1] != nkv) or lens.shape != (B,)):
         raise ValueError("paged_attend needs q (B, H, hd) and k / v (slots, nkv, hd) of one dtype and layout, "
                          "unit stride along hd, H a multiple of nkv, a power-of-two head size >= 16, int32 "
-                         "pages (B, W) and lens (B,)")
+                         "pages (B, W) or (B, nkv, W) and lens (B,)")
     if _kernels is None:
         _kernels = _build()
     split, combine = _kernels
@@ -139,8 +145,90 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
     if out is None:
         out = torch.empty_like(q)
     grp = H // nkv
-    split[(B * nkv, S)](q, k, v, k.stride(0), k.stride(1), pages, lens, pm, pl, pacc, pages.shape[1],
+    s_ph = pages.stride(1) if pages.dim() == 3 else 0          # a table a kv head, or one for all
+    split[(B * nkv, S)](q, k, v, k.stride(0), k.stride(1), pages, pages.stride(0), s_ph, lens, pm, pl, pacc,
                         math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)),
                         HD=hd, PS=page_size, BN=BN, IEEE=q.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES)
     combine[(B * H,)](pm, pl, pacc, out, S, H=H, HD=hd, SP=_pow2(S))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Page scores from the thermal key sketch over the same pool (zeroedge.serve.thermal): for each row,
+# kv head, query head of its group and listed page, the log-sum-exp over the page's tokens of the
+# sketch scores (qr . code[t]) * scale[t], codes being int4 pairs stored beside the pool's K and V.
+
+SKETCH_PAGES = 8     # pages a scoring program reads at a time
+
+_sketch_kernel = None
+
+
+def paged_sketch_lse_ref(qr, codes, scales, pages, page_size: int):
+    """qr (B, nkv, grp, r) fp32, codes (slots, nkv, r/2) uint8 (zeroedge.kv.kernels.pack_int4),
+    scales (slots, nkv) fp16, pages (B, N) -> (B, nkv, grp, N) fp32."""
+    from zeroedge.kv.kernels import unpack_int4
+
+    B, N = pages.shape
+    slot = (pages.long()[:, :, None] * page_size + torch.arange(page_size, device=qr.device)).view(-1)
+    c = unpack_int4(codes.index_select(0, slot)).float() * scales.index_select(0, slot).float()[..., None]
+    c = c.view(B, N, page_size, codes.shape[1], -1)
+    return torch.einsum("bkgr,bnpkr->bkgnp", qr.float(), c).logsumexp(-1)
+
+
+def _build_sketch():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(qr_ptr, codes_ptr, scales_ptr, pages_ptr, out_ptr, N, s_cn, s_ch, s_sn, s_sh,
+               NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr,
+               PB: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // NKV
+        h = bh % NKV
+        g = tl.arange(0, GP)
+        gm = g < GRP
+        r = tl.arange(0, R2)
+        qrow = (bh * GRP + g[:, None]) * (2 * R2)
+        qe = tl.load(qr_ptr + qrow + 2 * r[None, :], mask=gm[:, None], other=0.)       # even directions
+        qo = tl.load(qr_ptr + qrow + 2 * r[None, :] + 1, mask=gm[:, None], other=0.)   # odd (high nibbles)
+        t = tl.arange(0, PB * PS)
+        p = tl.program_id(1) * PB + t // PS
+        pm = p < N
+        page = tl.load(pages_ptr + b * N + p, mask=pm, other=0).to(tl.int64)
+        slot = page * PS + t % PS
+        c = tl.load(codes_ptr + slot[:, None] * s_cn + h * s_ch + r[None, :], mask=pm[:, None], other=136)
+        lo = (c & 15).to(tl.float32) - 8.
+        hi = (c >> 4).to(tl.float32) - 8.
+        sc = tl.load(scales_ptr + slot * s_sn + h * s_sh, mask=pm, other=0.).to(tl.float32)
+        s = tl.sum(qe[:, None, :] * lo[None, :, :] + qo[:, None, :] * hi[None, :, :], 2) * sc[None, :]
+        s3 = tl.reshape(s, (GP, PB, PS))
+        m = tl.max(s3, 2)
+        lse = tl.log(tl.sum(tl.exp(s3 - m[:, :, None]), 2)) + m                       # (GP, PB)
+        pp = tl.program_id(1) * PB + tl.arange(0, PB)
+        tl.store(out_ptr + (bh * GRP + g[:, None]) * N + pp[None, :], lse, mask=gm[:, None] & (pp < N)[None, :])
+
+    return kernel
+
+
+def paged_sketch_lse(qr, codes, scales, pages, page_size: int, triton: bool = True):
+    """paged_sketch_lse_ref's result from one Triton kernel (triton=True; CUDA, or Triton's
+    interpreter), reading each listed page's codes once; the caller ensures every page id lies in the
+    pool. Else the torch reference."""
+    global _sketch_kernel
+    if not triton:
+        return paged_sketch_lse_ref(qr, codes, scales, pages, page_size)
+    B, nkv, grp, r = qr.shape
+    N = pages.shape[1]
+    if (r % 2 or (r // 2) & (r // 2 - 1) or page_size & (page_size - 1) or codes.shape[1:] != (nkv, r // 2)
+            or codes.dtype != torch.uint8 or codes.stride(2) != 1 or pages.dtype != torch.int32
+            or not pages.is_contiguous() or scales.shape != codes.shape[:2]):
+        raise ValueError("paged_sketch_lse needs qr (B, nkv, grp, r) with r/2 a power of two, codes (slots, nkv, "
+                         "r/2) uint8, scales (slots, nkv), int32 pages (B, N) and a power-of-two page size")
+    if _sketch_kernel is None:
+        _sketch_kernel = _build_sketch()
+    out = torch.empty(B, nkv, grp, N, device=qr.device, dtype=torch.float32)
+    _sketch_kernel[(B * nkv, -(-N // SKETCH_PAGES))](
+        qr.float().contiguous(), codes, scales, pages, out, N, codes.stride(0), codes.stride(1), scales.stride(0),
+        scales.stride(1), NKV=nkv, GRP=grp, GP=_pow2(grp), R2=r // 2, PS=page_size, PB=SKETCH_PAGES, num_warps=4)
     return out

@@ -8,7 +8,8 @@
                    time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
 
 Both: `reserve(positions, prompt)` -> (a KV handle, the prompt positions it already holds) or None (not
-now), `remember(handle, prompt)` once the prompt is prefilled, `release(handle)`, `forward(segments)`
+now), `remember(handle, plan)` once the prompt is prefilled (thermal KV starts there when the plan
+says so), `release(handle)`, `forward(segments)`
 (each (handle, tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
 position of a verify segment), `positions_total` / `position_bytes` for the planner, `max_batch`,
 `prefill_chunk` (None: the whole prompt), `min_rows` (rows a step computes at the least), `verifies`
@@ -16,6 +17,7 @@ position of a verify segment), `positions_total` / `position_bytes` for the plan
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 from zeroedge.errors import UserError
@@ -23,27 +25,52 @@ from zeroedge.errors import UserError
 PAGE_SIZE = 16
 
 
+@dataclass
+class Reservation:
+    """A sequence's KV in the pool: its pages, and its sketch when it runs thermal KV."""
+    pages: List[int]
+    hot: object = None          # zeroedge.serve.thermal.Hot
+
+
 class TorchBatched:
     mode = "batched"
     min_prompt = 1
     verifies = True
 
-    def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None):
+    def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None,
+                 kv_budget: Optional[float] = None):
+        """kv_budget: thermal KV's hot share for the requests whose plan asks for it (None: off); its
+        pool has thermal KV's pages, and the sketches take their bytes out of kv_bytes."""
         from zeroedge.serve.batch import BatchStep, PagedKV
 
         p = next(model.parameters())
         cfg = model.cfg
-        page_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * PAGE_SIZE * cfg.head_dim * p.element_size()
-        n_pages = kv_bytes // page_bytes
+        if kv_budget is not None and linears is not None:
+            raise UserError("thermal KV (--kv-budget) runs on the model's weights in torch (--weights model)")
+        ps = PAGE_SIZE
+        sketch_bytes = 0
+        if kv_budget is not None:
+            from zeroedge.kv.policy import THERMAL
+
+            ps = THERMAL.page_size
+            # a position's sketch: rank / 2 bytes of codes and an fp16 scale a layer and kv head
+            sketch_bytes = cfg.n_layers * cfg.n_kv_heads * (min(THERMAL.rank, cfg.head_dim) // 2 + 2)
+        page_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * ps * cfg.head_dim * p.element_size()
+        n_pages = kv_bytes // (page_bytes + sketch_bytes * ps)
         if n_pages < 1:
-            raise UserError(f"a KV pool of {kv_bytes} bytes holds no page of {PAGE_SIZE} positions "
+            raise UserError(f"a KV pool of {kv_bytes} bytes holds no page of {ps} positions "
                             f"({page_bytes} bytes)")
-        self.pool = PagedKV(cfg, int(n_pages), PAGE_SIZE, p.device, p.dtype, heads_first=linears is not None)
-        self.step = BatchStep(model, self.pool, linears)
+        self.pool = PagedKV(cfg, int(n_pages), ps, p.device, p.dtype, heads_first=linears is not None)
+        self.sketches = None
+        if kv_budget is not None:
+            from zeroedge.serve.thermal import ThermalSketches
+
+            self.sketches = ThermalSketches(self.pool, cfg, kv_budget, max_batch)
+        self.step = BatchStep(model, self.pool, linears, hot=self.sketches)
         self.min_rows = (linears or self.step.lin).min_rows       # rows a step computes at the least
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.positions_total = self.pool.n_pages * PAGE_SIZE
-        self.position_bytes = page_bytes // PAGE_SIZE
+        self.positions_total = self.pool.n_pages * ps
+        self.position_bytes = page_bytes // ps + sketch_bytes
         self.device = str(p.device)
         # a prompt starts from cached pages where that cannot change its output: the 4-bit CPU step
         # computes each row alike whatever chunk it is in (the torch step's chunk attention does not)
@@ -59,9 +86,9 @@ class TorchBatched:
         singles = [self.pool.alloc(1) for _ in range(self.max_batch - 1)]
         held = [p for p in [chunk] + singles if p is not None]
         try:
-            segs = [(p, [0], 0, False) for p in singles if p is not None]
+            segs = [(Reservation(p), [0], 0, False) for p in singles if p is not None]
             if chunk is not None:
-                segs.append((chunk, [0] * self.prefill_chunk, 0, False))
+                segs.append((Reservation(chunk), [0] * self.prefill_chunk, 0, False))
             if segs:
                 self.forward(segs)
         finally:
@@ -74,25 +101,33 @@ class TorchBatched:
         if fresh is None:
             self.pool.release(shared)
             return None
-        return shared + fresh, len(shared) * PAGE_SIZE
+        return Reservation(shared + fresh), len(shared) * self.pool.page_size
 
-    def remember(self, pages, prompt) -> None:
+    def remember(self, kv: Reservation, plan) -> None:
         if self.prefix_cache:
-            self.pool.remember(pages, prompt)
+            self.pool.remember(kv.pages, plan.prompt)
+        if plan.thermal and self.sketches is not None:
+            kv.hot = self.sketches.build(kv.pages, len(plan.prompt))
 
-    def release(self, pages) -> None:
-        self.pool.release(pages)
+    def release(self, kv: Reservation) -> None:
+        self.pool.release(kv.pages)
+        if self.sketches is not None:
+            self.sketches.drop(kv.hot)
+            kv.hot = None
 
     def forward(self, segments):
         from zeroedge.serve.batch import Segment
 
-        out = self.step.forward([Segment(h, toks, start, verify) for h, toks, start, verify in segments])
+        out = self.step.forward([Segment(kv.pages, toks, start, verify, kv.hot) for kv, toks, start, verify in segments])
         return out.cpu()
 
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
-        return {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": PAGE_SIZE,
-                "device_bytes": used * self.pool.page_bytes}
+        out = {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": self.pool.page_size,
+               "device_bytes": used * self.pool.page_bytes}
+        if self.sketches is not None:
+            out["thermal_sequences"] = self.sketches.in_use()
+        return out
 
 
 class BundleSequential:
@@ -124,7 +159,7 @@ class BundleSequential:
         self.r.policy = None
         return positions, 0
 
-    def remember(self, handle, prompt) -> None:
+    def remember(self, handle, plan) -> None:
         pass
 
     def release(self, handle) -> None:

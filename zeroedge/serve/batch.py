@@ -34,16 +34,19 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zeroedge.kv.attention import additive_mask
 from zeroedge.kv.decode_attention import _pow2
 from zeroedge.model import SDPA_GQA
 from zeroedge.runtime.fast import TorchLinears
 
+if TYPE_CHECKING:
+    from zeroedge.serve.thermal import Hot, ThermalSketches
 
 
 def _mapped_zeros(shape, dtype) -> torch.Tensor:
@@ -193,6 +196,7 @@ class Segment:
     tokens: List[int]
     start: int
     verify: bool = False
+    hot: Optional["Hot"] = None     # thermal KV (zeroedge.serve.thermal): its decode rows read a choice of pages
 
 
 class BatchStep:
@@ -203,9 +207,12 @@ class BatchStep:
     interpreter) or "auto" (paged for fp16 / bf16 where Triton runs).
     graphs: a step of decode rows alone (plain steps and verify segments: no prompt chunk) replays a
     CUDA graph captured per number of rows rounded up to a power of two (paged attention on CUDA
-    only; padding rows use the scratch page)."""
+    only; padding rows use the scratch page), and with hot rows per width of their tables too.
+    hot: zeroedge.serve.thermal.ThermalSketches of the pool (torch linears): decode rows of a segment
+    with `hot` read the pages its sketch chooses each step (prompt chunks read every page)."""
 
-    def __init__(self, model, pool: PagedKV, linears=None, attention: str = "auto", graphs: bool = True):
+    def __init__(self, model, pool: PagedKV, linears=None, attention: str = "auto", graphs: bool = True,
+                 hot: Optional["ThermalSketches"] = None):
         from zeroedge.kv.decode_attention import triton_runs
 
         self.m, self.pool, cfg = model, pool, model.cfg
@@ -230,8 +237,11 @@ class BatchStep:
             raise ValueError("paged attention needs the torch linears and Triton on CUDA (or its interpreter) "
                              "with a power-of-two head size >= 16")
         self.attention = attention
+        if hot is not None and (self.q4 or hot.pool is not pool):
+            raise ValueError("thermal KV runs on the torch step, with the sketches of its own pool")
+        self.hot = hot
         self.graphs = graphs and attention == "paged" and self.device.type == "cuda"
-        self._captured = {}           # rows -> (graph replay, static inputs, logits)
+        self._captured = {}           # rows (and hot tables' widths) -> (graph replay, static inputs, logits)
         self._graph_pool = None
 
     @torch.no_grad()
@@ -250,9 +260,9 @@ class BatchStep:
             pos += range(s.start, s.start + n)
             slots += self.pool.slots(s.pages, s.start, s.start + n)
             if s.verify:
-                verify.append([(r0 + i, s.pages, s.start + i + 1) for i in range(n)])
+                verify.append([(r0 + i, s.pages, s.start + i + 1, s.hot) for i in range(n)])
             elif n == 1:
-                plain.append((r0, s.pages, s.start + 1))
+                plain.append((r0, s.pages, s.start + 1, s.hot))
             else:
                 pre.append((r0, s))
             out_rows += range(r0, r0 + n) if s.verify else [r0 + n - 1]
@@ -290,7 +300,7 @@ class BatchStep:
             V.index_copy_(0, slot_t, v)
             o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
             for rows_t, *how in groups:
-                o[rows_t] = self._decode_attention(q[rows_t], K, V, *how)
+                o[rows_t] = self._decode_attention(li, q[rows_t], K, V, *how)
             for r0, s in pre:
                 o[r0:r0 + len(s.tokens)] = self._chunk_attention(q[r0:r0 + len(s.tokens)], K, V, s)
             o = o.view(M, -1)
@@ -301,45 +311,61 @@ class BatchStep:
         """Decode rows alone (a verify segment's tokens are decode rows too) through a captured graph:
         inputs copied into its static tensors, padding rows (token 0 at position 0) on the scratch page."""
         ps, scratch = self.pool.page_size, self.pool.scratch
-        rows = [(s.pages, t, s.start + i) for s in segments for i, t in enumerate(s.tokens)]
+        rows = [(s.pages, t, s.start + i, s.hot) for s in segments for i, t in enumerate(s.tokens)]
         B = len(rows)
-        width = max(self.pool.pages_for(p + 1) for _, _, p in rows)
+        width = max(self.pool.pages_for(p + 1) for _, _, p, _ in rows)
         Bp = max(_pow2(B), self.lin.min_rows)
         host = {"tok": np.zeros(Bp, np.int64), "posf": np.zeros(Bp, np.float32),
                 "slot": np.full(Bp, scratch * ps, np.int64), "pages": np.full((Bp, width), scratch, np.int32),
                 "lens": np.ones(Bp, np.int32)}
-        for j, (pages, t, p) in enumerate(rows):
+        for j, (pages, t, p, _) in enumerate(rows):
             n = self.pool.pages_for(p + 1)
             host["tok"][j], host["posf"][j], host["lens"][j] = t, p, p + 1
             host["slot"][j] = pages[p // ps] * ps + p % ps
             host["pages"][j, :n] = pages[:n]
-        if Bp not in self._captured:
-            self._capture(Bp, host)
-        replay, static, logits = self._captured[Bp]
+        key, hot = Bp, None
+        if self.hot is not None and any(h is not None for *_, h in rows):
+            pad = [([scratch], 1, None)] * (Bp - B)
+            hot = self.hot.rows([(pages, p + 1, h) for pages, _, p, h in rows] + pad)
+            key = (Bp, hot["scored_pages"].shape[1], self.hot.slots_max(hot), hot["tail_pages"].shape[1])
+            host = dict(host, **{"hot_" + k: a for k, a in hot.items()})
+        if key not in self._captured:
+            self._capture(key, host)
+        replay, static, logits = self._captured[key]
         for name, a in host.items():      # page tables: the columns in use (the kernel reads no further)
             t = static[name][:, :width] if name == "pages" else static[name]
             t.copy_(torch.from_numpy(a), non_blocking=True)
         replay()
         return logits[:B].clone()
 
-    def _capture(self, Bp: int, host):
-        """The graph of a step of Bp rows; its page tables as wide as the longest sequence the pool and
-        the model allow, so one graph serves every context."""
-        width = min(self.pool.n_pages + 1, self.pool.pages_for(self.m.cfg.max_seq_len))
-        pages = np.full((Bp, width), self.pool.scratch, np.int32)
+    def _width(self) -> int:
+        """Pages a captured step's tables hold: the longest sequence the pool and the model allow."""
+        return min(self.pool.n_pages + 1, self.pool.pages_for(self.m.cfg.max_seq_len))
+
+    def _capture(self, key, host):
+        """The graph of a step of key's rows (key: Bp, or with hot rows (Bp, and the widths of their
+        tables: scored pages, slots, tail)); the plain page table as wide as _width(), so one graph
+        serves every context."""
+        Bp = key if isinstance(key, int) else key[0]
+        pages = np.full((Bp, self._width()), self.pool.scratch, np.int32)
         pages[:, :host["pages"].shape[1]] = host["pages"]
         static = {name: torch.from_numpy(pages if name == "pages" else a).to(self.device) for name, a in host.items()}
         # every tensor the graph reads lives as long as the graph: kept in `static`, never only in the
         # closure (freed after capture, its memory would be handed out again under the graph)
         static["rows"] = torch.arange(Bp, device=self.device)
+        if isinstance(key, int):
+            how = (static["pages"], static["lens"])
+        else:
+            from zeroedge.serve.thermal import HotRows
+
+            how = (HotRows(**{k[4:]: t for k, t in static.items() if k.startswith("hot_")}, slots_max=key[2]),)
 
         def body():
-            x = self._layers(static["tok"], static["posf"], static["slot"],
-                             [(static["rows"], static["pages"], static["lens"])], [])
+            x = self._layers(static["tok"], static["posf"], static["slot"], [(static["rows"], *how)], [])
             return self.lin.head(x).float()
 
         replay, logits = self._graphed(body)
-        self._captured[Bp] = (replay, static, logits)
+        self._captured[key] = (replay, static, logits)
 
     def _graphed(self, body):
         """body captured in a CUDA graph (in one memory pool for every graph of this step) -> (replay,
@@ -376,28 +402,35 @@ class BatchStep:
                                               attn_mask=mask)
 
     def _decode_group(self, rows, shared: bool) -> tuple:
-        """rows [(row, pages, length)] -> (row indices, how they attend): paged, (page tables (B, W)
-        int32, lengths (B,) int32); gathered, (slot table, additive mask (B, 1, 1, S), shared): shared,
-        the rows are one sequence's (its first row's pages, gathered once)."""
+        """rows [(row, pages, length, hot)] -> (row indices, how they attend): with a hot row, (HotRows,);
+        else paged, (page tables (B, W) int32, lengths (B,) int32); gathered, (slot table, additive mask
+        (B, 1, 1, S), shared): shared, the rows are one sequence's (its first row's pages, gathered once)."""
         dev, ps = self.device, self.pool.page_size
-        rows_t = torch.tensor([r for r, _, _ in rows], device=dev)
-        lens = torch.tensor([n for _, _, n in rows])
+        rows_t = torch.tensor([r for r, *_ in rows], device=dev)
+        if self.hot is not None and any(h is not None for *_, h in rows):
+            return rows_t, self.hot.device_rows(self.hot.rows([(p, n, h) for _, p, n, h in rows]))
+        lens = torch.tensor([n for _, _, n, _ in rows])
         S = -(-int(lens.max()) // ps) * ps
         if self.attention == "paged":
             pages = torch.full((len(rows), S // ps), self.pool.scratch, dtype=torch.int32)
-            for j, (_, p, n) in enumerate(rows):
+            for j, (_, p, n, _) in enumerate(rows):
                 k = self.pool.pages_for(n)
                 pages[j, :k] = torch.tensor(p[:k], dtype=torch.int32)
             return rows_t, pages.to(dev), lens.to(dev, torch.int32)
-        table = self._slot_table([p for _, p, _ in rows[:1 if shared else None]], S // ps).view(-1).to(dev)
+        table = self._slot_table([p for _, p, _, _ in rows[:1 if shared else None]], S // ps).view(-1).to(dev)
         valid = torch.arange(S)[None, :] < lens[:, None]
         mask = torch.zeros(len(rows), S, dtype=self.dtype).masked_fill(~valid, float("-inf"))
         return rows_t, table, mask.to(dev).view(len(rows), 1, 1, S), shared
 
-    def _decode_attention(self, q, K, V, *how):
-        """q (B, H, hd) of one token each; K, V (slots, nkv, hd). how: paged, (pages, lens); gathered,
-        (table (B * S) slots, or S if shared (every row reads the same slots: one copy, expanded),
-        mask (B, 1, 1, S), shared)."""
+    def _decode_attention(self, li, q, K, V, *how):
+        """q (B, H, hd) of one token each; K, V (slots, nkv, hd) of layer li. how: (HotRows,), the pages
+        the sketches choose; paged, (pages, lens); gathered, (table (B * S) slots, or S if shared (every
+        row reads the same slots: one copy, expanded), mask (B, 1, 1, S), shared)."""
+        if len(how) == 1:
+            pages, lens = self.hot.tables(li, q, how[0])
+            if self.attention == "gather":
+                return self._gather_heads(q, K, V, pages, lens)
+            how = (pages, lens)
         if self.attention == "paged":
             from zeroedge.kv.paged_attention import paged_attend
 
@@ -409,6 +442,16 @@ class BatchStep:
         Kg = K.index_select(0, table).view(n, S, self.nkv, self.hd).transpose(1, 2).expand(B, -1, -1, -1)
         Vg = V.index_select(0, table).view(n, S, self.nkv, self.hd).transpose(1, 2).expand(B, -1, -1, -1)
         return self._sdpa(q[:, :, None], Kg, Vg, mask)[:, :, 0]
+
+    def _gather_heads(self, q, K, V, pages, lens):
+        """Gathered decode attention over a page table a kv head, pages (B, nkv, W), lens (B,)."""
+        ps, B = self.pool.page_size, q.shape[0]
+        S = -(-int(lens.max()) // ps) * ps
+        pos = torch.arange(S, device=q.device)
+        slot = pages[:, :, : S // ps].long().repeat_interleave(ps, -1) * ps + pos % ps       # (B, nkv, S)
+        heads = torch.arange(self.nkv, device=q.device)[None, :, None]
+        mask = additive_mask(pos[None, :] < lens[:, None].long(), self.dtype).view(B, 1, 1, S)
+        return self._sdpa(q[:, :, None], K[slot, heads], V[slot, heads], mask)[:, :, 0]
 
     def _chunk_attention(self, q, K, V, seg: Segment):
         """q (T, H, hd) at positions seg.start..; attends to the sequence's slots 0..end causally."""

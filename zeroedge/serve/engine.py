@@ -241,7 +241,7 @@ class Engine:
                 s.prefilled = segs[i][2] + len(segs[i][1])
                 if s.prefilled < len(s.plan.prompt):
                     continue
-                self.b.remember(s.kv, s.plan.prompt)
+                self.b.remember(s.kv, s.plan)
             try:
                 made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []))
             except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on

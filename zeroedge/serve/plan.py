@@ -37,6 +37,7 @@ class Plan:
     kv_bytes: int                # its forecast bytes (the pool's pages, or the runner's window)
     grammar: Optional[str] = None   # an llguidance grammar (JSON), enforced on every token
     eos: tuple = ()
+    thermal: bool = False        # its decode steps read the sketch's choice of its prompt (zeroedge.serve.thermal)
     notes: tuple = field(default=())
 
 
@@ -49,9 +50,11 @@ class Planner:
     KV the server holds for all requests together (its pool) and one position's bytes."""
 
     def __init__(self, ctx: int, positions_total: int, position_bytes: int, eos=(), where: str = "the KV pool",
-                 min_prompt: int = 1):
+                 min_prompt: int = 1, thermal_gate=None):
+        """thermal_gate: zeroedge.kv.policy.ReleaseGate deciding which requests take thermal KV (None: off)."""
         self.ctx, self.positions_total, self.position_bytes = ctx, positions_total, position_bytes
         self.eos, self.where, self.min_prompt = tuple(eos), where, min_prompt
+        self.thermal_gate = thermal_gate
 
     def plan(self, prompt: List[int], sampling: Sampling, grammar: Optional[str] = None,
              ignore_eos: bool = False) -> Plan:
@@ -72,5 +75,6 @@ class Planner:
         if ignore_eos and grammar is not None:
             raise Refused("ignore_eos cannot go with response_format (the grammar ends with EOS)",
                           param="ignore_eos")
+        thermal = self.thermal_gate is not None and self.thermal_gate.allows(need, sampling.temperature)
         return Plan(list(prompt), sampling, need, need * self.position_bytes, grammar,
-                    () if ignore_eos else self.eos)
+                    () if ignore_eos else self.eos, thermal)

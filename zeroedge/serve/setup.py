@@ -69,7 +69,7 @@ def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap:
 
 def build_server(model, backend, bundle, engines, plugins, served_name, max_batch, prefill_chunk, kv_bytes, cap,
                  ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes,
-                 weights="auto", speculative="off"):
+                 weights="auto", speculative="off", kv_budget=None, release_level=3):
     from zeroedge.serve.api import Server
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.metrics import ServeMetrics
@@ -90,8 +90,8 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         m = m.to(dev, torch.bfloat16 if dev == "cuda" else torch.float32).eval()
         ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
-        if weights == "auto":
-            weights = "q4" if dev == "cpu" else "model"
+        if weights == "auto":                   # thermal KV runs on the torch step
+            weights = "q4" if dev == "cpu" and kv_budget is None else "model"
         linears = None
         if weights == "q4":
             if dev != "cpu":
@@ -110,7 +110,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         resident = (linears.weight_bytes if linears is not None
                     else weights_bytes(cfg, m.embed_tokens.weight.element_size()))
         pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk, resident)
-        b = TorchBatched(m, pool, max_batch, chunk, linears)
+        b = TorchBatched(m, pool, max_batch, chunk, linears, kv_budget)
         b.warm_up()
         tok = tokenizer_for(cfg, folder)
         name = served_name or (cfg.name if model in _presets() else str(model))
@@ -119,7 +119,16 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                             if linears is not None else f"the model's, {str(m.embed_tokens.weight.dtype)[6:]}"),
                 "cpu_kernels": linears.kernels if linears is not None else None, "prefix_cache": b.prefix_cache,
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
-                "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size}
+                "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size, "thermal_kv": None}
+        if kv_budget is not None:
+            from zeroedge.kv.policy import ReleaseGate
+
+            gate = ReleaseGate(release_level)
+            info["thermal_kv"] = {"budget": kv_budget, "release_level": release_level,
+                                  "page_size": b.pool.page_size,
+                                  "min_prompt": b.sketches.min_prompt(),
+                                  "note": "decode steps read the sink, recent and generated pages and the sketch's "
+                                          "choice of the prompt's; every page stays in the pool"}
     else:
         from zeroedge.weights import tokenizer_for
         from zeroedge.runtime.session import ServingSession
@@ -140,7 +149,8 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                 "note": "a bundle serves one request at a time; the others wait in the queue"}
     eos = _eos_ids(tok, folder if backend == "torch" else bundle)
     lltok = _llguidance_tokenizer(tok, eos)
-    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt)
+    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt,
+                      thermal_gate=gate if backend == "torch" and kv_budget is not None else None)
     engine = Engine(b, tok, lltok, on_tick=_watchdog(), speculative=speculative)
     info["speculative"] = engine.speculative
     if engine.speculative != speculative:

@@ -65,8 +65,8 @@ def test_thermal_kernels_match_their_references():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, nkv, grp, r, ps, N, n_pages = 4, 8, 4, 32, 8, 300, 1400
-    codes = pack_int4(torch.randint(-7, 8, (n_pages * ps, nkv, r), generator=g, device="cuda"))
-    scales = (torch.rand(n_pages * ps, nkv, generator=g, device="cuda") + 0.1).half()
+    codes = pack_int4(torch.randint(-7, 8, (nkv, n_pages * ps, r), generator=g, device="cuda"))
+    scales = (torch.rand(nkv, n_pages * ps, generator=g, device="cuda") + 0.1).half()
     pages = torch.randperm(n_pages, generator=g, device="cuda")[: B * N].view(B, N).int()
     qr = torch.randn(B, nkv, grp, r, generator=g, device="cuda")
     got = paged_sketch_lse(qr, codes, scales, pages, ps)

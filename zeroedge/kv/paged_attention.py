@@ -158,21 +158,22 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
 # kv head, query head of its group and listed page, the log-sum-exp over the page's tokens of the
 # sketch scores (qr . code[t]) * scale[t], codes being int4 pairs stored beside the pool's K and V.
 
-SKETCH_PAGES = 8     # pages a scoring program reads at a time
+SKETCH_PAGES = 16    # pages a scoring program reads
+SKETCH_WARPS = 4
 
 _sketch_kernel = None
 
 
 def paged_sketch_lse_ref(qr, codes, scales, pages, page_size: int):
-    """qr (B, nkv, grp, r) fp32, codes (slots, nkv, r/2) uint8 (zeroedge.kv.kernels.pack_int4),
-    scales (slots, nkv) fp16, pages (B, N) -> (B, nkv, grp, N) fp32."""
+    """qr (B, nkv, grp, r) fp32, codes (nkv, slots, r/2) uint8 (zeroedge.kv.kernels.pack_int4),
+    scales (nkv, slots) fp16, pages (B, N) -> (B, nkv, grp, N) fp32."""
     from zeroedge.kv.kernels import unpack_int4
 
     B, N = pages.shape
     slot = (pages.long()[:, :, None] * page_size + torch.arange(page_size, device=qr.device)).view(-1)
-    c = unpack_int4(codes.index_select(0, slot)).float() * scales.index_select(0, slot).float()[..., None]
-    c = c.view(B, N, page_size, codes.shape[1], -1)
-    return torch.einsum("bkgr,bnpkr->bkgnp", qr.float(), c).logsumexp(-1)
+    c = unpack_int4(codes.index_select(1, slot)).float() * scales.index_select(1, slot).float()[..., None]
+    c = c.view(codes.shape[0], B, N, page_size, -1)
+    return torch.einsum("bkgr,kbnpr->bkgnp", qr.float(), c).logsumexp(-1)
 
 
 def _build_sketch():
@@ -180,55 +181,154 @@ def _build_sketch():
     import triton.language as tl
 
     @triton.jit
-    def kernel(qr_ptr, codes_ptr, scales_ptr, pages_ptr, out_ptr, N, s_cn, s_ch, s_sn, s_sh,
-               NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, R2: tl.constexpr, PS: tl.constexpr,
-               PB: tl.constexpr):
+    def sketch_scores(qr_ptr, words_ptr, scales_ptr, pages_ptr, count_ptr, out_ptr, N, s_wh, s_sh,
+                      NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, W: tl.constexpr, PS: tl.constexpr,
+                      PB: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // NKV
         h = bh % NKV
+        pp = tl.program_id(1) * PB + tl.arange(0, PB)
+        pm = pp < tl.minimum(N, tl.load(count_ptr + b))                # a row's pages past its count: unread
+        page = tl.load(pages_ptr + b * N + pp, mask=pm, other=0).to(tl.int64)
+        slot = page[:, None] * PS + tl.arange(0, PS)[None, :]           # (PB, PS)
+        m8 = tl.arange(0, W)
+        # a token's codes as W int32 words (8 signed nibbles each, direction 8 m + k in nibble k), one
+        # thread's wide load; 0x88888888: zero codes past the count
+        words = tl.load(words_ptr + h * s_wh + slot[:, :, None] * W + m8[None, None, :], mask=pm[:, None, None],
+                        other=-2004318072)
+        sc = tl.load(scales_ptr + h * s_sh + slot, mask=pm[:, None], other=0.).to(tl.float32)
         g = tl.arange(0, GP)
         gm = g < GRP
-        r = tl.arange(0, R2)
-        qrow = (bh * GRP + g[:, None]) * (2 * R2)
-        qe = tl.load(qr_ptr + qrow + 2 * r[None, :], mask=gm[:, None], other=0.)       # even directions
-        qo = tl.load(qr_ptr + qrow + 2 * r[None, :] + 1, mask=gm[:, None], other=0.)   # odd (high nibbles)
-        t = tl.arange(0, PB * PS)
-        p = tl.program_id(1) * PB + t // PS
-        pm = p < N
-        page = tl.load(pages_ptr + b * N + p, mask=pm, other=0).to(tl.int64)
-        slot = page * PS + t % PS
-        c = tl.load(codes_ptr + slot[:, None] * s_cn + h * s_ch + r[None, :], mask=pm[:, None], other=136)
-        lo = (c & 15).to(tl.float32) - 8.
-        hi = (c >> 4).to(tl.float32) - 8.
-        sc = tl.load(scales_ptr + slot * s_sn + h * s_sh, mask=pm, other=0.).to(tl.float32)
-        s = tl.sum(qe[:, None, :] * lo[None, :, :] + qo[:, None, :] * hi[None, :, :], 2) * sc[None, :]
-        s3 = tl.reshape(s, (GP, PB, PS))
-        m = tl.max(s3, 2)
-        lse = tl.log(tl.sum(tl.exp(s3 - m[:, :, None]), 2)) + m                       # (GP, PB)
-        pp = tl.program_id(1) * PB + tl.arange(0, PB)
-        tl.store(out_ptr + (bh * GRP + g[:, None]) * N + pp[None, :], lse, mask=gm[:, None] & (pp < N)[None, :])
+        q = qr_ptr + (bh * GRP + g[:, None]) * (8 * W) + 8 * m8[None, :]               # (GP, W)
+        acc = tl.zeros([GP, PB, PS, W], tl.float32)
+        for k in tl.static_range(8):           # each nibble unpacked once, for every query head
+            nib = ((words >> (4 * k)) & 15).to(tl.float32) - 8.
+            acc += nib[None, :, :, :] * tl.load(q + k, mask=gm[:, None], other=0.)[:, None, None, :]
+        s = tl.sum(acc, 3) * sc[None, :, :]                                              # (GP, PB, PS)
+        m = tl.max(s, 2)
+        lse = tl.log(tl.sum(tl.exp(s - m[:, :, None]), 2)) + m
+        tl.store(out_ptr + (bh * GRP + g[:, None]) * N + pp[None, :], lse, mask=gm[:, None] & pm[None, :])
 
-    return kernel
+    return sketch_scores
 
 
-def paged_sketch_lse(qr, codes, scales, pages, page_size: int, triton: bool = True):
+def paged_sketch_lse(qr, codes, scales, pages, page_size: int, triton: bool = True, counts=None):
     """paged_sketch_lse_ref's result from one Triton kernel (triton=True; CUDA, or Triton's
     interpreter), reading each listed page's codes once; the caller ensures every page id lies in the
-    pool. Else the torch reference."""
+    pool. counts: optional (B,) pages of each row's list to score (the rest of its row is left
+    unwritten). Else the torch reference."""
     global _sketch_kernel
     if not triton:
         return paged_sketch_lse_ref(qr, codes, scales, pages, page_size)
     B, nkv, grp, r = qr.shape
     N = pages.shape[1]
-    if (r % 2 or (r // 2) & (r // 2 - 1) or page_size & (page_size - 1) or codes.shape[1:] != (nkv, r // 2)
-            or codes.dtype != torch.uint8 or codes.stride(2) != 1 or pages.dtype != torch.int32
-            or not pages.is_contiguous() or scales.shape != codes.shape[:2]):
-        raise ValueError("paged_sketch_lse needs qr (B, nkv, grp, r) with r/2 a power of two, codes (slots, nkv, "
-                         "r/2) uint8, scales (slots, nkv), int32 pages (B, N) and a power-of-two page size")
+    if (r % 8 or page_size & (page_size - 1) or codes.shape[0] != nkv or codes.shape[2] != r // 2
+            or codes.dtype != torch.uint8 or codes.stride(2) != 1 or codes.stride(1) != r // 2
+            or codes.stride(0) % 4 or pages.dtype != torch.int32 or not pages.is_contiguous()
+            or scales.shape != codes.shape[:2] or scales.stride(1) != 1):
+        raise ValueError("paged_sketch_lse needs qr (B, nkv, grp, r) with r a multiple of 8, codes (nkv, slots, "
+                         "r/2) uint8 and scales (nkv, slots), each kv head's slots in a row, int32 pages (B, N) "
+                         "and a power-of-two page size")
     if _sketch_kernel is None:
         _sketch_kernel = _build_sketch()
     out = torch.empty(B, nkv, grp, N, device=qr.device, dtype=torch.float32)
+    if counts is None:
+        counts = torch.full((B,), N, device=qr.device, dtype=torch.int64)
+    words = codes.view(torch.int32) if codes.is_contiguous() else codes.contiguous().view(torch.int32)
     _sketch_kernel[(B * nkv, -(-N // SKETCH_PAGES))](
-        qr.float().contiguous(), codes, scales, pages, out, N, codes.stride(0), codes.stride(1), scales.stride(0),
-        scales.stride(1), NKV=nkv, GRP=grp, GP=_pow2(grp), R2=r // 2, PS=page_size, PB=SKETCH_PAGES, num_warps=4)
+        qr.float().contiguous(), words, scales, pages, counts, out, N, words.stride(0), scales.stride(0),
+        NKV=nkv, GRP=grp, GP=_pow2(grp), W=r // 8, PS=page_size, PB=SKETCH_PAGES, num_warps=SKETCH_WARPS)
+    return out
+
+
+# Thermal KV's page table of every row in three launches (zeroedge.serve.thermal.ThermalSketches.tables):
+# `qr` turns each row's query into sketch coordinates through its sketch's bases, the sketch kernel
+# above scores every listed page (in parallel over pages), and `select`, one program a (row, kv head),
+# normalises the page log-sum-exps over the pages per query head, takes the group's best, sorts the
+# pages by it in registers (ties: the earlier page first) and writes the n_slots best, then the tail.
+
+HOT_MAX_PAGES = 4096     # scored pages `select` sorts in registers (32K positions at pages of 8)
+SELECT_WARPS = 8         # warps a `select` program
+
+_hot_kernels = None
+
+
+def _build_hot():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hot_qr(q_ptr, a_ptr, s_as, sid_ptr, qr_ptr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr,
+                  HD: tl.constexpr, R: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // NKV
+        h = bh % NKV
+        g = tl.arange(0, GP)
+        gm = g < GRP
+        d = tl.arange(0, HD)
+        r = tl.arange(0, R)
+        q = tl.load(q_ptr + (bh * GRP + g[:, None]) * HD + d[None, :], mask=gm[:, None], other=0.).to(tl.float32)
+        a = tl.load(a_ptr + tl.load(sid_ptr + b) * s_as + (h * HD + d[:, None]) * R + r[None, :])
+        qr = tl.sum(q[:, :, None] * a[None, :, :], 1)                                     # (GP, R)
+        tl.store(qr_ptr + (bh * GRP + g[:, None]) * R + r[None, :], qr, mask=gm[:, None])
+
+    @triton.jit
+    def hot_select(lse_ptr, spages_ptr, nsc_ptr, nsl_ptr, tail_ptr, out_ptr, N, T, KT, NKV: tl.constexpr,
+                      GRP: tl.constexpr, GP: tl.constexpr, NMAX: tl.constexpr, BT: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // NKV
+        ns = tl.load(nsc_ptr + b).to(tl.int32)
+        k = tl.load(nsl_ptr + b).to(tl.int32)
+        g = tl.arange(0, GP)
+        gm = g < GRP
+        pn = tl.arange(0, NMAX)
+        pv = pn < ns
+        lse = tl.load(lse_ptr + (bh * GRP + g[:, None]) * N + pn[None, :], mask=gm[:, None] & pv[None, :],
+                      other=float("-inf"))
+        mx = tl.max(lse, 1)
+        mx = tl.where(mx > float("-inf"), mx, 0.)
+        total = tl.log(tl.maximum(tl.sum(tl.exp(lse - mx[:, None]), 1), 1e-30)) + mx      # per query head
+        score = tl.max(tl.where(gm[:, None], lse - total[:, None], float("-inf")), 0)      # (NMAX,)
+        score = tl.where(pv, score, float("-inf"))                     # past the row's pages: last
+        bits = score.to(tl.int32, bitcast=True)
+        order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)        # ordered as the floats
+        best = tl.sort((order << 32) | (NMAX - 1 - pn).to(tl.int64), descending=True)   # ties: earlier page
+        page = NMAX - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        sel = pn < k
+        tl.store(out_ptr + bh * KT + pn, tl.load(spages_ptr + b * N + page, mask=sel, other=0), mask=sel)
+        for j0 in range(0, T, BT):
+            j = j0 + tl.arange(0, BT)
+            tl.store(out_ptr + bh * KT + k + j, tl.load(tail_ptr + b * T + j, mask=j < T), mask=j < T)
+
+    return hot_qr, hot_select
+
+
+def paged_hot_tables(q, bases, sketch, codes, scales, scored_pages, n_scored, n_slots, tail_pages, slots_max: int,
+                     page_size: int):
+    """q (B, H, hd) after RoPE; bases (rows, nkv, hd, r) fp32 of one layer (each sketch's query bases,
+    the 1 / sqrt(hd) folded in), sketch (B,) each row's; codes / scales as paged_sketch_lse;
+    scored_pages (B, N) int32, n_scored / n_slots (B,), tail_pages (B, T) int32 -> pages (B, nkv,
+    slots_max + T) int32: each row and kv head's n_slots best scored pages, then its tail. N at most
+    HOT_MAX_PAGES."""
+    global _hot_kernels
+    B, H, hd = q.shape
+    _, nkv, _, r = bases.shape
+    N, T = scored_pages.shape[1], tail_pages.shape[1]
+    if (N > HOT_MAX_PAGES or hd & (hd - 1) or r & (r - 1) or not q.is_contiguous() or bases.stride(1) != hd * r
+            or bases.stride(2) != r or bases.stride(3) != 1 or scored_pages.dtype != torch.int32
+            or tail_pages.dtype != torch.int32 or not (scored_pages.is_contiguous() and tail_pages.is_contiguous())):
+        raise ValueError(f"paged_hot_tables needs at most {HOT_MAX_PAGES} scored pages, a power-of-two head size "
+                         "and rank, contiguous q and int32 tables")
+    if _hot_kernels is None:
+        _hot_kernels = _build_hot()
+    qr_k, select = _hot_kernels
+    grp = H // nkv
+    GP = _pow2(grp)
+    qr = torch.empty(B, nkv, grp, r, device=q.device, dtype=torch.float32)
+    qr_k[(B * nkv,)](q, bases, bases.stride(0), sketch, qr, NKV=nkv, GRP=grp, GP=GP, HD=hd, R=r)
+    lse = paged_sketch_lse(qr, codes, scales, scored_pages, page_size, counts=n_scored)
+    out = torch.empty(B, nkv, slots_max + T, device=q.device, dtype=torch.int32)
+    NMAX = max(16, _pow2(N))
+    select[(B * nkv,)](lse, scored_pages, n_scored, n_slots, tail_pages, out, N, T, slots_max + T, NKV=nkv, GRP=grp,
+                       GP=GP, NMAX=NMAX, BT=256, num_warps=SELECT_WARPS if NMAX <= 1024 else 8)
     return out

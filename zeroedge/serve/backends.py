@@ -3,14 +3,15 @@
   TorchBatched     the reference model (CPU or CUDA), many sequences a step over a paged KV pool
                    (zeroedge.serve.batch); a prompt is prefilled in chunks between steps. Its linear
                    layers: the model's weights in torch, or on a CPU 4-bit weights in onnxruntime
-                   (zeroedge.serve.cpu_q4)
+                   (zeroedge.serve.cpu_q4). With kv_budget, long prompts decode with thermal KV
+                   (zeroedge.serve.thermal; the model's weights in torch)
   BundleSequential an exported bundle's runner (onnxruntime, or TensorRT engines): one sequence at a
                    time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
 
 Both: `reserve(positions, prompt)` -> (a KV handle, the prompt positions it already holds) or None (not
-now), `remember(handle, plan)` once the prompt is prefilled (thermal KV starts there when the plan
-says so), `release(handle)`, `forward(segments)`
-(each (handle, tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
+now), `remember(handle, plan)` once the prompt is prefilled (-> whether thermal KV starts there: the
+plan asks for it and the backend runs it), `release(handle)`, `forward(segments)` (each (handle,
+tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
 position of a verify segment), `positions_total` / `position_bytes` for the planner, `max_batch`,
 `prefill_chunk` (None: the whole prompt), `min_rows` (rows a step computes at the least), `verifies`
 (takes verify segments: speculative decoding), `mode` and `kv_stats()`.
@@ -103,11 +104,13 @@ class TorchBatched:
             return None
         return Reservation(shared + fresh), len(shared) * self.pool.page_size
 
-    def remember(self, kv: Reservation, plan) -> None:
+    def remember(self, kv: Reservation, plan) -> bool:
+        """-> whether the sequence decodes with thermal KV (its plan asks, its prompt is long enough)."""
         if self.prefix_cache:
             self.pool.remember(kv.pages, plan.prompt)
         if plan.thermal and self.sketches is not None:
             kv.hot = self.sketches.build(kv.pages, len(plan.prompt))
+        return kv.hot is not None
 
     def release(self, kv: Reservation) -> None:
         self.pool.release(kv.pages)
@@ -159,8 +162,8 @@ class BundleSequential:
         self.r.policy = None
         return positions, 0
 
-    def remember(self, handle, plan) -> None:
-        pass
+    def remember(self, handle, plan) -> bool:
+        return False
 
     def release(self, handle) -> None:
         self.busy = False

@@ -241,7 +241,8 @@ class Engine:
                 s.prefilled = segs[i][2] + len(segs[i][1])
                 if s.prefilled < len(s.plan.prompt):
                     continue
-                self.b.remember(s.kv, s.plan)
+                if self.b.remember(s.kv, s.plan) and self.metrics is not None:
+                    self.metrics.thermal_requests.inc()
             try:
                 made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []))
             except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on

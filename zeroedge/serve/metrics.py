@@ -22,6 +22,8 @@ class ServeMetrics:
         self.drafted = Counter(p + "speculative_draft_tokens", "Draft tokens checked (finished requests)", registry=r)
         self.accepted = Counter(p + "speculative_accepted_tokens", "Draft tokens the model agreed with", registry=r)
         self.verify_steps = Counter(p + "speculative_verify_steps", "Model steps that checked a draft", registry=r)
+        self.thermal_requests = Counter(p + "thermal_kv_requests", "Requests whose decode steps read thermal KV's "
+                                        "choice of their prompt (--kv-budget)", registry=r)
         self.tokens_per_s = Gauge(p + "decode_tokens_per_second", "Tokens a second over the last step", registry=r)
         self.batch = Gauge(p + "batch_size", "Sequences in the last step", registry=r)
         queue = Gauge(p + "queue_depth", "Requests waiting for admission", registry=r)

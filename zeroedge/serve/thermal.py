@@ -26,7 +26,7 @@ from typing import List, Optional
 
 import torch
 
-from zeroedge.kv.paged_attention import paged_sketch_lse
+from zeroedge.kv.paged_attention import HOT_MAX_PAGES, paged_hot_tables, paged_sketch_lse
 from zeroedge.kv.policy import ThermalSettings, thermal_settings, window_pages
 
 
@@ -43,15 +43,18 @@ class Hot:
 class HotRows:
     """A decode group's rows as the tables are made from them, device tensors (B rows):
     sketch (B,) long, scored_pages (B, N) int32 (the scratch page past each row's scored count),
-    n_scored / n_slots (B,) long, tail_pages (B, T) int32, tail_len (B,) int32 (positions read in the
-    tail), slots_max: the top-k taken (at least every row's slots, at most N)."""
+    n_scored / n_slots (B,) long, tail_pages (B, T) int32, lens (B,) int32 (the positions a row reads:
+    its chosen pages' and its tail's), slots_max: the top-k taken (at least every row's slots, at most N)."""
     sketch: torch.Tensor
     scored_pages: torch.Tensor
     n_scored: torch.Tensor
     n_slots: torch.Tensor
     tail_pages: torch.Tensor
-    tail_len: torch.Tensor
+    lens: torch.Tensor
     slots_max: int
+
+
+SKETCH_GROUP_BYTES = 64 << 20     # keys gathered at once while a prompt's sketches are made
 
 
 def _pow2_at_least(n: int, low: int = 1) -> int:
@@ -78,8 +81,9 @@ class ThermalSketches:
         if self.rank % 2:
             raise ValueError("the sketch's rank must be even (codes are packed two a byte)")
         dev, slots = pool.k.device, (pool.n_pages + 1) * pool.page_size
-        self.codes = torch.zeros(self.L, slots, self.nkv, self.rank // 2, dtype=torch.uint8, device=dev)
-        self.scales = torch.zeros(self.L, slots, self.nkv, dtype=torch.float16, device=dev)
+        # kv head first: a page's codes and scales are one run for each kv head (the scoring reads them so)
+        self._codes = torch.zeros(self.L, self.nkv, slots, self.rank // 2, dtype=torch.uint8, device=dev)
+        self._scales = torch.zeros(self.L, self.nkv, slots, dtype=torch.float16, device=dev)
         self.bases = torch.zeros(capacity + 1, self.L, self.nkv, self.hd, self.rank, device=dev)
         self.none = capacity
         self._free = list(range(capacity - 1, -1, -1))
@@ -88,7 +92,15 @@ class ThermalSketches:
         return self.none - len(self._free)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.bases))
+        return sum(t.numel() * t.element_size() for t in (self._codes, self._scales, self.bases))
+
+    def codes(self, li: int) -> torch.Tensor:
+        """Layer li's sketch codes: (nkv, slots, rank / 2)."""
+        return self._codes[li]
+
+    def scales(self, li: int) -> torch.Tensor:
+        """Layer li's sketch scales: (nkv, slots)."""
+        return self._scales[li]
 
     def shape_for(self, prompt_len: int) -> Optional[tuple]:
         """(scored pages, slots) for a prompt of prompt_len tokens, or None when its budget share would
@@ -118,15 +130,23 @@ class ThermalSketches:
             return None
         sid, ps = self._free.pop(), self.pool.page_size
         n = prompt_len // ps * ps
-        slot = torch.tensor(self.pool.slots(pages, 0, n), device=self.codes.device)
-        codes = torch.empty(self.nkv, n, self.rank // 2, dtype=torch.uint8, device=slot.device)
-        scales = torch.empty(self.nkv, n, dtype=torch.float16, device=slot.device)
+        slot = torch.tensor(self.pool.slots(pages, 0, n), device=self.bases.device)
+        K = self.pool.k
+        # layers a group, their keys gathered together (~SKETCH_GROUP_BYTES): one eigh for the group
+        group = max(1, SKETCH_GROUP_BYTES // (n * self.nkv * self.hd * K.element_size()))
         with torch.no_grad():
-            for li in range(self.L):
-                k = self.pool.k[li].index_select(0, slot).transpose(0, 1)       # (nkv, n, hd)
-                self.bases[sid, li] = quantized_sketch(k, self.rank, self.s.bits, out=(codes, scales))[0]
-                self.codes[li].index_copy_(0, slot, codes.transpose(0, 1))
-                self.scales[li].index_copy_(0, slot, scales.transpose(0, 1))
+            for l0 in range(0, self.L, group):
+                ls = range(l0, min(self.L, l0 + group))
+                k = torch.stack([K[li].index_select(0, slot) for li in ls]).permute(0, 2, 1, 3)   # (G, nkv, n, hd)
+                G = len(ls)
+                codes = torch.empty(G * self.nkv, n, self.rank // 2, dtype=torch.uint8, device=slot.device)
+                scales = torch.empty(G * self.nkv, n, dtype=torch.float16, device=slot.device)
+                A = quantized_sketch(k.reshape(G * self.nkv, n, self.hd), self.rank, self.s.bits, out=(codes, scales))[0]
+                self.bases[sid, l0:l0 + G] = A.view(G, self.nkv, self.hd, self.rank) / math.sqrt(self.hd)
+                for i, li in enumerate(ls):
+                    self._codes[li].index_copy_(1, slot, codes.view(G, self.nkv, n, -1)[i])
+                    self._scales[li].index_copy_(1, slot, scales.view(G, self.nkv, n)[i])
+                del k, codes, scales
         scored, slots = shape
         return Hot(sid, scored, slots, self.s.sink_pages + scored)
 
@@ -146,18 +166,18 @@ class ThermalSketches:
         T = _pow2_at_least(max(-(-n // ps) - (h.tail - sink if h else 0) for _, n, h in rows), 16)   # tail pages
         out = {"sketch": np.full(B, self.none, np.int64), "scored_pages": np.full((B, N), scratch, np.int32),
                "n_scored": np.zeros(B, np.int64), "n_slots": np.zeros(B, np.int64),
-               "tail_pages": np.full((B, T), scratch, np.int32), "tail_len": np.zeros(B, np.int32)}
+               "tail_pages": np.full((B, T), scratch, np.int32), "lens": np.zeros(B, np.int32)}
         for j, (pages, n, h) in enumerate(rows):
             k = -(-n // ps)
             if h is None:                   # every page: the rows of sequences without a sketch
                 out["tail_pages"][j, :k] = pages[:k]
-                out["tail_len"][j] = n
+                out["lens"][j] = n
                 continue
             out["sketch"][j], out["n_scored"][j], out["n_slots"][j] = h.sketch, h.scored, h.slots
             out["scored_pages"][j, :h.scored] = pages[sink:sink + h.scored]
             read = list(pages[:sink]) + list(pages[h.tail:k])     # the sink pages, then the tail
             out["tail_pages"][j, :len(read)] = read
-            out["tail_len"][j] = n - (h.tail - sink) * ps
+            out["lens"][j] = h.slots * ps + n - (h.tail - sink) * ps
         return out
 
     @staticmethod
@@ -167,16 +187,15 @@ class ThermalSketches:
 
     def device_rows(self, host: dict) -> HotRows:
         """HotRows on the pool's device from `rows`' host arrays."""
-        dev = self.codes.device
+        dev = self.bases.device
         return HotRows(**{k: torch.from_numpy(a).to(dev) for k, a in host.items()}, slots_max=self.slots_max(host))
 
     def page_scores(self, li: int, q: torch.Tensor, r: HotRows) -> torch.Tensor:
         """q (B, H, hd) after RoPE -> (B, nkv, N) each scored page's score (-inf past a row's pages)."""
         B, N = r.scored_pages.shape
         grp = self.H // self.nkv
-        qr = torch.einsum("bkgd,bkdr->bkgr", q.view(B, self.nkv, grp, self.hd).float(),
-                          self.bases[r.sketch, li]) / math.sqrt(self.hd)
-        lse = paged_sketch_lse(qr, self.codes[li], self.scales[li], r.scored_pages, self.pool.page_size,
+        qr = torch.einsum("bkgd,bkdr->bkgr", q.view(B, self.nkv, grp, self.hd).float(), self.bases[r.sketch, li])
+        lse = paged_sketch_lse(qr, self.codes(li), self.scales(li), r.scored_pages, self.pool.page_size,
                                triton=self.triton)
         valid = (torch.arange(N, device=q.device)[None, :] < r.n_scored[:, None])[:, None, None, :]
         lse = lse.masked_fill(~valid, float("-inf"))
@@ -188,6 +207,10 @@ class ThermalSketches:
         (the order of pages does not matter to attention), lens (B,) int32: the positions read)."""
         B, T = r.tail_pages.shape
         K = r.slots_max
+        if self.triton and r.scored_pages.shape[1] <= HOT_MAX_PAGES:      # one kernel
+            pages = paged_hot_tables(q.contiguous(), self.bases[:, li], r.sketch, self.codes(li), self.scales(li),
+                                     r.scored_pages, r.n_scored, r.n_slots, r.tail_pages, K, self.pool.page_size)
+            return pages, r.lens
         top = self.page_scores(li, q, r).topk(K, -1).indices                        # best first
         chosen = r.scored_pages.long().gather(1, top.view(B, -1)).view(B, self.nkv, K)
         j = torch.arange(K + T, device=q.device)[None, :]
@@ -195,5 +218,4 @@ class ThermalSketches:
         tail = r.tail_pages.long().gather(1, (j - n).clamp(0, T - 1))[:, None]       # (B, 1, K + T)
         pick = chosen.gather(2, j.clamp(max=K - 1).expand(B, -1)[:, None].expand(-1, self.nkv, -1))
         pages = torch.where((j < n)[:, None], pick, tail).to(torch.int32)
-        lens = (r.n_slots * self.pool.page_size + r.tail_len).to(torch.int32)
-        return pages.contiguous(), lens
+        return pages.contiguous(), r.lens

@@ -159,7 +159,8 @@ def paged_attend(q, k, v, pages, lens, page_size: int, out=None, splits: int | N
 # sketch scores (qr . code[t]) * scale[t], codes being int4 pairs stored beside the pool's K and V.
 
 SKETCH_PAGES = 16    # pages a scoring program reads
-SKETCH_WARPS = 4
+SKETCH_WARPS = 2     # (H100, llama-3.2-1b shape, 16 rows at 8K: 16 pages on 2 warps ~37 us a layer, the best
+                     # of 8-64 pages on 1-8 warps: benchmarks/gpu/profile_serve_thermal.py)
 
 _sketch_kernel = None
 
@@ -192,7 +193,7 @@ def _build_sketch():
         page = tl.load(pages_ptr + b * N + pp, mask=pm, other=0).to(tl.int64)
         slot = page[:, None] * PS + tl.arange(0, PS)[None, :]           # (PB, PS)
         m8 = tl.arange(0, W)
-        # a token's codes as W int32 words (8 signed nibbles each, direction 8 m + k in nibble k), one
+        # a token's codes as W int32 words (8 signed nibbles each: direction 8 m + k in nibble k), one
         # thread's wide load; 0x88888888: zero codes past the count
         words = tl.load(words_ptr + h * s_wh + slot[:, :, None] * W + m8[None, None, :], mask=pm[:, None, None],
                         other=-2004318072)
@@ -201,7 +202,7 @@ def _build_sketch():
         gm = g < GRP
         q = qr_ptr + (bh * GRP + g[:, None]) * (8 * W) + 8 * m8[None, :]               # (GP, W)
         acc = tl.zeros([GP, PB, PS, W], tl.float32)
-        for k in tl.static_range(8):           # each nibble unpacked once, for every query head
+        for k in tl.static_range(8):           # each nibble for every query head of the group
             nib = ((words >> (4 * k)) & 15).to(tl.float32) - 8.
             acc += nib[None, :, :, :] * tl.load(q + k, mask=gm[:, None], other=0.)[:, None, None, :]
         s = tl.sum(acc, 3) * sc[None, :, :]                                              # (GP, PB, PS)

@@ -55,7 +55,8 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, s_n, s_h, pages_ptr, s_pb, s_ph, lens_ptr, pm_ptr, pl_ptr, pacc_ptr, scale_log2, S,
+    def split_kernel(q_ptr, k_ptr, v_ptr, s_n, s_h, pages_ptr, s_pb, s_ph, lens_ptr, pm_ptr, pl_ptr, pacc_ptr,
+                     scale_log2, S,
                      H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      PS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         bh = tl.program_id(0)
@@ -243,8 +244,8 @@ def paged_sketch_lse(qr, codes, scales, pages, page_size: int, triton: bool = Tr
 
 
 # Thermal KV's page table of every row in three launches (zeroedge.serve.thermal.ThermalSketches.tables):
-# `qr` turns each row's query into sketch coordinates through its sketch's bases, the sketch kernel
-# above scores every listed page (in parallel over pages), and `select`, one program a (row, kv head),
+# `hot_qr` turns each row's query into sketch coordinates through its sketch's bases, the sketch kernel
+# above scores every listed page (in parallel over pages), and `hot_select`, one program a (row, kv head),
 # normalises the page log-sum-exps over the pages per query head, takes the group's best, sorts the
 # pages by it in registers (ties: the earlier page first) and writes the n_slots best, then the tail.
 
@@ -260,7 +261,7 @@ def _build_hot():
 
     @triton.jit
     def hot_qr(q_ptr, a_ptr, s_as, sid_ptr, qr_ptr, NKV: tl.constexpr, GRP: tl.constexpr, GP: tl.constexpr,
-                  HD: tl.constexpr, R: tl.constexpr):
+               HD: tl.constexpr, R: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // NKV
         h = bh % NKV
@@ -275,7 +276,7 @@ def _build_hot():
 
     @triton.jit
     def hot_select(lse_ptr, spages_ptr, nsc_ptr, nsl_ptr, tail_ptr, out_ptr, N, T, KT, NKV: tl.constexpr,
-                      GRP: tl.constexpr, GP: tl.constexpr, NMAX: tl.constexpr, BT: tl.constexpr):
+                   GRP: tl.constexpr, GP: tl.constexpr, NMAX: tl.constexpr, BT: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // NKV
         ns = tl.load(nsc_ptr + b).to(tl.int32)

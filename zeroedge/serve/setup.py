@@ -77,6 +77,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
 
     import torch
 
+    thermal_gate = None                         # zeroedge.kv.policy.ReleaseGate with --kv-budget
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     if backend == "torch":
@@ -123,7 +124,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         if kv_budget is not None:
             from zeroedge.kv.policy import ReleaseGate
 
-            gate = ReleaseGate(release_level)
+            thermal_gate = ReleaseGate(release_level)
             info["thermal_kv"] = {"budget": kv_budget, "release_level": release_level,
                                   "page_size": b.pool.page_size,
                                   "min_prompt": b.sketches.min_prompt(),
@@ -149,8 +150,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                 "note": "a bundle serves one request at a time; the others wait in the queue"}
     eos = _eos_ids(tok, folder if backend == "torch" else bundle)
     lltok = _llguidance_tokenizer(tok, eos)
-    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt,
-                      thermal_gate=gate if backend == "torch" and kv_budget is not None else None)
+    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt, thermal_gate=thermal_gate)
     engine = Engine(b, tok, lltok, on_tick=_watchdog(), speculative=speculative)
     info["speculative"] = engine.speculative
     if engine.speculative != speculative:

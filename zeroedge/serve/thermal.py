@@ -180,10 +180,15 @@ class ThermalSketches:
             out["lens"][j] = h.slots * ps + n - (h.tail - sink) * ps
         return out
 
-    @staticmethod
-    def slots_max(host: dict) -> int:
-        """The top-k `rows`' arrays take: every row's slots, rounded up to a power of two (at most N)."""
-        return min(host["scored_pages"].shape[1], _pow2_at_least(int(host["n_slots"].max())))
+    def slots_max(self, host: dict) -> int:
+        """The top-k of `rows`' arrays: a function of their scored width N alone (so a captured step's
+        key is its widths), at least every row's slots (a row of `full` prompt pages, N >= full - fixed,
+        chooses at most budget * full - fixed + 1 <= budget * N + 1 of them), at most N."""
+        N = host["scored_pages"].shape[1]
+        k = min(N, _pow2_at_least(math.ceil(self.budget * N) + 1))
+        if int(host["n_slots"].max()) > k:
+            raise AssertionError("thermal KV: a row chooses more pages than its table holds")
+        return k
 
     def device_rows(self, host: dict) -> HotRows:
         """HotRows on the pool's device from `rows`' host arrays."""

@@ -106,6 +106,55 @@ def test_sketch_rows_run_out_and_bad_budgets_are_refused():
             ThermalSketches(pool, m.cfg, bad, 2)
 
 
+def _engine_replies(engine, prompts, new: int):
+    import threading
+
+    from zeroedge.serve.plan import Plan, Sampling
+
+    engine.start()
+    try:
+        seqs, done = [], []
+        for prompt in prompts:
+            ev = threading.Event()
+            done.append(ev)
+            seqs.append(engine.submit(Plan(prompt, Sampling(max_tokens=new, temperature=0.0), len(prompt) + new, 0,
+                                           thermal=True), lambda x, ev=ev: x[0] in ("done", "error") and ev.set()))
+        for ev in done:
+            assert ev.wait(300)
+        return [s.out for s in seqs]
+    finally:
+        engine.stop()
+
+
+def test_drafts_checked_on_thermal_rows_change_no_token(smollm2, smol_tok):
+    """The engine on real weights, thermal KV at 10 %: greedy replies with prompt-lookup drafts (verify
+    segments of thermal rows) are the replies without, token for token; a short prompt beside them
+    takes no sketch."""
+    from zeroedge import texts
+    from zeroedge.serve.backends import TorchBatched
+    from zeroedge.serve.engine import Engine
+    from zeroedge.serve.metrics import ServeMetrics
+
+    m = smollm2[0].float().eval()
+    kjv = smol_tok(texts.load_text("kjv", 6000)[:6000])["input_ids"]
+    prompts = [kjv[:700], kjv[300:900], smol_tok("The first law of thermodynamics")["input_ids"]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # as `zeroedge serve` on a CPU: torch's SDPA splits a batch by threads
+    try:
+        out = {}
+        for mode in ("off", "ngram"):
+            b = TorchBatched(m, 96 << 20, 4, 64, None, kv_budget=0.1)
+            e = Engine(b, smol_tok, speculative=mode)
+            e.metrics = ServeMetrics(e.load, b.kv_stats)
+            out[mode] = _engine_replies(e, prompts, 24)
+            assert b.sketches.in_use() == 0                 # every sketch row back once the requests end
+            assert b"zeroedge_serve_thermal_kv_requests_total 2.0" in e.metrics.render()
+        assert out["off"] == out["ngram"] and all(len(r) == 24 for r in out["off"])
+        assert e.spec_stats.drafted > 0                     # drafts were checked on thermal rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cli_refuses_thermal_where_it_does_not_run(tmp_path):
     for args, words in ((("serve", "smollm2-135m", "--kv-budget", "10%", "--weights", "q4"), "--weights model"),
                         (("serve", "smollm2-135m", "--kv-budget", "1"), "leave --kv-budget out"),

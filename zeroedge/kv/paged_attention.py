@@ -236,7 +236,7 @@ def paged_sketch_lse(qr, codes, scales, pages, page_size: int, triton: bool = Tr
     out = torch.empty(B, nkv, grp, N, device=qr.device, dtype=torch.float32)
     if counts is None:
         counts = torch.full((B,), N, device=qr.device, dtype=torch.int64)
-    words = codes.view(torch.int32) if codes.is_contiguous() else codes.contiguous().view(torch.int32)
+    words = codes.view(torch.int32)            # the checks above: each token's codes whole words, in place
     _sketch_kernel[(B * nkv, -(-N // SKETCH_PAGES))](
         qr.float().contiguous(), words, scales, pages, counts, out, N, words.stride(0), scales.stride(0),
         NKV=nkv, GRP=grp, GP=_pow2(grp), W=r // 8, PS=page_size, PB=SKETCH_PAGES, num_warps=SKETCH_WARPS)

@@ -237,6 +237,12 @@ class BatchStep:
             raise ValueError("paged attention needs the torch linears and Triton on CUDA (or its interpreter) "
                              "with a power-of-two head size >= 16")
         self.attention = attention
+        # where the paged kernels run, the elementwise work runs fused too (zeroedge.serve.fused)
+        self.fused = attention == "paged"
+        if self.fused:
+            from zeroedge.serve.fused import FusedLinears
+
+            self.lin = FusedLinears(model)
         if hot is not None and (self.q4 or hot.pool is not pool):
             raise ValueError("thermal KV runs on the torch step, with the sketches of its own pool")
         self.hot = hot
@@ -290,20 +296,31 @@ class BatchStep:
         f = torch.outer(posf, self.inv_freq)
         cos, sin = torch.cat((f, f), -1).cos().to(self.dtype), torch.cat((f, f), -1).sin().to(self.dtype)
         x, qkv = self.lin.boundary(0, self.m.embed_tokens(tok))
+        # one group of decode rows that is every row, in order (a captured step): its attention is o
+        whole = not pre and len(groups) == 1 and groups[0][0].numel() == M
         for li in range(self.L):
-            qkv = qkv.view(M, self.H + 2 * self.nkv, self.hd)
-            qk = qkv[:, : self.H + self.nkv]
-            qk = qk * cos[:, None] + torch.cat((-qk[..., self.hd // 2:], qk[..., : self.hd // 2]), -1) * sin[:, None]
-            q, k, v = qk[:, : self.H], qk[:N, self.H:], qkv[:N, self.H + self.nkv:]
             K, V = self.pool.k[li], self.pool.v[li]
-            K.index_copy_(0, slot_t, k)
-            V.index_copy_(0, slot_t, v)
-            o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
-            for rows_t, *how in groups:
+            if self.fused:
+                from zeroedge.serve.fused import rope_store
+
+                q = rope_store(qkv, cos, sin, K, V, slot_t, self.H, self.nkv)
+            else:
+                qkv = qkv.view(M, self.H + 2 * self.nkv, self.hd)
+                qk = qkv[:, : self.H + self.nkv]
+                qk = (qk * cos[:, None]
+                      + torch.cat((-qk[..., self.hd // 2:], qk[..., : self.hd // 2]), -1) * sin[:, None])
+                q, k, v = qk[:, : self.H], qk[:N, self.H:], qkv[:N, self.H + self.nkv:]
+                K.index_copy_(0, slot_t, k)
+                V.index_copy_(0, slot_t, v)
+            if whole:
+                o = self._decode_attention(li, q, K, V, *groups[0][1:])
+            else:
+                o = torch.zeros(M, self.H, self.hd, device=dev, dtype=self.dtype)
+            for rows_t, *how in ([] if whole else groups):
                 o[rows_t] = self._decode_attention(li, q[rows_t], K, V, *how)
             for r0, s in pre:
                 o[r0:r0 + len(s.tokens)] = self._chunk_attention(q[r0:r0 + len(s.tokens)], K, V, s)
-            o = o.view(M, -1)
+            o = o.reshape(M, -1)
             x, qkv = self.lin.boundary(li + 1, x, o)
         return x
 

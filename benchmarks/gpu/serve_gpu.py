@@ -5,7 +5,9 @@ Engine variants (`--variants`), each timed in the same run: "graph" (what `zeroe
 Triton attention, a CUDA graph per batch size), "paged" (the same, eager), "gather" (eager, each
 sequence's pages gathered, then SDPA), "graph-p8" (graph over pages of 8 positions) and "thermal"
 (graph-p8 with thermal KV at `--kv-budget`: zeroedge.serve.thermal, the sketch of every sequence's
-ctx - 1 prompt positions built first and timed; `zeroedge serve --kv-budget`).
+ctx - 1 prompt positions built first and timed; `zeroedge serve --kv-budget`). Every variant runs the
+step's elementwise work fused (zeroedge.serve.fused) but "graph-unfused" and "thermal-unfused", which
+run it as torch ops.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/serve_gpu.py --ctx 8192 --batches 1,4,16,64 -o benchmarks/results/serve/gpu_llama1b_8k_batches.json
 
@@ -40,12 +42,12 @@ def main():
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--variants", default="graph,paged,gather,graph-p8,thermal")
+    ap.add_argument("--variants", default="graph,paged,gather,graph-p8,thermal,graph-unfused,thermal-unfused")
     ap.add_argument("--kv-budget", type=float, default=0.1)
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args()
     from zeroedge.model import build
-    from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.runtime.fast import DenseDecoder, TorchLinears
     from zeroedge.serve.batch import BatchStep, PagedKV, Segment
     from zeroedge.serve.thermal import ThermalSketches
 
@@ -56,6 +58,8 @@ def main():
     variants = {"graph": dict(attention="paged", graphs=True), "paged": dict(attention="paged", graphs=False),
                 "gather": dict(attention="gather", graphs=False), "graph-p8": dict(attention="paged", graphs=True),
                 "thermal": dict(attention="paged", graphs=True)}
+    for name in ("graph", "thermal"):           # the same with the elementwise work as torch ops
+        variants[name + "-unfused"] = variants[name]
     names = args.variants.split(",")
     bw = copy_bandwidth(dev)
     wbytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "embed_tokens" not in n or cfg.tie_embeddings)
@@ -63,13 +67,15 @@ def main():
     rows = []
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for name in names:
-        ps = 8 if name in ("graph-p8", "thermal") else 16
+        ps = 8 if name in ("graph-p8", "thermal", "thermal-unfused") else 16
         per_seq_pages = -(-(args.ctx + args.steps + 4) // ps)
         pool = PagedKV(cfg, per_seq_pages * max(batches), ps, dev, torch.bfloat16)
         pool.k.normal_()
         pool.v.normal_()
-        hot = ThermalSketches(pool, cfg, args.kv_budget, max(batches)) if name == "thermal" else None
+        hot = ThermalSketches(pool, cfg, args.kv_budget, max(batches)) if name.startswith("thermal") else None
         step = BatchStep(m, pool, hot=hot, **variants[name])
+        if name.endswith("-unfused"):
+            step.fused, step.lin = False, TorchLinears(m)
         for B in batches:
             pages = [pool.alloc(per_seq_pages) for _ in range(B)]
             start = args.ctx - 1

@@ -7,12 +7,20 @@ from setuptools import setup
 here = Path(__file__).parent
 version = re.search(r'__version__ = "([^"]+)"', (here / "zeroedge" / "__init__.py").read_text()).group(1)
 
-# Subpackages of the device side (zeroedge/) and of the workstation side (export/ -> zeroedge.export);
-# tests/ (with its helpers) is not installed.
-device_pkgs = ["zeroedge"] + ["zeroedge." + p.name for p in (here / "zeroedge").iterdir()
-                              if p.is_dir() and (p / "__init__.py").exists()]
-export_pkgs = ["zeroedge.export"] + ["zeroedge.export." + p.name for p in (here / "export").iterdir()
-                                     if p.is_dir() and (p / "__init__.py").exists()]
+
+def packages(root: Path, name: str) -> list:
+    """`name` and its subpackages at any depth (folders with an __init__.py)."""
+    found = [name]
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and (p / "__init__.py").exists():
+            found += packages(p, f"{name}.{p.name}")
+    return found
+
+
+# The device side (zeroedge/) and the workstation side (export/ -> zeroedge.export); tests/ (with its
+# helpers) is not installed.
+device_pkgs = packages(here / "zeroedge", "zeroedge")
+export_pkgs = packages(here / "export", "zeroedge.export")
 
 setup(
     name="zeroedge",

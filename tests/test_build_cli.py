@@ -268,7 +268,7 @@ def test_parse_size():
 
 
 def test_workspace_request_is_read_from_the_builder_error():
-    from zeroedge.backends.tensorrt import _workspace_request
+    from zeroedge.backends.tensorrt.engine import _workspace_request
 
     err = "[localCheckMacros.cpp::getErrorStr::132] Error Code 2: OutOfMemory (Requested size was 282695872 bytes.)"
     assert _workspace_request(["something else", err]) == 282695872

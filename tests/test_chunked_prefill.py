@@ -256,6 +256,7 @@ def test_trt_runner_feeds_the_engine_chunks(rtx, plugin_lib, dense, tmp_path, mo
 
     from zeroedge.backends import tensorrt as T
     from zeroedge.backends.onnxruntime import OrtRunner
+    from zeroedge.backends.tensorrt import runner
 
     eng = tmp_path / "e"
     meta = T.build_bundle_engines(dense, plugin_lib, eng, max_tokens=256, cc="8.6", log=lambda s: None)
@@ -282,8 +283,8 @@ def test_trt_runner_feeds_the_engine_chunks(rtx, plugin_lib, dense, tmp_path, mo
         def close(self):
             pass
 
-    monkeypatch.setattr(T, "TrtSession", Session)
-    monkeypatch.setattr(T, "check_engines", lambda bundle, engines: json.loads((engines / "engines.json").read_text()))
+    monkeypatch.setattr(runner, "TrtSession", Session)
+    monkeypatch.setattr(runner, "check_engines", lambda bundle, engines: json.loads((engines / "engines.json").read_text()))
     p = _prompt(200, 4)
     with T.TrtRunner(dense, eng, plugin_lib, slots=48) as r:
         assert r.chunk == 64 and "engine's profile" in r.prefill_mode

@@ -2,7 +2,7 @@
 `tensorrt` module (builder, parser, config, runtime, engine) and a fake `cuda.bindings.runtime` whose
 "device memory" is host memory. The real thing runs in device_tests/test_tensorrt_jetson.py; this
 checks the build flow (fp16, workspace, timing cache, plugin serialization, profiles, atomic files)
-and the run plumbing (dtypes, shapes, copies, output order, OrtRunner's bookkeeping) on CI."""
+and the run plumbing (dtypes, shapes, copies, output order, the window bookkeeping) on CI."""
 import ctypes
 import json
 import sys
@@ -231,7 +231,7 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
     monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", cudart)
     # the GPU's device node is hardware too: this machine "has" the GPU the fake engines run on
-    monkeypatch.setattr("zeroedge.backends.tensorrt.gpu_present", lambda: True)
+    monkeypatch.setattr("zeroedge.backends.tensorrt.target.gpu_present", lambda: True)
     return calls, cudart
 
 
@@ -326,7 +326,7 @@ def test_session_run_plumbing(fake, tmp_path):
         TrtSession(tmp_path / "other.engine")
 
 
-def test_runner_uses_ort_bookkeeping(fake, bundle, tmp_path):
+def test_runner_uses_the_window_bookkeeping(fake, bundle, tmp_path):
     from zeroedge.backends.tensorrt import TrtRunner
 
     b, lib = bundle
@@ -342,7 +342,7 @@ def test_runner_uses_ort_bookkeeping(fake, bundle, tmp_path):
 
 @pytest.mark.parametrize("store", ["fp32", "int8"])
 def test_runner_drives_the_thermal_window_policy(fake, bundle, tmp_path, store):
-    """TrtRunner takes OrtRunner's thermal policy: a prompt longer than the window leaves the hot
+    """TrtRunner takes the thermal policy OrtRunner takes: a prompt longer than the window leaves the hot
     pages in the engine's slots (K = the token ids, the fake engine's cache) and the rest in the
     policy's store, with the page table and the window consistent."""
     from zeroedge.backends.tensorrt import TrtRunner

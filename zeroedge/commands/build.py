@@ -93,7 +93,7 @@ def cmd(bundle, out, plugins, cc, workspace, max_tokens, no_serialize_plugins, f
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from zeroedge.backends.tensorrt import build_bundle_engines, build_report, engine_line
+    from zeroedge.backends.tensorrt.build import build_bundle_engines, build_report, engine_line
     from zeroedge.commands.common import parse_size
     from zeroedge.errors import UserError
 

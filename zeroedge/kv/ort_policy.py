@@ -100,8 +100,8 @@ class OrtThermalPolicy:
 
     # -- request lifetime ----------------------------------------------------------------------
     def reset(self, runner):
-        """Called by OrtRunner.reset (construction and every prefill): checks the window shape
-        before any work and starts a fresh page table, heat and store."""
+        """Called by the runner's reset (WindowRunner.reset: construction and every prefill): checks
+        the window shape before any work and starts a fresh page table, heat and store."""
         P, S = self.P, runner.slots
         if S % P:
             raise UserError(f"page size {P} does not divide the window ({S} slots)")
@@ -185,7 +185,7 @@ class OrtThermalPolicy:
         return (np.stack([runner.k[i][0, :, sl] for i in range(self.L)]),
                 np.stack([runner.v[i][0, :, sl] for i in range(self.L)]))
 
-    # -- hooks called by OrtRunner -------------------------------------------------------------
+    # -- hooks called by the runner (WindowRunner) ---------------------------------------------
     def prefill(self, runner, kv, mass, T: int):
         """Fill the window from the prefill graph's K/V (all T positions): sink pages, the last
         (partial) page and its recent pages, then the pages that received the most mass; the

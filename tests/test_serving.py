@@ -356,10 +356,10 @@ def test_session_torch_dense_thermal_and_run_time_levels(model):
     assert len(r2.tokens) == 16 and r2.tokens_per_s > 0
     # gate semantics per request
     s2.set_level(1)
-    assert s2.decide(500, 10)["thermal_kv"] and not s2.decide(600, 10)["thermal_kv"]
+    assert s2.decide(500, 10).thermal_kv and not s2.decide(600, 10).thermal_kv
     s2.set_level(2)
-    assert s2.decide(600, 10)["thermal_kv"] and not s2.decide(600, 10, temperature=0.7)["thermal_kv"]
-    assert not s2.decide(10, 10)["thermal_kv"]         # short prompts bypass
+    assert s2.decide(600, 10).thermal_kv and not s2.decide(600, 10, temperature=0.7).thermal_kv
+    assert not s2.decide(10, 10).thermal_kv         # short prompts bypass
     with pytest.raises(UserError, match="release level"):
         s2.set_level(4)
     with pytest.raises(UserError, match="unknown thermal KV option.*colour"):

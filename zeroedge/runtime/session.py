@@ -2,6 +2,7 @@
 
     s = ServingSession(model, kv_budget=0.1, paths=(meta, tensors), release_level=3)
     r = s.generate(prompt_ids, max_new=64)      # Result: tokens, mechanisms, tokens/s, KV bytes
+    p = s.plan(len(prompt_ids), max_new=64)     # RunPlan: what generate would run, decided before it runs
     s.set_level(1)                              # at run time (both gates, or which="thermal")
 
 Two ReleaseGates (zeroedge.kv.policy, levels L0 off / L1 < 512 tokens / L2 < 4096 tokens at
@@ -42,8 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from dataclasses import dataclass, field, fields
+from typing import Callable, List, Optional, Union
 
 from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
@@ -87,6 +88,33 @@ class Result:
                 "tokens_per_s": self.tokens_per_s, "device_kv_bytes": self.device_kv_bytes,
                 "full_kv_bytes": self.full_kv_bytes, "pages_migrated": self.pages_migrated,
                 **self.detail}
+
+
+@dataclass
+class RunPlan:
+    """One request's plan, made whole before it runs (ServingSession.plan) and only read after: each
+    mechanism on or off with the reason, what the device memory forecast chose, and, for thermal KV,
+    the hot fraction and the cold store. `to_dict()` is the start of Result.mechanisms (what ran is
+    added there: the decode kernels, the layers SIH/PAD skipped in, the release level after)."""
+    release_level: int
+    paths_level: int
+    thermal_kv: bool = False
+    thermal_kv_reason: Optional[str] = None
+    paths: bool = False
+    paths_reason: Optional[str] = None
+    sih_pad: Optional[bool] = None              # None: the session has no SIH/PAD layers
+    sih_pad_reason: Optional[str] = None
+    speculative: Union[str, bool, None] = None  # None: not asked for; False: refused (the reason)
+    speculative_reason: Optional[str] = None
+    weights: Optional[dict] = None
+    not_applied: Optional[List[str]] = None
+    device_memory: Optional[dict] = None
+    thermal_budget: Optional[float] = field(default=None, metadata={"internal": True})
+    cold_store: Optional[str] = field(default=None, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None and not f.metadata.get("internal")}
 
 
 def _why_not(gate: ReleaseGate, n: int, temperature: float) -> str:
@@ -269,13 +297,13 @@ class ServingSession:
         compressed = "spill_dir" in self.thermal_opts or plan_tiers(memory_kind(device)).cold_compressed
         return self.thermal_opts.get("cold") or ("int8" if compressed else "host")
 
-    def _fit_memory(self, T: int, max_new: int, temperature: float, thermal: bool, mech: dict):
+    def _fit_memory(self, T: int, max_new: int, temperature: float, plan: RunPlan):
         """Under a device memory cap: the request's forecast (zeroedge.runtime.memory) with the KV the
         gates chose must fit. Dense KV that does not fit is replaced by thermal KV (the session's
         budget, else 10 %) when the thermal gate allows it; a thermal request whose int8 cold store
         does not fit gets the int4 one (unless the session's options name the cold store);
         a thermal request that fits no cold store runs dense if dense fits; otherwise a UserError
-        names the forecasts. Returns (thermal or not, the hot fraction, the cold store)."""
+        names the forecasts. Sets the plan's thermal_kv, thermal_budget and cold_store."""
         from zeroedge.runtime.memory import HEADROOM, request_bytes
 
         m = self.model
@@ -292,31 +320,33 @@ class ServingSession:
                              cold_in_file="spill_dir" in self.thermal_opts) for c in colds}
         cap = self.device_memory
         fits = [c for c in colds if therm[c] <= cap]
-        mech["device_memory"] = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
-                                 "thermal_budget": budget, "cold_store": cold}
+        mem = plan.device_memory = {"cap": cap, "dense_forecast": dense, "thermal_forecast": therm[cold],
+                                    "thermal_budget": budget, "cold_store": cold}
         if p.device.type == "cuda":             # fixed segments: the cap also holds their unused reserve
-            mech["device_memory"]["allocator_segments"] = _allocator_segments()
+            mem["allocator_segments"] = _allocator_segments()
         if len(colds) > 1:
-            mech["device_memory"]["thermal_int4_forecast"] = therm["int4"]
+            mem["thermal_int4_forecast"] = therm["int4"]
+        thermal = plan.thermal_kv
         if not thermal and dense <= cap:
-            return False, budget, cold
+            return
         s = self._settings()
         allowed = thermal or (self.thermal_gate.allows(T + max_new, temperature)
                               and (T - 1) // self.page_size > s.sink_pages + s.recent_pages)
         if thermal and not fits and dense <= cap:
-            mech.update(thermal_kv=False, thermal_kv_reason=(
+            plan.thermal_kv, plan.thermal_kv_reason = False, (
                 f"thermal KV at {budget:.0%} hot needs {_gib(min(therm.values()))}, over the {_gib(cap)} device "
-                f"memory cap; dense KV fits ({_gib(dense)})"))
-            return False, budget, cold
+                f"memory cap; dense KV fits ({_gib(dense)})")
+            return
         if allowed and fits:
-            mech["device_memory"]["cold_store"] = fits[0]
+            mem["cold_store"] = fits[0]
             if not thermal:
-                mech.update(thermal_kv=True, thermal_kv_reason=(
+                plan.thermal_kv, plan.thermal_kv_reason = True, (
                     f"dense KV needs {_gib(dense)}, over the {_gib(cap)} device memory cap; thermal KV at "
-                    f"{budget:.0%} hot with the {fits[0]} cold store needs {_gib(therm[fits[0]])}"))
-            return True, budget, fits[0]
+                    f"{budget:.0%} hot with the {fits[0]} cold store needs {_gib(therm[fits[0]])}")
+            plan.thermal_budget, plan.cold_store = budget, fits[0]
+            return
         why = "" if allowed else " (thermal KV is not allowed for this request: " + (
-            mech.get("thermal_kv_reason") or "release level") + ")"
+            plan.thermal_kv_reason or "release level") + ")"
         options = ", ".join(f"{c} cold store {_gib(therm[c])}" for c in colds)
         raise UserError(f"{T} prompt + {max_new} new tokens do not fit the {_gib(cap)} device memory cap: "
                         f"dense KV needs {_gib(dense)}, thermal KV at {budget:.0%} hot: {options}{why}")
@@ -366,23 +396,22 @@ class ServingSession:
                     paths_level=self.paths_gate.level)
 
     # -- requests ------------------------------------------------------------------------------
-    def decide(self, n_prompt: int, max_new: int, temperature: float = 0.0, paths: Optional[bool] = None):
-        """Which mechanisms a request gets: dict with thermal_kv, paths and the reasons."""
+    def decide(self, n_prompt: int, max_new: int, temperature: float = 0.0, paths: Optional[bool] = None
+               ) -> RunPlan:
+        """What the release gates allow a request: thermal KV and decode paths, on or off with the reason
+        (`plan` adds what the prompt, the memory cap and the decoder decide)."""
         n = n_prompt + max_new
-        out = {"thermal_kv": False, "paths": False, "release_level": self.thermal_gate.level,
-               "paths_level": self.paths_gate.level}
-        if self.not_applied:
-            out["not_applied"] = list(self.not_applied)
-        if self.weights is not None:
-            out["weights"] = self.weights.describe()
+        out = RunPlan(release_level=self.thermal_gate.level, paths_level=self.paths_gate.level,
+                      not_applied=list(self.not_applied) or None,
+                      weights=self.weights.describe() if self.weights is not None else None)
         if self.kv_budget is None:
-            out["thermal_kv_reason"] = "no KV budget given"
+            out.thermal_kv_reason = "no KV budget given"
         elif not self.thermal_gate.allows(n, temperature):
-            out["thermal_kv_reason"] = _why_not(self.thermal_gate, n, temperature)
+            out.thermal_kv_reason = _why_not(self.thermal_gate, n, temperature)
         elif n_prompt < MIN_THERMAL_TOKENS:
-            out["thermal_kv_reason"] = f"prompt under {MIN_THERMAL_TOKENS} tokens bypasses thermal KV"
+            out.thermal_kv_reason = f"prompt under {MIN_THERMAL_TOKENS} tokens bypasses thermal KV"
         else:
-            out["thermal_kv"] = True
+            out.thermal_kv = True
         if self.bundle_paths:             # bundle backends: the graph always runs them
             if paths is False:
                 raise UserError("this bundle's decode graph runs decode paths on every request: "
@@ -391,25 +420,61 @@ class ServingSession:
                 raise UserError(f"this bundle's decode graph runs decode paths, but "
                                 f"{_why_not(self.paths_gate, n, temperature)}: raise the release level "
                                 "or use a bundle exported without paths")
-            out["paths"] = True
-            out["paths_reason"] = f"the bundle's decode graph (layers {self.bundle_paths})"
+            out.paths, out.paths_reason = True, f"the bundle's decode graph (layers {self.bundle_paths})"
             return out
         if paths is False:
-            out["paths_reason"] = "not asked for"
+            out.paths_reason = "not asked for"
             return out
         if self.policies is None:
             if paths:
                 raise UserError("paths asked for but the session has no path predictors (give "
                                 "--calib ARTIFACT made by zeroedge calibrate --paths)")
-            out["paths_reason"] = "no path predictors loaded"
+            out.paths_reason = "no path predictors loaded"
         elif not self.paths_gate.allows(n, temperature):
             if paths:
                 raise UserError(f"paths asked for but {_why_not(self.paths_gate, n, temperature)}; "
                                 "refusing to run dense in place of sparse (raise the release level)")
-            out["paths_reason"] = _why_not(self.paths_gate, n, temperature)
+            out.paths_reason = _why_not(self.paths_gate, n, temperature)
         else:
-            out["paths"] = True
+            out.paths = True
         return out
+
+    def plan(self, prompt_len: int, max_new: int, temperature: float = 0.0, paths: Optional[bool] = None,
+             speculative: str = "off") -> RunPlan:
+        """The request's whole plan, before anything runs: the gates' decision (`decide`), then on the
+        torch backend thermal KV only where the prompt has pages to leave cold, the device memory cap
+        (`_fit_memory`), SIH/PAD for the prefill and whether a speculative check can run."""
+        if speculative != "off" and self.backend != "torch":
+            raise UserError(f"speculative decoding needs the torch backend (the {self.backend} backend's step "
+                            "gives the last position's logits only)")
+        plan = self.decide(prompt_len, max_new, temperature, paths)
+        if self.backend != "torch":
+            return plan
+        T, ps = prompt_len, self.page_size
+        if T + max_new > self.model.cfg.max_seq_len:
+            raise UserError(f"{T} prompt + {max_new} new tokens exceed the model's context "
+                            f"({self.model.cfg.max_seq_len})")
+        P = ((T - 1) // ps) * ps             # the prefilled part: up to the prompt's last whole page
+        self._plan_thermal(plan, T, P, max_new, temperature)
+        if self.sih is not None:
+            from zeroedge.mechanisms.pad import check_sampling
+
+            plan.sih_pad = False
+            if not check_sampling(temperature):
+                plan.sih_pad_reason = (f"temperature {temperature:g} > 1.0 (skipping prunes the tail sampling "
+                                       "draws from)")
+            elif P < self.sih[1].min_tokens:
+                plan.sih_pad_reason = f"prefill of {P} tokens, under {self.sih[1].min_tokens}"
+            else:
+                plan.sih_pad = True
+        if speculative != "off":
+            cuda = next(self.model.parameters()).device.type == "cuda"
+            why = ("thermal KV: its decoder checks one token a step" if plan.thermal_kv
+                   else "decode paths: their decoder checks one token a step" if plan.paths
+                   else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
+                   if self.weights is not None and cuda else None)
+            plan.speculative, plan.speculative_reason = (speculative, None) if why is None else (False, why)
+        return plan
 
     def generate(self, prompt: List[int], max_new: int, temperature: float = 0.0,
                  paths: Optional[bool] = None, eos: Optional[int] = None, seed: int = 0,
@@ -423,13 +488,10 @@ class ServingSession:
             raise UserError(f"max new tokens must be >= 1 (got {max_new})")
         if temperature < 0 or temperature != temperature:
             raise UserError(f"temperature must be >= 0 (got {temperature})")
-        mech = self.decide(len(prompt), max_new, temperature, paths)
-        if speculative != "off" and self.backend != "torch":
-            raise UserError(f"speculative decoding needs the torch backend (the {self.backend} backend's step "
-                            "gives the last position's logits only)")
+        plan = self.plan(len(prompt), max_new, temperature, paths, speculative)
         if self.backend == "torch":
             try:
-                res = self._torch(prompt, max_new, temperature, mech, eos, seed, speculative)
+                res = self._torch(prompt, max_new, temperature, plan, eos, seed)
             except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
                 if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
                     raise
@@ -437,13 +499,13 @@ class ServingSession:
                         "their unused reserve counts: start the process with PYTORCH_CUDA_ALLOC_CONF="
                         "expandable_segments:True")
                 raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
-                                f"(the forecast said {mech.get('device_memory')}): {str(e).splitlines()[0]}{hint}"
+                                f"(the forecast said {plan.device_memory}): {str(e).splitlines()[0]}{hint}"
                                 ) from None
         else:
-            res = self._ort(prompt, max_new, temperature, mech, eos, seed)
-        if mech["thermal_kv"]:
+            res = self._ort(prompt, max_new, temperature, plan, eos, seed)
+        if plan.thermal_kv:
             self.thermal_gate.record(self.model_pages(res.pages_migrated))
-        mech["release_level_after"] = self.thermal_gate.level
+        res.mechanisms["release_level_after"] = self.thermal_gate.level
         return res
 
     def model_pages(self, pages: int) -> int:
@@ -470,21 +532,23 @@ class ServingSession:
         return pick
 
     # -- torch ---------------------------------------------------------------------------------
-    def _torch(self, prompt, max_new, temperature, mech, eos, seed, speculative="off") -> Result:
+    def _torch(self, prompt, max_new, temperature, plan: RunPlan, eos, seed) -> Result:
         import torch
 
         m, T, ps = self.model, len(prompt), self.page_size
-        if T + max_new > m.cfg.max_seq_len:
-            raise UserError(f"{T} prompt + {max_new} new tokens exceed the model's context "
-                            f"({m.cfg.max_seq_len})")
         # the prompt is prefilled up to its last whole page (exact, or into a compressed cold store);
         # the rest of it runs through the decode loop (with the decode mechanisms)
         P = ((T - 1) // ps) * ps
-        thermal, budget, cold = self._torch_attention(T, P, max_new, temperature, mech)
+        thermal = plan.thermal_kv
+        ran = plan.to_dict()                 # the mechanisms, and below what ran
         t0 = time.perf_counter()
-        dec, cold = self._torch_decoder(prompt, P, max_new, thermal, budget, cold, mech, temperature)
+        dec, cold = self._torch_decoder(prompt, P, max_new, plan, ran)
         moved = torch.zeros((), dtype=torch.long, device=dec.device)
-        spec = self._speculator(speculative, prompt, dec, thermal, mech)
+        spec = None
+        if plan.speculative:
+            from zeroedge.speculative import Speculator
+
+            spec = Speculator.create(plan.speculative, prompt)
         out, t1, t2 = self._torch_loop(dec, prompt, P, max_new, thermal, moved,
                                        self._sampler(temperature, seed), eos, spec)
         el = torch.finfo(dec.dtype).bits // 8
@@ -500,70 +564,61 @@ class ServingSession:
                           migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
         else:
             device_kv = dec.kv_bytes()
-        if mech["paths"]:
+        if plan.paths:
             detail["paths_channels_kept_last_step"] = dec.kept()
         if spec is not None:
             detail["speculative"] = spec.stats.to_dict()
         steps = len(out) - 1
-        return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
+        return Result(out, ran, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
                       device_kv, full, int(moved) if thermal else 0, detail)
 
-    def _torch_attention(self, T, P, max_new, temperature, mech):
-        """(thermal, budget, cold store or None): thermal KV only where it saves memory, then the cap."""
-        thermal, ps = mech["thermal_kv"], self.page_size
-        st = self._settings()
+    def _plan_thermal(self, plan: RunPlan, T, P, max_new, temperature):
+        """Thermal KV only where it saves memory (the prompt's P prefilled positions have pages to
+        leave cold), then the device memory cap."""
+        ps, st = self.page_size, self._settings()
         least = st.sink_pages + st.recent_pages + 1        # the window's fixed pages and a slot
-        if thermal and P // ps < least:
-            mech.update(thermal_kv=False, thermal_kv_reason=f"prompt of {T} tokens is under {least} pages of {ps}")
-            thermal = False
-        if thermal and self.kv_budget < 1:
+        if plan.thermal_kv and P // ps < least:
+            plan.thermal_kv, plan.thermal_kv_reason = False, f"prompt of {T} tokens is under {least} pages of {ps}"
+        if plan.thermal_kv and self.kv_budget < 1:
             from zeroedge.kv.policy import window_pages
 
             fixed, slots = window_pages(P, self.kv_budget, st)
             if fixed + slots >= P // ps:                       # nothing would be cold: no saving
-                mech.update(thermal_kv=False, thermal_kv_reason=(
+                plan.thermal_kv, plan.thermal_kv_reason = False, (
                     f"prompt of {T} tokens: the thermal window ({fixed} fixed pages and {slots} slot(s)) "
-                    f"would hold all {P // ps} pages of {ps}"))
-                thermal = False
+                    f"would hold all {P // ps} pages of {ps}")
+        if plan.thermal_kv:
+            plan.thermal_budget = self.kv_budget
         if self.device_memory is not None:
-            return self._fit_memory(T, max_new, temperature, thermal, mech)
-        return thermal, self.kv_budget, None
+            self._fit_memory(T, max_new, temperature, plan)
 
     @contextlib.contextmanager
-    def _sih_prefill_on(self, n: int, temperature: float, mech: dict):
-        """The artifact's SIH/PAD layers on for the n-token prefill inside the block (its chunks decide
-        as one pass would), off again after it; mech says whether they ran and what they skipped."""
-        if self.sih is None:
+    def _sih_prefill_on(self, n: int, plan: RunPlan, ran: dict):
+        """The artifact's SIH/PAD layers on for the n-token prefill inside the block where the plan has
+        them (its chunks decide as one pass would), off again after it; `ran` gets what they skipped."""
+        if not plan.sih_pad:
             yield
             return
-        from zeroedge.mechanisms.pad import check_sampling, flops_summary, install, remove
+        from zeroedge.mechanisms.pad import flops_summary, install, remove
 
         pol, rt = self.sih
-        if not check_sampling(temperature):
-            mech.update(sih_pad=False, sih_pad_reason=f"temperature {temperature:g} > 1.0 (skipping prunes the "
-                                                      "tail sampling draws from)")
-        elif n < rt.min_tokens:
-            mech.update(sih_pad=False, sih_pad_reason=f"prefill of {n} tokens, under {rt.min_tokens}")
-        if "sih_pad" in mech:
-            yield
-            return
         install(self.model, pol, rt)
         rt.reset_stats()
         rt.active = True
         rt.begin_prompt(n)
         try:
             yield
-            mech.update(sih_pad=True, sih_pad_layers=sorted(pol),
-                        sih_pad_ffn_flops_skipped=flops_summary(self.model, rt)["ffn_flops_skipped"])
+            ran.update(sih_pad_layers=sorted(pol),
+                       sih_pad_ffn_flops_skipped=flops_summary(self.model, rt)["ffn_flops_skipped"])
         finally:
             rt.active = False
             rt.end_prompt()
             remove(self.model)
 
-    def _torch_decoder(self, prompt, P, max_new, thermal, budget, cold, mech, temperature=0.0):
-        """The decoder the gates chose (one attention strategy, one FFN), its cache filled by the
+    def _torch_decoder(self, prompt, P, max_new, plan: RunPlan, ran: dict):
+        """The decoder the plan chose (one attention strategy, one FFN), its cache filled by the
         prompt's first P tokens (with the artifact's SIH/PAD layers); and the cold store it uses (None
-        without thermal KV)."""
+        without thermal KV). `ran` gets the decode kernels."""
         from zeroedge.model import PREFILL_CHUNK, chunked_prefill
         from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
 
@@ -576,60 +631,44 @@ class ServingSession:
             chunk = chunk_on_blocks(chunk, self.sih[0].values())
         # packed weights on a GPU: the GEMV on int8-rounded inputs (dp4a; benchmarks/weights.md: +0.1 % ppl)
         i8 = self.weights is not None and dev.type == "cuda"
+        thermal = plan.thermal_kv
         if thermal:
-            kw = dict(budget=budget, page_size=self.page_size, **self.thermal_opts)
-            kw["cold"] = cold = cold or self._cold_store(dev)
+            kw = dict(budget=plan.thermal_budget, page_size=self.page_size, **self.thermal_opts)
+            kw["cold"] = cold = plan.cold_store or self._cold_store(dev)
             if dev.type == "cuda":              # refreshes wait while memory bandwidth is busy
                 kw.setdefault("scheduler", self._scheduler(dev))
             G = T - P + max_new
 
             def decoder():
                 return (ThermalPathsDecoder(m, P, G, self.policies, graph=self.graph, int8_inputs=i8, **kw)
-                        if mech["paths"] else ThermalDecoder(m, P, G, graph=self.graph, int8_inputs=i8, **kw))
+                        if plan.paths else ThermalDecoder(m, P, G, graph=self.graph, int8_inputs=i8, **kw))
 
             if cold != "host":                  # the prefill writes int8 / int4 K/V straight into the cold store
                 dec = decoder()
-                with self._sih_prefill_on(P, temperature, mech):
+                with self._sih_prefill_on(P, plan, ran):
                     ks, vs, qcov = chunked_prefill(m, prompt[:P], chunk,
                                                    caches=dec.attention.prefill_caches())
             else:                               # full-precision K/V, copied to pinned host memory
-                with self._sih_prefill_on(P, temperature, mech):
+                with self._sih_prefill_on(P, plan, ran):
                     ks, vs, qcov = chunked_prefill(m, prompt[:P], chunk)
                 dec = decoder()
             dec.load_prefix(ks, vs, qcov)
             del ks, vs, qcov                    # the prefill cache goes here
         else:
             cold = None
-            dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph, int8_inputs=i8) if mech["paths"]
+            dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph, int8_inputs=i8) if plan.paths
                    else DenseDecoder(m, T + max_new, graph=self.graph, int8_inputs=i8))
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
-                with self._sih_prefill_on(P, temperature, mech):
+                with self._sih_prefill_on(P, plan, ran):
                     chunked_prefill(m, prompt[:P], chunk, into=list(zip(att.k, att.v)))
-        mech["attention_decode"] = (("thermal window, " if thermal else "")
-                                    + ("Triton split attention" if dec.attention.takes_qkv else dec.attention.attn))
+        ran["attention_decode"] = (("thermal window, " if thermal else "")
+                                   + ("Triton split attention" if dec.attention.takes_qkv else dec.attention.attn))
         if self.weights is not None:
-            mech["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
+            ran["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
                                       else "packed GEMV" if dec.packed_layers is not None
                                       else "dequantized weights (no packed GEMV on this device)")
         return dec, cold
-
-    @staticmethod
-    def _speculator(mode: str, prompt, dec, thermal: bool, mech: dict):
-        """The request's zeroedge.speculative.Speculator, or None (mech says why not)."""
-        if mode == "off":
-            return None
-        why = ("thermal KV: its decoder checks one token a step" if thermal
-               else "decode paths: their decoder checks one token a step" if dec.ffn is not None
-               else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
-               if dec.int8_inputs else None)
-        mech["speculative"] = why is None and mode
-        if why is not None:
-            mech["speculative_reason"] = why
-            return None
-        from zeroedge.speculative import Speculator
-
-        return Speculator.create(mode, prompt)
 
     @staticmethod
     def _torch_loop(dec, prompt, P, max_new, thermal, moved, pick, eos, spec=None):
@@ -716,14 +755,14 @@ class ServingSession:
                 raise UserError(f"{bundle} was exported from {cfg.get('name')} ({bad[0]}), not from "
                                 f"{mine.get('name')} ({bad[1]})")
 
-    def _ort(self, prompt, max_new, temperature, mech, eos, seed) -> Result:
+    def _ort(self, prompt, max_new, temperature, plan: RunPlan, eos, seed) -> Result:
         from zeroedge.kv.ort_policy import OrtThermalPolicy
 
         r, T, ps = self.runner, len(prompt), self.page_size
         if T < 2:
             raise UserError(f"the {self.backend} backend needs a prompt of at least 2 tokens")
         n = T + max_new
-        if mech["thermal_kv"]:
+        if plan.thermal_kv:
             pol = OrtThermalPolicy(page_size=ps, **self.thermal_opts)
             r.slots, r.policy = pol.window_pages(r.sinks, self.kv_budget, T, max_new) * ps, pol
         else:
@@ -753,5 +792,5 @@ class ServingSession:
             detail.update(hot_kv_bytes=r.window_bytes(), page_size=ps, thermal=st,
                           migrated_bytes=st["migrated_bytes"])
         steps = len(out) - 1
-        return Result(out, mech, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
+        return Result(out, plan.to_dict(), T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
                       device_kv, full, pol.migrated if pol is not None else 0, detail)

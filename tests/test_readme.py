@@ -153,6 +153,7 @@ def _serve_gpu_batch():
     d = _load("serve/gpu_llama1b_8k_batches.json")
     row = {r["batch"]: r for r in d["rows"] if r["variant"] == "graph"}    # what `zeroedge serve` runs
     hot = {r["batch"]: r for r in d["rows"] if r["variant"] == "thermal"}  # `zeroedge serve --kv-budget`
+    unfused = next(r for r in d["rows"] if r["variant"] == "thermal-unfused" and r["batch"] == 16)
     q = _load("serve/thermal_quality_smollm2_cpu_4096.json")
     rises = {r["text"]: r for r in q["rows"]}
     assert q["budget"] == d["kv_budget"]
@@ -161,7 +162,8 @@ def _serve_gpu_batch():
             _f(row[64]["x_dense_decoder"], 2), _f(row[16]["x_roofline_batch1"], 2), _f(row[64]["x_roofline_batch1"], 2),
             _f(100 * d["kv_budget"], 0), _f(hot[16]["tokens_per_s"], 0), _f(hot[64]["tokens_per_s"], 0),
             _f(hot[16]["x_dense_decoder"], 2), _f(hot[64]["x_dense_decoder"], 2),
-            _f(hot[16]["roofline_x_dense_batch1"], 1), _f(hot[64]["roofline_x_dense_batch1"], 1)] + [
+            _f(hot[16]["roofline_x_dense_batch1"], 1), _f(hot[64]["roofline_x_dense_batch1"], 1),
+            _f(unfused["tokens_per_s"], 0), _f(unfused["x_dense_decoder"], 2)] + [
             _pct(rises[t][k]) for k in ("engine_rise", "run_rise") for t in ("kjv", "essays", "licenses")]
 
 

@@ -31,8 +31,8 @@ def main():
     confs = {
         "torch dense": ServingSession(m),
         "torch thermal 10%": ServingSession(m, kv_budget=0.1),
-        "torch paths": ServingSession(m, paths=a.calib),
-        "torch thermal 10% + paths": ServingSession(m, kv_budget=0.1, paths=a.calib),
+        "torch paths": ServingSession(m, artifact=a.calib),
+        "torch thermal 10% + paths": ServingSession(m, kv_budget=0.1, artifact=a.calib),
         "onnxruntime dense": ServingSession(backend="onnxruntime", bundle=a.bundle, model_cfg=m.cfg,
                                             threads=a.threads),
         "onnxruntime thermal 10%": ServingSession(backend="onnxruntime", bundle=a.bundle, kv_budget=0.1,

@@ -53,8 +53,8 @@ def main():
     t = {f"layers.{i}.paths.{n}": torch.tensor([v]) for i in (0, 2)
          for n, v in (("threshold_in", 0.5), ("threshold_act", 0.01))}
     calib_artifact.save(d / "a", meta, t)
-    pa = ServingSession(mg, paths=d / "a").generate(ids, 24)
-    tp = ServingSession(mg, paths=d / "a", kv_budget=1.0, page_size=8).generate(ids, 24)
+    pa = ServingSession(mg, artifact=d / "a").generate(ids, 24)
+    tp = ServingSession(mg, artifact=d / "a", kv_budget=1.0, page_size=8).generate(ids, 24)
     res["tiny"] = {"dense_cuda_eq_cpu": dense.tokens == cpu, "thermal_b1_eq_dense": th.tokens == dense.tokens,
                    "paths_decoder": pa.detail["decoder"], "thermal_paths_decoder": tp.detail["decoder"],
                    "thermal_paths_eq_paths": tp.tokens == pa.tokens}

@@ -476,7 +476,7 @@ def test_serving_a_weights_artifact_on_the_gpu_runs_the_int8_input_gemv():
     meta = {"model": {"name": m.cfg.name, "config": m.cfg.to_dict()}, "layers": [], "sih": {},
             "weights": calib_artifact.weights_meta(4, 32, False, "rtn", 64, zero_point="float")}
     m = m.to("cuda", torch.bfloat16)
-    s = ServingSession(m, paths=(meta, {}))
+    s = ServingSession(m, artifact=(meta, {}))
     r = s.generate(list(range(100, 400)), 16)
     assert r.mechanisms["weights"].startswith("int4 g32") and len(r.tokens) == 16
     assert r.mechanisms["weights_decode"] == "packed GEMV, int8 inputs (dp4a)"

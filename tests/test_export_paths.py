@@ -340,8 +340,8 @@ def test_serving_session_runs_the_bundle_paths(tiny_paths):
     prompt = list(range(3, 23))
     r = s.generate(prompt, 4)
     assert r.mechanisms["paths"] and r.detail["paths_layers"] == sorted(PATHS) and len(r.tokens) == 4
-    assert r.tokens == ServingSession(backend="onnxruntime", bundle=tiny_paths, paths=True,
-                                      threads=1).generate(prompt, 4).tokens
+    assert r.tokens == ServingSession(backend="onnxruntime", bundle=tiny_paths,
+                                      threads=1).generate(prompt, 4, paths=True).tokens
     with pytest.raises(UserError, match="runs decode paths on every request"):
         s.generate(prompt, 4, paths=False)
     with pytest.raises(UserError, match="raise the release level"):

@@ -287,12 +287,12 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
 
     m, _ = weights.load(tiny_hf)
     m.eval()
-    s = ServingSession(m, paths=art)
+    s = ServingSession(m, artifact=art)
     lin = m.layers[0].mlp.down_proj
     assert torch.equal(lin.weight, lin.packed.dequantize().to(lin.weight.dtype))
     assert s.generate(list(range(5, 30)), 3).mechanisms["weights"] == s.weights.describe()
     with pytest.raises(UserError, match="already quantized"):
-        ServingSession(m, paths=art)
+        ServingSession(m, artifact=art)
     # under a memory cap the packed forms count beside the model's own weights
     from zeroedge.runtime.memory import weights_bytes
 
@@ -300,7 +300,7 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
     assert packed > 0
     m2, _ = weights.load(tiny_hf)
     with pytest.raises(UserError, match="do not fit"):
-        ServingSession(m2.eval(), paths=art, device_memory=weights_bytes(m2.cfg, 4) + packed // 2)
+        ServingSession(m2.eval(), artifact=art, device_memory=weights_bytes(m2.cfg, 4) + packed // 2)
 
 
 def test_magnitude_paths_gather_rows_of_the_4bit_codes():

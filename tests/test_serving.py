@@ -425,7 +425,7 @@ def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
 
     art = paths_only(tmp_path / "a", model.cfg)
     prompt = ids_(96, 7)
-    s = ServingSession(model, paths=art, kv_budget=1.0, page_size=8, release_level=3)
+    s = ServingSession(model, artifact=art, kv_budget=1.0, page_size=8, release_level=3)
     r = s.generate(prompt, 12, paths=True)
     assert r.mechanisms["paths"] and r.mechanisms["thermal_kv"]
     assert r.detail["decoder"] == "ThermalPathsDecoder"
@@ -455,21 +455,21 @@ def test_paths_are_never_silently_dense(model, bundle, tmp_path):
 
     shipped = REPO / "zeroedge" / "data" / "smollm2-135m.calib"          # SIH only: no 'paths'
     with pytest.raises(UserError, match="no decode path predictors"):
-        ServingSession(model, paths=shipped)
+        ServingSession(model, artifact=shipped)
     other = model.cfg.with_(dim=32, name="other")
     art = paths_only(tmp_path / "other", other)
     with pytest.raises(UserError, match=r"calibrated for other \(dim=32"):
-        ServingSession(model, paths=art)
+        ServingSession(model, artifact=art)
     from zeroedge import calib_artifact
 
     good = paths_only(tmp_path / "good", model.cfg)
     meta, t = calib_artifact.load(good)
     with pytest.raises(UserError, match="threshold_act"):
-        ServingSession(model, paths=(meta, {k: v for k, v in t.items() if "threshold_act" not in k}))
+        ServingSession(model, artifact=(meta, {k: v for k, v in t.items() if "threshold_act" not in k}))
     # asked for, but no predictors / a level that excludes the request: refused
     with pytest.raises(UserError, match="no path predictors"):
         ServingSession(model).generate(ids_(40), 4, paths=True)
-    s = ServingSession(model, paths=good, release_level=1)
+    s = ServingSession(model, artifact=good, release_level=1)
     with pytest.raises(UserError, match="refusing to run dense"):
         s.decide(600, 10, paths=True)                   # 610 tokens: L1 excludes them
     r = s.generate(ids_(40), 4, paths=True)             # 44 tokens < 512: allowed at L1
@@ -481,9 +481,9 @@ def test_paths_are_never_silently_dense(model, bundle, tmp_path):
     with pytest.raises(UserError, match="refusing"):
         s.generate(ids_(40), 4, paths=True)
     with pytest.raises(UserError, match="runs the decode paths its bundle was exported with"):
-        ServingSession(backend="onnxruntime", bundle=bundle, paths=good)
+        ServingSession(backend="onnxruntime", bundle=bundle, artifact=good)
     with pytest.raises(UserError, match="has no decode paths"):           # a dense bundle
-        ServingSession(backend="onnxruntime", bundle=bundle, paths=True)
+        ServingSession(backend="onnxruntime", bundle=bundle).generate(ids_(40), 4, paths=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,7 +554,7 @@ def test_the_torch_prefill_runs_an_artifact_s_sih_layers_as_one_pass_would(model
 
     meta, t = sih_artifact(tmp_path / "sih", None, cfg=model.cfg, skip=[1, 3], block={3: 16}, thr={1: 0.5, 3: 0.5})
     with_paths(tmp_path / "both", meta, t, paths={0: (0.5, 0.01)}, n_layers=model.cfg.n_layers)
-    s = ServingSession(model, paths=tmp_path / "both")
+    s = ServingSession(model, artifact=tmp_path / "both")
     s.sih[1].record_masks = True
     prompt = ids_(130)
     res = s.generate(prompt, 3, paths=True)
@@ -575,7 +575,7 @@ def test_the_torch_prefill_runs_an_artifact_s_sih_layers_as_one_pass_would(model
         assert 0 < int((~served[i]).sum()) < P                          # the rule skips (and keeps) rows
     hot = s.generate(prompt, 3, temperature=1.5, paths=True).mechanisms
     assert hot["sih_pad"] is False and "temperature 1.5" in hot["sih_pad_reason"]
-    res = ServingSession(model, paths=paths_only(tmp_path / "p", model.cfg)).generate(ids_(40), 3, paths=True)
+    res = ServingSession(model, artifact=paths_only(tmp_path / "p", model.cfg)).generate(ids_(40), 3, paths=True)
     assert "not_applied" not in res.mechanisms and "sih_pad" not in res.mechanisms
 
 

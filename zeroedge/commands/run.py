@@ -156,7 +156,7 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
         m = m.to(dev)
     sess = ServingSession(m, backend=backend, bundle=bundle, engines=engines, plugin_lib=plugins,
                           kv_budget=budget, page_size=page_size,
-                          paths=calib if backend == "torch" else (True if paths else None),
+                          artifact=calib,
                           release_level=release_level, threads=threads or None,
                           model_cfg=cfg if model is not None else None, device_memory=cap, thermal_opts=spill,
                           on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))

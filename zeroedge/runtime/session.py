@@ -1,6 +1,6 @@
 """A request-level serving session: per request, which decode loop runs and with what mechanisms.
 
-    s = ServingSession(model, kv_budget=0.1, paths=(meta, tensors), release_level=3)
+    s = ServingSession(model, kv_budget=0.1, artifact=(meta, tensors), release_level=3)
     r = s.generate(prompt_ids, max_new=64)      # Result: tokens, mechanisms, tokens/s, KV bytes
     p = s.plan(len(prompt_ids), max_new=64)     # RunPlan: what generate would run, decided before it runs
     s.set_level(1)                              # at run time (both gates, or which="thermal")
@@ -13,12 +13,12 @@ temperature 0 / L3 all) decide per request, from (prompt + new tokens, temperatu
 - decode paths run when the session holds path policies (checked against the model when the
   session starts: a missing 'paths' section, another model or missing tensors is a UserError) and
   their gate allows. They are off by default below that level. A request that asks for paths
-  (`paths=True`) and cannot have them is refused with a UserError naming why: dense decode is
+  (`generate(..., paths=True)`) and cannot have them is refused with a UserError naming why: dense decode is
   never used silently in place of sparse.
 The pages a thermal request migrated go to the thermal gate's circuit breaker (5 requests in a row
 over `trip_pages` -> one level down, an alert).
 
-The artifact (`paths=`: a folder or (meta, tensors)) may also hold a weights section (4-bit weights):
+The artifact (`artifact=`: a folder or (meta, tensors); the torch backend) may also hold a weights section (4-bit weights):
 the torch backend applies it to the model when the session starts (zeroedge.quant.apply, packed), and
 on CUDA the decoders read the packed GEMVs with int8 inputs (mechanisms "weights", "weights_decode").
 Its SIH/PAD layers run in the torch backend's prefill (chunked, each chunk deciding as one pass would;
@@ -180,7 +180,7 @@ def quantize_weights(model, calib, where="artifact"):
 
 class ServingSession:
     def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
-                 page_size: Optional[int] = None, paths=None, release_level: int = 3,
+                 page_size: Optional[int] = None, artifact=None, release_level: int = 3,
                  paths_level: Optional[int] = None, trip_pages: int = 1200, trip_requests: int = 5,
                  on_alert: Optional[Callable[[str], None]] = None, graph: bool = True,
                  threads: Optional[int] = None, thermal_opts: Optional[dict] = None,
@@ -227,10 +227,10 @@ class ServingSession:
         self.sih = None                    # (policies, runtime): the artifact's SIH/PAD layers (torch prefill)
         self.weights = None                # the artifact's weights section, applied (torch backend)
         if backend == "torch":
-            if paths is not None:
+            if artifact is not None:
                 from zeroedge import calib_artifact
 
-                meta, tensors, where = _artifact(paths)
+                meta, tensors, where = _artifact(artifact)
                 cal = calib_artifact.Calibration.from_meta(meta, where)
                 if cal.paths is not None or cal.weights is None:
                     self.policies = path_policies(model, (meta, tensors), where)
@@ -247,12 +247,9 @@ class ServingSession:
             # a paths artifact), on for every request; a paths artifact here would be a second source
             cal = self.runner.manifest.get("calibration") or {}
             self.bundle_paths = list(cal.get("paths_layers") or [])
-            if paths is not None and not isinstance(paths, bool):
+            if artifact is not None:
                 raise UserError(f"the {backend} backend runs the decode paths its bundle was exported "
                                 "with: give --bundle only (zeroedge export MODEL --calib PATHS_ARTIFACT)")
-            if paths and not self.bundle_paths:
-                raise UserError(f"{bundle} has no decode paths (its decode graph is dense): export it with "
-                                "a paths artifact; refusing to run dense in place of sparse")
             if self.bundle_paths:
                 self.policies = {"bundle": self.bundle_paths}
 
@@ -425,6 +422,9 @@ class ServingSession:
         if paths is False:
             out.paths_reason = "not asked for"
             return out
+        if paths and self.backend != "torch":
+            raise UserError(f"{self.runner.dir} has no decode paths (its decode graph is dense): export it with "
+                            "a paths artifact; refusing to run dense in place of sparse")
         if self.policies is None:
             if paths:
                 raise UserError("paths asked for but the session has no path predictors (give "

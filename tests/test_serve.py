@@ -394,3 +394,23 @@ def test_speculative_drafts_are_checked_and_counted(server):
     assert r.usage.completion_tokens == 40
     assert server.metric("zeroedge_serve_speculative_draft_tokens_total") > drafted0
     assert server.metric("zeroedge_serve_speculative_accepted_tokens_total") > 0
+
+
+def test_sampler_picks_finite_logits_and_refuses_rows_without_any():
+    import torch
+
+    from zeroedge.serve.output import Sampler
+
+    row = torch.full((50,), float("-inf"))
+    row[[7, 31]] = torch.tensor([2.0, 3.5])
+    assert Sampler(0.0, 1.0, 0).pick(row) == 31                      # greedy: the largest
+    picks = {Sampler(1.0, 1.0, s).pick(row) for s in range(40)}       # sampled: only the finite ones
+    assert picks == {7, 31}
+    for bad in (torch.full((50,), float("-inf")), torch.full((50,), float("nan"))):
+        for temperature in (0.0, 0.8):
+            with pytest.raises(ValueError, match="no finite logit"):
+                Sampler(temperature, 1.0, 0).pick(bad)
+    nan_at_max = row.clone()
+    nan_at_max[3] = float("nan")
+    with pytest.raises(ValueError, match="no finite logit"):
+        Sampler(0.0, 1.0, 0).pick(nan_at_max)                        # greedy never returns a NaN's index

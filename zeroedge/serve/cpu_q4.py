@@ -201,6 +201,7 @@ class Q4Step:
         D, L, H, nkv, hd = cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.L, self.H, self.nkv, self.hd = L, H, nkv, hd
         self.embed, self.inv_freq = model.embed_tokens, model.inv_freq.float()
+        self._embed_rows = model.embed_tokens.weight.detach().float().numpy()      # rows read as numpy
         g = _Graph(kernels=self.library is not None)
         from onnx import TensorProto
 
@@ -285,7 +286,7 @@ class Q4Step:
         chunk = [(s.pages, [(s.start + j, first[id(s)] + j) for j in range(len(s.tokens))]) for s in chunks]
         f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())     # row r's angles, at "position" r
         slots_total = pool.k.shape[2]
-        feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
+        feeds = {"x": self._embed_rows[np.asarray(ids, np.int64)], "cos": np.cos(f), "sin": np.sin(f),
                  "rope_rows": np.arange(len(ids), dtype=np.int64)[None],
                  "has_chunks": np.array(bool(chunks)),
                  "out_rows": np.asarray(out_rows, np.int64), "layer_stride": np.array(self.nkv * slots_total, np.int64),
@@ -330,7 +331,7 @@ class Q4Step:
         ps = pool.page_size
         S = -(-(max(pos) + 1) // ps) * ps
         f = np.outer(np.asarray(pos, np.float32), self.inv_freq.numpy())
-        feeds = {"x": self.embed(torch.tensor(ids)).numpy(), "cos": np.cos(f), "sin": np.sin(f),
+        feeds = {"x": self._embed_rows[np.asarray(ids, np.int64)], "cos": np.cos(f), "sin": np.sin(f),
                  "table": np.stack([self._slot_table(pool, pages, S) for pages in groups]),
                  "rows": np.asarray(rows, np.int64), "out_rows": np.asarray(out_rows, np.int64)}
         io = self.session.io_binding()

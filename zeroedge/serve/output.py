@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 
@@ -21,10 +22,14 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """logits: (vocab,) float32 on the CPU, -inf where the grammar forbids."""
+        if self.temperature < GREEDY_BELOW:            # numpy: a row's argmax without torch's op overhead
+            row = logits.numpy()
+            i = int(row.argmax())                        # a NaN wins numpy's argmax: refused below
+            if not np.isfinite(row[i]):
+                raise ValueError("the model gave no finite logit (all masked, or NaN)")
+            return i
         if not bool(torch.isfinite(logits).any()):
             raise ValueError("the model gave no finite logit (all masked, or NaN)")
-        if self.temperature < GREEDY_BELOW:
-            return int(logits.argmax())
         p = torch.softmax(logits / self.temperature, -1)
         if self.top_p < 1:
             ps, order = p.sort(descending=True)

@@ -16,8 +16,8 @@ block table), so its KV is as long as it is and a finished one gives its pages b
 attention is per segment kind: the decode tokens (one each, and every token of a verify segment,
 each as the decode row it would be) together, a prompt chunk against its sequence's past and
 itself, causally. Decode rows read their pages in place
-through paged Triton kernels on a GPU (zeroedge.kv.paged_attention), and a step of decode rows alone
-replays a CUDA graph; elsewhere their pages are gathered and masked for one SDPA. A verify row at
+through paged Triton kernels on a GPU (zeroedge.kv.paged_attention), the elementwise work between the
+products runs fused there (zeroedge.serve.fused), and a step of decode rows alone replays a CUDA graph; elsewhere their pages are gathered and masked for one SDPA. A verify row at
 position p attends to positions 0..p exactly as a plain decode step there would, so checking a
 draft gives the logits plain decoding would have given, bit for bit.
 

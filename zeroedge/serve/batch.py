@@ -240,9 +240,9 @@ class BatchStep:
         # where the paged kernels run, the elementwise work runs fused too (zeroedge.serve.fused)
         self.fused = attention == "paged"
         if self.fused:
-            from zeroedge.serve.fused import FusedLinears
+            from zeroedge.serve.fused import FusedLinears, rope_store
 
-            self.lin = FusedLinears(model)
+            self.lin, self._rope_store = FusedLinears(model), rope_store
         if hot is not None and (self.q4 or hot.pool is not pool):
             raise ValueError("thermal KV runs on the torch step, with the sketches of its own pool")
         self.hot = hot
@@ -301,9 +301,7 @@ class BatchStep:
         for li in range(self.L):
             K, V = self.pool.k[li], self.pool.v[li]
             if self.fused:
-                from zeroedge.serve.fused import rope_store
-
-                q = rope_store(qkv, cos, sin, K, V, slot_t, self.H, self.nkv)
+                q = self._rope_store(qkv, cos, sin, K, V, slot_t, self.H, self.nkv)
             else:
                 qkv = qkv.view(M, self.H + 2 * self.nkv, self.hd)
                 qk = qkv[:, : self.H + self.nkv]

@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     from zeroedge import texts, weights
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
     torch.set_num_threads(a.threads)
     m, folder = weights.load("smollm2-135m")
@@ -33,10 +33,9 @@ def main():
         "torch thermal 10%": ServingSession(m, kv_budget=0.1),
         "torch paths": ServingSession(m, artifact=a.calib),
         "torch thermal 10% + paths": ServingSession(m, kv_budget=0.1, artifact=a.calib),
-        "onnxruntime dense": ServingSession(backend="onnxruntime", bundle=a.bundle, model_cfg=m.cfg,
-                                            threads=a.threads),
-        "onnxruntime thermal 10%": ServingSession(backend="onnxruntime", bundle=a.bundle, kv_budget=0.1,
-                                                  model_cfg=m.cfg, threads=a.threads),
+        "onnxruntime dense": ServingSession(open_bundle(a.bundle, threads=a.threads, model_cfg=m.cfg)),
+        "onnxruntime thermal 10%": ServingSession(open_bundle(a.bundle, threads=a.threads, model_cfg=m.cfg),
+                                                  kv_budget=0.1),
     }
     runs = {k: [] for k in confs}
     t0 = time.time()

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from zeroedge import model as M  # noqa: E402
-from zeroedge.runtime.session import ServingSession  # noqa: E402
+from zeroedge.serve.session import ServingSession  # noqa: E402
 
 
 def lively():

@@ -9,7 +9,7 @@ continuation of KJV, essays and licenses. Each prompt runs with `--speculative o
 `auto`, interleaved `--repeats` times; a row gives the decode tokens/s (first token to last), the
 speed-up over off in the same round, the acceptance rate, tokens per model step, and whether the
 tokens equal plain decoding's. `--run-path` measures the same through `zeroedge run`'s decoder
-(zeroedge.runtime.session.ServingSession: the dense decoder over the model's fp32 weights, drafts
+(zeroedge.serve.session.ServingSession: the dense decoder over the model's fp32 weights, drafts
 checked by Decoder.verify) instead of the serving engine.
 """
 import argparse
@@ -100,9 +100,9 @@ def main():
     tok = tokenizer_for(cfg, folder)
     modes = ("off", "ngram", "auto")
     if a.run_path:
-        from zeroedge.runtime.session import ServingSession
+        from zeroedge.serve.session import ServingSession
 
-        sess = ServingSession(m, threads=a.threads)
+        sess = ServingSession(m)
         gen = {mode: (lambda p, n, mode=mode: generate_run(sess, p, n, mode)) for mode in modes}
         engines = {}
     else:

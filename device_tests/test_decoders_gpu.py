@@ -470,7 +470,7 @@ def test_serving_a_weights_artifact_on_the_gpu_runs_the_int8_input_gemv():
     and the request decodes through the packed GEMV on int8 inputs inside the CUDA graph."""
     from zeroedge import calib_artifact
     from zeroedge.model import build
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     m = build("smollm2-135m", seed=3).eval()
     meta = {"model": {"name": m.cfg.name, "config": m.cfg.to_dict()}, "layers": [], "sih": {},
@@ -601,7 +601,7 @@ def test_requests_one_after_another_leave_no_device_memory_behind(tmp_path):
     from zeroedge.kv.attention import ThermalAttention
     from zeroedge.model import build
     from zeroedge.runtime.fast import Decoder
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     m = build("smollm2-135m", seed=0).eval().to("cuda", torch.bfloat16)
     ids = torch.randint(0, m.cfg.vocab_size, (600,), generator=torch.Generator().manual_seed(0)).tolist()

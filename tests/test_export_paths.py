@@ -334,14 +334,13 @@ def test_serving_session_runs_the_bundle_paths(tiny_paths):
     """onnxruntime serving of a bundle exported with paths: the decode graph runs them on every
     request the release level allows, says so, and refuses the requests it cannot serve sparse."""
     from zeroedge.errors import UserError
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
-    s = ServingSession(backend="onnxruntime", bundle=tiny_paths, release_level=1, threads=1)
+    s = ServingSession(open_bundle(tiny_paths, threads=1), release_level=1)
     prompt = list(range(3, 23))
     r = s.generate(prompt, 4)
     assert r.mechanisms["paths"] and r.detail["paths_layers"] == sorted(PATHS) and len(r.tokens) == 4
-    assert r.tokens == ServingSession(backend="onnxruntime", bundle=tiny_paths,
-                                      threads=1).generate(prompt, 4, paths=True).tokens
+    assert r.tokens == ServingSession(open_bundle(tiny_paths, threads=1)).generate(prompt, 4, paths=True).tokens
     with pytest.raises(UserError, match="runs decode paths on every request"):
         s.generate(prompt, 4, paths=False)
     with pytest.raises(UserError, match="raise the release level"):

@@ -108,5 +108,5 @@ def test_folders_import_each_other_without_cycles():
 def test_the_checker_sees_lazy_imports(tmp_path):
     """The graph includes imports inside functions (where most of zeroedge's are)."""
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from zeroedge.export import rewrite\n    import zeroedge.runtime.session\n")
-    assert sorted(t for t, _ in _imports(f)) == ["zeroedge.export", "zeroedge.runtime.session"]
+    f.write_text("def f():\n    from zeroedge.export import rewrite\n    import zeroedge.serve.session\n")
+    assert sorted(t for t, _ in _imports(f)) == ["zeroedge.export", "zeroedge.serve.session"]

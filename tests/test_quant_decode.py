@@ -271,7 +271,7 @@ def test_run_with_a_weights_artifact_serves_the_quantized_model(tiny_hf, text_fi
 
     from zeroedge import weights
     from zeroedge.errors import UserError
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     art = tmp_path / "w.calib"
     run_cli("calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--group", "32", "--zero-point", "float",

@@ -336,7 +336,7 @@ def test_ort_policy_bad_window_is_refused_before_any_work(bundle):
 # ----------------------------------------------------------------------------------------------
 def test_session_torch_dense_thermal_and_run_time_levels(model):
     from reference_generate import generate
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     prompt = ids_(100, 4)
     ref, _ = generate(model, prompt, 16)
@@ -371,12 +371,11 @@ def test_session_torch_dense_thermal_and_run_time_levels(model):
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, backend):
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
     alerts = []
-    s = ServingSession(model if backend == "torch" else None, backend=backend,
-                       bundle=bundle if backend == "onnxruntime" else None, kv_budget=0.25,
-                       page_size=4, trip_pages=1, on_alert=alerts.append, model_cfg=model.cfg)
+    s = ServingSession(model if backend == "torch" else open_bundle(bundle, model_cfg=model.cfg), kv_budget=0.25,
+                       page_size=4, trip_pages=1, on_alert=alerts.append)
     prompt = ids_(64, 5)
     for i in range(5):
         r = s.generate(prompt, 20)
@@ -397,14 +396,38 @@ def test_circuit_breaker_drops_a_level_after_five_heavy_requests(model, bundle, 
     assert s.thermal_gate.level == 3 and not s.alerts
 
 
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_generate_goes_through_the_engine_ends_at_eos_and_samples_by_seed(model, bundle, backend):
+    """ServingSession.generate runs the serving engine over the session's decoder: greedy equals the
+    reference, a picked EOS ends the tokens (kept last), sampling repeats by seed, and a request the
+    decoder refuses is one UserError with the session still serving."""
+    from reference_generate import generate
+    from zeroedge.serve.session import ServingSession, open_bundle
+
+    s = ServingSession(model if backend == "torch" else open_bundle(bundle, model_cfg=model.cfg))
+    prompt = ids_(40, 8)
+    ref, _ = generate(model, prompt, 16)
+    k = next(i for i in range(3, 16) if ref[i] not in ref[:i])      # its first appearance ends the reply
+    r = s.generate(prompt, 16, eos=ref[k])
+    assert r.tokens == ref[:k + 1] and r.tokens_per_s > 0 and r.decode_s > 0 and r.prefill_s > 0
+    assert s.generate(prompt, 16).tokens == ref
+    hot = [s.generate(prompt, 12, temperature=1.5, seed=seed).tokens for seed in (1, 1, 2, 3, 4)]
+    assert hot[0] == hot[1] and any(h != hot[0] for h in hot[2:]) and all(len(h) == 12 for h in hot)
+    if backend == "onnxruntime":
+        with pytest.raises(UserError, match="at least 2 tokens"):
+            s.generate(prompt[:1], 4)
+        assert s.generate(prompt, 16).tokens == ref                   # the runner was released
+    with pytest.raises(UserError, match="new tokens exceed the model's context"):
+        s.generate(prompt, 10 ** 6)
+
+
 def test_session_onnxruntime_dense_equals_reference(model, bundle):
     from reference_generate import generate
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
     prompt = ids_(90, 6)
     ref, _ = generate(model, prompt, 12)
-    s = ServingSession(backend="onnxruntime", bundle=bundle, kv_budget=0.2, page_size=4, release_level=0,
-                       model_cfg=model.cfg)
+    s = ServingSession(open_bundle(bundle, model_cfg=model.cfg), kv_budget=0.2, page_size=4, release_level=0)
     r = s.generate(prompt, 12)
     assert r.tokens == ref and r.detail["window_slots"] == 102 and r.pages_migrated == 0
     s.set_level(3)
@@ -414,14 +437,14 @@ def test_session_onnxruntime_dense_equals_reference(model, bundle):
     assert r.detail["thermal"]["stored_at_prefill"] > 0 and r.device_kv_bytes < r.full_kv_bytes
     other = model.cfg.with_(dim=32, name="other")
     with pytest.raises(UserError, match="dim=64"):
-        ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=other)
+        open_bundle(bundle, model_cfg=other)
     with pytest.raises(UserError, match="bundle not found"):
-        ServingSession(backend="onnxruntime", bundle=REPO / "no-such-bundle")
+        open_bundle(REPO / "no-such-bundle")
 
 
 def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
     from zeroedge.runtime.fast import PathsDecoder
-    from zeroedge.runtime.session import ServingSession, path_policies
+    from zeroedge.serve.session import ServingSession, path_policies
 
     art = paths_only(tmp_path / "a", model.cfg)
     prompt = ids_(96, 7)
@@ -451,7 +474,7 @@ def test_session_paths_run_and_combine_with_thermal(model, tmp_path):
 
 
 def test_paths_are_never_silently_dense(model, bundle, tmp_path):
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
     shipped = REPO / "zeroedge" / "data" / "smollm2-135m.calib"          # SIH only: no 'paths'
     with pytest.raises(UserError, match="no decode path predictors"):
@@ -481,9 +504,9 @@ def test_paths_are_never_silently_dense(model, bundle, tmp_path):
     with pytest.raises(UserError, match="refusing"):
         s.generate(ids_(40), 4, paths=True)
     with pytest.raises(UserError, match="runs the decode paths its bundle was exported with"):
-        ServingSession(backend="onnxruntime", bundle=bundle, artifact=good)
+        ServingSession(open_bundle(bundle), artifact=good)
     with pytest.raises(UserError, match="has no decode paths"):           # a dense bundle
-        ServingSession(backend="onnxruntime", bundle=bundle).generate(ids_(40), 4, paths=True)
+        ServingSession(open_bundle(bundle)).generate(ids_(40), 4, paths=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,7 +573,7 @@ def test_the_torch_prefill_runs_an_artifact_s_sih_layers_as_one_pass_would(model
     from artifacts import paths_only, sih_artifact, with_paths
 
     from zeroedge.mechanisms.pad import ZeroMLP, install_artifact
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     meta, t = sih_artifact(tmp_path / "sih", None, cfg=model.cfg, skip=[1, 3], block={3: 16}, thr={1: 0.5, 3: 0.5})
     with_paths(tmp_path / "both", meta, t, paths={0: (0.5, 0.01)}, n_layers=model.cfg.n_layers)
@@ -602,7 +625,7 @@ def test_a_device_memory_cap_admits_serves_thermal_or_refuses(tmp_path):
     is the only memory) and says why; neither: a UserError naming both forecasts."""
     from zeroedge.model import ModelConfig, build
     from zeroedge.runtime.memory import HEADROOM, request_bytes
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     cfg = ModelConfig(vocab_size=256, dim=64, n_layers=48, n_heads=8, n_kv_heads=8, ffn_dim=128,
                       max_seq_len=8192, name="long-kv")
@@ -693,7 +716,7 @@ def test_a_requests_decoder_is_gone_when_it_returns(tmp_path):
     from zeroedge.kv.attention import ThermalAttention
     from zeroedge.model import build
     from zeroedge.runtime.fast import Decoder
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     m = build("tiny", seed=0).eval()
     ids = [i % 200 + 1 for i in range(400)]

@@ -181,19 +181,25 @@ def test_engine_output_equals_plain_decoding(model_tok, weights):
     plain, _ = _engine_outputs(model_tok, "off", reqs, weights)
     spec, stats = _engine_outputs(model_tok, "ngram", reqs, weights)
     assert spec == plain
-    assert stats.drafted > 0 and stats.accepted > 0 and stats.tokens == sum(len(o) for o in plain)
+    # every token but the first of each request (its prefill's) comes from a counted decode step
+    assert stats.drafted > 0 and stats.accepted > 0 and stats.tokens == sum(len(o) - 1 for o in plain)
     assert stats.steps < stats.tokens                    # some steps made more than one token
 
 
-def test_run_speculative_equals_plain(tmp_path):
+@pytest.mark.parametrize("weights", ["model", "q4"])
+def test_run_speculative_equals_plain(tmp_path, model_tok, weights):
+    """`zeroedge run` through the serving engine: drafts checked give plain decoding's tokens; with
+    --weights q4 they are the tokens the server's batched 4-bit step gives the same prompt."""
+    from zeroedge.serve.plan import Sampling
     from zeroedge.texts import load_text
 
+    text = load_text("licenses")[30000:31500]
     f = tmp_path / "prompt.txt"
-    f.write_text(load_text("licenses")[30000:31500])
+    f.write_text(text)
     outs = {}
     for mode in ("off", "ngram"):
         r = run_cli("run", MODEL, "--prompt-file", f, "--max-new", 40, "--device", "cpu", "--speculative", mode,
-                    "--json")
+                    "--weights", weights, "--json")
         assert r.returncode == 0, r.stderr
         outs[mode] = json.loads(r.stdout.strip().splitlines()[-1])
     assert outs["ngram"]["tokens"] == outs["off"]["tokens"]
@@ -201,6 +207,23 @@ def test_run_speculative_equals_plain(tmp_path):
     assert outs["ngram"]["mechanisms"]["speculative"] == "ngram"
     assert st["drafted"] > 0 and st["tokens"] == len(outs["off"]["tokens"]) - 1
     assert "speculative" not in outs["off"]
+    if weights == "q4":
+        assert outs["off"]["mechanisms"]["weights"].startswith("4-bit blocks of 32")
+        ids = model_tok[1].encode(text, add_special_tokens=False)
+        (served,), _ = _engine_outputs(model_tok, "off", [(ids, Sampling(max_tokens=40, temperature=0))], "q4")
+        got = outs["off"]["tokens"]
+        assert got == served[:len(got)] and (len(got) == 40 or got[-1] == model_tok[1].eos_token_id)
+
+
+def test_run_q4_refuses_what_its_step_does_not_run(tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("In the beginning")
+    for extra, says in ((["--kv-budget", "0.1"], "--kv-budget run on --weights model"),
+                        (["--device", "cuda"], "runs on the CPU"),
+                        (["--paths"], "--paths run on --weights model")):
+        r = run_cli("run", MODEL, "--prompt-file", f, "--weights", "q4", *extra, check_rc=None)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_run_speculative_says_where_it_does_not_apply(tmp_path):

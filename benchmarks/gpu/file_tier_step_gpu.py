@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_setup as bs  # noqa: E402
 from zeroedge.kv.attention import ThermalAttention
-from zeroedge.runtime.session import ServingSession
+from zeroedge.serve.session import ServingSession
 
 CTX = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "32768").split(",")]
 NEW = 96

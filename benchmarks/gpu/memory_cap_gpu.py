@@ -42,7 +42,7 @@ def main():
 
     from zeroedge.planner import RUNTIME, TARGETS
     from zeroedge.runtime.memory import HEADROOM, request_bytes
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16, max_seq_len=a.max_seq_len).eval()
     cfg = m.cfg

@@ -69,7 +69,7 @@ def main(argv=None):
     import torch
 
     from zeroedge.runtime.memory import request_bytes
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     m = bs.build_model("llama-3.2-1b", "cuda", torch.bfloat16, max_seq_len=a.max_seq_len).eval()
     ServingSession(m).generate(list(range(1, 40)), 2)                 # fused weights built once

@@ -19,7 +19,7 @@ LOAD = ("import torch, time\n"
 
 
 def run_once(m, ids, label):
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession
 
     s = ServingSession(m, kv_budget=0.1, page_size=16)
     r = s.generate(ids, 128).to_dict()

@@ -31,6 +31,8 @@ class OrtRunner(WindowRunner):
     """A bundle's prefill.FLAVOUR.onnx and decode.FLAVOUR.onnx (`flavour`, portable by default) in
     onnxruntime on the CPU, over WindowRunner's window."""
 
+    backend = "onnxruntime"
+
     def __init__(self, bundle, slots: Optional[int] = None, flavour: str = "portable",
                  threads: Optional[int] = None, sinks: int = 4, decay: float = 0.9,
                  evict: Optional[Callable] = None, verify: bool = True, policy=None,

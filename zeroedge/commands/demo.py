@@ -210,13 +210,13 @@ def open_bundle(d, kind, kernels):
     """(a serving session over the bundle at d, its manifest): the bundle made by an earlier run when its
     manifest says it is this one, else exported now."""
     from zeroedge.errors import UserError
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
     reuse = cached(d, kind, kernels)
     if reuse is not None:
         try:
             click.echo(f"[demo] {d}: the {kind} bundle from an earlier run (delete the folder to export again)")
-            return ServingSession(backend="onnxruntime", bundle=d), reuse
+            return ServingSession(open_bundle(d)), reuse
         except UserError as e:
             click.echo(f"[demo] {d}: not usable ({e}); exporting it again")
     from zeroedge.export.bundle_writer import export_bundle
@@ -227,7 +227,7 @@ def open_bundle(d, kind, kernels):
     mf = export_bundle(MODEL, d, force=True, flavours=("portable",), cpu_kernels=kernels,
                        progress=lambda msg: click.echo(f"[demo]   {msg}"), **opts)
     click.echo(f"[demo]   exported in {mf['export']['seconds']:.1f} s")
-    return ServingSession(backend="onnxruntime", bundle=d), mf
+    return ServingSession(open_bundle(d)), mf
 
 
 def cached(d, kind, kernels):

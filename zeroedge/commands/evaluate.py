@@ -227,10 +227,10 @@ def _thermal_eval(result, m, ids, kv_budget, page_size, threads, bundle, ctx, kv
            f"{CONTINUATION}")
     if bundle is not None:
         from zeroedge.kv.evaluate import run_bundle_eval
-        from zeroedge.runtime.session import ServingSession
+        from zeroedge.serve.session import open_bundle
 
-        session = ServingSession(backend="onnxruntime", bundle=bundle, model_cfg=m.cfg, threads=threads or None)
-        result.update(run_bundle_eval(session.runner, ids, kv_budget, CONTINUATION, page_size))
+        runner = open_bundle(bundle, threads=threads or None, model_cfg=m.cfg)
+        result.update(run_bundle_eval(runner, ids, kv_budget, CONTINUATION, page_size))
     else:
         opts = {"cold": result["device_memory"]["cold_store"]} if "device_memory" in result else {}
         if kv_fetch is not None:

@@ -1,8 +1,11 @@
-"""zeroedge run: generate from a prompt through the serving session (zeroedge.runtime.session).
+"""zeroedge run: generate from a prompt through the serving engine (zeroedge.serve.engine), one request
+over the serving session's decoder (zeroedge.serve.session) or, with --weights q4, over the batched
+4-bit CPU step `zeroedge serve` runs.
 
     zeroedge run smollm2-135m --prompt "In the beginning" --max-new 32
     zeroedge run smollm2-135m --prompt-file doc.txt --max-new 64 --kv-budget 0.1 --json
     zeroedge run smollm2-135m --prompt-file doc.txt --paths --calib art/ --release-level 3
+    zeroedge run smollm2-135m --prompt-file doc.txt --weights q4 --speculative auto   # the 4-bit CPU step
     zeroedge run --backend onnxruntime --bundle bundle/ --prompt "..."
     zeroedge run --backend tensorrt --bundle bundle/ --engines engines/ --prompt "..."
 
@@ -45,7 +48,8 @@ SECTIONS = [
     ("Input and output", ["prompt", "prompt_file", "max_new", "as_json"]),
     ("Backend", ["backend", "bundle", "engines", "plugins", "device", "threads"]),
     ("Thermal KV cache", ["kv_budget", "page_size", "kv_spill", "kv_store_pages", "kv_ahead", "kv_fetch"]),
-    ("Weights, decode paths, speculative decoding, release level", ["calib", "paths", "speculative", "release_level"]),
+    ("Weights, decode paths, speculative decoding, release level", ["weights", "calib", "paths", "speculative",
+                                                                    "release_level"]),
     ("Device memory", ["device_memory", "board"]),
 ]
 
@@ -77,6 +81,10 @@ SECTIONS = [
 @click.option("--kv-fetch", "kv_fetch", type=int, default=None,
               help="torch backend, thermal KV: at most N pages swapped into the hot window a refresh, per kv head "
                    f"and layer (default {THERMAL.fetch}; more: closer to full KV, a longer refresh).")
+@click.option("--weights", type=click.Choice(["model", "q4"]), default="model", show_default=True,
+              help="torch backend on a CPU: q4 = the serving engine's 4-bit step (onnxruntime; the Q4_1 grid, a Q4_1 "
+                   "GGUF's own weights; 8-bit LM head), as `zeroedge serve` runs on a CPU; model = the model's "
+                   "weights in torch (every other mechanism).")
 @click.option("--paths", "paths", is_flag=True, help="Run the decode path predictors (needs --calib).")
 @click.option("--calib", type=click.Path(), help="Calibration artifact: its path predictors (for --paths) and "
               "its weights section (4-bit weights, applied to the model; on CUDA decoded by the packed GEMV).")
@@ -98,15 +106,16 @@ SECTIONS = [
                    "far, checked by the model in one step (the output is the model's own). auto: a draft only where "
                    "its measured acceptance and step cost pay; ngram: whenever the lookup finds one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch, paths,
-        calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board, speculative,
-        as_json):
+def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch,
+        weights, paths, calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board,
+        speculative, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
-    import json
-
     from zeroedge.errors import UserError
 
     prompt = _read_prompt(prompt, prompt_file)
+    if weights == "q4":
+        _check_q4(backend, device, kv_budget, page_size, kv_spill, kv_ahead, kv_fetch, paths, calib,
+                  device_memory is not None or board is not None)
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
     if speculative != "off" and backend != "torch":
@@ -142,8 +151,13 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad:
         raise UserError(f"the tokenizer gives ids outside the model's vocabulary ({cfg.vocab_size})")
-    from zeroedge.runtime.session import ServingSession
+    from zeroedge.serve.session import ServingSession, open_bundle
 
+    eos = getattr(tok, "eos_token_id", None)
+    if weights == "q4":
+        _echo(model, cfg, tok, backend, run_q4(m, ids, max_new, eos, speculative, threads), None, as_json,
+              asked_kv=False, asked_paths=False)
+        return
     if backend == "torch":
         import torch
 
@@ -154,22 +168,79 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
         if dev == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device here")
         m = m.to(dev)
-    sess = ServingSession(m, backend=backend, bundle=bundle, engines=engines, plugin_lib=plugins,
-                          kv_budget=budget, page_size=page_size,
-                          artifact=calib,
-                          release_level=release_level, threads=threads or None,
-                          model_cfg=cfg if model is not None else None, device_memory=cap, thermal_opts=spill,
+    source = m if backend == "torch" else open_bundle(bundle, backend, engines, plugins, threads or None,
+                                                      model_cfg=cfg if model is not None else None)
+    sess = ServingSession(source, kv_budget=budget, page_size=page_size, artifact=calib,
+                          release_level=release_level, device_memory=cap, thermal_opts=spill,
                           on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
-    res = sess.generate(ids, max_new, paths=True if paths else None,
-                        eos=getattr(tok, "eos_token_id", None), speculative=speculative)
+    res = sess.generate(ids, max_new, paths=True if paths else None, eos=eos, speculative=speculative)
+    _echo(model, cfg, tok, backend, res, sess.metrics, as_json, asked_kv=budget is not None, asked_paths=bool(paths))
+
+
+def _echo(model, cfg, tok, backend, res, metrics, as_json, asked_kv, asked_paths):
+    """The text on stdout and the summary on stderr, or one JSON object."""
+    import json
+
     text = tok.decode(res.tokens, skip_special_tokens=True)
     if as_json:
-        click.echo(json.dumps({"model": model or cfg.name, "backend": backend, "text": text, **res.to_dict(),
-                               "metrics": sess.metrics}))
+        out = {"model": model or cfg.name, "backend": backend, "text": text, **res.to_dict()}
+        if metrics is not None:
+            out["metrics"] = metrics
+        click.echo(json.dumps(out))
         return
     click.echo(text)
-    for line in summary(res, asked_kv=budget is not None, asked_paths=bool(paths)):
+    for line in summary(res, asked_kv=asked_kv, asked_paths=asked_paths):
         click.echo(line, err=True)
+
+
+def _check_q4(backend, device, kv_budget, page_size, kv_spill, kv_ahead, kv_fetch, paths, calib, capped):
+    """--weights q4 is the serving engine's batched 4-bit CPU step: dense KV, no artifact, no cap."""
+    from zeroedge.errors import UserError
+
+    if backend != "torch":
+        raise UserError(f"--weights q4 is the torch backend's 4-bit CPU step; --backend {backend} runs its bundle's "
+                        "weights")
+    if device == "cuda":
+        raise UserError("--weights q4 runs on the CPU (onnxruntime); on CUDA give --calib ARTIFACT with a weights "
+                        "section (the packed GEMV)")
+    others = [flag for flag, given in (("--kv-budget", kv_budget is not None), ("--page-size", page_size is not None),
+                                       ("--kv-spill", kv_spill is not None), ("--kv-ahead", bool(kv_ahead)),
+                                       ("--kv-fetch", kv_fetch is not None), ("--paths", paths),
+                                       ("--calib", calib is not None), ("--device-memory / --board", capped)) if given]
+    if others:
+        raise UserError(f"--weights q4 decodes with dense KV and no artifact: {', '.join(others)} run on "
+                        "--weights model")
+
+
+def run_q4(m, ids, max_new, eos, speculative, threads):
+    """One request through the serving engine's batched backend on the 4-bit CPU step (the backend
+    `zeroedge serve` runs on a CPU), its KV pool the request's own pages -> a Result."""
+    import torch
+
+    from zeroedge.serve.backends import PAGE_SIZE
+    from zeroedge.serve.engine import Engine
+    from zeroedge.serve.plan import Plan, Sampling
+    from zeroedge.serve.session import Report, result_of
+    from zeroedge.serve.setup import batched_backend
+
+    cfg, n = m.cfg, len(ids) + max_new
+    if n > cfg.max_seq_len:
+        from zeroedge.errors import UserError
+
+        raise UserError(f"{len(ids)} prompt + {max_new} new tokens exceed the model's context ({cfg.max_seq_len})")
+    m = m.to("cpu", torch.float32).eval()
+    per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    kv = -(-n // PAGE_SIZE) * PAGE_SIZE * per_pos
+    b, linears, _ = batched_backend(m, "q4", threads or torch.get_num_threads(), 1, 128, kv, None, n)
+    plan = Plan(list(ids), Sampling(max_new, 0.0), n, kv, eos=() if eos is None else (int(eos),))
+    mech = {"weights": linears.description, "weights_decode": f"the serving engine's 4-bit step ({linears.kernels} "
+            "onnxruntime kernels)", "thermal_kv": False, "thermal_kv_reason": "--weights q4 (dense KV)",
+            "paths": False, "paths_reason": "--weights q4"}
+    if speculative != "off":
+        mech["speculative"] = speculative
+    seq = Engine(b, speculative=speculative).run(plan)
+    detail = {"decoder": type(linears).__name__, "backend": "torch", "device": "cpu"}
+    return result_of(seq, eos, Report(mech, kv, n * per_pos, 0, detail))
 
 
 def _read_prompt(prompt, prompt_file) -> str:

@@ -1,3 +1,4 @@
-"""Serving: `session` (ServingSession: release gates pick the mechanisms per request, then a torch
-decoder or a bundle runner) and `fast` (Decoder: one decode step composed of an attention strategy
-and an FFN strategy). Import the submodules (they need torch)."""
+"""The torch decode loop's parts: `fast` (Decoder: one decode step composed of an attention strategy
+and an FFN strategy) and `memory` (a request's byte forecast under a device memory cap). The
+serving session that picks them per request is zeroedge.serve.session. Import the submodules
+(`fast` needs torch)."""

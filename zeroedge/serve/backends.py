@@ -5,12 +5,15 @@
                    layers: the model's weights in torch, or on a CPU 4-bit weights in onnxruntime
                    (zeroedge.serve.cpu_q4). With kv_budget, long prompts decode with thermal KV
                    (zeroedge.serve.thermal; the model's weights in torch)
-  BundleSequential an exported bundle's runner (onnxruntime, or TensorRT engines): one sequence at a
-                   time (its fixed-slot window is the KV), the prompt in one prefill; the rest queue
+  SessionSequential a ServingSession's decoder (zeroedge.serve.session): one sequence at a time, the
+                   prompt in one prefill, the rest queue; the decoder its plan chose (dense, thermal KV
+                   with a cold store, decode paths, packed weights; or an exported bundle's runner,
+                   onnxruntime or TensorRT engines). `zeroedge run` and `ServingSession.generate` go
+                   through it, and `zeroedge serve --bundle`
 
-Both: `reserve(positions, prompt)` -> (a KV handle, the prompt positions it already holds) or None (not
-now), `remember(handle, plan)` once the prompt is prefilled (-> whether thermal KV starts there: the
-plan asks for it and the backend runs it), `release(handle)`, `forward(segments)` (each (handle,
+Both: `reserve(plan)` -> (a KV handle, the prompt positions it already holds) or None (not now),
+`remember(handle, plan)` once the prompt is prefilled (-> whether thermal KV starts there: the plan
+asks for it and the backend runs it), `release(handle)`, `forward(segments)` (each (handle,
 tokens, start, verify)) -> float32 logits on the CPU, a row per segment (every
 position of a verify segment), `positions_total` / `position_bytes` for the planner, `max_batch`,
 `prefill_chunk` (None: the whole prompt), `min_rows` (rows a step computes at the least), `verifies`
@@ -96,9 +99,9 @@ class TorchBatched:
             for p in held:
                 self.pool.release(p)
 
-    def reserve(self, positions: int, prompt) -> Optional[tuple]:
-        shared = self.pool.share(prompt) if self.prefix_cache else []
-        fresh = self.pool.alloc(self.pool.pages_for(positions) - len(shared))
+    def reserve(self, plan) -> Optional[tuple]:
+        shared = self.pool.share(plan.prompt) if self.prefix_cache else []
+        fresh = self.pool.alloc(self.pool.pages_for(plan.kv_positions) - len(shared))
         if fresh is None:
             self.pool.release(shared)
             return None
@@ -122,7 +125,7 @@ class TorchBatched:
         from zeroedge.serve.batch import Segment
 
         out = self.step.forward([Segment(kv.pages, toks, start, verify, kv.hot) for kv, toks, start, verify in segments])
-        return out.cpu()
+        return out.float().cpu().numpy()
 
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
@@ -133,49 +136,57 @@ class TorchBatched:
         return out
 
 
-class BundleSequential:
-    """One request at a time through OrtRunner / TrtRunner (zeroedge.backends). onnxruntime sizes its
-    window to each request (exact KV); TensorRT engines were built for the bundle's window, so a request
-    must fit it (the planner refuses a longer one)."""
+class SessionSequential:
+    """One request at a time through a ServingSession: `reserve` opens the decoder the request's session
+    plan chose (ServingSession.open), the prompt's one prefill and each step run it, `release` closes
+    it (the session records what it moved). onnxruntime sizes its window to each request (exact KV);
+    TensorRT engines were built for the bundle's window, so a request must fit it (the session's
+    context; the planner refuses a longer one)."""
 
     mode = "sequential"
     max_batch = 1
     min_rows = 1
     prefill_chunk = None
-    verifies = False
-    min_prompt = 2                      # a bundle's prefill graph takes two tokens or more
 
-    def __init__(self, runner, ctx: int, fixed_window: bool):
-        self.r = runner
-        self.fixed = fixed_window
-        self.positions_total = min(ctx, runner.slots) if fixed_window else ctx
-        self.position_bytes = 2 * runner.L * runner.nkv * runner.hd * 4
-        self.busy = False
-        self.device = "cpu"
+    def __init__(self, session, ctx: int):
+        """ctx: the longest request served (the session's context at most)."""
+        self.session = session
+        self.verifies = session.backend == "torch"      # the dense torch decoder checks drafts
+        self.min_prompt = 1 if session.backend == "torch" else 2   # a bundle's prefill graph takes two or more
+        self.positions_total = min(ctx, session.context)
+        if session.backend == "torch":
+            cfg = session.model.cfg
+            p = next(session.model.parameters())
+            self.position_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * p.element_size()
+            self.device = str(p.device)
+        else:
+            r = session.runner
+            self.position_bytes = 2 * r.L * r.nkv * r.hd * 4
+            self.device = "cuda" if session.backend == "tensorrt" else "cpu"
+        self.open = self.last = None                    # the running request's decoder, the latest one
 
-    def reserve(self, positions: int, prompt) -> Optional[tuple]:
-        if self.busy:
+    def reserve(self, plan) -> Optional[tuple]:
+        if self.open is not None:
             return None
-        self.busy = True
-        if not self.fixed:
-            self.r.slots = positions            # a window of every position: exact
-        self.r.policy = None
-        return positions, 0
+        self.open = self.last = self.session.open(plan.prompt, plan.sampling.max_tokens, plan.session_plan)
+        return self.open, 0
 
     def remember(self, handle, plan) -> bool:
-        return False
+        return handle.plan.thermal_kv
 
     def release(self, handle) -> None:
-        self.busy = False
+        handle.close()
+        if self.open is handle:
+            self.open = None
 
     def forward(self, segments):
         import numpy as np
-        import torch
 
-        (_, toks, start, _), = segments
-        lg = self.r.prefill(np.array(toks)) if start == 0 else self.r.step(toks[0])
-        return torch.from_numpy(np.asarray(lg, np.float32).reshape(1, -1).copy())
+        (handle, toks, start, verify), = segments
+        if verify:
+            return handle.verify(toks, start)
+        return np.asarray(handle.prefill(toks) if start == 0 else handle.step(toks[0], start))[None]
 
     def kv_stats(self) -> dict:
-        return {"pages_total": 1, "pages_used": int(self.busy), "page_size": self.positions_total,
-                "device_bytes": self.r.window_bytes() if self.busy else 0}
+        return {"pages_total": 1, "pages_used": int(self.open is not None), "page_size": self.positions_total,
+                "device_bytes": self.open.device_kv_bytes() if self.open is not None else 0}

@@ -175,6 +175,7 @@ class Q4Step:
     Either way a row gives the same logits alone, in any batch, or as a row of a verify segment (the
     engine's batch invariance, zeroedge.serve.batch)."""
 
+    description = "4-bit blocks of 32 (the Q4_1 grid), 8-bit LM head, onnxruntime MatMulNBits"
     min_rows = 2            # MatMulNBits computes a row alike for any M >= 2 (M = 1 takes another kernel)
 
     def __init__(self, model, threads: int, kernels: Optional[str] = None, release_float: bool = False):

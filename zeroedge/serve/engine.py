@@ -5,6 +5,9 @@
     handle = engine.submit(plan, sink)               # sink(event) is called from the engine thread
     engine.cancel(handle)                            # the client went away: freed at the next step
 
+    seq = Engine(backend, tokenizer).run(plan)       # or one request in the caller's thread, no engine
+                                                     # thread (zeroedge run, ServingSession.generate)
+
 Each step: queued plans are admitted in order while the batch has room and the backend can reserve
 their KV (prompt + max_tokens: a running request never runs out of memory; a prompt's first pages may
 come prefilled from the prefix cache, zeroedge.serve.batch.PagedKV); then one forward runs
@@ -36,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
+from zeroedge.errors import UserError
 from zeroedge.serve.output import Grammar, Sampler, TextOut
 from zeroedge.serve.plan import Plan
 from zeroedge.speculative import Speculator, SpecStats, StepCost, agreed
@@ -54,7 +58,10 @@ class Sequence:
     prefilled: int = 0                  # prompt tokens in the KV
     cached: int = 0                     # of them, taken from the prefix cache
     out: List[int] = field(default_factory=list)
+    picks: int = 0                      # tokens picked, an EOS included
     t_first: Optional[float] = None
+    t_done: Optional[float] = None
+    finish_reason: Optional[str] = None
     cancelled: bool = False
     sampler: Optional[Sampler] = None
     grammar: Optional[Grammar] = None
@@ -63,8 +70,9 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, backend, tokenizer, lltok=None, metrics=None, on_tick: Optional[Callable] = None,
+    def __init__(self, backend, tokenizer=None, lltok=None, metrics=None, on_tick: Optional[Callable] = None,
                  speculative: str = "off"):
+        """tokenizer: None gives token ids only (no text events, no stop strings)."""
         self.b, self.tok, self.lltok = backend, tokenizer, lltok
         self.metrics, self.on_tick = metrics, on_tick
         # drafts need a backend whose step returns every position's logits (a bundle's does not)
@@ -117,6 +125,31 @@ class Engine:
         load = self.load()
         return max(0, load["waiting"] - max(0, self.b.max_batch - load["running"]))
 
+    def run(self, plan: Plan) -> Sequence:
+        """One request to its end in the caller's thread, the engine thread never started -> its
+        Sequence (tokens, times, finish_reason). A request refused or failed raises UserError with the
+        reason; the backend's own errors (out of memory) propagate as they are, its KV released."""
+        events: list = []
+        seq = Sequence(next(self._ids), plan, events.append, time.perf_counter())
+        self.waiting.append(seq)
+        try:
+            while self.waiting or self.running:
+                self._admit()
+                if not self.running and self.waiting:
+                    raise UserError("the backend has no room for the request")
+                if self.running:
+                    self._step()
+        finally:
+            for s in list(self.running):
+                self.running.remove(s)
+                if s.kv is not None:
+                    self.b.release(s.kv)
+                    s.kv = None
+            self.waiting.clear()
+        if events and events[-1][0] == "error":
+            raise UserError(events[-1][1])
+        return seq
+
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self):
         why = "the server is shutting down"
@@ -160,6 +193,7 @@ class Engine:
             s.kv = None
         if s in self.running:
             self.running.remove(s)
+        s.t_done, s.finish_reason = time.perf_counter(), reason
         tail = s.text.add(None) if s.text is not None and reason != "cancelled" else ""
         if tail:
             s.sink(("text", tail))
@@ -182,7 +216,12 @@ class Engine:
     def _admit(self):
         while self.waiting and len(self.running) < self.b.max_batch:
             s = self.waiting[0]
-            got = self.b.reserve(s.plan.kv_positions, s.plan.prompt)
+            try:
+                got = self.b.reserve(s.plan)
+            except UserError as e:              # a request the backend's decoder refuses: this one only
+                self.waiting.popleft()
+                s.sink(("error", str(e)))
+                continue
             if got is None:
                 return                          # FIFO: it waits for pages, and so does everyone after it
             self.waiting.popleft()
@@ -192,10 +231,12 @@ class Engine:
             p = s.plan
             try:
                 s.sampler = Sampler(p.sampling.temperature, p.sampling.top_p, p.sampling.seed)
-                s.text = TextOut(self.tok, p.sampling.stop)
+                s.text = TextOut(self.tok, p.sampling.stop) if self.tok is not None else None
                 if p.grammar is not None:
                     s.grammar = Grammar(self.lltok, p.grammar)
-                s.spec = Speculator.create(self.speculative, p.prompt, cost=self.step_cost)
+                # a session's plan says whether its decoder checks drafts (thermal KV and paths do not)
+                mode = self.speculative if p.session_plan is None or p.session_plan.speculative else "off"
+                s.spec = Speculator.create(mode, p.prompt, cost=self.step_cost)
             except Exception as e:              # noqa: BLE001 - a grammar llguidance refuses: this request only
                 self.b.release(kv)
                 s.kv = None
@@ -244,7 +285,7 @@ class Engine:
                 if self.b.remember(s.kv, s.plan) and self.metrics is not None:
                     self.metrics.thermal_requests.inc()
             try:
-                made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []))
+                made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []), s in pre)
             except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on
                 if s in self.running:
                     self.running.remove(s)
@@ -255,8 +296,9 @@ class Engine:
         if self.metrics is not None:
             self.metrics.step(dt, made, len(segs))
 
-    def _emit_rows(self, s: Sequence, rows, draft: List[int]) -> int:
-        """The sequence's picks over its rows, while they agree with the draft -> tokens made."""
+    def _emit_rows(self, s: Sequence, rows, draft: List[int], prefill: bool = False) -> int:
+        """The sequence's picks over its rows, while they agree with the draft -> tokens made (a
+        prefill's row: its first token, not a decode step of the drafter's statistics)."""
         picks, end = [], None
         for i in range(len(rows)):
             t, end = self._emit(s, rows[i])
@@ -264,7 +306,9 @@ class Engine:
                 picks.append(t)
             if end is not None or i >= len(draft) or t != draft[i]:
                 break                           # finished, or the draft's next rows are not the model's
-        if s.spec is not None:
+        if s.spec is not None and prefill:
+            s.spec.prefilled(picks)
+        elif s.spec is not None:
             s.spec.update(len(draft), agreed(draft, picks), picks)
         if end is not None:
             self._finish(s, end)
@@ -281,14 +325,15 @@ class Engine:
             s.t_first = now
             if self.metrics is not None:
                 self.metrics.first_token(now - s.t_submit)
+        s.picks += 1
         if t in s.plan.eos:                     # a grammar allows EOS only where it accepts
             return None, "stop"
         if s.grammar is not None:
             s.grammar.consume(t)
         s.out.append(t)
-        piece = s.text.add(t)
+        piece = s.text.add(t) if s.text is not None else ""
         if piece:
             s.sink(("text", piece))
-        if s.text.stopped or (s.grammar is not None and s.grammar.done()):
+        if (s.text is not None and s.text.stopped) or (s.grammar is not None and s.grammar.done()):
             return t, "stop"
         return t, "length" if len(s.out) >= s.plan.sampling.max_tokens else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import numpy as np
-import torch
 
 
 GREEDY_BELOW = 1e-5     # a temperature this small is greedy (dividing by it would overflow to inf)
@@ -14,28 +13,29 @@ GREEDY_BELOW = 1e-5     # a temperature this small is greedy (dividing by it wou
 class Sampler:
     def __init__(self, temperature: float, top_p: float, seed: Optional[int]):
         self.temperature, self.top_p = temperature, top_p
-        self.gen = torch.Generator()
-        if seed is None:
-            self.gen.seed()
-        else:
-            self.gen.manual_seed(int(seed) % 2**64)
+        self.rng = np.random.default_rng(None if seed is None else int(seed) % 2**64)
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """logits: (vocab,) float32 on the CPU, -inf where the grammar forbids."""
-        if self.temperature < GREEDY_BELOW:            # numpy: a row's argmax without torch's op overhead
-            row = logits.numpy()
+    def pick(self, logits) -> int:
+        """logits: (vocab,) float32 on the CPU (a numpy array), -inf where the grammar forbids."""
+        row = np.asarray(logits)
+        if self.temperature < GREEDY_BELOW:
             i = int(row.argmax())                        # a NaN wins numpy's argmax: refused below
             if not np.isfinite(row[i]):
                 raise ValueError("the model gave no finite logit (all masked, or NaN)")
             return i
-        if not bool(torch.isfinite(logits).any()):
+        x = row.astype(np.float64)
+        if np.isnan(x).any() or not np.isfinite(x).any():
             raise ValueError("the model gave no finite logit (all masked, or NaN)")
-        p = torch.softmax(logits / self.temperature, -1)
+        p = np.exp((x - x.max()) / self.temperature)
         if self.top_p < 1:
-            ps, order = p.sort(descending=True)
-            keep = (ps.cumsum(0) - ps) < self.top_p          # the smallest prefix whose mass reaches top_p
-            p = torch.zeros_like(p).scatter_(0, order[keep], ps[keep])
-        return int(torch.multinomial(p, 1, generator=self.gen))
+            order = np.argsort(-p, kind="stable")
+            ps = p[order] / p.sum()
+            keep = order[(np.cumsum(ps) - ps) < self.top_p]  # the smallest prefix whose mass reaches top_p
+            q = np.zeros_like(p)
+            q[keep] = p[keep]
+            p = q
+        cdf = np.cumsum(p)
+        return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
 class Grammar:
@@ -52,9 +52,10 @@ class Grammar:
             raise ValueError(self.m.get_error())
         self.mask = lln.allocate_token_bitmask(1, lltok.vocab_size)
 
-    def apply(self, logits: torch.Tensor) -> None:
+    def apply(self, logits: np.ndarray) -> None:
+        """Set the forbidden tokens' logits to -inf, in place (logits: a (vocab,) float32 array)."""
         self._lln.fill_next_token_bitmask(self.m, self.mask, 0)
-        row = logits.numpy()[None]
+        row = logits[None]
         n = self.mask.shape[1] * 32
         if row.shape[1] > n:
             row[:, n:] = float("-inf")

@@ -39,6 +39,8 @@ class Plan:
     eos: tuple = ()
     thermal: bool = False        # its decode steps read the sketch's choice of its prompt (zeroedge.serve.thermal)
     notes: tuple = field(default=())
+    # a sequential backend's: the session's plan of the decoder and its mechanisms (RunPlan)
+    session_plan: Optional[object] = None
 
 
 def _mib(n: int) -> str:
@@ -50,11 +52,12 @@ class Planner:
     KV the server holds for all requests together (its pool) and one position's bytes."""
 
     def __init__(self, ctx: int, positions_total: int, position_bytes: int, eos=(), where: str = "the KV pool",
-                 min_prompt: int = 1, thermal_gate=None):
-        """thermal_gate: zeroedge.kv.policy.ReleaseGate deciding which requests take thermal KV (None: off)."""
+                 min_prompt: int = 1, thermal_gate=None, session=None):
+        """thermal_gate: zeroedge.kv.policy.ReleaseGate deciding which requests take thermal KV (None: off);
+        session: the ServingSession behind a sequential backend, whose plan each request also gets."""
         self.ctx, self.positions_total, self.position_bytes = ctx, positions_total, position_bytes
         self.eos, self.where, self.min_prompt = tuple(eos), where, min_prompt
-        self.thermal_gate = thermal_gate
+        self.thermal_gate, self.session = thermal_gate, session
 
     def plan(self, prompt: List[int], sampling: Sampling, grammar: Optional[str] = None,
              ignore_eos: bool = False) -> Plan:
@@ -76,5 +79,13 @@ class Planner:
             raise Refused("ignore_eos cannot go with response_format (the grammar ends with EOS)",
                           param="ignore_eos")
         thermal = self.thermal_gate is not None and self.thermal_gate.allows(need, sampling.temperature)
+        session_plan = None
+        if self.session is not None:
+            from zeroedge.errors import UserError
+
+            try:
+                session_plan = self.session.plan(n, sampling.max_tokens, sampling.temperature)
+            except UserError as e:
+                raise Refused(str(e)) from None
         return Plan(list(prompt), sampling, need, need * self.position_bytes, grammar,
-                    () if ignore_eos else self.eos, thermal)
+                    () if ignore_eos else self.eos, thermal, session_plan=session_plan)

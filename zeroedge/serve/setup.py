@@ -67,6 +67,36 @@ def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap:
     return min(max(avail - act, per_pos * 16), most), why
 
 
+def batched_backend(m, weights: str, threads: int, max_batch: int, chunk: int, kv_bytes: Optional[int],
+                    cap: Optional[int], ctx: int, kv_budget: Optional[float] = None) -> tuple:
+    """The engine's batched backend over model `m` (on its device, in eval mode) -> (TorchBatched, the
+    4-bit CPU step or None, where its KV pool's size comes from). weights: "q4" (the CPU's 4-bit step in
+    onnxruntime; the model's float linears are emptied) or "model" (its weights in torch)."""
+    import torch
+
+    from zeroedge.serve.backends import TorchBatched
+
+    linears = None
+    if weights == "q4":
+        if m.embed_tokens.weight.device.type != "cpu":
+            raise UserError("--weights q4 runs on the CPU (onnxruntime); on CUDA the model's weights serve")
+        from zeroedge.errors import require
+
+        require("onnx", "serve")
+        require("onnxruntime", "serve")
+        from zeroedge.serve.cpu_q4 import Q4Step
+
+        linears = Q4Step(m, threads, release_float=True)
+        _trim_heap()
+        torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
+    from zeroedge.runtime.memory import weights_bytes
+
+    resident = (linears.weight_bytes if linears is not None
+                else weights_bytes(m.cfg, m.embed_tokens.weight.element_size()))
+    pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk, resident)
+    return TorchBatched(m, pool, max_batch, chunk, linears, kv_budget), linears, why
+
+
 def build_server(model, backend, bundle, engines, plugins, served_name, max_batch, prefill_chunk, kv_bytes, cap,
                  ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes,
                  weights="auto", speculative="off", kv_budget=None, release_level=3):
@@ -82,7 +112,6 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
     torch.set_num_threads(threads)
     if backend == "torch":
         from zeroedge.weights import resolve_model, tokenizer_for
-        from zeroedge.serve.backends import TorchBatched
 
         dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
         if dev == "cuda" and not torch.cuda.is_available():
@@ -93,31 +122,13 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
         if weights == "auto":                   # thermal KV runs on the torch step
             weights = "q4" if dev == "cpu" and kv_budget is None else "model"
-        linears = None
-        if weights == "q4":
-            if dev != "cpu":
-                raise UserError("--weights q4 runs on the CPU (onnxruntime); on CUDA the model's weights serve")
-            from zeroedge.errors import require
-
-            require("onnx", "serve")
-            require("onnxruntime", "serve")
-            from zeroedge.serve.cpu_q4 import Q4Step
-
-            linears = Q4Step(m, threads, release_float=True)
-            _trim_heap()
-            torch.set_num_threads(1)            # torch's ops here are small: its idle threads would spin
-        from zeroedge.runtime.memory import weights_bytes
-
-        resident = (linears.weight_bytes if linears is not None
-                    else weights_bytes(cfg, m.embed_tokens.weight.element_size()))
-        pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk, resident)
-        b = TorchBatched(m, pool, max_batch, chunk, linears, kv_budget)
+        b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget)
         b.warm_up()
         tok = tokenizer_for(cfg, folder)
         name = served_name or (cfg.name if model in _presets() else str(model))
         info = {"mode": "batched", "backend": "torch", "device": b.device, "max_batch": max_batch,
-                "weights": ("4-bit blocks of 32 (the Q4_1 grid), 8-bit LM head, onnxruntime MatMulNBits"
-                            if linears is not None else f"the model's, {str(m.embed_tokens.weight.dtype)[6:]}"),
+                "weights": (linears.description if linears is not None
+                            else f"the model's, {str(m.embed_tokens.weight.dtype)[6:]}"),
                 "cpu_kernels": linears.kernels if linears is not None else None, "prefix_cache": b.prefix_cache,
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
                 "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size, "thermal_kv": None}
@@ -132,25 +143,24 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                                           "choice of the prompt's; every page stays in the pool"}
     else:
         from zeroedge.weights import tokenizer_for
-        from zeroedge.runtime.session import ServingSession
-        from zeroedge.serve.backends import BundleSequential
+        from zeroedge.serve.session import ServingSession, open_bundle
+        from zeroedge.serve.backends import SessionSequential
 
-        sess = ServingSession(None, backend=backend, bundle=bundle, engines=engines, plugin_lib=plugins,
-                              threads=threads or None)
-        r = sess.runner
-        mc = r.manifest["model"]
-        ctx = min(ctx or int(mc.get("max_seq_len") or 2048), int(mc.get("max_seq_len") or 2048))
-        b = BundleSequential(r, ctx, fixed_window=backend == "tensorrt")
+        sess = ServingSession(open_bundle(bundle, backend, engines, plugins, threads or None))
+        mc = sess.runner.manifest["model"]
+        ctx = min(ctx or sess.context, sess.context)
+        b = SessionSequential(sess, ctx)
         from types import SimpleNamespace
 
         tok = tokenizer_for(SimpleNamespace(vocab_size=mc["vocab_size"], name=mc.get("name")), bundle)
         name = served_name or str(mc.get("name") or "bundle")
-        info = {"mode": "sequential", "backend": backend, "device": "cuda" if backend == "tensorrt" else "cpu",
+        info = {"mode": "sequential", "backend": backend, "device": b.device,
                 "max_batch": 1, "context": ctx, "vocab_size": mc["vocab_size"],
                 "note": "a bundle serves one request at a time; the others wait in the queue"}
     eos = _eos_ids(tok, folder if backend == "torch" else bundle)
     lltok = _llguidance_tokenizer(tok, eos)
-    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt, thermal_gate=thermal_gate)
+    planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt, thermal_gate=thermal_gate,
+                      session=getattr(b, "session", None))
     engine = Engine(b, tok, lltok, on_tick=_watchdog(), speculative=speculative)
     info["speculative"] = engine.speculative
     if engine.speculative != speculative:

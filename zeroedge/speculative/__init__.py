@@ -175,6 +175,10 @@ class Speculator:
             k = next((j for j in range(1, len(cont) + 1) if j + 1 > self.cost.relative(j) * 1.01), 0)
         return cont[:k]
 
+    def prefilled(self, made: Sequence[int]) -> None:
+        """The token the prompt's prefill produced: the drafter reads it; no decode step is counted."""
+        self.drafter.extend(made)
+
     def update(self, drafted: int, accepted: int, made: Sequence[int]) -> None:
         """One model step: `drafted` tokens were checked, the first `accepted` kept, `made` are the
         tokens the step produced (the accepted ones and the model's own next, fewer if it ended)."""

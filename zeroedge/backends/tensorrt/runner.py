@@ -19,6 +19,8 @@ class TrtRunner(WindowRunner):
     prefill runs in the chunks its engine's profile was built for (engines.json's prefill_chunk; None
     or engines from before it: one pass)."""
 
+    backend = "tensorrt"
+
     def __init__(self, bundle, engines, plugin_lib=None, slots: Optional[int] = None, sinks: int = 4,
                  decay: float = 0.9, evict: Optional[Callable] = None, verify: bool = True, policy=None):
         self._read_bundle(bundle, verify)

@@ -1,9 +1,16 @@
-"""A request-level serving session: per request, which decode loop runs and with what mechanisms.
+"""A request-level serving session: per request, which decoder runs and with what mechanisms.
 
     s = ServingSession(model, kv_budget=0.1, artifact=(meta, tensors), release_level=3)
+    s = ServingSession(open_bundle("bundle/"))  # or a bundle's runner (onnxruntime; tensorrt with engines)
     r = s.generate(prompt_ids, max_new=64)      # Result: tokens, mechanisms, tokens/s, KV bytes
     p = s.plan(len(prompt_ids), max_new=64)     # RunPlan: what generate would run, decided before it runs
+    d = s.open(prompt_ids, 64, p)               # its decoder: prefill, step, verify, close
     s.set_level(1)                              # at run time (both gates, or which="thermal")
+
+`generate` runs the request through the serving engine (zeroedge.serve.engine, in the caller's
+thread) over zeroedge.serve.backends.SessionSequential, which steps the decoder `open` made: the
+engine picks the tokens (greedy or sampled, drafts checked while they agree), as for every request
+`zeroedge serve` runs.
 
 Two ReleaseGates (zeroedge.kv.policy, levels L0 off / L1 < 512 tokens / L2 < 4096 tokens at
 temperature 0 / L3 all) decide per request, from (prompt + new tokens, temperature):
@@ -25,13 +32,14 @@ Its SIH/PAD layers run in the torch backend's prefill (chunked, each chunk decid
 mechanisms "sih_pad", "sih_pad_layers", "sih_pad_ffn_flops_skipped"), off at temperature > 1; head
 pruning is not applied there (said in "not_applied"); the bundle backends run what the bundle holds.
 
-Backends: "torch" runs zeroedge.runtime.fast's Decoder with the attention (dense or thermal) and FFN
-(dense or paths) the gates chose: DenseDecoder, ThermalDecoder, PathsDecoder or ThermalPathsDecoder;
-on CUDA with CUDA graphs and, for the dense cache, the Triton attention (mechanisms "attention_decode"). "onnxruntime" runs OrtRunner over a bundle's
+Decoders: on "torch" (TorchDecoding) zeroedge.runtime.fast's Decoder with the attention (dense or
+thermal) and FFN (dense or paths) the gates chose: DenseDecoder, ThermalDecoder, PathsDecoder or
+ThermalPathsDecoder; on CUDA with CUDA graphs and, for the dense cache, the Triton attention
+(mechanisms "attention_decode"). On "onnxruntime" (BundleDecoding) OrtRunner over a bundle's
 fixed-slot window, dense (a window of every position) or with OrtThermalPolicy (pages, heat, an
 int8 store); a bundle exported with a magnitude paths artifact runs its ZeroEdgePathsFFN nodes there,
 and a request its release level does not allow sparse is refused, never decoded dense instead.
-"tensorrt" is the same loop over the bundle's TensorRT engines (TrtRunner, built by `zeroedge build`):
+"tensorrt" is the same decoding over the bundle's TensorRT engines (TrtRunner, built by `zeroedge build`):
 the two bundle backends differ only in the runner they open.
 
 Units of `pages_migrated`: torch counts (layer, kv head) page fetches into the slot window (the
@@ -42,9 +50,10 @@ The breaker counts whole-model pages on both backends: torch fetches divided by 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, List, Optional, Union
+
+import numpy as np
 
 from zeroedge.errors import UserError
 from zeroedge.kv.policy import LEVELS, ReleaseGate, memory_kind, plan_tiers
@@ -179,14 +188,17 @@ def quantize_weights(model, calib, where="artifact"):
 
 
 class ServingSession:
-    def __init__(self, model=None, backend: str = "torch", bundle=None, kv_budget: Optional[float] = None,
-                 page_size: Optional[int] = None, artifact=None, release_level: int = 3,
-                 paths_level: Optional[int] = None, trip_pages: int = 1200, trip_requests: int = 5,
-                 on_alert: Optional[Callable[[str], None]] = None, graph: bool = True,
-                 threads: Optional[int] = None, thermal_opts: Optional[dict] = None,
-                 model_cfg=None, engines=None, plugin_lib=None, device_memory: Optional[int] = None):
-        if backend not in BACKENDS:
-            raise UserError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+    def __init__(self, source, kv_budget: Optional[float] = None, page_size: Optional[int] = None,
+                 artifact=None, release_level: int = 3, paths_level: Optional[int] = None,
+                 trip_pages: int = 1200, trip_requests: int = 5, on_alert: Optional[Callable[[str], None]] = None,
+                 graph: bool = True, thermal_opts: Optional[dict] = None, device_memory: Optional[int] = None):
+        """source: a model in eval mode (the torch backend) or a bundle's runner (`open_bundle`: the
+        onnxruntime or tensorrt backend)."""
+        from zeroedge.backends.window import WindowRunner
+
+        if source is None:
+            raise UserError("a serving session needs a model or a bundle's runner (open_bundle)")
+        backend = source.backend if isinstance(source, WindowRunner) else "torch"
         if kv_budget is not None:
             try:
                 ok = 0 < float(kv_budget) <= 1
@@ -208,20 +220,21 @@ class ServingSession:
         self.paths_gate = ReleaseGate(release_level if paths_level is None else paths_level)
         self.graph, self.thermal_opts = graph, dict(thermal_opts or {})
         self._check_thermal_opts()
-        self.model, self.runner, self.policies = model, None, None
+        model = source if backend == "torch" else None
+        self.model, self.runner, self.policies = model, (None if backend == "torch" else source), None
         self.device_memory = device_memory
         if device_memory is not None and backend != "torch":
             raise UserError(f"a device memory cap applies to the torch backend; for a bundle, "
                             f"`zeroedge plan BUNDLE --board B --ctx N` forecasts the {backend} runtime")
+        if backend == "torch" and model.training:
+            raise UserError("the serving session is inference-only: call model.eval() first")
+        # the longest prompt + completion: the model's context (TensorRT engines: their window at most)
         if backend == "torch":
-            if model is None:
-                raise UserError("the torch backend needs a model")
-            if model.training:
-                raise UserError("the serving session is inference-only: call model.eval() first")
+            self.context = model.cfg.max_seq_len
         else:
-            if bundle is None:
-                raise UserError(f"the {backend} backend needs --bundle DIR (an exported bundle)")
-            self._open_bundle(bundle, threads, model.cfg if model is not None else model_cfg, engines, plugin_lib)
+            self.context = int(self.runner.manifest["model"].get("max_seq_len") or 2048)
+            if backend == "tensorrt":
+                self.context = min(self.context, self.runner.slots)
         self.bundle_paths = []
         self.not_applied: List[str] = []   # what the artifact holds that this backend does not run
         self.sih = None                    # (policies, runtime): the artifact's SIH/PAD layers (torch prefill)
@@ -447,13 +460,14 @@ class ServingSession:
         if speculative != "off" and self.backend != "torch":
             raise UserError(f"speculative decoding needs the torch backend (the {self.backend} backend's step "
                             "gives the last position's logits only)")
+        if prompt_len + max_new > self.context:
+            raise UserError(f"{prompt_len} prompt + {max_new} new tokens exceed the "
+                            + ("model's context" if self.backend != "tensorrt" else "engines' window")
+                            + f" ({self.context})")
         plan = self.decide(prompt_len, max_new, temperature, paths)
         if self.backend != "torch":
             return plan
         T, ps = prompt_len, self.page_size
-        if T + max_new > self.model.cfg.max_seq_len:
-            raise UserError(f"{T} prompt + {max_new} new tokens exceed the model's context "
-                            f"({self.model.cfg.max_seq_len})")
         P = ((T - 1) // ps) * ps             # the prefilled part: up to the prompt's last whole page
         self._plan_thermal(plan, T, P, max_new, temperature)
         if self.sih is not None:
@@ -479,8 +493,14 @@ class ServingSession:
     def generate(self, prompt: List[int], max_new: int, temperature: float = 0.0,
                  paths: Optional[bool] = None, eos: Optional[int] = None, seed: int = 0,
                  speculative: str = "off") -> Result:
-        """speculative: "off", "ngram" or "auto" (zeroedge.speculative: drafts by prompt lookup, checked
-        by the model; the torch backend's dense decoder)."""
+        """One request through the serving engine (zeroedge.serve.engine, in this thread) over this
+        session's decoder. speculative: "off", "ngram" or "auto" (zeroedge.speculative: drafts by
+        prompt lookup, checked by the model; the torch backend's dense decoder). The tokens end with
+        `eos` when the model picked it."""
+        from zeroedge.serve.backends import SessionSequential
+        from zeroedge.serve.engine import Engine
+        from zeroedge.serve.plan import Plan, Sampling
+
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise UserError("the prompt is empty")
@@ -489,24 +509,35 @@ class ServingSession:
         if temperature < 0 or temperature != temperature:
             raise UserError(f"temperature must be >= 0 (got {temperature})")
         plan = self.plan(len(prompt), max_new, temperature, paths, speculative)
-        if self.backend == "torch":
-            try:
-                res = self._torch(prompt, max_new, temperature, plan, eos, seed)
-            except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
-                if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
-                    raise
-                hint = ("" if _allocator_segments() != "fixed" else "; the allocator's segments are fixed and "
-                        "their unused reserve counts: start the process with PYTORCH_CUDA_ALLOC_CONF="
-                        "expandable_segments:True")
-                raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
-                                f"(the forecast said {plan.device_memory}): {str(e).splitlines()[0]}{hint}"
-                                ) from None
-        else:
-            res = self._ort(prompt, max_new, temperature, plan, eos, seed)
+        T = len(prompt)
+        request = Plan(prompt, Sampling(max_new, temperature, 1.0, seed), T + max_new, 0,
+                       eos=() if eos is None else (int(eos),), session_plan=plan)
+        backend = SessionSequential(self, T + max_new)
+        try:
+            seq = Engine(backend, speculative=plan.speculative or "off").run(request)
+        except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
+            if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
+                raise
+            hint = ("" if _allocator_segments() != "fixed" else "; the allocator's segments are fixed and "
+                    "their unused reserve counts: start the process with PYTORCH_CUDA_ALLOC_CONF="
+                    "expandable_segments:True")
+            raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
+                            f"(the forecast said {plan.device_memory}): {str(e).splitlines()[0]}{hint}"
+                            ) from None
+        return result_of(seq, eos, backend.last.report)
+
+    def open(self, prompt: List[int], max_new: int, plan: Optional[RunPlan] = None):
+        """The decoder `plan` chose for this request (made now when not given), before its prefill:
+        a TorchDecoding or a BundleDecoding (prefill, step, verify where it checks drafts, close)."""
+        if plan is None:
+            plan = self.plan(len(prompt), max_new)
+        return (TorchDecoding if self.backend == "torch" else BundleDecoding)(self, prompt, max_new, plan)
+
+    def _closed(self, plan: RunPlan, mechanisms: dict, pages_migrated: int) -> None:
+        """A request's decoder closed: the thermal gate's breaker counts the pages it migrated."""
         if plan.thermal_kv:
-            self.thermal_gate.record(self.model_pages(res.pages_migrated))
-        res.mechanisms["release_level_after"] = self.thermal_gate.level
-        return res
+            self.thermal_gate.record(self.model_pages(pages_migrated))
+        mechanisms["release_level_after"] = self.thermal_gate.level
 
     def model_pages(self, pages: int) -> int:
         """Pages migrated in whole-model pages of P positions (the breaker's unit)."""
@@ -515,63 +546,7 @@ class ServingSession:
         per = len(self.model.layers) * self.model.cfg.n_kv_heads
         return -(-int(pages) // per)
 
-    # -- shared --------------------------------------------------------------------------------
-    @staticmethod
-    def _sampler(temperature, seed):
-        import numpy as np
-
-        rng = np.random.default_rng(seed)
-
-        def pick(logits) -> int:
-            x = np.asarray(logits, np.float64)
-            if temperature <= 0:
-                return int(x.argmax())
-            z = (x - x.max()) / temperature
-            p = np.exp(z)
-            return int(rng.choice(len(p), p=p / p.sum()))
-        return pick
-
     # -- torch ---------------------------------------------------------------------------------
-    def _torch(self, prompt, max_new, temperature, plan: RunPlan, eos, seed) -> Result:
-        import torch
-
-        m, T, ps = self.model, len(prompt), self.page_size
-        # the prompt is prefilled up to its last whole page (exact, or into a compressed cold store);
-        # the rest of it runs through the decode loop (with the decode mechanisms)
-        P = ((T - 1) // ps) * ps
-        thermal = plan.thermal_kv
-        ran = plan.to_dict()                 # the mechanisms, and below what ran
-        t0 = time.perf_counter()
-        dec, cold = self._torch_decoder(prompt, P, max_new, plan, ran)
-        moved = torch.zeros((), dtype=torch.long, device=dec.device)
-        spec = None
-        if plan.speculative:
-            from zeroedge.speculative import Speculator
-
-            spec = Speculator.create(plan.speculative, prompt)
-        out, t1, t2 = self._torch_loop(dec, prompt, P, max_new, thermal, moved,
-                                       self._sampler(temperature, seed), eos, spec)
-        el = torch.finfo(dec.dtype).bits // 8
-        full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + max_new) * m.cfg.head_dim * el
-        detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
-        if thermal:
-            kb = dec.device_kv_bytes()
-            device_kv = kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
-            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
-                          cold_store=cold, cold_on_device_bytes=kb["cold_on_device"],
-                          cold_in_file_bytes=kb["cold_in_file"],
-                          scheduler=dec.attention.scheduler_report(), thermal_policy=dec.attention.policy(),
-                          migrated_bytes=int(moved) * 2 * ps * m.cfg.head_dim * el)
-        else:
-            device_kv = dec.kv_bytes()
-        if plan.paths:
-            detail["paths_channels_kept_last_step"] = dec.kept()
-        if spec is not None:
-            detail["speculative"] = spec.stats.to_dict()
-        steps = len(out) - 1
-        return Result(out, ran, T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
-                      device_kv, full, int(moved) if thermal else 0, detail)
-
     def _plan_thermal(self, plan: RunPlan, T, P, max_new, temperature):
         """Thermal KV only where it saves memory (the prompt's P prefilled positions have pages to
         leave cold), then the device memory cap."""
@@ -670,127 +645,185 @@ class ServingSession:
                                       else "dequantized weights (no packed GEMV on this device)")
         return dec, cold
 
-    @staticmethod
-    def _torch_loop(dec, prompt, P, max_new, thermal, moved, pick, eos, spec=None):
-        """The prompt's tail teacher-forced, then up to max_new tokens; the tokens and the times the
-        first token and the last one were ready. Thermal page swaps are counted into `moved`. With
-        `spec`, a step checks the drafter's tokens with the model (Decoder.verify) and keeps the
-        model's own picks while they agree: every token is picked from the model's logits there."""
+
+
+def open_bundle(bundle, backend: str = "onnxruntime", engines=None, plugin_lib=None, threads: Optional[int] = None,
+                model_cfg=None):
+    """A bundle's runner for a ServingSession: OrtRunner (onnxruntime) or TrtRunner over the TensorRT
+    engines `zeroedge build BUNDLE -o ENGINES` made; with model_cfg, checked to be that model's."""
+    from pathlib import Path
+
+    if backend not in BACKENDS[1:]:
+        raise UserError(f"a bundle runs on {' or '.join(BACKENDS[1:])} (got {backend!r})")
+    if bundle is None or not Path(bundle).is_dir():
+        raise UserError(f"bundle not found: {bundle}")
+    if backend == "tensorrt":
+        from zeroedge.backends.tensorrt import TrtRunner
+
+        if engines is None:
+            raise UserError("the tensorrt backend needs --engines DIR (made by zeroedge build BUNDLE -o DIR)")
+        runner = TrtRunner(bundle, engines, plugin_lib)
+    else:
+        from zeroedge.backends.onnxruntime import OrtRunner
+
+        runner = OrtRunner(bundle, threads=threads)
+    if model_cfg is not None:
+        from zeroedge.calib_artifact import shape_mismatch
+
+        cfg, mine = runner.manifest["model"], model_cfg.to_dict()
+        bad = shape_mismatch(cfg, mine)
+        if bad:
+            raise UserError(f"{bundle} was exported from {cfg.get('name')} ({bad[0]}), not from "
+                            f"{mine.get('name')} ({bad[1]})")
+    return runner
+
+
+@dataclass
+class Report:
+    """What a closed request's decoder reports (the Result's fields past the tokens and times)."""
+    mechanisms: dict
+    device_kv_bytes: int
+    full_kv_bytes: int
+    pages_migrated: int
+    detail: dict
+
+
+def result_of(seq, eos: Optional[int], report: Report) -> Result:
+    """A request the engine ran (zeroedge.serve.engine.Sequence) as a Result: its tokens (ending with
+    `eos` when the model picked it), its times and what its decoder reported."""
+    tokens = seq.out + ([int(eos)] if seq.finish_reason == "stop" and eos is not None else [])
+    if seq.spec is not None:
+        report.detail["speculative"] = seq.spec.stats.to_dict()
+    prefill_s, decode_s = seq.t_first - seq.t_submit, seq.t_done - seq.t_first
+    steps = seq.picks - 1                   # tokens after the first, an EOS picked included
+    return Result(tokens, report.mechanisms, len(seq.plan.prompt), prefill_s, decode_s,
+                  steps / decode_s if steps and decode_s > 0 else 0.0, report.device_kv_bytes,
+                  report.full_kv_bytes, report.pages_migrated, report.detail)
+
+
+class TorchDecoding:
+    """A request on the torch backend: the decoder its plan chose (one attention strategy, one FFN),
+    filled by the prompt's prefill up to its last whole page (exact, or into a compressed cold store)
+    and the prompt's tail teacher-forced through the decode step (with the decode mechanisms); then
+    one token a step, or (the dense decoder) a draft checked in one step (Decoder.verify). Thermal
+    page swaps are counted as they happen."""
+
+    def __init__(self, session: ServingSession, prompt: List[int], max_new: int, plan: RunPlan):
+        self.s, self.prompt, self.max_new, self.plan = session, prompt, max_new, plan
+        self.ran = plan.to_dict()            # the mechanisms, and below what ran
+        self.dec = self.cold = self.report = None
+
+    def prefill(self, tokens) -> np.ndarray:
         import torch
 
-        T = len(prompt)
-        slot_page = dec.attention.slot_page if thermal else None
-        prev = slot_page.clone() if thermal else None
+        T, ps = len(self.prompt), self.s.page_size
+        P = ((T - 1) // ps) * ps
+        self.dec, self.cold = self.s._torch_decoder(self.prompt, P, self.max_new, self.plan, self.ran)
+        self.moved = torch.zeros((), dtype=torch.long, device=self.dec.device)
+        if self.plan.thermal_kv:
+            self._slot_page = self.dec.attention.slot_page
+            self._prev = self._slot_page.clone()
+        for pos in range(P, T):
+            logits = self._step(self.prompt[pos], pos)
+        return logits.float().cpu().numpy()
 
-        def step(tok, pos):
-            out = dec.step(tok, pos)
-            if thermal:
-                moved.add_((slot_page != prev).sum())
-                prev.copy_(slot_page)
-            return out
+    def _step(self, token: int, pos: int):
+        out = self.dec.step(token, pos)
+        if self.plan.thermal_kv:
+            self.moved.add_((self._slot_page != self._prev).sum())
+            self._prev.copy_(self._slot_page)
+        return out
 
-        for pos in range(P, T):                                   # the prompt's tail, teacher-forced
-            logits = step(prompt[pos], pos)
-        nxt = pick(logits.float().cpu().numpy())
-        sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
-        sync()
-        t1 = time.perf_counter()
-        out = [nxt]
-        if spec is not None:
-            ServingSession._spec_loop(dec, spec, step, pick, out, T, max_new, eos)
-            return out, t1, time.perf_counter()
-        for i in range(max_new - 1):
-            if eos is not None and nxt == eos:
-                break
-            logits = step(nxt, T + i)
-            nxt = pick(logits.float().cpu().numpy())
-            out.append(nxt)
-        sync()
-        return out, t1, time.perf_counter()
+    def step(self, token: int, pos: int) -> np.ndarray:
+        return self._step(token, pos).float().cpu().numpy()
 
-    @staticmethod
-    def _spec_loop(dec, spec, step, pick, out, T, max_new, eos):
-        from zeroedge.speculative import agreed
+    def verify(self, tokens: List[int], pos: int) -> np.ndarray:
+        return self.dec.verify(tokens, pos).float().cpu().numpy()
 
-        while len(out) < max_new and not (eos is not None and out[-1] == eos):
-            pos = T + len(out) - 1
-            draft = spec.propose(max_new - len(out) - 1)
-            t0 = time.perf_counter()
-            if draft:
-                rows = dec.verify([out[-1]] + draft, pos).float().cpu().numpy()
-            else:
-                rows = step(out[-1], pos).float().cpu().numpy()[None]
-            picks = []
-            for i, row in enumerate(rows):
-                picks.append(pick(row))
-                if picks[-1] == eos or i >= len(draft) or picks[-1] != draft[i]:
-                    break
-            spec.cost.observe(len(draft), time.perf_counter() - t0)
-            spec.update(len(draft), agreed(draft, picks), picks)
-            out += picks
+    def device_kv_bytes(self) -> int:
+        if self.dec is None:
+            return 0
+        if not self.plan.thermal_kv:
+            return self.dec.kv_bytes()
+        kb = self.dec.device_kv_bytes()
+        return kb["hot"] + kb["summaries"] + kb["generated"] + kb["page_table"] + kb["cold_on_device"]
 
-    # -- bundle backends: onnxruntime, tensorrt ------------------------------------------------
-    def _open_bundle(self, bundle, threads, want_cfg=None, engines=None, plugin_lib=None):
-        from pathlib import Path
+    def close(self) -> None:
+        import torch
 
-        if not Path(bundle).is_dir():
-            raise UserError(f"bundle not found: {bundle}")
-        if self.backend == "tensorrt":
-            from zeroedge.backends.tensorrt import TrtRunner
+        dec = self.dec
+        if dec is None or self.report is not None:
+            return
+        m, T, ps = self.s.model, len(self.prompt), self.s.page_size
+        el = torch.finfo(dec.dtype).bits // 8
+        full = 2 * len(m.layers) * m.cfg.n_kv_heads * (T + self.max_new) * m.cfg.head_dim * el
+        detail = {"decoder": type(dec).__name__, "backend": "torch", "device": str(dec.device)}
+        moved = int(self.moved) if self.plan.thermal_kv else 0
+        if self.plan.thermal_kv:
+            kb = dec.device_kv_bytes()
+            detail.update(hot_kv_bytes=kb["hot"], summary_bytes=kb["summaries"], page_size=ps,
+                          cold_store=self.cold, cold_on_device_bytes=kb["cold_on_device"],
+                          cold_in_file_bytes=kb["cold_in_file"],
+                          scheduler=dec.attention.scheduler_report(), thermal_policy=dec.attention.policy(),
+                          migrated_bytes=moved * 2 * ps * m.cfg.head_dim * el)
+        if self.plan.paths:
+            detail["paths_channels_kept_last_step"] = dec.kept()
+        self.report = Report(self.ran, self.device_kv_bytes(), full, moved, detail)
+        self.dec = None                      # the decoder's cache goes with it
+        self.s._closed(self.plan, self.ran, moved)
 
-            if engines is None:
-                raise UserError("the tensorrt backend needs --engines DIR (made by zeroedge build BUNDLE -o DIR)")
-            self.runner = TrtRunner(bundle, engines, plugin_lib)
-        else:
-            from zeroedge.backends.onnxruntime import OrtRunner
 
-            self.runner = OrtRunner(bundle, threads=threads)
-        cfg = self.runner.manifest["model"]
-        if want_cfg is not None:
-            from zeroedge.calib_artifact import shape_mismatch
+class BundleDecoding:
+    """A request on a bundle backend: the runner's window sized to it (every position: exact), or
+    thermal KV's window of pages with OrtThermalPolicy; the prompt in one prefill, then one token a
+    step."""
 
-            mine = want_cfg.to_dict()
-            bad = shape_mismatch(cfg, mine)
-            if bad:
-                raise UserError(f"{bundle} was exported from {cfg.get('name')} ({bad[0]}), not from "
-                                f"{mine.get('name')} ({bad[1]})")
-
-    def _ort(self, prompt, max_new, temperature, plan: RunPlan, eos, seed) -> Result:
+    def __init__(self, session: ServingSession, prompt: List[int], max_new: int, plan: RunPlan):
         from zeroedge.kv.ort_policy import OrtThermalPolicy
 
-        r, T, ps = self.runner, len(prompt), self.page_size
+        r, T, ps = session.runner, len(prompt), session.page_size
         if T < 2:
-            raise UserError(f"the {self.backend} backend needs a prompt of at least 2 tokens")
-        n = T + max_new
+            raise UserError(f"the {session.backend} backend needs a prompt of at least 2 tokens")
+        self.s, self.r, self.prompt, self.max_new, self.plan = session, r, prompt, max_new, plan
         if plan.thermal_kv:
-            pol = OrtThermalPolicy(page_size=ps, **self.thermal_opts)
-            r.slots, r.policy = pol.window_pages(r.sinks, self.kv_budget, T, max_new) * ps, pol
+            self.pol = OrtThermalPolicy(page_size=ps, **session.thermal_opts)
+            r.slots, r.policy = self.pol.window_pages(r.sinks, session.kv_budget, T, max_new) * ps, self.pol
         else:
-            pol = None
-            r.slots, r.policy = n, None                      # a window of every position: exact
-        pick = self._sampler(temperature, seed)
-        d0 = r.timings["decode_s"]
-        t0 = time.perf_counter()
-        nxt = pick(r.prefill(prompt))
-        t1 = time.perf_counter()
-        out = [nxt]
-        for _ in range(max_new - 1):
-            if eos is not None and nxt == eos:
-                break
-            nxt = pick(r.step(nxt))
-            out.append(nxt)
-        t2 = time.perf_counter()
-        full = 2 * r.L * r.nkv * n * r.hd * 4
-        device_kv = r.window_bytes()
-        detail = {"decoder": type(r).__name__, "backend": self.backend, "window_slots": r.slots,
-                  "graph_decode_s": r.timings["decode_s"] - d0}
-        if self.bundle_paths:
-            detail["paths_layers"] = self.bundle_paths
-        if pol is not None:
-            st = pol.stats()
-            device_kv += st["summary_bytes"] + st["page_table_bytes"]
-            detail.update(hot_kv_bytes=r.window_bytes(), page_size=ps, thermal=st,
-                          migrated_bytes=st["migrated_bytes"])
-        steps = len(out) - 1
-        return Result(out, plan.to_dict(), T, t1 - t0, t2 - t1, steps / (t2 - t1) if steps and t2 > t1 else 0.0,
-                      device_kv, full, pol.migrated if pol is not None else 0, detail)
+            self.pol = None
+            r.slots, r.policy = T + max_new, None          # a window of every position: exact
+        self.decode_s0 = r.timings["decode_s"]
+        self.report = None
+
+    def prefill(self, tokens) -> np.ndarray:
+        return self.r.prefill(np.asarray(tokens))
+
+    def step(self, token: int, pos: int) -> np.ndarray:
+        return self.r.step(token)
+
+    def verify(self, tokens, pos):
+        raise UserError(f"the {self.s.backend} backend's step gives the last position's logits only")
+
+    def device_kv_bytes(self) -> int:
+        n = self.r.window_bytes()
+        if self.pol is not None:
+            st = self.pol.stats()
+            n += st["summary_bytes"] + st["page_table_bytes"]
+        return n
+
+    def close(self) -> None:
+        if self.report is not None:
+            return
+        r, ps = self.r, self.s.page_size
+        full = 2 * r.L * r.nkv * (len(self.prompt) + self.max_new) * r.hd * 4
+        detail = {"decoder": type(r).__name__, "backend": self.s.backend, "window_slots": r.slots,
+                  "graph_decode_s": r.timings["decode_s"] - self.decode_s0}
+        if self.s.bundle_paths:
+            detail["paths_layers"] = self.s.bundle_paths
+        moved = 0
+        if self.pol is not None:
+            st = self.pol.stats()
+            detail.update(hot_kv_bytes=r.window_bytes(), page_size=ps, thermal=st, migrated_bytes=st["migrated_bytes"])
+            moved = self.pol.migrated
+        mech = self.plan.to_dict()
+        self.report = Report(mech, self.device_kv_bytes(), full, moved, detail)
+        self.s._closed(self.plan, mech, moved)

@@ -345,3 +345,26 @@ def test_serving_session_runs_the_bundle_paths(tiny_paths):
         s.generate(prompt, 4, paths=False)
     with pytest.raises(UserError, match="raise the release level"):
         s.decide(600, 10)                                  # L1 excludes 610 tokens
+
+
+def test_served_paths_bundle_refuses_what_its_release_level_excludes(tiny_paths):
+    """`zeroedge serve --bundle` plans each request with the bundle's session: a decode graph with
+    paths serves only the requests its release level allows (HTTP 400 for the rest, the server
+    going on), as `zeroedge run` refuses them."""
+    import httpx
+    from test_serve import Served
+
+    for level, status in ((0, 400), (3, 200)):
+        s = Served("--backend", "onnxruntime", "--bundle", tiny_paths, "--release-level", level)
+        try:
+            name = httpx.get(s.base + "/v1/models").json()["data"][0]["id"]
+            r = httpx.post(s.base + "/v1/completions", json={"model": name, "prompt": list(range(3, 23)),
+                                                            "max_tokens": 4, "temperature": 0}, timeout=120)
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert "raise the release level" in r.json()["error"]["message"]
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 4
+            assert httpx.get(s.base + "/health").status_code == 200
+        finally:
+            s.stop()

@@ -63,8 +63,9 @@ from zeroedge.commands.common import check_model, examples, fraction_option, mem
                       "recent and generated tokens and the pages its key sketch scores best for each step's query); "
                       "every page stays in memory. Off by default; runs on the model's weights in torch.")
 @click.option("--release-level", type=click.IntRange(0, 3), default=3, show_default=True,
-              help="With --kv-budget: the requests that take thermal KV: 0 none, 1 < 512 tokens, 2 < 4096 "
-                   "tokens at temperature 0, 3 all (prompt + max_tokens).")
+              help="The requests a mechanism may serve (prompt + max_tokens): 0 none, 1 < 512 tokens, 2 < 4096 "
+                   "tokens at temperature 0, 3 all. With --kv-budget, those that take thermal KV; for a bundle "
+                   "exported with decode paths, those its decode graph serves (the others: HTTP 400).")
 @memory_cap_options("torch backend: device memory the server may use (e.g. 6G); the KV pool is what the "
                     "weights leave of it.")
 def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, served_model_name, max_batch,

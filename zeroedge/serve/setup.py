@@ -146,7 +146,8 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         from zeroedge.serve.session import ServingSession, open_bundle
         from zeroedge.serve.backends import SessionSequential
 
-        sess = ServingSession(open_bundle(bundle, backend, engines, plugins, threads or None))
+        sess = ServingSession(open_bundle(bundle, backend, engines, plugins, threads or None),
+                              release_level=release_level)
         mc = sess.runner.manifest["model"]
         ctx = min(ctx or sess.context, sess.context)
         b = SessionSequential(sess, ctx)

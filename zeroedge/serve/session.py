@@ -711,7 +711,7 @@ class TorchDecoding:
     def __init__(self, session: ServingSession, prompt: List[int], max_new: int, plan: RunPlan):
         self.s, self.prompt, self.max_new, self.plan = session, prompt, max_new, plan
         self.ran = plan.to_dict()            # the mechanisms, and below what ran
-        self.dec = self.cold = self.report = None
+        self.dec = self.cold = self.report = self.moved = self._slot_page = self._prev = None
 
     def prefill(self, tokens) -> np.ndarray:
         import torch
@@ -769,7 +769,7 @@ class TorchDecoding:
         if self.plan.paths:
             detail["paths_channels_kept_last_step"] = dec.kept()
         self.report = Report(self.ran, self.device_kv_bytes(), full, moved, detail)
-        self.dec = None                      # the decoder's cache goes with it
+        self.dec = self.moved = self._slot_page = self._prev = None   # its device memory goes with them
         self.s._closed(self.plan, self.ran, moved)
 
 

@@ -414,3 +414,5 @@ def test_sampler_picks_finite_logits_and_refuses_rows_without_any():
     nan_at_max[3] = float("nan")
     with pytest.raises(ValueError, match="no finite logit"):
         Sampler(0.0, 1.0, 0).pick(nan_at_max)                        # greedy never returns a NaN's index
+    with pytest.raises(ValueError, match="no finite logit"):
+        Sampler(0.8, 0.9, 0).pick(nan_at_max)                        # nor does sampling draw beside one

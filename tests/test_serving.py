@@ -419,6 +419,12 @@ def test_generate_goes_through_the_engine_ends_at_eos_and_samples_by_seed(model,
         assert s.generate(prompt, 16).tokens == ref                   # the runner was released
     with pytest.raises(UserError, match="new tokens exceed the model's context"):
         s.generate(prompt, 10 ** 6)
+    with pytest.raises(UserError, match="needs a model or a bundle's runner"):
+        ServingSession(None)
+    with pytest.raises(UserError, match="a bundle runs on onnxruntime or tensorrt"):
+        open_bundle(bundle, "torch")
+    with pytest.raises(UserError, match="needs --engines"):
+        open_bundle(bundle, "tensorrt")
 
 
 def test_session_onnxruntime_dense_equals_reference(model, bundle):

@@ -220,8 +220,11 @@ def test_run_q4_refuses_what_its_step_does_not_run(tmp_path):
     f.write_text("In the beginning")
     for extra, says in ((["--kv-budget", "0.1"], "--kv-budget run on --weights model"),
                         (["--device", "cuda"], "runs on the CPU"),
-                        (["--paths"], "--paths run on --weights model")):
-        r = run_cli("run", MODEL, "--prompt-file", f, "--weights", "q4", *extra, check_rc=None)
+                        (["--paths"], "--paths run on --weights model"),
+                        (["--backend", "onnxruntime", "--bundle", tmp_path], "runs its bundle's weights"),
+                        (["--max-new", "100000"], "exceed the model's context")):
+        model = [] if "--backend" in extra else [MODEL]
+        r = run_cli("run", *model, "--prompt-file", f, "--weights", "q4", *extra, check_rc=None)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 

@@ -68,7 +68,17 @@ def test_fit_manifest_records_provenance(split, fitted):
     # the Q gate, when kept, is the bundle's (monitor) and the summary's; each held-out normal run's FAR
     assert s["monitor"]["q_limit"] == s["alarm"]["q_limit"] == summary["q_limit"]
     assert s["monitor"]["q_frames"] == 32 and s["monitor"]["q_scale"] > 0
-    assert s["alarm"]["q_share"] in (0.0, 0.25) and (s["alarm"]["q_limit"] is None) == (s["alarm"]["q_share"] == 0)
+    assert (s["alarm"]["q_limit"] is None) == (s["alarm"]["q_share"] == 0)
+    # the channel gates likewise (the spread and level gates share the Q gate's quarter of the budget)
+    from zeroedge.sensor.fit import GATE_SHARES
+
+    assert tuple(s["alarm"][f"{g}_share"] for g in ("q", "spread", "level")) in GATE_SHARES
+    for g in ("spread", "level"):
+        assert s["monitor"][f"{g}_limit"] == s["alarm"][f"{g}_limit"] == summary[f"{g}_limit"]
+        assert (s["alarm"][f"{g}_limit"] is None) == (s["alarm"][f"{g}_share"] == 0)
+        assert len(s["monitor"][f"{g}_scale"]) == 52 and min(s["monitor"][f"{g}_scale"]) >= 0.1
+    assert s["monitor"]["still_gate"] == s["alarm"]["still_gate"] == summary["still_gate"]
+    assert s["monitor"]["channel_frames"] == 16 and len(s["monitor"]["still_std"]) == 52
     runs = s["alarm"]["val_far_runs"]
     assert list(runs) == [str(fit["normal"]), str(fit[9])] and all(0 <= v <= 1 for v in runs.values())
     assert abs(np.mean(list(runs.values())) - s["alarm"]["val_far"]) < 0.01      # two runs of 340 and 320
@@ -363,3 +373,60 @@ def test_q_gate_runtime_matches_calibration_units():
     assert (g[raised, 0] == 0).all() and (g[raised, 1] > g[raised, 2]).all()
     np.testing.assert_allclose(g[~raised], plain[~raised], atol=1e-7)
     np.testing.assert_allclose(plain[:, 0], 0.9, atol=1e-6)
+
+
+def test_channel_gates_read_each_channel_alone():
+    """Over the last channel_frames frames: a channel that moved in every stretch of the normal data
+    and then holds its value (a valve stuck where it was, a frozen sensor) raises the still gate; one
+    that moves more than it did there raises the spread gate past its limit; one that sits off its
+    normal mean by more than it did there, the level gate. Each reads the same sample by sample
+    (calibration) as window by window (daemon); a channel that already stood still in the normal data
+    never raises the still gate; with the gates off nothing changes."""
+    from zeroedge.sensor.fit import fit_monitor
+    from zeroedge.sensor.runtime import Detector, run_channel_stats, window_channel_stats
+
+    rng = np.random.default_rng(2)
+    Z = rng.normal(size=(400, 5))
+    Z[100:120, 4] = 0.7                                       # channel 4 stands still in normal data
+    mon = fit_monitor(Z, q_frames=8, channel_frames=6)
+    assert mon["still_gate"] is False and mon["spread_limit"] is None and mon["level_limit"] is None
+    assert mon["channel_frames"] == 6
+    assert all(v > 0 for v in mon["still_std"][:4]) and mon["still_std"][4] == 0.0
+    assert all(1.0 < v < 3.0 for v in mon["spread_scale"])    # the most a channel moved over 6 samples
+    assert all(0.5 < v < 3.0 for v in mon["level_scale"])     # the furthest its 6-sample mean went
+
+    run = rng.normal(size=(110, 5))
+    run[30:, 1] = run[29, 1]                                  # channel 1 holds its value from sample 29
+    run[10:40, 4] = 0.7                                       # channel 4 held still: as in normal data
+    run[60:80, 2] *= 8                                        # channel 2 swings 8 times as far, 60-79
+    run[90:, 3] += 6                                          # channel 3 sits 6 above its mean from 90
+    st = run_channel_stats(mon, run)
+    assert not st.still[:34].any() and st.still[34:].all()    # 6 equal values from 29 to 34
+    assert st.spread[:60].max() < 2 and st.spread[65:80].min() > 2
+    assert st.level[:60].max() < 2 and st.level[95:].min() > 2
+    by_window = [window_channel_stats(mon, run[None, max(0, t - 7):t + 1]) for t in range(len(run))]
+    assert list(st.still) == [bool(w.still[0]) for w in by_window]
+    np.testing.assert_allclose(st.spread, [w.spread[0] for w in by_window], rtol=1e-9)
+    np.testing.assert_allclose(st.level, [w.level[0] for w in by_window], rtol=1e-9)
+    short = window_channel_stats(mon, run[None, 50:55])       # shorter than channel_frames: nothing
+    assert not short.still[0] and short.spread[0] == 0 and short.level[0] == 0
+
+    class Fixed:                                              # a backend that says "normal, 90 %"
+        def __call__(self, x):
+            return np.tile(np.array([[0.9, 0.06, 0.04]], np.float32), (len(x), 1))
+
+    def detector(**gates):
+        m = dict(mon, **gates, limit=1e9, steepness=100.0)    # T^2 out of the way
+        return Detector({"window": 8, "channels": 5, "class_names": ["normal", "a", "b"],
+                         "normalisation": {"mean": [0.0] * 5, "std": [1.0] * 5},
+                         "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": m}, Fixed())
+
+    windows = np.stack([run[t - 7:t + 1] for t in range(7, len(run))])
+    np.testing.assert_allclose(detector().probs(windows)[:, 0], 0.9, atol=1e-6)
+    for gates, raised in (({"still_gate": True}, st.still), ({"spread_limit": 2.0}, st.spread > 2),
+                          ({"level_limit": 2.0}, st.level > 2),
+                          ({"still_gate": True, "spread_limit": 2.0, "level_limit": 2.0},
+                           st.still | (st.spread > 2) | (st.level > 2))):
+        p, up = detector(**gates).probs(windows), raised[7:]
+        assert up.any() and not up.all()
+        assert (p[up, 0] == 0).all() and (p[~up, 0] > 0.8).all(), gates

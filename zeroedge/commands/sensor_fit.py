@@ -32,9 +32,10 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     fine-tune of the shipped detector on the CPU (early stopping on the held-out tail of every file),
     and the alarm threshold for the target --far on out-of-fold scores: four folds, each fitted
     without one normal run (or a block of it) and a block of every fault file, score what they did
-    not see; a gate on the PCA residual Q (window mean) may take part of the --far budget where it
-    finds more of the held-out faults. Writes a sensor bundle that zeroedge daemon, deploy and sensor-eval take like the
-    shipped one; its manifest records the files, their hashes, the split, the FAR chosen, the
+    not see; gates on the PCA residual Q (window mean) and on each channel alone (held still, moving
+    more, or sitting further off its mean than in the normal data) may take part of the --far budget
+    where they find more of the held-out faults. Writes a sensor bundle that zeroedge daemon, deploy
+    and sensor-eval take like the shipped one; its manifest records the files, their hashes, the split, the FAR chosen, the
     out-of-fold figures and the evidence behind them."""
     import json
     import sys
@@ -54,7 +55,10 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
                 seed=seed, threads=threads, allow_constant=allow_constant, log=log)
     s = man["sensor"]
     summary = {"bundle": str(out), "window": s["window"], "threshold": s["alarm"]["threshold"],
-               "ema_alpha": s["alarm"]["ema_alpha"], "q_limit": s["alarm"].get("q_limit"), "far_target": far,
+               "ema_alpha": s["alarm"]["ema_alpha"], "q_limit": s["alarm"].get("q_limit"),
+               "spread_limit": s["alarm"].get("spread_limit"), "level_limit": s["alarm"].get("level_limit"),
+               "still_gate": s["alarm"].get("still_gate"),
+               "far_target": far,
                "held_out_far": s["fit"]["validation"]["far"], "held_out_fdr": s["fit"]["validation"]["fdr"],
                "held_out_far_upper_95": s["alarm"]["val_far_evidence"]["far_upper"],
                "far_target_supported": s["alarm"]["val_far_evidence"]["supported"],
@@ -64,6 +68,9 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     else:
         click.echo(f"sensor bundle -> {out}: threshold {summary['threshold']:.6f}, EMA alpha {summary['ema_alpha']}, "
                    + ("" if summary["q_limit"] is None else f"Q gate {summary['q_limit']:.3f}, ")
+                   + "".join(f"{n} gate {summary[n + '_limit']:.3f}, " for n in ("spread", "level")
+                             if summary[n + "_limit"] is not None)
+                   + ("still gate, " if summary["still_gate"] else "")
                    + f"held-out FAR {summary['held_out_far']:.3f} (95 % bound {summary['held_out_far_upper_95']:.3f}"
                    + ("" if summary["far_target_supported"] else f", above the {far} target") + ")"
                    + ("" if summary["held_out_fdr"] is None else f", held-out FDR {summary['held_out_fdr']:.3f}"))

@@ -13,9 +13,11 @@
    with a single normal file, a block of it) and without a block of every fault file, a gap of a
    window plus the EMA's memory around each block, scores what it was not fitted on. The threshold
    keeps the false-alarm rate of those normal scores at the target (their quantile, guarded by a
-   Gaussian fit of the smoothed log-odds); a Q gate (the PCA residual averaged over the window,
-   limit at a quantile of the same held-out normal samples) may take part of that budget; alpha and
-   the gate's part maximise the fault blocks' detection rate. The FAR this predicts rests on the
+   Gaussian fit of the smoothed log-odds); gates may take part of that budget (a quarter at most):
+   Q (the PCA residual averaged over the window) and each channel's spread and level over its last
+   16 frames, limits at quantiles of the same held-out normal samples; and a still gate (a channel
+   that moved in every stretch of the normal data held still) counts its raises against it. Alpha,
+   the gates and their parts maximise the fault blocks' detection rate. The FAR this predicts rests on the
    independent alarm blocks counted in the manifest, with its 95 % upper bound; when that bound is
    above the target, the fit says so.
 4. The bundle (ONNX + weights + manifest, "kind": "sensor") records its provenance: files, their
@@ -323,15 +325,39 @@ def _train_fixed(model, normal_tr, faults_tr, window, steps, batch, lr, noise, r
 
 # ---- the normal-operation monitor (T^2 on the plant's own principal components) --------------------
 
+CHANNEL_FRAMES = 16     # frames over which the channel gates read each channel (at most the window)
+STILL_RATIO = 0.05      # "still": moving less than this fraction of the least a channel moved in normal data
+SCALE_FLOOR = 0.1       # a channel's spread / level scale is at least this (normalised units)
+
+
+def channel_limits(Z: np.ndarray, frames: int) -> dict:
+    """From normalised normal data, per channel over every `frames` consecutive samples: the still
+    gate's limit (STILL_RATIO x its smallest standard deviation; 0, no gate, for a channel that stood
+    still somewhere), the spread gate's scale (its largest standard deviation) and the level gate's
+    (its largest |mean|), scales at least SCALE_FLOOR."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    Z = np.asarray(Z, np.float64)
+    c = Z.shape[1]
+    if frames < 2 or len(Z) < frames:
+        return {"still_std": np.zeros(c), "spread_scale": np.ones(c), "level_scale": np.ones(c)}
+    w = sliding_window_view(Z, frames, axis=0)
+    sd, level = w.std(-1), np.abs(w.mean(-1))
+    least = sd.min(0)
+    return {"still_std": np.where(least > 1e-6, STILL_RATIO * least, 0.0),
+            "spread_scale": np.maximum(sd.max(0), SCALE_FLOOR), "level_scale": np.maximum(level.max(0), SCALE_FLOOR)}
+
+
 def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, steepness: float = 10.0,
-                q_frames: int = 1) -> dict:
+                q_frames: int = 1, channel_frames: int = 0) -> dict:
     """Hotelling T^2 on the principal components of normalised normal data, with its F-distribution
     limit. The detector turns it into an anomaly probability a = sigmoid(steepness * (T^2/limit - 1))
     and scales P(normal) by (1 - a): what is far from this plant's normal operation raises the score
     even where the classifier has never seen anything like it (see runtime.Detector.probs). Q (the
     residual off the components) is measured in units of its mean on Z (`q_scale`, the residual
     eigenvalues' sum), over the last `q_frames` frames of a window; its gate stays off until the
-    calibration sets `q_limit`."""
+    calibration sets `q_limit`. With `channel_frames`, the channel gates' per-channel limits and scales
+    (channel_limits; off until the calibration sets `still_gate`, `spread_limit`, `level_limit`)."""
     from scipy import stats
 
     Z = np.asarray(Z, np.float64)
@@ -347,7 +373,9 @@ def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, stee
             "components": V[:, :k].astype(np.float32).tolist(), "inv_var": (1.0 / w[:k]).astype(np.float32).tolist(),
             "limit": float(limit), "steepness": float(steepness), "variance": variance, "alpha": alpha,
             "samples": int(n), "q_scale": float(max(w[k:].sum(), 1e-9)), "q_frames": int(q_frames),
-            "q_limit": None}
+            "q_limit": None, "channel_frames": int(channel_frames), "still_gate": False, "spread_limit": None,
+            "level_limit": None,
+            **{k: v.astype(np.float32).tolist() for k, v in channel_limits(Z, channel_frames).items()}}
 
 
 def observable(Z_fault: np.ndarray, Z_normal_val: np.ndarray, mon: dict, q_pca) -> tuple:
@@ -420,8 +448,9 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.02, window:
     # the bundle's monitor is fitted as the folds' were: on every normal run and every run that
     # cannot be told from one (the fold monitors saw all of them but the held-out one)
     mon = fit_monitor(np.concatenate([nz(r.data) for r in normal] + [nz(r.data) for r in faults if r.label in runs.unobs]),
-                      q_frames=window)
-    mon["q_limit"] = alarm["q_limit"]
+                      q_frames=window, channel_frames=min(CHANNEL_FRAMES, window))
+    for k in ("q_limit", "still_gate", "spread_limit", "level_limit"):
+        mon[k] = alarm[k]
     provenance = {
         "tool": "zeroedge sensor-fit", "started_from": "shipped weights (zeroedge/data/tep_sensor.npz), "
         + ("fine-tuned" if train_info else "not trained (normal data only: an anomaly detector)"),
@@ -487,7 +516,8 @@ class FoldScores:
     """Out-of-fold scores: every held-out block scored by a model that never saw it nor the `gap`
     samples around it. normal: 1 - P(normal) per held-out normal block; faults: (class, (T, classes)
     probabilities, onset) for each held-out fault block after a held-out normal block; normal_q,
-    fault_q: the window Q of the same samples (runtime.run_q, the fold monitor's units)."""
+    fault_q: the window Q of the same samples (runtime.run_q, the fold monitor's units); normal_channels,
+    fault_channels: their runtime.ChannelStats by the fold monitor (runtime.run_channel_stats)."""
     normal: list
     faults: list
     folds: int
@@ -496,6 +526,8 @@ class FoldScores:
     normal_q: list = None
     fault_q: list = None
     normal_run: list = None         # which of the normal runs each held-out normal block comes from
+    normal_channels: list = None
+    fault_channels: list = None
 
 
 def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0, threads: int = 2,
@@ -505,11 +537,11 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
     without their fold block and its gap, scoring that block through the runtime's own path. Normal
     runs are held out whole when there are several (one per fold in turn), in blocks when there is
     one; fault files always in blocks."""
-    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores, run_q
+    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores, run_channel_stats, run_q
 
     gap = fold_gap(window)
     whole = len(normal_raw) >= 2               # several normal runs: each is held out whole in one fold
-    out = FoldScores([], [], folds, gap, whole, [], [], [])
+    out = FoldScores([], [], folds, gap, whole, [], [], [], [], [])
     t0 = time.time()
     for j in range(folds):
         def pieces(X):
@@ -529,7 +561,7 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
             train_detector(model, [nz(X) for X in n_tr], [(nz(X), k) for X, k in f_tr],
                            [], [], window, max_steps=steps, seed=seed + 1 + j, threads=threads)
         zn = np.clip((np.concatenate(n_tr) - mean) / std, -50, 50)
-        mon = fit_monitor(zn, q_frames=window)
+        mon = fit_monitor(zn, q_frames=window, channel_frames=min(CHANNEL_FRAMES, window))
         det = Detector({"window": window, "channels": N_CHANNELS, "class_names": list(CLASS_NAMES),
                         "normalisation": {"mean": mean.tolist(), "std": std.tolist()},
                         "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": mon},
@@ -537,6 +569,10 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
 
         def q_of(X):
             return run_q(mon, det.normalise(X))
+
+        def channels_of(X, skip=0):
+            st = run_channel_stats(mon, det.normalise(X))
+            return type(st)(st.still[skip:], st.spread[skip:], st.level[skip:])
 
         held = []
         for i, X in enumerate(normal_raw):             # the block, scored with the window before it as context
@@ -546,6 +582,7 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
                 c = max(0, a - window + 1)
                 out.normal.append(evaluate_scores(det, X[c:b])[a - c:])
                 out.normal_q.append(q_of(X[c:b])[a - c:])
+                out.normal_channels.append(channels_of(X[c:b], a - c))
                 out.normal_run.append(i)
                 held.append(X[a:b])
         prefix = held[0][-2 * window:] if held else normal_raw[0][-2 * window:]
@@ -554,6 +591,7 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
             Xb = np.concatenate([prefix, X[a:b]])
             out.faults.append((k, evaluate_scores(det, Xb, probs=True), len(prefix)))
             out.fault_q.append(q_of(Xb))
+            out.fault_channels.append(channels_of(Xb))
         log(f"[sensor-fit] fold {j + 1}/{folds}: {steps} steps, held-out blocks scored ({time.time() - t0:.0f}s)")
     return out
 
@@ -631,37 +669,51 @@ def choose_threshold(normal_scores: np.ndarray, far: float) -> float:
     return float(1 / (1 + np.exp(-t)))
 
 
-Q_SHARES = (0.0, 0.25)      # parts of the FAR budget the Q gate may take (0: no Q gate)
+# parts of the FAR budget the Q, spread and level gates may take (0: gate off); together a quarter at most
+GATE_SHARES = tuple((q, sp, lv) for q, sp, lv in
+                    [(0, 0, 0), (0.25, 0, 0), (0, 0.25, 0), (0, 0, 0.25), (0.125, 0.125, 0), (0.125, 0, 0.125),
+                     (0, 0.125, 0.125), (1 / 12, 1 / 12, 1 / 12)])
 
 
 def _calibrate_alarm(scores: FoldScores, window: int, far: float, log, run_names=None) -> tuple:
-    """The alarm on out-of-fold scores. For each part of the FAR budget given to the Q gate (its
-    limit: that quantile of the held-out normal samples' window Q) and each EMA alpha, the threshold
-    for the target FAR on the held-out normal blocks with the gate in; kept: the pair with the best
-    held-out FDR on the fault blocks (each after a normal block). Returns (alarm, per-class FDR and
-    predicted fault); alarm["q_limit"] is None when the gate does not help; alarm["val_far_runs"]: the
-    out-of-fold FAR of each held-out normal run (`run_names`, in the order fold_scores got them)."""
-    qn = np.concatenate(scores.normal_q) if scores.normal_q else np.zeros(0)
+    """The alarm on out-of-fold scores. For the still gate off and on, each split of the FAR budget
+    between the Q, spread and level gates (GATE_SHARES; a gate's limit: that quantile of the held-out
+    normal samples' window Q, spread or level) and each EMA alpha, the threshold for the target FAR on
+    the held-out normal blocks with the gates in (their raised samples count as alarms); kept: the
+    setting with the best held-out FDR on the fault blocks (each after a normal block), a gate only
+    where it adds to it. Returns (alarm, per-class FDR and predicted fault); a gate's limit is None
+    when it does not help; alarm["val_far_runs"]: the out-of-fold FAR of each held-out normal run
+    (`run_names`, in the order fold_scores got them)."""
+    from zeroedge.sensor.runtime import channel_gates
+
+    held = {"q": np.concatenate(scores.normal_q),
+            "spread": np.concatenate([c.spread for c in scores.normal_channels]),
+            "level": np.concatenate([c.level for c in scores.normal_channels])}
+
+    def limit(name, share):
+        return float(np.quantile(held[name], 1 - share * far, method="higher")) if share else None
+
     best = None
-    for share in Q_SHARES:
-        if share and not len(qn):
-            continue
-        ql = float(np.quantile(qn, 1 - share * far, method="higher")) if share else None
+    for still in (False, True):
+        for shares in GATE_SHARES:
+            gates = {"still_gate": still, **{f"{n}_limit": limit(n, sh) for n, sh in zip(("q", "spread", "level"), shares)},
+                     **{f"{n}_share": sh for n, sh in zip(("q", "spread", "level"), shares)}}
 
-        def gated(x, q):                     # the score, 1 where the Q gate is raised (as the runtime has it)
-            return x if ql is None else np.where(np.asarray(q) > ql, np.float32(1.0), x)
+            def gated(x, q, st):                 # the score, 1 where a gate is raised (as the runtime has it)
+                up = np.zeros(len(x), bool) if gates["q_limit"] is None else q > gates["q_limit"]
+                return np.where(channel_gates(gates, st, up), np.float32(1.0), x)
 
-        nsc = [gated(x, q) for x, q in zip(scores.normal, scores.normal_q or [None] * len(scores.normal))]
-        fsc = [(k, gated(1 - P[:, 0], q), o) for (k, P, o), q in
-               zip(scores.faults, scores.fault_q or [None] * len(scores.faults))]
-        for alpha in ALPHAS:
-            sm = [ema(x, alpha) for x in nsc]
-            thr = choose_threshold(np.concatenate(sm), far)
-            fdrs = [float((ema(x, alpha)[o:] > thr).mean()) for k, x, o in fsc]
-            fdr = float(np.mean(fdrs)) if fdrs else 0.0
-            if best is None or fdr > best[0] + 1e-9:
-                best = (fdr, alpha, thr, float(np.mean(np.concatenate(sm) > thr)), sm, ql, share, fsc)
-    val_fdr, alpha, thr, val_far, sm, ql, share, fsc = best
+            nsc = [gated(x, q, c) for x, q, c in zip(scores.normal, scores.normal_q, scores.normal_channels)]
+            fsc = [(k, gated(1 - P[:, 0], q, c), o)
+                   for (k, P, o), q, c in zip(scores.faults, scores.fault_q, scores.fault_channels)]
+            for alpha in ALPHAS:
+                sm = [ema(x, alpha) for x in nsc]
+                thr = choose_threshold(np.concatenate(sm), far)
+                fdrs = [float((ema(x, alpha)[o:] > thr).mean()) for k, x, o in fsc]
+                fdr = float(np.mean(fdrs)) if fdrs else 0.0
+                if best is None or fdr > best[0] + 1e-9:
+                    best = (fdr, alpha, thr, float(np.mean(np.concatenate(sm) > thr)), sm, fsc, gates)
+    val_fdr, alpha, thr, val_far, sm, fsc, gates = best
     per_class = {}
     for k in sorted({k for k, _, _ in scores.faults}):
         post = np.concatenate([(ema(x, alpha) > thr)[o:] for kk, x, o in fsc if kk == k])
@@ -676,16 +728,21 @@ def _calibrate_alarm(scores: FoldScores, window: int, far: float, log, run_names
     far_runs = {names[i]: round(float(np.concatenate(v).mean()), 5) for i, v in sorted(by_run.items())}
     alarm = {"ema_alpha": alpha, "threshold": thr, "far_target": far, "val_far": round(val_far, 5),
              "val_far_evidence": evidence, "val_fdr": round(val_fdr, 5) if scores.faults else None,
-             "q_limit": ql, "q_share": share, "val_far_runs": far_runs,
+             **gates, "val_far_runs": far_runs,
              "validation": {"kind": "blocked folds", "folds": scores.folds, "gap_samples": scores.gap,
                             "normal_held_out": "whole runs" if scores.whole_runs else "blocks",
                             "normal_samples": int(sum(map(len, scores.normal)))},
-             "rule": "out-of-fold scores of blocked folds; Q gate: the (1 - q_share * far) quantile of the held-out "
-                     "normal samples' window Q; threshold: the larger of the (1 - far) quantile and a Gaussian fit "
-                     "of the smoothed log-odds of held-out normal scores, Q gate in; q_share and alpha: best "
+             "rule": "out-of-fold scores of blocked folds; Q, spread and level gates: the (1 - share * far) "
+                     "quantile of the held-out normal samples' window Q / spread / level; still gate: a channel that always moved in "
+                     "normal data held still; threshold: the larger of the (1 - far) quantile and a Gaussian fit "
+                     "of the smoothed log-odds of held-out normal scores, gates in; gates and alpha: best "
                      "held-out FDR"}
     log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}"
-        + ("" if ql is None else f", Q gate at {ql:.3f} (window mean, {share:g} of the FAR budget)")
+        + ("" if gates["q_limit"] is None else
+           f", Q gate at {gates['q_limit']:.3f} (window mean, {gates['q_share']:g} of the FAR budget)")
+        + "".join(f", {n} gate at {gates[n + '_limit']:.3f} ({gates[n + '_share']:.3g} of the FAR budget)"
+                  for n in ("spread", "level") if gates[n + "_limit"] is not None)
+        + (", still gate on" if gates["still_gate"] else "")
         + f"; out-of-fold FAR {val_far:.3f}"
         + (f", FDR {val_fdr:.3f} over {len(scores.faults)} fault blocks" if scores.faults else ""))
     if not evidence["supported"]:

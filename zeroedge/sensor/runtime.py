@@ -19,9 +19,16 @@ frame, so data far from the plant's normal operation alarm even where the classi
 anything like them. With a `q_limit`, the monitor also gates on Q (the squared residual off those
 components) averaged over the last `q_frames` frames of the window, in units of its mean on the fit
 data (`q_scale`): above the limit, P(normal) is 0 (the limit is set beside the threshold on out-of-
-fold scores; slow drifts such as a stuck valve show there before the classifier is sure). And a
-`profile` of their normal data, which `drift_check` compares a stream's first window with (the
-warning of `sensor-eval` and the daemon).
+fold scores; slow drifts show there before the classifier is sure). Three more gates read each
+channel alone over the last `channel_frames` frames of the window: with `still_gate`, a channel that
+moved in every such stretch of the fit's normal data and now stands still (its standard deviation
+below `still_std`, a small fraction of its least there: a valve stuck where it was, a frozen sensor,
+a held value); with a `spread_limit`, a channel that moves more than it did there (its standard
+deviation over `spread_scale`, its most there: an oscillating loop, a noisy sensor); with a
+`level_limit`, a channel that sits further from its normal mean than it did there (its mean over
+`level_scale`, the largest such mean there: a small offset that lasts, which one frame's T^2 or Q
+does not show). And a `profile` of their normal data, which `drift_check` compares a stream's first
+window with (the warning of `sensor-eval` and the daemon).
 """
 from __future__ import annotations
 
@@ -106,8 +113,7 @@ class Detector:
         z = np.ascontiguousarray(self.normalise(windows), dtype=np.float32)
         p = self.backend(z)
         if self.monitor is not None:
-            ql = self.monitor["q_limit"]
-            p = apply_monitor(self.monitor, p, z[:, -1], None if ql is None else window_q(self.monitor, z) > ql)
+            p = apply_monitor(self.monitor, p, z[:, -1], gates_raised(self.monitor, z))
         return p
 
     def drift_check(self, frames: np.ndarray) -> Optional[str]:
@@ -146,7 +152,11 @@ def _monitor_arrays(mon):
             "inv_var": np.asarray(mon["inv_var"], np.float32), "limit": float(mon["limit"]),
             "steepness": float(mon["steepness"]),
             "q_limit": None if mon.get("q_limit") is None else float(mon["q_limit"]),
-            "q_scale": float(mon.get("q_scale") or 1.0), "q_frames": int(mon.get("q_frames") or 1)}
+            "q_scale": float(mon.get("q_scale") or 1.0), "q_frames": int(mon.get("q_frames") or 1),
+            "channel_frames": int(mon.get("channel_frames") or 0), "still_gate": bool(mon.get("still_gate")),
+            **{k: np.asarray(mon.get(k) or [default] * len(V), np.float64)
+               for k, default in (("still_std", 0.0), ("spread_scale", 1.0), ("level_scale", 1.0))},
+            **{k: None if mon.get(k) is None else float(mon[k]) for k in ("spread_limit", "level_limit")}}
 
 
 def _arrays(mon):
@@ -187,9 +197,79 @@ def run_q(mon, z: np.ndarray) -> np.ndarray:
     return (c[i + 1] - c[lo]) / (i + 1 - lo)
 
 
+@dataclass
+class ChannelStats:
+    """Per window (or sample), what the channel gates read: `still`, some channel that moved in every
+    stretch of the fit's normal data (still_std > 0) moved less than still_std; `spread`, the largest
+    standard deviation of a channel in units of its most in the normal data (spread_scale); `level`,
+    the largest |mean| of a channel in units of its largest in the normal data (level_scale)."""
+    still: np.ndarray
+    spread: np.ndarray
+    level: np.ndarray
+
+    @classmethod
+    def empty(cls, n: int) -> "ChannelStats":
+        return cls(np.zeros(n, bool), np.zeros(n), np.zeros(n))
+
+
+def _stats(mon, frames: np.ndarray) -> ChannelStats:
+    """frames (N, channel_frames, channels) of normalised data -> their ChannelStats."""
+    sd, mean = frames.std(1), frames.mean(1)
+    return ChannelStats(((sd < mon["still_std"]) & (mon["still_std"] > 0)).any(1),
+                        (sd / mon["spread_scale"]).max(1), (np.abs(mean) / mon["level_scale"]).max(1))
+
+
+def window_channel_stats(mon, z: np.ndarray) -> ChannelStats:
+    """Windows (B, T, channels) of normalised frames -> ChannelStats of their last channel_frames
+    frames. A window shorter than that (a fresh stream) reads as nothing (not still, 0, 0)."""
+    mon = _arrays(mon)
+    n = mon["channel_frames"]
+    if not n or z.shape[1] < n:
+        return ChannelStats.empty(len(z))
+    return _stats(mon, np.asarray(z[:, -n:], np.float64))
+
+
+def run_channel_stats(mon, z: np.ndarray) -> ChannelStats:
+    """The same for every sample of a run (T, channels), each with the frames before it as its window."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    mon = _arrays(mon)
+    n = mon["channel_frames"]
+    out = ChannelStats.empty(len(z))
+    if n and len(z) >= n:
+        frames = sliding_window_view(np.asarray(z, np.float64), n, axis=0).transpose(0, 2, 1)
+        got = _stats(mon, frames)
+        for k in ("still", "spread", "level"):
+            getattr(out, k)[n - 1:] = getattr(got, k)
+    return out
+
+
+def channel_gates(mon, st: ChannelStats, raised: np.ndarray) -> np.ndarray:
+    """`raised` or where a kept channel gate is raised."""
+    if mon["still_gate"]:
+        raised = raised | st.still
+    if mon["spread_limit"] is not None:
+        raised = raised | (st.spread > mon["spread_limit"])
+    if mon["level_limit"] is not None:
+        raised = raised | (st.level > mon["level_limit"])
+    return raised
+
+
+def gates_raised(mon, z: np.ndarray) -> Optional[np.ndarray]:
+    """Windows (B, T, channels) -> (B,) bool where a gate is raised (window Q above q_limit, or a
+    channel gate); None when the monitor keeps no gate."""
+    mon = _arrays(mon)
+    raised = np.zeros(len(z), bool) if mon["q_limit"] is None else window_q(mon, z) > mon["q_limit"]
+    if mon["still_gate"] or mon["spread_limit"] is not None or mon["level_limit"] is not None:
+        raised = channel_gates(mon, window_channel_stats(mon, z), raised)
+    elif mon["q_limit"] is None:
+        return None
+    return raised
+
+
 def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray, q_raised: Optional[np.ndarray] = None) -> np.ndarray:
-    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)), and a = 1 where the Q
-    gate is raised (`q_raised`, see window_q); the fault classes share the rest in their own
+    """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)), and a = 1 where a gate
+    is raised (`q_raised`, see gates_raised); the fault classes share the rest in their own
     proportions (argmax unchanged)."""
     t2 = monitor_t2(mon, z_last).astype(np.float64)
     x = np.clip(mon["steepness"] * (t2 / mon["limit"] - 1.0), -60, 60)

@@ -1,8 +1,9 @@
-"""Inference speed of a sensor-fit bundle, with and without its Q gate, against the shipped one: the
+"""Inference speed of a sensor-fit bundle, with and without its gates, against the shipped one: the
 Engine the daemon and sensor-eval run (one reading at a time, 1 onnxruntime thread, the daemon's
 default) over the Braatz d01 training run (three passes), and the batch-1 latency of
 Detector.probs (one 32-frame window of d00). The fit is the README's command on the Braatz
-training runs (d00 normal, d01-d21 faults); "gate off" is the same bundle with its q_limit removed.
+training runs (d00 normal, d01-d21 faults); "Q gate only" is the same bundle with its channel gates
+(still, spread, level) off, "no gate" with its Q gate off too.
 Results: benchmarks/sensor.md, raw in benchmarks/results/sensor/fit_gate_speed_2core.json.
 
     python benchmarks/sensor_fit_speed.py [--out FILE]
@@ -58,13 +59,15 @@ def main():
         fitted = Path(d) / "bundle"
         man = fit([DATA / "d00.dat"], [DATA / f"d{f:02d}.dat" for f in range(1, 22)], out=fitted, force=True,
                   log=lambda s: None)
-        res["q_limit"] = man["sensor"]["alarm"]["q_limit"]
-        gate = load_bundle(fitted)
-        off = load_bundle(fitted)
-        off.monitor["q_limit"] = None
+        res["gates"] = {k: man["sensor"]["alarm"][k] for k in ("q_limit", "still_gate", "spread_limit", "level_limit")}
+        gates = load_bundle(fitted)
+        q_only = load_bundle(fitted)
+        q_only.monitor.update(still_gate=False, spread_limit=None, level_limit=None)
+        none = load_bundle(fitted)
+        none.monitor.update(still_gate=False, spread_limit=None, level_limit=None, q_limit=None)
         for _ in range(2):                  # interleaved, twice: the machine is shared
-            for name, det in (("fitted, Q gate on", gate), ("fitted, Q gate off", off),
-                              ("shipped", load_bundle(ensure_bundle()))):
+            for name, det in (("fitted, its gates", gates), ("fitted, Q gate only", q_only),
+                              ("fitted, no gate", none), ("shipped", load_bundle(ensure_bundle()))):
                 r = res["runs"].setdefault(name, {"readings_per_s": [], "batch1_ms": []})
                 r["readings_per_s"].append(round(readings_per_s(det, X)))
                 r["batch1_ms"].append(round(batch1_ms(det, w), 4))

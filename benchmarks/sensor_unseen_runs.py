@@ -95,7 +95,8 @@ def predicted(man: dict) -> dict:
     return {"far_target": al["far_target"], "predicted_far": al["val_far"], "far_upper_95": ev["far_upper"],
             "independent_blocks": ev["independent_blocks"], "out_of_fold_fdr": al.get("val_fdr"),
             "ema_alpha": al["ema_alpha"], "threshold": round(al["threshold"], 6), "q_limit": al.get("q_limit"),
-            "q_share": al.get("q_share"),
+            "q_share": al.get("q_share"), "spread_limit": al.get("spread_limit"), "level_limit": al.get("level_limit"),
+            "still_gate": al.get("still_gate"),
             "far_by_held_out_run": {Path(f).name: v for f, v in (al.get("val_far_runs") or {}).items()}}
 
 

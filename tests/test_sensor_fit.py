@@ -406,8 +406,8 @@ def test_channel_gates_read_each_channel_alone():
     assert st.level[:60].max() < 2 and st.level[95:].min() > 2
     by_window = [window_channel_stats(mon, run[None, max(0, t - 7):t + 1]) for t in range(len(run))]
     assert list(st.still) == [bool(w.still[0]) for w in by_window]
-    np.testing.assert_allclose(st.spread, [w.spread[0] for w in by_window], rtol=1e-9)
-    np.testing.assert_allclose(st.level, [w.level[0] for w in by_window], rtol=1e-9)
+    np.testing.assert_allclose(st.spread, [w.spread[0] for w in by_window], rtol=1e-5)
+    np.testing.assert_allclose(st.level, [w.level[0] for w in by_window], rtol=1e-5)
     short = window_channel_stats(mon, run[None, 50:55])       # shorter than channel_frames: nothing
     assert not short.still[0] and short.spread[0] == 0 and short.level[0] == 0
 

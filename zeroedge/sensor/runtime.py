@@ -154,9 +154,19 @@ def _monitor_arrays(mon):
             "q_limit": None if mon.get("q_limit") is None else float(mon["q_limit"]),
             "q_scale": float(mon.get("q_scale") or 1.0), "q_frames": int(mon.get("q_frames") or 1),
             "channel_frames": int(mon.get("channel_frames") or 0), "still_gate": bool(mon.get("still_gate")),
-            **{k: np.asarray(mon.get(k) or [default] * len(V), np.float64)
-               for k, default in (("still_std", 0.0), ("spread_scale", 1.0), ("level_scale", 1.0))},
+            **_channel_arrays(mon, len(V)),
             **{k: None if mon.get(k) is None else float(mon[k]) for k in ("spread_limit", "level_limit")}}
+
+
+def _channel_arrays(mon, channels: int) -> dict:
+    """The channel gates' limits in the form _stats compares with: variances (a still limit of 0, no
+    gate, becomes -1) and reciprocal scales."""
+    still = np.asarray(mon.get("still_std") or [0.0] * channels, np.float64)
+    spread = np.asarray(mon.get("spread_scale") or [1.0] * channels, np.float64)
+    level = np.asarray(mon.get("level_scale") or [1.0] * channels, np.float64)
+    return {"still_var": np.where(still > 0, still * still, -1.0).astype(np.float32),
+            "inv_spread_var": (1.0 / (spread * spread)).astype(np.float32),
+            "inv_level": (1.0 / level).astype(np.float32)}
 
 
 def _arrays(mon):
@@ -213,10 +223,14 @@ class ChannelStats:
 
 
 def _stats(mon, frames: np.ndarray) -> ChannelStats:
-    """frames (N, channel_frames, channels) of normalised data -> their ChannelStats."""
-    sd, mean = frames.std(1), frames.mean(1)
-    return ChannelStats(((sd < mon["still_std"]) & (mon["still_std"] > 0)).any(1),
-                        (sd / mon["spread_scale"]).max(1), (np.abs(mean) / mon["level_scale"]).max(1))
+    """frames (N, channel_frames, channels) of normalised data -> their ChannelStats (few numpy calls:
+    the daemon runs this for every reading)."""
+    avg = np.full(frames.shape[1], 1.0 / frames.shape[1], frames.dtype)
+    mean = avg @ frames
+    d = frames - mean[:, None, :]
+    var = avg @ (d * d)
+    return ChannelStats((var < mon["still_var"]).any(1), np.sqrt((var * mon["inv_spread_var"]).max(1)),
+                        (np.abs(mean) * mon["inv_level"]).max(1))
 
 
 def window_channel_stats(mon, z: np.ndarray) -> ChannelStats:
@@ -226,7 +240,7 @@ def window_channel_stats(mon, z: np.ndarray) -> ChannelStats:
     n = mon["channel_frames"]
     if not n or z.shape[1] < n:
         return ChannelStats.empty(len(z))
-    return _stats(mon, np.asarray(z[:, -n:], np.float64))
+    return _stats(mon, z[:, -n:])
 
 
 def run_channel_stats(mon, z: np.ndarray) -> ChannelStats:
@@ -237,7 +251,7 @@ def run_channel_stats(mon, z: np.ndarray) -> ChannelStats:
     n = mon["channel_frames"]
     out = ChannelStats.empty(len(z))
     if n and len(z) >= n:
-        frames = sliding_window_view(np.asarray(z, np.float64), n, axis=0).transpose(0, 2, 1)
+        frames = sliding_window_view(np.asarray(z, np.float32), n, axis=0).transpose(0, 2, 1)
         got = _stats(mon, frames)
         for k in ("still", "spread", "level"):
             getattr(out, k)[n - 1:] = getattr(got, k)

@@ -212,6 +212,20 @@ def _sensor_alarm():
             _f(s["pca_t2_or_q"]["fdr"], 3), _f(d["far"]["pca_t2_or_q"], 3)]
 
 
+def _sensor_fit_unseen():
+    d = _load("sensor/fit_unseen_runs.json")
+    reps = d["replicates"].values()
+
+    def mean(fit, key):
+        return _f(sum(r[fit]["summary"][key] if fit != "pca" else r["pca_summary"]["t2"][key] for r in reps)
+                  / len(reps), 3)
+
+    keys = ("fdr_excl_3_9_15", "far_fault_runs", "far_d00_te")
+    braatz = d["braatz_fit"]["manifest"]
+    return ([mean("current", k) for k in keys] + [mean(d["compare"], k) for k in keys] + [mean("pca", k) for k in keys]
+            + [_f(braatz["out_of_fold_fdr"], 3), _f(braatz["predicted_far"], 3)])
+
+
 def _thermal_row(rows, ctx, **setting):
     return next(r for r in rows if r["ctx"] == ctx and all(r.get(k) == v for k, v in setting.items()))
 
@@ -307,6 +321,7 @@ ROW_CHECKS = {
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,
+    "`sensor-fit` on a plant's own runs, then runs it never saw": _sensor_fit_unseen,
 }
 
 

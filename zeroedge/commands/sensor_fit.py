@@ -35,8 +35,8 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     not see; gates on the PCA residual Q (window mean) and on each channel alone (held still, moving
     more, or sitting further off its mean than in the normal data) may take part of the --far budget
     where they find more of the held-out faults. Writes a sensor bundle that zeroedge daemon, deploy
-    and sensor-eval take like the shipped one; its manifest records the files, their hashes, the split, the FAR chosen, the
-    out-of-fold figures and the evidence behind them."""
+    and sensor-eval take like the shipped one; its manifest records the files, their hashes, the
+    split, the FAR chosen, the out-of-fold figures and the evidence behind them."""
     import json
     import sys
 
@@ -57,8 +57,7 @@ def cmd(normal_files, fault_files, labels, far, window, out, force, max_steps, s
     summary = {"bundle": str(out), "window": s["window"], "threshold": s["alarm"]["threshold"],
                "ema_alpha": s["alarm"]["ema_alpha"], "q_limit": s["alarm"].get("q_limit"),
                "spread_limit": s["alarm"].get("spread_limit"), "level_limit": s["alarm"].get("level_limit"),
-               "still_gate": s["alarm"].get("still_gate"),
-               "far_target": far,
+               "still_gate": s["alarm"].get("still_gate"), "far_target": far,
                "held_out_far": s["fit"]["validation"]["far"], "held_out_fdr": s["fit"]["validation"]["fdr"],
                "held_out_far_upper_95": s["alarm"]["val_far_evidence"]["far_upper"],
                "far_target_supported": s["alarm"]["val_far_evidence"]["supported"],

@@ -17,9 +17,9 @@
    Q (the PCA residual averaged over the window) and each channel's spread and level over its last
    16 frames, limits at quantiles of the same held-out normal samples; and a still gate (a channel
    that moved in every stretch of the normal data held still) counts its raises against it. Alpha,
-   the gates and their parts maximise the fault blocks' detection rate. The FAR this predicts rests on the
-   independent alarm blocks counted in the manifest, with its 95 % upper bound; when that bound is
-   above the target, the fit says so.
+   the gates and their parts maximise the fault blocks' detection rate. The FAR this predicts rests
+   on the independent alarm blocks counted in the manifest, with its 95 % upper bound; when that
+   bound is above the target, the fit says so.
 4. The bundle (ONNX + weights + manifest, "kind": "sensor") records its provenance: files, their
    SHA-256, the split, the target FAR, the validation figures and the normal-operation statistics of
    the fit data (used by the drift warning of `sensor-eval` and the daemon).
@@ -345,7 +345,8 @@ def channel_limits(Z: np.ndarray, frames: int) -> dict:
     sd, level = w.std(-1), np.abs(w.mean(-1))
     least = sd.min(0)
     return {"still_std": np.where(least > 1e-6, STILL_RATIO * least, 0.0),
-            "spread_scale": np.maximum(sd.max(0), SCALE_FLOOR), "level_scale": np.maximum(level.max(0), SCALE_FLOOR)}
+            "spread_scale": np.maximum(sd.max(0), SCALE_FLOOR),
+            "level_scale": np.maximum(level.max(0), SCALE_FLOOR)}
 
 
 def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, steepness: float = 10.0,
@@ -537,7 +538,7 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
     without their fold block and its gap, scoring that block through the runtime's own path. Normal
     runs are held out whole when there are several (one per fold in turn), in blocks when there is
     one; fault files always in blocks."""
-    from zeroedge.sensor.runtime import Detector, TorchBackend, evaluate_scores, run_channel_stats, run_q
+    from zeroedge.sensor.runtime import ChannelStats, Detector, TorchBackend, evaluate_scores, run_channel_stats, run_q
 
     gap = fold_gap(window)
     whole = len(normal_raw) >= 2               # several normal runs: each is held out whole in one fold
@@ -572,7 +573,7 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
 
         def channels_of(X, skip=0):
             st = run_channel_stats(mon, det.normalise(X))
-            return type(st)(st.still[skip:], st.spread[skip:], st.level[skip:])
+            return ChannelStats(st.still[skip:], st.spread[skip:], st.level[skip:])
 
         held = []
         for i, X in enumerate(normal_raw):             # the block, scored with the window before it as context
@@ -696,8 +697,9 @@ def _calibrate_alarm(scores: FoldScores, window: int, far: float, log, run_names
     best = None
     for still in (False, True):
         for shares in GATE_SHARES:
-            gates = {"still_gate": still, **{f"{n}_limit": limit(n, sh) for n, sh in zip(("q", "spread", "level"), shares)},
-                     **{f"{n}_share": sh for n, sh in zip(("q", "spread", "level"), shares)}}
+            named = list(zip(("q", "spread", "level"), shares))
+            gates = {"still_gate": still, **{f"{n}_limit": limit(n, sh) for n, sh in named},
+                     **{f"{n}_share": sh for n, sh in named}}
 
             def gated(x, q, st):                 # the score, 1 where a gate is raised (as the runtime has it)
                 up = np.zeros(len(x), bool) if gates["q_limit"] is None else q > gates["q_limit"]
@@ -733,10 +735,10 @@ def _calibrate_alarm(scores: FoldScores, window: int, far: float, log, run_names
                             "normal_held_out": "whole runs" if scores.whole_runs else "blocks",
                             "normal_samples": int(sum(map(len, scores.normal)))},
              "rule": "out-of-fold scores of blocked folds; Q, spread and level gates: the (1 - share * far) "
-                     "quantile of the held-out normal samples' window Q / spread / level; still gate: a channel that always moved in "
-                     "normal data held still; threshold: the larger of the (1 - far) quantile and a Gaussian fit "
-                     "of the smoothed log-odds of held-out normal scores, gates in; gates and alpha: best "
-                     "held-out FDR"}
+                     "quantile of the held-out normal samples' window Q / spread / level; still gate: a channel "
+                     "that always moved in normal data held still; threshold: the larger of the (1 - far) "
+                     "quantile and a Gaussian fit of the smoothed log-odds of held-out normal scores, gates in; "
+                     "gates and alpha: best held-out FDR"}
     log(f"[sensor-fit] alarm: EMA alpha {alpha}, threshold {thr:.6f}"
         + ("" if gates["q_limit"] is None else
            f", Q gate at {gates['q_limit']:.3f} (window mean, {gates['q_share']:g} of the FAR budget)")

@@ -394,6 +394,10 @@ def test_channel_gates_read_each_channel_alone():
     assert all(v > 0 for v in mon["still_std"][:4]) and mon["still_std"][4] == 0.0
     assert all(1.0 < v < 3.0 for v in mon["spread_scale"])    # the most a channel moved over 6 samples
     assert all(0.5 < v < 3.0 for v in mon["level_scale"])     # the furthest its 6-sample mean went
+    # runs given apart are read one by one: no stretch spans the step from one run to the next
+    other = rng.normal(size=(200, 5)) + 10
+    assert max(fit_monitor([Z, other], channel_frames=6)["spread_scale"]) < 3.0
+    assert max(fit_monitor(np.concatenate([Z, other]), channel_frames=6)["spread_scale"]) > 4.0
 
     run = rng.normal(size=(110, 5))
     run[30:, 1] = run[29, 1]                                  # channel 1 holds its value from sample 29

@@ -330,26 +330,29 @@ STILL_RATIO = 0.05      # "still": moving less than this fraction of the least a
 SCALE_FLOOR = 0.1       # a channel's spread / level scale is at least this (normalised units)
 
 
-def channel_limits(Z: np.ndarray, frames: int) -> dict:
-    """From normalised normal data, per channel over every `frames` consecutive samples: the still
-    gate's limit (STILL_RATIO x its smallest standard deviation; 0, no gate, for a channel that stood
-    still somewhere), the spread gate's scale (its largest standard deviation) and the level gate's
-    (its largest |mean|), scales at least SCALE_FLOOR."""
+def channel_limits(parts, frames: int) -> dict:
+    """From normalised normal data (one array per run or piece: no stretch crosses from one to the
+    next), per channel over every `frames` consecutive samples: the still gate's limit (STILL_RATIO x
+    its smallest standard deviation; 0, no gate, for a channel that stood still somewhere), the
+    spread gate's scale (its largest standard deviation) and the level gate's (its largest |mean|),
+    scales at least SCALE_FLOOR."""
     from numpy.lib.stride_tricks import sliding_window_view
 
-    Z = np.asarray(Z, np.float64)
-    c = Z.shape[1]
-    if frames < 2 or len(Z) < frames:
+    parts = [np.asarray(P, np.float64) for P in parts]
+    c = parts[0].shape[1]
+    parts = [P for P in parts if len(P) >= frames]
+    if frames < 2 or not parts:
         return {"still_std": np.zeros(c), "spread_scale": np.ones(c), "level_scale": np.ones(c)}
-    w = sliding_window_view(Z, frames, axis=0)
-    sd, level = w.std(-1), np.abs(w.mean(-1))
+    w = [sliding_window_view(P, frames, axis=0) for P in parts]
+    sd = np.concatenate([v.std(-1) for v in w])
+    level = np.abs(np.concatenate([v.mean(-1) for v in w]))
     least = sd.min(0)
     return {"still_std": np.where(least > 1e-6, STILL_RATIO * least, 0.0),
             "spread_scale": np.maximum(sd.max(0), SCALE_FLOOR),
             "level_scale": np.maximum(level.max(0), SCALE_FLOOR)}
 
 
-def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, steepness: float = 10.0,
+def fit_monitor(Z, variance: float = 0.90, alpha: float = 0.99, steepness: float = 10.0,
                 q_frames: int = 1, channel_frames: int = 0) -> dict:
     """Hotelling T^2 on the principal components of normalised normal data, with its F-distribution
     limit. The detector turns it into an anomaly probability a = sigmoid(steepness * (T^2/limit - 1))
@@ -358,10 +361,13 @@ def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, stee
     residual off the components) is measured in units of its mean on Z (`q_scale`, the residual
     eigenvalues' sum), over the last `q_frames` frames of a window; its gate stays off until the
     calibration sets `q_limit`. With `channel_frames`, the channel gates' per-channel limits and scales
-    (channel_limits; off until the calibration sets `still_gate`, `spread_limit`, `level_limit`)."""
+    (channel_limits; off until the calibration sets `still_gate`, `spread_limit`, `level_limit`).
+    Z: normalised normal data, one array or a list of runs (or pieces) that the channel limits read
+    one by one."""
     from scipy import stats
 
-    Z = np.asarray(Z, np.float64)
+    parts = [Z] if isinstance(Z, np.ndarray) else list(Z)
+    Z = np.concatenate([np.asarray(P, np.float64) for P in parts])
     n, c = Z.shape
     Zc = Z - Z.mean(0)
     w, V = np.linalg.eigh(Zc.T @ Zc / (n - 1))
@@ -376,7 +382,7 @@ def fit_monitor(Z: np.ndarray, variance: float = 0.90, alpha: float = 0.99, stee
             "samples": int(n), "q_scale": float(max(w[k:].sum(), 1e-9)), "q_frames": int(q_frames),
             "q_limit": None, "channel_frames": int(channel_frames), "still_gate": False, "spread_limit": None,
             "level_limit": None,
-            **{k: v.astype(np.float32).tolist() for k, v in channel_limits(Z, channel_frames).items()}}
+            **{k: np.asarray(v, np.float32).tolist() for k, v in channel_limits(parts, channel_frames).items()}}
 
 
 def observable(Z_fault: np.ndarray, Z_normal_val: np.ndarray, mon: dict, q_pca) -> tuple:
@@ -448,7 +454,7 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.02, window:
                                         + [str(r.path) for r in faults if r.label in runs.unobs])
     # the bundle's monitor is fitted as the folds' were: on every normal run and every run that
     # cannot be told from one (the fold monitors saw all of them but the held-out one)
-    mon = fit_monitor(np.concatenate([nz(r.data) for r in normal] + [nz(r.data) for r in faults if r.label in runs.unobs]),
+    mon = fit_monitor([nz(r.data) for r in normal] + [nz(r.data) for r in faults if r.label in runs.unobs],
                       q_frames=window, channel_frames=min(CHANNEL_FRAMES, window))
     for k in ("q_limit", "still_gate", "spread_limit", "level_limit"):
         mon[k] = alarm[k]
@@ -561,8 +567,8 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
             nz = lambda X: np.clip((X - mean) / std, -50, 50).astype(np.float32)  # noqa: E731
             train_detector(model, [nz(X) for X in n_tr], [(nz(X), k) for X, k in f_tr],
                            [], [], window, max_steps=steps, seed=seed + 1 + j, threads=threads)
-        zn = np.clip((np.concatenate(n_tr) - mean) / std, -50, 50)
-        mon = fit_monitor(zn, q_frames=window, channel_frames=min(CHANNEL_FRAMES, window))
+        mon = fit_monitor([np.clip((X - mean) / std, -50, 50) for X in n_tr], q_frames=window,
+                          channel_frames=min(CHANNEL_FRAMES, window))
         det = Detector({"window": window, "channels": N_CHANNELS, "class_names": list(CLASS_NAMES),
                         "normalisation": {"mean": mean.tolist(), "std": std.tolist()},
                         "alarm": {"ema_alpha": 1.0, "threshold": 0.5}, "monitor": mon},
@@ -571,8 +577,13 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
         def q_of(X):
             return run_q(mon, det.normalise(X))
 
-        def channels_of(X, skip=0):
+        def channels_of(X, skip=0, joined=None):
+            """ChannelStats from sample `skip` on; where a channel stretch crosses `joined` (a normal
+            prefix put before a fault block: a step no run shows), the gates read nothing."""
             st = run_channel_stats(mon, det.normalise(X))
+            if joined is not None:
+                cut = joined + mon["channel_frames"] - 1
+                st.still[:cut], st.spread[:cut], st.level[:cut] = False, 0.0, 0.0
             return ChannelStats(st.still[skip:], st.spread[skip:], st.level[skip:])
 
         held = []
@@ -592,7 +603,7 @@ def fold_scores(normal_raw, fault_raw, window: int, steps: int, *, seed: int = 0
             Xb = np.concatenate([prefix, X[a:b]])
             out.faults.append((k, evaluate_scores(det, Xb, probs=True), len(prefix)))
             out.fault_q.append(q_of(Xb))
-            out.fault_channels.append(channels_of(Xb))
+            out.fault_channels.append(channels_of(Xb, joined=len(prefix)))
         log(f"[sensor-fit] fold {j + 1}/{folds}: {steps} steps, held-out blocks scored ({time.time() - t0:.0f}s)")
     return out
 

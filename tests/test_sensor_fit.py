@@ -395,7 +395,7 @@ def test_channel_gates_read_each_channel_alone():
     assert all(1.0 < v < 3.0 for v in mon["spread_scale"])    # the most a channel moved over 6 samples
     assert all(0.5 < v < 3.0 for v in mon["level_scale"])     # the furthest its 6-sample mean went
     # runs given apart are read one by one: no stretch spans the step from one run to the next
-    other = rng.normal(size=(200, 5)) + 10
+    other = np.random.default_rng(3).normal(size=(200, 5)) + 10
     assert max(fit_monitor([Z, other], channel_frames=6)["spread_scale"]) < 3.0
     assert max(fit_monitor(np.concatenate([Z, other]), channel_frames=6)["spread_scale"]) > 4.0
 

@@ -273,23 +273,22 @@ def gates_raised(mon, z: np.ndarray) -> Optional[np.ndarray]:
     """Windows (B, T, channels) -> (B,) bool where a gate is raised (window Q above q_limit, or a
     channel gate); None when the monitor keeps no gate."""
     mon = _arrays(mon)
-    raised = np.zeros(len(z), bool) if mon["q_limit"] is None else window_q(mon, z) > mon["q_limit"]
-    if mon["still_gate"] or mon["spread_limit"] is not None or mon["level_limit"] is not None:
-        raised = channel_gates(mon, window_channel_stats(mon, z), raised)
-    elif mon["q_limit"] is None:
+    channel = mon["still_gate"] or mon["spread_limit"] is not None or mon["level_limit"] is not None
+    if mon["q_limit"] is None and not channel:
         return None
-    return raised
+    raised = np.zeros(len(z), bool) if mon["q_limit"] is None else window_q(mon, z) > mon["q_limit"]
+    return channel_gates(mon, window_channel_stats(mon, z), raised) if channel else raised
 
 
-def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray, q_raised: Optional[np.ndarray] = None) -> np.ndarray:
+def apply_monitor(mon, p: np.ndarray, z_last: np.ndarray, raised: Optional[np.ndarray] = None) -> np.ndarray:
     """Scale P(normal) by 1 - a, a = sigmoid(steepness * (T^2 / limit - 1)), and a = 1 where a gate
-    is raised (`q_raised`, see gates_raised); the fault classes share the rest in their own
+    is raised (`raised`, see gates_raised); the fault classes share the rest in their own
     proportions (argmax unchanged)."""
     t2 = monitor_t2(mon, z_last).astype(np.float64)
     x = np.clip(mon["steepness"] * (t2 / mon["limit"] - 1.0), -60, 60)
     a = 1.0 / (1.0 + np.exp(-x))
-    if q_raised is not None:
-        a[q_raised] = 1.0
+    if raised is not None:
+        a[raised] = 1.0
     p = np.asarray(p, np.float64)
     pn = p[:, 0] * (1.0 - a)
     rest = np.maximum(1.0 - p[:, 0], 1e-12)

@@ -20,7 +20,7 @@ class Params(ctypes.Structure):
     _fields_ = [("threshold", ctypes.c_float), ("ma_w0", ctypes.c_float), ("ma_w1", ctypes.c_float),
                 ("ma_w2", ctypes.c_float), ("min_tokens", ctypes.c_int32), ("protect_first", ctypes.c_int32),
                 ("protect_last", ctypes.c_int32), ("block_size", ctypes.c_int32), ("block_frac", ctypes.c_float),
-                ("anchor_rank", ctypes.c_int32)]
+                ("anchor_rank", ctypes.c_int32), ("rate", ctypes.c_float), ("rank_block", ctypes.c_int32)]
 
 
 class Weights(ctypes.Structure):
@@ -138,9 +138,11 @@ def make_sih(T, D, W, R, dtype, seed):
     return x, w
 
 
-def check_sih(K: Kernels, T, D, W, R, dtype, block_size=0, quantile=0.5, seed=0, variant=0, min_tokens=32):
-    """Run the SIH kernel on fresh random inputs (outputs poisoned first) against the reference.
-    Returns a dict of errors; raises AssertionError on a failure."""
+def check_sih(K: Kernels, T, D, W, R, dtype, block_size=0, quantile=0.5, seed=0, variant=0, min_tokens=32,
+              rate=None, rank_block=512):
+    """Run the SIH kernel on fresh random inputs (outputs poisoned first) against the reference (the
+    threshold rule at the score's `quantile`, or with `rate` the rank rule). Returns a dict of errors;
+    raises AssertionError on a failure."""
     import torch
 
     from zeroedge.backends import plugin_reference as ref
@@ -151,7 +153,8 @@ def check_sih(K: Kernels, T, D, W, R, dtype, block_size=0, quantile=0.5, seed=0,
     s_ref = ref.sih_scores(x.double(), *(w64[k] for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
     sm = ref.smooth(s_ref.float(), 0.5, 0.333333, 0.166667)
     thr = float(torch.quantile(sm.float(), quantile)) if T > 0 else 0.5
-    f = ref.sih_fields(threshold=thr, block_size=block_size, anchor_rank=R, min_tokens=min_tokens)
+    f = ref.sih_fields(threshold=thr, block_size=block_size, anchor_rank=R, min_tokens=min_tokens,
+                       **({} if rate is None else {"rate": rate, "rank_block": rank_block}))
     keep = torch.full((T,), -7, dtype=torch.int32, device="cuda")
     base = torch.full((T, D), float("nan"), dtype=dtype, device="cuda")
     scores = torch.full((T,), float("nan"), dtype=torch.float32, device="cuda")
@@ -168,6 +171,7 @@ def check_sih(K: Kernels, T, D, W, R, dtype, block_size=0, quantile=0.5, seed=0,
     e_base = rel_err(base, base_ref)
     flips = int((keep_from_ref_scores != keep).sum())
     res = {"T": T, "D": D, "W": W, "R": R, "dtype": str(dtype).split(".")[-1], "block_size": block_size,
+           "rate": rate, "rank_block": rank_block if rate is not None else None,
            "variant": VARIANTS[variant], "scores_rel_err": e_scores, "base_rel_err": e_base,
            "kept": int(keep.clamp(min=0).sum()), "flips_vs_ref_scores": flips, "tol": tol}
     assert ((keep == 0) | (keep == 1)).all(), f"keep not fully written / not 0-1: {res}"

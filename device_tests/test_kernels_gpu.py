@@ -54,6 +54,18 @@ def test_sih(kernels, case):
                  quantile=0.75 if bs else 0.5)
 
 
+@pytest.mark.parametrize("T,rate,rank_block,dt", [(4096, 0.6, 512, "float16"), (1000, 0.9, 512, "float32"),
+                                                    (777, 0.3, 128, "float16"), (40, 1.0, 512, "float32")])
+def test_sih_rank_rule(kernels, T, rate, rank_block, dt):
+    """The rank rule: the kernel's keep is the reference's decision on the kernel's own scores, and each
+    rank block skips exactly its quota."""
+    import torch
+
+    r = kc.check_sih(kernels, T, 2048 if T > 1000 else 576, 10, 16, getattr(torch, dt), rate=rate,
+                     rank_block=rank_block, seed=3000 + T)
+    assert r["kept"] < T
+
+
 @pytest.mark.parametrize("case", range(len(kc.PAD_CASES)))
 def test_gather_scatter(kernels, case):
     import torch

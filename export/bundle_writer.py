@@ -388,14 +388,15 @@ def _copy_tokenizer_files(folder, tmp: Path):
 
 def prefill_section(chunk: int, meta: Optional[dict], foreign: bool = False) -> dict:
     """The manifest's "prefill": the chunk the runners prefill a long prompt in (a multiple of the SIH
-    block rule's blocks, written as "multiple"), or one_pass with why (a foreign graph has no prefix
-    inputs)."""
+    block rule's and rank rule's blocks, written as "multiple"), or one_pass with why (a foreign graph
+    has no prefix inputs)."""
+    from zeroedge.calib_artifact import Calibration
+
     if foreign:
         return {"chunk": None, "one_pass": True, "why": "a rewritten foreign graph has no prefix inputs"}
     multiple = 1
-    for L in (meta or {}).get("layers", []):
-        if L.get("skip") and int(L.get("block_size") or 0) > 0:
-            multiple = math.lcm(multiple, int(L["block_size"]))
+    for L in Calibration.from_meta(meta).skip_layers if meta else ():
+        multiple = math.lcm(multiple, max(L.block_size, 1), L.rank_block if L.rate is not None else 1)
     out = {"chunk": -(-chunk // multiple) * multiple, "one_pass": False}
     return {**out, "multiple": multiple} if multiple > 1 else out
 

@@ -1,4 +1,4 @@
-"""Calibration: fit anchors and SIH heads on calibration text, then choose per-layer thresholds with
+"""Calibration: fit anchors and SIH heads on calibration text, then choose per-layer skip rates with
 a quality gate on a held-out split, and write the artifact (zeroedge.calib_artifact).
 
 Steps (each reported):
@@ -10,8 +10,10 @@ Steps (each reported):
  4. gate: estimated per-layer cost curves from the same first-order terms on the held-out split,
     greedy allocation by cost per FLOP, then a binary search of the allocation's scale against real
     held-out perplexity (the protocol: prefix skipped, continuation dense) within the budget.
-    The gate thresholds the ranking cfg.scorer (SIH by default; norm or random to measure what the
-    learned ranking adds: the same anchors, costs and search, another score).
+    A layer's setting is a rate of the rank rule (zeroedge.plugin_spec): in each rank block it skips
+    that share of the prompt's tokens, the lowest-ranked by cfg.scorer (SIH by default; norm or random
+    to measure what the learned ranking adds: the same anchors, costs and search, another score). So
+    the FLOPs a layer saves do not depend on the text, only the tokens it picks do.
 """
 from __future__ import annotations
 
@@ -25,10 +27,7 @@ from zeroedge.calib_artifact import SIH_DEFAULTS
 from zeroedge.export import gate
 from zeroedge.mechanisms.anchors import Anchor, ZeroAnchor, anchor_error, fit_anchor
 from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, artifact_scores, ffn_flops_per_token, install, remove
-from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width
-
-
-SKIP_ALL = 3.4e38       # a finite float32 above any score: the layer skips every row it may
+from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width, rank_mask
 
 
 @dataclass
@@ -46,7 +45,8 @@ class CalibConfig:
     seed: int = 0
     gate_steps: int = 7             # binary-search steps against real held-out perplexity
     importance_samples: int = 16    # (layer, token) pairs for the perturbation estimator; 0 = skip
-    scorer: str = "sih"             # the token ranking the gate thresholds (calib_artifact.SCORERS)
+    scorer: str = "sih"             # the token ranking the rank rule reads (calib_artifact.SCORERS)
+    rank_block: int = SIH_DEFAULTS["rank_block"]
     log: object = field(default=print, repr=False)
 
 
@@ -143,7 +143,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     anchors = _fit_anchors(X, Y, cfg, report)
     heads = _fit_heads(X, Y, G, anchors, cfg, report, P)
     del X, Y, G
-    cost, thresholds = _skip_costs(model, held, heads, anchors, cfg, P)
+    cost = _skip_costs(model, held, heads, anchors, cfg, P)
 
     rt = ZeroRuntime(protect_first=cfg.protect_first)
     dense = heldout_ppl(model, held, P)
@@ -151,7 +151,7 @@ def calibrate(model, token_lists, cfg: CalibConfig):
     log(f"[calibrate] held-out dense ppl {dense:.4f} ({len(held)} x {cfg.seq_len} tokens)")
 
     def policies(chosen):
-        return {i: LayerPolicy(scorer=cfg.scorer, threshold=float("inf") if k is None else thresholds[i][k],
+        return {i: LayerPolicy(scorer=cfg.scorer, rate=1.0 if k is None else cfg.rates[k], rank_block=cfg.rank_block,
                                sih=heads[i], anchor=anchors[i]) for i, k in chosen.items()}
 
     def skipped_per_layer(chosen) -> tuple:
@@ -249,11 +249,11 @@ def _fit_heads(X, Y, G, anchors: dict, cfg: CalibConfig, report: dict, rows: int
     return heads
 
 
-def _skip_costs(model, held, heads: dict, anchors: dict, cfg: CalibConfig, P: int):
-    """On the held-out split, per layer from cfg.first_layer and per skip rate: the threshold on the
-    score of cfg.scorer (SIH: smoothed) that skips that fraction of the prefix, and the estimated nats per
-    continuation token it adds (sum of |first-order loss change| over the skipped tokens: no
-    cancellation between tokens, so a layer cannot look free by accident)."""
+def _skip_costs(model, held, heads: dict, anchors: dict, cfg: CalibConfig, P: int) -> dict:
+    """On the held-out split, per layer from cfg.first_layer and per skip rate: the estimated nats per
+    continuation token the rank rule adds at that rate with the score of cfg.scorer (SIH: smoothed), the
+    sum of |first-order loss change| over the tokens it skips (no cancellation between tokens, so a
+    layer cannot look free by accident)."""
     from zeroedge.export.importance import ffn_io_and_grads
 
     L = model.cfg.n_layers
@@ -267,19 +267,15 @@ def _skip_costs(model, held, heads: dict, anchors: dict, cfg: CalibConfig, P: in
             with torch.no_grad():
                 Sh[i].append(artifact_scores(LayerPolicy(scorer=cfg.scorer, sih=heads[i]), x[None, :P], i)[0])
     n_cont = len(held) * cfg.continuation
-    cost, thresholds = {}, {}
-    lo, hi = cfg.protect_first, P - 1
+    cost = {}
     for i in range(cfg.first_layer, L):
-        cost[i], thresholds[i] = [], []
         with torch.no_grad():
             deltas = [(g * (anchors[i](x) - y)).sum(-1) for x, y, g in zip(Xh[i], Yh[i], Gh[i])]
-        scores = torch.cat([s[lo:hi] for s in Sh[i]])
+        cost[i] = []
         for r in cfg.rates:
-            thr = float(torch.quantile(scores, r)) if r < 1 else float("inf")
-            thresholds[i].append(thr)
-            est = sum(float(dl[lo:hi][s[lo:hi] < thr].abs().sum()) for dl, s in zip(deltas, Sh[i]))
-            cost[i].append(est / n_cont)
-    return cost, thresholds
+            skipped = [~rank_mask(s[None], r, cfg.rank_block, cfg.protect_first, 1)[0] for s in Sh[i]]
+            cost[i].append(sum(float(dl[sk].abs().sum()) for dl, sk in zip(deltas, skipped)) / n_cont)
+    return cost
 
 
 def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt: ZeroRuntime,
@@ -289,9 +285,8 @@ def _artifact(model, cfg: CalibConfig, pol: dict, anchors: dict, heads: dict, rt
     layers_meta, tensors = [], {}
     for i in range(L):
         p = pol.get(i)
-        # "skip every row" (the last layer), finite as JSON and the plugins' float32 attribute need
-        thr = None if p is None else (p.threshold if math.isfinite(p.threshold) else SKIP_ALL)
-        layers_meta.append({"index": i, "skip": p is not None, "threshold": thr,
+        layers_meta.append({"index": i, "skip": p is not None, "threshold": None,
+                            "rate": None if p is None else p.rate, "rank_block": cfg.rank_block,
                             "anchor_rank": int(getattr(anchors[i], "rank", 0)),
                             "block_size": 0, "block_frac": SIH_DEFAULTS["block_frac"],
                             "skip_rate": round(per_layer.get(i, 0.0), 4)})

@@ -5,8 +5,10 @@ describes and what the PyTorch reference (zeroedge.mechanisms) does:
 ZeroEdgeSIH(x [T, D], w1..b4, anchor_a [r, D], anchor_b [D, r], anchor_c [D]) -> keep int32 [T], base [T, D]
     score = sigmoid(l4(relu(l3(relu(l2(relu(l1(x))))))))       (torch Linear layout: w [out, in])
     s     = (w0 s_t + w1 s_{t-1} + w2 s_{t-2}) / (sum of the weights present)
-    keep  = s >= threshold; block rule when block_size > 0; first protect_first and last
-            protect_last positions kept; T < min_tokens keeps everything
+    keep  = s >= threshold; block rule when block_size > 0; or, rate >= 0, the rank rule (in each
+            rank_block block the floor(rate * n + 0.5) lowest-scored of its n skippable positions
+            skip); first protect_first and last protect_last positions kept; T < min_tokens keeps
+            everything
     base  = keep ? 0 : anchor_b @ (anchor_a @ x) + anchor_c
 ZeroEdgePADGather(x [T, D], keep int32 [T]) -> xs [K, D], idx int32 [K], count int32 [1]
 ZeroEdgePADScatter(base [T, D], y [K, D], idx int32 [K]) -> out [T, D]
@@ -124,12 +126,13 @@ def sih_function(chunked: bool = False):
         N("Greater", ["bsz", "ni"], ["use_blk"]),
         N("Not", ["use_blk"], ["use_tok"]),           # (onnxruntime has no bool Where)
         N("And", ["use_blk", "keep_blk"], ["kr1"]), N("And", ["use_tok", "keep_tok"], ["kr2"]),
-        N("Or", ["kr1", "kr2"], ["keep_r"]),
+        N("Or", ["kr1", "kr2"], ["keep_thr"]),
         # protections: sinks, the prompt's last positions, short inputs
         _const_ref("pf", "protect_first"), N("Less", ["apos", "pf"], ["first"]),
         _const_ref("pl", "protect_last"), N("Sub", ["plen", "pl"], ["lastfrom"]),
         N("GreaterOrEqual", ["apos", "lastfrom"], ["last"]),
         _const_ref("mt", "min_tokens"), N("Less", ["plen", "mt"], ["short"]),
+        *_rank_rule(N, c, c1),
         N("Or", ["keep_r", "first"], ["k1"]), N("Or", ["k1", "last"], ["k2"]), N("Or", ["k2", "short"], ["kb"]),
         N("Cast", ["kb"], ["keep"], to=TensorProto.INT32),
         # anchor output where skipped
@@ -138,6 +141,44 @@ def sih_function(chunked: bool = False):
     ]
     op = "ZeroEdgeSIHChunk" if chunked else "ZeroEdgeSIH"
     return _fn(op, spec.NODES[op]["inputs"], spec.NODES[op]["outputs"], nodes)
+
+
+def _rank_rule(N, c, c1):
+    """keep_r: the rank rule's keep where the rate field is >= 0, else keep_thr (the threshold and block
+    rules). The chunk starts on a rank block (plugin_spec), so its blocks are rows [b*rb, (b+1)*rb);
+    a position's rank counts the skippable positions of its block that score lower, or equal and
+    earlier: an [nb, rb, rb] comparison, small beside the FFN it saves."""
+    from onnx import TensorProto
+
+    return [
+        _const_ref("rate", "rate"), _const_ref("rbz", "rank_block"), N("Max", ["rbz", "oi"], ["rb"]),
+        N("Or", ["first", "last"], ["held"]), N("Not", ["held"], ["free"]),
+        c("inf", float("inf")), N("Where", ["free", "sm", "inf"], ["sr"]),
+        N("Sub", ["rb", "oi"], ["rbm1"]), N("Add", ["T", "rbm1"], ["trb"]), N("Div", ["trb", "rb"], ["rnb"]),
+        N("Mul", ["rnb", "rb"], ["rTp"]), N("Sub", ["rTp", "T"], ["rpadn"]),
+        N("Unsqueeze", ["rpadn", "zero1"], ["rpadn1"]), N("Concat", ["zero1", "rpadn1"], ["rpads"], axis=0),
+        N("Pad", ["sr", "rpads", "inf"], ["srp"]),
+        N("Cast", ["free"], ["freef"], to=TensorProto.FLOAT), N("Pad", ["freef", "rpads"], ["freep"]),
+        N("Unsqueeze", ["rnb", "zero1"], ["rnb1"]), N("Unsqueeze", ["rb", "zero1"], ["rb1"]),
+        N("Concat", ["rnb1", "rb1"], ["rshape"], axis=0),
+        N("Reshape", ["srp", "rshape"], ["sb"]), N("Reshape", ["freep", "rshape"], ["fb"]),
+        N("Unsqueeze", ["sb", "two1"], ["si"]), N("Unsqueeze", ["sb", "one1"], ["sj"]),
+        N("Less", ["sj", "si"], ["lower"]), N("Equal", ["sj", "si"], ["tie"]),
+        N("Range", ["ni", "rb", "oi"], ["ridx"]),
+        N("Unsqueeze", ["ridx", "zero1"], ["jrow"]), N("Unsqueeze", ["ridx", "one1"], ["icol"]),
+        N("Less", ["jrow", "icol"], ["earlier"]), N("And", ["tie", "earlier"], ["tie_before"]),
+        N("Or", ["lower", "tie_before"], ["below"]), N("Cast", ["below"], ["belowf"], to=TensorProto.FLOAT),
+        N("ReduceSum", ["belowf", "two1"], ["rank"], keepdims=0),
+        N("ReduceSum", ["fb", "one1"], ["nfree"], keepdims=1),
+        c("half", 0.5), N("Mul", ["rate", "nfree"], ["rq"]), N("Add", ["rq", "half"], ["rqh"]),
+        N("Floor", ["rqh"], ["quota"]),
+        N("Less", ["rank", "quota"], ["under"]), N("Cast", ["fb"], ["fbb"], to=TensorProto.BOOL),
+        N("And", ["under", "fbb"], ["skipb"]), N("Reshape", ["skipb", "flat"], ["skipf"]),
+        N("Slice", ["skipf", "zero1", "T1", "zero1"], ["skip_rank"]), N("Not", ["skip_rank"], ["keep_rank"]),
+        N("GreaterOrEqual", ["rate", "zf"], ["use_rank"]), N("Not", ["use_rank"], ["use_thr"]),
+        N("And", ["use_rank", "keep_rank"], ["kq1"]), N("And", ["use_thr", "keep_thr"], ["kq2"]),
+        N("Or", ["kq1", "kq2"], ["keep_r"]),
+    ]
 
 
 def _chunk_positions(N, c1):

@@ -236,7 +236,7 @@ def summary(report: dict) -> str:
 class SIHParams:
     """Everything one layer's ZeroEdgeSIH node needs (weights as numpy, torch Linear layout)."""
     weights: dict                 # w1..b4, anchor_a, anchor_b, anchor_c
-    threshold: float
+    threshold: Optional[float]    # the threshold rule; None: the rank rule (rate)
     ma: tuple = (0.5, 1 / 3, 1 / 6)
     min_tokens: int = 32
     protect_first: int = 4
@@ -244,13 +244,17 @@ class SIHParams:
     block_size: int = 0
     block_frac: float = spec.BLOCK_FRAC
     anchor_rank: int = 0
+    rate: Optional[float] = None
+    rank_block: int = spec.SIH_DEFAULTS["rank_block"]
 
     def attrs(self) -> dict:
-        return {"threshold": float(self.threshold), "ma_w0": float(self.ma[0]),
+        # the node's threshold is a required field; a rank-rule node carries 0.0 there, unused
+        return {"threshold": 0.0 if self.rate is not None else float(self.threshold), "ma_w0": float(self.ma[0]),
                 "ma_w1": float(self.ma[1]), "ma_w2": float(self.ma[2]),
                 "min_tokens": int(self.min_tokens), "protect_first": int(self.protect_first),
                 "protect_last": int(self.protect_last), "block_size": int(self.block_size),
-                "block_frac": float(self.block_frac), "anchor_rank": int(self.anchor_rank)}
+                "block_frac": float(self.block_frac), "anchor_rank": int(self.anchor_rank),
+                "rate": -1.0 if self.rate is None else float(self.rate), "rank_block": int(self.rank_block)}
 
 
 def rewrite(graph, matches, params: dict, chunked: bool = False):
@@ -570,7 +574,7 @@ def _set_domain(model):
 
 # --- calibration artifact -> per-layer params --------------------------------------------------
 def params_from_artifact(meta: dict, tensors: dict) -> dict:
-    """layer index -> SIHParams for every layer the artifact marks skip=True (with a threshold)."""
+    """layer index -> SIHParams for every layer the artifact marks skip=True (with a threshold or a rate)."""
     import numpy as np
 
     from zeroedge.calib_artifact import Calibration
@@ -599,7 +603,7 @@ def params_from_artifact(meta: dict, tensors: dict) -> dict:
             w["anchor_b"] = np.zeros((D, 1), np.float32)
             w["anchor_c"] = np.zeros((D,), np.float32)
         out[L.index] = SIHParams(w, L.threshold, sih.ma_weights, sih.min_tokens, sih.protect_first,
-                                 sih.protect_last, L.block_size, L.block_frac, rank)
+                                 sih.protect_last, L.block_size, L.block_frac, rank, L.rate, L.rank_block)
     return out
 
 

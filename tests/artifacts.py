@@ -8,8 +8,10 @@ PATHS = {0: (0.5, 0.004), 2: (0.3, 0.003)}    # layer -> (threshold_in, threshol
 SIH_SKIP = [1, 2]                             # layer 2 carries SIH/PAD in prefill and paths in decode
 
 
-def sih_artifact(path, preset, thr=None, skip=None, prune=None, rank=4, block=None, seed=0, cfg=None):
-    """A calibration artifact with random SIH heads / anchors (the format zeroedge calibrate writes)."""
+def sih_artifact(path, preset, thr=None, skip=None, prune=None, rank=4, block=None, seed=0, cfg=None, rate=None,
+                 rank_block=512):
+    """A calibration artifact with random SIH heads / anchors (the format zeroedge calibrate writes);
+    `rate` (layer -> rate): those layers by the rank rule in blocks of `rank_block`."""
     from zeroedge import calib_artifact
     from zeroedge.mechanisms.anchors import Anchor
     from zeroedge.mechanisms.sih import SIHHead, head_width
@@ -27,9 +29,10 @@ def sih_artifact(path, preset, thr=None, skip=None, prune=None, rank=4, block=No
         a = Anchor(torch.randn(rank, cfg.dim, generator=g) * 0.05, torch.randn(cfg.dim, rank, generator=g) * 0.05,
                    torch.randn(cfg.dim, generator=g) * 0.01)
         t.update(a.state(f"layers.{i}.anchor"))
-        layers.append({"index": i, "skip": i in skip, "threshold": (thr or {}).get(i, 0.5),
+        r = (rate or {}).get(i)
+        layers.append({"index": i, "skip": i in skip, "threshold": None if r is not None else (thr or {}).get(i, 0.5),
                        "anchor_rank": rank, "block_size": (block or {}).get(i, 0), "block_frac": 0.7,
-                       "skip_rate": 0.3})
+                       "skip_rate": 0.3, "rate": r, "rank_block": rank_block})
     meta = {"model": {"name": cfg.name, "config": cfg.to_dict()},
             "sih": {"width": W, "ma_weights": [0.5, 1 / 3, 1 / 6], "min_tokens": 32, "protect_first": 4,
                     "bytes_fp16": 0},

@@ -197,6 +197,33 @@ def test_sih_bundle_chunks_skip_what_one_pass_skips(sih_bundle, chunk):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_rank_rule_bundle_chunks_skip_what_one_pass_skips(tmp_path):
+    """An artifact of rank-rule layers (rates in 32-position blocks) exported: the manifest's chunk is a
+    whole number of rank blocks, the prefill graph fed in chunks keeps the rows one pass keeps, and
+    each layer skips its rate of every block's skippable rows."""
+    from artifacts import sih_artifact
+    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.model import PRESETS, build
+
+    cfg = PRESETS["tiny"].with_(max_seq_len=1024)
+    m = build(cfg, seed=3).eval()
+    rates = {0: 0.5, 2: 0.9}
+    sih_artifact(tmp_path / "c", "tiny", skip=[0, 2], cfg=cfg, rate=rates, rank_block=32)
+    export_bundle(m, tmp_path / "zero", calib=tmp_path / "c", window=256, prefill_chunk=40)
+    mf = json.loads((tmp_path / "zero" / "manifest.json").read_text())
+    assert mf["prefill"] == {"chunk": 64, "one_pass": False, "multiple": 32}
+    p = _prompt(SIH_T)
+    one, l1 = _keeps(tmp_path / "zero", p, SIH_T)
+    got, l2 = _keeps(tmp_path / "zero", p, 64)
+    free = (np.arange(SIH_T) >= 4) & (np.arange(SIH_T) < SIH_T - 1)
+    for (layer, rate), a, b in zip(sorted(rates.items()), one, got):
+        assert np.array_equal(a, b), layer
+        for b0 in range(0, SIH_T, 32):
+            n = int(free[b0:b0 + 32].sum())
+            assert int((a[b0:b0 + 32] == 0).sum()) == int(np.floor(np.float32(rate) * n + np.float32(0.5)))
+    np.testing.assert_allclose(l2, l1, rtol=1e-4, atol=1e-4)
+
+
 def test_a_graph_whose_sih_carries_do_not_pair_up_is_refused():
     """sih_carry.i in, no sih_carry_out.i out (a hand-edited graph): a clear error when the runner
     opens it, not a wrong carry at the second chunk."""

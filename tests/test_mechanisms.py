@@ -262,15 +262,41 @@ def test_chunks_off_a_block_boundary_are_refused():
         remove(m)
 
 
-def test_chunks_run_a_deployed_threshold_rule_only():
-    """A benchmark scorer (random tokens at a fixed rate) has no chunked form: refused, not run wrong."""
+@pytest.mark.parametrize("T, chunk", [(100, 32), (100, 64), (64, 32)])
+def test_rank_rule_chunks_skip_what_one_pass_skips(T, chunk):
+    """The rank rule (a rate per 32-position block): chunks on block boundaries keep the rows one pass
+    keeps, each block skips its quota of the skippable rows whatever the text, and a chunk off a rank
+    block is refused."""
+    from zeroedge.mechanisms.sih import ChunkError
+
+    m = tiny()
+    ids = torch.randint(0, 256, (1, T))
+    pols = _sih_policies(m, {1: (None, 0), 2: (None, 0)})
+    for p, rate in zip(pols.values(), (0.5, 0.8)):
+        p.rate, p.rank_block = rate, 32
+    one, _, kv1, stats1 = _prefill(m, pols, ids, None)
+    got, _, kv2, stats2 = _prefill(m, pols, ids, chunk)
+    free = (torch.arange(T) >= 4) & (torch.arange(T) < T - 1)
+    for i, p in pols.items():
+        assert torch.equal(got[i], one[i]), i
+        for b0 in range(0, T, 32):
+            n = int(free[b0:b0 + 32].sum())
+            assert int((~one[i][0, b0:b0 + 32]).sum()) == int(p.rate * n + 0.5), (i, b0)
+    assert stats1 == stats2
+    with pytest.raises(ChunkError, match="rank block"):
+        _prefill(m, pols, ids, 48)
+
+
+def test_chunks_run_a_deployed_rule_only():
+    """A benchmark scorer (random tokens at a rate over the whole prompt) has no chunked form: refused,
+    not run wrong."""
     m = tiny()
     ids = torch.randint(0, 256, (1, 64))
     rt = ZeroRuntime()
     install(m, {1: LayerPolicy(scorer="random", rate=0.5)}, rt)
     m.setup_cache(1, 64)
     try:
-        with torch.no_grad(), pytest.raises(MechanismError, match="deployed threshold rule only.*'random'"):
+        with torch.no_grad(), pytest.raises(MechanismError, match="deployed rule only.*'random'.*whole prompt"):
             rt.active = True
             rt.begin_prompt(64)
             m.hidden_states(ids[:, :32], start=0)
@@ -285,3 +311,5 @@ def test_chunk_on_blocks_rounds_up_to_every_layer_s_block():
     pols = [LayerPolicy(block_size=0), LayerPolicy(block_size=16), LayerPolicy(block_size=24)]
     assert chunk_on_blocks(512, pols) == 528 and chunk_on_blocks(48, pols) == 48
     assert chunk_on_blocks(512, [LayerPolicy()]) == 512
+    assert chunk_on_blocks(500, [LayerPolicy(rate=0.5, rank_block=512), LayerPolicy(block_size=16)]) == 512
+    assert chunk_on_blocks(500, [LayerPolicy(rank_block=512)]) == 500     # no rate: no rank rule

@@ -495,3 +495,72 @@ def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T,
     assert np.array_equal(np.concatenate(keeps_o), keep1.numpy())
     assert np.allclose(np.concatenate(bases_o), base1.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(carry_r, scores[-2:].numpy())
+
+
+@pytest.mark.parametrize("T,rate,rank_block,chunk,ties", [(100, 0.6, 32, 32, False), (77, 0.9, 16, 48, False),
+                                                         (300, 0.3, 128, 128, True), (40, 1.0, 512, 512, False),
+                                                         (200, 0.0, 64, 64, False)])
+def test_rank_rule_reference_function_and_torch_agree(T, rate, rank_block, chunk, ties):
+    """The rank rule (rate >= 0): the reference (by its definition, pairwise), the portable ONNX
+    function and the torch mechanism (zeroedge.mechanisms.sih.rank_mask) keep the same rows, in one
+    pass and chunk by chunk; every rank block skips exactly floor(rate * n + 0.5) of its n skippable
+    rows, the lowest-scored, and ties (a head that scores every row alike) go to the earlier row."""
+    torch = pytest.importorskip("torch")
+    from zeroedge.backends import plugin_reference as ref
+    from zeroedge.mechanisms.sih import rank_mask
+
+    rng = np.random.default_rng(T + rank_block)
+    D, W, R = 16, 3, 4
+    f32 = np.float32
+    w = {"x": rng.standard_normal((T, D)).astype(f32), "w1": (rng.standard_normal((W, D)) / 2).astype(f32),
+         "b1": np.full(W, 0.5, f32), "w2": rng.standard_normal((W, W)).astype(f32), "b2": np.full(W, 0.5, f32),
+         "w3": rng.standard_normal((W, W)).astype(f32), "b3": np.full(W, 0.5, f32),
+         "w4": rng.standard_normal((1, W)).astype(f32) * (0 if ties else 1), "b4": np.zeros(1, f32),
+         "anchor_a": rng.standard_normal((R, D)).astype(f32), "anchor_b": rng.standard_normal((D, R)).astype(f32),
+         "anchor_c": rng.standard_normal(D).astype(f32)}
+    t = {k: torch.from_numpy(v) for k, v in w.items()}
+    fields = ref.sih_fields(threshold=0.0, rate=rate, rank_block=rank_block, anchor_rank=R)
+    keep, base = ref.sih(*(t[k] for k in w), **fields)
+    keep_o, base_o = _run_function_node("ZeroEdgeSIH", w, ["keep", "base"], fields)
+    assert np.array_equal(keep_o.reshape(-1), keep.numpy())
+    assert np.allclose(base_o, base.numpy(), rtol=1e-5, atol=1e-5)
+    scores = ref.sih_scores(*(t[k] for k in ("x", "w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
+    sm = ref.smooth(scores, 0.5, 0.333333, 0.166667)
+    assert torch.equal(rank_mask(sm[None], rate, rank_block, 4, 1)[0], keep.bool())
+    free = (torch.arange(T) >= 4) & (torch.arange(T) < T - 1)
+    for b0 in range(0, T, rank_block):
+        blk = slice(b0, b0 + rank_block)
+        n = int(free[blk].sum())
+        skipped = free[blk] & (keep[blk] == 0)
+        assert int(skipped.sum()) == int(np.floor(np.float32(rate) * np.float32(n) + np.float32(0.5)))
+        if 0 < int(skipped.sum()) < n:       # every skipped row scores no higher than every kept free row
+            assert float(sm[blk][skipped].max()) <= float(sm[blk][free[blk] & (keep[blk] == 1)].min())
+    if ties:
+        first = int(np.floor(np.float32(rate) * np.float32(int(free[:rank_block].sum())) + np.float32(0.5)))
+        assert keep[4:4 + first].eq(0).all() and keep[4 + first:rank_block].eq(1).all()
+    keeps_r, keeps_o = [], []
+    carry_r = carry_o = np.zeros(2, f32)
+    for a in range(0, T, chunk):
+        part = {**w, "x": w["x"][a:a + chunk]}
+        span = np.array([a, T], np.int32)
+        k_r, _, carry_r = ref.sih_chunk(*(torch.from_numpy(v) for v in part.values()), torch.from_numpy(carry_r),
+                                        torch.from_numpy(span), **fields)
+        carry_r = carry_r.numpy()
+        k_o, _, carry_o = _run_function_node("ZeroEdgeSIHChunk", {**part, "carry": carry_o, "span": span},
+                                             ["keep", "base", "carry_out"], fields)
+        keeps_r.append(k_r.numpy())
+        keeps_o.append(k_o.reshape(-1))
+    assert np.array_equal(np.concatenate(keeps_r), keep.numpy())
+    assert np.array_equal(np.concatenate(keeps_o), keep.numpy())
+
+
+def test_rank_rule_fields_are_checked():
+    from zeroedge import plugin_spec
+
+    ok = plugin_spec.field_value_problems("ZeroEdgeSIH", {"threshold": 0.0, "rate": 0.5})
+    assert ok == []
+    assert any("'rate'" in m for m in plugin_spec.field_value_problems("ZeroEdgeSIH", {"threshold": 0.0, "rate": 1.5}))
+    assert any("rank_block" in m for m in plugin_spec.field_value_problems("ZeroEdgeSIH",
+                                                                            {"threshold": 0.0, "rank_block": 0}))
+    assert any("no block rule" in m for m in plugin_spec.field_value_problems(
+        "ZeroEdgeSIH", {"threshold": 0.0, "rate": 0.5, "block_size": 64}))

@@ -13,7 +13,8 @@ meta = {
   "sih": {"width": int, "ma_weights": [w0, w1, w2], "min_tokens": 32, "protect_first": 4,
           "bytes_fp16": int, "scorer": "sih" | "norm" | "random" (optional, default sih)},
   "layers": [{"index": i, "skip": bool, "threshold": float | None, "anchor_rank": int,
-              "block_size": int, "block_frac": float, "skip_rate": float}],
+              "block_size": int, "block_frac": float, "skip_rate": float,
+              "rate": float | None, "rank_block": int}],   rate set: the rank rule (plugin_spec), threshold null
   "pruned_heads": {"<layer>": [head, ...]},
   "quality": {"budget": float, "dense_ppl": float, "zero_ppl": float, "ffn_flops_skipped": float,
               ...},
@@ -95,12 +96,15 @@ class SihSettings:
 
 @dataclass(frozen=True)
 class SkipLayer:
-    """A layer whose FFN SIH may skip (meta["layers"] entries with skip = true)."""
+    """A layer whose FFN SIH may skip (meta["layers"] entries with skip = true): by the threshold rule, or
+    by the rank rule when `rate` is set (zeroedge.plugin_spec)."""
     index: int
-    threshold: float
+    threshold: Optional[float]
     anchor_rank: int
     block_size: int
     block_frac: float
+    rate: Optional[float] = None
+    rank_block: int = SIH_DEFAULTS["rank_block"]
 
 
 @dataclass(frozen=True)
@@ -218,13 +222,23 @@ class Calibration:
         skips = []
         for lm in layers:
             try:
-                if not lm.get("skip") or lm.get("threshold") is None:
+                rate = lm.get("rate")
+                if not lm.get("skip") or (lm.get("threshold") is None and rate is None):
                     continue
-                skips.append(SkipLayer(int(lm["index"]), float(lm["threshold"]), int(lm.get("anchor_rank") or 0),
-                                       int(lm.get("block_size") or SIH_DEFAULTS["block_size"]),
-                                       float(lm.get("block_frac", SIH_DEFAULTS["block_frac"]))))
+                layer = SkipLayer(int(lm["index"]), None if rate is not None else float(lm["threshold"]),
+                                  int(lm.get("anchor_rank") or 0),
+                                  int(lm.get("block_size") or SIH_DEFAULTS["block_size"]),
+                                  float(lm.get("block_frac", SIH_DEFAULTS["block_frac"])),
+                                  None if rate is None else float(rate),
+                                  int(lm.get("rank_block") or SIH_DEFAULTS["rank_block"]))
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise bad(f"artifact 'layers' entry {lm!r:.80} is malformed") from None
+            if layer.rate is not None and not (0.0 <= layer.rate <= 1.0 and layer.rank_block >= 1
+                                               and layer.block_size == 0):
+                raise bad(f"layer {layer.index}: a rank-rule layer needs 'rate' in [0, 1], 'rank_block' >= 1 "
+                          f"and no block rule (rate {layer.rate}, rank_block {layer.rank_block}, "
+                          f"block_size {layer.block_size})")
+            skips.append(layer)
         if n_layers is not None:
             out_of_range = [L.index for L in skips if not 0 <= L.index < n_layers]
             if out_of_range:

@@ -84,12 +84,14 @@ def ranked_at_counts(policies: dict, runtime: ZeroRuntime, skipped: dict, prefix
     """The artifact's policies re-ranked: layer i skips exactly skipped[i] of its prompt rows, the ones
     `scorer` ranks lowest (random / norm / oracle), with the same anchors and protected positions, so
     only the choice of tokens differs from the shipped SIH rule (token by token, also where SIH's
-    layer skips by the block rule). Returns the new policies; sets runtime.external for the oracle."""
+    layer skips by the block rule; a rank-rule layer keeps its rate and blocks, so each block skips as
+    many rows as SIH's). Returns the new policies; sets runtime.external for the oracle."""
     from dataclasses import replace
 
     span = prefix - runtime.protect_first - runtime.protect_last     # rows a policy may skip
     if scorer == "oracle":
         runtime.external = oracle
-    return {i: replace(p, scorer="external" if scorer == "oracle" else scorer, threshold=None,
-                       rate=skipped.get(i, 0) / span, block_size=0)
+    return {i: replace(p, scorer="external" if scorer == "oracle" else scorer, threshold=None, block_size=0,
+                       rate=skipped.get(i, 0) / span if p.rate is None else p.rate,
+                       rank_block=0 if p.rate is None else p.rank_block)
             for i, p in policies.items()}

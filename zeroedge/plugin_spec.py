@@ -31,6 +31,12 @@ the whole prompt in one pass:
                                                        counted from position 0 (a chunk starts on a
                                                        block boundary)
 
+RANK RULE (rate >= 0): the prompt's positions fall in blocks of rank_block positions counted from
+position 0. A position is skippable when it is in the prompt and not protected (the first protect_first,
+the last protect_last). In each block of n skippable positions the floor(rate * n + 0.5) (float32)
+lowest-scored skippable positions skip; ties go to the earlier position. So a layer skips the same
+share of every prompt whatever its text; a chunk starts on a rank_block boundary.
+
 The decode paths FFN of one decode step (magnitude rule of plugins/include/zeroedge_paths.h; a new
 node, the others are unchanged, so no ABI bump):
 
@@ -51,7 +57,7 @@ PLUGIN_NAMESPACE = "zeroedge"
 # zeroedge's onnxruntime CPU kernels (ortops/: Q4Linear, WindowAttention): their custom-op domain
 ORTOPS_DOMAIN = "zeroedge.ort"
 PLUGIN_VERSION = "1"
-PLUGIN_ABI = 1  # bump when a node's inputs, outputs or fields change
+PLUGIN_ABI = 2  # bump when a node's inputs, outputs or fields change
 
 INT, FLOAT, STRING, FLOATS = "int", "float", "string", "floats"
 
@@ -61,7 +67,7 @@ NODES = {
                    "anchor_a", "anchor_b", "anchor_c"],
         "outputs": ["keep", "base"],
         "fields": {
-            "threshold": (FLOAT, None),      # keep a token when its smoothed score >= threshold
+            "threshold": (FLOAT, None),      # threshold rule: keep a token when its smoothed score >= threshold
             "ma_w0": (FLOAT, 0.5),           # moving-average weight of position t
             "ma_w1": (FLOAT, 0.333333),      # ... of t-1
             "ma_w2": (FLOAT, 0.166667),      # ... of t-2
@@ -71,6 +77,9 @@ NODES = {
             "block_size": (INT, 0),          # 0: token-granular; N: the block rule on N-token blocks
             "block_frac": (FLOAT, 0.7),      # a block skips when more than this fraction is low
             "anchor_rank": (INT, 16),        # 0: plain skipping (base is zero)
+            "rate": (FLOAT, -1.0),           # < 0: the threshold rule; in [0, 1]: the rank rule (threshold
+                                             # and the block rule unused), see RANK RULE above
+            "rank_block": (INT, 512),        # the rank rule's blocks, counted from position 0
         },
     },
     "ZeroEdgeSIHChunk": {
@@ -153,6 +162,12 @@ def field_value_problems(op: str, values: dict) -> list:
             out.append("field 'block_frac' must be in [0, 1]")
         if not 0 <= p["anchor_rank"] <= LIMITS["max_anchor_rank"]:
             out.append(f"field 'anchor_rank' must be in 0..{LIMITS['max_anchor_rank']}, got {p['anchor_rank']}")
+        if not (_finite(p["rate"]) and p["rate"] <= 1):
+            out.append("field 'rate' must be a finite number <= 1 (< 0: the threshold rule)")
+        if p["rank_block"] < 1:
+            out.append("field 'rank_block' must be >= 1")
+        if _finite(p["rate"]) and p["rate"] >= 0 and p["block_size"] > 0:
+            out.append("the rank rule (rate >= 0) takes no block rule (block_size 0)")
     elif op == "ZeroEdgePathsFFN":
         for k in ("threshold_in", "threshold"):
             if p[k] is not None and not (_finite(p[k]) and p[k] >= 0):

@@ -915,9 +915,10 @@ int main(int argc, char** argv)
     PluginFieldCollection const* names = sihC->getFieldNames();
     std::map<std::string, PluginFieldType> adv;
     for (int32_t i = 0; i < names->nbFields; ++i) adv[names->fields[i].name] = names->fields[i].type;
-    CHECK(adv.size() == 10 && adv["threshold"] == PluginFieldType::kFLOAT32 && adv["min_tokens"] == PluginFieldType::kINT32
-            && adv["protect_last"] == PluginFieldType::kINT32 && adv["anchor_rank"] == PluginFieldType::kINT32,
-        "SIH advertises its 10 fields with types");
+    CHECK(adv.size() == 12 && adv["threshold"] == PluginFieldType::kFLOAT32 && adv["min_tokens"] == PluginFieldType::kINT32
+            && adv["protect_last"] == PluginFieldType::kINT32 && adv["anchor_rank"] == PluginFieldType::kINT32
+            && adv["rate"] == PluginFieldType::kFLOAT32 && adv["rank_block"] == PluginFieldType::kINT32,
+        "SIH advertises its 12 fields with types");
     CHECK(gatC->getFieldNames()->nbFields == 0 && scaC->getFieldNames()->nbFields == 0, "PAD nodes take no fields");
     PluginFieldCollection const* pnames = pathsC->getFieldNames();
     CHECK(pnames->nbFields == 2 && std::strcmp(pnames->fields[0].name, "threshold_in") == 0
@@ -1036,7 +1037,8 @@ int main(int argc, char** argv)
         PluginFieldCollection const* ser = rt->getFieldsToSerialize();
         auto before = fieldValues(ser);
         CHECK(before["threshold"] == "f:0.370000005" && before["block_size"] == "i:64" && before["protect_last"] == "i:2"
-                && before["min_tokens"] == "i:32" && before["zeroedge_abi"] == "i:1",
+                && before["min_tokens"] == "i:32" && before["rate"] == "f:-1" && before["rank_block"] == "i:512"
+                && before["zeroedge_abi"] == "i:2",
             "SIH serialized fields");
         IPluginV3* back = sihC->createPlugin("layer0.sih", ser, TensorRTPhase::kRUNTIME);
         CHECK(back != nullptr, "SIH re-created from serialized fields");
@@ -1324,7 +1326,7 @@ int main(int argc, char** argv)
         PluginFieldCollection const* ser = prt->getFieldsToSerialize();
         auto before = fieldValues(ser);
         CHECK(before.size() == 3 && before["threshold_in"] == "f:0.25" && before["threshold"] == "f:0.0625"
-                && before["zeroedge_abi"] == "i:1",
+                && before["zeroedge_abi"] == "i:2",
             "paths serialized fields");
         IPluginV3* back = pathsC->createPlugin("layer0.paths", ser, TensorRTPhase::kRUNTIME);
         CHECK(back != nullptr, "paths re-created from serialized fields: " + log.last());

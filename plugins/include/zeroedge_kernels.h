@@ -26,7 +26,7 @@ extern "C" {
  * script (exports.map) still hides these, libzeroedge_kernels.so (kernels.map) exports them */
 #define ZE_API __attribute__((visibility("default")))
 
-#define ZE_PLUGIN_ABI 1 /* must equal zeroedge.plugin_spec.PLUGIN_ABI */
+#define ZE_PLUGIN_ABI 2 /* must equal zeroedge.plugin_spec.PLUGIN_ABI */
 
 #define ZE_MAX_SIH_WIDTH 32 /* W: width of the SIH head's hidden layers */
 #define ZE_MAX_ANCHOR_RANK 64
@@ -43,7 +43,7 @@ enum ze_error {
 };
 
 typedef struct ze_sih_params {
-    float threshold;       /* keep a token when its smoothed score >= threshold */
+    float threshold;       /* threshold rule: keep a token when its smoothed score >= threshold */
     float ma_w0, ma_w1, ma_w2; /* weights of positions t, t-1, t-2 (renormalised at the start) */
     int32_t min_tokens;    /* T < min_tokens: keep every token */
     int32_t protect_first; /* positions [0, protect_first) always kept */
@@ -51,6 +51,11 @@ typedef struct ze_sih_params {
     int32_t block_size;    /* 0: token-granular; N: the block rule on N-token blocks */
     float block_frac;      /* a block skips when more than this fraction of it is low */
     int32_t anchor_rank;   /* R */
+    float rate;            /* < 0: the threshold rule; in [0, 1]: the rank rule (zeroedge.plugin_spec): in
+                              each rank_block block of positions (counted from position 0), the
+                              floor(rate * n + 0.5) lowest-scored of its n skippable positions skip, ties
+                              to the earlier position; threshold and block_size unused */
+    int32_t rank_block;    /* the rank rule's blocks (a chunk starts on one) */
 } ze_sih_params;
 
 typedef struct ze_sih_weights {

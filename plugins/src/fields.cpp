@@ -34,6 +34,8 @@ std::vector<FieldSpec> const kSihSpecs = {
     {"block_size", FieldKind::kInt32, false, 0},
     {"block_frac", FieldKind::kFloat32, false, 0.7},
     {"anchor_rank", FieldKind::kInt32, false, 16},
+    {"rate", FieldKind::kFloat32, false, -1.0},
+    {"rank_block", FieldKind::kInt32, false, 512},
 };
 std::vector<FieldSpec> const kPathsSpecs = {
     {"threshold_in", FieldKind::kFloat32, true, kNoDefault},
@@ -140,6 +142,8 @@ ze_sih_params sihDefaults()
     p.block_size = 0;
     p.block_frac = 0.7f;
     p.anchor_rank = 16;
+    p.rate = -1.f;
+    p.rank_block = 512;
     return p;
 }
 
@@ -165,6 +169,8 @@ std::string parseSih(RawField const* fields, int32_t nbFields, ze_sih_params* ou
         else if (n == "block_size") p.block_size = iv;
         else if (n == "block_frac") p.block_frac = fv;
         else if (n == "anchor_rank") p.anchor_rank = iv;
+        else if (n == "rate") p.rate = fv;
+        else if (n == "rank_block") p.rank_block = iv;
     }
     e = checkSihParams(p);
     if (!e.empty()) return e;
@@ -212,6 +218,10 @@ std::string checkSihParams(ze_sih_params const& p)
     if (p.anchor_rank < 0 || p.anchor_rank > ZE_MAX_ANCHOR_RANK)
         return n + "field 'anchor_rank' must be in 0.." + std::to_string(ZE_MAX_ANCHOR_RANK) + ", got "
             + std::to_string(p.anchor_rank);
+    if (!(std::isfinite(p.rate) && p.rate <= 1.f))
+        return n + "field 'rate' must be a finite number <= 1 (< 0: the threshold rule)";
+    if (p.rank_block < 1) return n + "field 'rank_block' must be >= 1";
+    if (p.rate >= 0.f && p.block_size > 0) return n + "the rank rule (rate >= 0) takes no block rule (block_size 0)";
     return "";
 }
 

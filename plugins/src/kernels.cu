@@ -326,8 +326,8 @@ __global__ void __launch_bounds__(kProjWarps * 32, 1) sih_proj_tc(const __half* 
 }
 
 struct DecideArgs {
-    float thr, w0, w1, w2, n0, n1, n2, block_frac;
-    int32_t min_tokens, protect_first, protect_last, block_size;
+    float thr, w0, w1, w2, n0, n1, n2, block_frac, rate;
+    int32_t min_tokens, protect_first, protect_last, block_size, rank_block;
     const int32_t* span;  // a chunk (ZeroEdgeSIHChunk): (first position, prompt length); nullptr: one pass
     const float* carry;   // ... and the raw scores of the two positions before it
 };
@@ -371,12 +371,56 @@ __device__ __forceinline__ int protect(int k, int64_t t, const DecideArgs& a, co
     return k;
 }
 
+// a position the rank rule may skip: in the prompt and not protected
+__device__ __forceinline__ bool skippable(int64_t t, const DecideArgs& a, const Place& c)
+{
+    int64_t p = c.start + t;
+    return p >= a.protect_first && p < c.n - a.protect_last && p < c.n;
+}
+
+// The rank rule for row t: keep unless it ranks below its rank block's quota, floor(rate * n + 0.5) of
+// the block's n skippable rows (rank: rows of the block scoring lower, or equal and earlier). The chunk
+// starts on a rank block, so the block's rows are in it. O(rank_block) per row, from L2.
+__device__ int rank_keep(const float* __restrict__ scores, int64_t Tn, int64_t t, const DecideArgs& a, const Place& c)
+{
+    if (!skippable(t, a, c)) return 1;
+    int64_t first = (c.start + t) / a.rank_block * a.rank_block - c.start;
+    int64_t b0 = first > 0 ? first : 0;
+    int64_t b1 = first + a.rank_block < Tn ? first + a.rank_block : Tn;
+    float si = smoothed(scores, t, a, c);
+    int n = 0, below = 0;
+    for (int64_t j = b0; j < b1; ++j)
+    {
+        if (!skippable(j, a, c)) continue;
+        float sj = smoothed(scores, j, a, c);
+        ++n;
+        below += (sj < si) || (sj == si && j < t);
+    }
+    float quota = floorf(__fadd_rn(__fmul_rn(a.rate, float(n)), 0.5f));
+    return float(below) >= quota ? 1 : 0;
+}
+
 // keep for rows [r0, r0 + nrows) into ks (shared; 1 past Tn), and into keep_out when given.
-// Token rule: a thread a row. Block rule: warp 0 counts each block's low tokens once.
+// Token and rank rules: a thread a row. Block rule: warp 0 counts each block's low tokens once.
 __device__ void decide_rows(const float* __restrict__ scores, int64_t Tn, int64_t r0, int nrows, const DecideArgs& a,
     int* ks, int32_t* __restrict__ keep_out)
 {
     Place c = place_of(a, Tn);
+    if (a.rate >= 0.f && c.n >= a.min_tokens)
+    {
+        for (int r = threadIdx.x; r < nrows; r += blockDim.x)
+        {
+            int64_t t = r0 + r;
+            int k = 1;
+            if (t < Tn)
+            {
+                k = rank_keep(scores, Tn, t, a, c);
+                if (keep_out) keep_out[t] = k;
+            }
+            ks[r] = k;
+        }
+        return;
+    }
     if (a.block_size <= 0 || c.n < a.min_tokens)
     {
         for (int r = threadIdx.x; r < nrows; r += blockDim.x)
@@ -898,6 +942,8 @@ int sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const
     a.n1 = float(double(p->ma_w0) + double(p->ma_w1));
     a.n2 = float(double(p->ma_w0) + double(p->ma_w1) + double(p->ma_w2));
     a.block_frac = p->block_frac;
+    a.rate = p->rate;
+    a.rank_block = p->rank_block > 0 ? p->rank_block : 1;
     a.min_tokens = p->min_tokens; a.protect_first = p->protect_first; a.protect_last = p->protect_last;
     a.block_size = p->block_size;
     a.span = span;

@@ -328,6 +328,8 @@ public:
         mSer.emplace_back("block_size", &mP.block_size, PluginFieldType::kINT32, 1);
         mSer.emplace_back("block_frac", &mP.block_frac, PluginFieldType::kFLOAT32, 1);
         mSer.emplace_back("anchor_rank", &mP.anchor_rank, PluginFieldType::kINT32, 1);
+        mSer.emplace_back("rate", &mP.rate, PluginFieldType::kFLOAT32, 1);
+        mSer.emplace_back("rank_block", &mP.rank_block, PluginFieldType::kINT32, 1);
         mSer.emplace_back(kAbiField, &mAbi, PluginFieldType::kINT32, 1);
         mFC.nbFields = int32_t(mSer.size());
         mFC.fields = mSer.data();

@@ -94,6 +94,28 @@ int main(int argc, char** argv)
     }
     {
         Fields f;
+        f.fl("threshold", 0.f).fl("rate", 0.6f).in("rank_block", 256);
+        std::string e = parseSih(f.f.data(), int32_t(f.f.size()), &p);
+        CHECK(e.empty() && p.rate == 0.6f && p.rank_block == 256, "rank rule fields read: " + e);
+        Fields d;
+        d.fl("threshold", 0.f);
+        CHECK(parseSih(d.f.data(), 1, &p).empty() && p.rate == -1.f && p.rank_block == 512,
+            "threshold rule by default (rate -1, rank_block 512)");
+        Fields over;
+        over.fl("threshold", 0.f).fl("rate", 1.5f);
+        CHECK(contains(parseSih(over.f.data(), 2, &p), "'rate' must be a finite number <= 1"), "rate 1.5 refused");
+        Fields nan;
+        nan.fl("threshold", 0.f).fl("rate", std::nanf(""));
+        CHECK(contains(parseSih(nan.f.data(), 2, &p), "'rate'"), "nan rate refused");
+        Fields zero;
+        zero.fl("threshold", 0.f).fl("rate", 0.5f).in("rank_block", 0);
+        CHECK(contains(parseSih(zero.f.data(), 3, &p), "'rank_block' must be >= 1"), "rank_block 0 refused");
+        Fields both;
+        both.fl("threshold", 0.f).fl("rate", 0.5f).in("block_size", 64);
+        CHECK(contains(parseSih(both.f.data(), 3, &p), "takes no block rule"), "rank rule with a block rule refused");
+    }
+    {
+        Fields f;
         f.in("min_tokens", 8);
         std::string e = parseSih(f.f.data(), int32_t(f.f.size()), &p);
         CHECK(contains(e, "required field 'threshold' is missing"), "missing threshold: " + e);
@@ -225,7 +247,7 @@ int main(int argc, char** argv)
         CHECK(e == "ZeroEdgePathsFFN: field 'threshold' must be a finite number >= 0, got -0.5", "negative: " + e);
         Fields a;
         a.fl("threshold_in", 0.1f).fl("threshold", 0.1f).in(kAbiField, ZE_PLUGIN_ABI + 1);
-        CHECK(contains(parsePaths(a.f.data(), 3, &q), "ZeroEdgePathsFFN: engine was built with plugin ABI 2"), "paths abi");
+        CHECK(contains(parsePaths(a.f.data(), 3, &q), ("ZeroEdgePathsFFN: engine was built with plugin ABI " + std::to_string(ZE_PLUGIN_ABI + 1)).c_str()), "paths abi");
         CHECK(contains(parsePaths(nullptr, 2, &q), "no field collection"), "paths null fields");
         CHECK(fieldSpecs(kPathsName).size() == 2 && fieldSpecs(kPathsName)[0].required, "paths field specs");
     }

@@ -76,7 +76,7 @@ def smooth(scores, ma_w0: float, ma_w1: float, ma_w2: float, carry=None, start: 
 def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.333333, ma_w2: float = 0.166667,
              min_tokens: int = 32, protect_first: int = 4, protect_last: int = 1, block_size: int = 0,
              block_frac: float = plugin_spec.BLOCK_FRAC, carry=None, start: int = 0, prompt_len=None,
-             **_ignored):
+             rate: float = -1.0, rank_block: int = 512, **_ignored):
     """int32 [T] keep mask from raw scores [T] (float32): the decision half of ZeroEdgeSIH, or of
     ZeroEdgeSIHChunk for positions start.. of a prompt_len-token prompt with the carry."""
     import torch
@@ -86,8 +86,12 @@ def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.3333
     dev = scores.device
     if n < min_tokens:
         return torch.ones(T, dtype=torch.int32, device=dev)
+    sm = smooth(scores.float(), ma_w0, ma_w1, ma_w2, carry, start)
+    pos = torch.arange(start, start + T, device=dev)
+    if rate >= 0:
+        return rank_keep(sm, pos, n, rate, rank_block, protect_first, protect_last)
     thr = torch.tensor(threshold, dtype=torch.float32).item()
-    keep = smooth(scores.float(), ma_w0, ma_w1, ma_w2, carry, start) >= thr
+    keep = sm >= thr
     if block_size > 0:
         nb = (T + block_size - 1) // block_size
         low = torch.nn.functional.pad((~keep).float(), (0, nb * block_size - T))
@@ -96,8 +100,27 @@ def sih_keep(scores, threshold: float, ma_w0: float = 0.5, ma_w1: float = 0.3333
         frac = low.view(nb, block_size).sum(-1) / counts
         bf = torch.tensor(block_frac, dtype=torch.float32).item()
         keep = (frac <= bf).repeat_interleave(block_size)[:T]
-    pos = torch.arange(start, start + T, device=dev)
     keep = keep | (pos < protect_first) | (pos >= n - protect_last)
+    return keep.to(torch.int32)
+
+
+def rank_keep(sm, pos, n: int, rate: float, rank_block: int, protect_first: int, protect_last: int):
+    """The rank rule, by its definition: position i of a block skips when it is skippable and fewer
+    than floor(rate * m + 0.5) of the block's m skippable positions j score below it (s_j < s_i, or
+    s_j == s_i with j < i). O(block^2) per block: a reference, not a kernel."""
+    import torch
+
+    free = (pos >= protect_first) & (pos < n - protect_last) & (pos < n)
+    keep = torch.ones_like(sm, dtype=torch.bool)
+    r = torch.tensor(rate, dtype=torch.float32)
+    for b in torch.unique(torch.div(pos, rank_block, rounding_mode="floor")):
+        rows = torch.nonzero((torch.div(pos, rank_block, rounding_mode="floor") == b) & free).reshape(-1)
+        if not rows.numel():
+            continue
+        s = sm[rows]
+        below = (s[None, :] < s[:, None]) | ((s[None, :] == s[:, None]) & (rows[None, :] < rows[:, None]))
+        quota = int(torch.floor(r * float(rows.numel()) + 0.5))
+        keep[rows] = below.sum(1) >= quota
     return keep.to(torch.int32)
 
 

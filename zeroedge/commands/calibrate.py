@@ -56,7 +56,7 @@ from zeroedge.commands.common import check_model, examples, fraction_option, out
 @click.option("--weights-only", is_flag=True,
               help="With --weights: write the weights section only (no SIH/PAD prefill calibration).")
 @click.option("--scorer", type=click.Choice(SCORERS), default="sih", show_default=True,
-              help="The prompt-token ranking the quality gate thresholds: the SIH heads (what the bundles' "
+              help="The prompt-token ranking the quality gate's rates skip by: the SIH heads (what the bundles' "
                    "plugins run), or the FFN input's norm or a random draw, to measure what the learned "
                    "ranking buys at the same budget (`eval` measures such an artifact; `export` refuses it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from zeroedge.calib_artifact import SCORERS as ARTIFACT_SCORERS
-from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, protect, smooth, smooth_chunk
+from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, keep_mask, rank_mask, smooth, smooth_chunk
 from zeroedge.plugin_spec import BLOCK_FRAC
 
 MIN_TOKENS = 32
@@ -36,12 +36,13 @@ class MechanismError(RuntimeError):
 class LayerPolicy:
     """How one layer decides which tokens skip the FFN.
 
-    Deployed: one of ARTIFACT_SCORERS with a threshold from the quality gate (the plugins: "sih").
-    Benchmarks: any scorer with a fixed `rate` (skip that fraction of the skippable tokens with the
-    lowest scores)."""
+    Deployed: one of ARTIFACT_SCORERS (the plugins: "sih") with the quality gate's threshold (the
+    threshold rule) or its rate and rank_block (the rank rule). Benchmarks: any scorer with a fixed
+    `rate` over the whole prompt (rank_block 0)."""
     scorer: str = "sih"                  # sih | random | norm | attn | external | all
     threshold: Optional[float] = None
-    rate: Optional[float] = None
+    rate: Optional[float] = None         # skip this share of the skippable tokens, the lowest-scored
+    rank_block: int = 0                  # ... in each block of this many positions (0: the whole prompt)
     sih: Optional[SIHHead] = None
     anchor: Optional[nn.Module] = None   # None = zero output
     block_size: int = 0
@@ -121,9 +122,10 @@ class ZeroMLP(nn.Module):
     def decide_chunk(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The keep mask of the chunk at positions start.. of a prompt of rt.prompt_len tokens."""
         p, rt = self.policy, self.rt
-        if p.scorer not in ARTIFACT_SCORERS or p.rate is not None:
-            raise MechanismError(f"chunked prefill runs a deployed threshold rule only (layer {self.layer} "
-                                 f"scores with {p.scorer!r}{' at a fixed rate' if p.rate is not None else ''})")
+        whole_prompt = p.rate is not None and not p.rank_block
+        if p.scorer not in ARTIFACT_SCORERS or whole_prompt:
+            raise MechanismError(f"chunked prefill runs a deployed rule only (layer {self.layer} scores with "
+                                 f"{p.scorer!r}{' at a rate over the whole prompt' if whole_prompt else ''})")
         if p.scorer == "sih":
             raw = p.sih(x).float()
             carry = self.rt.carry.get(self.layer) if start else None
@@ -132,25 +134,21 @@ class ZeroMLP(nn.Module):
             s, rt.carry[self.layer] = smooth_chunk(raw, carry, start, MA_WEIGHTS)
         else:
             s = self.scores(x, start).float()
+        if p.rate is not None:
+            return rank_mask(s, p.rate, p.rank_block, rt.protect_first, rt.protect_last, rt.prompt_len, start)
         return keep_mask(s, p.threshold, rt.protect_first, rt.protect_last, p.block_size, p.block_frac,
                          rt.prompt_len, start)
 
     def decide(self, x: torch.Tensor) -> torch.Tensor:
         p, rt = self.policy, self.rt
         s = self.scores(x).float()
-        T = x.shape[1]
-        end = T if rt.limit is None else min(rt.limit, T)
-        if p.rate is not None:  # skip the lowest-scoring `rate` of the skippable positions
-            keep = torch.ones_like(s, dtype=torch.bool)
-            lo, hi = rt.protect_first, end - rt.protect_last
-            n_skip = int(round(p.rate * max(hi - lo, 0)))
-            if n_skip > 0:
-                idx = s[:, lo:hi].argsort(dim=1, stable=True)[:, :n_skip] + lo
-                keep.scatter_(1, idx, False)
+        if p.rate is not None:  # the rank rule (rank_block 0: one block, the whole prompt)
+            keep = rank_mask(s, p.rate, p.rank_block or max(x.shape[1], 1), rt.protect_first, rt.protect_last,
+                             rt.limit)
             if p.block_size:
                 return keep_mask(keep.float(), 0.5, rt.protect_first, rt.protect_last,
                                  p.block_size, p.block_frac, rt.limit)
-            return protect(keep, rt.protect_first, rt.protect_last, rt.limit)
+            return keep
         return keep_mask(s, p.threshold, rt.protect_first, rt.protect_last, p.block_size,
                          p.block_frac, rt.limit)
 
@@ -205,11 +203,11 @@ def install(model, policies: dict, runtime: ZeroRuntime):
 
 
 def chunk_on_blocks(chunk: int, policies) -> int:
-    """`chunk` rounded up to a whole number of the block-rule blocks of these LayerPolicies (a chunk
-    that starts on a block boundary decides as one pass would)."""
+    """`chunk` rounded up to a whole number of the block-rule and rank-rule blocks of these
+    LayerPolicies (a chunk that starts on a block boundary decides as one pass would)."""
     multiple = 1
     for p in policies:
-        multiple = math.lcm(multiple, max(p.block_size, 1))
+        multiple = math.lcm(multiple, max(p.block_size, 1), max(p.rank_block if p.rate is not None else 0, 1))
     return -(-chunk // multiple) * multiple
 
 
@@ -263,7 +261,7 @@ def check_sampling(temperature: float, force: bool = False) -> bool:
 
 
 def artifact_policies(meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] = None):
-    """A calibration artifact's deployed SIH/PAD policies (layer -> LayerPolicy: thresholds, heads,
+    """A calibration artifact's deployed SIH/PAD policies (layer -> LayerPolicy: threshold or rate, heads,
     anchors) and the runtime that switches them on, set to the artifact's protections."""
     from zeroedge.calib_artifact import Calibration
     from zeroedge.mechanisms.anchors import Anchor
@@ -274,7 +272,8 @@ def artifact_policies(meta: dict, tensors: dict, runtime: Optional[ZeroRuntime] 
     pol = {}
     for L in cal.skip_layers:
         anchor = Anchor.from_state(tensors, f"layers.{L.index}.anchor") if L.anchor_rank else None
-        pol[L.index] = LayerPolicy(scorer=cal.sih.scorer, threshold=L.threshold,
+        pol[L.index] = LayerPolicy(scorer=cal.sih.scorer, threshold=L.threshold, rate=L.rate,
+                                   rank_block=L.rank_block,
                                    sih=SIHHead.from_state(tensors, f"layers.{L.index}.sih")
                                    if cal.sih.scorer == "sih" else None, anchor=anchor,
                                    block_size=L.block_size, block_frac=L.block_frac)

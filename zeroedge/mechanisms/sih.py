@@ -1,6 +1,8 @@
 """SIH, the semantic importance head: per layer, a tiny MLP (4 linear layers, sigmoid) that reads the
 normalised FFN input of each token and scores whether the token's FFN matters. Scores are smoothed
-over the last 3 positions and thresholded into a keep mask (the same rule the CUDA plugin runs).
+over the last 3 positions and turned into a keep mask by one of two rules (the same the CUDA plugin
+runs): the threshold rule (a token skips when its score is below the layer's threshold) or the rank rule
+(in each block of positions a layer skips a fixed share, the lowest-scored; `rank_mask`).
 
 A prompt prefilled in chunks decides exactly as in one pass: `smooth_chunk` takes the previous
 chunk's last two raw scores (the carry), `keep_mask` takes the chunk's first absolute position and
@@ -120,6 +122,35 @@ def keep_mask(score: torch.Tensor, threshold: float, protect_first: int = 4, pro
         frac = low.view(B, nb, block_size).sum(-1) / counts
         keep = (frac <= block_frac).repeat_interleave(block_size, dim=1)[:, :T]
     return protect(keep, protect_first, protect_last, limit, start)
+
+
+def rank_mask(score: torch.Tensor, rate: float, rank_block: int, protect_first: int = 4, protect_last: int = 1,
+              limit: int | None = None, start: int = 0) -> torch.Tensor:
+    """Bool (B, T): True = compute the FFN, by the rank rule (zeroedge.plugin_spec, RANK RULE).
+
+    `score` holds positions start..start+T-1 of a prompt of `limit` tokens (None: start + T); blocks of
+    `rank_block` positions are counted from position 0, so a chunk starts on a block boundary
+    (`ChunkError` otherwise). In each block the floor(rate * n + 0.5) lowest-scored of its n skippable
+    positions (in the prompt, not protected) skip; ties go to the earlier position."""
+    B, T = score.shape
+    if rank_block < 1:
+        raise ValueError(f"rank_block must be >= 1, got {rank_block}")
+    if start % rank_block:
+        raise ChunkError(f"a chunk starting at position {start} is not on a {rank_block}-token rank block "
+                         "boundary: prefill in chunks of a multiple of the rank block")
+    plen = start + T if limit is None else limit
+    pos = torch.arange(start, start + T, device=score.device)
+    free = (pos >= protect_first) & (pos < plen - protect_last) & (pos < plen)
+    nb = (T + rank_block - 1) // rank_block
+    padn = nb * rank_block - T
+    s = torch.nn.functional.pad(score.float().masked_fill(~free, float("inf")), (0, padn), value=float("inf"))
+    free_b = torch.nn.functional.pad(free, (0, padn), value=False).view(nb, rank_block)
+    order = s.view(B, nb, rank_block).argsort(dim=-1, stable=True)       # protected positions (inf) last
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(rank_block, device=score.device).expand_as(order))
+    n = free_b.sum(-1).to(torch.float32)
+    quota = torch.floor(torch.tensor(rate, dtype=torch.float32) * n + 0.5).to(torch.int64)
+    skip = free_b & (rank < quota[:, None])
+    return ~skip.reshape(B, nb * rank_block)[:, :T]
 
 
 def protect(keep: torch.Tensor, protect_first: int, protect_last: int, limit: int | None, start: int = 0):

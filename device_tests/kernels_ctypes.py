@@ -47,6 +47,9 @@ class Kernels:
         L.ze_sih_forward.restype = ctypes.c_int
         L.ze_sih_forward.argtypes = [ctypes.c_int, vp, i64, i64, i32, ctypes.POINTER(Weights), ctypes.POINTER(Params),
                                      vp, vp, vp, vp, sz, vp]
+        L.ze_sih_chunk_forward.restype = ctypes.c_int
+        L.ze_sih_chunk_forward.argtypes = [ctypes.c_int, vp, i64, i64, i32, ctypes.POINTER(Weights),
+                                           ctypes.POINTER(Params), vp, vp, vp, vp, vp, vp, vp, sz, vp]
         L.ze_pad_gather.restype = ctypes.c_int
         L.ze_pad_gather.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, vp, sz, vp]
         L.ze_pad_scatter_workspace_size.restype = sz
@@ -92,6 +95,20 @@ class Kernels:
         self._ok(self.lib.ze_sih_forward(dt, x.data_ptr(), T, D, W, ctypes.byref(w), ctypes.byref(p), keep.data_ptr(),
                                          base.data_ptr(), scores.data_ptr() if scores is not None else None,
                                          ws.data_ptr(), ws.numel(), self._stream()))
+
+    def sih_chunk(self, x, weights: dict, fields: dict, carry, span, keep, base, carry_out):
+        """ZeroEdgeSIHChunk's kernels: rows x are positions span[0].. of a span[1]-token prompt (device
+        tensors: carry, carry_out float32 [2], span int32 [2])."""
+        T, D = x.shape
+        W = weights["w1"].shape[0]
+        R = int(fields["anchor_rank"])
+        dt = self.dtype_code(x)
+        ws = self.sih_workspace(T, D, W, R, dt)
+        w = Weights(*[ctypes.c_void_p(weights[n].data_ptr()) for n, _ in Weights._fields_])
+        p = Params(**{n: fields[n] for n, _ in Params._fields_})
+        self._ok(self.lib.ze_sih_chunk_forward(dt, x.data_ptr(), T, D, W, ctypes.byref(w), ctypes.byref(p),
+                                               carry.data_ptr(), span.data_ptr(), keep.data_ptr(), base.data_ptr(),
+                                               carry_out.data_ptr(), None, ws.data_ptr(), ws.numel(), self._stream()))
 
     def gather(self, x, keep, xs, idx, count):
         T, D = x.shape

@@ -66,6 +66,34 @@ def test_sih_rank_rule(kernels, T, rate, rank_block, dt):
     assert r["kept"] < T
 
 
+@pytest.mark.parametrize("T,chunk,dt", [(2000, 512, "float16"), (1500, 1024, "float32")])
+def test_sih_rank_rule_in_chunks(kernels, T, chunk, dt):
+    """ZeroEdgeSIHChunk's kernels under the rank rule, fed chunk by chunk (the carry of one into the
+    next, chunks on rank blocks): the keep of the one-pass kernel, row for row."""
+    import torch
+
+    from zeroedge.backends import plugin_reference as ref
+
+    f = ref.sih_fields(threshold=0.0, rate=0.6, rank_block=512, anchor_rank=16)
+    x, w = kc.make_sih(T, 576, 10, 16, getattr(torch, dt), seed=T)
+    one = torch.full((T,), -7, dtype=torch.int32, device="cuda")
+    kernels.sih(x, w, f, one, torch.empty(T, 576, dtype=x.dtype, device="cuda"))
+    carry = torch.zeros(2, dtype=torch.float32, device="cuda")
+    got = []
+    for a in range(0, T, chunk):
+        n = min(chunk, T - a)
+        keep = torch.full((n,), -7, dtype=torch.int32, device="cuda")
+        out = torch.empty(2, dtype=torch.float32, device="cuda")
+        span = torch.tensor([a, T], dtype=torch.int32, device="cuda")
+        kernels.sih_chunk(x[a:a + n].contiguous(), w, f, carry, span, keep,
+                          torch.empty(n, 576, dtype=x.dtype, device="cuda"), out)
+        got.append(keep)
+        carry = out
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat(got), one)
+    assert 0.5 < float((one == 0).float().mean()) < 0.7
+
+
 @pytest.mark.parametrize("case", range(len(kc.PAD_CASES)))
 def test_gather_scatter(kernels, case):
     import torch

@@ -185,11 +185,15 @@ def _speculative_serve_gpu():
 
 
 def _sih_pad():
-    rows = _load("prefill/sih_scorers_frontier_smollm2_cpu.json")["rows"]
+    rows = _load("prefill/sih_rank_rule_frontier_smollm2_cpu.json")["rows"]
     gated = {(r["text"], r["scorer"]): r for r in rows if r["setting"] == "gated"}
+    before = {r["text"]: r for r in rows if r["setting"] == "calibrated" and r["scorer"] == "sih"}
     texts = list(dict.fromkeys(t for t, _ in gated))
     return ([_f(100 * gated[t, "sih"]["ffn_skipped"], 1) for t in texts]
-            + [_pct(gated[t, scorer]["rise"]) for scorer in ("sih", "random", "norm", "oracle") for t in texts])
+            + [_pct(gated[t, scorer]["rise"]) for scorer in ("sih", "random", "norm", "oracle") for t in texts]
+            + [_f(100 * before[t]["ffn_skipped"], 1) for t in texts] + [_pct(before[t]["rise"]) for t in texts]
+            + [_f(100 * json.loads((REPO / "zeroedge/data/smollm2-135m.calib/calib.json").read_text())
+                     ["quality"]["budget"], 0)])                       # the shipped artifact's budget
 
 
 def _sih_chunked():

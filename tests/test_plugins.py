@@ -452,6 +452,18 @@ def test_reference_matches_portable_onnx_function(block_size, T, R):
     assert np.array_equal(out_o, ref.pad_scatter(torch.from_numpy(base_o), torch.from_numpy(y), idx_r).numpy())
 
 
+def _sih_inputs(rng, T: int, R: int, D: int = 16, W: int = 3) -> dict:
+    """x [T, D] and a random SIH head (width W, biases that keep the ReLUs alive) and rank-R anchor,
+    float32 numpy, in ZeroEdgeSIH's input order."""
+    f32 = np.float32
+    return {"x": rng.standard_normal((T, D)).astype(f32), "w1": (rng.standard_normal((W, D)) / 2).astype(f32),
+            "b1": np.full(W, 0.5, f32), "w2": rng.standard_normal((W, W)).astype(f32), "b2": np.full(W, 0.5, f32),
+            "w3": rng.standard_normal((W, W)).astype(f32), "b3": np.full(W, 0.5, f32),
+            "w4": rng.standard_normal((1, W)).astype(f32), "b4": np.zeros(1, f32),
+            "anchor_a": rng.standard_normal((R, D)).astype(f32), "anchor_b": rng.standard_normal((D, R)).astype(f32),
+            "anchor_c": rng.standard_normal(D).astype(f32)}
+
+
 @pytest.mark.parametrize("block_size,T,chunk", [(0, 100, 30), (8, 77, 24), (0, 40, 1), (16, 100, 32)])
 def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T, chunk):
     """ZeroEdgeSIHChunk fed chunk by chunk (the carry of one into the next): the reference and the
@@ -460,15 +472,9 @@ def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T,
     torch = pytest.importorskip("torch")
     from zeroedge.backends import plugin_reference as ref
 
-    rng = np.random.default_rng(T + chunk)
-    D, W, R = 16, 3, 4
+    R = 4
     f32 = np.float32
-    w = {"x": rng.standard_normal((T, D)).astype(f32), "w1": (rng.standard_normal((W, D)) / 2).astype(f32),
-         "b1": np.full(W, 0.5, f32), "w2": rng.standard_normal((W, W)).astype(f32), "b2": np.full(W, 0.5, f32),
-         "w3": rng.standard_normal((W, W)).astype(f32), "b3": np.full(W, 0.5, f32),
-         "w4": rng.standard_normal((1, W)).astype(f32), "b4": np.zeros(1, f32),
-         "anchor_a": rng.standard_normal((R, D)).astype(f32), "anchor_b": rng.standard_normal((D, R)).astype(f32),
-         "anchor_c": rng.standard_normal(D).astype(f32)}
+    w = _sih_inputs(np.random.default_rng(T + chunk), T, R)
     t = {k: torch.from_numpy(v) for k, v in w.items()}
     scores = ref.sih_scores(t["x"], *(t[k] for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
     sm = np.sort(ref.smooth(scores, 0.5, 0.333333, 0.166667).numpy())
@@ -509,15 +515,11 @@ def test_rank_rule_reference_function_and_torch_agree(T, rate, rank_block, chunk
     from zeroedge.backends import plugin_reference as ref
     from zeroedge.mechanisms.sih import rank_mask
 
-    rng = np.random.default_rng(T + rank_block)
-    D, W, R = 16, 3, 4
+    R = 4
     f32 = np.float32
-    w = {"x": rng.standard_normal((T, D)).astype(f32), "w1": (rng.standard_normal((W, D)) / 2).astype(f32),
-         "b1": np.full(W, 0.5, f32), "w2": rng.standard_normal((W, W)).astype(f32), "b2": np.full(W, 0.5, f32),
-         "w3": rng.standard_normal((W, W)).astype(f32), "b3": np.full(W, 0.5, f32),
-         "w4": rng.standard_normal((1, W)).astype(f32) * (0 if ties else 1), "b4": np.zeros(1, f32),
-         "anchor_a": rng.standard_normal((R, D)).astype(f32), "anchor_b": rng.standard_normal((D, R)).astype(f32),
-         "anchor_c": rng.standard_normal(D).astype(f32)}
+    w = _sih_inputs(np.random.default_rng(T + rank_block), T, R)
+    if ties:
+        w["w4"][:] = 0
     t = {k: torch.from_numpy(v) for k, v in w.items()}
     fields = ref.sih_fields(threshold=0.0, rate=rate, rank_block=rank_block, anchor_rank=R)
     keep, base = ref.sih(*(t[k] for k in w), **fields)

@@ -464,6 +464,24 @@ def _sih_inputs(rng, T: int, R: int, D: int = 16, W: int = 3) -> dict:
             "anchor_c": rng.standard_normal(D).astype(f32)}
 
 
+def _in_chunks(torch, ref, w: dict, T: int, chunk: int, fields: dict) -> list:
+    """ZeroEdgeSIHChunk over w's x chunk by chunk, through the reference and the portable function, each
+    chunk's carry_out the next one's carry: per chunk (reference keep, function keep, function base,
+    reference carry_out, function carry_out)."""
+    out = []
+    carry_r = carry_o = np.zeros(2, np.float32)
+    for a in range(0, T, chunk):
+        part = {**w, "x": w["x"][a:a + chunk]}
+        span = np.array([a, T], np.int32)
+        k_r, _, carry_r = ref.sih_chunk(*(torch.from_numpy(v) for v in part.values()), torch.from_numpy(carry_r),
+                                        torch.from_numpy(span), **fields)
+        carry_r = carry_r.numpy()
+        k_o, b_o, carry_o = _run_function_node("ZeroEdgeSIHChunk", {**part, "carry": carry_o, "span": span},
+                                               ["keep", "base", "carry_out"], fields)
+        out.append((k_r.numpy(), k_o.reshape(-1), b_o, carry_r, carry_o))
+    return out
+
+
 @pytest.mark.parametrize("block_size,T,chunk", [(0, 100, 30), (8, 77, 24), (0, 40, 1), (16, 100, 32)])
 def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T, chunk):
     """ZeroEdgeSIHChunk fed chunk by chunk (the carry of one into the next): the reference and the
@@ -473,7 +491,6 @@ def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T,
     from zeroedge.backends import plugin_reference as ref
 
     R = 4
-    f32 = np.float32
     w = _sih_inputs(np.random.default_rng(T + chunk), T, R)
     t = {k: torch.from_numpy(v) for k, v in w.items()}
     scores = ref.sih_scores(t["x"], *(t[k] for k in ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")))
@@ -483,24 +500,13 @@ def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T,
     fields = ref.sih_fields(threshold=float((sm[i] + sm[i + 1]) / 2), block_size=block_size, anchor_rank=R)
     keep1, base1 = ref.sih(*(t[k] for k in w), **fields)
     assert 0 < int(keep1.sum()) < T
-    keeps_r, keeps_o, bases_o = [], [], []
-    carry_r = carry_o = np.zeros(2, f32)
-    for a in range(0, T, chunk):
-        part = {**w, "x": w["x"][a:a + chunk]}
-        span = np.array([a, T], np.int32)
-        k_r, b_r, carry_r = ref.sih_chunk(*(torch.from_numpy(v) for v in part.values()), torch.from_numpy(carry_r),
-                                          torch.from_numpy(span), **fields)
-        carry_r = carry_r.numpy()
-        k_o, b_o, carry_o = _run_function_node("ZeroEdgeSIHChunk", {**part, "carry": carry_o, "span": span},
-                                               ["keep", "base", "carry_out"], fields)
+    keeps_r, keeps_o, bases_o, carries_r, carries_o = zip(*_in_chunks(torch, ref, w, T, chunk, fields))
+    for carry_r, carry_o in zip(carries_r, carries_o):
         np.testing.assert_allclose(carry_o, carry_r, rtol=1e-5, atol=1e-6)   # onnxruntime's own rounding
-        keeps_r.append(k_r.numpy())
-        keeps_o.append(k_o.reshape(-1))
-        bases_o.append(b_o)
     assert np.array_equal(np.concatenate(keeps_r), keep1.numpy())
     assert np.array_equal(np.concatenate(keeps_o), keep1.numpy())
     assert np.allclose(np.concatenate(bases_o), base1.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(carry_r, scores[-2:].numpy())
+    np.testing.assert_array_equal(carries_r[-1], scores[-2:].numpy())
 
 
 @pytest.mark.parametrize("T,rate,rank_block,chunk,ties", [(100, 0.6, 32, 32, False), (77, 0.9, 16, 48, False),
@@ -516,7 +522,6 @@ def test_rank_rule_reference_function_and_torch_agree(T, rate, rank_block, chunk
     from zeroedge.mechanisms.sih import rank_mask
 
     R = 4
-    f32 = np.float32
     w = _sih_inputs(np.random.default_rng(T + rank_block), T, R)
     if ties:
         w["w4"][:] = 0
@@ -540,18 +545,7 @@ def test_rank_rule_reference_function_and_torch_agree(T, rate, rank_block, chunk
     if ties:
         first = int(np.floor(np.float32(rate) * np.float32(int(free[:rank_block].sum())) + np.float32(0.5)))
         assert keep[4:4 + first].eq(0).all() and keep[4 + first:rank_block].eq(1).all()
-    keeps_r, keeps_o = [], []
-    carry_r = carry_o = np.zeros(2, f32)
-    for a in range(0, T, chunk):
-        part = {**w, "x": w["x"][a:a + chunk]}
-        span = np.array([a, T], np.int32)
-        k_r, _, carry_r = ref.sih_chunk(*(torch.from_numpy(v) for v in part.values()), torch.from_numpy(carry_r),
-                                        torch.from_numpy(span), **fields)
-        carry_r = carry_r.numpy()
-        k_o, _, carry_o = _run_function_node("ZeroEdgeSIHChunk", {**part, "carry": carry_o, "span": span},
-                                             ["keep", "base", "carry_out"], fields)
-        keeps_r.append(k_r.numpy())
-        keeps_o.append(k_o.reshape(-1))
+    keeps_r, keeps_o, *_ = zip(*_in_chunks(torch, ref, w, T, chunk, fields))
     assert np.array_equal(np.concatenate(keeps_r), keep.numpy())
     assert np.array_equal(np.concatenate(keeps_o), keep.numpy())
 

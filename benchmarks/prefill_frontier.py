@@ -10,8 +10,9 @@ tokens a layer skips:
   oracle  lowest first-order importance |g . (y - anchor(x))| from a backward pass on the very text
           (its continuation loss): a measuring stick no deployment can run
 Three settings, every scorer with the same anchors and protected positions:
-  gated      the artifact as shipped (SIH at its thresholds), and each peer skipping exactly as many
-             prompt rows per layer as SIH did on that text (`zeroedge eval --scorer`)
+  gated      the artifact as shipped (SIH by its rates, or its thresholds), and each peer skipping
+             exactly as many prompt rows per layer as SIH did on that text (per rank block under the
+             rank rule; `zeroedge eval --scorer`)
   calibrated each --peer-calib artifact as its gate chose it: another ranking (`calibrate --scorer
              norm|random` at the same budget: the layers and rates the gate affords with it), or SIH
              at another budget or sequence length (then each peer at its per-layer row counts too)

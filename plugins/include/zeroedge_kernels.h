@@ -65,8 +65,8 @@ typedef struct ze_sih_weights {
 ZE_API const char* ze_strerror(int code);
 ZE_API int ze_kernels_abi(void);
 
-/* SIH: scores every token with the head, smooths, thresholds (token or block rule, protections,
- * min_tokens bypass) into keep, and writes base = keep ? 0 : anchor_b @ (anchor_a @ x) + anchor_c.
+/* SIH: scores every token with the head, smooths, decides (threshold rule, block rule or rank rule,
+ * protections, min_tokens bypass) into keep, and writes base = keep ? 0 : anchor_b @ (anchor_a @ x) + anchor_c.
  * scores_out (optional, may be NULL): the raw sigmoid scores, float32 [T]. */
 ZE_API size_t ze_sih_workspace_size(int64_t T, int64_t D, int32_t W, int32_t R, int dtype);
 ZE_API int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,
@@ -76,7 +76,8 @@ ZE_API int ze_sih_forward(int dtype, const void* x, int64_t T, int64_t D, int32_
 /* SIH for one chunk of a prompt (ZeroEdgeSIHChunk): the T rows are positions span[0].. of a prompt of
  * span[1] tokens; carry [2] holds the raw scores of positions span[0]-2, span[0]-1 (read only where
  * those exist). Protections and min_tokens take absolute positions and the prompt's length; block-rule
- * blocks are counted from the chunk's first row (a chunk starts on a block boundary). carry_out [2]:
+ * blocks are counted from the chunk's first row and rank-rule blocks from position 0 (a chunk starts on
+ * a block boundary of either). carry_out [2]:
  * the raw scores of the chunk's last two positions (from carry where T < 2). span, carry and carry_out
  * are device memory, read and written by the kernels (no host synchronisation). */
 ZE_API int ze_sih_chunk_forward(int dtype, const void* x, int64_t T, int64_t D, int32_t W, const ze_sih_weights* w,

@@ -51,10 +51,11 @@ def test_calibrate_then_eval_contract(tiny_hf, text_file, tmp_path):
 
 
 def test_calibrate_gates_another_ranking(tiny_hf, text_file, tmp_path):
-    """calibrate --scorer norm: the gate thresholds the FFN input's norm. eval runs it as the artifact's
-    own ranking (chunks skip the rows one pass skips; the last layer skips every row it may), and
-    what cannot run it says so in one line: export (the plugins run SIH heads), eval --scorer with a
-    peer (peers are compared at an SIH artifact's counts), and an artifact naming an unknown ranking."""
+    """calibrate --scorer norm: the gate's rates (the rank rule) skip by the FFN input's norm. eval runs
+    it as the artifact's own ranking (chunks skip the rows one pass skips; the last layer skips every
+    row it may), and what cannot run it says so in one line: export (the plugins run SIH heads), eval
+    --scorer with a peer (peers are compared at an SIH artifact's counts), an artifact naming an
+    unknown ranking, and rank-rule layers with a rate out of [0, 1] or beside a block rule."""
     art = tmp_path / "norm.calib"
     p = run_cli("calibrate", tiny_hf, "--text", text_file, "--budget", "5%", "-o", art, "--json",
                 "--scorer", "norm", *SMALL, check_rc=0)
@@ -62,6 +63,8 @@ def test_calibrate_gates_another_ranking(tiny_hf, text_file, tmp_path):
     assert q["scorer"] == "norm" and q["ppl_rise"] <= 0.05 + 1e-9
     meta = json.loads((art / "calib.json").read_text())
     assert meta["sih"]["scorer"] == "norm"
+    skips = [L for L in meta["layers"] if L["skip"]]
+    assert skips and all(0 < L["rate"] <= 1 and L["threshold"] is None and L["rank_block"] == 512 for L in skips)
     r = json.loads(run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--json",
                            check_rc=0).stdout)
     assert r["scorer"] == "norm" and r["chunked_same_skips"] is True and "sih_zero_ppl" not in r
@@ -72,11 +75,20 @@ def test_calibrate_gates_another_ranking(tiny_hf, text_file, tmp_path):
     bad_scorer = tmp_path / "magic.calib"
     bad_scorer.mkdir()
     (bad_scorer / "calib.json").write_text(json.dumps({**meta, "sih": {**meta["sih"], "scorer": "magic"}}))
+    bad_rules = []
+    for name, change in (("rate", {"rate": 1.5}), ("block", {"block_size": 64})):
+        d = tmp_path / f"bad_{name}.calib"
+        d.mkdir()
+        layers = [{**L, **change} if L["skip"] else L for L in meta["layers"]]
+        (d / "calib.json").write_text(json.dumps({**meta, "layers": layers}))
+        bad_rules.append((["eval", tiny_hf, "--calib", d, "--text", text_file, "--ctx", "1200"],
+                          "a rank-rule layer needs 'rate' in [0, 1]"))
     for args, msg in [
         (["export", tiny_hf, "--calib", art, "-o", tmp_path / "bundle"], "the bundles' plugins run SIH heads only"),
         (["eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--scorer", "random"],
          "ranks by norm"),
         (["eval", tiny_hf, "--calib", bad_scorer, "--text", text_file, "--ctx", "1200"], "'sih.scorer' must be one of"),
+        *bad_rules,
         (["calibrate", tiny_hf, "--text", text_file, "--weights", "int4", "--weights-only", "--scorer", "norm",
           "-o", tmp_path / "w.calib"], "--weights-only calibrates no SIH/PAD"),
     ]:

@@ -233,11 +233,12 @@ class Calibration:
                                   int(lm.get("rank_block") or SIH_DEFAULTS["rank_block"]))
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise bad(f"artifact 'layers' entry {lm!r:.80} is malformed") from None
-            if layer.rate is not None and not (0.0 <= layer.rate <= 1.0 and layer.rank_block >= 1
-                                               and layer.block_size == 0):
-                raise bad(f"layer {layer.index}: a rank-rule layer needs 'rate' in [0, 1], 'rank_block' >= 1 "
-                          f"and no block rule (rate {layer.rate}, rank_block {layer.rank_block}, "
-                          f"block_size {layer.block_size})")
+            if layer.rate is not None:      # the plugins' field rules, and a rate that is not the threshold rule's
+                problems = (["field 'rate' must be >= 0"] if layer.rate < 0 else []) + plugin_spec.field_value_problems(
+                    "ZeroEdgeSIH", {"threshold": 0.0, "rate": layer.rate, "rank_block": layer.rank_block,
+                                    "block_size": layer.block_size})
+                if problems:
+                    raise bad(f"layer {layer.index}: a rank-rule layer needs 'rate' in [0, 1]: {'; '.join(problems)}")
             skips.append(layer)
         if n_layers is not None:
             out_of_range = [L.index for L in skips if not 0 <= L.index < n_layers]

@@ -11,6 +11,14 @@ speed-up over off in the same round, the acceptance rate, tokens per model step,
 tokens equal plain decoding's. `--run-path` measures the same through `zeroedge run`'s decoder
 (zeroedge.serve.session.ServingSession: the dense decoder over the model's fp32 weights, drafts
 checked by Decoder.verify) instead of the serving engine.
+
+    python benchmarks/speculative_cpu.py --run-path --modes off,auto,packed --q4-peer --repeats 3 \
+        -o benchmarks/results/speculative/packed_drafter_smollm2_cpu_run_decoder.json
+
+`--modes` picks the modes (packed: the model's own weights on the 4-bit CPU step draft, its fp32
+weights check: `--run-path`, or the engine with `--weights model`); `--q4-peer` also times, in the
+same rounds, the engine's plain 4-bit step (`zeroedge run --weights q4`): faster, and other tokens
+(the share of each reply it matches before its first other token is recorded).
 """
 import argparse
 import json
@@ -66,12 +74,14 @@ def generate(engine, prompt, new: int) -> dict:
     t_end = events[-1][0]
     n = len(seq.out)
     st = seq.spec.stats.to_dict() if seq.spec is not None else None
-    return {"tokens": list(seq.out), "decode_tok_s": (n - 1) / (t_end - t_first), "spec": st}
+    return {"tokens": list(seq.out), "decode_tok_s": (n - 1) / (t_end - t_first), "spec": st,
+            "prefill_s": t_first - seq.t_submit}
 
 
 def generate_run(sess, prompt, new: int, mode: str) -> dict:
     res = sess.generate(prompt, new, speculative=mode)
-    return {"tokens": res.tokens, "decode_tok_s": res.tokens_per_s, "spec": res.detail.get("speculative")}
+    return {"tokens": res.tokens, "decode_tok_s": res.tokens_per_s, "spec": res.detail.get("speculative"),
+            "prefill_s": res.prefill_s}
 
 
 def main():
@@ -85,6 +95,9 @@ def main():
     ap.add_argument("-o", "--out")
     ap.add_argument("--traces", help="also write each prompt and its plain greedy reply here (JSON)")
     ap.add_argument("--run-path", action="store_true", help="zeroedge run's decoder instead of the serving engine")
+    ap.add_argument("--modes", default="off,ngram,auto", help="speculative modes, off first")
+    ap.add_argument("--weights", choices=("q4", "model"), default="q4", help="the serving engine's weights")
+    ap.add_argument("--q4-peer", action="store_true", help="also the engine's plain 4-bit step, same rounds")
     a = ap.parse_args()
 
     import torch
@@ -98,50 +111,73 @@ def main():
     m, cfg, folder = resolve_model("smollm2-135m", need_weights=True)
     m = m.float().eval()
     tok = tokenizer_for(cfg, folder)
-    modes = ("off", "ngram", "auto")
+    modes = tuple(a.modes.split(","))
+    assert modes[0] == "off", "--modes starts with off (the speed-ups are over it)"
+    engines, gen = {}, {}
+    if a.q4_peer or (not a.run_path and a.weights == "q4"):
+        lin = Q4Step(m, a.threads)
+        b4 = TorchBatched(m, 256 << 20, 1, 128, lin)
     if a.run_path:
         from zeroedge.serve.session import ServingSession
 
         sess = ServingSession(m)
         gen = {mode: (lambda p, n, mode=mode: generate_run(sess, p, n, mode)) for mode in modes}
-        engines = {}
     else:
-        lin = Q4Step(m, a.threads)
-        torch.set_num_threads(1)
-        b = TorchBatched(m, 256 << 20, 1, 128, lin)
-        engines = {mode: Engine(b, tok, speculative=mode) for mode in modes}
-        for e in engines.values():
-            e.start()
-        gen = {mode: (lambda p, n, e=e: generate(e, p, n)) for mode, e in engines.items()}
+        from zeroedge.serve.backends import DraftModel
+
+        b = b4 if a.weights == "q4" else TorchBatched(m, 256 << 20, 1, 128)
+        draft = DraftModel.build(m, a.threads, 4096, 1, 128) if "packed" in modes else None
+        engines = {mode: Engine(b, tok, speculative=mode, draft_model=draft) for mode in modes}
+    if a.q4_peer:
+        engines["q4"] = Engine(b4, tok)
+    for mode, e in engines.items():
+        e.start()
+        gen[mode] = lambda p, n, e=e: generate(e, p, n)
     ps = prompts(tok, a.prompt_tokens, a.offset)
     tasks = a.tasks.split(",")
     gen["off"](ps[tasks[0]], 8)                                      # warm-up
-    runs = {t: {mode: [] for mode in modes} for t in tasks}
+    timed = modes + (("q4",) if a.q4_peer else ())
+    runs = {t: {mode: [] for mode in timed} for t in tasks}
     for r in range(a.repeats):
         for t in tasks:
-            for mode in modes:
+            for mode in timed:
+                if mode == "q4" or (not a.run_path and a.weights == "q4"):
+                    torch.set_num_threads(1)     # as `zeroedge serve` on a CPU (the 4-bit step's own threads)
                 runs[t][mode].append(gen[mode](ps[t], a.new))
+                torch.set_num_threads(a.threads)
     rows = []
     for t in tasks:
         off = runs[t]["off"]
         row = {"task": t, "text": TASKS[t][0], "prompt_tokens": len(ps[t]), "new_tokens": len(off[0]["tokens"]),
-               "off_tok_s": statistics.median(x["decode_tok_s"] for x in off)}
-        for mode in ("ngram", "auto"):
+               "off_tok_s": statistics.median(x["decode_tok_s"] for x in off),
+               "off_prefill_s": statistics.median(x["prefill_s"] for x in off)}
+        for mode in modes[1:]:
             rs = runs[t][mode]
             row[f"{mode}_tok_s"] = statistics.median(x["decode_tok_s"] for x in rs)
             row[f"{mode}_speedup"] = statistics.median(x["decode_tok_s"] / o["decode_tok_s"] for x, o in zip(rs, off))
             row[f"{mode}_identical"] = all(x["tokens"] == o["tokens"] for x, o in zip(rs, off))
             row[f"{mode}_acceptance_rate"] = rs[0]["spec"]["acceptance_rate"]
             row[f"{mode}_tokens_per_step"] = rs[0]["spec"]["tokens_per_step"]
+            row[f"{mode}_prefill_s"] = statistics.median(x["prefill_s"] for x in rs)
+        if a.q4_peer:
+            q4, ref = runs[t]["q4"], off[0]["tokens"]
+            row["q4_tok_s"] = statistics.median(x["decode_tok_s"] for x in q4)
+            row["q4_speedup"] = statistics.median(x["decode_tok_s"] / o["decode_tok_s"] for x, o in zip(q4, off))
+            row["q4_tokens_before_first_difference"] = next(
+                (i for i, (x, y) in enumerate(zip(q4[0]["tokens"], ref)) if x != y), min(len(ref), len(q4[0]["tokens"])))
         rows.append(row)
         print(json.dumps(row))
     for e in engines.values():
         e.stop()
     path = "zeroedge run's dense decoder" if a.run_path else "the serving engine, batch 1"
-    res = {"what": f"speculative decoding by n-gram prompt lookup in {path}, greedy",
+    drafters = ("n-gram prompt lookup" if set(modes) & {"ngram", "auto"} else "") + (
+        " and " if set(modes) & {"ngram", "auto"} and "packed" in modes else "") + (
+        "the model's own 4-bit CPU step (packed)" if "packed" in modes else "")
+    res = {"what": f"speculative decoding by {drafters} in {path}, greedy",
            "hardware": f"CPU ({platform.processor() or platform.machine()}), {a.threads} threads",
            "load_before": os.getloadavg(), "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF), real weights",
-           "weights_path": ("the model's fp32 weights (the GGUF's 4-bit values dequantized), torch" if a.run_path
+           "weights_path": ("the model's fp32 weights (the GGUF's 4-bit values dequantized), torch"
+                            if a.run_path or a.weights == "model"
                             else "4-bit linears in onnxruntime MatMulNBits (zeroedge serve --weights q4)"),
            "args": vars(a), "rows": rows}
     if a.out:

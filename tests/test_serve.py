@@ -396,6 +396,22 @@ def test_speculative_drafts_are_checked_and_counted(server):
     assert server.metric("zeroedge_serve_speculative_accepted_tokens_total") > 0
 
 
+def test_packed_drafter_serves_on_the_models_weights():
+    """--speculative packed: the model's fp32 weights in torch check what its own 4-bit CPU step drafts;
+    /v1/models says so, and /metrics counts the drafts the model kept."""
+    s = Served(MODEL, "--weights", "model", "--speculative", "packed", "--max-batch", 2)
+    try:
+        info = s.client().models.list().data[0].model_extra["zeroedge"]
+        assert info["speculative"] == "packed" and info["weights"].startswith("the model's")
+        assert info["speculative_drafter"]["weights"].startswith("4-bit blocks of 32")
+        assert info["speculative_drafter"]["kv_pool_bytes"] > 0
+        reply = _chat(s.client(), "Repeat after me: the quick brown fox jumps over the lazy dog.", max_tokens=20)
+        assert reply.usage.completion_tokens > 0
+        assert s.metric("zeroedge_serve_speculative_accepted_tokens_total") > 0
+    finally:
+        s.stop()
+
+
 def test_sampler_picks_finite_logits_and_refuses_rows_without_any():
     import torch
 

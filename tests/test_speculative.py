@@ -97,7 +97,9 @@ def test_draft_length_follows_acceptance_and_cost():
     assert sparse.stats.drafted > auto.stats.drafted
     assert Speculator.create("off", prompt) is None
     with pytest.raises(ValueError):
-        Speculator.create("packed", prompt)
+        Speculator.create("packed", prompt)           # a model drafter needs its model
+    with pytest.raises(ValueError):
+        Speculator.create("sometimes", prompt)
 
 
 # -- the serving engine on real weights -------------------------------------------------------------
@@ -106,7 +108,7 @@ def model_tok(smollm2, smol_tok):
     return smollm2[0].float().eval(), smol_tok
 
 
-def _engine_outputs(model_tok, mode, requests, weights):
+def _engine_outputs(model_tok, mode, requests, weights, draft=None):
     from zeroedge.serve.backends import TorchBatched
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.plan import Plan
@@ -117,7 +119,7 @@ def _engine_outputs(model_tok, mode, requests, weights):
         from zeroedge.serve.cpu_q4 import Q4Step
 
         lin = Q4Step(m, 2)
-    e = Engine(TorchBatched(m, 64 << 20, 4, 32, lin), tok, speculative=mode)
+    e = Engine(TorchBatched(m, 64 << 20, 4, 32, lin), tok, speculative=mode, draft_model=draft)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)        # as `zeroedge serve` on a CPU: torch's SDPA splits a batch by threads
     e.start()
@@ -130,7 +132,7 @@ def _engine_outputs(model_tok, mode, requests, weights):
                                  lambda x, ev=ev: x[0] in ("done", "error") and ev.set()))
         for ev in done:
             assert ev.wait(300)
-        return [s.out for s in seqs], e.spec_stats
+        return [s.out for s in seqs], e.spec_stats, [s.spec.stats if s.spec else None for s in seqs]
     finally:
         e.stop()
         torch.set_num_threads(threads)
@@ -178,12 +180,25 @@ def test_engine_output_equals_plain_decoding(model_tok, weights):
     reqs = [(lic, Sampling(max_tokens=48, temperature=0)), (kjv, Sampling(max_tokens=40, temperature=0)),
             (lic[:120], Sampling(max_tokens=40, temperature=0.8, top_p=0.95, seed=7)),
             (kjv[:90], Sampling(max_tokens=32, temperature=1.2, seed=3))]
-    plain, _ = _engine_outputs(model_tok, "off", reqs, weights)
-    spec, stats = _engine_outputs(model_tok, "ngram", reqs, weights)
+    plain, _, _ = _engine_outputs(model_tok, "off", reqs, weights)
+    spec, stats, _ = _engine_outputs(model_tok, "ngram", reqs, weights)
     assert spec == plain
     # every token but the first of each request (its prefill's) comes from a counted decode step
     assert stats.drafted > 0 and stats.accepted > 0 and stats.tokens == sum(len(o) - 1 for o in plain)
     assert stats.steps < stats.tokens                    # some steps made more than one token
+    if weights == "model":
+        # the model's own 4-bit CPU step drafts for its fp32 weights: plain decoding's tokens again; the
+        # greedy drafts agree almost always (the drafter's KV rolled back past each rejection: a stale
+        # position would show as rejected drafts), and every drafter page goes back to its pool
+        from zeroedge.serve.backends import DraftModel
+
+        draft = DraftModel.build(model_tok[0], 2, 1024, 4, 32)
+        packed, stats, each = _engine_outputs(model_tok, "packed", reqs, weights, draft)
+        assert packed == plain
+        for st in each[:2]:
+            assert st.drafted > 10 and st.accepted >= 0.85 * st.drafted, st
+        assert stats.tokens == sum(len(o) - 1 for o in plain) and stats.steps < stats.tokens
+        assert draft.b.pool.free_pages == draft.b.pool.n_pages
 
 
 @pytest.mark.parametrize("weights", ["model", "q4"])
@@ -197,12 +212,16 @@ def test_run_speculative_equals_plain(tmp_path, model_tok, weights):
     f = tmp_path / "prompt.txt"
     f.write_text(text)
     outs = {}
-    for mode in ("off", "ngram"):
+    for mode in ("off", "ngram") + (("packed",) if weights == "model" else ()):
         r = run_cli("run", MODEL, "--prompt-file", f, "--max-new", 40, "--device", "cpu", "--speculative", mode,
                     "--weights", weights, "--json")
         assert r.returncode == 0, r.stderr
         outs[mode] = json.loads(r.stdout.strip().splitlines()[-1])
     assert outs["ngram"]["tokens"] == outs["off"]["tokens"]
+    if weights == "model":                  # drafts by the model's own 4-bit step, checked by its fp32 weights
+        assert outs["packed"]["tokens"] == outs["off"]["tokens"]
+        assert outs["packed"]["mechanisms"]["speculative_drafter"].startswith("4-bit blocks of 32")
+        assert outs["packed"]["speculative"]["accepted"] > 0
     st = outs["ngram"]["speculative"]
     assert outs["ngram"]["mechanisms"]["speculative"] == "ngram"
     assert st["drafted"] > 0 and st["tokens"] == len(outs["off"]["tokens"]) - 1
@@ -210,7 +229,7 @@ def test_run_speculative_equals_plain(tmp_path, model_tok, weights):
     if weights == "q4":
         assert outs["off"]["mechanisms"]["weights"].startswith("4-bit blocks of 32")
         ids = model_tok[1].encode(text, add_special_tokens=False)
-        (served,), _ = _engine_outputs(model_tok, "off", [(ids, Sampling(max_tokens=40, temperature=0))], "q4")
+        (served,), _, _ = _engine_outputs(model_tok, "off", [(ids, Sampling(max_tokens=40, temperature=0))], "q4")
         got = outs["off"]["tokens"]
         assert got == served[:len(got)] and (len(got) == 40 or got[-1] == model_tok[1].eos_token_id)
 
@@ -244,6 +263,10 @@ def test_run_speculative_says_where_it_does_not_apply(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "logits only" in r.stderr
     r = run_cli("run", MODEL, "--speculative", "sometimes", "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "sometimes" in r.stderr
+    r = run_cli("run", MODEL, "--speculative", "packed", "--weights", "q4", "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--weights model" in r.stderr
+    r = run_cli("serve", MODEL, "--speculative", "packed", "--weights", "q4", "--port", 1)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--weights model" in r.stderr
 
 
 def test_decoder_verify_rows_match_its_steps():

@@ -101,10 +101,11 @@ SECTIONS = [
 @click.option("--threads", type=int, default=0, help="CPU threads (0 = default).")
 @memory_cap_options("torch backend: a device memory cap (e.g. 8G): a request whose forecast does not fit is "
                     "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
-@click.option("--speculative", type=click.Choice(["auto", "off", "ngram"]), default="off", show_default=True,
+@click.option("--speculative", type=click.Choice(["auto", "off", "ngram", "packed"]), default="off", show_default=True,
               help="torch backend, dense decoder: tokens drafted by n-gram lookup in the prompt and the text so "
-                   "far, checked by the model in one step (the output is the model's own). auto: a draft only where "
-                   "its measured acceptance and step cost pay; ngram: whenever the lookup finds one.")
+                   "far (auto, ngram) or by the model's own weights on the 4-bit CPU step (packed; --weights model "
+                   "on a CPU), checked by the model in one step (the output is the model's own). auto, packed: a draft "
+                   "only where its measured acceptance and costs pay; ngram: whenever the lookup finds one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch,
         weights, paths, calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board,
@@ -118,6 +119,9 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
                   device_memory is not None or board is not None)
     _check_options(model, max_new, page_size, paths, calib, release_level, backend, bundle, engines, plugins,
                    threads)
+    if speculative == "packed" and weights == "q4":
+        raise UserError("--speculative packed drafts with the 4-bit step for the model's float weights: give "
+                        "--weights model (or --speculative auto with --weights q4)")
     if speculative != "off" and backend != "torch":
         raise UserError(f"--speculative {speculative}: the {backend} backend's step gives the last position's "
                         "logits only (use the torch backend, or --speculative off)")

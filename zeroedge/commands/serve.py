@@ -54,10 +54,11 @@ from zeroedge.commands.common import check_model, examples, fraction_option, mem
 @click.option("--weights", type=click.Choice(["auto", "q4", "model"]), default="auto", show_default=True,
               help="torch backend: q4 = 4-bit linear layers in onnxruntime on the CPU (the Q4_1 grid: a Q4_1 GGUF's "
                    "own weights), 8-bit LM head; model = the model's weights in torch. auto: q4 on a CPU.")
-@click.option("--speculative", type=click.Choice(["auto", "off", "ngram"]), default="auto", show_default=True,
-              help="torch backend: tokens drafted by n-gram lookup in the prompt and the reply, checked by the "
-                   "model in one step (the output is the model's own). auto: while at most 4 requests decode, and "
-                   "paused for a request whose drafts are rarely accepted; ngram: always.")
+@click.option("--speculative", type=click.Choice(["auto", "off", "ngram", "packed"]), default="auto", show_default=True,
+              help="torch backend: tokens drafted by n-gram lookup in the prompt and the reply (auto, ngram) or by "
+                   "the model's own weights on the 4-bit CPU step (packed: a CPU, --weights model), checked by the "
+                   "model in one step (the output is the model's own). auto, packed: while at most 4 requests decode, "
+                   "and paused for a request whose drafts do not pay; ngram: always.")
 @fraction_option("--kv-budget", "kv_budget",
                  help="torch backend, thermal KV: a long prompt's decode steps read this share of its KV (the sink, "
                       "recent and generated tokens and the pages its key sketch scores best for each step's query); "
@@ -91,7 +92,13 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
             raise UserError("--kv-budget 1 reads the whole KV: leave --kv-budget out")
         if weights == "q4":
             raise UserError("--kv-budget runs on the model's weights in torch (--weights model), not --weights q4")
+    if speculative == "packed" and (backend != "torch" or weights == "q4" or device == "cuda"):
+        raise UserError("--speculative packed drafts with the model's 4-bit CPU step for the model's weights in "
+                        "torch: the torch backend on the CPU with --weights model")
     cap = memory_cap(device_memory, board)
+    if speculative == "packed" and cap is not None:
+        raise UserError("--speculative packed: the drafter's 4-bit weights and KV pool are not in the "
+                        "--device-memory / --board plan; leave the cap out or use --speculative auto")
     if cap is not None and backend != "torch":
         raise UserError("--device-memory / --board size the torch backend's KV pool; a bundle's window is its own")
     kv_bytes = parse_size(kv_memory, "--kv-memory") if kv_memory else None

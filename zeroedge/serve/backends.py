@@ -11,6 +11,9 @@
                    onnxruntime or TensorRT engines). `zeroedge run` and `ServingSession.generate` go
                    through it, and `zeroedge serve --bundle`
 
+DraftModel         a drafter's model for speculative decoding (`packed`): a batched backend on the
+                   model's 4-bit weights, a KV reservation of its own per request
+
 Both: `reserve(plan)` -> (a KV handle, the prompt positions it already holds) or None (not now),
 `remember(handle, plan)` once the prompt is prefilled (-> whether thermal KV starts there: the plan
 asks for it and the backend runs it), `release(handle)`, `forward(segments)` (each (handle,
@@ -127,6 +130,16 @@ class TorchBatched:
         out = self.step.forward([Segment(kv.pages, toks, start, verify, kv.hot) for kv, toks, start, verify in segments])
         return out.float().cpu().numpy()
 
+    def prompt_kv(self, kv: Reservation, start: int, stop: int) -> tuple:
+        """The K and V the sequence holds at positions start..stop, (layers, kv heads, positions, head
+        dim) float32 each (what a packed drafter takes instead of prefilling the prompt itself)."""
+        import torch
+
+        slots = torch.tensor(self.pool.slots(kv.pages, start, stop), device=self.pool.k.device)
+        d = 2 if self.pool.heads_first else 1
+        out = [t.index_select(d, slots) for t in (self.pool.k, self.pool.v)]
+        return tuple((t if self.pool.heads_first else t.transpose(1, 2)).float().cpu() for t in out)
+
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
         out = {"pages_total": self.pool.n_pages, "pages_used": used, "page_size": self.pool.page_size,
@@ -187,6 +200,76 @@ class SessionSequential:
             return handle.verify(toks, start)
         return np.asarray(handle.prefill(toks) if start == 0 else handle.step(toks[0], start))[None]
 
+    def prompt_kv(self, handle, start: int, stop: int) -> tuple:
+        """The dense decoder's K and V at positions start..stop (TorchBatched.prompt_kv)."""
+        att = handle.dec.attention
+        return att.k[:, :, start:stop].float().cpu(), att.v[:, :, start:stop].float().cpu()
+
     def kv_stats(self) -> dict:
         return {"pages_total": 1, "pages_used": int(self.open is not None), "page_size": self.positions_total,
                 "device_bytes": self.open.device_kv_bytes() if self.open is not None else 0}
+
+
+class DraftModel:
+    """The model a `packed` drafter (zeroedge.speculative.ModelDrafter) runs: a TorchBatched backend on
+    the model's 4-bit weights, its own KV pool (no prefix cache: its pages hold draft positions)."""
+
+    def __init__(self, backend: TorchBatched):
+        backend.prefix_cache = False
+        self.b = backend
+        self.weights = getattr(backend.step.q4, "description", "the model's weights")
+
+    @classmethod
+    def build(cls, m, threads: int, positions: int, max_batch: int, chunk: int, step=None) -> "DraftModel":
+        """Model `m`'s own weights on the 4-bit CPU step (`step`: one made before, else made now; the
+        model's float weights stay: they check the drafts), a KV pool of `positions`."""
+        if step is None:
+            from zeroedge.errors import require
+
+            require("onnx", "serve")
+            require("onnxruntime", "serve")
+            from zeroedge.serve.cpu_q4 import Q4Step
+
+            step = Q4Step(m, threads)
+        cfg = m.cfg
+        per_position = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        pool = -(-positions // PAGE_SIZE) * PAGE_SIZE * per_position
+        b = TorchBatched(m, pool, max_batch, chunk, step)
+        b.warm_up()
+        page = b.pool.alloc(1)              # a drafted token's step, once: its first call is not its cost
+        b.forward([(Reservation(page), [0], 0, False)])
+        b.pool.release(page)
+        return cls(b)
+
+    def open(self, plan) -> Optional["DraftKV"]:
+        """A request's drafter KV (prompt + max_tokens positions), or None when the pool is full."""
+        got = self.b.reserve(plan)
+        return None if got is None else DraftKV(self.b, got[0])
+
+
+class DraftKV:
+    def __init__(self, backend: TorchBatched, kv: Reservation):
+        self.b, self.kv = backend, kv
+
+    def forward(self, tokens, start: int):
+        """The logits after the last of `tokens`, their K/V written at start.. (in prefill chunks)."""
+        chunk = self.b.prefill_chunk or len(tokens)
+        for a in range(0, len(tokens), chunk):
+            row = self.b.forward([(self.kv, list(tokens[a:a + chunk]), start + a, False)])[0]
+        return row
+
+    def load(self, k, v, start: int) -> None:
+        """K and V (layers, kv heads, positions, head dim) written at positions start..: the model's own,
+        for the prompt, instead of a prefill here."""
+        import torch
+
+        pool = self.b.pool
+        slots = torch.tensor(pool.slots(self.kv.pages, start, start + k.shape[2]), device=pool.k.device)
+        d = 2 if pool.heads_first else 1
+        for dst, src in ((pool.k, k), (pool.v, v)):
+            dst.index_copy_(d, slots, (src if pool.heads_first else src.transpose(1, 2)).to(dst.dtype))
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.b.release(self.kv)
+            self.kv = None

@@ -20,14 +20,15 @@ Events: ("text", str) as text becomes final, ("done", finish_reason, usage dict)
 every submitted request gets a "done" or an "error", also when the engine stops.
 finish_reason: "stop" (EOS, a stop string, the grammar's end), "length" (max_tokens), "cancelled".
 
-Speculative decoding (`speculative` "ngram" or "auto", on a backend that verifies): a decoding
-sequence whose drafter (zeroedge.speculative) proposes tokens sends them with its last token as one
+Speculative decoding (`speculative` "ngram", "auto" or "packed", on a backend that verifies): a
+decoding sequence whose drafter (zeroedge.speculative: prompt lookup, or for "packed" the model's
+4-bit weights with a KV reservation of their own) proposes tokens sends them with its last token as one
 verify segment; every position's logits come back, and the sequence's own picks (grammar, sampler)
 run over them in order while they agree with the draft. Each emitted token is picked from the logits
-plain decoding would have given (zeroedge.serve.batch), so the output is the same. "auto" drafts only
-while at most AUTO_MAX_BATCH sequences decode (a larger batch already reads each weight for many
-tokens; draft rows would only add work) and sends no draft where the drafts' acceptance and the step
-times measured here say it does not pay.
+plain decoding would have given (zeroedge.serve.batch), so the output is the same. "auto" and
+"packed" draft only while at most AUTO_MAX_BATCH sequences decode (a larger batch already reads each
+weight for many tokens; draft rows would only add work) and send no draft where the drafts'
+acceptance and the step times measured here (the drafter's too) say it does not pay.
 """
 from __future__ import annotations
 
@@ -71,12 +72,16 @@ class Sequence:
 
 class Engine:
     def __init__(self, backend, tokenizer=None, lltok=None, metrics=None, on_tick: Optional[Callable] = None,
-                 speculative: str = "off"):
-        """tokenizer: None gives token ids only (no text events, no stop strings)."""
+                 speculative: str = "off", draft_model=None):
+        """tokenizer: None gives token ids only (no text events, no stop strings); draft_model: the
+        drafter's model for speculative "packed" (zeroedge.serve.backends.DraftModel)."""
         self.b, self.tok, self.lltok = backend, tokenizer, lltok
         self.metrics, self.on_tick = metrics, on_tick
         # drafts need a backend whose step returns every position's logits (a bundle's does not)
         self.speculative = speculative if getattr(backend, "verifies", False) else "off"
+        if self.speculative == "packed" and draft_model is None:
+            raise ValueError("speculative packed needs a draft model")
+        self.draft_model = draft_model
         self.spec_stats = SpecStats()           # of finished requests
         self.step_cost = StepCost()             # measured on the steps without prefill
         self.waiting: collections.deque = collections.deque()
@@ -142,9 +147,7 @@ class Engine:
         finally:
             for s in list(self.running):
                 self.running.remove(s)
-                if s.kv is not None:
-                    self.b.release(s.kv)
-                    s.kv = None
+                self._release(s)
             self.waiting.clear()
         if events and events[-1][0] == "error":
             raise UserError(events[-1][1])
@@ -173,9 +176,7 @@ class Engine:
                 self._stop.set()
                 self._take_inbox()
             for s in list(self.running) + list(self.waiting):
-                if s.kv is not None:
-                    self.b.release(s.kv)
-                    s.kv = None
+                self._release(s)
                 s.sink(("error", f"the engine stopped: {why}"))
             self.running.clear()
             self.waiting.clear()
@@ -187,10 +188,16 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _finish(self, s: Sequence, reason: str):
+    def _release(self, s: Sequence) -> None:
+        """The sequence's KV back to the pool, and its drafter's."""
         if s.kv is not None:
             self.b.release(s.kv)
             s.kv = None
+        if s.spec is not None:
+            s.spec.close()
+
+    def _finish(self, s: Sequence, reason: str):
+        self._release(s)
         if s in self.running:
             self.running.remove(s)
         s.t_done, s.finish_reason = time.perf_counter(), reason
@@ -236,10 +243,12 @@ class Engine:
                     s.grammar = Grammar(self.lltok, p.grammar)
                 # a session's plan says whether its decoder checks drafts (thermal KV and paths do not)
                 mode = self.speculative if p.session_plan is None or p.session_plan.speculative else "off"
-                s.spec = Speculator.create(mode, p.prompt, cost=self.step_cost)
+                draft = self.draft_model.open(p) if mode == "packed" else None
+                if mode == "packed" and draft is None:
+                    mode = "off"                # the drafter's pool is full: this request decodes plainly
+                s.spec = Speculator.create(mode, p.prompt, draft_model=draft, cost=self.step_cost)
             except Exception as e:              # noqa: BLE001 - a grammar llguidance refuses: this request only
-                self.b.release(kv)
-                s.kv = None
+                self._release(s)
                 s.sink(("error", f"response_format: {e}" if p.grammar is not None else str(e)))
                 continue
             self.running.append(s)
@@ -247,13 +256,13 @@ class Engine:
     def _step(self):
         segs, who, drafts = [], [], {}
         decoding = [s for s in self.running if s.prefilled == len(s.plan.prompt)]
-        spec = self.speculative == "ngram" or (self.speculative == "auto" and len(decoding) <= AUTO_MAX_BATCH)
+        spec = self.speculative == "ngram" or (self.speculative != "off" and len(decoding) <= AUTO_MAX_BATCH)
         # a step computes at least the backend's min_rows rows: without prompt chunks, the padding rows
         # left over are free for drafts, shared among the decoding sequences
         chunks = any(s.prefilled < len(s.plan.prompt) for s in self.running)
         free = 0 if chunks or not decoding else max(0, self.b.min_rows - len(decoding)) // len(decoding)
         for s in decoding:                      # every decoding sequence: its last token (and a draft)
-            draft = s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1, free) if spec and s.spec else []
+            draft = self._draft(s, free) if spec and s.spec else []
             drafts[s.id] = draft
             segs.append((s.kv, [s.out[-1]] + draft, len(s.plan.prompt) + len(s.out) - 1, bool(draft)))
             who.append(s)
@@ -278,23 +287,33 @@ class Engine:
         made, row = 0, 0
         for i, s in enumerate(who):
             r0, row = row, row + (len(segs[i][1]) if segs[i][3] else 1)
-            if s in pre:
-                s.prefilled = segs[i][2] + len(segs[i][1])
-                if s.prefilled < len(s.plan.prompt):
-                    continue
-                if self.b.remember(s.kv, s.plan) and self.metrics is not None:
-                    self.metrics.thermal_requests.inc()
             try:
+                if s in pre:
+                    s.prefilled = segs[i][2] + len(segs[i][1])
+                    if s.spec is not None:      # a model drafter takes the chunk's K/V
+                        s.spec.prompt_chunk(s.prefilled, lambda a, z, kv=s.kv: self.b.prompt_kv(kv, a, z))
+                    if s.prefilled < len(s.plan.prompt):
+                        continue
+                    if self.b.remember(s.kv, s.plan) and self.metrics is not None:
+                        self.metrics.thermal_requests.inc()
                 made += self._emit_rows(s, logits[r0:row], drafts.get(s.id, []), s in pre)
             except Exception as e:              # noqa: BLE001 - this sequence fails, the batch goes on
                 if s in self.running:
                     self.running.remove(s)
-                if s.kv is not None:
-                    self.b.release(s.kv)
-                    s.kv = None
+                self._release(s)
                 s.sink(("error", f"generation failed: {e}"))
         if self.metrics is not None:
             self.metrics.step(dt, made, len(segs))
+
+    def _draft(self, s: Sequence, free: int) -> List[int]:
+        """The sequence's draft for this step; a drafter that fails is dropped (the request goes on
+        without drafts, its output the same)."""
+        try:
+            return s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1, free)
+        except Exception:                       # noqa: BLE001 - the drafter's model failed (its memory)
+            s.spec.close()
+            s.spec = None
+            return []
 
     def _emit_rows(self, s: Sequence, rows, draft: List[int], prefill: bool = False) -> int:
         """The sequence's picks over its rows, while they agree with the draft -> tokens made (a

@@ -239,6 +239,7 @@ class ServingSession:
         self.not_applied: List[str] = []   # what the artifact holds that this backend does not run
         self.sih = None                    # (policies, runtime): the artifact's SIH/PAD layers (torch prefill)
         self.weights = None                # the artifact's weights section, applied (torch backend)
+        self._draft = None                 # speculative "packed": the drafter's model (DraftModel)
         if backend == "torch":
             if artifact is not None:
                 from zeroedge import calib_artifact
@@ -487,6 +488,14 @@ class ServingSession:
                    else "decode paths: their decoder checks one token a step" if plan.paths
                    else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
                    if self.weights is not None and cuda else None)
+            if why is None and speculative == "packed":
+                why = ("the packed drafter is the 4-bit CPU step (onnxruntime); on CUDA drafts come from prompt "
+                       "lookup (auto, ngram)" if cuda
+                       else "the model decodes on its artifact's 4-bit weights already" if self.weights is not None
+                       else "a device memory cap: the drafter's weights and KV are not in its forecast"
+                       if self.device_memory is not None
+                       else "the 4-bit CPU step drafts for a float32 model"
+                       if str(next(self.model.parameters()).dtype) != "torch.float32" else None)
             plan.speculative, plan.speculative_reason = (speculative, None) if why is None else (False, why)
         return plan
 
@@ -513,8 +522,9 @@ class ServingSession:
         request = Plan(prompt, Sampling(max_new, temperature, 1.0, seed), T + max_new, 0,
                        eos=() if eos is None else (int(eos),), session_plan=plan)
         backend = SessionSequential(self, T + max_new)
+        draft = self._draft_model(T + max_new) if plan.speculative == "packed" else None
         try:
-            seq = Engine(backend, speculative=plan.speculative or "off").run(request)
+            seq = Engine(backend, speculative=plan.speculative or "off", draft_model=draft).run(request)
         except Exception as e:                      # torch.OutOfMemoryError, without importing torch here
             if self.device_memory is None or type(e).__name__ != "OutOfMemoryError":
                 raise
@@ -524,7 +534,22 @@ class ServingSession:
             raise UserError(f"out of memory under the {_gib(self.device_memory)} device memory cap "
                             f"(the forecast said {plan.device_memory}): {str(e).splitlines()[0]}{hint}"
                             ) from None
+        if draft is not None:
+            backend.last.report.mechanisms["speculative_drafter"] = draft.weights
         return result_of(seq, eos, backend.last.report)
+
+    def _draft_model(self, positions: int):
+        """The packed drafter for a request of `positions` prompt + new tokens (made once a session, its
+        KV pool grown when a request needs more)."""
+        import torch
+
+        from zeroedge.serve.backends import DraftModel
+
+        if self._draft is None or self._draft.b.positions_total < positions:
+            step = self._draft.b.step.q4 if self._draft is not None else None
+            self._draft = None
+            self._draft = DraftModel.build(self.model, torch.get_num_threads(), positions, 1, 128, step)
+        return self._draft
 
     def open(self, prompt: List[int], max_new: int, plan: Optional[RunPlan] = None):
         """The decoder `plan` chose for this request (made now when not given), before its prefill:

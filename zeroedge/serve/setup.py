@@ -108,6 +108,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
     import torch
 
     thermal_gate = None                         # zeroedge.kv.policy.ReleaseGate with --kv-budget
+    draft_model = None                          # zeroedge.serve.backends.DraftModel with --speculative packed
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     if backend == "torch":
@@ -120,10 +121,18 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         m = m.to(dev, torch.bfloat16 if dev == "cuda" else torch.float32).eval()
         ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
-        if weights == "auto":                   # thermal KV runs on the torch step
-            weights = "q4" if dev == "cpu" and kv_budget is None else "model"
+        if speculative == "packed" and (dev != "cpu" or weights == "q4"):
+            raise UserError("--speculative packed drafts with the model's 4-bit CPU step for the model's weights in "
+                            "torch: serve on the CPU with --weights model" + (" (no CUDA drafter yet)" if dev != "cpu"
+                                                                              else ""))
+        if weights == "auto":                   # thermal KV and the packed drafter's checks run on the torch step
+            weights = "q4" if dev == "cpu" and kv_budget is None and speculative != "packed" else "model"
         b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget)
         b.warm_up()
+        if speculative == "packed":             # its own KV pool, as large as the model's
+            from zeroedge.serve.backends import DraftModel
+
+            draft_model = DraftModel.build(m, threads, b.positions_total, max_batch, chunk)
         tok = tokenizer_for(cfg, folder)
         name = served_name or (cfg.name if model in _presets() else str(model))
         info = {"mode": "batched", "backend": "torch", "device": b.device, "max_batch": max_batch,
@@ -132,6 +141,9 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                 "cpu_kernels": linears.kernels if linears is not None else None, "prefix_cache": b.prefix_cache,
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
                 "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size, "thermal_kv": None}
+        if draft_model is not None:
+            info["speculative_drafter"] = {"weights": draft_model.weights,
+                                           "kv_pool_bytes": draft_model.b.positions_total * draft_model.b.position_bytes}
         if kv_budget is not None:
             from zeroedge.kv.policy import ReleaseGate
 
@@ -162,7 +174,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
     lltok = _llguidance_tokenizer(tok, eos)
     planner = Planner(ctx, b.positions_total, b.position_bytes, eos, min_prompt=b.min_prompt, thermal_gate=thermal_gate,
                       session=getattr(b, "session", None))
-    engine = Engine(b, tok, lltok, on_tick=_watchdog(), speculative=speculative)
+    engine = Engine(b, tok, lltok, on_tick=_watchdog(), speculative=speculative, draft_model=draft_model)
     info["speculative"] = engine.speculative
     if engine.speculative != speculative:
         info["speculative_reason"] = "a bundle's step gives the last position's logits only"

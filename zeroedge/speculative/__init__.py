@@ -18,6 +18,11 @@ output is the model's, token for token, whatever the drafter proposes.
   PromptLookup   n-gram lookup in the prompt and the text made so far (no extra weights): the
                  longest suffix (up to `max_ngram` tokens) seen before proposes what followed it;
                  a prompt is indexed over its last LOOKUP_TOKENS tokens (memory stays bounded).
+  ModelDrafter   greedy drafts by a cheaper model of the same vocabulary (`packed`: the model's own
+                 4-bit weights): its KV holds the context up to what the model accepted (the
+                 prompt's: the model's own K/V, copied, where the caller can read them); the draft's
+                 rejected positions are written over by the next round. It costs a step of its
+                 own per drafted token, measured (`seconds`), so k is chosen before it drafts.
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
@@ -29,10 +34,11 @@ output is the model's, token for token, whatever the drafter proposes.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-MODES = ("off", "auto", "ngram")
+MODES = ("off", "auto", "ngram", "packed")
 LOOKUP_TOKENS = 16384
 
 
@@ -70,6 +76,58 @@ class PromptLookup:
                 if end is not None:
                     return n, self.ctx[end + 1:end + 1 + k]
         return 0, []
+
+
+class ModelDrafter:
+    """Greedy drafts by `model`: forward(tokens, start) -> the logits after the last of `tokens` (their
+    K/V written at start..), close(). `valid`: how many context tokens its KV holds correctly."""
+
+    WEIGHT = 0.2                # running mean of the seconds a drafted token costs
+
+    def __init__(self, model, context: Sequence[int] = ()):
+        self.model = model
+        self.ctx: List[int] = [int(t) for t in context]
+        self.valid = 0
+        self._fed: List[int] = []           # draft tokens whose K/V the last draft wrote past the context
+        self.seconds: Optional[float] = None
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if self._fed:                       # the fed draft tokens the model kept stay valid
+            self.valid = len(self.ctx) + agreed(self._fed, tokens)
+            self._fed = []
+        self.ctx.extend(int(t) for t in tokens)
+
+    def prefill(self, upto: int, read_kv=None) -> None:
+        """The context's K/V up to position `upto`: read_kv(start, stop) -> the model's own K and V there
+        (`model.load` takes them), else computed by a forward of its own."""
+        if upto > self.valid:
+            if read_kv is not None:
+                self.model.load(*read_kv(self.valid, upto), self.valid)
+            else:
+                self.model.forward(self.ctx[self.valid:upto], self.valid)
+            self.valid = upto
+
+    def _next(self, tokens: Sequence[int], start: int) -> int:
+        return int(self.model.forward(tokens, start).argmax())
+
+    def propose(self, k: int) -> Tuple[int, List[int]]:
+        """(0, k greedy tokens). The context the KV lacks goes in first: the last round's tail (one or
+        two tokens) is timed as drafting, a longer catch-up (steps without drafts) is not."""
+        if k < 1:
+            return 0, []
+        self.prefill(len(self.ctx) - 1)
+        t0 = time.perf_counter()
+        out = [self._next(self.ctx[self.valid:], self.valid)]
+        self.valid = len(self.ctx)
+        while len(out) < k:
+            self._fed.append(out[-1])
+            out.append(self._next(out[-1:], len(self.ctx) + len(out) - 1))
+        dt = (time.perf_counter() - t0) / k
+        self.seconds = dt if self.seconds is None else self.seconds + self.WEIGHT * (dt - self.seconds)
+        return 0, out
+
+    def close(self) -> None:
+        self.model.close()
 
 
 @dataclass
@@ -121,18 +179,22 @@ class StepCost:
 
 
 class Speculator:
-    """A drafter and its draft length (see the module's doc). `cost`: the StepCost of the steps
-    that check its drafts (shared by the sequences of one engine)."""
+    """A drafter (PromptLookup, or a ModelDrafter for `packed`) and its draft length (see the module's
+    doc). `cost`: the StepCost of the steps that check its drafts (shared by the sequences of one
+    engine)."""
 
     PRIOR = (0.6, 1.0)       # acceptance a prior: as if 0.6 of one draft token had been accepted
+    MODEL_PRIOR = (0.9, 1.0)  # ... for a model drafter, the model's own weights: they mostly agree
     DECAY = 0.8              # older drafts weigh less: a reply that starts to copy is noticed quickly
     PROBE_EVERY = 16         # auto: tokens without a draft before one token is drafted again
+    DRAFT_PRIOR = 0.3        # a model drafter's token, in plain steps, until its own are measured
 
-    def __init__(self, drafter: PromptLookup, mode: str = "ngram", k_max: int = 8,
+    def __init__(self, drafter, mode: str = "ngram", k_max: int = 8,
                  cost: Optional[StepCost] = None):
-        if mode not in ("auto", "ngram"):
-            raise ValueError(f"speculative mode must be one of {MODES}")
+        if mode not in ("auto", "ngram", "packed") or (mode == "packed") != isinstance(drafter, ModelDrafter):
+            raise ValueError(f"speculative mode must be one of {MODES}, a model drafter for packed")
         self.drafter, self.mode, self.k_max = drafter, mode, k_max
+        self._prior = self.MODEL_PRIOR if mode == "packed" else self.PRIOR
         self.cost = cost if cost is not None else StepCost()
         self.stats = SpecStats()
         self._acc: Dict[int, List[float]] = {}          # match length -> [accepted, trials], decayed
@@ -140,22 +202,33 @@ class Speculator:
         self._last_n = 0
 
     @classmethod
-    def create(cls, mode: str, context: Sequence[int], **kw) -> Optional["Speculator"]:
+    def create(cls, mode: str, context: Sequence[int], draft_model=None, **kw) -> Optional["Speculator"]:
+        """draft_model: the drafter's model for `packed` (ModelDrafter's `model`)."""
         if mode not in MODES:
             raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, not {mode!r}")
-        return None if mode == "off" else cls(PromptLookup(context[-LOOKUP_TOKENS:], max_ngram=4), mode, **kw)
+        if mode == "off":
+            return None
+        if mode == "packed":
+            if draft_model is None:
+                raise ValueError("speculative mode packed needs a draft model")
+            return cls(ModelDrafter(draft_model, context), mode, **kw)
+        return cls(PromptLookup(context[-LOOKUP_TOKENS:], max_ngram=4), mode, **kw)
+
+    def close(self) -> None:
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.close()
 
     def acceptance(self, n: int) -> float:
         acc, trials = self._acc.get(n, (0.0, 0.0))
-        return (acc + self.PRIOR[0]) / (trials + self.PRIOR[1])
+        return (acc + self._prior[0]) / (trials + self._prior[1])
 
-    def best_k(self, a: float, room: int, free: int = 0) -> int:
+    def best_k(self, a: float, room: int, free: int = 0, per_draft: float = 0.0) -> int:
         """The k in 0..min(k_max, room) with the most expected tokens per unit of step cost (the first
         `free` draft tokens take rows the step computes anyway: the cost is that of the rows past them,
-        as StepCost keys it)."""
+        as StepCost keys it; per_draft: what drafting one token costs, in plain steps)."""
         best, best_k = 1.0, 0
         for k in range(1, min(self.k_max, room) + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.cost.relative(max(0, k - free))
+            gain = (1 - a ** (k + 1)) / (1 - a) / (self.cost.relative(max(0, k - free)) + k * per_draft)
             if gain > best * 1.01:
                 best, best_k = gain, k
         return best_k
@@ -164,6 +237,8 @@ class Speculator:
         """A draft for the next step (room: tokens the request may still make after the model's own
         next one; free: draft tokens that would take padding rows, computed in any case); [] when there
         is no match or no draft length pays."""
+        if isinstance(self.drafter, ModelDrafter):
+            return self._model_draft(room, free)
         n, cont = self.drafter.propose(min(self.k_max, room))
         self._last_n = n
         if not cont or (self.cost.seconds and 0 not in self.cost.seconds):
@@ -174,6 +249,27 @@ class Speculator:
         elif k == 0 and self._since_draft >= self.PROBE_EVERY:   # the shortest draft that could pay
             k = next((j for j in range(1, len(cont) + 1) if j + 1 > self.cost.relative(j) * 1.01), 0)
         return cont[:k]
+
+    def _model_draft(self, room: int, free: int) -> List[int]:
+        """A model drafter's draft: k from the acceptance so far, the check's cost and the drafter's
+        own (measured; DRAFT_PRIOR of a plain step until it has drafted), then k drafted tokens."""
+        plain = self.cost.seconds.get(0)
+        if plain is None or plain <= 0:
+            return []                           # a plain step is timed before any cost is judged
+        d = self.DRAFT_PRIOR if self.drafter.seconds is None else self.drafter.seconds / plain
+        a = self.acceptance(0)
+        k = self.best_k(a, room, free, d)
+        if k == 0 and self._since_draft >= self.PROBE_EVERY:    # the shortest draft that could pay
+            k = next((j for j in range(1, min(self.k_max, room) + 1)
+                      if j + 1 > (self.cost.relative(max(0, j - free)) + j * d) * 1.01), 0)
+        self._last_n = 0
+        return self.drafter.propose(k)[1]
+
+    def prompt_chunk(self, upto: int, read_kv=None) -> None:
+        """The model prefilled the prompt up to position `upto`: a model drafter takes those positions'
+        K/V (read_kv(start, stop): the model's, see ModelDrafter.prefill), or else prefills them itself."""
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.prefill(upto, read_kv)
 
     def prefilled(self, made: Sequence[int]) -> None:
         """The token the prompt's prefill produced: the drafter reads it; no decode step is counted."""

@@ -291,7 +291,8 @@ class Engine:
                 if s in pre:
                     s.prefilled = segs[i][2] + len(segs[i][1])
                     if s.spec is not None:      # a model drafter takes the chunk's K/V
-                        s.spec.prompt_chunk(s.prefilled, lambda a, z, kv=s.kv: self.b.prompt_kv(kv, a, z))
+                        self._drafter(s, s.spec.prompt_chunk, s.prefilled,
+                                      lambda a, z, kv=s.kv: self.b.prompt_kv(kv, a, z))
                     if s.prefilled < len(s.plan.prompt):
                         continue
                     if self.b.remember(s.kv, s.plan) and self.metrics is not None:
@@ -305,15 +306,19 @@ class Engine:
         if self.metrics is not None:
             self.metrics.step(dt, made, len(segs))
 
-    def _draft(self, s: Sequence, free: int) -> List[int]:
-        """The sequence's draft for this step; a drafter that fails is dropped (the request goes on
-        without drafts, its output the same)."""
+    def _drafter(self, s: Sequence, call, *args):
+        """call(*args) on the sequence's speculator; a drafter that fails is dropped (the request goes on
+        without drafts, its output the same) -> call's result, or None."""
         try:
-            return s.spec.propose(s.plan.sampling.max_tokens - len(s.out) - 1, free)
+            return call(*args)
         except Exception:                       # noqa: BLE001 - the drafter's model failed (its memory)
             s.spec.close()
             s.spec = None
-            return []
+            return None
+
+    def _draft(self, s: Sequence, free: int) -> List[int]:
+        """The sequence's draft for this step ([] without one)."""
+        return self._drafter(s, s.spec.propose, s.plan.sampling.max_tokens - len(s.out) - 1, free) or []
 
     def _emit_rows(self, s: Sequence, rows, draft: List[int], prefill: bool = False) -> int:
         """The sequence's picks over its rows, while they agree with the draft -> tokens made (a

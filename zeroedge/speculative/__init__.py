@@ -116,6 +116,7 @@ class ModelDrafter:
         if k < 1:
             return 0, []
         self.prefill(len(self.ctx) - 1)
+        self.valid = min(self.valid, len(self.ctx) - 1)     # the last token goes in (again) for its logits
         t0 = time.perf_counter()
         out = [self._next(self.ctx[self.valid:], self.valid)]
         self.valid = len(self.ctx)

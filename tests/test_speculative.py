@@ -267,8 +267,26 @@ def test_run_speculative_says_where_it_does_not_apply(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "sometimes" in r.stderr
     r = run_cli("run", MODEL, "--speculative", "packed", "--weights", "q4", "--prompt", "x")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--weights model" in r.stderr
-    r = run_cli("serve", MODEL, "--speculative", "packed", "--weights", "q4", "--port", 1)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--weights model" in r.stderr
+    for extra, says in ((["--weights", "q4"], "--weights model"), (["--device", "cuda"], "--weights model"),
+                        (["--device-memory", "1G"], "--device-memory / --board plan")):
+        r = run_cli("serve", MODEL, "--speculative", "packed", *extra, "--port", 1)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and says in r.stderr, r.stderr
+    r = run_cli("serve", "--backend", "onnxruntime", "--bundle", tmp_path, "--speculative", "packed", "--port", 1)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--weights model" in r.stderr, r.stderr
+
+
+def test_packed_drafter_says_where_it_does_not_run():
+    """A plan the packed drafter cannot serve decodes plainly and says why: a memory cap (the drafter's
+    weights and KV are not in its forecast), a model that is not float32."""
+    from zeroedge.model import build
+    from zeroedge.serve.session import ServingSession
+
+    m = build("tiny", seed=0).eval()
+    assert ServingSession(m).plan(10, 4, speculative="packed").speculative == "packed"
+    capped = ServingSession(m, device_memory=1 << 30).plan(10, 4, speculative="packed")
+    assert capped.speculative is False and "memory cap" in capped.speculative_reason
+    half = ServingSession(m.bfloat16()).plan(10, 4, speculative="packed")
+    assert half.speculative is False and "float32" in half.speculative_reason
 
 
 def test_decoder_verify_rows_match_its_steps():

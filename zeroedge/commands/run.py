@@ -221,7 +221,7 @@ def run_q4(m, ids, max_new, eos, speculative, threads):
     `zeroedge serve` runs on a CPU), its KV pool the request's own pages -> a Result."""
     import torch
 
-    from zeroedge.serve.backends import PAGE_SIZE
+    from zeroedge.serve.backends import pool_bytes, position_bytes
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.plan import Plan, Sampling
     from zeroedge.serve.session import Report, result_of
@@ -233,8 +233,8 @@ def run_q4(m, ids, max_new, eos, speculative, threads):
 
         raise UserError(f"{len(ids)} prompt + {max_new} new tokens exceed the model's context ({cfg.max_seq_len})")
     m = m.to("cpu", torch.float32).eval()
-    per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
-    kv = -(-n // PAGE_SIZE) * PAGE_SIZE * per_pos
+    per_pos = position_bytes(cfg, 4)
+    kv = pool_bytes(cfg, n)
     b, linears, _ = batched_backend(m, "q4", threads or torch.get_num_threads(), 1, 128, kv, None, n)
     plan = Plan(list(ids), Sampling(max_new, 0.0), n, kv, eos=() if eos is None else (int(eos),))
     mech = {"weights": linears.description, "weights_decode": f"the serving engine's 4-bit step ({linears.kernels} "

@@ -32,6 +32,16 @@ from zeroedge.errors import UserError
 PAGE_SIZE = 16
 
 
+def position_bytes(cfg, element_size: int) -> int:
+    """One position's K and V over every layer."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * element_size
+
+
+def pool_bytes(cfg, positions: int, element_size: int = 4) -> int:
+    """A KV pool of whole pages for `positions` positions (float32: the 4-bit CPU step's)."""
+    return -(-positions // PAGE_SIZE) * PAGE_SIZE * position_bytes(cfg, element_size)
+
+
 @dataclass
 class Reservation:
     """A sequence's KV in the pool: its pages, and its sketch when it runs thermal KV."""
@@ -170,7 +180,7 @@ class SessionSequential:
         if session.backend == "torch":
             cfg = session.model.cfg
             p = next(session.model.parameters())
-            self.position_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * p.element_size()
+            self.position_bytes = position_bytes(cfg, p.element_size())
             self.device = str(p.device)
         else:
             r = session.runner
@@ -231,10 +241,7 @@ class DraftModel:
             from zeroedge.serve.cpu_q4 import Q4Step
 
             step = Q4Step(m, threads)
-        cfg = m.cfg
-        per_position = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
-        pool = -(-positions // PAGE_SIZE) * PAGE_SIZE * per_position
-        b = TorchBatched(m, pool, max_batch, chunk, step)
+        b = TorchBatched(m, pool_bytes(m.cfg, positions), max_batch, chunk, step)
         b.warm_up()
         page = b.pool.alloc(1)              # a drafted token's step, once: its first call is not its cost
         b.forward([(Reservation(page), [0], 0, False)])

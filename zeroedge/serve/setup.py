@@ -48,9 +48,11 @@ def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap:
     """(bytes, why): --kv-memory as given; else what the cap leaves after the weights (`resident`
     bytes) and a step's activations, or a share of the memory available; never more than max_batch
     full contexts."""
+    from zeroedge.serve.backends import position_bytes
+
     p = model.embed_tokens.weight
     cfg = model.cfg
-    per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * p.element_size()
+    per_pos = position_bytes(cfg, p.element_size())
     most = max_batch * ctx * per_pos
     if kv_bytes is not None:
         return kv_bytes, "--kv-memory"

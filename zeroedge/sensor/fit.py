@@ -400,8 +400,6 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.02, window:
         out=None, force: bool = False, max_steps: int = 3000, seed: int = 0, threads: int = 2,
         allow_constant: bool = False, log=print) -> dict:
     """Fit a sensor bundle to a plant (see the module docstring). Returns the manifest."""
-    import torch
-
     from zeroedge.sensor.pca import PCAMonitor
 
     t_start = time.time()
@@ -435,6 +433,8 @@ def fit(normal_files, fault_files=(), label_specs=(), far: float = 0.02, window:
                             for r, a in zip(normal, n_tr)]
     log(f"[sensor-fit] normalisation from {len(Zall_tr)} normal samples; {sum(map(len, Zn_val))} held out; "
         f"{len(runs.f_tr)} fault files to learn from" + (f", {len(runs.unobs)} unobservable" if runs.unobs else ""))
+
+    import torch                            # after the inputs are checked: a bad one fails fast
 
     model = _shipped_model(window)
     torch.set_num_threads(threads)

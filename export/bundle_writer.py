@@ -264,7 +264,8 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
                   progress=None, force: bool = False, weights: str = "float16",
                   prefill_chunk: Optional[int] = None, group: Optional[int] = None,
                   symmetric: Optional[bool] = None, accuracy_level: Optional[int] = None,
-                  zero_point: Optional[str] = None, flavours=FLAVOURS, cpu_kernels: str = "stock") -> dict:
+                  zero_point: Optional[str] = None, flavours=FLAVOURS, cpu_kernels: str = "stock",
+                  traced: Optional["TracedGraphs"] = None) -> dict:
     """Run the whole export; returns the manifest. weights: the dtype weights.bin stores them in
     (WEIGHT_DTYPES; see the module docstring). prefill_chunk: the runners' prefill chunk, recorded in
     the manifest's "prefill" (default zeroedge.bundle.DEFAULT_PREFILL_CHUNK). int4: group (default
@@ -275,7 +276,9 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     graph flavours written (FLAVOURS, or one of them: a bundle for one runtime, weights.bin only
     holding what that runtime reads). cpu_kernels: "stock" (onnxruntime's operators) or "zeroedge"
     (the portable decode graph's attention and float-zero-point 4-bit products as zeroedge.ort
-    nodes, ortops/; portable flavour only); the manifest's "cpu_kernels" says which ran."""
+    nodes, ortops/; portable flavour only); the manifest's "cpu_kernels" says which ran. traced: a
+    TracedGraphs shared by the exports of one model (another bundle of it, other weights): the model is
+    traced once."""
     import onnx
     import torch
 
@@ -293,7 +296,7 @@ def export_bundle(model: str, out, calib=None, target: str = "jetpack-6.2", wind
     tmp.mkdir(parents=True)
     try:
         graphs, info, model_cfg, folder, paths_graphs = _make_graphs(model, meta, tensors, paths, calib, tmp, step,
-                                                                     scheme, cpu_kernels)
+                                                                     scheme, cpu_kernels, traced)
         step("write bundle")
         files, opsets, params, halved, qinfo = _write_graphs(graphs, tmp, weights, info, scheme, step, flavours,
                                                              cpu_kernels)
@@ -364,7 +367,8 @@ def _is_foreign_graph(model) -> bool:
     return isinstance(model, str) and model.endswith(".onnx")
 
 
-def _make_graphs(model, meta, tensors, paths: dict, calib, tmp: Path, step, scheme, cpu_kernels: str):
+def _make_graphs(model, meta, tensors, paths: dict, calib, tmp: Path, step, scheme, cpu_kernels: str,
+                 traced: Optional["TracedGraphs"] = None):
     """The graphs to write, from a foreign .onnx graph (_foreign_graphs) or a model zeroedge exports
     (_model_graphs): (graphs, info, model config, tokenizer folder or None, graphs carrying the decode
     paths)."""
@@ -372,10 +376,40 @@ def _make_graphs(model, meta, tensors, paths: dict, calib, tmp: Path, step, sche
         if cpu_kernels != "stock":
             raise UserError("cpu kernels zeroedge: for zeroedge's own export of a model, not a foreign .onnx graph")
         return (*_foreign_graphs(model, meta, tensors, bool(paths), step), [])
-    graphs, info, model_cfg, folder = _model_graphs(model, meta, tensors, paths, calib, tmp, step,
-                                                    fold_awq=scheme is not None and scheme.method == "awq",
-                                                    ort_kernels=cpu_kernels == "zeroedge")
+    fold_awq, ort_kernels = scheme is not None and scheme.method == "awq", cpu_kernels == "zeroedge"
+    key = (str(model), ort_kernels) if meta is None and isinstance(model, str) else None
+    got = traced.take(key) if traced is not None and key is not None else None
+    if got is None:
+        got = _model_graphs(model, meta, tensors, paths, calib, tmp, step, fold_awq=fold_awq, ort_kernels=ort_kernels)
+        if traced is not None and key is not None:
+            traced.put(key, got)
+    else:
+        step("torch -> onnx: the graphs traced for another bundle of this model")
+    graphs, info, model_cfg, folder = got
     return graphs, info, model_cfg, folder, ["decode"] if paths else []
+
+
+class TracedGraphs:
+    """A model's graphs as torch exported them (no artifact applied), kept for the next bundle of it:
+    a copy (writing a bundle changes its protos), held until that export takes it."""
+
+    def __init__(self):
+        self._by_key = {}
+
+    def put(self, key, got) -> None:
+        graphs, info, model_cfg, folder = got
+        self._by_key[key] = ({k: _copy_proto(g) for k, g in graphs.items()}, dict(info), model_cfg, folder)
+
+    def take(self, key):
+        return self._by_key.pop(key, None)
+
+
+def _copy_proto(proto):
+    import onnx
+
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    return p
 
 
 def _copy_tokenizer_files(folder, tmp: Path):

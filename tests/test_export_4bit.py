@@ -356,11 +356,13 @@ def test_smollm2_4bit_bundle_logits_and_greedy_tokens(smollm2, tmp_path):
     import torch
 
     from zeroedge.backends.onnxruntime import OrtRunner
-    from zeroedge.export.bundle_writer import export_bundle
+    from zeroedge.export.bundle_writer import TracedGraphs, export_bundle
 
     m, folder = smollm2
-    export_bundle(str(folder), tmp_path / "int4", window=64, weights="int4")
-    export_bundle(str(folder), tmp_path / "float", window=64, weights="int4", zero_point="float")
+    traced = TracedGraphs()             # the second export writes the graphs the first one traced
+    export_bundle(str(folder), tmp_path / "int4", window=64, weights="int4", traced=traced)
+    mf_f = export_bundle(str(folder), tmp_path / "float", window=64, weights="int4", zero_point="float", traced=traced)
+    assert "torch_export_s" in mf_f["export"] and traced.take((str(folder), False)) is None
     mf = json.loads((tmp_path / "int4" / "manifest.json").read_text())
     size = sum(f["bytes"] for f in mf["files"].values())
     tokens = np.array([504, 2114, 15988, 282, 1978, 253, 6121, 1025, 30, 1387, 314, 253])

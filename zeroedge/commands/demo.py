@@ -141,9 +141,14 @@ def bundle_demo(out, max_new, repeats, offset) -> dict:
     if kernels == "stock":
         click.echo("[demo] zeroedge's CPU kernels are not built (scripts/build_ortops): onnxruntime's own operators")
     sess, size, mf = {}, {}, {}
-    for kind in ("int4", "fp16"):
-        d = out / "bundles" / f"{MODEL}-{kind}"
-        sess[kind], mf[kind] = open_bundle(d, kind, kernels)
+    dirs = {kind: out / "bundles" / f"{MODEL}-{kind}" for kind in ("int4", "fp16")}
+    traced = None
+    if not any(cached(d, kind, kernels) for kind, d in dirs.items()):
+        from zeroedge.export.bundle_writer import TracedGraphs
+
+        traced = TracedGraphs()                               # both bundles from one torch -> ONNX export
+    for kind, d in dirs.items():
+        sess[kind], mf[kind] = open_bundle(d, kind, kernels, traced)
         size[kind] = sum(f["bytes"] for f in mf[kind]["files"].values())
     tok = tokenizer_for(bundle_config(out / "bundles" / f"{MODEL}-int4"), out / "bundles" / f"{MODEL}-int4", None)
     text, templ = PROMPT, getattr(tok, "chat_template", None) is not None
@@ -206,9 +211,9 @@ def bundle_ppl(session, ids, n_pre) -> float:
     return math.exp(_runner_nll(r, ids, n_pre))
 
 
-def open_bundle(d, kind, kernels):
+def open_bundle(d, kind, kernels, traced=None):
     """(a serving session over the bundle at d, its manifest): the bundle made by an earlier run when its
-    manifest says it is this one, else exported now."""
+    manifest says it is this one, else exported now (traced: export_bundle's TracedGraphs)."""
     from zeroedge.errors import UserError
     from zeroedge.serve.session import ServingSession, open_bundle
 
@@ -224,7 +229,7 @@ def open_bundle(d, kind, kernels):
     opts = dict(weights="int4", zero_point="float") if kind == "int4" else dict(weights="float16")
     click.echo(f"[demo] zeroedge export {MODEL} --weights {kind}"
                f"{' --zero-point float' if kind == 'int4' else ''} --graphs portable --cpu-kernels {kernels} -o {d}")
-    mf = export_bundle(MODEL, d, force=True, flavours=("portable",), cpu_kernels=kernels,
+    mf = export_bundle(MODEL, d, force=True, flavours=("portable",), cpu_kernels=kernels, traced=traced,
                        progress=lambda msg: click.echo(f"[demo]   {msg}"), **opts)
     click.echo(f"[demo]   exported in {mf['export']['seconds']:.1f} s")
     return ServingSession(open_bundle(d)), mf

@@ -12,8 +12,8 @@ tokens equal plain decoding's. `--run-path` measures the same through `zeroedge 
 (zeroedge.serve.session.ServingSession: the dense decoder over the model's fp32 weights, drafts
 checked by Decoder.verify) instead of the serving engine.
 
-    python benchmarks/speculative_cpu.py --run-path --modes off,auto,packed --q4-peer --repeats 3 \
-        -o benchmarks/results/speculative/packed_drafter_smollm2_cpu_run_decoder.json
+    python benchmarks/speculative_cpu.py --run-path --modes off,auto,ngram,packed --q4-peer --repeats 3 \
+        -o benchmarks/results/speculative/drafters_smollm2_cpu_run_decoder.json
 
 `--modes` picks the modes (packed: the model's own weights on the 4-bit CPU step draft, its fp32
 weights check: `--run-path`, or the engine with `--weights model`); `--q4-peer` also times, in the
@@ -107,6 +107,7 @@ def main():
     from zeroedge.serve.engine import Engine
     from zeroedge.weights import resolve_model, tokenizer_for
 
+    load_at_start = os.getloadavg()
     torch.set_num_threads(a.threads)
     m, cfg, folder = resolve_model("smollm2-135m", need_weights=True)
     m = m.float().eval()
@@ -175,7 +176,8 @@ def main():
         "the model's own 4-bit CPU step (packed)" if "packed" in modes else "")
     res = {"what": f"speculative decoding by {drafters} in {path}, greedy",
            "hardware": f"CPU ({platform.processor() or platform.machine()}), {a.threads} threads",
-           "load_before": os.getloadavg(), "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF), real weights",
+           "load_at_start": load_at_start, "load_at_end": os.getloadavg(),
+           "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF), real weights",
            "weights_path": ("the model's fp32 weights (the GGUF's 4-bit values dequantized), torch"
                             if a.run_path or a.weights == "model"
                             else "4-bit linears in onnxruntime MatMulNBits (zeroedge serve --weights q4)"),

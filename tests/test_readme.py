@@ -184,15 +184,20 @@ def _speculative_serve_gpu():
             _range(checks, 2), _f(ms["engine_plain_step"], 2)]
 
 
-def _speculative_packed_cpu():
-    rows = {r["task"]: r for r in _load("speculative/packed_drafter_smollm2_cpu_run_decoder.json")["rows"]}
-    assert all(r["packed_identical"] and r["auto_identical"] for r in rows.values())     # "the same tokens"
+def _speculative_run_cpu():
+    rows = {r["task"]: r for r in _load("speculative/drafters_smollm2_cpu_run_decoder.json")["rows"]}
+    assert all(r[f"{m}_identical"] for r in rows.values() for m in ("auto", "packed"))   # "the same tokens"
+    check = _load("speculative/verify_cost_smollm2_cpu.json")["products"]
     lookup = ("kjv", "essays", "licenses")
     return [_f(rows["summarise"]["packed_speedup"], 2), _f(rows["extract"]["packed_speedup"], 2),
             _range([rows[t]["packed_speedup"] for t in lookup], 2),
             _range([r["packed_acceptance_rate"] for r in rows.values()], 2),
-            _range([r["off_tok_s"] for r in rows.values()], 1),
             _f(rows["summarise"]["auto_speedup"], 2), _f(rows["extract"]["auto_speedup"], 2),
+            _range([rows[t]["auto_speedup"] for t in lookup], 2),
+            _range([int(r) - 1 for r in check["columns (W @ x^T)"]["verify_steps"] if int(r) <= 9], 0),
+            _range([v for r, v in check["columns (W @ x^T)"]["verify_steps"].items() if int(r) <= 9], 2),
+            _range([v for r, v in check["rows (x @ W^T)"]["verify_steps"].items() if int(r) <= 9], 2),
+            _range([r["off_tok_s"] for r in rows.values()], 1),
             _range([r["q4_speedup"] for r in rows.values()], 1),
             _range([r["q4_tokens_before_first_difference"] for r in rows.values()], 0),
             _range([r["off_prefill_s"] for r in rows.values()], 2),
@@ -337,7 +342,7 @@ ROW_CHECKS = {
     "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
     "speculative decoding (prompt lookup), `serve`'s engine, batch 1": _speculative_serve_cpu,
     "speculative decoding (prompt lookup), `serve`'s engine, GPU, 8K context": _speculative_serve_gpu,
-    "speculative decoding (the model's own 4-bit step drafts), `run`'s fp32 decoder": _speculative_packed_cpu,
+    "speculative decoding (prompt lookup; the model's own 4-bit step), `run`'s fp32 decoder": _speculative_run_cpu,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,

@@ -113,12 +113,21 @@ class TorchLinears:
     """The model's fused weights over rows of tokens (a batch, or a draft being checked): between two
     attentions, `boundary(l, x, o) -> (x, qkv)` runs layer l-1's o_proj, residual and SwiGLU FFN
     (with `o`, l > 0) and layer l's RMSNorm and q/k/v projection (l < L); `head(x)` the final norm and
-    the LM head."""
+    the LM head. columns: each product as W @ x^T, which MKL runs on a CPU reading W about once for
+    a few rows, where x @ W^T costs about a one-row product per row (benchmarks/verify_cost_cpu.py);
+    its rows are computed alike only from 12 rows up, so the batched engine keeps x @ W^T."""
 
     min_rows = 4            # torch's float products on MKL compute a row alike from 4 rows up
 
-    def __init__(self, model):
+    def __init__(self, model, columns: bool = False):
         self.m, self.W, self.L = model, fused_weights(model).layers, len(model.layers)
+        self.columns = columns
+
+    def _linear(self, x, w, b=None):
+        if not self.columns or x.shape[0] < 2:
+            return F.linear(x, w, b)
+        y = torch.mm(w, x.contiguous().t()).t().contiguous()    # x^T as a transposed view: MKL's fast operand
+        return y if b is None else y + b
 
     @staticmethod
     def _norm(x, weight, eps):
@@ -127,16 +136,18 @@ class TorchLinears:
     def boundary(self, li: int, x, o=None):
         if li > 0:                               # layer li-1's output side
             w = self.W[li - 1]
-            x = x + F.linear(o, w["wo"])
-            g, u = F.linear(self._norm(x, w["ln2"], w["eps2"]), w["w13"]).chunk(2, -1)
-            x = x + F.linear(F.silu(g) * u, w["w2"])
+            x = x + self._linear(o, w["wo"])
+            g, u = self._linear(self._norm(x, w["ln2"], w["eps2"]), w["w13"]).chunk(2, -1)
+            x = x + self._linear(F.silu(g) * u, w["w2"])
         if li == self.L:
             return x, None
         w = self.W[li]
-        return x, F.linear(self._norm(x, w["ln1"], w["eps1"]), w["wqkv"], w["bqkv"])
+        return x, self._linear(self._norm(x, w["ln1"], w["eps1"]), w["wqkv"], w["bqkv"])
 
     def head(self, x):
-        return self.m.lm_head(self.m.norm(x))
+        if not self.columns:
+            return self.m.lm_head(self.m.norm(x))
+        return self._linear(self.m.norm(x), self.m.lm_head.weight, self.m.lm_head.bias)
 
 
 def _layer_qkv_fn(x, ln1, eps: float, wqkv, bqkv):
@@ -216,7 +227,9 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph_wanted = graph and self.device.type == "cuda"
         self._verify_tok = {}                   # number of tokens -> the verify graph's input buffer
-        self.verify_linears = TorchLinears(model)   # the model's fp weights over a draft's rows
+        # the model's fp weights over a draft's rows (on a CPU with MKL as W @ x^T: see TorchLinears)
+        columns = self.device.type == "cpu" and torch.backends.mkl.is_available()
+        self.verify_linears = TorchLinears(model, columns=columns)
         self.graphs = {}
         self.outs = {}
         self.attention, self.ffn = attention, ffn

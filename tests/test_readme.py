@@ -175,13 +175,16 @@ def _speculative_serve_cpu():
             _range([r["off_tok_s"] for r in rows.values()], 1)]
 
 
-def _speculative_serve_gpu():
+def _speculative_gpu():
     d = _load("speculative/gpu_llama1b_8k.json")
-    eng = {t: r["engine"]["speedup"] for t, r in d["ngram"].items()}
-    ms = d["ms"]
-    checks = [ms["engine_verify"][str(k)] / ms["engine_plain_step"] for k in range(2, 10)]
-    return [_f(eng["summarise"], 2), _f(eng["extract"], 2), _range([eng[t] for t in ("kjv", "essays", "licenses")], 2),
-            _range(checks, 2), _f(ms["engine_plain_step"], 2)]
+    ms, out = d["ms"], []
+    for path in ("run", "engine"):
+        sp = {t: r[path]["speedup"] for t, r in d["ngram"].items()}
+        out += [_f(sp["summarise"], 2), _f(sp["extract"], 2), _range([sp[t] for t in ("kjv", "essays", "licenses")], 2)]
+    for path in ("run", "engine"):
+        out += [_range([ms[f"{path}_verify"][str(k)] / ms[f"{path}_plain_step"] for k in range(2, 10)], 2),
+                _f(ms[f"{path}_plain_step"], 2)]
+    return out
 
 
 def _speculative_run_cpu():
@@ -341,7 +344,7 @@ ROW_CHECKS = {
     "`serve`, 1 / 4 / 16 clients": _serve_cpu_clients,
     "`serve`, batch 16 / 64, 8K context": _serve_gpu_batch,
     "speculative decoding (prompt lookup), `serve`'s engine, batch 1": _speculative_serve_cpu,
-    "speculative decoding (prompt lookup), `serve`'s engine, GPU, 8K context": _speculative_serve_gpu,
+    "speculative decoding (prompt lookup), `run` and `serve`'s engine, GPU, 8K context": _speculative_gpu,
     "speculative decoding (prompt lookup; the model's own 4-bit step), `run`'s fp32 decoder": _speculative_run_cpu,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,

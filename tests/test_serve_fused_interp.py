@@ -1,4 +1,4 @@
-"""The engine step's fused elementwise kernels (zeroedge/serve/fused.py) in Triton's CPU interpreter,
+"""The engine step's fused elementwise kernels (zeroedge/runtime/fused.py) in Triton's CPU interpreter,
 against the torch forms they replace (zeroedge.serve.batch's RoPE and KV write, TorchLinears'
 residual, RMSNorm and SwiGLU gate), in fp32 and fp16, at sizes that are not powers of two: RoPE and
 the write equal torch's bit for bit (only the first N rows write, every other slot is untouched);
@@ -10,7 +10,7 @@ import pytest
 SCRIPT = '''
 import torch
 import torch.nn.functional as F
-from zeroedge.serve import fused as FU
+from zeroedge.runtime import fused as FU
 
 g = torch.Generator().manual_seed(0)
 for dt, ulp in ((torch.float32, 1e-6), (torch.float16, 1e-3)):

@@ -1,7 +1,7 @@
 """Where a captured engine step's time goes: the serving engine's decode step (zeroedge.serve.batch,
 the graph `zeroedge serve` replays) at --batch rows, every sequence at --ctx, random bf16 weights at
 the llama-3.2-1b shape, dense (pages of 8) and with thermal KV at --kv-budget, each with the
-elementwise work fused (zeroedge.serve.fused, what `zeroedge serve` runs) and as torch ops. torch.profiler over
+elementwise work fused (zeroedge.runtime.fused, what `zeroedge serve` runs) and as torch ops. torch.profiler over
 --steps replays: the step's wall time (CUDA events), its kernels (count and summed time), and the
 kernels by summed time; the difference between the wall time and the kernels' time is what the
 launches cost inside the graph.
@@ -75,7 +75,7 @@ def main():
         pool.v.normal_()
         hot = ThermalSketches(pool, m.cfg, args.kv_budget, B) if name.startswith("thermal") else None
         step = BatchStep(m, pool, hot=hot, attention="paged", graphs=True)
-        if name.endswith("unfused"):      # the elementwise work as torch ops (zeroedge.serve.fused off)
+        if name.endswith("unfused"):      # the elementwise work as torch ops (zeroedge.runtime.fused off)
             step.fused, step.lin = False, TorchLinears(m)
         pages = [pool.alloc(per) for _ in range(B)]
         hots = [hot.build(p, args.ctx - 1) for p in pages] if hot else [None] * B

@@ -6,7 +6,7 @@ Triton attention, a CUDA graph per batch size), "paged" (the same, eager), "gath
 sequence's pages gathered, then SDPA), "graph-p8" (graph over pages of 8 positions) and "thermal"
 (graph-p8 with thermal KV at `--kv-budget`: zeroedge.serve.thermal, the sketch of every sequence's
 ctx - 1 prompt positions built first and timed; `zeroedge serve --kv-budget`). Every variant runs the
-step's elementwise work fused (zeroedge.serve.fused) but "graph-unfused" and "thermal-unfused", which
+step's elementwise work fused (zeroedge.runtime.fused) but "graph-unfused" and "thermal-unfused", which
 run it as torch ops.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/serve_gpu.py --ctx 8192 --batches 1,4,16,64 -o benchmarks/results/serve/gpu_llama1b_8k_batches.json

@@ -223,17 +223,25 @@ class Decoder:
         self.cos = torch.cat((f, f), -1).cos().to(self.dtype)
         s = f.sin()
         self.sin_signed = torch.cat((-s, s), -1).to(self.dtype)      # rotate_half folded into sign
+        self.sin = torch.cat((s, s), -1).to(self.dtype)
         self.tok = torch.zeros(1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph_wanted = graph and self.device.type == "cuda"
         self._verify_tok = {}                   # number of tokens -> the verify graph's input buffer
-        # the model's fp weights over a draft's rows (on a CPU with MKL as W @ x^T: see TorchLinears)
-        columns = self.device.type == "cpu" and torch.backends.mkl.is_available()
-        self.verify_linears = TorchLinears(model, columns=columns)
         self.graphs = {}
         self.outs = {}
         self.attention, self.ffn = attention, ffn
         attention.bind(len(model.layers), self.nkv, self.H, self.hd, self.device, self.dtype)
+        # the model's fp weights over a draft's rows: with the Triton attention, the serving engine's
+        # fused elementwise kernels (runtime.fused); on a CPU with MKL, products as W @ x^T
+        self.verify_fused = isinstance(attention, DenseAttention) and attention.attn == "triton"
+        if self.verify_fused:
+            from zeroedge.runtime.fused import FusedLinears
+
+            self.verify_linears = FusedLinears(model)
+        else:
+            columns = self.device.type == "cpu" and torch.backends.mkl.is_available()
+            self.verify_linears = TorchLinears(model, columns=columns)
         if ffn is not None:
             ffn.bind(self.W.layers, cfg, self.device, self.dtype, self.packed_layers, int8_inputs)
 
@@ -384,26 +392,28 @@ class Decoder:
         att, T, H, nkv, hd = self.attention, tok.numel(), self.H, self.nkv, self.hd
         lin = self.verify_linears
         p = self.pos + torch.arange(T, device=self.device)
-        cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
-        paged = att.attn == "triton"             # the cache as one page: each row reads 0..its position
-        if paged:
+        if self.verify_fused:                   # the cache as one page: each row reads 0..its position
             from zeroedge.kv.paged_attention import paged_attend
+            from zeroedge.runtime.fused import rope_store
 
+            cos, sin = self.cos.index_select(0, p), self.sin.index_select(0, p)
             one_page = torch.zeros(T, 1, dtype=torch.int32, device=self.device)
             lens = (p + 1).to(torch.int32)
         else:
+            cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
             mask = additive_mask(att.kpos[None, :] <= p[:, None], self.dtype).view(1, 1, T, -1)
         x, qkv = lin.boundary(0, self.m.embed_tokens(tok))
         for li in range(att.L):
+            if self.verify_fused:               # RoPE, and k and v written at p, in one kernel
+                K, V = att.k[li].transpose(0, 1), att.v[li].transpose(0, 1)
+                o = paged_attend(rope_store(qkv, cos, sin, K, V, p, H, nkv), K, V, one_page, lens, self.max_len)
+                x, qkv = lin.boundary(li + 1, x, o.reshape(T, H * hd))
+                continue
             qkv = qkv.view(T, H + 2 * nkv, hd)
             qk = torch.addcmul(qkv[:, :H + nkv] * cos, qkv[:, :H + nkv].roll(hd // 2, -1), sin)
             att.kv[li].index_copy_(2, p, torch.stack((qk[:, H:], qkv[:, H + nkv:])).transpose(1, 2))
-            if paged:
-                o = paged_attend(qk[:, :H].contiguous(), att.k[li].transpose(0, 1), att.v[li].transpose(0, 1),
-                                 one_page, lens, self.max_len)
-            else:
-                o = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], att.k[li][None],
-                                                   att.v[li][None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], att.k[li][None],
+                                               att.v[li][None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
             x, qkv = lin.boundary(li + 1, x, o.reshape(T, H * hd))
         return lin.head(x).float()
 

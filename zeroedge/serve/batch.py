@@ -17,7 +17,7 @@ attention is per segment kind: the decode tokens (one each, and every token of a
 each as the decode row it would be) together, a prompt chunk against its sequence's past and
 itself, causally. Decode rows read their pages in place
 through paged Triton kernels on a GPU (zeroedge.kv.paged_attention), the elementwise work between the
-products runs fused there (zeroedge.serve.fused), and a step of decode rows alone replays a CUDA graph; elsewhere their pages are gathered and masked for one SDPA. A verify row at
+products runs fused there (zeroedge.runtime.fused), and a step of decode rows alone replays a CUDA graph; elsewhere their pages are gathered and masked for one SDPA. A verify row at
 position p attends to positions 0..p exactly as a plain decode step there would, so checking a
 draft gives the logits plain decoding would have given, bit for bit.
 
@@ -237,10 +237,10 @@ class BatchStep:
             raise ValueError("paged attention needs the torch linears and Triton on CUDA (or its interpreter) "
                              "with a power-of-two head size >= 16")
         self.attention = attention
-        # where the paged kernels run, the elementwise work runs fused too (zeroedge.serve.fused)
+        # where the paged kernels run, the elementwise work runs fused too (zeroedge.runtime.fused)
         self.fused = attention == "paged"
         if self.fused:
-            from zeroedge.serve.fused import FusedLinears, rope_store
+            from zeroedge.runtime.fused import FusedLinears, rope_store
 
             self.lin, self._rope_store = FusedLinears(model), rope_store
         if hot is not None and (self.q4 or hot.pool is not pool):

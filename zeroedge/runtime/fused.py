@@ -1,5 +1,6 @@
-"""The elementwise work between the products of the engine's torch step, fused into three Triton
-kernels (imported lazily; CUDA, or Triton's CPU interpreter). At batch 16 an elementwise op is a
+"""The elementwise work between the products of a torch step over rows (the serving engine's step,
+and on CUDA the check of a draft by runtime.fast.Decoder.verify), fused into three Triton kernels
+(imported lazily; CUDA, or Triton's CPU interpreter). At batch 16 an elementwise op is a
 few microseconds of work but a kernel of its own, and even in a captured step each kernel costs a
 few microseconds: a step at the llama-3.2-1b shape ran 457 kernels with these ops in torch, 202 with
 them fused (benchmarks/serve.md).

@@ -233,14 +233,16 @@ class Decoder:
         self.attention, self.ffn = attention, ffn
         attention.bind(len(model.layers), self.nkv, self.H, self.hd, self.device, self.dtype)
         # the model's fp weights over a draft's rows: with the Triton attention, the serving engine's
-        # fused elementwise kernels (runtime.fused); on a CPU with MKL, products as W @ x^T
+        # fused elementwise kernels (runtime.fused); float32 on a CPU with MKL, products as W @ x^T (in
+        # bf16 / fp16 there it is no faster)
         self.verify_fused = isinstance(attention, DenseAttention) and attention.attn == "triton"
         if self.verify_fused:
             from zeroedge.runtime.fused import FusedLinears
 
             self.verify_linears = FusedLinears(model)
         else:
-            columns = self.device.type == "cpu" and torch.backends.mkl.is_available()
+            columns = (self.device.type == "cpu" and self.dtype == torch.float32
+                       and torch.backends.mkl.is_available())
             self.verify_linears = TorchLinears(model, columns=columns)
         if ffn is not None:
             ffn.bind(self.W.layers, cfg, self.device, self.dtype, self.packed_layers, int8_inputs)

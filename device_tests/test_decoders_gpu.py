@@ -621,3 +621,29 @@ def test_requests_one_after_another_leave_no_device_memory_behind(tmp_path):
             torch.cuda.synchronize()
             after.append(torch.cuda.memory_allocated())
         assert after[2] <= after[0], (kw, after)
+
+
+def test_run_packed_drafter_gives_the_models_tokens():
+    """`zeroedge run --speculative packed` on CUDA (serve.backends.DecoderDraftModel: the packed GEMV step
+    on int8 inputs over 4-bit forms of the model's weights, a head over a draft vocabulary): greedy
+    tokens equal plain decoding's, drafts were checked, and the drafter's step with its restricted head
+    is the whole head's logits at those ids (to the GEMV's rounding)."""
+    from zeroedge.model import build
+    from zeroedge.serve.session import ServingSession
+
+    m = build("smollm2-135m", seed=0).to("cuda", torch.bfloat16).eval()
+    s = ServingSession(m)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, m.cfg.vocab_size, (60,), generator=g).tolist() * 5
+    plain = s.generate(prompt, 48)
+    spec = s.generate(prompt, 48, speculative="packed")
+    assert spec.tokens == plain.tokens
+    st = spec.detail["speculative"]
+    assert st["drafted"] > 0 and st["verify_steps"] > 0, st
+    assert "16384 ids" in spec.mechanisms["speculative_drafter"]
+    d = s._draft
+    assert len(d.vocab) == 16384 and set(prompt) <= set(d.vocab)
+    whole = type(d)(m, 64, d.forms)
+    for pos, t in enumerate(prompt[:5]):
+        a, b = whole.dec.step(t, pos).float(), d.dec.step(t, pos).float()
+        torch.testing.assert_close(b, a[torch.tensor(d.vocab, device="cuda")], atol=2e-2, rtol=2e-2)

@@ -313,3 +313,66 @@ def test_decoder_verify_rows_match_its_steps():
     th = ThermalDecoder(m, 160, 8, graph=False, budget=0.5, page_size=8)
     with pytest.raises(ValueError):
         th.verify([1, 2], 160)
+
+
+def test_draft_vocabulary_keeps_the_prompts_ids_and_the_lowest():
+    from zeroedge.speculative import draft_vocabulary
+
+    v = draft_vocabulary(1000, [900, 901, 5, 900, 999, 7000], 8)
+    assert v == sorted(v) and len(v) == 8
+    assert {900, 999, 5} <= set(v) and 7000 not in v              # ids outside the vocabulary are no tokens
+    assert draft_vocabulary(1000, list(range(500, 600)), 10) == [0, 1, 2, 3, 4, 595, 596, 597, 598, 599]
+    assert draft_vocabulary(50, [3], 64) == list(range(50))
+    with pytest.raises(ValueError):
+        draft_vocabulary(1000, [], 1)
+
+
+def test_restricted_head_scores_the_ids_it_was_given():
+    """Decoder.restrict_head: the step's logits are the whole head's at those ids, on packed forms of the
+    model's weights (the model's own unchanged); a second restriction copies new rows in."""
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import DenseDecoder, packed_forms
+
+    m = build("tiny", seed=0).eval()
+    before = m.layers[0].mlp.down_proj.weight.clone()
+    forms = packed_forms(m)
+    assert torch.equal(m.layers[0].mlp.down_proj.weight, before)
+    full, part = DenseDecoder(m, 32, packed_forms=forms), DenseDecoder(m, 32, packed_forms=forms)
+    for ids in ([3, 7, 200, 255], [0, 1, 2, 254]):
+        part.restrict_head(ids)
+        for pos, t in enumerate([5, 9, 11]):
+            a, b = full.step(t, pos), part.step(t, pos)
+            torch.testing.assert_close(b, a[ids])
+    # the packed drafter is not the model: 4-bit weights give other logits than its fp decoder
+    assert not torch.allclose(full.step(5, 0), DenseDecoder(m, 32).step(5, 0))
+    with pytest.raises(ValueError):
+        part.restrict_head([1, 2])
+
+
+def test_decoder_drafter_gives_the_models_own_tokens():
+    """The packed drafter `run` uses on CUDA (the dense decoder's step on packed forms, a head over a
+    draft vocabulary), here on the CPU: the engine's output equals plain decoding's token for token, and
+    its drafts were checked and some kept."""
+    from zeroedge.model import build
+    from zeroedge.serve.backends import DecoderDraftModel, SessionSequential
+    from zeroedge.serve.engine import Engine
+    from zeroedge.serve.plan import Plan, Sampling
+    from zeroedge.serve.session import ServingSession
+
+    m = build("tiny", seed=0).eval()
+    sess = ServingSession(m)
+    rng = random.Random(3)
+    prompt = [rng.randrange(256) for _ in range(12)] * 4
+    new = 48
+    plain = sess.generate(prompt, new).tokens
+    draft = DecoderDraftModel(m, len(prompt) + new)
+    draft.VOCAB = 128
+    plan = sess.plan(len(prompt), new, speculative="packed")
+    assert plan.speculative == "packed"
+    req = Plan(prompt, Sampling(new, 0.0, 1.0, 0), len(prompt) + new, 0, eos=(), session_plan=plan)
+    seq = Engine(SessionSequential(sess, len(prompt) + new), speculative="packed", draft_model=draft).run(req)
+    assert list(seq.out) == plain
+    st = seq.spec.stats
+    assert st.drafted > 0 and st.accepted > 0 and st.steps < new
+    assert len(draft.vocab) == 128 and set(prompt) <= set(draft.vocab)
+    assert draft.open(req) is not None                      # closed with its request: free again

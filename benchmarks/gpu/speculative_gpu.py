@@ -13,14 +13,20 @@ Measured (CUDA events, median of `--steps`):
                the cache as one page for verify)
   engine path  zeroedge.serve.batch.BatchStep (what `zeroedge serve` steps: paged attention, a CUDA
                graph per row count): one decode row and a verify segment of 2..9 rows
-  drafter      the same model with packed 4-bit weights (int4 g128 symmetric, int8 inputs: dp4a),
-               a plain CUDA-graph step
+  drafter      the packed drafter `zeroedge run --speculative packed` uses on CUDA
+               (zeroedge.serve.backends.DecoderDraftModel: the model's weights as int4 g128 symmetric
+               packed forms, an int8 head, int8 inputs: dp4a), its CUDA-graph step with the whole head
+               and with the head over a draft vocabulary (zeroedge.speculative.draft_vocabulary of a
+               random prompt of `--ctx` tokens)
 Composed:
   ngram        each SmolLM2 greedy trace (prompt and reply, from benchmarks/speculative_cpu.py's
                prompts) replayed through zeroedge.speculative.Speculator in auto mode with the step
                costs above: tokens/s against plain decoding on the same path
-  packed       tokens/s of draft-k-then-verify at the per-token acceptance `alpha` measured on
-               SmolLM2 (bf16 target against its int4 g128 drafter): E(k) / (k t_draft + t_verify(k+1))
+  packed       tokens/s of draft-k-then-verify at the per-token acceptance measured on SmolLM2 (fp32
+               target against its int4 g128 drafter; `alpha` with the whole head, `alpha_draft_vocab`
+               with the restricted one): E(k) / (k t_draft + t_verify(k+1)), device time only
+End to end (`--e2e`): ServingSession.generate with --speculative off and packed on a random prompt of
+`--ctx` tokens, 128 new: tokens/s with the host's work included, at the acceptance random weights give.
 """
 import argparse
 import json
@@ -66,15 +72,16 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--traces", required=True)
     ap.add_argument("--alpha", required=True)
+    ap.add_argument("--e2e", action="store_true", help="also `run`'s packed drafter end to end")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
 
     import bench_setup as bs
 
-    from zeroedge.quant.apply import apply, embedding_group
     from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.serve.backends import DecoderDraftModel
     from zeroedge.serve.batch import BatchStep, PagedKV, Segment
-    from weights_gpu import variant_section
+    from zeroedge.speculative import draft_vocabulary
 
     dev = torch.device("cuda")
     G = 64
@@ -104,13 +111,20 @@ def main():
                   for T in Ts}
     del step, pool
     torch.cuda.empty_cache()
-    # the packed 4-bit drafter
-    apply(m, variant_section("int4-g128-sym", embedding_group(cfg.dim)), pack=True)
-    draft = DenseDecoder(m, a.ctx + G, int8_inputs=True)
-    draft.attention.kv.normal_()
-    t_draft = timed(lambda: draft.step(7, a.ctx), a.steps)
+    # the packed 4-bit drafter: the whole head, then a draft vocabulary
+    draft = DecoderDraftModel(m, a.ctx + G)
+    draft.dec.attention.kv.normal_()
+    t_draft_whole = timed(lambda: draft.dec.step(7, a.ctx), a.steps)
+    prompt = torch.randint(0, cfg.vocab_size, (a.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    draft.dec.restrict_head(draft_vocabulary(cfg.vocab_size, prompt, draft.VOCAB))
+    t_draft = timed(lambda: draft.dec.step(7, a.ctx), a.steps)
+    t_draft_64 = timed(lambda: draft.dec.step(7, 64), a.steps)      # the same with 64 positions of KV
+    del draft
+    torch.cuda.empty_cache()
     res["ms"] = {"run_plain_step": run_plain, "run_verify": run_verify, "engine_plain_step": eng_plain,
-                 "engine_verify": eng_verify, "packed_drafter_step": t_draft}
+                 "engine_verify": eng_verify, "packed_drafter_step_whole_head": t_draft_whole,
+                 "packed_drafter_step_draft_vocab": t_draft, "packed_drafter_step_draft_vocab_at_64": t_draft_64,
+                 "draft_vocab": DecoderDraftModel.VOCAB}
     print(json.dumps(res["ms"]), flush=True)
 
     traces = json.loads(Path(a.traces).read_text())["traces"]
@@ -118,15 +132,34 @@ def main():
     for name, tr in traces.items():
         res["ngram"][name] = {"run": replay(tr, run_plain, run_verify), "engine": replay(tr, eng_plain, eng_verify)}
         print(name, json.dumps(res["ngram"][name]), flush=True)
-    alpha = json.loads(Path(a.alpha).read_text())["alpha"]
-    res["packed"] = {"alpha": alpha, "rows": []}
-    for k in range(1, 8):
-        e = (1 - alpha ** (k + 1)) / (1 - alpha)
-        for path, plain, ver in (("run", run_plain, run_verify), ("engine", eng_plain, eng_verify)):
-            t = k * t_draft + ver[k + 1]
-            res["packed"]["rows"].append({"k": k, "path": path, "expected_tokens": e,
-                                          "speedup": (e / t) / (1 / plain)})
+    acc = json.loads(Path(a.alpha).read_text())
+    res["packed"] = {"alpha": acc["alpha"], "alpha_draft_vocab": acc["alpha_draft_vocab"], "rows": []}
+    for head, alpha, td in (("whole", acc["alpha"], t_draft_whole), ("draft_vocab", acc["alpha_draft_vocab"], t_draft)):
+        for k in range(1, 8):
+            e = (1 - alpha ** (k + 1)) / (1 - alpha)
+            for path, plain, ver in (("run", run_plain, run_verify), ("engine", eng_plain, eng_verify)):
+                t = k * td + ver[k + 1]
+                res["packed"]["rows"].append({"head": head, "k": k, "path": path, "expected_tokens": e,
+                                              "speedup": (e / t) / (1 / plain)})
     print(json.dumps(res["packed"]), flush=True)
+    if a.e2e:
+        from zeroedge.serve.session import ServingSession
+
+        sess = ServingSession(m)
+        p = prompt[:a.ctx - 128]
+        sess.generate(p, 8, speculative="packed")           # warm-up: graphs, the drafter at this size
+        res["e2e"] = {}
+        for mode in ("off", "packed", "off", "packed"):
+            r = sess.generate(p, 128, speculative=mode)
+            row = res["e2e"].setdefault(mode, {"tok_s": [], "tokens": r.tokens})
+            row["tok_s"].append(r.tokens_per_s)
+            off = res["e2e"]["off"]["tokens"]
+            row["tokens_as_off_before_a_difference"] = next(
+                (i for i, (x, y) in enumerate(zip(r.tokens, off)) if x != y), len(off))
+            row["speculative"] = r.detail.get("speculative")
+        for row in res["e2e"].values():
+            row.pop("tokens")
+        print(json.dumps(res["e2e"]), flush=True)
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(res, indent=1))
 

@@ -103,8 +103,8 @@ SECTIONS = [
                     "served with thermal KV if that fits, else refused; on CUDA the allocator is held to it.")
 @click.option("--speculative", type=click.Choice(["auto", "off", "ngram", "packed"]), default="off", show_default=True,
               help="torch backend, dense decoder: tokens drafted by n-gram lookup in the prompt and the text so "
-                   "far (auto, ngram) or by the model's own weights on the 4-bit CPU step (packed; --weights model "
-                   "on a CPU), checked by the model in one step (the output is the model's own). auto, packed: a draft "
+                   "far (auto, ngram) or by the model's own weights in 4 bits (packed: the 4-bit CPU step with --weights "
+                   "model on a CPU; on CUDA the packed GEMV step), checked by the model in one step (the output is the model's own). auto, packed: a draft "
                    "only where its measured acceptance and costs pay; ngram: whenever the lookup finds one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch,

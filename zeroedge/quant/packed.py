@@ -94,6 +94,11 @@ class PackedLinear:
         return PackedLinear(self.q[start:stop], self.scale[start:stop], self.offset[start:stop], self.bits,
                             self.group, self.k)
 
+    def select(self, ids: torch.Tensor) -> "PackedLinear":
+        """The output rows `ids` (a LongTensor on this form's device), in their order (a copy)."""
+        return PackedLinear(self.q.index_select(0, ids), self.scale.index_select(0, ids),
+                            self.offset.index_select(0, ids), self.bits, self.group, self.k)
+
     def to(self, device) -> "PackedLinear":
         return PackedLinear(self.q.to(device), self.scale.to(device), self.offset.to(device), self.bits,
                             self.group, self.k)

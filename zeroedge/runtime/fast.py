@@ -95,6 +95,20 @@ def _fuse_packed(*linears, dev):
     return fused
 
 
+def packed_forms(model, bits: int = 4, group: int = 128, head_bits: int = 8) -> tuple:
+    """The model's weights quantized (symmetric, in groups along the input) into new packed forms, its
+    own left as they are: (per layer {wqkv, wo, w13, w2}, LM head) for Decoder's packed_forms. The head
+    takes `head_bits` in groups of zeroedge.quant.apply.embedding_group (as a weights section's)."""
+    from zeroedge.quant.apply import embedding_group
+    from zeroedge.quant.groupwise import Scheme
+
+    scheme, head = Scheme(bits, group, True), Scheme(head_bits, embedding_group(model.cfg.dim), True)
+    with torch.no_grad():
+        layers = [{n: PackedLinear.from_weight(w[n].detach(), scheme) for n in ("wqkv", "wo", "w13", "w2")}
+                  for w in fused_weights(model).layers]
+        return layers, PackedLinear.from_weight(model.lm_head.weight.detach(), head)
+
+
 def forget_fused_weights(model) -> None:
     """Drop the model's fused-weight cache (its weights changed: the next decoder fuses them anew)."""
     model.__dict__.pop("_zeroedge_fused", None)
@@ -196,7 +210,9 @@ class Decoder:
     compile = False
 
     def __init__(self, model, attention, ffn=None, graph: bool = True, packed: Optional[bool] = None,
-                 int8_inputs: bool = False):
+                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None):
+        """packed_forms: (per layer {wqkv, wo, w13, w2}, LM head) PackedLinears this decoder's step reads
+        instead of the model's own (a drafter's, from packed_forms(); its fp weights stay the model's)."""
         self.m = model
         cfg = model.cfg
         self.cfg = cfg
@@ -210,11 +226,16 @@ class Decoder:
         # packed weights (zeroedge.quant.packed) where the GEMV kernel runs: a CUDA device. Elsewhere
         # the fp weights, which apply(pack=True) made equal to the packed ones (packed=True forces
         # them: the torch reference dequantizes every step, for tests)
-        if packed is None:
+        if packed_forms is not None:
+            packed = True
+        elif packed is None:
             packed = self.W.has_packed() and self.device.type == "cuda"
-        if packed and not self.W.has_packed():
+        if packed and packed_forms is None and not self.W.has_packed():
             raise ValueError("packed=True needs a model with packed weights (zeroedge.quant.apply, pack=True)")
-        self.packed_layers, self.packed_head = self.W.packed() if packed else (None, None)
+        self.packed_layers, self.packed_head = (packed_forms if packed_forms is not None
+                                                else self.W.packed() if packed else (None, None))
+        self.head_ids = None                    # restrict_head: the vocabulary ids the step's logits are for
+        self._head_rows = None
         if int8_inputs and not packed:
             raise ValueError("int8_inputs is an option of the packed GEMV (a model with packed weights)")
         self.int8_inputs = int8_inputs          # dp4a on int8-rounded inputs (zeroedge.quant.triton_gemv)
@@ -312,16 +333,41 @@ class Decoder:
                 o = self.attention.attend(li, q, kv, flag)   # (H, hd)
             y = self.ffn.out(li, w, pw["wo"], x, o) if self.ffn is not None else None
             x = f_out(x, o, pw["wo"], w["ln2"], w["eps2"], pw["w13"], pw["w2"]) if y is None else y
-        if self.packed_head is None:
-            logits = m.lm_head(m.norm(x))[0]
+        head = self.packed_head if self._head_rows is None else self._head_rows
+        if isinstance(head, PackedLinear):
+            logits = packed.linear(x, head, norm=(m.norm.weight, m.norm.eps), int8_inputs=self.int8_inputs)[0]
         else:
-            logits = packed.linear(x, self.packed_head, norm=(m.norm.weight, m.norm.eps),
-                                   int8_inputs=self.int8_inputs)[0]
+            logits = F.linear(m.norm(x), m.lm_head.weight if head is None else head)[0]
         self.attention.finish()
         return logits
 
+    def restrict_head(self, ids) -> None:
+        """From now on the step's logits are for these vocabulary ids only, in their order (a drafter's
+        head: zeroedge.speculative.draft_vocabulary; most of an LM head's rows are tokens no draft
+        needs, and on a 1B model they are a third of a 4-bit step's bytes). Their number is fixed by
+        the first call (the captured step reads the rows where they are; later calls copy new rows in);
+        verify keeps the whole vocabulary."""
+        ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
+        head = self.packed_head if self.packed_head is not None else self.m.lm_head.weight.detach()
+        rows = head.select(ids) if isinstance(head, PackedLinear) else head.index_select(0, ids)
+        if self.head_ids is None:
+            self.head_ids, self._head_rows = ids, rows
+            self.graphs.clear()                 # a step captured before read the whole head
+            self.outs.clear()
+            return
+        if ids.numel() != self.head_ids.numel():
+            raise ValueError(f"the head was restricted to {self.head_ids.numel()} ids, not {ids.numel()}")
+        self.head_ids.copy_(ids)
+        if isinstance(rows, PackedLinear):
+            for dst, src in ((self._head_rows.q, rows.q), (self._head_rows.scale, rows.scale),
+                             (self._head_rows.offset, rows.offset)):
+                dst.copy_(src)
+        else:
+            self._head_rows.copy_(rows)
+
     def step(self, token: int, pos: int):
-        """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA)."""
+        """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA), or over
+        the ids of restrict_head."""
         self.tok.fill_(int(token))
         self.pos.fill_(int(pos))
         self.attention.before(pos)
@@ -523,8 +569,8 @@ class DenseAttention:
 
 class DenseDecoder(Decoder):
     def __init__(self, model, max_len: int, graph: bool = True, attn: str = "auto", packed: Optional[bool] = None,
-                 int8_inputs: bool = False):
-        super().__init__(model, DenseAttention(max_len, attn), None, graph, packed, int8_inputs)
+                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None):
+        super().__init__(model, DenseAttention(max_len, attn), None, graph, packed, int8_inputs, packed_forms)
 
 
 class ThermalDecoder(Decoder):

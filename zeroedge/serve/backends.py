@@ -13,6 +13,8 @@
 
 DraftModel         a drafter's model for speculative decoding (`packed`): a batched backend on the
                    model's 4-bit weights, a KV reservation of its own per request
+DecoderDraftModel  the same on CUDA: the dense decoder's step on 4-bit packed forms of the model's
+                   weights (its own KV, one request at a time), a head over part of the vocabulary
 
 Both: `reserve(plan)` -> (a KV handle, the prompt positions it already holds) or None (not now),
 `remember(handle, plan)` once the prompt is prefilled (-> whether thermal KV starts there: the plan
@@ -211,9 +213,10 @@ class SessionSequential:
         return np.asarray(handle.prefill(toks) if start == 0 else handle.step(toks[0], start))[None]
 
     def prompt_kv(self, handle, start: int, stop: int) -> tuple:
-        """The dense decoder's K and V at positions start..stop (TorchBatched.prompt_kv)."""
+        """The dense decoder's K and V at positions start..stop (as TorchBatched.prompt_kv, but on the
+        decoder's device in its dtype: views, read before the next step)."""
         att = handle.dec.attention
-        return att.k[:, :, start:stop].float().cpu(), att.v[:, :, start:stop].float().cpu()
+        return att.k[:, :, start:stop], att.v[:, :, start:stop]
 
     def kv_stats(self) -> dict:
         return {"pages_total": 1, "pages_used": int(self.open is not None), "page_size": self.positions_total,
@@ -274,9 +277,60 @@ class DraftKV:
         slots = torch.tensor(pool.slots(self.kv.pages, start, start + k.shape[2]), device=pool.k.device)
         d = 2 if pool.heads_first else 1
         for dst, src in ((pool.k, k), (pool.v, v)):
-            dst.index_copy_(d, slots, (src if pool.heads_first else src.transpose(1, 2)).to(dst.dtype))
+            dst.index_copy_(d, slots, (src if pool.heads_first else src.transpose(1, 2)).to(dst.device, dst.dtype))
 
     def close(self) -> None:
         if self.kv is not None:
             self.b.release(self.kv)
             self.kv = None
+
+
+class DecoderDraftModel:
+    """A `packed` drafter on CUDA: zeroedge.runtime.fast.DenseDecoder's step (one CUDA graph) over 4-bit
+    packed forms of the model's own weights (runtime.fast.packed_forms: int4 g128 symmetric linears,
+    an int8 head; the packed GEMV on int8-rounded inputs), beside the model, whose fp weights it shares
+    for nothing else. Its KV is its own, for one request at a time (`open` -> itself, or None while a
+    request holds it). Its head scores VOCAB ids (zeroedge.speculative.draft_vocabulary of the
+    request's prompt): its logits' ids are `vocab`."""
+
+    VOCAB = 16384
+
+    def __init__(self, model, positions: int, forms=None):
+        """forms: packed_forms(model) made before (a drafter for more positions keeps them)."""
+        from zeroedge.runtime.fast import DenseDecoder, packed_forms
+
+        self.forms = forms if forms is not None else packed_forms(model)
+        cuda = next(model.parameters()).device.type == "cuda"
+        self.dec = DenseDecoder(model, positions, packed_forms=self.forms, int8_inputs=cuda)
+        self.positions_total = positions
+        self.vocab_size = model.cfg.vocab_size
+        self.weights = ("the model's own weights as int4 g128 symmetric, int8 head over "
+                        f"{min(self.VOCAB, self.vocab_size)} ids, packed GEMV" + (" (int8 inputs)" if cuda else ""))
+        self.vocab = None
+        self._open = False
+
+    def open(self, plan) -> Optional["DecoderDraftModel"]:
+        from zeroedge.speculative import draft_vocabulary
+
+        if self._open or plan.kv_positions > self.positions_total:
+            return None
+        if self.vocab_size > self.VOCAB:
+            self.vocab = draft_vocabulary(self.vocab_size, plan.prompt, self.VOCAB)
+            self.dec.restrict_head(self.vocab)
+        self._open = True
+        return self
+
+    def forward(self, tokens, start: int):
+        """The logits (over `vocab`) after the last of `tokens`, their K/V written at start.."""
+        for i, t in enumerate(tokens):
+            logits = self.dec.step(int(t), start + i)
+        return logits
+
+    def load(self, k, v, start: int) -> None:
+        """K and V (layers, kv heads, positions, head dim): the model's own, at positions start.."""
+        att = self.dec.attention
+        att.k[:, :, start:start + k.shape[2]].copy_(k)
+        att.v[:, :, start:start + v.shape[2]].copy_(v)
+
+    def close(self) -> None:
+        self._open = False

@@ -489,13 +489,11 @@ class ServingSession:
                    else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
                    if self.weights is not None and cuda else None)
             if why is None and speculative == "packed":
-                why = ("the packed drafter is the 4-bit CPU step (onnxruntime); on CUDA drafts come from prompt "
-                       "lookup (auto, ngram)" if cuda
-                       else "the model decodes on its artifact's 4-bit weights already" if self.weights is not None
+                why = ("the model decodes on its artifact's 4-bit weights already" if self.weights is not None
                        else "a device memory cap: the drafter's weights and KV are not in its forecast"
                        if self.device_memory is not None
                        else "the 4-bit CPU step drafts for a float32 model"
-                       if str(next(self.model.parameters()).dtype) != "torch.float32" else None)
+                       if not cuda and str(next(self.model.parameters()).dtype) != "torch.float32" else None)
             plan.speculative, plan.speculative_reason = (speculative, None) if why is None else (False, why)
         return plan
 
@@ -540,15 +538,21 @@ class ServingSession:
 
     def _draft_model(self, positions: int):
         """The packed drafter for a request of `positions` prompt + new tokens (made once a session, its
-        KV pool grown when a request needs more)."""
+        KV grown when a request needs more; its weights made once): on CUDA the dense decoder's step on
+        packed forms of the model's weights, else the 4-bit CPU step."""
         import torch
 
-        from zeroedge.serve.backends import DraftModel
+        from zeroedge.serve.backends import DecoderDraftModel, DraftModel
 
-        if self._draft is None or self._draft.b.positions_total < positions:
-            step = self._draft.b.step.q4 if self._draft is not None else None
+        d = self._draft
+        if next(self.model.parameters()).device.type == "cuda":
+            if d is None or d.positions_total < positions:
+                self._draft = None
+                self._draft = DecoderDraftModel(self.model, positions, d.forms if d is not None else None)
+        elif d is None or d.b.positions_total < positions:
             self._draft = None
-            self._draft = DraftModel.build(self.model, torch.get_num_threads(), positions, 1, 128, step)
+            self._draft = DraftModel.build(self.model, torch.get_num_threads(), positions, 1, 128,
+                                           d.b.step.q4 if d is not None else None)
         return self._draft
 
     def open(self, prompt: List[int], max_new: int, plan: Optional[RunPlan] = None):

@@ -124,8 +124,9 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
         if speculative == "packed" and (dev != "cpu" or weights == "q4"):
-            raise UserError("--speculative packed drafts with the model's 4-bit CPU step for the model's weights in "
-                            "torch: serve on the CPU (no CUDA drafter) with --weights model")
+            raise UserError("--speculative packed: the serving engine drafts with the model's 4-bit CPU step for "
+                            "the model's weights in torch: serve on the CPU with --weights model (`zeroedge run` "
+                            "also drafts on CUDA)")
         if weights == "auto":                   # thermal KV and the packed drafter's checks run on the torch step
             weights = "q4" if dev == "cpu" and kv_budget is None and speculative != "packed" else "model"
         b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget)

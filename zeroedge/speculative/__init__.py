@@ -22,7 +22,8 @@ output is the model's, token for token, whatever the drafter proposes.
                  4-bit weights): its KV holds the context up to what the model accepted (the
                  prompt's: the model's own K/V, copied, where the caller can read them); the draft's
                  rejected positions are written over by the next round. It costs a step of its
-                 own per drafted token, measured (`seconds`), so k is chosen before it drafts.
+                 own per drafted token, measured (`seconds`), so k is chosen before it drafts. A
+                 drafter model may score only part of the vocabulary (draft_vocabulary: its `vocab`).
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
@@ -78,6 +79,28 @@ class PromptLookup:
         return 0, []
 
 
+def draft_vocabulary(vocab_size: int, prompt: Sequence[int], size: int) -> List[int]:
+    """The `size` token ids a drafter's head scores (sorted): the prompt's own ids, the latest first, at
+    most half of them (a reply copies its prompt's words), then the lowest ids (a BPE vocabulary numbers
+    its tokens in merge order, the most common pieces first). On SmolLM2 16384 of 49152 ids keep the
+    packed drafter's greedy agreement with the model (benchmarks/speculative_packed_acceptance.py)."""
+    if size >= vocab_size:
+        return list(range(vocab_size))
+    if size < 2:
+        raise ValueError(f"a draft vocabulary needs at least 2 ids (got {size})")
+    kept = set()
+    for t in reversed(prompt):
+        if len(kept) >= size // 2:
+            break
+        if 0 <= t < vocab_size:
+            kept.add(int(t))
+    i = 0
+    while len(kept) < size:
+        kept.add(i)
+        i += 1
+    return sorted(kept)
+
+
 class ModelDrafter:
     """Greedy drafts by `model`: forward(tokens, start) -> the logits after the last of `tokens` (their
     K/V written at start..), close(). `valid`: how many context tokens its KV holds correctly."""
@@ -108,7 +131,9 @@ class ModelDrafter:
             self.valid = upto
 
     def _next(self, tokens: Sequence[int], start: int) -> int:
-        return int(self.model.forward(tokens, start).argmax())
+        i = int(self.model.forward(tokens, start).argmax())
+        vocab = getattr(self.model, "vocab", None)          # the ids its logits are for, else all in order
+        return i if vocab is None else vocab[i]
 
     def propose(self, k: int) -> Tuple[int, List[int]]:
         """(0, k greedy tokens). The context the KV lacks goes in first: the last round's tail (one or

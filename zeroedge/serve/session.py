@@ -240,6 +240,7 @@ class ServingSession:
         self.sih = None                    # (policies, runtime): the artifact's SIH/PAD layers (torch prefill)
         self.weights = None                # the artifact's weights section, applied (torch backend)
         self._draft = None                 # speculative "packed": the drafter's model (DraftModel)
+        self._dense = None                 # the dense decoder kept for the next request (_dense_decoder)
         if backend == "torch":
             if artifact is not None:
                 from zeroedge import calib_artifact
@@ -624,7 +625,7 @@ class ServingSession:
         prompt's first P tokens (with the artifact's SIH/PAD layers); and the cold store it uses (None
         without thermal KV). `ran` gets the decode kernels."""
         from zeroedge.model import PREFILL_CHUNK, chunked_prefill
-        from zeroedge.runtime.fast import DenseDecoder, PathsDecoder, ThermalDecoder, ThermalPathsDecoder
+        from zeroedge.runtime.fast import PathsDecoder, ThermalDecoder, ThermalPathsDecoder
 
         m, T = self.model, len(prompt)
         dev = next(m.parameters()).device
@@ -661,7 +662,7 @@ class ServingSession:
         else:
             cold = None
             dec = (PathsDecoder(m, T + max_new, self.policies, graph=self.graph, int8_inputs=i8) if plan.paths
-                   else DenseDecoder(m, T + max_new, graph=self.graph, int8_inputs=i8))
+                   else self._dense_decoder(T + max_new, i8))
             if P > 0:                           # the prefill writes straight into the decoder's cache
                 att = dec.attention
                 with self._sih_prefill_on(P, plan, ran):
@@ -674,6 +675,23 @@ class ServingSession:
                                       else "dequantized weights (no packed GEMV on this device)")
         return dec, cold
 
+    def _dense_decoder(self, positions: int, int8_inputs: bool):
+        """A DenseDecoder of at least `positions`. On CUDA with graphs and no memory cap one is kept for
+        the next request, with the graphs it captured (its step, each check's row count: capturing them
+        again for every request cost `run --speculative` a fifth of its decode time on SmolLM2): a cache
+        of the next power of two of positions (1024 at least, the context at most), made anew when a
+        request needs more. Its positions past a request's are never read."""
+        from zeroedge.runtime.fast import DenseDecoder
+
+        m = self.model
+        if not (self.graph and next(m.parameters()).device.type == "cuda" and self.device_memory is None):
+            return DenseDecoder(m, positions, graph=self.graph, int8_inputs=int8_inputs)
+        d = self._dense
+        if d is None or d.max_len < positions or d.int8_inputs != int8_inputs:
+            size = max(positions, min(max(1024, 1 << (positions - 1).bit_length()), self.context))
+            self._dense = d = None              # the old cache goes first
+            self._dense = d = DenseDecoder(m, size, graph=True, int8_inputs=int8_inputs)
+        return d
 
 
 def open_bundle(bundle, backend: str = "onnxruntime", engines=None, plugin_lib=None, threads: Optional[int] = None,

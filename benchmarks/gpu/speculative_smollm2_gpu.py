@@ -1,0 +1,75 @@
+"""Speculative decoding end to end on a GPU with real SmolLM2: `zeroedge run`'s path
+(ServingSession.generate: the dense decoder's CUDA graphs, bf16) with --speculative off / auto / packed,
+interleaved, on the five prompts of benchmarks/speculative_cpu.py (their token ids from the traces file).
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu/speculative_smollm2_gpu.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --traces benchmarks/results/speculative/smollm2_greedy_traces.json -o OUT
+
+A row gives each mode's decode tokens/s (first token to last, the host's work included), the speed-up
+over `off` (median of the rounds' ratios), the acceptance and tokens per model step, and how many
+tokens equal `off`'s before the first other one (`run`'s check computes rows with matrix products, its
+plain step with the GEMV: equal to bf16 rounding).
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, help="the bundled SmolLM2 GGUF (or an HF folder)")
+    ap.add_argument("--traces", required=True)
+    ap.add_argument("--modes", default="off,auto,packed")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32: a check of the script)")
+    ap.add_argument("-o", "--output", required=True)
+    a = ap.parse_args()
+
+    from zeroedge.serve.session import ServingSession
+    from zeroedge.weights import resolve_model
+
+    m, cfg, _ = resolve_model(a.model, need_weights=True)
+    m = m.to(a.device, torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
+    sess = ServingSession(m)
+    prompts = {name: tr["prompt"] for name, tr in json.loads(Path(a.traces).read_text())["traces"].items()}
+    modes = a.modes.split(",")
+    assert modes[0] == "off", "--modes starts with off (the speed-ups are over it)"
+    longest = max(prompts.values(), key=len)
+    for mode in modes:                                  # warm-up: graphs, the drafter at its largest
+        sess.generate(longest, a.new, speculative=mode)
+    runs = {name: {mode: [] for mode in modes} for name in prompts}
+    for _ in range(a.repeats):
+        for name, p in prompts.items():
+            for mode in modes:
+                runs[name][mode].append(sess.generate(p, a.new, speculative=mode))
+    rows = []
+    for name, by_mode in runs.items():
+        off = by_mode["off"]
+        row = {"task": name, "prompt_tokens": len(prompts[name]), "new_tokens": a.new,
+               "off_tok_s": statistics.median(r.tokens_per_s for r in off)}
+        for mode in modes[1:]:
+            rs = by_mode[mode]
+            st = rs[-1].detail.get("speculative") or {}
+            row[mode] = {"tok_s": statistics.median(r.tokens_per_s for r in rs),
+                         "speedup": statistics.median(r.tokens_per_s / o.tokens_per_s for r, o in zip(rs, off)),
+                         "acceptance_rate": st.get("acceptance_rate"), "tokens_per_step": st.get("tokens_per_step"),
+                         "tokens_as_off_before_a_difference": min(
+                             next((i for i, (x, y) in enumerate(zip(r.tokens, o.tokens)) if x != y), len(o.tokens))
+                             for r, o in zip(rs, off)),
+                         "drafter": rs[-1].mechanisms.get("speculative_drafter")}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    res = {"what": "speculative decoding end to end through zeroedge run's decoder on a GPU, real SmolLM2",
+           "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
+           "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, its values in bf16), real weights",
+           "args": vars(a), "rows": rows}
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.output).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

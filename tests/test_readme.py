@@ -183,8 +183,20 @@ def _speculative_gpu():
         out += [_f(sp["summarise"], 2), _f(sp["extract"], 2), _range([sp[t] for t in ("kjv", "essays", "licenses")], 2)]
     for path in ("run", "engine"):
         out += [_range([ms[f"{path}_verify"][str(k)] / ms[f"{path}_plain_step"] for k in range(2, 10)], 2),
-                _f(ms[f"{path}_plain_step"], 2)]
+                _f(ms[f"{path}_plain_step"], 2),
+                _f(max(r["speedup"] for r in d["packed"]["rows"] if r["head"] == "draft_vocab" and r["path"] == path), 2)]
     return out
+
+
+def _speculative_gpu_real():
+    rows = {r["task"]: r for r in _load("speculative/smollm2_gpu_run_decoder.json")["rows"]}
+    lookup = ("kjv", "essays", "licenses")
+    return [_f(rows["summarise"]["auto"]["speedup"], 2), _f(rows["extract"]["auto"]["speedup"], 2),
+            _range([rows[t]["auto"]["speedup"] for t in lookup], 2),
+            _range([r["packed"]["speedup"] for r in rows.values()], 2),
+            _range([r["off_tok_s"] for r in rows.values()], 0),
+            _range([r["auto"]["tokens_as_off_before_a_difference"] for r in rows.values()], 0),
+            str(rows["summarise"]["new_tokens"])]
 
 
 def _speculative_run_cpu():
@@ -346,6 +358,8 @@ ROW_CHECKS = {
     "speculative decoding (prompt lookup), `serve`'s engine, batch 1": _speculative_serve_cpu,
     "speculative decoding (prompt lookup), `run` and `serve`'s engine, GPU, 8K context": _speculative_gpu,
     "speculative decoding (prompt lookup; the model's own 4-bit step), `run`'s fp32 decoder": _speculative_run_cpu,
+    "speculative decoding (prompt lookup; the model's own 4-bit step), `run`'s decoder, GPU, real weights":
+        _speculative_gpu_real,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,

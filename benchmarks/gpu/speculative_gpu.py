@@ -147,7 +147,7 @@ def main():
 
         sess = ServingSession(m)
         p = prompt[:a.ctx - 128]
-        sess.generate(p, 8, speculative="packed")           # warm-up: graphs, the drafter at this size
+        sess.generate(p, 128, speculative="packed")         # warm-up: graphs, the drafter at this size
         res["e2e"] = {}
         for mode in ("off", "packed", "off", "packed"):
             r = sess.generate(p, 128, speculative=mode)

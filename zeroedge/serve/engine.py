@@ -317,8 +317,10 @@ class Engine:
             return None
 
     def _draft(self, s: Sequence, free: int) -> List[int]:
-        """The sequence's draft for this step ([] without one)."""
-        return self._drafter(s, s.spec.propose, s.plan.sampling.max_tokens - len(s.out) - 1, free) or []
+        """The sequence's draft for this step ([] without one); a model drafter catches up on the
+        model's own K/V."""
+        return self._drafter(s, s.spec.propose, s.plan.sampling.max_tokens - len(s.out) - 1, free,
+                             lambda a, z, kv=s.kv: self.b.prompt_kv(kv, a, z)) or []
 
     def _emit_rows(self, s: Sequence, rows, draft: List[int], prefill: bool = False) -> int:
         """The sequence's picks over its rows, while they agree with the draft -> tokens made (a

@@ -20,8 +20,9 @@ output is the model's, token for token, whatever the drafter proposes.
                  a prompt is indexed over its last LOOKUP_TOKENS tokens (memory stays bounded).
   ModelDrafter   greedy drafts by a cheaper model of the same vocabulary (`packed`: the model's own
                  4-bit weights): its KV holds the context up to what the model accepted (the
-                 prompt's: the model's own K/V, copied, where the caller can read them); the draft's
-                 rejected positions are written over by the next round. It costs a step of its
+                 prompt's, and the tokens made while it did not draft: the model's own K/V,
+                 copied, where the caller can read them); the draft's rejected positions are
+                 written over by the next round. It costs a step of its
                  own per drafted token, measured (`seconds`), so k is chosen before it drafts. A
                  drafter model may score only part of the vocabulary (draft_vocabulary: its `vocab`).
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
@@ -135,12 +136,13 @@ class ModelDrafter:
         vocab = getattr(self.model, "vocab", None)          # the ids its logits are for, else all in order
         return i if vocab is None else vocab[i]
 
-    def propose(self, k: int) -> Tuple[int, List[int]]:
-        """(0, k greedy tokens). The context the KV lacks goes in first: the last round's tail (one or
-        two tokens) is timed as drafting, a longer catch-up (steps without drafts) is not."""
+    def propose(self, k: int, read_kv=None) -> Tuple[int, List[int]]:
+        """(0, k greedy tokens). The context the KV lacks goes in first: up to the context's last token
+        the model's own K/V where read_kv reads them (see prefill), else steps of its own, not timed;
+        the last token is timed as drafting."""
         if k < 1:
             return 0, []
-        self.prefill(len(self.ctx) - 1)
+        self.prefill(len(self.ctx) - 1, read_kv)
         self.valid = min(self.valid, len(self.ctx) - 1)     # the last token goes in (again) for its logits
         t0 = time.perf_counter()
         out = [self._next(self.ctx[self.valid:], self.valid)]
@@ -259,12 +261,13 @@ class Speculator:
                 best, best_k = gain, k
         return best_k
 
-    def propose(self, room: int, free: int = 0) -> List[int]:
+    def propose(self, room: int, free: int = 0, read_kv=None) -> List[int]:
         """A draft for the next step (room: tokens the request may still make after the model's own
-        next one; free: draft tokens that would take padding rows, computed in any case); [] when there
-        is no match or no draft length pays."""
+        next one; free: draft tokens that would take padding rows, computed in any case; read_kv: the
+        model's K/V at context positions, for a model drafter's catch-up, see ModelDrafter.prefill);
+        [] when there is no match or no draft length pays."""
         if isinstance(self.drafter, ModelDrafter):
-            return self._model_draft(room, free)
+            return self._model_draft(room, free, read_kv)
         n, cont = self.drafter.propose(min(self.k_max, room))
         self._last_n = n
         if not cont or (self.cost.seconds and 0 not in self.cost.seconds):
@@ -276,7 +279,7 @@ class Speculator:
             k = next((j for j in range(1, len(cont) + 1) if j + 1 > self.cost.relative(j) * 1.01), 0)
         return cont[:k]
 
-    def _model_draft(self, room: int, free: int) -> List[int]:
+    def _model_draft(self, room: int, free: int, read_kv=None) -> List[int]:
         """A model drafter's draft: k from the acceptance so far, the check's cost and the drafter's
         own (measured; DRAFT_PRIOR of a plain step until it has drafted), then k drafted tokens."""
         plain = self.cost.seconds.get(0)
@@ -289,7 +292,7 @@ class Speculator:
             k = next((j for j in range(1, min(self.k_max, room) + 1)
                       if j + 1 > (self.cost.relative(max(0, j - free)) + j * d) * 1.01), 0)
         self._last_n = 0
-        return self.drafter.propose(k)[1]
+        return self.drafter.propose(k, read_kv)[1]
 
     def prompt_chunk(self, upto: int, read_kv=None) -> None:
         """The model prefilled the prompt up to position `upto`: a model drafter takes those positions'

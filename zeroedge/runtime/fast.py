@@ -344,7 +344,8 @@ class Decoder:
     def restrict_head(self, ids) -> None:
         """From now on the step's logits are for these vocabulary ids only, in their order (a drafter's
         head: zeroedge.speculative.draft_vocabulary; most of an LM head's rows are tokens no draft
-        needs, and on a 1B model they are a third of a 4-bit step's bytes). Their number is fixed by
+        needs: at the llama-3.2-1b shape an int8 head is a third of a 4-bit step's weight bytes, and
+        16384 of its rows made the step 0.70 -> 0.64 ms on an H100). Their number is fixed by
         the first call (the captured step reads the rows where they are; later calls copy new rows in);
         verify keeps the whole vocabulary."""
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)

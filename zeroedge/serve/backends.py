@@ -288,8 +288,8 @@ class DraftKV:
 class DecoderDraftModel:
     """A `packed` drafter on CUDA: zeroedge.runtime.fast.DenseDecoder's step (one CUDA graph) over 4-bit
     packed forms of the model's own weights (runtime.fast.packed_forms: int4 g128 symmetric linears,
-    an int8 head; the packed GEMV on int8-rounded inputs), beside the model, whose fp weights it shares
-    for nothing else. Its KV is its own, for one request at a time (`open` -> itself, or None while a
+    an int8 head; the packed GEMV on int8-rounded inputs) made beside the model's (it reads the model's
+    embedding and norms, not its float linears). Its KV is its own, for one request at a time (`open` -> itself, or None while a
     request holds it). Its head scores VOCAB ids (zeroedge.speculative.draft_vocabulary of the
     request's prompt): its logits' ids are `vocab`."""
 

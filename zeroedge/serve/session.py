@@ -239,7 +239,7 @@ class ServingSession:
         self.not_applied: List[str] = []   # what the artifact holds that this backend does not run
         self.sih = None                    # (policies, runtime): the artifact's SIH/PAD layers (torch prefill)
         self.weights = None                # the artifact's weights section, applied (torch backend)
-        self._draft = None                 # speculative "packed": the drafter's model (DraftModel)
+        self._draft = None                 # speculative "packed": the drafter (DraftModel, DecoderDraftModel)
         self._dense = None                 # the dense decoder kept for the next request (_dense_decoder)
         if backend == "torch":
             if artifact is not None:

@@ -120,12 +120,9 @@ def test_engine_serves_thermal_requests_on_cuda():
     """The whole engine on CUDA with thermal KV (zeroedge serve --kv-budget): long prompts take sketches,
     a short one does not, every request completes, the same requests give the same replies again, and
     every sketch row comes back."""
-    import threading
-
     from zeroedge.model import build
     from zeroedge.serve.backends import TorchBatched
     from zeroedge.serve.engine import Engine
-    from zeroedge.serve.plan import Plan, Sampling
     from zeroedge.weights import ByteTokenizer
 
     m = build("smollm2-135m", seed=0).to("cuda", torch.bfloat16).eval()
@@ -138,18 +135,55 @@ def test_engine_serves_thermal_requests_on_cuda():
         e = Engine(b, ByteTokenizer(), speculative=mode)
         e.start()
         try:
-            seqs, done = [], []
-            for p in prompts:
-                ev = threading.Event()
-                done.append(ev)
-                seqs.append(e.submit(Plan(p, Sampling(max_tokens=32, temperature=0.0), len(p) + 32, 0, thermal=True),
-                                     lambda x, ev=ev: x[0] in ("done", "error") and ev.set()))
-            for ev in done:
-                assert ev.wait(300)
-            replies.append([s.out for s in seqs])
+            replies.append(_replies(e, prompts, 32, thermal=True))
         finally:
             e.stop()
         assert b.sketches.in_use() == 0
         assert sum(isinstance(k, tuple) for k in b.step._captured) >= 1          # graphs with thermal rows ran
     assert all(len(r) == 32 for r in replies[0])
     assert replies[0] == replies[2]
+
+
+def test_engine_packed_drafter_on_cuda():
+    """`serve --speculative packed` on CUDA: the engine's requests draft with DecoderDraftModel (one at a
+    time: the second concurrent request decodes plainly), the drafts are checked and some kept, and the
+    replies equal plain decoding's."""
+    from zeroedge.model import build
+    from zeroedge.serve.backends import DecoderDraftModel, TorchBatched
+    from zeroedge.serve.engine import Engine
+    from zeroedge.weights import ByteTokenizer
+
+    m = build("smollm2-135m", seed=0).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, m.cfg.vocab_size, (50,), generator=g).tolist() * 4 for _ in range(2)]
+    replies, stats = {}, {}
+    for mode in ("off", "packed"):
+        b = TorchBatched(m, 1 << 28, 2, 512, None)
+        b.warm_up()
+        e = Engine(b, ByteTokenizer(), speculative=mode,
+                   draft_model=DecoderDraftModel(m, 1024) if mode == "packed" else None)
+        e.start()
+        try:
+            replies[mode] = _replies(e, prompts, 32)
+            stats[mode] = e.spec_stats
+        finally:
+            e.stop()
+    assert replies["packed"] == replies["off"]
+    assert stats["packed"].drafted > 0 and stats["packed"].verify_steps > 0
+
+
+def _replies(engine, prompts, max_tokens: int, **plan) -> list:
+    """The engine's greedy replies to the prompts, submitted together."""
+    import threading
+
+    from zeroedge.serve.plan import Plan, Sampling
+
+    seqs, done = [], []
+    for p in prompts:
+        ev = threading.Event()
+        done.append(ev)
+        seqs.append(engine.submit(Plan(p, Sampling(max_tokens=max_tokens, temperature=0.0), len(p) + max_tokens, 0,
+                                       **plan), lambda x, ev=ev: x[0] in ("done", "error") and ev.set()))
+    for ev in done:
+        assert ev.wait(300)
+    return [s.out for s in seqs]

@@ -56,7 +56,8 @@ from zeroedge.commands.common import check_model, examples, fraction_option, mem
                    "own weights), 8-bit LM head; model = the model's weights in torch. auto: q4 on a CPU.")
 @click.option("--speculative", type=click.Choice(["auto", "off", "ngram", "packed"]), default="auto", show_default=True,
               help="torch backend: tokens drafted by n-gram lookup in the prompt and the reply (auto, ngram) or by "
-                   "the model's own weights on the 4-bit CPU step (packed: a CPU, --weights model), checked by the "
+                   "the model's own weights in 4 bits (packed, --weights model: the 4-bit CPU step on a CPU, on CUDA "
+                   "the packed GEMV step, one request at a time), checked by the "
                    "model in one step (the output is the model's own). auto, packed: while at most 4 requests decode, "
                    "and paused for a request whose drafts do not pay; ngram: always.")
 @fraction_option("--kv-budget", "kv_budget",
@@ -92,9 +93,9 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
             raise UserError("--kv-budget 1 reads the whole KV: leave --kv-budget out")
         if weights == "q4":
             raise UserError("--kv-budget runs on the model's weights in torch (--weights model), not --weights q4")
-    if speculative == "packed" and (backend != "torch" or weights == "q4" or device == "cuda"):
-        raise UserError("--speculative packed drafts with the model's 4-bit CPU step for the model's weights in "
-                        "torch: the torch backend on the CPU with --weights model")
+    if speculative == "packed" and (backend != "torch" or weights == "q4"):
+        raise UserError("--speculative packed drafts with the model's own weights in 4 bits for its weights in "
+                        "torch: the torch backend with --weights model")
     cap = memory_cap(device_memory, board)
     if speculative == "packed" and cap is not None:
         raise UserError("--speculative packed: the drafter's 4-bit weights and KV pool are not in the "

@@ -144,13 +144,14 @@ class TorchBatched:
 
     def prompt_kv(self, kv: Reservation, start: int, stop: int) -> tuple:
         """The K and V the sequence holds at positions start..stop, (layers, kv heads, positions, head
-        dim) float32 each (what a packed drafter takes instead of prefilling the prompt itself)."""
+        dim) each, on the pool's device in its dtype (what a packed drafter takes instead of computing
+        them itself)."""
         import torch
 
         slots = torch.tensor(self.pool.slots(kv.pages, start, stop), device=self.pool.k.device)
         d = 2 if self.pool.heads_first else 1
         out = [t.index_select(d, slots) for t in (self.pool.k, self.pool.v)]
-        return tuple((t if self.pool.heads_first else t.transpose(1, 2)).float().cpu() for t in out)
+        return tuple(t if self.pool.heads_first else t.transpose(1, 2) for t in out)
 
     def kv_stats(self) -> dict:
         used = self.pool.n_pages - self.pool.free_pages
@@ -213,8 +214,8 @@ class SessionSequential:
         return np.asarray(handle.prefill(toks) if start == 0 else handle.step(toks[0], start))[None]
 
     def prompt_kv(self, handle, start: int, stop: int) -> tuple:
-        """The dense decoder's K and V at positions start..stop (as TorchBatched.prompt_kv, but on the
-        decoder's device in its dtype: views, read before the next step)."""
+        """The dense decoder's K and V at positions start..stop (as TorchBatched.prompt_kv; views, read
+        before the next step)."""
         att = handle.dec.attention
         return att.k[:, :, start:stop], att.v[:, :, start:stop]
 
@@ -250,6 +251,9 @@ class DraftModel:
         b.forward([(Reservation(page), [0], 0, False)])
         b.pool.release(page)
         return cls(b)
+
+    def kv_bytes(self) -> int:
+        return self.b.positions_total * self.b.position_bytes
 
     def open(self, plan) -> Optional["DraftKV"]:
         """A request's drafter KV (prompt + max_tokens positions), or None when the pool is full."""
@@ -319,6 +323,9 @@ class DecoderDraftModel:
             self.dec.restrict_head(self.vocab)
         self._open = True
         return self
+
+    def kv_bytes(self) -> int:
+        return self.dec.kv_bytes()
 
     def forward(self, tokens, start: int):
         """The logits (over `vocab`) after the last of `tokens`, their K/V written at start.."""

@@ -123,15 +123,18 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
         m = m.to(dev, torch.bfloat16 if dev == "cuda" else torch.float32).eval()
         ctx = min(ctx or cfg.max_seq_len, cfg.max_seq_len)
         chunk = prefill_chunk or (512 if dev == "cuda" else 128)
-        if speculative == "packed" and (dev != "cpu" or weights == "q4"):
-            raise UserError("--speculative packed: the serving engine drafts with the model's 4-bit CPU step for "
-                            "the model's weights in torch: serve on the CPU with --weights model (`zeroedge run` "
-                            "also drafts on CUDA)")
+        if speculative == "packed" and weights == "q4":
+            raise UserError("--speculative packed drafts with the model's own weights in 4 bits for its weights in "
+                            "torch: give --weights model")
         if weights == "auto":                   # thermal KV and the packed drafter's checks run on the torch step
             weights = "q4" if dev == "cpu" and kv_budget is None and speculative != "packed" else "model"
         b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget)
         b.warm_up()
-        if speculative == "packed":             # its own KV pool, as large as the model's
+        if speculative == "packed" and dev == "cuda":   # one request at a time, the context's KV
+            from zeroedge.serve.backends import DecoderDraftModel
+
+            draft_model = DecoderDraftModel(m, ctx)
+        elif speculative == "packed":           # its own KV pool, as large as the model's
             from zeroedge.serve.backends import DraftModel
 
             draft_model = DraftModel.build(m, threads, b.positions_total, max_batch, chunk)
@@ -144,8 +147,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
                 "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size, "thermal_kv": None}
         if draft_model is not None:
-            info["speculative_drafter"] = {"weights": draft_model.weights,
-                                           "kv_pool_bytes": draft_model.b.positions_total * draft_model.b.position_bytes}
+            info["speculative_drafter"] = {"weights": draft_model.weights, "kv_pool_bytes": draft_model.kv_bytes()}
         if kv_budget is not None:
             from zeroedge.kv.policy import ReleaseGate
 

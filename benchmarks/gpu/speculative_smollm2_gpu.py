@@ -5,6 +5,9 @@ interleaved, on the five prompts of benchmarks/speculative_cpu.py (their token i
     PYTHONPATH=$PWD python3 benchmarks/gpu/speculative_smollm2_gpu.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --traces benchmarks/results/speculative/smollm2_greedy_traces.json -o OUT
 
+`--engine`: the same through `zeroedge serve`'s engine instead (TorchBatched on CUDA, batch 1; `packed`
+drafts with serve.backends.DecoderDraftModel).
+
 A row gives each mode's decode tokens/s (first token to last, the host's work included), the speed-up
 over `off` (median of the rounds' ratios), the acceptance and tokens per model step, and how many
 tokens equal `off`'s before the first other one (`run`'s check computes rows with matrix products, its
@@ -25,6 +28,7 @@ def main():
     ap.add_argument("--modes", default="off,auto,packed")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine", action="store_true", help="the serving engine instead of run's decoder")
     ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32: a check of the script)")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
@@ -34,18 +38,18 @@ def main():
 
     m, cfg, _ = resolve_model(a.model, need_weights=True)
     m = m.to(a.device, torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
-    sess = ServingSession(m)
     prompts = {name: tr["prompt"] for name, tr in json.loads(Path(a.traces).read_text())["traces"].items()}
     modes = a.modes.split(",")
     assert modes[0] == "off", "--modes starts with off (the speed-ups are over it)"
+    generate = engine_generator(m, modes) if a.engine else ServingSession(m).generate
     longest = max(prompts.values(), key=len)
     for mode in modes:                                  # warm-up: graphs, the drafter at its largest
-        sess.generate(longest, a.new, speculative=mode)
+        generate(longest, a.new, speculative=mode)
     runs = {name: {mode: [] for mode in modes} for name in prompts}
     for _ in range(a.repeats):
         for name, p in prompts.items():
             for mode in modes:
-                runs[name][mode].append(sess.generate(p, a.new, speculative=mode))
+                runs[name][mode].append(generate(p, a.new, speculative=mode))
     rows = []
     for name, by_mode in runs.items():
         off = by_mode["off"]
@@ -63,12 +67,41 @@ def main():
                          "drafter": rs[-1].mechanisms.get("speculative_drafter")}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    res = {"what": "speculative decoding end to end through zeroedge run's decoder on a GPU, real SmolLM2",
+    path = "zeroedge serve's engine (batch 1)" if a.engine else "zeroedge run's decoder"
+    res = {"what": f"speculative decoding end to end through {path} on a GPU, real SmolLM2",
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
            "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, its values in bf16), real weights",
            "args": vars(a), "rows": rows}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(res, indent=1))
+
+
+def engine_generator(m, modes):
+    """generate(prompt, new, speculative=mode) -> a Result-like record, through one serving engine a
+    mode over one TorchBatched backend (requests one at a time)."""
+    import sys
+    from types import SimpleNamespace
+
+    from zeroedge.serve.backends import DecoderDraftModel, TorchBatched
+    from zeroedge.serve.engine import Engine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speculative_cpu import generate as engine_generate
+
+    b = TorchBatched(m, 1 << 30, 1, 512, None)
+    b.warm_up()
+    draft = DecoderDraftModel(m, m.cfg.max_seq_len) if "packed" in modes else None
+    engines = {mode: Engine(b, None, speculative=mode, draft_model=draft if mode == "packed" else None)
+               for mode in modes}
+    for e in engines.values():
+        e.start()
+
+    def generate(prompt, new, speculative):
+        r = engine_generate(engines[speculative], prompt, new)
+        return SimpleNamespace(tokens=r["tokens"], tokens_per_s=r["decode_tok_s"],
+                               detail={"speculative": r["spec"]},
+                               mechanisms={"speculative_drafter": draft.weights if speculative == "packed" else None})
+    return generate
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class Engine:
         self.draft_model = draft_model
         self.spec_stats = SpecStats()           # of finished requests
         self.step_cost = StepCost()             # measured on the steps without prefill
+        self._rows_timed = set()                # row counts of the decode steps it has run
         self.waiting: collections.deque = collections.deque()
         self.running: List[Sequence] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -282,8 +283,11 @@ class Engine:
         logits = self.b.forward(segs)
         self.steps += 1
         dt = time.perf_counter() - t0
-        if not pre:                             # the rows the drafts added past the padding
-            self.step_cost.observe(max(0, sum(len(d) for d in drafts.values()) - free * len(decoding)), dt)
+        if not pre:                             # the rows the drafts added past the padding; on CUDA a row
+            rows = sum(len(t) for _, t, _, _ in segs)   # count's first step may capture its graph: not its cost
+            if rows in self._rows_timed or not str(getattr(self.b, "device", "cpu")).startswith("cuda"):
+                self.step_cost.observe(max(0, sum(len(d) for d in drafts.values()) - free * len(decoding)), dt)
+            self._rows_timed.add(rows)
         made, row = 0, 0
         for i, s in enumerate(who):
             r0, row = row, row + (len(segs[i][1]) if segs[i][3] else 1)

@@ -54,6 +54,11 @@ def prompts(tok, prompt_tokens: int, offset: int) -> dict:
     return out
 
 
+def first_difference(tokens, ref) -> int:
+    """How many tokens equal the reference's before the first other one."""
+    return next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), min(len(tokens), len(ref)))
+
+
 def generate(engine, prompt, new: int) -> dict:
     from zeroedge.serve.plan import Plan, Sampling
 
@@ -164,8 +169,7 @@ def main():
             q4, ref = runs[t]["q4"], off[0]["tokens"]
             row["q4_tok_s"] = statistics.median(x["decode_tok_s"] for x in q4)
             row["q4_speedup"] = statistics.median(x["decode_tok_s"] / o["decode_tok_s"] for x, o in zip(q4, off))
-            row["q4_tokens_before_first_difference"] = next(
-                (i for i, (x, y) in enumerate(zip(q4[0]["tokens"], ref)) if x != y), min(len(ref), len(q4[0]["tokens"])))
+            row["q4_tokens_before_first_difference"] = first_difference(q4[0]["tokens"], ref)
         rows.append(row)
         print(json.dumps(row))
     for e in engines.values():

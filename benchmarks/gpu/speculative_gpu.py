@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def timed(fn, steps: int) -> float:
@@ -143,6 +144,8 @@ def main():
                                               "speedup": (e / t) / (1 / plain)})
     print(json.dumps(res["packed"]), flush=True)
     if a.e2e:
+        from speculative_cpu import first_difference
+
         from zeroedge.serve.session import ServingSession
 
         sess = ServingSession(m)
@@ -154,8 +157,7 @@ def main():
             row = res["e2e"].setdefault(mode, {"tok_s": [], "tokens": r.tokens})
             row["tok_s"].append(r.tokens_per_s)
             off = res["e2e"]["off"]["tokens"]
-            row["tokens_as_off_before_a_difference"] = next(
-                (i for i, (x, y) in enumerate(zip(r.tokens, off)) if x != y), len(off))
+            row["tokens_as_off_before_a_difference"] = first_difference(r.tokens, off)
             row["speculative"] = r.detail.get("speculative")
         for row in res["e2e"].values():
             row.pop("tokens")

@@ -16,9 +16,13 @@ plain step with the GEMV: equal to bf16 rounding).
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from speculative_cpu import first_difference  # noqa: E402  (benchmarks/, beside this folder)
 
 
 def main():
@@ -61,9 +65,8 @@ def main():
             row[mode] = {"tok_s": statistics.median(r.tokens_per_s for r in rs),
                          "speedup": statistics.median(r.tokens_per_s / o.tokens_per_s for r, o in zip(rs, off)),
                          "acceptance_rate": st.get("acceptance_rate"), "tokens_per_step": st.get("tokens_per_step"),
-                         "tokens_as_off_before_a_difference": min(
-                             next((i for i, (x, y) in enumerate(zip(r.tokens, o.tokens)) if x != y), len(o.tokens))
-                             for r, o in zip(rs, off)),
+                         "tokens_as_off_before_a_difference": min(first_difference(r.tokens, o.tokens)
+                                                                  for r, o in zip(rs, off)),
                          "drafter": rs[-1].mechanisms.get("speculative_drafter")}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -79,13 +82,11 @@ def main():
 def engine_generator(m, modes):
     """generate(prompt, new, speculative=mode) -> a Result-like record, through one serving engine a
     mode over one TorchBatched backend (requests one at a time)."""
-    import sys
     from types import SimpleNamespace
 
     from zeroedge.serve.backends import DecoderDraftModel, TorchBatched
     from zeroedge.serve.engine import Engine
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from speculative_cpu import generate as engine_generate
 
     b = TorchBatched(m, 1 << 30, 1, 512, None)

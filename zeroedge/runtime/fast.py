@@ -350,21 +350,20 @@ class Decoder:
         verify keeps the whole vocabulary."""
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
         head = self.packed_head if self.packed_head is not None else self.m.lm_head.weight.detach()
-        rows = head.select(ids) if isinstance(head, PackedLinear) else head.index_select(0, ids)
         if self.head_ids is None:
-            self.head_ids, self._head_rows = ids, rows
+            self.head_ids = ids
+            self._head_rows = head.select(ids) if isinstance(head, PackedLinear) else head.index_select(0, ids)
             self.graphs.clear()                 # a step captured before read the whole head
             self.outs.clear()
             return
         if ids.numel() != self.head_ids.numel():
             raise ValueError(f"the head was restricted to {self.head_ids.numel()} ids, not {ids.numel()}")
         self.head_ids.copy_(ids)
-        if isinstance(rows, PackedLinear):
-            for dst, src in ((self._head_rows.q, rows.q), (self._head_rows.scale, rows.scale),
-                             (self._head_rows.offset, rows.offset)):
-                dst.copy_(src)
-        else:
-            self._head_rows.copy_(rows)
+        pairs = ([(head.q, self._head_rows.q), (head.scale, self._head_rows.scale),
+                  (head.offset, self._head_rows.offset)] if isinstance(head, PackedLinear)
+                 else [(head, self._head_rows)])
+        for src, dst in pairs:                  # the rows gathered into the buffers the step reads
+            torch.index_select(src, 0, ids, out=dst)
 
     def step(self, token: int, pos: int):
         """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA), or over

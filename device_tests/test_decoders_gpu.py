@@ -654,3 +654,29 @@ def test_run_packed_drafter_gives_the_models_tokens():
     for pos, t in enumerate(prompt[:5]):
         a, b = whole.dec.step(t, pos).float(), d.dec.step(t, pos).float()
         torch.testing.assert_close(b, a[torch.tensor(d.vocab, device="cuda")], atol=2e-2, rtol=2e-2)
+
+
+def test_windowed_drafter_step_in_the_graph_matches_sdpa():
+    """DenseAttention's window on CUDA (the split kernel writing at the ring slot and attending over
+    the filled slots, in a CUDA graph) against SDPA over the same ring, eager; and the packed drafter
+    over a ring of 4 + 60 slots gives `run` the model's own tokens."""
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.serve.backends import DecoderDraftModel
+
+    m = build("smollm2-135m", seed=0).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, m.cfg.vocab_size, (200,), generator=g).tolist()
+    tri = DenseDecoder(m, 256, window=60)
+    ref = DenseDecoder(m, 256, graph=False, attn="sdpa", window=60)
+    assert tri.attention.takes_qkv and tri.attention.slots == 64
+    for pos, t in enumerate(ids):
+        a, b = tri.step(t, pos).float(), ref.step(t, pos).float()
+        assert (a.argmax() == b.argmax()) or (a - b).abs().max() < 0.1, pos
+    torch.testing.assert_close(tri.attention.kv.float(), ref.attention.kv.float(), atol=0.1, rtol=0.05)
+    draft = DecoderDraftModel(m, 512, window=60)
+    assert draft.dec.attention.ring
+    k = torch.randn(m.cfg.n_layers, m.cfg.n_kv_heads, 150, m.cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    draft.load(k, k, 0)
+    slot = draft.dec.attention.slot_of(torch.tensor([149])).item()
+    assert torch.equal(draft.dec.attention.k[:, :, slot], k[:, :, 149])

@@ -146,8 +146,8 @@ def test_engine_serves_thermal_requests_on_cuda():
 
 def test_engine_packed_drafter_on_cuda():
     """`serve --speculative packed` on CUDA: the engine's requests draft with DecoderDraftModel (one at a
-    time: the second concurrent request decodes plainly), the drafts are checked and some kept, and the
-    replies equal plain decoding's."""
+    time: the second concurrent request decodes plainly; over a ring of 4 + 100 slots of its 232
+    positions), the drafts are checked and some kept, and the replies equal plain decoding's."""
     from zeroedge.model import build
     from zeroedge.serve.backends import DecoderDraftModel, TorchBatched
     from zeroedge.serve.engine import Engine
@@ -161,7 +161,7 @@ def test_engine_packed_drafter_on_cuda():
         b = TorchBatched(m, 1 << 28, 2, 512, None)
         b.warm_up()
         e = Engine(b, ByteTokenizer(), speculative=mode,
-                   draft_model=DecoderDraftModel(m, 1024) if mode == "packed" else None)
+                   draft_model=DecoderDraftModel(m, 1024, window=100) if mode == "packed" else None)
         e.start()
         try:
             replies[mode] = _replies(e, prompts, 32)

@@ -74,6 +74,15 @@ SCRIPT = textwrap.dedent('''
     for t in range(P, 90):
         assert torch.allclose(dec.step(ids[0, t].item(), t), full[t], atol=1e-4), t
 
+    # a drafter's window (4 sinks and the last 12 positions in a ring of 16 slots) through the same
+    # kernel: the new token at its ring slot, attention over the filled slots, against SDPA
+    decs = [DenseDecoder(m, 96, graph=False, attn=a, window=12) for a in ("triton", "sdpa")]
+    assert decs[0].attention.takes_qkv and decs[0].attention.slots == 16
+    for t in range(40):
+        a, b = (d.step(ids[0, t].item(), t) for d in decs)
+        assert torch.allclose(a, b, atol=1e-4), ("window", t)
+    assert torch.allclose(decs[0].attention.kv, decs[1].attention.kv, atol=1e-5)
+
     # the thermal window through the same kernel: the new token at its window index, RoPE at its
     # position (lag 0: the refresh first, from the raw query; lag 1: after, from the kernel's
     # rotated query), against the same policy with SDPA over the masked window

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from zeroedge.speculative import PromptLookup, Speculator, StepCost, agreed
+from zeroedge.speculative import ModelDrafter, PromptLookup, Speculator, StepCost, agreed
 
 MODEL = "smollm2-135m"
 
@@ -349,10 +349,56 @@ def test_restricted_head_scores_the_ids_it_was_given():
         part.restrict_head([1, 2])
 
 
-def test_decoder_drafter_gives_the_models_own_tokens():
+def test_windowed_drafter_attention_is_the_banded_model():
+    """DenseAttention's window: stepping through a sequence gives the model's logits under a mask
+    that keeps the first 4 positions and the last 12 (keys at their true RoPE positions, in a ring of
+    16 slots); load_positions puts the model's K/V of a span where the steps would have."""
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import DenseDecoder
+
+    m = build("tiny", seed=0).eval()
+    T, sinks, window = 48, 4, 12
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(2))
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    band = (j <= i) & ((j < sinks) | (j > i - window))
+    with torch.no_grad():
+        x = m.embed_tokens(ids)
+        cos, sin = m.rope(0, T)
+        for b in m.layers:
+            x = b(x, cos, sin, 0, band)
+        want = m.lm_head(m.norm(x))[0]
+    for attn in ("sdpa", "bmm"):
+        dec = DenseDecoder(m, 64, graph=False, attn=attn, window=window)
+        assert dec.attention.slots == sinks + window and dec.kv_bytes() == dec.kv_bytes(10 ** 6)
+        for t in range(T):
+            torch.testing.assert_close(dec.step(int(ids[0, t]), t), want[t], atol=1e-4, rtol=1e-4)
+    # positions 0..39 loaded at once: the sinks and the last 12 where 40 steps leave them
+    full = DenseDecoder(m, 64, graph=False)
+    for t in range(40):
+        full.step(int(ids[0, t]), t)
+    ring = DenseDecoder(m, 64, graph=False, window=window)
+    ring.attention.load_positions(full.attention.k[:, :, :40], full.attention.v[:, :, :40], 0)
+    slots = ring.attention.slot_of(torch.arange(40))
+    kept = list(range(sinks)) + list(range(40 - window, 40))
+    assert sorted(slots[kept].tolist()) == list(range(sinks + window))
+    assert torch.equal(ring.attention.k[:, :, slots[kept]], full.attention.k[:, :, kept])
+    assert torch.equal(ring.attention.v[:, :, slots[kept]], full.attention.v[:, :, kept])
+    with pytest.raises(ValueError, match="outside the cache"):
+        ring.attention.load_positions(full.attention.k[:, :, :40], full.attention.v[:, :, :40], 30)
+    with pytest.raises(ValueError, match="verify runs on the dense decoder"):
+        ring.verify([1, 2], 40)
+    # a window as long as the positions is the plain dense cache
+    assert not DenseDecoder(m, 16, graph=False, window=12).attention.ring
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 1.01])
+def test_decoder_drafter_gives_the_models_own_tokens(monkeypatch, min_confidence):
     """The packed drafter `run` uses on CUDA (the dense decoder's step on packed forms, a head over a
-    draft vocabulary), here on the CPU: the engine's output equals plain decoding's token for token, and
-    its drafts were checked and some kept."""
+    draft vocabulary, attending over a window), here on the CPU: the engine's output equals plain
+    decoding's token for token, and its drafts were checked and some kept. A draft ends after a token
+    the drafter is unsure of: with a confidence no token reaches every draft is one token long (the
+    tiny model's random weights are unsure of every token: 0 lets its drafts run)."""
+    monkeypatch.setattr(ModelDrafter, "MIN_CONFIDENCE", min_confidence)
     from zeroedge.model import build
     from zeroedge.serve.backends import DecoderDraftModel, SessionSequential
     from zeroedge.serve.engine import Engine
@@ -365,7 +411,8 @@ def test_decoder_drafter_gives_the_models_own_tokens():
     prompt = [rng.randrange(256) for _ in range(12)] * 4
     new = 48
     plain = sess.generate(prompt, new).tokens
-    draft = DecoderDraftModel(m, len(prompt) + new)
+    draft = DecoderDraftModel(m, len(prompt) + new, window=20)       # a ring: 4 + 20 slots of 96 positions
+    assert draft.dec.attention.ring and "last 20 positions" in draft.weights
     draft.VOCAB = 128
     plan = sess.plan(len(prompt), new, speculative="packed")
     assert plan.speculative == "packed"
@@ -374,5 +421,6 @@ def test_decoder_drafter_gives_the_models_own_tokens():
     assert list(seq.out) == plain
     st = seq.spec.stats
     assert st.drafted > 0 and st.accepted > 0 and st.steps < new
+    assert (st.drafted == st.verify_steps) == (min_confidence > 1)
     assert len(draft.vocab) == 128 and set(prompt) <= set(draft.vocab)
     assert draft.open(req) is not None                      # closed with its request: free again

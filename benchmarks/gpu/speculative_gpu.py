@@ -17,7 +17,8 @@ Measured (CUDA events, median of `--steps`):
                (zeroedge.serve.backends.DecoderDraftModel: the model's weights as int4 g128 symmetric
                packed forms, an int8 head, int8 inputs: dp4a), its CUDA-graph step with the whole head
                and with the head over a draft vocabulary (zeroedge.speculative.draft_vocabulary of a
-               random prompt of `--ctx` tokens)
+               random prompt of `--ctx` tokens), attending over every position, and as shipped:
+               over the sinks and the last DecoderDraftModel.WINDOW positions
 Composed:
   ngram        each SmolLM2 greedy trace (prompt and reply, from benchmarks/speculative_cpu.py's
                prompts) replayed through zeroedge.speculative.Speculator in auto mode with the step
@@ -25,6 +26,11 @@ Composed:
   packed       tokens/s of draft-k-then-verify at the per-token acceptance measured on SmolLM2 (fp32
                target against its int4 g128 drafter; `alpha` with the whole head, `alpha_draft_vocab`
                with the restricted one): E(k) / (k t_draft + t_verify(k+1)), device time only
+  replayed     the shipped drafter (window, restricted head) replayed position by position on what
+               SmolLM2's windowed drafter did there (agreed or not, its top probability): drafts of
+               up to k tokens ending after one below `min_confidence` (ModelDrafter.MIN_CONFIDENCE;
+               0: never), each round k' drafter steps and a check of k' + 1 rows; over the greedy
+               replies (`traces`) and over the last positions of 8K-token texts (`long`)
 End to end (`--e2e`): ServingSession.generate with --speculative off and packed on a random prompt of
 `--ctx` tokens, 128 new: tokens/s with the host's work included, at the acceptance random weights give.
 """
@@ -64,6 +70,24 @@ def replay(trace, t_plain: float, t_verify: dict) -> dict:
         i, t = i + len(made), t + dt
     n = len(out) - 1
     return {"speedup": (n / t) / (1 / t_plain), **spec.stats.to_dict()}
+
+
+def replay_packed(agreed, confidence, k: int, min_confidence: float, t_draft: float, t_plain: float,
+                  t_verify: dict) -> float:
+    """Speed-up over plain steps of drafts of up to k tokens (ending after a token drafted with less
+    than min_confidence) on a recorded sequence: agreed[i], confidence[i] what the drafter did at
+    position i given the true prefix."""
+    i, t, n = 0, 0.0, len(agreed)
+    while i < n:
+        d = 1
+        while d < min(k, n - i) and confidence[i + d - 1] >= min_confidence:
+            d += 1
+        a = 0
+        while a < d and agreed[i + a]:
+            a += 1
+        t += d * t_draft + t_verify[d + 1]
+        i += a + 1
+    return n * t_plain / t
 
 
 def main():
@@ -112,20 +136,28 @@ def main():
                   for T in Ts}
     del step, pool
     torch.cuda.empty_cache()
-    # the packed 4-bit drafter: the whole head, then a draft vocabulary
-    draft = DecoderDraftModel(m, a.ctx + G)
+    # the packed 4-bit drafter over every position: the whole head, then a draft vocabulary
+    draft = DecoderDraftModel(m, a.ctx + G, window=None)
     draft.dec.attention.kv.normal_()
     t_draft_whole = timed(lambda: draft.dec.step(7, a.ctx), a.steps)
     prompt = torch.randint(0, cfg.vocab_size, (a.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
-    draft.dec.restrict_head(draft_vocabulary(cfg.vocab_size, prompt, draft.VOCAB))
+    vocab = draft_vocabulary(cfg.vocab_size, prompt, draft.VOCAB)
+    draft.dec.restrict_head(vocab)
     t_draft = timed(lambda: draft.dec.step(7, a.ctx), a.steps)
     t_draft_64 = timed(lambda: draft.dec.step(7, 64), a.steps)      # the same with 64 positions of KV
+    del draft
+    # as shipped: over the sinks and the last WINDOW positions
+    draft = DecoderDraftModel(m, a.ctx + G)
+    draft.dec.attention.kv.normal_()
+    draft.dec.restrict_head(vocab)
+    t_draft_window = timed(lambda: draft.dec.step(7, a.ctx), a.steps)
     del draft
     torch.cuda.empty_cache()
     res["ms"] = {"run_plain_step": run_plain, "run_verify": run_verify, "engine_plain_step": eng_plain,
                  "engine_verify": eng_verify, "packed_drafter_step_whole_head": t_draft_whole,
                  "packed_drafter_step_draft_vocab": t_draft, "packed_drafter_step_draft_vocab_at_64": t_draft_64,
-                 "draft_vocab": DecoderDraftModel.VOCAB}
+                 "packed_drafter_step_draft_vocab_window": t_draft_window, "draft_vocab": DecoderDraftModel.VOCAB,
+                 "window": DecoderDraftModel.WINDOW, "sinks": DecoderDraftModel.SINKS}
     print(json.dumps(res["ms"]), flush=True)
 
     traces = json.loads(Path(a.traces).read_text())["traces"]
@@ -143,6 +175,20 @@ def main():
                 res["packed"]["rows"].append({"head": head, "k": k, "path": path, "expected_tokens": e,
                                               "speedup": (e / t) / (1 / plain)})
     print(json.dumps(res["packed"]), flush=True)
+    from zeroedge.speculative import ModelDrafter
+
+    res["replayed"] = {"min_confidence_shipped": ModelDrafter.MIN_CONFIDENCE, "rows": []}
+    for where, rows in (("traces", acc["rows"]), ("long", acc.get("long", {}).get("rows", {}))):
+        seqs = [(r["window_agreed"], r["window_confidence"]) for r in rows.values()]
+        if not seqs:
+            continue
+        for tau in (0.0, 0.3, 0.5, 0.7):
+            for path, plain, ver in (("run", run_plain, run_verify), ("engine", eng_plain, eng_verify)):
+                best = max((statistics.mean(replay_packed(ag, cf, k, tau, t_draft_window, plain, ver)
+                                            for ag, cf in seqs), k) for k in range(1, 9))
+                res["replayed"]["rows"].append({"on": where, "min_confidence": tau, "path": path,
+                                                "speedup": best[0], "k": best[1]})
+    print(json.dumps(res["replayed"]), flush=True)
     if a.e2e:
         from speculative_cpu import first_difference
 

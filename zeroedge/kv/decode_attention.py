@@ -89,18 +89,22 @@ def _build():
     from zeroedge.triton_launch import pdl_start
 
     @triton.jit
-    def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, at_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr, pacc_ptr,
-                     qout_ptr, scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr,
+    def split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, at_ptr, n_ptr, kv_ptr, s_kv, s_h, s_n, pm_ptr, pl_ptr,
+                     pacc_ptr, qout_ptr, scale_log2, S, H: tl.constexpr, NKV: tl.constexpr, GRP: tl.constexpr,
                      GP: tl.constexpr, HD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-                     QOUT: tl.constexpr, PDL: tl.constexpr = False):
+                     QOUT: tl.constexpr, HAS_N: tl.constexpr, PDL: tl.constexpr = False):
         pdl_start(PDL)      # zeroedge.triton_launch: no load or store before the previous kernel is done
         h = tl.program_id(0)
         s = tl.program_id(1)
         pos = tl.load(pos_ptr).to(tl.int32)                 # the new token's RoPE position
-        at = tl.load(at_ptr).to(tl.int32)                   # its cache index: attend over 0..at
-        chunk = tl.cdiv(tl.cdiv(at + 1, S), BN) * BN       # every share a whole number of blocks
+        at = tl.load(at_ptr).to(tl.int32)                   # its cache index
+        if HAS_N:                                            # attend over cache indices 0..n-1
+            n_att = tl.load(n_ptr).to(tl.int32)
+        else:                                                # over 0..at
+            n_att = at + 1
+        chunk = tl.cdiv(tl.cdiv(n_att, S), BN) * BN         # every share a whole number of blocks
         start = s * chunk
-        end = tl.minimum(start + chunk, at + 1)
+        end = tl.minimum(start + chunk, n_att)
         d = tl.arange(0, HD)
         rd = (d + HD // 2) % HD                              # rotate_half's source (its sign is in sin)
         c = tl.load(cos_ptr + pos * HD + d).to(tl.float32)
@@ -179,12 +183,14 @@ class Shares:
 
 
 def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block: int | None = None, at=None,
-                q_out=None):
+                q_out=None, n=None):
     """The two kernels (see the module doc); kv (2, nkv, max_len, hd) with unit stride along hd;
     0 <= at < max_len (at: pos when None) and pos within the tables are the caller's to ensure
     (DenseAttention.before and ThermalAttention.before check them on the host: the kernel reads
-    them on the device). q_out: an (H, hd) tensor in kv's dtype that receives the query after
-    RoPE. Returns out (H, hd) in kv's dtype."""
+    them on the device). n: a one-element device tensor, at < n <= max_len: attend over cache
+    indices 0..n-1 instead of 0..at (a ring of slots: runtime.fast.WindowAttention). q_out: an
+    (H, hd) tensor in kv's dtype that receives the query after RoPE. Returns out (H, hd) in kv's
+    dtype."""
     global _kernels
     if _kernels is None:
         _kernels = _build()
@@ -207,10 +213,12 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
         out = torch.empty(H, hd, device=kv.device, dtype=kv.dtype)
     S = shares.splits
     block = block or BLOCK
-    split[(nkv, S)](qkv, cos, sin, pos, pos if at is None else at, kv, kv.stride(0), kv.stride(1), kv.stride(2),
+    at = pos if at is None else at
+    split[(nkv, S)](qkv, cos, sin, pos, at, at if n is None else n, kv, kv.stride(0), kv.stride(1), kv.stride(2),
                     shares.m, shares.l, shares.acc, out if q_out is None else q_out,
                     math.log2(math.e) / math.sqrt(hd), S, H=H, NKV=nkv, GRP=grp, GP=max(16, _pow2(grp)), HD=hd,
-                    BN=block, IEEE=kv.dtype == torch.float32, QOUT=q_out is not None, num_warps=WARPS,
+                    BN=block, IEEE=kv.dtype == torch.float32, QOUT=q_out is not None, HAS_N=n is not None,
+                    num_warps=WARPS,
                     num_stages=STAGES, **launch)
     combine[(H,)](shares.m, shares.l, shares.acc, out, S, H=H, HD=hd, SP=_pow2(S), **launch)
     return out

@@ -256,7 +256,7 @@ class Decoder:
         # the model's fp weights over a draft's rows: with the Triton attention, the serving engine's
         # fused elementwise kernels (runtime.fused); float32 on a CPU with MKL, products as W @ x^T (in
         # bf16 / fp16 there it is no faster)
-        self.verify_fused = isinstance(attention, DenseAttention) and attention.attn == "triton"
+        self.verify_fused = isinstance(attention, DenseAttention) and attention.attn == "triton" and not attention.ring
         if self.verify_fused:
             from zeroedge.runtime.fused import FusedLinears
 
@@ -408,8 +408,8 @@ class Decoder:
         graph per number of tokens, captured at first use and replayed at any position. Positions
         past the ones kept are written again by the next step."""
         att = self.attention
-        if not isinstance(att, DenseAttention) or self.ffn is not None:
-            raise ValueError("verify runs on the dense decoder (no thermal KV, no decode paths)")
+        if not isinstance(att, DenseAttention) or att.ring or self.ffn is not None:
+            raise ValueError("verify runs on the dense decoder (no thermal KV, no window, no decode paths)")
         T = len(tokens)
         if T < 1 or pos < 0 or pos + T > self.max_len:
             raise ValueError(f"positions {pos}..{pos + T} are outside the cache of {self.max_len}")
@@ -494,38 +494,63 @@ class Decoder:
 
 
 class DenseAttention:
-    """A static KV cache of max_len positions; attention over every position up to the current one.
+    """A static KV cache; attention over every position up to the current one, or with `window`
+    over the first `sinks` positions and the last `window` (a drafter's cache: its step reads
+    sinks + window positions of K/V at any context; keys keep their true RoPE positions, and
+    position p >= sinks takes slot sinks + (p - sinks) % window of a ring).
     attn: "sdpa" (RoPE, the cache write, an additive mask and SDPA in torch), "bmm" (two batched
     matmuls), "triton" (RoPE, the cache write and split attention in two kernels:
     zeroedge.kv.decode_attention; CUDA with Triton) or "auto" (triton where it runs, else sdpa)."""
 
-    def __init__(self, max_len: int, attn: str = "auto"):
+    def __init__(self, max_len: int, attn: str = "auto", window: Optional[int] = None, sinks: int = 4):
         if attn not in ("auto", "bmm", "sdpa", "triton"):
             raise ValueError("attn must be 'auto', 'bmm', 'sdpa' or 'triton'")
+        if window is not None and (window < 1 or sinks < 0):
+            raise ValueError("the window needs at least one position and sinks >= 0")
         self.max_len, self.attn = max_len, attn
+        self.ring = window is not None and sinks + window < max_len
+        self.sinks, self.window = (sinks, window) if self.ring else (0, max_len)
+        self.slots = self.sinks + self.window   # cache indices
 
     def bind(self, L: int, nkv: int, H: int, hd: int, device, dtype):
         self.L, self.nkv, self.H, self.hd, self.dtype = L, nkv, H, hd, dtype
-        self.attn = choose_attention(self.attn, nkv, self.max_len, hd, device, dtype)
+        self.attn = choose_attention(self.attn, nkv, self.slots, hd, device, dtype)
         self.takes_qkv = self.attn == "triton"
         # K and V of a layer side by side, so one index_copy writes the new token's pair
-        self.kv = torch.zeros((L, 2, nkv, self.max_len, hd), device=device, dtype=dtype)
+        self.kv = torch.zeros((L, 2, nkv, self.slots, hd), device=device, dtype=dtype)
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
-        self.kpos = torch.arange(self.max_len, device=device)
+        self.kpos = torch.arange(self.slots, device=device)
         if self.takes_qkv:
             from zeroedge.kv.decode_attention import Shares
 
-            self.shares = Shares(H, hd, device, max_len=self.max_len)
+            self.shares = Shares(H, hd, device, max_len=self.slots)
             self.o = torch.empty(H, hd, device=device, dtype=dtype)
 
     def kv_bytes(self, n_tokens: Optional[int] = None) -> int:
-        n = self.max_len if n_tokens is None else n_tokens
+        n = self.slots if n_tokens is None else min(n_tokens, self.slots)
         return 2 * self.L * self.nkv * n * self.hd * self.k.element_size()
 
+    def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """The cache index of each position."""
+        if not self.ring:
+            return pos
+        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.window)
+
     def load_prefix(self, ks, vs):
-        for li, (k, v) in enumerate(zip(ks, vs)):
-            self.k[li, :, : k.shape[1]] = k
-            self.v[li, :, : v.shape[1]] = v
+        """ks, vs: per layer (nkv, P, hd) keys (RoPE applied) and values of positions 0..P-1."""
+        self.load_positions(torch.stack(list(ks)), torch.stack(list(vs)), 0)
+
+    def load_positions(self, k, v, start: int) -> None:
+        """k, v (layers, kv heads, n, head dim): the keys (RoPE applied) and values of positions
+        start..start+n-1 (a position whose slot a later one of them takes is skipped)."""
+        n = k.shape[2]
+        if start < 0 or start + n > self.max_len:
+            raise ValueError(f"positions {start}..{start + n} are outside the cache of {self.max_len}")
+        pos = torch.arange(start, start + n)
+        idx = ((pos < self.sinks) | (pos >= start + n - self.window)).nonzero().squeeze(1)
+        dst = self.slot_of(pos[idx]).to(self.kv.device)
+        for cache, src in ((self.k, k), (self.v, v)):
+            cache.index_copy_(2, dst, src.index_select(2, idx.to(src.device)).to(self.kv.device, self.dtype))
 
     def before(self, pos: int):
         if not 0 <= pos < self.max_len:     # the Triton kernel would write outside the cache
@@ -536,15 +561,17 @@ class DenseAttention:
 
     def per_step(self, pos: torch.Tensor):
         self.pos = pos
+        self.at = self.slot_of(pos)             # where the new token's K/V go
+        self.n = (pos + 1).clamp(max=self.slots) if self.ring else None   # slots attended, ring only
         if self.takes_qkv:
             return
-        self.mask = (self.kpos <= pos)
+        self.mask = (self.kpos < self.n) if self.ring else (self.kpos <= pos)
         if self.attn == "sdpa":  # additive, built once a step (SDPA would convert a bool mask per layer)
             self.amask = additive_mask(self.mask, self.dtype).view(1, 1, 1, -1)
 
     def attend(self, li, q, kv, flag):
         """q (H, hd), kv (2, nkv, hd) of the new token -> (H, hd)."""
-        self.kv[li].index_copy_(2, self.pos, kv[:, :, None])
+        self.kv[li].index_copy_(2, self.at, kv[:, :, None])
         K, V = self.k[li], self.v[li]
         if self.attn == "sdpa":
             o = F.scaled_dot_product_attention(q.view(1, self.H, 1, self.hd), K[None], V[None],
@@ -564,13 +591,19 @@ class DenseAttention:
         in zeroedge.kv.decode_attention's kernels (cos / sin: the decoder's whole tables)."""
         from zeroedge.kv.decode_attention import rope_attend
 
+        if self.ring:
+            return rope_attend(qkv, cos, sin, self.pos, self.kv[li], self.H, self.shares, self.o, at=self.at,
+                               n=self.n)
         return rope_attend(qkv, cos, sin, self.pos, self.kv[li], self.H, self.shares, self.o)
 
 
 class DenseDecoder(Decoder):
+    """The dense cache (window: DenseAttention's window over the last positions, a drafter's)."""
+
     def __init__(self, model, max_len: int, graph: bool = True, attn: str = "auto", packed: Optional[bool] = None,
-                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None):
-        super().__init__(model, DenseAttention(max_len, attn), None, graph, packed, int8_inputs, packed_forms)
+                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None, window: Optional[int] = None):
+        super().__init__(model, DenseAttention(max_len, attn, window), None, graph, packed, int8_inputs,
+                         packed_forms)
 
 
 class ThermalDecoder(Decoder):

@@ -23,8 +23,9 @@ output is the model's, token for token, whatever the drafter proposes.
                  prompt's, and the tokens made while it did not draft: the model's own K/V,
                  copied, where the caller can read them); the draft's rejected positions are
                  written over by the next round. It costs a step of its
-                 own per drafted token, measured (`seconds`), so k is chosen before it drafts. A
-                 drafter model may score only part of the vocabulary (draft_vocabulary: its `vocab`).
+                 own per drafted token, measured (`seconds`), so k is chosen before it drafts; a
+                 draft ends before k after a token it is unsure of (MIN_CONFIDENCE). A drafter
+                 model may score only part of the vocabulary (draft_vocabulary: its `vocab`).
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
@@ -104,9 +105,12 @@ def draft_vocabulary(vocab_size: int, prompt: Sequence[int], size: int) -> List[
 
 class ModelDrafter:
     """Greedy drafts by `model`: forward(tokens, start) -> the logits after the last of `tokens` (their
-    K/V written at start..), close(). `valid`: how many context tokens its KV holds correctly."""
+    K/V written at start..), close(). `valid`: how many context tokens its KV holds correctly. A draft
+    ends early after a token the drafter gives less than MIN_CONFIDENCE of its probability (a token
+    it is unsure of is the one the model most often rejects: the steps after it would be wasted)."""
 
     WEIGHT = 0.2                # running mean of the seconds a drafted token costs
+    MIN_CONFIDENCE = 0.5
 
     def __init__(self, model, context: Sequence[int] = ()):
         self.model = model
@@ -131,26 +135,32 @@ class ModelDrafter:
                 self.model.forward(self.ctx[self.valid:upto], self.valid)
             self.valid = upto
 
-    def _next(self, tokens: Sequence[int], start: int) -> int:
-        i = int(self.model.forward(tokens, start).argmax())
+    def _next(self, tokens: Sequence[int], start: int) -> Tuple[int, float]:
+        """The drafter's greedy token after `tokens` and the probability it gives it."""
+        import torch
+
+        top = torch.as_tensor(self.model.forward(tokens, start)).float().softmax(-1).max(-1)
+        i = int(top.indices)
         vocab = getattr(self.model, "vocab", None)          # the ids its logits are for, else all in order
-        return i if vocab is None else vocab[i]
+        return (i if vocab is None else vocab[i]), float(top.values)
 
     def propose(self, k: int, read_kv=None) -> Tuple[int, List[int]]:
-        """(0, k greedy tokens). The context the KV lacks goes in first: up to the context's last token
-        the model's own K/V where read_kv reads them (see prefill), else steps of its own, not timed;
-        the last token is timed as drafting."""
+        """(0, up to k greedy tokens). The context the KV lacks goes in first: up to the context's last
+        token the model's own K/V where read_kv reads them (see prefill), else steps of its own, not
+        timed; the last token is timed as drafting."""
         if k < 1:
             return 0, []
         self.prefill(len(self.ctx) - 1, read_kv)
         self.valid = min(self.valid, len(self.ctx) - 1)     # the last token goes in (again) for its logits
         t0 = time.perf_counter()
-        out = [self._next(self.ctx[self.valid:], self.valid)]
+        token, confidence = self._next(self.ctx[self.valid:], self.valid)
+        out = [token]
         self.valid = len(self.ctx)
-        while len(out) < k:
+        while len(out) < k and confidence >= self.MIN_CONFIDENCE:
             self._fed.append(out[-1])
-            out.append(self._next(out[-1:], len(self.ctx) + len(out) - 1))
-        dt = (time.perf_counter() - t0) / k
+            token, confidence = self._next(out[-1:], len(self.ctx) + len(out) - 1)
+            out.append(token)
+        dt = (time.perf_counter() - t0) / len(out)
         self.seconds = dt if self.seconds is None else self.seconds + self.WEIGHT * (dt - self.seconds)
         return 0, out
 

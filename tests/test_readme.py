@@ -185,14 +185,18 @@ def _speculative_gpu():
         out += [_range([ms[f"{path}_verify"][str(k)] / ms[f"{path}_plain_step"] for k in range(2, 10)], 2),
                 _f(ms[f"{path}_plain_step"], 2),
                 _f(max(r["speedup"] for r in d["packed"]["rows"] if r["head"] == "draft_vocab" and r["path"] == path), 2)]
-    return out
+    shipped = d["replayed"]["min_confidence_shipped"]
+    for on in ("traces", "long"):
+        out += [_f(r["speedup"], 2) for path in ("run", "engine") for r in d["replayed"]["rows"]
+                if r["on"] == on and r["path"] == path and r["min_confidence"] == shipped]
+    return out + [_f(ms["packed_drafter_step_draft_vocab_window"], 2)]
 
 
 def _speculative_gpu_real():
     rows = {r["task"]: r for r in _load("speculative/smollm2_gpu_run_decoder.json")["rows"]}
     lookup = ("kjv", "essays", "licenses")
     return [_f(rows["summarise"]["auto"]["speedup"], 2), _f(rows["extract"]["auto"]["speedup"], 2),
-            _range([rows[t]["auto"]["speedup"] for t in lookup], 2),
+            _f(rows["summarise"]["ngram"]["speedup"], 2), _range([rows[t]["auto"]["speedup"] for t in lookup], 2),
             _range([r["packed"]["speedup"] for r in rows.values()], 2),
             _range([r["off_tok_s"] for r in rows.values()], 0),
             _range([r["auto"]["tokens_as_off_before_a_difference"] for r in rows.values()], 0),

@@ -110,7 +110,7 @@ class ModelDrafter:
     it is unsure of is the one the model most often rejects: the steps after it would be wasted)."""
 
     WEIGHT = 0.2                # running mean of the seconds a drafted token costs
-    MIN_CONFIDENCE = 0.5
+    MIN_CONFIDENCE = 0.3
 
     def __init__(self, model, context: Sequence[int] = ()):
         self.model = model

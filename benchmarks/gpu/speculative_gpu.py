@@ -30,7 +30,7 @@ Composed:
                SmolLM2's windowed drafter did there (agreed or not, its top probability): drafts of
                up to k tokens ending after one below `min_confidence` (ModelDrafter.MIN_CONFIDENCE;
                0: never), each round k' drafter steps and a check of k' + 1 rows; over the greedy
-               replies (`traces`) and over the last positions of 8K-token texts (`long`)
+               replies (`traces`) and over greedy replies at 8K positions (`long`)
 End to end (`--e2e`): ServingSession.generate with --speculative off and packed on a random prompt of
 `--ctx` tokens, 128 new: tokens/s with the host's work included, at the acceptance random weights give.
 """

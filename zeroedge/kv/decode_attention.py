@@ -188,7 +188,7 @@ def rope_attend(qkv, cos, sin, pos, kv, H: int, shares: Shares, out=None, block:
     0 <= at < max_len (at: pos when None) and pos within the tables are the caller's to ensure
     (DenseAttention.before and ThermalAttention.before check them on the host: the kernel reads
     them on the device). n: a one-element device tensor, at < n <= max_len: attend over cache
-    indices 0..n-1 instead of 0..at (a ring of slots: runtime.fast.WindowAttention). q_out: an
+    indices 0..n-1 instead of 0..at (a ring of slots: runtime.fast.DenseAttention's window). q_out: an
     (H, hd) tensor in kv's dtype that receives the query after RoPE. Returns out (H, hd) in kv's
     dtype."""
     global _kernels

@@ -297,8 +297,9 @@ class DecoderDraftModel:
     last WINDOW (runtime.fast.DenseAttention's window), so its step reads as many K/V bytes at 8K
     positions as at 1K (on SmolLM2's greedy replies at 8K positions it agrees with the model at 0.914
     of them against 0.878 attending over all: benchmarks/speculative_packed_acceptance.py). Its KV is
-    its own, for one request at a time (`open` -> itself, or None while a request holds it). Its head scores VOCAB ids (zeroedge.speculative.draft_vocabulary of the
-    request's prompt): its logits' ids are `vocab`."""
+    its own, for one request at a time (`open` -> itself, or None while a request holds it). Its
+    head scores VOCAB ids (zeroedge.speculative.draft_vocabulary of the request's prompt): its
+    logits' ids are `vocab`."""
 
     VOCAB = 16384
     WINDOW, SINKS = 1020, 4

@@ -31,6 +31,7 @@ Composed:
                up to k tokens ending after one below `min_confidence` (ModelDrafter.MIN_CONFIDENCE;
                0: never), each round k' drafter steps and a check of k' + 1 rows; over the greedy
                replies (`traces`) and over greedy replies at 8K positions (`long`)
+`--replay-from RAW` recomputes `replayed` from RAW's step times on a CPU.
 End to end (`--e2e`): ServingSession.generate with --speculative off and packed on a random prompt of
 `--ctx` tokens, 128 new: tokens/s with the host's work included, at the acceptance random weights give.
 """
@@ -90,6 +91,26 @@ def replay_packed(agreed, confidence, k: int, min_confidence: float, t_draft: fl
     return n * t_plain / t
 
 
+def replayed(ms: dict, acc: dict) -> dict:
+    """The shipped drafter replayed (see the module doc) on the step times `ms` and the recorded
+    acceptance `acc`: per threshold, path and recorded set, the speed-up at each k of 1..8 and the best."""
+    from zeroedge.speculative import ModelDrafter
+
+    out = {"min_confidence_shipped": ModelDrafter.MIN_CONFIDENCE, "rows": []}
+    t_draft = ms["packed_drafter_step_draft_vocab_window"]
+    for where, rows in (("traces", acc["rows"]), ("long", acc.get("long", {}).get("rows", {}))):
+        seqs = [(r["window_agreed"], r["window_confidence"]) for r in rows.values()]
+        for tau in (0.0, 0.3, 0.5, 0.7) if seqs else ():
+            for path in ("run", "engine"):
+                plain, ver = ms[f"{path}_plain_step"], {int(k): v for k, v in ms[f"{path}_verify"].items()}
+                by_k = [statistics.mean(replay_packed(ag, cf, k, tau, t_draft, plain, ver) for ag, cf in seqs)
+                        for k in range(1, 9)]
+                best = max(range(8), key=lambda i: by_k[i])
+                out["rows"].append({"on": where, "min_confidence": tau, "path": path, "speedup": by_k[best],
+                                    "k": best + 1, "speedup_by_k": by_k})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b")
@@ -98,8 +119,15 @@ def main():
     ap.add_argument("--traces", required=True)
     ap.add_argument("--alpha", required=True)
     ap.add_argument("--e2e", action="store_true", help="also `run`'s packed drafter end to end")
+    ap.add_argument("--replay-from", help="a raw file of this script: its step times replayed again on --alpha "
+                    "(no GPU; the other sections are kept)")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
+    if a.replay_from:
+        res = json.loads(Path(a.replay_from).read_text())
+        res["replayed"] = replayed(res["ms"], json.loads(Path(a.alpha).read_text()))
+        Path(a.output).write_text(json.dumps(res, indent=1))
+        return
 
     import bench_setup as bs
 
@@ -175,19 +203,7 @@ def main():
                 res["packed"]["rows"].append({"head": head, "k": k, "path": path, "expected_tokens": e,
                                               "speedup": (e / t) / (1 / plain)})
     print(json.dumps(res["packed"]), flush=True)
-    from zeroedge.speculative import ModelDrafter
-
-    res["replayed"] = {"min_confidence_shipped": ModelDrafter.MIN_CONFIDENCE, "rows": []}
-    for where, rows in (("traces", acc["rows"]), ("long", acc.get("long", {}).get("rows", {}))):
-        seqs = [(r["window_agreed"], r["window_confidence"]) for r in rows.values()]
-        if not seqs:
-            continue
-        for tau in (0.0, 0.3, 0.5, 0.7):
-            for path, plain, ver in (("run", run_plain, run_verify), ("engine", eng_plain, eng_verify)):
-                best = max((statistics.mean(replay_packed(ag, cf, k, tau, t_draft_window, plain, ver)
-                                            for ag, cf in seqs), k) for k in range(1, 9))
-                res["replayed"]["rows"].append({"on": where, "min_confidence": tau, "path": path,
-                                                "speedup": best[0], "k": best[1]})
+    res["replayed"] = replayed(res["ms"], acc)
     print(json.dumps(res["replayed"]), flush=True)
     if a.e2e:
         from speculative_cpu import first_difference

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from zeroedge.speculative import ModelDrafter, PromptLookup, Speculator, StepCost, agreed
+from zeroedge.speculative import PromptLookup, Speculator, StepCost, agreed
 
 MODEL = "smollm2-135m"
 
@@ -393,12 +393,14 @@ def test_windowed_drafter_attention_is_the_banded_model():
 
 @pytest.mark.parametrize("min_confidence", [0.0, 1.01])
 def test_decoder_drafter_gives_the_models_own_tokens(monkeypatch, min_confidence):
+    from zeroedge.serve.backends import DecoderDraftModel
+
     """The packed drafter `run` uses on CUDA (the dense decoder's step on packed forms, a head over a
     draft vocabulary, attending over a window), here on the CPU: the engine's output equals plain
     decoding's token for token, and its drafts were checked and some kept. A draft ends after a token
     the drafter is unsure of: with a confidence no token reaches every draft is one token long (the
     tiny model's random weights are unsure of every token: 0 lets its drafts run)."""
-    monkeypatch.setattr(ModelDrafter, "MIN_CONFIDENCE", min_confidence)
+    monkeypatch.setattr(DecoderDraftModel, "MIN_CONFIDENCE", min_confidence)
     from zeroedge.model import build
     from zeroedge.serve.backends import DecoderDraftModel, SessionSequential
     from zeroedge.serve.engine import Engine

@@ -28,7 +28,7 @@ Composed:
                with the restricted one): E(k) / (k t_draft + t_verify(k+1)), device time only
   replayed     the shipped drafter (window, restricted head) replayed position by position on what
                SmolLM2's windowed drafter did there (agreed or not, its top probability): drafts of
-               up to k tokens ending after one below `min_confidence` (ModelDrafter.MIN_CONFIDENCE;
+               up to k tokens ending after one below `min_confidence` (DecoderDraftModel.MIN_CONFIDENCE;
                0: never), each round k' drafter steps and a check of k' + 1 rows; over the greedy
                replies (`traces`) and over greedy replies at 8K positions (`long`)
 `--replay-from RAW` recomputes `replayed` from RAW's step times on a CPU.
@@ -94,9 +94,9 @@ def replay_packed(agreed, confidence, k: int, min_confidence: float, t_draft: fl
 def replayed(ms: dict, acc: dict) -> dict:
     """The shipped drafter replayed (see the module doc) on the step times `ms` and the recorded
     acceptance `acc`: per threshold, path and recorded set, the speed-up at each k of 1..8 and the best."""
-    from zeroedge.speculative import ModelDrafter
+    from zeroedge.serve.backends import DecoderDraftModel
 
-    out = {"min_confidence_shipped": ModelDrafter.MIN_CONFIDENCE, "rows": []}
+    out = {"min_confidence_shipped": DecoderDraftModel.MIN_CONFIDENCE, "rows": []}
     t_draft = ms["packed_drafter_step_draft_vocab_window"]
     for where, rows in (("traces", acc["rows"]), ("long", acc.get("long", {}).get("rows", {}))):
         seqs = [(r["window_agreed"], r["window_confidence"]) for r in rows.values()]

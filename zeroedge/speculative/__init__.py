@@ -24,8 +24,9 @@ output is the model's, token for token, whatever the drafter proposes.
                  copied, where the caller can read them); the draft's rejected positions are
                  written over by the next round. It costs a step of its
                  own per drafted token, measured (`seconds`), so k is chosen before it drafts; a
-                 draft ends before k after a token it is unsure of (MIN_CONFIDENCE). A drafter
-                 model may score only part of the vocabulary (draft_vocabulary: its `vocab`).
+                 draft may end before k after a token it is unsure of (its model's
+                 MIN_CONFIDENCE). A drafter model may score only part of the vocabulary
+                 (draft_vocabulary: its `vocab`).
   Speculator     a drafter and the draft length: k maximises the expected tokens per unit of step
                  cost, (1 - a^(k+1)) / (1 - a) / c(k), where a is the running acceptance of drafts
                  from matches of the same length and c(k) what a step checking k tokens costs
@@ -105,15 +106,17 @@ def draft_vocabulary(vocab_size: int, prompt: Sequence[int], size: int) -> List[
 
 class ModelDrafter:
     """Greedy drafts by `model`: forward(tokens, start) -> the logits after the last of `tokens` (their
-    K/V written at start..), close(). `valid`: how many context tokens its KV holds correctly. A draft
-    ends early after a token the drafter gives less than MIN_CONFIDENCE of its probability (a token
-    it is unsure of is the one the model most often rejects: the steps after it would be wasted)."""
+    K/V written at start..), close(); optionally MIN_CONFIDENCE: a draft ends early after a token the
+    drafter gives less than that share of its probability (where the drafter is only near the model,
+    a token it is unsure of is the one the model most often rejects: the steps after it would be
+    wasted; a drafter that is nearly the model agrees even there, and sets none). `valid`: how many
+    context tokens its KV holds correctly."""
 
     WEIGHT = 0.2                # running mean of the seconds a drafted token costs
-    MIN_CONFIDENCE = 0.3
 
     def __init__(self, model, context: Sequence[int] = ()):
         self.model = model
+        self.min_confidence = getattr(model, "MIN_CONFIDENCE", 0.0)
         self.ctx: List[int] = [int(t) for t in context]
         self.valid = 0
         self._fed: List[int] = []           # draft tokens whose K/V the last draft wrote past the context
@@ -156,7 +159,7 @@ class ModelDrafter:
         token, confidence = self._next(self.ctx[self.valid:], self.valid)
         out = [token]
         self.valid = len(self.ctx)
-        while len(out) < k and confidence >= self.MIN_CONFIDENCE:
+        while len(out) < k and confidence >= self.min_confidence:
             self._fed.append(out[-1])
             token, confidence = self._next(out[-1:], len(self.ctx) + len(out) - 1)
             out.append(token)

@@ -659,7 +659,7 @@ def test_run_packed_drafter_gives_the_models_tokens():
 def test_windowed_drafter_step_in_the_graph_matches_sdpa():
     """DenseAttention's window on CUDA (the split kernel writing at the ring slot and attending over
     the filled slots, in a CUDA graph) against SDPA over the same ring, eager; and the packed drafter
-    over a ring of 4 + 60 slots gives `run` the model's own tokens."""
+    over a ring of 4 + 60 slots takes the model's K/V of 150 positions into their ring slots."""
     from zeroedge.model import build
     from zeroedge.runtime.fast import DenseDecoder
     from zeroedge.serve.backends import DecoderDraftModel

@@ -393,20 +393,18 @@ def test_windowed_drafter_attention_is_the_banded_model():
 
 @pytest.mark.parametrize("min_confidence", [0.0, 1.01])
 def test_decoder_drafter_gives_the_models_own_tokens(monkeypatch, min_confidence):
-    from zeroedge.serve.backends import DecoderDraftModel
-
     """The packed drafter `run` uses on CUDA (the dense decoder's step on packed forms, a head over a
     draft vocabulary, attending over a window), here on the CPU: the engine's output equals plain
     decoding's token for token, and its drafts were checked and some kept. A draft ends after a token
     the drafter is unsure of: with a confidence no token reaches every draft is one token long (the
     tiny model's random weights are unsure of every token: 0 lets its drafts run)."""
-    monkeypatch.setattr(DecoderDraftModel, "MIN_CONFIDENCE", min_confidence)
     from zeroedge.model import build
     from zeroedge.serve.backends import DecoderDraftModel, SessionSequential
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.plan import Plan, Sampling
     from zeroedge.serve.session import ServingSession
 
+    monkeypatch.setattr(DecoderDraftModel, "MIN_CONFIDENCE", min_confidence)
     m = build("tiny", seed=0).eval()
     sess = ServingSession(m)
     rng = random.Random(3)

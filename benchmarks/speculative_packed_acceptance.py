@@ -54,7 +54,7 @@ def main():
     from zeroedge.serve.backends import DecoderDraftModel
 
     window = a.window or DecoderDraftModel.WINDOW
-    sinks = DecoderDraftModel.SINKS if a.sinks is None else a.sinks
+    sinks = 4 if a.sinks is None else a.sinks              # DenseAttention's, the drafter's
 
     def hidden(model, ids, banded: bool):
         """The final normalised hidden states, causal, or banded: the sinks and the last `window`."""

@@ -387,8 +387,10 @@ def test_windowed_drafter_attention_is_the_banded_model():
         ring.attention.load_positions(full.attention.k[:, :, :40], full.attention.v[:, :, :40], 30)
     with pytest.raises(ValueError, match="verify runs on the dense decoder"):
         ring.verify([1, 2], 40)
-    # a window as long as the positions is the plain dense cache
+    # a window as long as the positions is the plain dense cache; an empty window is refused
     assert not DenseDecoder(m, 16, graph=False, window=12).attention.ring
+    with pytest.raises(ValueError, match="at least one position"):
+        DenseDecoder(m, 64, graph=False, window=0)
 
 
 @pytest.mark.parametrize("min_confidence", [0.0, 1.01])

@@ -538,19 +538,24 @@ class DenseAttention:
 
     def load_prefix(self, ks, vs):
         """ks, vs: per layer (nkv, P, hd) keys (RoPE applied) and values of positions 0..P-1."""
-        self.load_positions(torch.stack(list(ks)), torch.stack(list(vs)), 0)
+        for li, (k, v) in enumerate(zip(ks, vs)):       # a layer at a time: no copy of the whole prefix
+            self._store(self.k[li], self.v[li], k, v, 0)
 
     def load_positions(self, k, v, start: int) -> None:
         """k, v (layers, kv heads, n, head dim): the keys (RoPE applied) and values of positions
         start..start+n-1 (a position whose slot a later one of them takes is skipped)."""
-        n = k.shape[2]
+        self._store(self.k, self.v, k, v, start)
+
+    def _store(self, K, V, k, v, start: int) -> None:
+        """k, v into caches K, V (their positions on the next-to-last axis)."""
+        n = k.shape[-2]
         if start < 0 or start + n > self.max_len:
             raise ValueError(f"positions {start}..{start + n} are outside the cache of {self.max_len}")
         pos = torch.arange(start, start + n)
         idx = ((pos < self.sinks) | (pos >= start + n - self.window)).nonzero().squeeze(1)
         dst = self.slot_of(pos[idx]).to(self.kv.device)
-        for cache, src in ((self.k, k), (self.v, v)):
-            cache.index_copy_(2, dst, src.index_select(2, idx.to(src.device)).to(self.kv.device, self.dtype))
+        for cache, src in ((K, k), (V, v)):
+            cache.index_copy_(-2, dst, src.index_select(-2, idx.to(src.device)).to(self.kv.device, self.dtype))
 
     def before(self, pos: int):
         if not 0 <= pos < self.max_len:     # the Triton kernel would write outside the cache

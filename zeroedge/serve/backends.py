@@ -293,7 +293,7 @@ class DecoderDraftModel:
     """A `packed` drafter on CUDA: zeroedge.runtime.fast.DenseDecoder's step (one CUDA graph) over 4-bit
     packed forms of the model's own weights (runtime.fast.packed_forms: int4 g128 symmetric linears,
     an int8 head; the packed GEMV on int8-rounded inputs) made beside the model's (it reads the model's
-    embedding and norms, not its float linears). It attends over the first SINKS positions and the
+    embedding and norms, not its float linears). It attends over the first 4 positions and the
     last WINDOW (runtime.fast.DenseAttention's window), so its step reads as many K/V bytes at 8K
     positions as at 1K (on SmolLM2's greedy replies at 8K positions it agrees with the model at 0.914
     of them against 0.878 attending over all: benchmarks/speculative_packed_acceptance.py). Its KV is
@@ -302,7 +302,7 @@ class DecoderDraftModel:
     logits' ids are `vocab`."""
 
     VOCAB = 16384
-    WINDOW, SINKS = 1020, 4
+    WINDOW = 1020                           # and DenseAttention's 4 sinks
     # a draft ends after a token drafted with less probability (zeroedge.speculative.ModelDrafter): this
     # drafter agrees with SmolLM2 at 0.82; the best of 0 / 0.3 / 0.5 / 0.7 in the replay of
     # benchmarks/gpu/speculative_gpu.py
@@ -311,12 +311,12 @@ class DecoderDraftModel:
     def __init__(self, model, positions: int, forms=None, window: Optional[int] = WINDOW):
         """forms: packed_forms(model) made before (a drafter for more positions keeps them);
         window: None attends over every position."""
-        from zeroedge.runtime.fast import Decoder, DenseAttention, packed_forms
+        from zeroedge.runtime.fast import DenseDecoder, packed_forms
 
         self.forms = forms if forms is not None else packed_forms(model)
         cuda = next(model.parameters()).device.type == "cuda"
-        attention = DenseAttention(positions, window=window, sinks=self.SINKS)
-        self.dec = Decoder(model, attention, packed_forms=self.forms, int8_inputs=cuda)
+        self.dec = DenseDecoder(model, positions, packed_forms=self.forms, int8_inputs=cuda, window=window)
+        attention = self.dec.attention
         self.positions_total = positions
         self.vocab_size = model.cfg.vocab_size
         seen = (f"the first {attention.sinks} and last {attention.window} positions" if attention.ring

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 SCORERS = ("sih", "random", "norm", "oracle")
-# where each named text's passage starts (KJV and the essays past what calibration reads)
-OFFSETS = {"kjv": 300_000, "essays": 30_000}
+# where each named text's passage starts: past what any calibration here reads (24,000-64,000 tokens a text)
+OFFSETS = {"kjv": 300_000, "essays": 100_000, "licenses": 44_000}
 
 
 def genre_file(name: str, folder: Path) -> str:
@@ -112,8 +112,10 @@ def main():
         pm, pt = calib_artifact.load(path)
         own, q, rep = calib_artifact.Calibration.from_meta(pm).sih.scorer, pm["quality"], pm["report"]
         made_by = (f"zeroedge calibrate smollm2-135m {' '.join('--text ' + t for t in pm.get('texts', []))} "
-                   f"--budget {100 * q['budget']:g}% --seq-len {rep['seq_len']} --continuation {rep['continuation']} "
-                   f"--train-seqs {rep['train_sequences']} --gate-seqs {rep['heldout_sequences']} --scorer {own}")
+                   f"--budget {100 * q['budget']:g}% --tokens {pm.get('tokens_per_text', 24000)} "
+                   f"--seq-len {rep['seq_len']} --continuation {rep['continuation']} "
+                   f"--train-seqs {rep['train_sequences']} --gate-seqs {rep['heldout_sequences']} --scorer {own}"
+                   f" --max-rate {100 * q.get('max_rate', 0.9):g}%")
         gate = {"budget": q["budget"], "seq_len": rep["seq_len"], "ffn_flops_skipped_heldout": q["ffn_flops_skipped"],
                 "ppl_rise_heldout": q["ppl_rise"]}
         peers.append((made_by, gate, own, artifact_policies(pm, pt)))

@@ -30,6 +30,14 @@ from zeroedge.mechanisms.pad import LayerPolicy, ZeroRuntime, artifact_scores, f
 from zeroedge.mechanisms.sih import MA_WEIGHTS, SIHHead, head_width, rank_mask
 
 
+SKIP_RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)     # the rank rule's rates the gate chooses from
+
+
+def skip_rates(max_rate: float) -> tuple:
+    """The gate's rates up to max_rate."""
+    return tuple(r for r in SKIP_RATES if r <= max_rate + 1e-9)
+
+
 @dataclass
 class CalibConfig:
     budget: float = 0.01            # max relative held-out perplexity rise
@@ -40,7 +48,7 @@ class CalibConfig:
     anchor_rank: int = 16
     first_layer: int = 1            # layers before this are never skipped
     protect_first: int = 4
-    rates: tuple = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    rates: tuple = SKIP_RATES
     sih_steps: int = 600
     seed: int = 0
     gate_steps: int = 7             # binary-search steps against real held-out perplexity
@@ -182,7 +190,8 @@ def calibrate(model, token_lists, cfg: CalibConfig):
                           f"{e.ppl / dense - 1:+.2%} on the held-out split") from None
     _, per_layer = skipped_per_layer(chosen)
     meta, tensors = _artifact(model, cfg, policies(chosen), anchors, heads, rt, per_layer)
-    meta["quality"] = {"budget": cfg.budget, "scorer": cfg.scorer, "dense_ppl": dense, "zero_ppl": best_ppl,
+    meta["quality"] = {"budget": cfg.budget, "scorer": cfg.scorer, "max_rate": max(cfg.rates),
+                       "dense_ppl": dense, "zero_ppl": best_ppl,
                        "ppl_rise": best_ppl / dense - 1, **meta["quality"],
                        "heldout_tokens": len(held) * cfg.continuation,
                        "protocol": f"prefix {P} tokens with mechanisms, continuation {cfg.continuation} dense"}

@@ -44,21 +44,25 @@ def ffn_io_and_grads(model, ids: torch.Tensor, P: int):
         for hk in hooks:
             hk.remove()
     out = {i: (xs[i][0], ys[i].detach()[0], ys[i].grad[0]) for i in xs}
-    return out, float(loss)
+    return out, float(loss.detach())
 
 
 def collect_ffn_io(model, seqs, P: int, rows: int, log=None, tag: str = "calibrate"):
     """ffn_io_and_grads over every sequence (loss from position P), each layer's first `rows` rows
-    of x, y, g concatenated: (X, Y, G), dicts layer -> (N, D) tensors."""
+    of x, y, g one after another: (X, Y, G), dicts layer -> (len(seqs) * rows, D) tensors. Each is
+    allocated whole at the first sequence and filled in place (no pieces to concatenate: the freed
+    pieces of many sequences stayed in the process's heap)."""
     X, Y, G = ({} for _ in range(3))
     for k, ids in enumerate(seqs):
         io, loss = ffn_io_and_grads(model, torch.tensor([ids]), P)
         for i, (x, y, g) in io.items():
             for d, t in ((X, x), (Y, y), (G, g)):
-                d.setdefault(i, []).append(t[:rows])
+                if i not in d:
+                    d[i] = t.new_empty(len(seqs) * rows, t.shape[-1])
+                d[i][k * rows:(k + 1) * rows] = t[:rows]
         if log:
             log(f"[{tag}] train sequence {k + 1}/{len(seqs)}: loss {loss:.3f}")
-    return tuple({i: torch.cat(v) for i, v in d.items()} for d in (X, Y, G))
+    return X, Y, G
 
 
 @torch.no_grad()

@@ -55,16 +55,18 @@ def test_calibrate_gates_another_ranking(tiny_hf, text_file, tmp_path):
     it as the artifact's own ranking (chunks skip the rows one pass skips; the last layer skips every
     row it may), and what cannot run it says so in one line: export (the plugins run SIH heads), eval
     --scorer with a peer (peers are compared at an SIH artifact's counts), an artifact naming an
-    unknown ranking, and rank-rule layers with a rate out of [0, 1] or beside a block rule."""
+    unknown ranking, and rank-rule layers with a rate out of [0, 1] or beside a block rule. --max-rate
+    caps the rates the gate picks (the last layer, whose prompt rows nothing reads, skips them all)."""
     art = tmp_path / "norm.calib"
     p = run_cli("calibrate", tiny_hf, "--text", text_file, "--budget", "5%", "-o", art, "--json",
-                "--scorer", "norm", *SMALL, check_rc=0)
+                "--scorer", "norm", "--max-rate", "50%", *SMALL, check_rc=0)
     q = json.loads(p.stdout.strip().splitlines()[-1])
     assert q["scorer"] == "norm" and q["ppl_rise"] <= 0.05 + 1e-9
     meta = json.loads((art / "calib.json").read_text())
-    assert meta["sih"]["scorer"] == "norm"
+    assert meta["sih"]["scorer"] == "norm" and meta["quality"]["max_rate"] == 0.5
     skips = [L for L in meta["layers"] if L["skip"]]
     assert skips and all(0 < L["rate"] <= 1 and L["threshold"] is None and L["rank_block"] == 512 for L in skips)
+    assert skips[-1]["rate"] == 1.0 and all(L["rate"] <= 0.5 for L in skips[:-1])
     r = json.loads(run_cli("eval", tiny_hf, "--calib", art, "--text", text_file, "--ctx", "1200", "--json",
                            check_rc=0).stdout)
     assert r["scorer"] == "norm" and r["chunked_same_skips"] is True and "sih_zero_ppl" not in r
@@ -104,6 +106,7 @@ def test_calibrate_bad_inputs_exit_2_and_write_nothing(tiny_hf, text_file, tmp_p
         (["calibrate", tiny_hf, "--text", tmp_path / "none.txt", "-o", out], "text not found"),
         (["calibrate", tiny_hf, "--text", text_file, "--budget", "0%", "-o", out], "out of range"),
         (["calibrate", tiny_hf, "--text", text_file, "--budget", "2x", "-o", out], "not a number"),
+        (["calibrate", tiny_hf, "--text", text_file, "--max-rate", "5%", "-o", out], "--max-rate must be between"),
     ]
     short = tmp_path / "short.txt"
     short.write_text("In the beginning God created the heaven and the earth. " * 20)

@@ -59,15 +59,24 @@ from zeroedge.commands.common import check_model, examples, fraction_option, out
               help="The prompt-token ranking the quality gate's rates skip by: the SIH heads (what the bundles' "
                    "plugins run), or the FFN input's norm or a random draw, to measure what the learned "
                    "ranking buys at the same budget (`eval` measures such an artifact; `export` refuses it).")
+@fraction_option("--max-rate", "max_rate", default="90%",
+                 help="The largest share of a layer's prompt tokens the gate may skip (the last layer, whose "
+                      "prompt output nothing reads, skips them all). Lower spreads the skipping over more "
+                      "layers, where the token ranking has more to choose.")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
         anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json,
         wbits=None, group="128", symmetric=False, method="awq", embedding="int8", weights_only=False,
-        zero_point="int", scorer="sih"):
+        zero_point="int", scorer="sih", max_rate=0.9):
     """Calibrate MODEL (smollm2-135m or a path) on --text and write ARTIFACT (-o)."""
     import sys
 
     out = _check_args(model, texts_, output, seq_len, continuation, anchor_rank, wbits, symmetric, zero_point)
+    if not 0.1 <= max_rate <= 0.9:
+        from zeroedge.errors import UserError
+
+        raise UserError(f"--max-rate must be between 10% and 90% (the gate's rates are 10%, 20%, ..., 90%), "
+                        f"got {max_rate:.0%}")
     if weights_only and scorer != "sih":
         from zeroedge.errors import UserError
 
@@ -76,7 +85,7 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     import torch
 
     from zeroedge import calib_artifact, weights
-    from zeroedge.export.calibrate import CalibConfig
+    from zeroedge.export.calibrate import CalibConfig, skip_rates
 
     m, folder = weights.load(model)
     lists = _token_lists(weights.tokenizer(folder), texts_, tokens, seq_len)
@@ -84,13 +93,13 @@ def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs
     cfg = CalibConfig(budget=budget, seq_len=seq_len, continuation=continuation, train_seqs=train_seqs,
                       gate_seqs=gate_seqs, anchor_rank=anchor_rank, seed=seed,
                       importance_samples=importance_samples, gate_steps=gate_steps, scorer=scorer,
-                      log=lambda s: print(s, file=sys.stderr))
+                      rates=skip_rates(max_rate), log=lambda s: print(s, file=sys.stderr))
     wmeta, tensors = None, {}
     if wbits:
         wmeta, tensors = quantize_weights(m, lists, cfg, int(wbits[3:]), int(group), symmetric, method,
                                           embedding, seed, zero_point)
     meta = _calibrate_sections(m, lists, cfg, tensors, weights_only, with_paths, paths_costs)
-    meta["texts"] = list(texts_)
+    meta["texts"], meta["tokens_per_text"] = list(texts_), tokens
     if wmeta is not None:
         meta["weights"] = wmeta
     calib_artifact.save(out, meta, tensors)

@@ -115,7 +115,7 @@ def main():
                    f"--budget {100 * q['budget']:g}% --tokens {pm.get('tokens_per_text', 24000)} "
                    f"--seq-len {rep['seq_len']} --continuation {rep['continuation']} "
                    f"--train-seqs {rep['train_sequences']} --gate-seqs {rep['heldout_sequences']} --scorer {own}"
-                   f" --max-rate {100 * q.get('max_rate', 0.9):g}%")
+                   + (f" --max-rate {100 * q['max_rate']:g}%" if "max_rate" in q else ""))
         gate = {"budget": q["budget"], "seq_len": rep["seq_len"], "ffn_flops_skipped_heldout": q["ffn_flops_skipped"],
                 "ppl_rise_heldout": q["ppl_rise"]}
         peers.append((made_by, gate, own, artifact_policies(pm, pt)))

@@ -226,7 +226,10 @@ def _speculative_run_cpu():
 def _sih_pad():
     rows = _load("prefill/sih_rank_rule_frontier_smollm2_cpu.json")["rows"]
     gated = {(r["text"], r["scorer"]): r for r in rows if r["setting"] == "gated"}
-    before = {r["text"]: r for r in rows if r["setting"] == "calibrated" and r["scorer"] == "sih"}
+    before = {}                                          # the first peer: the threshold-rule artifact
+    for r in rows:
+        if r["setting"] == "calibrated" and r["scorer"] == "sih":
+            before.setdefault(r["text"], r)
     texts = list(dict.fromkeys(t for t, _ in gated))
     return ([_f(100 * gated[t, "sih"]["ffn_skipped"], 1) for t in texts]
             + [_pct(gated[t, scorer]["rise"]) for scorer in ("sih", "random", "norm", "oracle") for t in texts]

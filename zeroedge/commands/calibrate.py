@@ -61,8 +61,8 @@ from zeroedge.commands.common import check_model, examples, fraction_option, out
                    "ranking buys at the same budget (`eval` measures such an artifact; `export` refuses it).")
 @fraction_option("--max-rate", "max_rate", default="90%",
                  help="The largest share of a layer's prompt tokens the gate may skip (the last layer, whose "
-                      "prompt output nothing reads, skips them all). Lower spreads the skipping over more "
-                      "layers, where the token ranking has more to choose.")
+                      "prompt output nothing reads, skips them all). Lower makes the gate spread the skipping over "
+                      "more layers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the quality summary as JSON.")
 def cmd(model, texts_, budget, output, tokens, seq_len, continuation, train_seqs, gate_seqs,
         anchor_rank, seed, importance_samples, gate_steps, with_paths, paths_costs, as_json,

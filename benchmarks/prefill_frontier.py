@@ -92,7 +92,14 @@ def main():
                     help="artifacts calibrated with another --scorer at the same budget, run as they ship")
     ap.add_argument("--out", default="benchmarks/results/prefill/sih_scorers_frontier_smollm2_cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plot-from", metavar="RAW.json", help="only draw the plot of a raw file (beside it)")
     a = ap.parse_args()
+    if a.plot_from:
+        raw = Path(a.plot_from)
+        if not raw.is_file():
+            sys.exit(f"prefill_frontier: no raw file {raw}")
+        plot(raw.with_suffix(".png"), json.loads(raw.read_text())["rows"])
+        return
     torch.set_num_threads(a.threads)
 
     from zeroedge import calib_artifact, texts, weights
@@ -208,7 +215,9 @@ def plot(path, rows):
             pts = sorted((r["ffn_skipped"], 100 * r["rise"]) for r in rows
                          if r["text"] == t and r["scorer"] == scorer and r["setting"] == "uniform")
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=scorer, color=color)
+                ax.plot(*zip(*pts), marker="o", color=color)
+            if ax is axs[0][0]:
+                ax.plot([], [], marker="o", color=color, label=scorer)        # the legend's entry
             for setting, marker in (("gated", "x"), ("calibrated", "+")):
                 # gated: at the shipped artifact's counts; calibrated: another ranking through its own gate
                 g = [r for r in rows if r["text"] == t and r["scorer"] == scorer and r["setting"] == setting

@@ -15,6 +15,12 @@ checked by Decoder.verify) instead of the serving engine.
     python benchmarks/speculative_cpu.py --run-path --modes off,auto,ngram,packed --q4-peer --repeats 3 \
         -o benchmarks/results/speculative/drafters_smollm2_cpu_run_decoder.json
 
+`--kv-budget F` (with `--run-path`) decodes on thermal KV with F of the prompt's pages hot (`zeroedge
+run --kv-budget F`): the thermal decoder checks the drafts, its refreshes row by row.
+
+    python benchmarks/speculative_cpu.py --run-path --kv-budget 0.1 --prompt-tokens 2000 --repeats 2 \
+        -o benchmarks/results/speculative/ngram_smollm2_cpu_thermal_kv.json
+
 `--modes` picks the modes (packed: the model's own weights on the 4-bit CPU step draft, its fp32
 weights check: `--run-path`, or the engine with `--weights model`); `--q4-peer` also times, in the
 same rounds, the engine's plain 4-bit step (`zeroedge run --weights q4`): faster, and other tokens
@@ -86,7 +92,7 @@ def generate(engine, prompt, new: int) -> dict:
 def generate_run(sess, prompt, new: int, mode: str) -> dict:
     res = sess.generate(prompt, new, speculative=mode)
     return {"tokens": res.tokens, "decode_tok_s": res.tokens_per_s, "spec": res.detail.get("speculative"),
-            "prefill_s": res.prefill_s}
+            "prefill_s": res.prefill_s, "thermal_kv": res.mechanisms.get("thermal_kv")}
 
 
 def main():
@@ -103,7 +109,10 @@ def main():
     ap.add_argument("--modes", default="off,ngram,auto", help="speculative modes, off first")
     ap.add_argument("--weights", choices=("q4", "model"), default="q4", help="the serving engine's weights")
     ap.add_argument("--q4-peer", action="store_true", help="also the engine's plain 4-bit step, same rounds")
+    ap.add_argument("--kv-budget", type=float, help="with --run-path: thermal KV, this share of the prompt hot")
     a = ap.parse_args()
+    if a.kv_budget is not None and not a.run_path:
+        ap.error("--kv-budget measures zeroedge run's decoder: add --run-path")
 
     import torch
 
@@ -126,7 +135,7 @@ def main():
     if a.run_path:
         from zeroedge.serve.session import ServingSession
 
-        sess = ServingSession(m)
+        sess = ServingSession(m, kv_budget=a.kv_budget)
         gen = {mode: (lambda p, n, mode=mode: generate_run(sess, p, n, mode)) for mode in modes}
     else:
         from zeroedge.serve.backends import DraftModel
@@ -157,6 +166,8 @@ def main():
         row = {"task": t, "text": TASKS[t][0], "prompt_tokens": len(ps[t]), "new_tokens": len(off[0]["tokens"]),
                "off_tok_s": statistics.median(x["decode_tok_s"] for x in off),
                "off_prefill_s": statistics.median(x["prefill_s"] for x in off)}
+        if a.kv_budget is not None:             # every run of the row decoded on thermal KV
+            row["thermal_kv"] = all(x["thermal_kv"] for rs in runs[t].values() for x in rs)
         for mode in modes[1:]:
             rs = runs[t][mode]
             row[f"{mode}_tok_s"] = statistics.median(x["decode_tok_s"] for x in rs)
@@ -174,7 +185,8 @@ def main():
         print(json.dumps(row))
     for e in engines.values():
         e.stop()
-    path = "zeroedge run's dense decoder" if a.run_path else "the serving engine, batch 1"
+    path = ("the serving engine, batch 1" if not a.run_path else "zeroedge run's dense decoder"
+            if a.kv_budget is None else f"zeroedge run's thermal KV decoder ({a.kv_budget:g} of the prompt hot)")
     drafters = ("n-gram prompt lookup" if set(modes) & {"ngram", "auto"} else "") + (
         " and " if set(modes) & {"ngram", "auto"} and "packed" in modes else "") + (
         "the model's own 4-bit CPU step (packed)" if "packed" in modes else "")

@@ -223,6 +223,49 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, ahead, attn, 
     assert kb["hot"] < kb["prefix_full"] / 2
 
 
+@pytest.mark.parametrize("lag,ahead", [(0, 0), (1, 0), (0, 1)])
+def test_thermal_checks_keep_the_window_of_plain_decoding(setup, lag, ahead):
+    """Decoder.verify on the thermal decoder on CUDA (eager; the plain steps in their graphs): checks
+    of up to five rows teacher-forced, a random number of them kept each time (the next call undoes
+    the rest). Each row's logits are the plain thermal step's at that position (bf16 rounding), and
+    the window stays consistent: every slot holds its named page, the page maps agree."""
+    import random
+
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    m, ids, _, _, pre = setup
+    kv = (*_kv(pre, torch.bfloat16), [q.to("cuda") for q in pre["qcov"]])
+    plain = ThermalDecoder(m, P, G, budget=0.25, fetch=4, lag=lag, ahead=ahead)
+    plain.load_prefix(*kv)
+    want = {t: plain.step(int(ids[t]), t).float().cpu() for t in range(P, P + G)}
+    dec = ThermalDecoder(m, P, G + 4, budget=0.25, fetch=4, lag=lag, ahead=ahead)
+    dec.load_prefix(*kv)
+    att, rng, t, worst, checks = dec.attention, random.Random(0), P, 0.0, 0
+    before = att.slot_page.clone()
+    while t < P + G:
+        k = min(rng.randint(0, 4), P + G - 1 - t)
+        rows = dec.verify(ids[t:t + k + 1].tolist(), t) if k else dec.step(int(ids[t]), t)[None]
+        checks += bool(k)
+        keep = rng.randint(1, k + 1)
+        for i in range(keep):
+            got = rows[i].float().cpu()
+            assert torch.isfinite(got).all()
+            worst = max(worst, float((got - want[t + i]).norm() / want[t + i].norm()))
+        t += keep
+    att.settle(t)
+    assert checks > 5 and worst < 0.05, worst
+    assert (att.slot_page != before).any()
+    for li in range(len(m.layers)):
+        for h in range(att.nkv):
+            ps = att.page_slot[li, h]
+            assert int((ps >= 0).sum()) == att.slots
+            assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
+            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
+            named = att.slot_page[li, h].cpu()
+            bad = [s for s in range(att.slots) if not torch.equal(win[s], att.cold_k[li, h, named[s]])]
+            assert not bad, _slot_report(att, li, h, win, named, bad)
+
+
 @pytest.mark.parametrize("ahead", [1, 3])
 def test_ahead_on_the_side_stream_decides_as_inline(setup, ahead, monkeypatch):
     """ahead: the refreshes on the side stream inside the step's graph (each layer's attention waits

@@ -46,7 +46,8 @@ def test_step_cost_is_measured_from_the_steps():
     c.observe(4, 0.014)
     c.observe(4, 0.019)
     assert c.relative(4) == pytest.approx(1.5)                 # running mean 0.015 over 0.010
-    assert c.relative(3) == c.relative(6) == pytest.approx(1.5)  # not measured: as the nearest k measured
+    assert c.relative(3) == pytest.approx(1.5)                 # not measured: as the nearest k measured
+    assert c.relative(6) == pytest.approx(1.75)                # past the largest: its cost per draft token
 
 
 def _replay(spec, out, cost_ratio, free=0):
@@ -250,17 +251,26 @@ def test_run_q4_refuses_what_its_step_does_not_run(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_run_speculative_says_where_it_does_not_apply(tmp_path):
+def test_run_thermal_speculative_equals_plain(tmp_path):
+    """`zeroedge run --kv-budget` with drafts: the thermal decoder checks them, the tokens are plain
+    decoding's on the same window."""
     from zeroedge.texts import load_text
 
     f = tmp_path / "prompt.txt"
     f.write_text(load_text("kjv")[:6000])
-    r = run_cli("run", MODEL, "--prompt-file", f, "--max-new", 4, "--device", "cpu", "--speculative", "auto",
-                "--kv-budget", 0.3, "--json")
-    assert r.returncode == 0, r.stderr
-    mech = json.loads(r.stdout.strip().splitlines()[-1])["mechanisms"]
-    assert mech["thermal_kv"] is True
-    assert mech["speculative"] is False and "thermal KV" in mech["speculative_reason"]
+    outs = {}
+    for mode in ("off", "ngram"):
+        r = run_cli("run", MODEL, "--prompt-file", f, "--max-new", 32, "--device", "cpu", "--speculative", mode,
+                    "--kv-budget", 0.3, "--json")
+        assert r.returncode == 0, r.stderr
+        outs[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert outs["ngram"]["tokens"] == outs["off"]["tokens"]
+    mech, st = outs["ngram"]["mechanisms"], outs["ngram"]["speculative"]
+    assert mech["thermal_kv"] is True and mech["speculative"] == "ngram"
+    assert st["drafted"] > 0 and st["steps"] < st["tokens"], st
+
+
+def test_run_speculative_says_where_it_does_not_apply(tmp_path):
     r = run_cli("run", "--backend", "onnxruntime", "--bundle", tmp_path, "--speculative", "ngram", "--prompt", "x")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "logits only" in r.stderr
     r = run_cli("run", MODEL, "--speculative", "sometimes", "--prompt", "x")
@@ -311,8 +321,58 @@ def test_decoder_verify_rows_match_its_steps():
     with pytest.raises(ValueError):
         b.verify([1, 2, 3], 62)
     th = ThermalDecoder(m, 160, 8, graph=False, budget=0.5, page_size=8)
-    with pytest.raises(ValueError):
-        th.verify([1, 2], 160)
+    with pytest.raises(ValueError):                 # more rows than the window has room for
+        th.verify(list(range(9)), 160)
+
+
+@pytest.mark.parametrize("thermal", [{}, {"lag": 1}, {"ahead": 1}, {"cold": "int8"},
+                                     {"cold": "int4", "refresh_every": 3}])
+def test_thermal_verify_keeps_plain_decodings_window(thermal):
+    """The thermal decoder checks drafts row by row through its refreshes: greedy tokens equal plain
+    decoding's, and once the next call settles a check the window (page tables, slot pages, refresh
+    count) is the one plain decoding left after the same tokens, whatever the draft got wrong."""
+    from zeroedge.model import build, chunked_prefill
+    from zeroedge.runtime.fast import ThermalDecoder
+
+    m = build("tiny", seed=0).eval()
+    P, N = 160, 30
+    prompt = torch.randint(0, 256, (P + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ks, vs, qcov = chunked_prefill(m, prompt[:P], 64)
+
+    def decoder():
+        d = ThermalDecoder(m, P, N + 8, graph=False, budget=0.2, page_size=8, **{"fetch": 1, **thermal})
+        d.load_prefix(ks, vs, qcov)
+        return d
+
+    plain, toks, want = decoder(), [prompt[P]], []
+    for i in range(N):
+        want.append(plain.step(toks[-1], P + i).clone())
+        toks.append(int(want[-1].argmax()))
+    spec, out, rng, checks, rejected = decoder(), [prompt[P]], random.Random(0), 0, 0
+    while len(out) <= N:
+        truth = toks[len(out):len(out) + rng.randint(0, 4)]
+        draft = [t if rng.random() < 0.7 else (t + 1) % 256 for t in truth]
+        pos = P + len(out) - 1
+        rows = spec.verify([out[-1]] + draft, pos) if draft else spec.step(out[-1], pos)[None]
+        checks += bool(draft)
+        for i in range(rows.shape[0]):
+            torch.testing.assert_close(rows[i], want[len(out) - 1], atol=1e-4, rtol=1e-4)
+            out.append(int(rows[i].argmax()))
+            if i >= len(draft) or out[-1] != draft[i] or len(out) > N:
+                rejected += i < len(draft)
+                break
+    assert out == toks and checks > 5 and rejected > 2
+    spec.attention.settle(P + N)
+    a, b = plain.attention, spec.attention
+    for name in ("slot_page", "page_slot", "wpos"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.kv[..., :a.gen0, :], b.kv[..., :b.gen0, :])         # sink, recent and slot pages
+    torch.testing.assert_close(a.kv[..., a.gen0:a.gen0 + N, :], b.kv[..., b.gen0:b.gen0 + N, :])
+    assert (a.gen, a.refreshes) == (b.gen, b.refreshes)
+    spec.verify([1, 2], P + N)
+    with pytest.raises(ValueError, match="next position"):    # the check's rows kept: 1 or 2, not 3
+        spec.step(1, P + N + 3)
 
 
 def test_draft_vocabulary_keeps_the_prompts_ids_and_the_lowest():
@@ -385,7 +445,7 @@ def test_windowed_drafter_attention_is_the_banded_model():
     assert torch.equal(ring.attention.v[:, :, slots[kept]], full.attention.v[:, :, kept])
     with pytest.raises(ValueError, match="outside the cache"):
         ring.attention.load_positions(full.attention.k[:, :, :40], full.attention.v[:, :, :40], 30)
-    with pytest.raises(ValueError, match="verify runs on the dense decoder"):
+    with pytest.raises(ValueError, match="verify runs on the dense and thermal decoders"):
         ring.verify([1, 2], 40)
     # a window as long as the positions is the plain dense cache; an empty window is refused
     assert not DenseDecoder(m, 16, graph=False, window=12).attention.ring

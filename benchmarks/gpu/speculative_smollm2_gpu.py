@@ -5,6 +5,9 @@ interleaved, on the five prompts of benchmarks/speculative_cpu.py (their token i
     PYTHONPATH=$PWD python3 benchmarks/gpu/speculative_smollm2_gpu.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --traces benchmarks/results/speculative/smollm2_greedy_traces.json -o OUT
 
+`--kv-budget F`: `run`'s thermal KV decoder with F of each prompt's pages hot (its check runs the
+rows' refreshes and attention row by row, eagerly) instead of the dense one.
+
 `--engine`: the same through `zeroedge serve`'s engine instead (TorchBatched on CUDA, batch 1; `packed`
 drafts with serve.backends.DecoderDraftModel).
 
@@ -34,8 +37,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine", action="store_true", help="the serving engine instead of run's decoder")
     ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32: a check of the script)")
+    ap.add_argument("--kv-budget", type=float, help="run's thermal KV decoder, this share of the prompt hot")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
+    if a.kv_budget is not None and a.engine:
+        ap.error("--kv-budget measures run's decoder, not the engine")
 
     from zeroedge.serve.session import ServingSession
     from zeroedge.weights import resolve_model
@@ -45,7 +51,7 @@ def main():
     prompts = {name: tr["prompt"] for name, tr in json.loads(Path(a.traces).read_text())["traces"].items()}
     modes = a.modes.split(",")
     assert modes[0] == "off", "--modes starts with off (the speed-ups are over it)"
-    generate = engine_generator(m, modes) if a.engine else ServingSession(m).generate
+    generate = engine_generator(m, modes) if a.engine else ServingSession(m, kv_budget=a.kv_budget).generate
     longest = max(prompts.values(), key=len)
     for mode in modes:                                  # warm-up: graphs, the drafter at its largest
         generate(longest, a.new, speculative=mode)
@@ -67,10 +73,12 @@ def main():
                          "acceptance_rate": st.get("acceptance_rate"), "tokens_per_step": st.get("tokens_per_step"),
                          "tokens_as_off_before_a_difference": min(first_difference(r.tokens, o.tokens)
                                                                   for r, o in zip(rs, off)),
-                         "drafter": rs[-1].mechanisms.get("speculative_drafter")}
+                         "drafter": rs[-1].mechanisms.get("speculative_drafter"),
+                         "thermal_kv": rs[-1].mechanisms.get("thermal_kv")}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    path = "zeroedge serve's engine (batch 1)" if a.engine else "zeroedge run's decoder"
+    path = ("zeroedge serve's engine (batch 1)" if a.engine else "zeroedge run's decoder" if a.kv_budget is None
+            else f"zeroedge run's thermal KV decoder ({a.kv_budget:g} of the prompt hot)")
     res = {"what": f"speculative decoding end to end through {path} on a GPU, real SmolLM2",
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
            "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, its values in bf16), real weights",

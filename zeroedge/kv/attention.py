@@ -244,6 +244,7 @@ class ThermalAttention:
             self.page_bias[n - self.recent_pages:] = float("-inf")
         self.hk = self.hv = None
         self.gen = 0
+        self._check = None                      # the last speculative check, until the next call settles it
         self.widx = torch.zeros(1, dtype=torch.long, device=device)
         self.ar_slots = torch.arange(self.slots, device=device)
         # per-block shares of each query head's log-sum-exp over pages, written by the sketch kernel
@@ -364,6 +365,7 @@ class ThermalAttention:
         return w[li, :, self.slot0:self.gen0]
 
     def before(self, pos: int):
+        self.settle(pos)
         i = self.gen0 + self.gen
         if i >= self.win_len:
             raise ValueError(f"generated more than the {self.gen_len} tokens planned")
@@ -424,18 +426,21 @@ class ThermalAttention:
 
         return page_scores_ref(self._page_lse(li, q), self.page_bias)
 
-    def _swap(self, li, q, rope=None):
+    def _swap(self, li, q, rope=None, lse=None):
         """Up to `fetch` swaps a kv head: best missing page in, worst resident page out while the
         new one scores higher; the fetched pages' K and V go from the cold store into the slots.
-        rope: (cos, sin, pos) when q is before RoPE."""
+        rope: (cos, sin, pos) when q is before RoPE; lse: the pages' sketch log-sum-exps from q,
+        computed before (_page_lse; then q is not read)."""
         from zeroedge.kv.kernels import swap_pages
 
         S, pe = self.slots, self.ps * self.hd
-        part = self.lse_parts[li % 2] if self.lse_parts is not None else None
+        part = self.lse_parts[li % 2] if self.lse_parts is not None and lse is None else None
+        if lse is None:
+            lse = self._page_lse(li, q, part, rope)
         wk = self._slots(self.wk, li).view(self.nkv, S, pe)
         wv = self._slots(self.wv, li).view(self.nkv, S, pe)
         if self.host_fetch is not None:         # a cold store in a file: decide, read on the host, apply
-            self.host_fetch.decide(self._page_lse(li, q, part, rope), self.page_bias, self.page_slot[li], part)
+            self.host_fetch.decide(lse, self.page_bias, self.page_slot[li], part)
             (self.on_host_read or self.host_read)(li)
             self.host_fetch.apply(self.page_slot[li], self.slot_page[li], wk, wv)
             return
@@ -443,7 +448,7 @@ class ThermalAttention:
         hv = self.hv[li].view(self.nkv, self.n, -1)
         scales = None if self.cold == "host" else (self.cold_ks[li].view(self.nkv, self.n, -1),
                                                     self.cold_vs[li].view(self.nkv, self.n, -1))
-        swap_pages(self._page_lse(li, q, part, rope), self.page_bias, self.page_slot[li],
+        swap_pages(lse, self.page_bias, self.page_slot[li],
                    self.slot_page[li], wk, wv, hk, hv, self.fetch, part=part, scales=scales,
                    bits=None if self.cold == "host" else self.cold_bits)
 
@@ -525,6 +530,132 @@ class ThermalAttention:
             return
         with torch.cuda.stream(self._fork(li)):
             self._swap(li, self.qbuf[li])
+
+    # -- a speculative check (Decoder.verify): rows at positions pos.. in one pass, each as its own plain
+    # step would run (its refresh, then its attention over the window as that refresh left it), so the
+    # rows go through a layer one after the other; the next call settles how many rows were kept ---------
+    def verify_begin(self, pos: int, T: int) -> list:
+        """Places T rows at positions pos.. (window indices, positions) and returns each row's refresh
+        flag, taken as its plain step would take it (flag)."""
+        if self.host_fetch is not None:
+            raise ValueError("a check of several rows needs the cold store in memory, not in a file")
+        self.settle(pos)
+        if T < 1 or self.gen + T > self.gen_len or pos < 0 or pos + T > self.max_len:
+            raise ValueError(f"a check of {T} rows at position {pos} does not fit the window "
+                             f"({self.gen_len - self.gen} generated tokens left)")
+        first, flags, counters = self.gen, [], []
+        for j in range(T):
+            self.before(pos + j)
+            flags.append(self.flag(pos + j))
+            counters.append((self.refreshes, self.deferred, self._owed))
+        # tables[li][j]: layer li's slot pages after row j's refresh (None: row j did not refresh)
+        self._check = dict(pos=pos, first=first, T=T, flags=flags, counters=counters,
+                           start=[None] * self.L, tables=[[None] * T for _ in range(self.L)],
+                           predicted=[[None] * T for _ in range(self.L)])
+        return flags
+
+    def verify_predict(self, li, x, predict, pos):
+        """The check's `layer_input` (ahead only): the predicted queries of the layers layer li's input
+        x (T rows) scores pages for, one per row (predict(t, row, pos) -> query, rope), kept until
+        those layers' rows attend."""
+        c = self._check
+        if not self.ahead or not any(c["flags"]):
+            return
+        targets = range(1, min(self.ahead, self.L - 1) + 1) if li == 0 else (
+            [li + self.ahead] if li + self.ahead < self.L else [])
+        for t in targets:
+            c["predicted"][t] = [predict(t, x[j:j + 1], pos[j:j + 1]) if f else None
+                                 for j, f in enumerate(c["flags"])]
+
+    def verify_attend(self, li, q, kv, pos) -> torch.Tensor:
+        """q (T, H, hd) after RoPE, kv (2, T, nkv, hd) of the check's rows at positions pos (T,) ->
+        (T, H, hd): every row's K/V into the window and every refreshing row's page scores (the
+        sketch read once for all rows: it does not change), then row by row its swaps (lag 0:
+        before its attention, from its query or with ahead the predicted one; lag 1 and ahead's
+        layer 0: after) and its attention over the window's positions up to its own."""
+        c = self._check
+        T = q.shape[0]
+        at = torch.arange(self.gen0 + c["first"], self.gen0 + c["first"] + T, device=self.device)
+        self.wk[li].index_copy_(1, at, kv[0].transpose(0, 1))
+        self.wv[li].index_copy_(1, at, kv[1].transpose(0, 1))
+        flags, late = c["flags"], self._late(li)
+        lse = self._check_lse(li, q, [j for j in range(T) if flags[j]])
+        if lse:
+            c["start"][li] = self.slot_page[li].clone()
+        out = []
+        for j in range(T):
+            if flags[j] and not late:
+                self._swap(li, None, lse=lse[j])
+            mask = additive_mask((self.wpos >= 0) & (self.wpos <= pos[j]), self.dtype).view(1, 1, 1, -1)
+            out.append(F.scaled_dot_product_attention(q[j].view(1, self.H, 1, self.hd), self.wk[li][None],
+                                                      self.wv[li][None], attn_mask=mask, enable_gqa=True))
+            if flags[j] and late:
+                self._swap(li, None, lse=lse[j])
+            if flags[j]:
+                c["tables"][li][j] = self.slot_page[li].clone()
+        return torch.cat(out).view(T, self.H, self.hd)
+
+    def _check_lse(self, li, q, rows) -> dict:
+        """{row: (nkv, grp, n) page log-sum-exps} for the check's refreshing rows of layer li, in one
+        sketch pass: from each row's query q[row] (after RoPE), or with ahead (layers past 0) its
+        predicted one."""
+        from zeroedge.kv.kernels import rope_rows
+
+        if not rows:
+            return {}
+        if self.ahead and li > 0:
+            qs = torch.stack([rope_rows(pq, *rope) for pq, rope in (self._check["predicted"][li][j] for j in rows)])
+        else:
+            qs = q[rows]
+        n, grp = len(rows), self.H // self.nkv
+        qs = qs.view(n, self.nkv, grp, self.hd).transpose(0, 1).reshape(self.nkv * n * grp, self.hd)
+        lse = self._page_lse(li, qs).view(self.nkv, n, grp, -1)
+        return {j: lse[:, i] for i, j in enumerate(rows)}
+
+    def settle(self, pos: int) -> None:
+        """The call after a check comes at position pos: the check's rows before pos are kept; the
+        rest are undone (their window entries, their refreshes: slot pages back to what the last
+        kept row left, fetched again from the cold store, and the refresh counters)."""
+        c, self._check = self._check, None
+        if c is None:
+            return
+        kept = pos - c["pos"]
+        if not 1 <= kept <= c["T"]:
+            raise ValueError(f"after a check of {c['T']} rows at position {c['pos']} the next position is "
+                             f"{c['pos'] + 1}..{c['pos'] + c['T']}, not {pos}")
+        if kept == c["T"]:
+            return
+        self.gen = c["first"] + kept
+        self.wpos[self.gen0 + self.gen:self.gen0 + c["first"] + c["T"]] = -1
+        self.refreshes, self.deferred, self._owed = c["counters"][kept - 1]
+        for li in range(self.L):
+            if c["start"][li] is None:
+                continue
+            back = next((t for t in reversed(c["tables"][li][:kept]) if t is not None), c["start"][li])
+            self._restore(li, back)
+
+    def _restore(self, li, slot_page):
+        """Layer li's slot pages set to `slot_page` (nkv, S): the slots that differ take their page from
+        the cold store, as a fetch brings it (swap_pages), and the page table follows."""
+        from zeroedge.kv.tiers import dequantize
+
+        cur = self.slot_page[li]
+        h, s = torch.nonzero(cur != slot_page, as_tuple=True)
+        if h.numel() == 0:
+            return
+        page = slot_page[h, s]
+        cur[h, s] = page
+        self.page_slot[li].fill_(-1)
+        self.page_slot[li].scatter_(1, cur, self.ar_slots[None].expand(self.nkv, -1).contiguous())
+        pe = self.ps * self.hd
+        for w, cold, sc in ((self.wk, self.hk, self.cold_ks), (self.wv, self.hv, self.cold_vs)):
+            slots = self._slots(w, li).view(self.nkv, self.slots, pe)
+            src = cold[li].view(self.nkv, self.n, -1)[h, page]
+            if sc is None:
+                slots[h, s] = src.to(slots.dtype)
+            else:
+                scale = sc[li].view(self.nkv, self.n, -1)[h, page]
+                slots[h, s] = dequantize(src, scale, self.cold_bits, pe // scale.shape[-1], slots.dtype)
 
     def finish(self):
         """End of a step: the step (and its CUDA graph) waits for the side streams' refreshes (only

@@ -406,10 +406,13 @@ class Decoder:
         against this decoder's dense cache, which takes their K/V; -> (len(tokens), vocab) logits,
         one row per position: the check of a speculative draft (zeroedge.speculative). On CUDA one
         graph per number of tokens, captured at first use and replayed at any position. Positions
-        past the ones kept are written again by the next step."""
+        past the ones kept are written again by the next step. On the thermal decoder each row's
+        refresh runs as its plain step's would (ThermalAttention.verify_attend; eager, no graph), and
+        the next step or check undoes the rows it does not keep (ThermalAttention.settle)."""
         att = self.attention
-        if not isinstance(att, DenseAttention) or att.ring or self.ffn is not None:
-            raise ValueError("verify runs on the dense decoder (no thermal KV, no window, no decode paths)")
+        thermal = isinstance(att, ThermalAttention)
+        if self.ffn is not None or not (thermal or (isinstance(att, DenseAttention) and not att.ring)):
+            raise ValueError("verify runs on the dense and thermal decoders (no window, no decode paths)")
         T = len(tokens)
         if T < 1 or pos < 0 or pos + T > self.max_len:
             raise ValueError(f"positions {pos}..{pos + T} are outside the cache of {self.max_len}")
@@ -417,6 +420,10 @@ class Decoder:
         if buf is None:
             buf = self._verify_tok[T] = torch.zeros(T, dtype=torch.long, device=self.device)
         buf.copy_(torch.tensor(list(tokens)))
+        if thermal:
+            att.verify_begin(pos, T)
+            with torch.no_grad():
+                return self._verify_thermal(buf, pos)
         self.pos.fill_(int(pos))
         key = ("verify", T)
         if not self.graph_wanted:
@@ -462,6 +469,30 @@ class Decoder:
             att.kv[li].index_copy_(2, p, torch.stack((qk[:, H:], qkv[:, H + nkv:])).transpose(1, 2))
             o = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], att.k[li][None],
                                                att.v[li][None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+            x, qkv = lin.boundary(li + 1, x, o.reshape(T, H * hd))
+        return lin.head(x).float()
+
+    def _verify_thermal(self, tok, pos: int):
+        """Decoder.verify's rows on the thermal window: the linears over all rows at once, the
+        attention (and the refreshes) row by row (ThermalAttention.verify_attend)."""
+        att, T, H, nkv, hd = self.attention, tok.numel(), self.H, self.nkv, self.hd
+        lin = self.verify_linears
+        p = pos + torch.arange(T, device=self.device)
+        cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
+
+        def predict(t, row, at):
+            """Layer t's query (before RoPE) from one row of a layer's input, as the plain step's."""
+            wt = self.W.layers[t]
+            b = None if wt["bqkv"] is None else wt["bqkv"][:H * hd]
+            q = packed.linear(row, wt["wqkv"][:H * hd], b, norm=(wt["ln1"], wt["eps1"]))
+            return q.view(-1, hd)[:H], (self.cos, self.sin_signed, at)
+
+        x, qkv = lin.boundary(0, self.m.embed_tokens(tok))
+        for li in range(att.L):
+            att.verify_predict(li, x, predict, p)
+            qkv = qkv.view(T, H + 2 * nkv, hd)
+            qk = torch.addcmul(qkv[:, :H + nkv] * cos, qkv[:, :H + nkv].roll(hd // 2, -1), sin)
+            o = att.verify_attend(li, qk[:, :H], torch.stack((qk[:, H:], qkv[:, H + nkv:])), p)
             x, qkv = lin.boundary(li + 1, x, o.reshape(T, H * hd))
         return lin.head(x).float()
 

@@ -173,11 +173,17 @@ class SessionSequential:
     max_batch = 1
     min_rows = 1
     prefill_chunk = None
+    # a thermal KV check's row, in plain steps, until the engine has timed checks (zeroedge.speculative.
+    # StepCost): each row runs its own refresh and attention (SmolLM2 at 2,000 positions, 2 CPU cores:
+    # 0.27-0.34)
+    THERMAL_ROW_COST = 0.35
 
-    def __init__(self, session, ctx: int):
-        """ctx: the longest request served (the session's context at most)."""
+    def __init__(self, session, ctx: int, thermal: bool = False):
+        """ctx: the longest request served (the session's context at most); thermal: the requests
+        decode on thermal KV."""
         self.session = session
-        self.verifies = session.backend == "torch"      # the dense torch decoder checks drafts
+        self.verifies = session.backend == "torch"      # the torch decoders check drafts
+        self.row_cost = self.THERMAL_ROW_COST if thermal else None
         self.min_prompt = 1 if session.backend == "torch" else 2   # a bundle's prefill graph takes two or more
         self.positions_total = min(ctx, session.context)
         if session.backend == "torch":

@@ -83,7 +83,8 @@ class Engine:
             raise ValueError("speculative packed needs a draft model")
         self.draft_model = draft_model
         self.spec_stats = SpecStats()           # of finished requests
-        self.step_cost = StepCost()             # measured on the steps without prefill
+        # measured on the steps without prefill; until then a row costs the backend's row_cost, if any
+        self.step_cost = StepCost(getattr(backend, "row_cost", None))
         self._rows_timed = set()                # row counts of the decode steps it has run
         self.waiting: collections.deque = collections.deque()
         self.running: List[Sequence] = []

@@ -485,8 +485,9 @@ class ServingSession:
                 plan.sih_pad = True
         if speculative != "off":
             cuda = next(self.model.parameters()).device.type == "cuda"
-            why = ("thermal KV: its decoder checks one token a step" if plan.thermal_kv
-                   else "decode paths: their decoder checks one token a step" if plan.paths
+            why = ("decode paths: their decoder checks one token a step" if plan.paths
+                   else "thermal KV with its cold store in a file: a check's refreshes read it row by row"
+                   if plan.thermal_kv and "spill_dir" in self.thermal_opts
                    else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
                    if self.weights is not None and cuda else None)
             if why is None and speculative == "packed":
@@ -520,7 +521,7 @@ class ServingSession:
         T = len(prompt)
         request = Plan(prompt, Sampling(max_new, temperature, 1.0, seed), T + max_new, 0,
                        eos=() if eos is None else (int(eos),), session_plan=plan)
-        backend = SessionSequential(self, T + max_new)
+        backend = SessionSequential(self, T + max_new, thermal=plan.thermal_kv)
         draft = self._draft_model(T + max_new) if plan.speculative == "packed" else None
         try:
             seq = Engine(backend, speculative=plan.speculative or "off", draft_model=draft).run(request)
@@ -752,8 +753,9 @@ class TorchDecoding:
     """A request on the torch backend: the decoder its plan chose (one attention strategy, one FFN),
     filled by the prompt's prefill up to its last whole page (exact, or into a compressed cold store)
     and the prompt's tail teacher-forced through the decode step (with the decode mechanisms); then
-    one token a step, or (the dense decoder) a draft checked in one step (Decoder.verify). Thermal
-    page swaps are counted as they happen."""
+    one token a step, or a draft checked in one step (Decoder.verify; the dense and thermal
+    decoders). Thermal page swaps are counted as the steps make them (a check's, once the next call
+    has undone those of the rows it did not keep)."""
 
     def __init__(self, session: ServingSession, prompt: List[int], max_new: int, plan: RunPlan):
         self.s, self.prompt, self.max_new, self.plan = session, prompt, max_new, plan

@@ -199,8 +199,10 @@ class StepCost:
     same for 1 row or 9; a CPU pays for each row, and its matrix library may take a k+1-row product
     faster than a smaller one). Until a draft was checked, a k costs `prior` per row."""
 
-    def __init__(self, prior: float = 0.1, weight: float = 0.2):
-        self.prior, self.w = prior, weight
+    PRIOR = 0.1
+
+    def __init__(self, prior: Optional[float] = None, weight: float = 0.2):
+        self.prior, self.w = self.PRIOR if prior is None else prior, weight
         self.seconds: Dict[int, float] = {}         # draft tokens -> running mean of the step's seconds
 
     def observe(self, draft_rows: int, seconds: float) -> None:
@@ -209,13 +211,17 @@ class StepCost:
 
     def relative(self, k: int) -> float:
         """A step checking k draft tokens, in steps without drafts (a k not measured yet: as the
-        nearest one measured, else the prior)."""
+        nearest one measured, or past the largest one measured at that one's cost per draft token,
+        else the prior)."""
         plain = self.seconds.get(0)
         if k == 0:
             return 1.0
         seen = [j for j in self.seconds if j > 0]
         if plain is None or plain <= 0 or not seen:
             return 1 + self.prior * k
+        top = max(seen)
+        if k > top:                     # a check whose rows each cost their own work grows with k
+            return 1 + max(0.0, self.seconds[top] / plain - 1) * k / top
         return self.seconds[min(seen, key=lambda j: (abs(j - k), j))] / plain
 
 

@@ -297,6 +297,9 @@ def test_packed_drafter_says_where_it_does_not_run():
     assert capped.speculative is False and "memory cap" in capped.speculative_reason
     half = ServingSession(m.bfloat16()).plan(10, 4, speculative="packed")
     assert half.speculative is False and "float32" in half.speculative_reason
+    thermal = ServingSession(m, kv_budget=0.2).plan(400, 4, speculative="packed")
+    assert thermal.thermal_kv and thermal.speculative is False and "thermal KV" in thermal.speculative_reason
+    assert ServingSession(m, kv_budget=0.2).plan(400, 4, speculative="ngram").speculative == "ngram"
 
 
 def test_decoder_verify_rows_match_its_steps():

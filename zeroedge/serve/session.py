@@ -491,7 +491,9 @@ class ServingSession:
                    else "packed GEMV on int8-rounded inputs: a check by the fp weights would be another model"
                    if self.weights is not None and cuda else None)
             if why is None and speculative == "packed":
-                why = ("the model decodes on its artifact's 4-bit weights already" if self.weights is not None
+                why = ("thermal KV: the packed drafter takes the prompt's K/V from the dense cache"
+                       if plan.thermal_kv
+                       else "the model decodes on its artifact's 4-bit weights already" if self.weights is not None
                        else "a device memory cap: the drafter's weights and KV are not in its forecast"
                        if self.device_memory is not None
                        else "the 4-bit CPU step drafts for a float32 model"

@@ -210,15 +210,7 @@ def test_tight_thermal_budget_swaps_pages_in_the_graph(setup, lag, ahead, attn, 
     before = att.slot_page.clone()
     _run(dec, ids, ref)
     assert (att.slot_page != before).any()                         # pages moved inside the replays
-    for li in range(len(m.layers)):
-        for h in range(att.nkv):
-            ps = att.page_slot[li, h]
-            assert int((ps >= 0).sum()) == att.slots
-            assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
-            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
-            named = att.slot_page[li, h].cpu()
-            bad = [s for s in range(att.slots) if not torch.equal(win[s], att.cold_k[li, h, named[s]])]
-            assert not bad, _slot_report(att, li, h, win, named, bad)          # each slot: its page
+    _assert_window_consistent(att)
     kb = dec.device_kv_bytes()
     assert kb["hot"] < kb["prefix_full"] / 2
 
@@ -255,15 +247,7 @@ def test_thermal_checks_keep_the_window_of_plain_decoding(setup, lag, ahead):
     att.settle(t)
     assert checks > 5 and worst < 0.05, worst
     assert (att.slot_page != before).any()
-    for li in range(len(m.layers)):
-        for h in range(att.nkv):
-            ps = att.page_slot[li, h]
-            assert int((ps >= 0).sum()) == att.slots
-            assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
-            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
-            named = att.slot_page[li, h].cpu()
-            bad = [s for s in range(att.slots) if not torch.equal(win[s], att.cold_k[li, h, named[s]])]
-            assert not bad, _slot_report(att, li, h, win, named, bad)
+    _assert_window_consistent(att)
 
 
 @pytest.mark.parametrize("ahead", [1, 3])
@@ -320,6 +304,19 @@ def test_pages_or_ranks_off_the_sketch_kernels_tiles_take_the_reference(setup, p
             win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
             named = att.slot_page[li, h].cpu()
             assert all(torch.equal(win[s], att.cold_k[li, h, named[s]]) for s in range(att.slots))
+
+
+def _assert_window_consistent(att):
+    """Every slot holds the page its table names (from the host cold store); the page maps agree."""
+    for li in range(att.L):
+        for h in range(att.nkv):
+            ps = att.page_slot[li, h]
+            assert int((ps >= 0).sum()) == att.slots
+            assert all(int(ps[p]) == s for s, p in enumerate(att.slot_page[li, h].tolist()))
+            win = att._slots(att.wk, li)[h].view(att.slots, att.ps, -1).cpu()
+            named = att.slot_page[li, h].cpu()
+            bad = [s for s in range(att.slots) if not torch.equal(win[s], att.cold_k[li, h, named[s]])]
+            assert not bad, _slot_report(att, li, h, win, named, bad)          # each slot: its page
 
 
 def _slot_report(att, li, h, win, named, bad) -> str:

@@ -300,6 +300,8 @@ def test_packed_drafter_says_where_it_does_not_run():
     thermal = ServingSession(m, kv_budget=0.2).plan(400, 4, speculative="packed")
     assert thermal.thermal_kv and thermal.speculative is False and "thermal KV" in thermal.speculative_reason
     assert ServingSession(m, kv_budget=0.2).plan(400, 4, speculative="ngram").speculative == "ngram"
+    spill = ServingSession(m, kv_budget=0.2, thermal_opts={"spill_dir": "unused"}).plan(400, 4, speculative="ngram")
+    assert spill.thermal_kv and spill.speculative is False and "in a file" in spill.speculative_reason
 
 
 def test_decoder_verify_rows_match_its_steps():

@@ -500,11 +500,7 @@ class ThermalAttention:
         predict(layer, x) -> (query, rope or None) gives; on CUDA on the side stream."""
         if not (flag and self.ahead):
             return
-        if li == 0:
-            targets = range(1, min(self.ahead, self.L - 1) + 1)
-        else:
-            targets = [li + self.ahead] if li + self.ahead < self.L else []
-        for t in targets:
+        for t in self._ahead_targets(li):
             if not self._refresh_beside:
                 self._swap(t, *predict(t, x))
                 continue
@@ -513,6 +509,13 @@ class ThermalAttention:
             with torch.cuda.stream(side):
                 self._swap(t, *predict(t, x))
                 self.ready[t].record()
+
+    def _ahead_targets(self, li):
+        """The layers whose pages are scored from layer li's input (ahead): li + ahead; at layer 0,
+        layers 1..ahead."""
+        if li == 0:
+            return range(1, min(self.ahead, self.L - 1) + 1)
+        return [li + self.ahead] if li + self.ahead < self.L else []
 
     def _fork(self, li):
         """Layer li's side stream (even or odd), made to wait for the step's work so far."""
@@ -561,9 +564,7 @@ class ThermalAttention:
         c = self._check
         if not self.ahead or not any(c["flags"]):
             return
-        targets = range(1, min(self.ahead, self.L - 1) + 1) if li == 0 else (
-            [li + self.ahead] if li + self.ahead < self.L else [])
-        for t in targets:
+        for t in self._ahead_targets(li):
             c["predicted"][t] = [predict(t, x[j:j + 1], pos[j:j + 1]) if f else None
                                  for j, f in enumerate(c["flags"])]
 

@@ -312,14 +312,7 @@ class Decoder:
         hook = getattr(self.attention, "layer_input", None)
 
         def predict(t, xx):
-            """Layer t's query (before RoPE) from input xx, and the RoPE to apply (thermal ahead)."""
-            wt = self.W.layers[t]
-            rows, b = self.H * self.hd, wt["bqkv"]
-            # the query's rows only (views)
-            w = wt["wqkv"][:rows] if self.packed_layers is None else self.packed_layers[t]["wqkv"].rows(0, rows)
-            b = None if b is None else b[:rows]
-            q = packed.linear(xx, w, b, norm=(wt["ln1"], wt["eps1"]), int8_inputs=self.int8_inputs)
-            return q.view(-1, self.hd)[:self.H], (self.cos, self.sin_signed, self.pos)
+            return self._predicted_query(t, xx, self.pos)
 
         for li, w in enumerate(self.W.layers):
             pw = w if self.packed_layers is None else self.packed_layers[li]
@@ -340,6 +333,18 @@ class Decoder:
             logits = F.linear(m.norm(x), m.lm_head.weight if head is None else head)[0]
         self.attention.finish()
         return logits
+
+    def _predicted_query(self, t, x, at, fp: bool = False):
+        """Layer t's query (before RoPE) from input x (thermal ahead), and the RoPE to apply at
+        position `at` (a one-element device tensor): the query's rows of the fused q/k/v weights
+        (views), packed where the step reads packed weights and not `fp`."""
+        wt = self.W.layers[t]
+        rows, b = self.H * self.hd, wt["bqkv"]
+        use_packed = self.packed_layers is not None and not fp
+        w = self.packed_layers[t]["wqkv"].rows(0, rows) if use_packed else wt["wqkv"][:rows]
+        b = None if b is None else b[:rows]
+        q = packed.linear(x, w, b, norm=(wt["ln1"], wt["eps1"]), int8_inputs=self.int8_inputs and use_packed)
+        return q.view(-1, self.hd)[:self.H], (self.cos, self.sin_signed, at)
 
     def restrict_head(self, ids) -> None:
         """From now on the step's logits are for these vocabulary ids only, in their order (a drafter's
@@ -480,12 +485,8 @@ class Decoder:
         p = pos + torch.arange(T, device=self.device)
         cos, sin = self.cos.index_select(0, p)[:, None], self.sin_signed.index_select(0, p)[:, None]
 
-        def predict(t, row, at):
-            """Layer t's query (before RoPE) from one row of a layer's input, as the plain step's."""
-            wt = self.W.layers[t]
-            b = None if wt["bqkv"] is None else wt["bqkv"][:H * hd]
-            q = packed.linear(row, wt["wqkv"][:H * hd], b, norm=(wt["ln1"], wt["eps1"]))
-            return q.view(-1, hd)[:H], (self.cos, self.sin_signed, at)
+        def predict(t, row, at):                # the check's linears are the fp weights
+            return self._predicted_query(t, row, at, fp=True)
 
         x, qkv = lin.boundary(0, self.m.embed_tokens(tok))
         for li in range(att.L):

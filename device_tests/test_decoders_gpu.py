@@ -720,3 +720,22 @@ def test_windowed_drafter_step_in_the_graph_matches_sdpa():
     draft.load(k, k, 0)
     slot = draft.dec.attention.slot_of(torch.tensor([149])).item()
     assert torch.equal(draft.dec.attention.k[:, :, slot], k[:, :, 149])
+
+
+def test_invariant_decoder_checks_equal_its_steps_bit_for_bit(setup):
+    """`invariant`: a step is a check of one token over batch-invariant products, so a check of 2-6
+    drafted tokens gives each row the logits the plain steps gave at those positions, in every bit
+    (the default decoder's check differs from its GEMV step in bf16 rounding). It still decodes the
+    model: its logits follow the model's forward."""
+    from zeroedge.runtime.fast import DenseDecoder
+
+    m, ids, model_ref, _, pre = setup
+    d = DenseDecoder(m, P + G, invariant=True)
+    d.load_prefix(*_kv(pre, torch.bfloat16))
+    plain = torch.stack([d.step(int(ids[t]), t).clone() for t in range(P, P + G)])
+    assert d.graphs
+    rel = ((plain.float().cpu() - model_ref[P:P + G]).norm(dim=-1) / model_ref[P:P + G].norm(dim=-1)).max()
+    assert float(rel) < 5e-2
+    for n, at in ((2, P), (6, P + 3), (5, P + 11), (1, P + 19)):
+        check = d.verify(ids[at:at + n].tolist(), at)
+        assert torch.equal(check, plain[at - P:at - P + n]), (n, at)

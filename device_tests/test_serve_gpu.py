@@ -187,3 +187,33 @@ def _replies(engine, prompts, max_tokens: int, **plan) -> list:
     for ev in done:
         assert ev.wait(300)
     return [s.out for s in seqs]
+
+
+def test_invariant_step_gives_a_sequence_the_same_logits_whatever_is_beside_it():
+    """BatchStep(invariant=True): a sequence's logits alone and beside 1-11 others (captured steps of
+    other sizes), and a verify segment's rows against plain steps at its positions, equal in every
+    bit; and they stay the model's (close to the default step's)."""
+    from zeroedge.model import build
+    from zeroedge.serve.batch import BatchStep, PagedKV, Segment
+
+    m = build("smollm2-135m", seed=0).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, m.cfg.vocab_size, (12, 300), generator=g).tolist()
+    got = {}
+    for inv in (False, True):
+        pool = PagedKV(m.cfg, 12 * 20, 16, "cuda", torch.bfloat16)
+        step = BatchStep(m, pool, attention="paged", graphs=True, invariant=inv)
+        pages = [pool.alloc(20) for _ in range(12)]
+        step.forward([Segment(p, ids[j][:200 + j], 0) for j, p in enumerate(pages)])     # prompts
+        alone = step.forward([Segment(pages[0], [ids[0][200]], 200)])[0].clone()
+        beside = [step.forward([Segment(pages[0], [ids[0][200]], 200)]
+                               + [Segment(p, [ids[j][200 + j]], 200 + j) for j, p in enumerate(pages[1:B], 1)])[0]
+                  for B in (2, 3, 5, 8, 12)]
+        draft = ids[0][200:205]
+        check = step.forward([Segment(pages[0], draft, 200, verify=True)])
+        plain = torch.stack([step.forward([Segment(pages[0], [t], 200 + i)])[0] for i, t in enumerate(draft)])
+        got[inv] = alone
+        if inv:
+            assert all(torch.equal(b, alone) for b in beside)
+            assert torch.equal(check, plain)
+    assert float((got[True] - got[False]).norm() / got[False].norm()) < 2e-2

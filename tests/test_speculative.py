@@ -491,3 +491,23 @@ def test_decoder_drafter_gives_the_models_own_tokens(monkeypatch, min_confidence
     assert (st.drafted == st.verify_steps) == (min_confidence > 1)
     assert len(draft.vocab) == 128 and set(prompt) <= set(draft.vocab)
     assert draft.open(req) is not None                      # closed with its request: free again
+
+
+def test_batch_invariant_says_where_it_does_not_run(tmp_path):
+    """--batch-invariant: CUDA's dense decoder / batched step on the model's weights; elsewhere one line.
+    (Its kernel: tests/test_row_products_interp.py; its bit-for-bit checks on a GPU: device_tests/.)"""
+    f = tmp_path / "prompt.txt"
+    f.write_text("In the beginning")
+    for extra, says in ((["--device", "cpu"], "runs on CUDA"),
+                        (["--kv-budget", "0.1"], "no --weights q4, --kv-budget"),
+                        (["--weights", "q4"], "no --weights q4, --kv-budget")):
+        r = run_cli("run", MODEL, "--prompt-file", f, "--batch-invariant", *extra, check_rc=None)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("serve", MODEL, "--batch-invariant", "--weights", "q4", "--port", 0, check_rc=None)
+    assert r.returncode != 0 and "--batch-invariant runs the torch backend's CUDA step" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("serve", MODEL, "--batch-invariant", "--device", "cpu", "--weights", "model", "--port", 0,
+                check_rc=None)
+    assert r.returncode != 0 and "--batch-invariant runs on CUDA" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -8,6 +8,9 @@ interleaved, on the five prompts of benchmarks/speculative_cpu.py (their token i
 `--kv-budget F`: `run`'s thermal KV decoder with F of each prompt's pages hot (its check runs the
 rows' refreshes and attention row by row, eagerly) instead of the dense one.
 
+`--invariant`: the products batch-invariant (zeroedge.runtime.row_products): `run`'s plain step is a
+check of one token, so every mode's tokens should equal `off`'s.
+
 `--engine`: the same through `zeroedge serve`'s engine instead (TorchBatched on CUDA, batch 1; `packed`
 drafts with serve.backends.DecoderDraftModel).
 
@@ -38,6 +41,8 @@ def main():
     ap.add_argument("--engine", action="store_true", help="the serving engine instead of run's decoder")
     ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32: a check of the script)")
     ap.add_argument("--kv-budget", type=float, help="run's thermal KV decoder, this share of the prompt hot")
+    ap.add_argument("--invariant", action="store_true",
+                    help="batch-invariant products (run's decoder: a step is a check of one token; the engine's step)")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
     if a.kv_budget is not None and a.engine:
@@ -51,7 +56,8 @@ def main():
     prompts = {name: tr["prompt"] for name, tr in json.loads(Path(a.traces).read_text())["traces"].items()}
     modes = a.modes.split(",")
     assert modes[0] == "off", "--modes starts with off (the speed-ups are over it)"
-    generate = engine_generator(m, modes) if a.engine else ServingSession(m, kv_budget=a.kv_budget).generate
+    generate = (engine_generator(m, modes, a.invariant) if a.engine
+                else ServingSession(m, kv_budget=a.kv_budget, invariant=a.invariant).generate)
     longest = max(prompts.values(), key=len)
     for mode in modes:                                  # warm-up: graphs, the drafter at its largest
         generate(longest, a.new, speculative=mode)
@@ -79,7 +85,8 @@ def main():
         print(json.dumps(row), flush=True)
     path = ("zeroedge serve's engine (batch 1)" if a.engine else "zeroedge run's decoder" if a.kv_budget is None
             else f"zeroedge run's thermal KV decoder ({a.kv_budget:g} of the prompt hot)")
-    res = {"what": f"speculative decoding end to end through {path} on a GPU, real SmolLM2",
+    res = {"what": f"speculative decoding end to end through {path} on a GPU, real SmolLM2"
+                   + (", batch-invariant products" if a.invariant else ""),
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
            "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, its values in bf16), real weights",
            "args": vars(a), "rows": rows}
@@ -87,7 +94,7 @@ def main():
     Path(a.output).write_text(json.dumps(res, indent=1))
 
 
-def engine_generator(m, modes):
+def engine_generator(m, modes, invariant: bool = False):
     """generate(prompt, new, speculative=mode) -> a Result-like record, through one serving engine a
     mode over one TorchBatched backend (requests one at a time)."""
     from types import SimpleNamespace
@@ -97,7 +104,7 @@ def engine_generator(m, modes):
 
     from speculative_cpu import generate as engine_generate
 
-    b = TorchBatched(m, 1 << 30, 1, 512, None)
+    b = TorchBatched(m, 1 << 30, 1, 512, None, invariant=invariant)
     b.warm_up()
     draft = DecoderDraftModel(m, m.cfg.max_seq_len) if "packed" in modes else None
     engines = {mode: Engine(b, None, speculative=mode, draft_model=draft if mode == "packed" else None)

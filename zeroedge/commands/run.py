@@ -49,7 +49,7 @@ SECTIONS = [
     ("Backend", ["backend", "bundle", "engines", "plugins", "device", "threads"]),
     ("Thermal KV cache", ["kv_budget", "page_size", "kv_spill", "kv_store_pages", "kv_ahead", "kv_fetch"]),
     ("Weights, decode paths, speculative decoding, release level", ["weights", "calib", "paths", "speculative",
-                                                                    "release_level"]),
+                                                                    "batch_invariant", "release_level"]),
     ("Device memory", ["device_memory", "board"]),
 ]
 
@@ -106,10 +106,15 @@ SECTIONS = [
                    "far (auto, ngram) or by the model's own weights in 4 bits (packed: the 4-bit CPU step with --weights "
                    "model on a CPU; on CUDA the packed GEMV step), checked by the model in one step (the output is the model's own). auto, packed: a draft "
                    "only where its measured acceptance and costs pay; ngram: whenever the lookup finds one.")
+@click.option("--batch-invariant", "batch_invariant", is_flag=True,
+              help="torch backend on CUDA, dense decoder, the model's weights: every product in a kernel that computes "
+                   "a row alike for any number of rows, and each step as a check of one token, so --speculative "
+                   "gives the tokens plain decoding gives, bit for bit (without it a check's bf16 products may round "
+                   "otherwise than the step's and part at a near-tie).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_store_pages, kv_ahead, kv_fetch,
         weights, paths, calib, release_level, backend, bundle, engines, plugins, device, threads, device_memory, board,
-        speculative, as_json):
+        speculative, batch_invariant, as_json):
     """Generate greedily from MODEL with the mechanisms the release level allows."""
     from zeroedge.errors import UserError
 
@@ -126,6 +131,10 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
         raise UserError(f"--speculative {speculative}: the {backend} backend's step gives the last position's "
                         "logits only (use the torch backend, or --speculative off)")
     capped = device_memory is not None or board is not None
+    if batch_invariant and (backend != "torch" or weights == "q4" or kv_budget is not None or paths or calib
+                            or capped):
+        raise UserError("--batch-invariant runs the torch backend's dense decoder on the model's own weights: "
+                        "no --weights q4, --kv-budget, --paths, --calib or memory cap")
     spill = _spill_options(kv_spill, kv_store_pages, kv_budget, backend, capped)
     if kv_ahead:
         spill["ahead"] = _policy_option("--kv-ahead", kv_ahead, kv_budget, backend, capped)
@@ -171,12 +180,14 @@ def cmd(model, prompt, prompt_file, max_new, kv_budget, page_size, kv_spill, kv_
         dev = "cpu" if dev == "auto" else dev
         if dev == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device here")
+        if batch_invariant and dev != "cuda":
+            raise UserError("--batch-invariant runs on CUDA (its kernels are Triton's)")
         m = m.to(dev)
     source = m if backend == "torch" else open_bundle(bundle, backend, engines, plugins, threads or None,
                                                       model_cfg=cfg if model is not None else None)
     sess = ServingSession(source, kv_budget=budget, page_size=page_size, artifact=calib,
                           release_level=release_level, device_memory=cap, thermal_opts=spill,
-                          on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True))
+                          on_alert=lambda s: click.echo(f"zeroedge: alert: {s}", err=True), invariant=batch_invariant)
     res = sess.generate(ids, max_new, paths=True if paths else None, eos=eos, speculative=speculative)
     _echo(model, cfg, tok, backend, res, sess.metrics, as_json, asked_kv=budget is not None, asked_paths=bool(paths))
 

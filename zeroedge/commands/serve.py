@@ -70,9 +70,13 @@ from zeroedge.commands.common import check_model, examples, fraction_option, mem
                    "exported with decode paths, those its decode graph serves (the others: HTTP 400).")
 @memory_cap_options("torch backend: device memory the server may use (e.g. 6G); the KV pool is what the "
                     "weights leave of it.")
+@click.option("--batch-invariant", "batch_invariant", is_flag=True,
+              help="torch backend on CUDA: every product in a kernel that computes a row alike for any number of "
+                   "rows, so a request's reply does not depend on what else is batched with it nor on speculative "
+                   "checks, bit for bit (the CPU steps are batch-invariant without it).")
 def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, served_model_name, max_batch,
         prefill_chunk, kv_memory, ctx, max_queue, max_prompt_tokens, default_max_tokens, max_body, device, threads,
-        weights, speculative, kv_budget, release_level, device_memory, board):
+        weights, speculative, kv_budget, release_level, device_memory, board, batch_invariant):
     """Serve MODEL (or --bundle) over an OpenAI-compatible HTTP API."""
     from zeroedge.commands.common import parse_size
     from zeroedge.errors import UserError, require
@@ -102,6 +106,9 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
                         "--device-memory / --board plan; leave the cap out or use --speculative auto")
     if cap is not None and backend != "torch":
         raise UserError("--device-memory / --board size the torch backend's KV pool; a bundle's window is its own")
+    if batch_invariant and (backend != "torch" or weights == "q4"):
+        raise UserError("--batch-invariant runs the torch backend's CUDA step on the model's weights "
+                        "(--weights model or auto)")
     kv_bytes = parse_size(kv_memory, "--kv-memory") if kv_memory else None
     body_limit = parse_size(max_body, "--max-body", minimum=1 << 10)
     for mod in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"):
@@ -114,7 +121,8 @@ def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, serv
                           kv_bytes=kv_bytes, cap=cap, ctx=ctx, device=device, threads=threads,
                           api_key=key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
                           default_max_tokens=default_max_tokens, max_body_bytes=body_limit, weights=weights,
-                          speculative=speculative, kv_budget=kv_budget, release_level=release_level)
+                          speculative=speculative, kv_budget=kv_budget, release_level=release_level,
+                          invariant=batch_invariant)
     from zeroedge.serve.setup import run_http
 
     run_http(server, bind, port)

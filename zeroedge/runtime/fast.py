@@ -210,9 +210,14 @@ class Decoder:
     compile = False
 
     def __init__(self, model, attention, ffn=None, graph: bool = True, packed: Optional[bool] = None,
-                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None):
+                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None, invariant: bool = False):
         """packed_forms: (per layer {wqkv, wo, w13, w2}, LM head) PackedLinears this decoder's step reads
-        instead of the model's own (a drafter's, from packed_forms(); its fp weights stay the model's)."""
+        instead of the model's own (a drafter's, from packed_forms(); its fp weights stay the model's).
+        invariant (the dense cache with the Triton attention, fp weights): a step is a check of
+        one token, and every check's products go through zeroedge.runtime.row_products, so a row is
+        computed alike in a step and in a check of any length: speculative decoding gives plain
+        decoding's tokens bit for bit (without it, a check's cuBLAS products round otherwise than the
+        step's GEMV in bf16)."""
         self.m = model
         cfg = model.cfg
         self.cfg = cfg
@@ -257,10 +262,14 @@ class Decoder:
         # fused elementwise kernels (runtime.fused); float32 on a CPU with MKL, products as W @ x^T (in
         # bf16 / fp16 there it is no faster)
         self.verify_fused = isinstance(attention, DenseAttention) and attention.attn == "triton" and not attention.ring
+        self.invariant = invariant
+        if invariant and not (self.verify_fused and ffn is None and self.packed_layers is None):
+            raise ValueError("invariant decoding runs over the dense cache with the Triton attention, on fp "
+                             "weights (no window, no decode paths, no packed weights)")
         if self.verify_fused:
             from zeroedge.runtime.fused import FusedLinears
 
-            self.verify_linears = FusedLinears(model)
+            self.verify_linears = FusedLinears(model, invariant=invariant)
         else:
             columns = (self.device.type == "cpu" and self.dtype == torch.float32
                        and torch.backends.mkl.is_available())
@@ -353,6 +362,8 @@ class Decoder:
         16384 of its rows made the step 0.70 -> 0.64 ms on an H100). Their number is fixed by
         the first call (the captured step reads the rows where they are; later calls copy new rows in);
         verify keeps the whole vocabulary."""
+        if self.invariant:
+            raise ValueError("an invariant decoder keeps the whole vocabulary (a drafter restricts its head)")
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
         head = self.packed_head if self.packed_head is not None else self.m.lm_head.weight.detach()
         if self.head_ids is None:
@@ -373,6 +384,8 @@ class Decoder:
     def step(self, token: int, pos: int):
         """One decode step at position `pos`; returns logits (vocab,) (a static buffer on CUDA), or over
         the ids of restrict_head."""
+        if self.invariant:                      # the check's kernels, so a check's rows equal steps
+            return self.verify([token], pos)[0]
         self.tok.fill_(int(token))
         self.pos.fill_(int(pos))
         self.attention.before(pos)
@@ -638,9 +651,12 @@ class DenseDecoder(Decoder):
     """The dense cache (window: DenseAttention's window over the last positions, a drafter's)."""
 
     def __init__(self, model, max_len: int, graph: bool = True, attn: str = "auto", packed: Optional[bool] = None,
-                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None, window: Optional[int] = None):
+                 int8_inputs: bool = False, packed_forms: Optional[tuple] = None, window: Optional[int] = None,
+                 invariant: bool = False):
+        if invariant and attn == "auto":        # a step is a check, whose fused path takes the Triton attention
+            attn = "triton"
         super().__init__(model, DenseAttention(max_len, attn, window), None, graph, packed, int8_inputs,
-                         packed_forms)
+                         packed_forms, invariant)
 
 
 class ThermalDecoder(Decoder):

@@ -137,16 +137,35 @@ def silu_mul(gu):
 
 class FusedLinears(TorchLinears):
     """TorchLinears (zeroedge.runtime.fast) with each residual add, RMSNorm and SwiGLU gate one of
-    the kernels above; the products stay torch's."""
+    the kernels above. invariant: the products (the LM head's too, after the final norm in
+    add_rms_norm) through zeroedge.runtime.row_products, so every row is computed alike whatever the
+    number of rows; else torch's (cuBLAS picks its kernel by the number of rows)."""
+
+    def __init__(self, model, invariant: bool = False):
+        super().__init__(model)
+        self.invariant = invariant
+        if invariant:
+            from zeroedge.runtime import row_products
+
+            self._product = row_products.linear
+        else:
+            self._product = F.linear
 
     def boundary(self, li: int, x, o=None):
-        y = None
+        y, mm = None, self._product
         if li > 0:                               # layer li-1's output side; its last residual add
             w = self.W[li - 1]                   # goes with layer li's norm
-            x, n = add_rms_norm(x, F.linear(o, w["wo"]), w["ln2"], w["eps2"])
-            y = F.linear(silu_mul(F.linear(n, w["w13"])), w["w2"])
+            x, n = add_rms_norm(x, mm(o, w["wo"]), w["ln2"], w["eps2"])
+            y = mm(silu_mul(mm(n, w["w13"])), w["w2"])
         if li == self.L:
             return x + y, None
         w = self.W[li]
         x, n = add_rms_norm(x, y, w["ln1"], w["eps1"])
-        return x, F.linear(n, w["wqkv"], w["bqkv"])
+        return x, mm(n, w["wqkv"], w["bqkv"])
+
+    def head(self, x):
+        if not self.invariant:
+            return super().head(x)
+        norm = self.m.norm
+        return self._product(add_rms_norm(x.contiguous(), None, norm.weight, norm.eps)[1], self.m.lm_head.weight,
+                             self.m.lm_head.bias)

@@ -57,9 +57,10 @@ class TorchBatched:
     verifies = True
 
     def __init__(self, model, kv_bytes: int, max_batch: int, prefill_chunk: int, linears=None,
-                 kv_budget: Optional[float] = None):
+                 kv_budget: Optional[float] = None, invariant: bool = False):
         """kv_budget: thermal KV's hot share for the requests whose plan asks for it (None: off); its
-        pool has thermal KV's pages, and the sketches take their bytes out of kv_bytes."""
+        pool has thermal KV's pages, and the sketches take their bytes out of kv_bytes. invariant:
+        the step's products batch-invariant (BatchStep's `invariant`)."""
         from zeroedge.serve.batch import BatchStep, PagedKV
 
         p = next(model.parameters())
@@ -85,7 +86,7 @@ class TorchBatched:
             from zeroedge.serve.thermal import ThermalSketches
 
             self.sketches = ThermalSketches(self.pool, cfg, kv_budget, max_batch)
-        self.step = BatchStep(model, self.pool, linears, hot=self.sketches)
+        self.step = BatchStep(model, self.pool, linears, hot=self.sketches, invariant=invariant)
         self.min_rows = (linears or self.step.lin).min_rows       # rows a step computes at the least
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.positions_total = self.pool.n_pages * ps

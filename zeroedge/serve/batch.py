@@ -209,10 +209,12 @@ class BatchStep:
     CUDA graph captured per number of rows rounded up to a power of two (paged attention on CUDA
     only; padding rows use the scratch page), and with hot rows per width of their tables too.
     hot: zeroedge.serve.thermal.ThermalSketches of the pool (torch linears): decode rows of a segment
-    with `hot` read the pages its sketch chooses each step (prompt chunks read every page)."""
+    with `hot` read the pages its sketch chooses each step (prompt chunks read every page).
+    invariant (paged attention): the products through zeroedge.runtime.row_products, so a row's
+    logits do not depend on the other rows of its step, on a GPU too."""
 
     def __init__(self, model, pool: PagedKV, linears=None, attention: str = "auto", graphs: bool = True,
-                 hot: Optional["ThermalSketches"] = None):
+                 hot: Optional["ThermalSketches"] = None, invariant: bool = False):
         from zeroedge.kv.decode_attention import triton_runs
 
         self.m, self.pool, cfg = model, pool, model.cfg
@@ -239,10 +241,13 @@ class BatchStep:
         self.attention = attention
         # where the paged kernels run, the elementwise work runs fused too (zeroedge.runtime.fused)
         self.fused = attention == "paged"
+        if invariant and not self.fused:
+            raise ValueError("a batch-invariant step runs with paged attention (Triton on CUDA)")
+        self.invariant = invariant
         if self.fused:
             from zeroedge.runtime.fused import FusedLinears, rope_store
 
-            self.lin, self._rope_store = FusedLinears(model), rope_store
+            self.lin, self._rope_store = FusedLinears(model, invariant=invariant), rope_store
         if hot is not None and (self.q4 or hot.pool is not pool):
             raise ValueError("thermal KV runs on the torch step, with the sketches of its own pool")
         self.hot = hot

@@ -191,9 +191,13 @@ class ServingSession:
     def __init__(self, source, kv_budget: Optional[float] = None, page_size: Optional[int] = None,
                  artifact=None, release_level: int = 3, paths_level: Optional[int] = None,
                  trip_pages: int = 1200, trip_requests: int = 5, on_alert: Optional[Callable[[str], None]] = None,
-                 graph: bool = True, thermal_opts: Optional[dict] = None, device_memory: Optional[int] = None):
+                 graph: bool = True, thermal_opts: Optional[dict] = None, device_memory: Optional[int] = None,
+                 invariant: bool = False):
         """source: a model in eval mode (the torch backend) or a bundle's runner (`open_bundle`: the
-        onnxruntime or tensorrt backend)."""
+        onnxruntime or tensorrt backend). invariant: the dense decoder's steps and checks through
+        batch-invariant products (runtime.fast.Decoder's `invariant`: on CUDA, speculative decoding
+        then gives plain decoding's tokens bit for bit); the model's fp weights on CUDA, no thermal KV
+        or decode paths."""
         from zeroedge.backends.window import WindowRunner
 
         if source is None:
@@ -267,6 +271,11 @@ class ServingSession:
                                 "with: give --bundle only (zeroedge export MODEL --calib PATHS_ARTIFACT)")
             if self.bundle_paths:
                 self.policies = {"bundle": self.bundle_paths}
+        self.invariant = invariant
+        if invariant and not (backend == "torch" and next(model.parameters()).device.type == "cuda"
+                              and kv_budget is None and self.policies is None and self.weights is None):
+            raise UserError("batch-invariant decoding runs the model's own weights on CUDA, without thermal KV, "
+                            "decode paths or a weights artifact")
 
     def _scheduler(self, device):
         """The session's bandwidth scheduler (one per session: its records span requests): peak from a
@@ -671,7 +680,10 @@ class ServingSession:
                 with self._sih_prefill_on(P, plan, ran):
                     chunked_prefill(m, prompt[:P], chunk, into=list(zip(att.k, att.v)))
         ran["attention_decode"] = (("thermal window, " if thermal else "")
-                                   + ("Triton split attention" if dec.attention.takes_qkv else dec.attention.attn))
+                                   + ("paged Triton attention, batch-invariant products (a step is a check of "
+                                      "one token)" if dec.invariant
+                                      else "Triton split attention" if dec.attention.takes_qkv
+                                      else dec.attention.attn))
         if self.weights is not None:
             ran["weights_decode"] = ("packed GEMV, int8 inputs (dp4a)" if dec.int8_inputs
                                       else "packed GEMV" if dec.packed_layers is not None
@@ -688,12 +700,12 @@ class ServingSession:
 
         m = self.model
         if not (self.graph and next(m.parameters()).device.type == "cuda" and self.device_memory is None):
-            return DenseDecoder(m, positions, graph=self.graph, int8_inputs=int8_inputs)
+            return DenseDecoder(m, positions, graph=self.graph, int8_inputs=int8_inputs, invariant=self.invariant)
         d = self._dense
         if d is None or d.max_len < positions or d.int8_inputs != int8_inputs:
             size = max(positions, min(max(1024, 1 << (positions - 1).bit_length()), self.context))
             self._dense = d = None              # the old cache goes first
-            self._dense = d = DenseDecoder(m, size, graph=True, int8_inputs=int8_inputs)
+            self._dense = d = DenseDecoder(m, size, graph=True, int8_inputs=int8_inputs, invariant=self.invariant)
         return d
 
 

@@ -70,7 +70,7 @@ def kv_pool_bytes(model, max_batch: int, ctx: int, kv_bytes: Optional[int], cap:
 
 
 def batched_backend(m, weights: str, threads: int, max_batch: int, chunk: int, kv_bytes: Optional[int],
-                    cap: Optional[int], ctx: int, kv_budget: Optional[float] = None) -> tuple:
+                    cap: Optional[int], ctx: int, kv_budget: Optional[float] = None, invariant: bool = False) -> tuple:
     """The engine's batched backend over model `m` (on its device, in eval mode) -> (TorchBatched, the
     4-bit CPU step or None, where its KV pool's size comes from). weights: "q4" (the CPU's 4-bit step in
     onnxruntime; the model's float linears are emptied) or "model" (its weights in torch)."""
@@ -96,12 +96,12 @@ def batched_backend(m, weights: str, threads: int, max_batch: int, chunk: int, k
     resident = (linears.weight_bytes if linears is not None
                 else weights_bytes(m.cfg, m.embed_tokens.weight.element_size()))
     pool, why = kv_pool_bytes(m, max_batch, ctx, kv_bytes, cap, chunk, resident)
-    return TorchBatched(m, pool, max_batch, chunk, linears, kv_budget), linears, why
+    return TorchBatched(m, pool, max_batch, chunk, linears, kv_budget, invariant), linears, why
 
 
 def build_server(model, backend, bundle, engines, plugins, served_name, max_batch, prefill_chunk, kv_bytes, cap,
                  ctx, device, threads, api_key, max_queue, max_prompt_tokens, default_max_tokens, max_body_bytes,
-                 weights="auto", speculative="off", kv_budget=None, release_level=3):
+                 weights="auto", speculative="off", kv_budget=None, release_level=3, invariant=False):
     from zeroedge.serve.api import Server
     from zeroedge.serve.engine import Engine
     from zeroedge.serve.metrics import ServeMetrics
@@ -128,7 +128,11 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                             "torch: give --weights model")
         if weights == "auto":                   # thermal KV and the packed drafter's checks run on the torch step
             weights = "q4" if dev == "cpu" and kv_budget is None and speculative != "packed" else "model"
-        b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget)
+        if invariant and dev != "cuda":
+            raise UserError("--batch-invariant runs on CUDA (its kernels are Triton's); the CPU steps compute a row "
+                            "alike for any batch already")
+        b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget,
+                                          invariant)
         b.warm_up()
         if speculative == "packed" and dev == "cuda":   # one request at a time, the context's KV
             from zeroedge.serve.backends import DecoderDraftModel
@@ -145,7 +149,8 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                             else f"the model's, {str(m.embed_tokens.weight.dtype)[6:]}"),
                 "cpu_kernels": linears.kernels if linears is not None else None, "prefix_cache": b.prefix_cache,
                 "prefill_chunk": chunk, "kv_pool_bytes": b.positions_total * b.position_bytes,
-                "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size, "thermal_kv": None}
+                "kv_pool_from": why, "context": ctx, "vocab_size": cfg.vocab_size, "thermal_kv": None,
+                "batch_invariant": invariant or dev == "cpu"}
         if draft_model is not None:
             info["speculative_drafter"] = {"weights": draft_model.weights, "kv_pool_bytes": draft_model.kv_bytes()}
         if kv_budget is not None:

@@ -21,8 +21,8 @@ import torch
 
 BM = 64            # rows a tile computes: a decode batch of up to 64 rows is one tile
 BK = 128           # the inner dimension's block
-BN_NARROW = 16     # output columns a tile computes, for a weight of up to 4096 rows (enough tiles
-BN_WIDE = 32       # to fill the GPU at one row), and for wider ones
+BN_NARROW = 32     # output columns a tile computes, for a weight of up to 4096 rows (enough tiles
+BN_WIDE = 64       # to fill the GPU at one row), and for wider ones
 STAGES = 3         # Triton's software pipeline over the inner dimension
 
 

@@ -273,9 +273,10 @@ class ServingSession:
                 self.policies = {"bundle": self.bundle_paths}
         self.invariant = invariant
         if invariant and not (backend == "torch" and next(model.parameters()).device.type == "cuda"
-                              and kv_budget is None and self.policies is None and self.weights is None):
+                              and kv_budget is None and self.policies is None and self.weights is None
+                              and device_memory is None):
             raise UserError("batch-invariant decoding runs the model's own weights on CUDA, without thermal KV, "
-                            "decode paths or a weights artifact")
+                            "decode paths, a weights artifact or a memory cap")
 
     def _scheduler(self, device):
         """The session's bandwidth scheduler (one per session: its records span requests): peak from a

@@ -611,7 +611,7 @@ class ThermalAttention:
         n, grp = len(rows), self.H // self.nkv
         qs = qs.view(n, self.nkv, grp, self.hd).transpose(0, 1).reshape(self.nkv * n * grp, self.hd)
         lse = self._page_lse(li, qs).view(self.nkv, n, grp, -1)
-        return {j: lse[:, i] for i, j in enumerate(rows)}
+        return {j: lse[:, i].contiguous() for i, j in enumerate(rows)}     # the swap kernel reads it dense
 
     def settle(self, pos: int) -> None:
         """The call after a check comes at position pos: the check's rows before pos are kept; the

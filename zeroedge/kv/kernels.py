@@ -588,6 +588,7 @@ def _swap_launch(pl, page_bias, page_slot, fetch, part, chunk, ptrs, quant):
     decisions they are only written there (DECIDE)."""
     kernels = _swap_kernels()
     slot_page, wk, wv, hk, hv, ks, vs, decide = ptrs
+    pl = pl.contiguous()                    # the kernels index the scores densely
     nkv, grp, n = pl.shape
     S, PE, w_head = (1, 1, 0) if decide is not None else (slot_page.shape[1], wk.shape[2], wk.stride(0))
     chunk = SWAP_CHUNK if chunk is None else chunk

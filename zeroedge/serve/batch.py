@@ -26,8 +26,9 @@ Rows of a matrix product are computed alike for any number of rows from a kernel
 (torch's float products on MKL: 4; onnxruntime's MatMulNBits: 2; fewer rows take another kernel), so
 every product runs on at least that many rows (padding rows are zeros); masked padding of the
 attention adds exact zeros (on 4-bit weights the step is one onnxruntime graph that attends by
-itself, zeroedge.serve.cpu_q4). `tests/test_serve.py` checks the whole server for it on the CPU; on CUDA
-cuBLAS may pick kernels by batch size, and nothing here checks it.
+itself, zeroedge.serve.cpu_q4). `tests/test_serve.py` checks the whole server for it on the CPU. On CUDA
+cuBLAS picks kernels by the number of rows; `invariant` runs the products through
+zeroedge.runtime.row_products instead (device_tests/test_serve_gpu.py checks it bit for bit).
 """
 from __future__ import annotations
 

@@ -203,6 +203,32 @@ def _speculative_gpu_real():
             str(rows["summarise"]["new_tokens"])]
 
 
+def _speculative_gpu_invariant():
+    run = {r["task"]: r for r in _load("speculative/smollm2_gpu_run_decoder_batch_invariant.json")["rows"]}
+    eng = {r["task"]: r for r in _load("speculative/smollm2_gpu_engine_batch_invariant.json")["rows"]}
+    default = {r["task"]: r for r in _load("speculative/smollm2_gpu_run_decoder_default_beside_invariant.json")["rows"]}
+    assert all(r[m]["tokens_as_off_before_a_difference"] == r["new_tokens"]         # "every reply ... equal"
+               for d in (run, eng) for r in d.values() for m in r if isinstance(r[m], dict))
+    steps = {(s["path"], s["invariant"], s["batch"]): s["step_ms"]
+             for s in _load("speculative/batch_invariant_decode_steps_h100.json")["decode_steps_llama1b_shape"]}
+    batches = [b for p, inv, b in steps if p == "serve's engine step" and inv]
+
+    def cost(path, b):
+        return _pct(steps[(path, True, b)] / steps[(path, False, b)] - 1, 0)
+
+    lookup = ("kjv", "essays", "licenses")
+    out = []
+    for d in (run, eng):
+        out += [_f(d["summarise"]["auto"]["speedup"], 2), _f(d["extract"]["auto"]["speedup"], 2),
+                _range([d[t]["auto"]["speedup"] for t in lookup], 2)]
+    return out + [_range([r["off_tok_s"] for r in run.values()], 0),
+                  _range([r["auto"]["speedup"] for r in default.values()], 2),
+                  _range([r["auto"]["tokens_as_off_before_a_difference"] for r in default.values()], 0),
+                  str(run["summarise"]["new_tokens"]), cost("run's dense decoder", 1),
+                  cost("serve's engine step", min(batches)), cost("serve's engine step", max(batches)),
+                  str(min(batches)), str(max(batches))]
+
+
 def _speculative_run_cpu():
     rows = {r["task"]: r for r in _load("speculative/drafters_smollm2_cpu_run_decoder.json")["rows"]}
     assert all(r[f"{m}_identical"] for r in rows.values() for m in ("auto", "packed"))   # "the same tokens"
@@ -367,6 +393,8 @@ ROW_CHECKS = {
     "speculative decoding (prompt lookup; the model's own 4-bit step), `run`'s fp32 decoder": _speculative_run_cpu,
     "speculative decoding (prompt lookup; the model's own 4-bit step), `run`'s decoder, GPU, real weights":
         _speculative_gpu_real,
+    "speculative decoding with `--batch-invariant`, `run`'s decoder and `serve`'s engine, GPU, real weights":
+        _speculative_gpu_invariant,
     "SIH + PAD prefill, 4096-token passages": _sih_pad,
     "SIH + PAD bundle prefill in chunks of 512, 8192 tokens (onnxruntime)": _sih_chunked,
     "sensor alarm, tep-studio test runs": _sensor_alarm,

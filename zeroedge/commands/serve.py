@@ -73,7 +73,7 @@ from zeroedge.commands.common import check_model, examples, fraction_option, mem
 @click.option("--batch-invariant", "batch_invariant", is_flag=True,
               help="torch backend on CUDA: every product in a kernel that computes a row alike for any number of "
                    "rows, so a request's reply does not depend on what else is batched with it nor on speculative "
-                   "checks, bit for bit (the CPU steps are batch-invariant without it).")
+                   "checks, bit for bit (the CPU steps are batch-invariant without it; there it changes nothing).")
 def cmd(model, backend, bundle, engines, plugins, bind, port, api_key_file, served_model_name, max_batch,
         prefill_chunk, kv_memory, ctx, max_queue, max_prompt_tokens, default_max_tokens, max_body, device, threads,
         weights, speculative, kv_budget, release_level, device_memory, board, batch_invariant):

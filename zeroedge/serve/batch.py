@@ -244,7 +244,6 @@ class BatchStep:
         self.fused = attention == "paged"
         if invariant and not self.fused:
             raise ValueError("a batch-invariant step runs with paged attention (Triton on CUDA)")
-        self.invariant = invariant
         if self.fused:
             from zeroedge.runtime.fused import FusedLinears, rope_store
 

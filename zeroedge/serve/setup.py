@@ -128,9 +128,7 @@ def build_server(model, backend, bundle, engines, plugins, served_name, max_batc
                             "torch: give --weights model")
         if weights == "auto":                   # thermal KV and the packed drafter's checks run on the torch step
             weights = "q4" if dev == "cpu" and kv_budget is None and speculative != "packed" else "model"
-        if invariant and dev != "cuda":
-            raise UserError("--batch-invariant runs on CUDA (its kernels are Triton's); the CPU steps compute a row "
-                            "alike for any batch already")
+        invariant = invariant and dev == "cuda"     # the CPU steps compute a row alike for any batch already
         b, linears, why = batched_backend(m, weights, threads, max_batch, chunk, kv_bytes, cap, ctx, kv_budget,
                                           invariant)
         b.warm_up()

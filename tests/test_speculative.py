@@ -508,3 +508,22 @@ def test_batch_invariant_says_where_it_does_not_run(tmp_path):
     r = run_cli("serve", MODEL, "--batch-invariant", "--weights", "q4", "--port", 0, check_rc=None)
     assert r.returncode != 0 and "--batch-invariant runs the torch backend's CUDA step" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_batch_invariant_parts_refuse_what_they_do_not_run():
+    """The invariant decoder needs the dense cache's Triton attention, the invariant engine step paged
+    attention, the invariant session a CUDA model: each refused elsewhere with a one-line error."""
+    from zeroedge.errors import UserError
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import DenseDecoder
+    from zeroedge.serve.batch import BatchStep, PagedKV
+    from zeroedge.serve.session import ServingSession
+
+    m = build("tiny", seed=0).eval()
+    with pytest.raises(ValueError, match="invariant decoding runs over the dense cache with the Triton attention"):
+        DenseDecoder(m, 64, graph=False, attn="sdpa", invariant=True)
+    with pytest.raises(ValueError, match="batch-invariant step runs with paged attention"):
+        BatchStep(m, PagedKV(m.cfg, 4, 8, "cpu", torch.float32), attention="gather", invariant=True)
+    with pytest.raises(UserError, match="runs the model's own weights on CUDA") as e:
+        ServingSession(m, invariant=True)
+    assert "\n" not in str(e.value)

@@ -330,6 +330,23 @@ def test_decoder_verify_rows_match_its_steps():
         th.verify(list(range(9)), 160)
 
 
+def test_check_products_agree_in_either_form():
+    """A check's products as x @ W^T or as W @ x^T (whichever this CPU runs faster: columns_pay, timed
+    once a process) give the same rows to float rounding."""
+    from zeroedge.model import build
+    from zeroedge.runtime.fast import TorchLinears, columns_pay
+
+    m = build("tiny", seed=0).eval()
+    by_rows, by_columns = TorchLinears(m, columns=False), TorchLinears(m, columns=True)
+    x = torch.randn(5, m.cfg.dim, generator=torch.Generator().manual_seed(0))
+    o = torch.randn(5, m.cfg.n_heads * m.cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for a, b in zip(by_rows.boundary(1, x, o), by_columns.boundary(1, x, o)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(by_rows.head(x), by_columns.head(x), atol=1e-5, rtol=1e-5)
+    assert columns_pay(m) in (True, False) and columns_pay(m) == columns_pay(m)
+
+
 @pytest.mark.parametrize("thermal", [{}, {"lag": 1}, {"ahead": 1}, {"cold": "int8"},
                                      {"cold": "int4", "refresh_every": 3}])
 def test_thermal_verify_keeps_plain_decodings_window(thermal):

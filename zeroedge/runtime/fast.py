@@ -127,9 +127,10 @@ class TorchLinears:
     """The model's fused weights over rows of tokens (a batch, or a draft being checked): between two
     attentions, `boundary(l, x, o) -> (x, qkv)` runs layer l-1's o_proj, residual and SwiGLU FFN
     (with `o`, l > 0) and layer l's RMSNorm and q/k/v projection (l < L); `head(x)` the final norm and
-    the LM head. columns: each product as W @ x^T, which MKL runs on a CPU reading W about once for
-    a few rows, where x @ W^T costs about a one-row product per row (benchmarks/verify_cost_cpu.py);
-    its rows are computed alike only from 12 rows up, so the batched engine keeps x @ W^T."""
+    the LM head. columns: each product as W @ x^T, which MKL runs on some CPUs reading W about once
+    for a few rows where x @ W^T costs about a one-row product per row, and on others the other way
+    round (columns_pay; benchmarks/verify_cost_cpu.py); its rows are computed alike only from 12 rows
+    up, so the batched engine keeps x @ W^T."""
 
     min_rows = 4            # torch's float products on MKL compute a row alike from 4 rows up
 
@@ -162,6 +163,40 @@ class TorchLinears:
         if not self.columns:
             return self.m.lm_head(self.m.norm(x))
         return self._linear(self.m.norm(x), self.m.lm_head.weight, self.m.lm_head.bias)
+
+
+_COLUMNS_PAY: dict = {}     # (weight shapes, threads) -> whether W @ x^T was the faster form here
+
+
+@torch.no_grad()
+def columns_pay(model, rows=(2, 4), repeats: int = 3) -> bool:
+    """Does a check of a few rows run faster as W @ x^T than as x @ W^T on this CPU? Which of MKL's
+    kernels is faster depends on the CPU (a 2-row check of SmolLM2: 1.04 plain steps as W @ x^T
+    against 1.84 on an AVX2 Xeon, 2.06 against 1.04 on an AVX-512 one): timed once a process on the
+    LM head and a layer's fused FFN weight (most of a check's bytes), best of `repeats` at each row
+    count."""
+    import time
+
+    ws = [model.lm_head.weight, fused_weights(model).layers[0]["w13"]]
+    key = (tuple(tuple(w.shape) for w in ws), torch.get_num_threads())
+    if key not in _COLUMNS_PAY:
+        def best(fn):
+            fn()
+            t = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                t.append(time.perf_counter() - t0)
+            return min(t)
+
+        by_rows = by_columns = 0.0
+        for w in ws:
+            for r in rows:
+                x = torch.randn(r, w.shape[1], dtype=w.dtype)
+                by_rows += best(lambda: F.linear(x, w))
+                by_columns += best(lambda: torch.mm(w, x.t()).t().contiguous())
+        _COLUMNS_PAY[key] = by_columns < by_rows
+    return _COLUMNS_PAY[key]
 
 
 def _layer_qkv_fn(x, ln1, eps: float, wqkv, bqkv):
@@ -259,8 +294,8 @@ class Decoder:
         self.attention, self.ffn = attention, ffn
         attention.bind(len(model.layers), self.nkv, self.H, self.hd, self.device, self.dtype)
         # the model's fp weights over a draft's rows: with the Triton attention, the serving engine's
-        # fused elementwise kernels (runtime.fused); float32 on a CPU with MKL, products as W @ x^T (in
-        # bf16 / fp16 there it is no faster)
+        # fused elementwise kernels (runtime.fused); float32 on a CPU with MKL, products as W @ x^T where
+        # that is the faster form there (columns_pay; in bf16 / fp16 it is no faster)
         self.verify_fused = isinstance(attention, DenseAttention) and attention.attn == "triton" and not attention.ring
         self.invariant = invariant
         if invariant and not (self.verify_fused and ffn is None and self.packed_layers is None):
@@ -272,7 +307,7 @@ class Decoder:
             self.verify_linears = FusedLinears(model, invariant=invariant)
         else:
             columns = (self.device.type == "cpu" and self.dtype == torch.float32
-                       and torch.backends.mkl.is_available())
+                       and torch.backends.mkl.is_available() and columns_pay(model))
             self.verify_linears = TorchLinears(model, columns=columns)
         if ffn is not None:
             ffn.bind(self.W.layers, cfg, self.device, self.dtype, self.packed_layers, int8_inputs)

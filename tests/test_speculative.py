@@ -331,7 +331,7 @@ def test_decoder_verify_rows_match_its_steps():
 
 
 def test_check_products_agree_in_either_form():
-    """A check's products as x @ W^T or as W @ x^T (whichever this CPU runs faster: columns_pay, timed
+    """A check's products as x @ W^T or as W @ x^T (whichever the host CPU runs faster: columns_pay, timed
     once a process) give the same rows to float rounding."""
     from zeroedge.model import build
     from zeroedge.runtime.fast import TorchLinears, columns_pay

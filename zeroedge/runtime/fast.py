@@ -170,7 +170,7 @@ _COLUMNS_PAY: dict = {}     # (weight shapes, threads) -> whether W @ x^T was th
 
 @torch.no_grad()
 def columns_pay(model, rows=(2, 4), repeats: int = 3) -> bool:
-    """Does a check of a few rows run faster as W @ x^T than as x @ W^T on this CPU? Which of MKL's
+    """Does a check of a few rows run faster as W @ x^T than as x @ W^T on the host CPU? Which of MKL's
     kernels is faster depends on the CPU (a 2-row check of SmolLM2: 1.04 plain steps as W @ x^T
     against 1.84 on an AVX2 CPU, 2.06 against 1.04 on an AVX-512 Xeon): timed once a process on the
     LM head and a layer's fused FFN weight (most of a check's bytes), best of `repeats` at each row

@@ -506,7 +506,8 @@ def test_chunk_reference_and_portable_function_decide_as_one_pass(block_size, T,
     assert np.array_equal(np.concatenate(keeps_r), keep1.numpy())
     assert np.array_equal(np.concatenate(keeps_o), keep1.numpy())
     assert np.allclose(np.concatenate(bases_o), base1.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(carries_r[-1], scores[-2:].numpy())
+    # the chunk's last two raw scores (a product of fewer rows may round the last bit otherwise)
+    np.testing.assert_allclose(carries_r[-1], scores[-2:].numpy(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("T,rate,rank_block,chunk,ties", [(100, 0.6, 32, 32, False), (77, 0.9, 16, 48, False),

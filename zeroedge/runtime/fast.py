@@ -132,11 +132,16 @@ class TorchLinears:
     round (columns_pay; benchmarks/verify_cost_cpu.py); its rows are computed alike only from 12 rows
     up, so the batched engine keeps x @ W^T."""
 
-    min_rows = 4            # torch's float products on MKL compute a row alike from 4 rows up
+    min_rows = 4            # torch's float products compute a row alike from this many rows up (on a
+    #                         CPU: measured, rows_alike_from)
 
     def __init__(self, model, columns: bool = False):
         self.m, self.W, self.L = model, fused_weights(model).layers, len(model.layers)
         self.columns = columns
+        head = model.lm_head.weight
+        if head.device.type == "cpu" and head.dtype == torch.float32:
+            w = self.W[0]
+            self.min_rows = max(self.min_rows, rows_alike_from([w["wqkv"], w["wo"], w["w13"], w["w2"], head]))
 
     def _linear(self, x, w, b=None):
         if not self.columns or x.shape[0] < 2:
@@ -165,7 +170,34 @@ class TorchLinears:
         return self._linear(self.m.norm(x), self.m.lm_head.weight, self.m.lm_head.bias)
 
 
+_ROWS_ALIKE: dict = {}      # (weight shapes, threads) -> rows_alike_from's answer
 _COLUMNS_PAY: dict = {}     # (weight shapes, threads) -> whether W @ x^T was the faster form here
+
+
+@torch.no_grad()
+def rows_alike_from(weights, most: int = 32) -> int:
+    """The fewest rows from which torch's float product x @ W^T gives each row the same bits whatever
+    the number of rows, for each of `weights`, at one thread and at torch's current thread count (the
+    CPU's matrix library picks its kernel by the rows, the threads and the instruction set: 4 rows on
+    an AVX2 CPU; at one thread 16 on an AVX-512 Xeon). Checked once a process; 2 * most when even
+    `most` rows differ."""
+    threads = torch.get_num_threads()
+    key = (tuple(tuple(w.shape) for w in weights), threads)
+    if key not in _ROWS_ALIKE:
+        gen = torch.Generator().manual_seed(0)
+        need = 1
+        try:
+            for t in sorted({1, threads}):
+                torch.set_num_threads(t)
+                for w in weights:
+                    x = torch.randn(2 * most, w.shape[1], generator=gen, dtype=w.dtype)
+                    ref = F.linear(x, w)
+                    differ = [m for m in range(1, most + 1) if not torch.equal(F.linear(x[:m], w), ref[:m])]
+                    need = max(need, differ[-1] + 1 if differ else 1)
+        finally:
+            torch.set_num_threads(threads)
+        _ROWS_ALIKE[key] = need if need <= most else 2 * most
+    return _ROWS_ALIKE[key]
 
 
 @torch.no_grad()

@@ -132,16 +132,25 @@ class TorchLinears:
     round (columns_pay; benchmarks/verify_cost_cpu.py); its rows are computed alike only from 12 rows
     up, so the batched engine keeps x @ W^T."""
 
-    min_rows = 4            # torch's float products compute a row alike from this many rows up (on a
-    #                         CPU: measured, rows_alike_from)
+    MIN_ROWS = 4            # torch's float products compute a row alike from this many rows up (on a
+    #                         CPU measured: min_rows)
 
     def __init__(self, model, columns: bool = False):
         self.m, self.W, self.L = model, fused_weights(model).layers, len(model.layers)
         self.columns = columns
-        head = model.lm_head.weight
-        if head.device.type == "cpu" and head.dtype == torch.float32:
-            w = self.W[0]
-            self.min_rows = max(self.min_rows, rows_alike_from([w["wqkv"], w["wo"], w["w13"], w["w2"], head]))
+        self._min_rows = None
+
+    @property
+    def min_rows(self) -> int:
+        """Rows a batched step computes at the least, so that a row's products are the same whatever
+        the step's rows (measured on a CPU in float32, on first use: rows_alike_from)."""
+        if self._min_rows is None:
+            head = self.m.lm_head.weight
+            self._min_rows = self.MIN_ROWS
+            if head.device.type == "cpu" and head.dtype == torch.float32:
+                w = self.W[0]
+                self._min_rows = max(self.MIN_ROWS, rows_alike_from([w["wqkv"], w["wo"], w["w13"], w["w2"], head]))
+        return self._min_rows
 
     def _linear(self, x, w, b=None):
         if not self.columns or x.shape[0] < 2:
